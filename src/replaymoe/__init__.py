@@ -1,0 +1,61 @@
+"""replaymoe: fused Mixture-of-Experts kernels for PyTorch with routing capture and replay.
+
+The public names are resolved lazily (``replaymoe.route`` imports ``replaymoe.routing``
+on first use), so ``import replaymoe`` stays cheap and optional parts (transformers,
+matplotlib) are only imported when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    # routing
+    "RoutingMethod": "routing",
+    "RoutingOutput": "routing",
+    "route": "routing",
+    "route_torch": "routing",
+    # token layout
+    "ExpertLayout": "layout",
+    "expert_layout": "layout",
+    "layout_torch": "layout",
+    # fused MoE
+    "fused_moe": "moe",
+    "fused_moe_torch": "moe",
+    "MoELayer": "moe",
+    # fp8 helpers
+    "quantize_fp8_block": "quant",
+    "dequantize_fp8_block": "quant",
+    # capture / trace / replay / stats
+    "RoutedExpertsCapturer": "capture",
+    "RoutingTrace": "trace",
+    "TraceFormatError": "trace",
+    "ReplaySource": "replay",
+    "expert_load": "stats",
+    "balance": "stats",
+    "agreement": "stats",
+    "AgreementReport": "stats",
+    "plot_heatmap": "stats",
+    # expert parallelism
+    "MoeAlltoAll": "ep",
+    "ep_moe": "ep",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'replaymoe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"replaymoe.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,5 @@
+import sys
+
+from replaymoe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``replaymoe bench <op>``; shared timing helpers are in ``_timing``."""
