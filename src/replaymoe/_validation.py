@@ -83,9 +83,7 @@ def check_tensor(
     return x
 
 
-def check_int(
-    name: str, value: object, *, low: int | None = None, high: int | None = None
-) -> int:
+def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
     """Check an integer argument lies in ``[low, high]`` (inclusive) and return it."""
     if isinstance(value, bool) or not isinstance(value, int):
         fail(name, "an int", type(value).__name__, what="type")

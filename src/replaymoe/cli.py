@@ -5,7 +5,7 @@ Subcommands live in their own modules and are imported only when run, so that
 does not break the others:
 
 ``replaymoe demo``                  -> ``replaymoe.demo:main``
-``replaymoe bench {routing,moe,ep,capture}`` -> ``replaymoe.bench.<name>:main``
+``replaymoe bench {routing,moe,ep,capture,hf}`` -> ``replaymoe.bench.<name>:main``
 ``replaymoe inspect TRACE``         -> ``replaymoe.inspect_cli:main``
 """
 
@@ -25,6 +25,7 @@ _BENCHES: dict[str, str] = {
     "moe": "fused_moe() against the per-expert loop and torch._grouped_mm",
     "ep": "MoeAlltoAll dispatch/combine and ep_moe (run under torchrun)",
     "capture": "decode loop with RoutedExpertsCapturer on vs off",
+    "hf": "transformers generate() throughput, replaymoe vs grouped_mm experts",
 }
 
 

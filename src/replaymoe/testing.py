@@ -25,8 +25,15 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return TOLERANCES[dtype]
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
-                 atol: float | None = None, rtol: float | None = None, name: str = "output") -> None:
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    name: str = "output",
+) -> None:
     """Compare floats by the dtype's tolerance, reporting the worst element; NaN never passes."""
     dt = dtype or actual.dtype
     a_tol, r_tol = TOLERANCES.get(dt, (1e-5, 1e-5))
@@ -52,9 +59,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
         )
 
 
-def tie_free_logits(num_tokens: int, num_experts: int, *, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", generator: torch.Generator | None = None,
-                    scale: float = 1.0) -> torch.Tensor:
+def tie_free_logits(
+    num_tokens: int,
+    num_experts: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
     """Logits [T, E] whose values in each row are distinct and exactly representable in ``dtype``.
 
     Each row is a random permutation of an evenly spaced grid, so no two experts tie

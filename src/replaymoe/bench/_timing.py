@@ -123,13 +123,16 @@ def write_results(rows: list[dict], out: str | os.PathLike, name: str) -> tuple[
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """Print ``rows`` as a fixed-width table with the given columns."""
+
     def fmt(v: object) -> str:
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
         return str(v)
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)
+    ]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
