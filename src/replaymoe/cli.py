@@ -48,10 +48,11 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
-    if not argv or argv[0] in ("-h", "--help", "--version"):
-        parser.parse_args(argv)
+    if not argv:
         parser.print_help()
         return 0
+    if argv[0] in ("-h", "--help", "--version"):
+        parser.parse_args(argv)  # prints and exits
     command, rest = argv[0], argv[1:]
     if command in _COMMANDS:
         module = importlib.import_module(_COMMANDS[command][0])
