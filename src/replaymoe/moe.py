@@ -1,0 +1,588 @@
+"""Fused Mixture-of-Experts layer: routing (optional) + grouped-GEMM experts + top-k reduction.
+
+Public entry points
+-------------------
+* :func:`fused_moe` — validated wrapper; ``backend="auto" | "triton" | "torch"``.
+* :func:`fused_moe_torch` — the executable spec: a naive per-expert loop in fp32.
+* :class:`MoELayer` — router ``Linear(H, E)`` + experts, for users who build models.
+* :func:`swap_gate_up` — convert w13 between our order (gate rows first) and
+  FlashInfer TRT-LLM's order (up rows first).
+
+Semantics (DESIGN.md, "Fused MoE")::
+
+    out[t] = sum over k with  local_expert_offset <= topk_ids[t, k] < local_expert_offset + E_local  of
+             topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
+             e = topk_ids[t, k] - local_expert_offset
+
+Routing is always over all ``num_experts`` experts with global ids; a rank holding only the slice
+``[local_expert_offset, +E_local)`` produces a partial sum (expert parallelism). Ids outside the
+slice — including negative padding ids such as EP dispatch's ``-1`` — contribute nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._validation import check_choice, check_int, check_tensor, fail
+from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
+
+__all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up"]
+
+_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ID_DTYPES = (torch.int32, torch.int64)
+_FP8 = torch.float8_e4m3fn
+_BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Validated sizes of one call."""
+
+    T: int  # tokens
+    H: int  # hidden size
+    I: int  # intermediate size (per expert)  # noqa: E741
+    E_local: int  # experts held by this rank
+    fp8: bool  # fp8 block-scale weights
+    out_dtype: torch.dtype
+
+
+def _validate(
+    hidden_states,
+    w13,
+    w2,
+    *,
+    router_logits,
+    top_k,
+    method,
+    bias,
+    n_group,
+    topk_group,
+    routed_scaling_factor,
+    topk_ids,
+    topk_weights,
+    routing_replay_out,
+    replay_ids,
+    activation,
+    w13_scale,
+    w2_scale,
+    local_expert_offset,
+    num_experts,
+    out,
+) -> _Problem:
+    check_choice("activation", activation, ("swiglu",))
+    check_tensor("hidden_states", hidden_states, ndim=2, dtype=_ACT_DTYPES)
+    dev = hidden_states.device
+    T, H = hidden_states.shape
+    fp8 = w13_scale is not None or w2_scale is not None
+    if fp8 and (w13_scale is None or w2_scale is None):
+        fail(
+            "w13_scale" if w13_scale is None else "w2_scale",
+            "both w13_scale and w2_scale (fp8 block-scale) or neither",
+            "only one of them",
+            what="value",
+        )
+    wdt = (_FP8,) if fp8 else (hidden_states.dtype,)
+    check_tensor("w13", w13, ndim=3, dtype=wdt, device=dev)
+    E_local, two_i, h13 = w13.shape
+    if h13 != H:
+        fail("w13", f"[E_local, 2I, H={H}] (H from hidden_states)", tuple(w13.shape), what="shape")
+    if two_i % 2 or two_i == 0:
+        fail(
+            "w13",
+            "[E_local, 2I, H] with an even, non-zero 2I (gate rows then up rows)",
+            tuple(w13.shape),
+            what="shape",
+        )
+    I = two_i // 2  # noqa: E741
+    if E_local < 1:
+        fail("w13", "at least one local expert", tuple(w13.shape), what="shape")
+    check_tensor("w2", w2, shape=(E_local, H, I), dtype=wdt, device=dev)
+    if fp8:
+        if H % 128 or I % 128:
+            fail("w13", "H and I multiples of 128 for fp8 block-scale", f"H={H}, I={I}", what="shape")
+        check_tensor(
+            "w13_scale", w13_scale, shape=(E_local, two_i // 128, H // 128), dtype=torch.float32, device=dev
+        )
+        check_tensor(
+            "w2_scale", w2_scale, shape=(E_local, H // 128, I // 128), dtype=torch.float32, device=dev
+        )
+    check_int("local_expert_offset", local_expert_offset, low=0)
+
+    routing_args = {
+        "top_k": top_k,
+        "method": method,
+        "bias": bias,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": routed_scaling_factor,
+        "routing_replay_out": routing_replay_out,
+        "replay_ids": replay_ids,
+    }
+    if router_logits is not None:
+        if topk_ids is not None or topk_weights is not None:
+            fail(
+                "topk_ids",
+                "None when router_logits is given (routing is done inside)",
+                "both router_logits and topk tensors",
+            )
+        check_tensor("router_logits", router_logits, ndim=2, device=dev)
+        if router_logits.shape[0] != T:
+            fail("router_logits", f"[T={T}, E]", tuple(router_logits.shape), what="shape")
+        E = router_logits.shape[1]
+        if num_experts is not None and check_int("num_experts", num_experts, low=1) != E:
+            fail("num_experts", f"router_logits.shape[1] = {E}", num_experts)
+        if top_k is None:
+            fail("top_k", "an int when router_logits is given", None)
+        check_int("top_k", top_k, low=1, high=E)
+    else:
+        if topk_ids is None or topk_weights is None:
+            fail(
+                "topk_ids" if topk_ids is None else "topk_weights",
+                "router_logits, or both topk_ids and topk_weights",
+                "neither routing given",
+            )
+        given = [k for k, v in routing_args.items() if v is not None]
+        if given:
+            fail(
+                given[0],
+                "None when topk_ids/topk_weights are given (routing arguments apply only with router_logits)",
+                f"{given[0]} given",
+            )
+        check_tensor("topk_ids", topk_ids, ndim=2, dtype=_ID_DTYPES, device=dev)
+        if topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
+            fail("topk_ids", f"[T={T}, K>=1]", tuple(topk_ids.shape), what="shape")
+        check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtype=_ACT_DTYPES, device=dev)
+        E = (
+            local_expert_offset + E_local
+            if num_experts is None
+            else check_int("num_experts", num_experts, low=1)
+        )
+    if local_expert_offset + E_local > E:
+        fail(
+            "local_expert_offset",
+            f"local_expert_offset + E_local <= num_experts = {E}",
+            f"{local_expert_offset} + {E_local}",
+        )
+    out_dtype = torch.bfloat16 if fp8 else hidden_states.dtype
+    if out is not None:
+        check_tensor("out", out, shape=(T, H), dtype=out_dtype, device=dev, contiguous=True)
+    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype)
+
+
+def _route(router_logits, top_k, method, backend, **kw):
+    from .routing import RoutingMethod, route
+
+    method = RoutingMethod.RENORMALIZE if method is None else method
+    res = route(router_logits, top_k, method, backend=backend, **kw)
+    return res.topk_ids, res.topk_weights
+
+
+def _experts_torch(
+    x: torch.Tensor,
+    w13,
+    w2,
+    topk_ids,
+    topk_weights,
+    *,
+    w13_scale,
+    w2_scale,
+    local_expert_offset: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Naive per-expert loop in fp32 (the executable spec; host-synchronizing, not for speed)."""
+    T, H = x.shape
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    fp8 = w13_scale is not None
+    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    ids = topk_ids.long() - local_expert_offset
+    wts = topk_weights.float()
+    for e in range(E_local):
+        tok, kk = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        if fp8:
+            a = fake_quant_fp8_per_token_group(xf[tok])
+            g13 = dequantize_fp8_block(w13[e], w13_scale[e])
+            g2 = dequantize_fp8_block(w2[e], w2_scale[e])
+        else:
+            a, g13, g2 = xf[tok], w13[e].float(), w2[e].float()
+        h = a @ g13.T
+        act = F.silu(h[:, :I]) * h[:, I:]
+        if fp8:
+            act = fake_quant_fp8_per_token_group(act)
+        y = act @ g2.T
+        acc.index_add_(0, tok, y * wts[tok, kk].unsqueeze(1))
+    return acc.to(out_dtype)
+
+
+def fused_moe_torch(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    router_logits: torch.Tensor | None = None,
+    top_k: int | None = None,
+    method=None,
+    bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float | None = None,
+    topk_ids: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    routing_replay_out: torch.Tensor | None = None,
+    replay_ids: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    local_expert_offset: int = 0,
+    num_experts: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference fused MoE: routing through ``route(..., backend="torch")``, then a per-expert loop in fp32.
+
+    Same arguments and semantics as :func:`fused_moe` (minus ``backend``). The fp8 path dequantizes
+    the weights per 128×128 block and passes the activations through the same per-1×128-group fp8
+    quantization the kernels apply (both GEMM inputs), so it is the exact spec of the fp8 kernels up
+    to accumulation order. Runs on any device; host-synchronizing.
+    """
+    return fused_moe(
+        hidden_states,
+        w13,
+        w2,
+        router_logits=router_logits,
+        top_k=top_k,
+        method=method,
+        bias=bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        routing_replay_out=routing_replay_out,
+        replay_ids=replay_ids,
+        activation=activation,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        local_expert_offset=local_expert_offset,
+        num_experts=num_experts,
+        out=out,
+        backend="torch",
+    )
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    router_logits: torch.Tensor | None = None,
+    top_k: int | None = None,
+    method=None,
+    bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float | None = None,
+    topk_ids: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    routing_replay_out: torch.Tensor | None = None,
+    replay_ids: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    local_expert_offset: int = 0,
+    num_experts: int | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mixture-of-Experts layer: ``out[t] = Σ_k w[t,k] · w2[e] @ swiglu(w13[e] @ x_t)`` over local experts.
+
+    Parameters
+    ----------
+    hidden_states : Tensor [T, H], bfloat16 / float16 (float32 on the torch/CPU path)
+    w13 : Tensor [E_local, 2I, H]
+        Rows [0, I) are the gate half, [I, 2I) the up half (vLLM / transformers order; see
+        :func:`swap_gate_up` for FlashInfer TRT-LLM's order). Same dtype as ``hidden_states``, or
+        float8_e4m3fn with ``w13_scale``.
+    w2 : Tensor [E_local, H, I], same dtype as ``w13``.
+    router_logits : Tensor [T, E], optional
+        Route inside, exactly as :func:`replaymoe.routing.route` with ``top_k``, ``method`` (default
+        ``RoutingMethod.RENORMALIZE``), ``bias``, ``n_group``, ``topk_group``,
+        ``routed_scaling_factor``, ``routing_replay_out`` (int16 [>=T, K], capture) and
+        ``replay_ids`` ([T, K], forced selection) — all only allowed with ``router_logits``.
+    topk_ids : Tensor [T, K], int32 / int64, optional
+        Routing given by the caller: global expert ids. Ids outside
+        ``[local_expert_offset, +E_local)`` (also negative padding ids) contribute nothing.
+    topk_weights : Tensor [T, K], float32 / bfloat16 / float16 — required with ``topk_ids``.
+    activation : "swiglu"
+        ``silu(gate) * up``.
+    w13_scale : Tensor [E_local, 2I/128, H/128], float32, optional
+    w2_scale : Tensor [E_local, H/128, I/128], float32, optional
+        fp8 block-scale (DeepSeek style) when given: weights are ``fp8 × scale`` per 128×128 block,
+        activations are quantized on the fly per 1×128 group; H and I must be multiples of 128;
+        the output is bfloat16.
+    local_expert_offset : int
+        Global id of this rank's first expert (expert parallelism).
+    num_experts : int, optional
+        Total experts E over all ranks (defaults to ``router_logits.shape[1]``, or
+        ``local_expert_offset + E_local`` with given topk tensors).
+    out : Tensor [T, H], optional
+        Written in place and returned (output dtype, contiguous).
+    backend : "auto" | "triton" | "torch"
+        ``auto`` = Triton on CUDA tensors, torch elsewhere; ``triton`` on CPU tensors runs the
+        kernels in Triton's interpreter (process started with ``TRITON_INTERPRET=1``).
+
+    Returns
+    -------
+    Tensor [T, H], dtype of ``hidden_states`` (bfloat16 on the fp8 path). Under expert parallelism a
+    partial sum over this rank's experts. ``T = 0`` gives an empty output.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument: shape/dtype/device mismatches between hidden_states, w13, w2 and the
+        scales; fp8 dims not multiples of 128; wrong topk dtypes; routing arguments together with
+        topk tensors; missing routing; bad ``activation`` or ``backend``.
+    """
+    check_choice("backend", backend, _BACKENDS)
+    p = _validate(
+        hidden_states,
+        w13,
+        w2,
+        router_logits=router_logits,
+        top_k=top_k,
+        method=method,
+        bias=bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        routing_replay_out=routing_replay_out,
+        replay_ids=replay_ids,
+        activation=activation,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        local_expert_offset=local_expert_offset,
+        num_experts=num_experts,
+        out=out,
+    )
+    use_triton = backend == "triton" or (backend == "auto" and hidden_states.is_cuda)
+    if use_triton:
+        _check_triton_available(hidden_states)
+    if router_logits is not None:
+        topk_ids, topk_weights = _route(
+            router_logits,
+            top_k,
+            method,
+            "triton" if use_triton else "torch",
+            bias=bias,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+            routing_replay_out=routing_replay_out,
+            replay_ids=replay_ids,
+        )
+    if p.T == 0:
+        return out if out is not None else hidden_states.new_empty((0, p.H), dtype=p.out_dtype)
+    if use_triton:
+        res = _experts_triton(
+            hidden_states,
+            w13,
+            w2,
+            topk_ids,
+            topk_weights,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            local_expert_offset=local_expert_offset,
+            out=out,
+        )
+        return res
+    res = _experts_torch(
+        hidden_states,
+        w13,
+        w2,
+        topk_ids,
+        topk_weights,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        local_expert_offset=local_expert_offset,
+        out_dtype=p.out_dtype,
+    )
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def _check_triton_available(x: torch.Tensor) -> None:
+    import os
+
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        fail(
+            "backend",
+            "'triton' with CUDA tensors, or a process started with TRITON_INTERPRET=1 for CPU "
+            "tensors (Triton reads it at import)",
+            "'triton' with CPU tensors and no TRITON_INTERPRET=1",
+        )
+
+
+def _experts_triton(x, w13, w2, topk_ids, topk_weights, *, w13_scale, w2_scale, local_expert_offset, out):
+    # Until the Triton kernels land this runs the reference, so callers already get correct results.
+    res = _experts_torch(
+        x,
+        w13,
+        w2,
+        topk_ids,
+        topk_weights,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
+        local_expert_offset=local_expert_offset,
+        out_dtype=torch.bfloat16 if w13_scale is not None else x.dtype,
+    )
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def swap_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor | None = None):
+    """Swap the two halves of w13 [E, 2I, H] (and of its fp8 scale [E, 2I/128, H/128]).
+
+    Converts between replaymoe / vLLM / transformers order (gate rows first) and FlashInfer TRT-LLM
+    order (up rows first); the operation is its own inverse. Returns a new contiguous tensor (or a
+    ``(w13, w13_scale)`` pair when a scale is given).
+    """
+    check_tensor("w13", w13, ndim=3)
+    if w13.shape[1] % 2:
+        fail("w13", "[E, 2I, H] with an even 2I", tuple(w13.shape), what="shape")
+    i = w13.shape[1] // 2
+    swapped = torch.cat([w13[:, i:], w13[:, :i]], dim=1)
+    if w13_scale is None:
+        return swapped
+    check_tensor("w13_scale", w13_scale, ndim=3)
+    if w13_scale.shape[1] % 2 or (i % 128 and w13_scale.shape[1] * 128 != w13.shape[1]):
+        fail("w13_scale", "[E, 2I/128, H/128] with I a multiple of 128", tuple(w13_scale.shape), what="shape")
+    j = w13_scale.shape[1] // 2
+    return swapped, torch.cat([w13_scale[:, j:], w13_scale[:, :j]], dim=1)
+
+
+class MoELayer(nn.Module):
+    """Router + experts: ``forward(x [..., H]) -> [..., H]`` through :func:`fused_moe`.
+
+    Parameters
+    ----------
+    hidden_size, intermediate_size, num_experts, top_k : int
+        H, I, E (all ranks), K.
+    method : RoutingMethod, optional
+        Default ``RENORMALIZE`` (softmax, top-k, renormalize).
+    n_group, topk_group, routed_scaling_factor : optional
+        DeepSeek-V3 style routing arguments, passed to ``route``.
+    router_bias : bool
+        Keep a per-expert fp32 selection bias (DeepSeek-V3's ``e_score_correction_bias``) as buffer
+        ``router_bias`` [E] (zeros at init).
+    num_local_experts, local_expert_offset : int, optional
+        Expert-parallel slice held by this module (default: all experts); the output is then a partial
+        sum over this slice.
+    dtype, device : parameter dtype / device.
+    backend : "auto" | "triton" | "torch".
+
+    Attributes
+    ----------
+    router : nn.Linear(H, E, bias=False)
+    w13 : Parameter [E_local, 2I, H] (gate rows first)
+    w2 : Parameter [E_local, H, I]
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        method=None,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        routed_scaling_factor: float | None = None,
+        router_bias: bool = False,
+        num_local_experts: int | None = None,
+        local_expert_offset: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        H = check_int("hidden_size", hidden_size, low=1)
+        I = check_int("intermediate_size", intermediate_size, low=1)  # noqa: E741
+        E = check_int("num_experts", num_experts, low=1)
+        check_int("top_k", top_k, low=1, high=E)
+        check_int("local_expert_offset", local_expert_offset, low=0, high=E - 1)
+        E_local = E - local_expert_offset if num_local_experts is None else num_local_experts
+        check_int("num_local_experts", E_local, low=1, high=E - local_expert_offset)
+        check_choice("backend", backend, _BACKENDS)
+        self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, I, E, top_k
+        self.method, self.n_group, self.topk_group = method, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.local_expert_offset, self.num_local_experts, self.backend = local_expert_offset, E_local, backend
+        kw = {"dtype": dtype, "device": device}
+        self.router = nn.Linear(H, E, bias=False, **kw)
+        self.w13 = nn.Parameter(torch.empty(E_local, 2 * I, H, **kw))
+        self.w2 = nn.Parameter(torch.empty(E_local, H, I, **kw))
+        if router_bias:
+            self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32, device=device))
+        else:
+            self.router_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal init with std 1/sqrt(fan_in) for the experts (router: nn.Linear's default)."""
+        self.router.reset_parameters()
+        with torch.no_grad():
+            self.w13.normal_(0.0, self.hidden_size**-0.5)
+            self.w2.normal_(0.0, self.intermediate_size**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        routing_replay_out: torch.Tensor | None = None,
+        replay_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [..., H] → [..., H]; ``routing_replay_out`` / ``replay_ids`` as in :func:`fused_moe`."""
+        check_tensor("x", x)
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            fail("x", f"[..., H={self.hidden_size}]", tuple(x.shape), what="shape")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden_size)
+        logits = self.router(x2)
+        y = fused_moe(
+            x2,
+            self.w13,
+            self.w2,
+            router_logits=logits,
+            top_k=self.top_k,
+            method=self.method,
+            bias=self.router_bias,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            routing_replay_out=routing_replay_out,
+            replay_ids=replay_ids,
+            local_expert_offset=self.local_expert_offset,
+            num_experts=self.num_experts,
+            backend=self.backend,
+        )
+        return y.reshape(*lead, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"num_experts={self.num_experts}, top_k={self.top_k}, local=[{self.local_expert_offset}, "
+            f"+{self.num_local_experts})"
+        )
