@@ -1,0 +1,165 @@
+"""ReplaySource: per-layer replay_ids for a padded batch, fallback accounting, model checks,
+and the ids it produces driving route() (forced rows replayed, -1 rows routed natively)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replaymoe.replay import ReplayReport, ReplaySource
+from replaymoe.trace import RoutingTrace
+
+
+def random_ids(rng, n, L, K, E):
+    return np.argsort(rng.random((n, L, E)), axis=-1)[..., :K].astype(np.int64)
+
+
+@pytest.fixture
+def rng(generator):
+    return np.random.default_rng(int(generator.initial_seed()))
+
+
+def _expected_rows(traces, positions, layer, K):
+    """Plain-loop spec of ids_for."""
+    pos = positions.reshape(len(traces), -1).tolist()
+    rows = []
+    for b, t in enumerate(traces):
+        for p in pos[b]:
+            n = p - t.token_offset
+            if p >= 0 and 0 <= n < t.num_tokens:
+                rows.append(t.ids[n, layer].tolist())
+            else:
+                rows.append([-1] * K)
+    return np.array(rows, dtype=np.int64).reshape(-1, K)
+
+
+def _batch(rng):
+    L, K, E = 3, 2, 8
+    a_ids = random_ids(rng, 6, L, K, E)
+    a_ids[1, 2] = -1  # one missing (token, layer) row
+    a = RoutingTrace(a_ids, num_experts=E, top_k=K, layer_ids=[1, 2, 4])
+    # b starts at position 2 (e.g. prompt_start) and is shorter than the batch row
+    b = RoutingTrace(random_ids(rng, 3, L, K, E), num_experts=E, top_k=K, layer_ids=[1, 2, 4], token_offset=2)
+    positions = torch.tensor(
+        [
+            [0, 1, 2, 3, 4, 5, 6],  # last position beyond a's 6 rows (the -1-token shape)
+            [-1, -1, 0, 1, 2, 3, 4],  # left padding; 0,1 before b's offset; 2..4 inside
+        ],
+        dtype=torch.int64,
+    )
+    return [a, b], positions, (L, K, E)
+
+
+def test_ids_for_matches_spec_and_report(rng):
+    traces, positions, (L, K, E) = _batch(rng)
+    src = ReplaySource(traces)
+    expected_fallback = np.zeros(L, dtype=np.int64)
+    for layer in range(L):
+        out = src.ids_for(layer, positions)
+        assert out.dtype == torch.int32 and out.shape == (positions.numel(), K)
+        exp = _expected_rows(traces, positions, layer, K)
+        np.testing.assert_array_equal(out.numpy(), exp)
+        real = positions.reshape(-1).numpy() >= 0
+        expected_fallback[layer] = int((real & (exp[:, 0] < 0)).sum())
+    # hand count: a: position 6 beyond (every layer) + the missing row at layer 2;
+    # b: positions 0 and 1 before its offset (every layer); padding is not a fallback
+    np.testing.assert_array_equal(expected_fallback, [3, 3, 4])
+    rep = src.report()
+    assert isinstance(rep, ReplayReport)
+    assert rep.tokens_seen == 12  # 14 slots minus 2 padding
+    np.testing.assert_array_equal(rep.fallback_tokens_per_layer, expected_fallback)
+    assert rep.layers_with_fallback == 3
+    assert rep.fallback_fraction == pytest.approx(10 / 36)
+    text = str(rep)
+    assert "12 tokens" in text and "layer 2: 4" in text
+    src.reset_report()
+    assert src.report().tokens_seen == 0 and src.report().layers_with_fallback == 0
+
+
+def test_single_trace_1d_positions_and_int32(rng):
+    t = RoutingTrace(random_ids(rng, 4, 2, 3, 10), num_experts=10, top_k=3)
+    src = ReplaySource(t)
+    pos = torch.tensor([3, 2, -1, 0, 9], dtype=torch.int32)
+    out = src.ids_for(1, pos)
+    np.testing.assert_array_equal(out.numpy(), _expected_rows([t], pos.long(), 1, 3))
+    rep = src.report()
+    assert rep.tokens_seen == 4 and rep.fallback_tokens_per_layer.tolist() == [0, 1]
+
+
+def test_no_fallback_when_fully_covered(rng):
+    t = RoutingTrace(random_ids(rng, 5, 2, 2, 6), num_experts=6, top_k=2)
+    src = ReplaySource([t])
+    for layer in range(2):
+        src.ids_for(layer, torch.arange(5).reshape(1, 5))
+    rep = src.report()
+    assert rep.layers_with_fallback == 0 and rep.fallback_tokens_per_layer.sum() == 0
+    assert "0 layer(s)" in str(rep)
+
+
+def test_rejections(rng):
+    traces, positions, _ = _batch(rng)
+    src = ReplaySource(traces)
+    with pytest.raises(ValueError, match="layer"):
+        src.ids_for(3, positions)
+    with pytest.raises(ValueError, match="shape of positions"):
+        src.ids_for(0, positions[0])  # [S] needs a single-trace source
+    with pytest.raises(ValueError, match="shape of positions"):
+        src.ids_for(0, positions[:1])
+    with pytest.raises(ValueError, match="dtype of positions"):
+        src.ids_for(0, positions.float())
+    with pytest.raises(ValueError, match="at least one"):
+        ReplaySource([])
+    with pytest.raises(ValueError, match="RoutingTrace"):
+        ReplaySource([traces[0], "x"])
+    other = RoutingTrace(random_ids(rng, 2, 2, 2, 8), num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match="layers=3"):
+        ReplaySource([traces[0], other])
+    with pytest.raises(ValueError, match="num_experts"):
+        ReplaySource([traces[0], traces[1].replace(num_experts=9)])
+
+
+def test_check_model(rng):
+    traces, _, (L, K, E) = _batch(rng)
+    src = ReplaySource(traces)
+    src.check_model(L, K, E)
+    with pytest.raises(ValueError, match="num_layers.*3 MoE layers"):
+        src.check_model(L + 1, K, E)  # e.g. a dense layer counted as MoE
+    with pytest.raises(ValueError, match="top_k"):
+        src.check_model(L, K + 1, E)
+    with pytest.raises(ValueError, match="num_experts"):
+        src.check_model(L, K, E * 2)
+    # unknown E (vLLM payload): ids must fit the model
+    unk = ReplaySource(RoutingTrace(np.array([[[5, 2]]]), num_experts=None, top_k=2))
+    unk.check_model(1, 2, 6)
+    with pytest.raises(ValueError, match="largest expert id 5"):
+        unk.check_model(1, 2, 5)
+
+
+def test_layer_for_model_layer(rng):
+    traces, _, _ = _batch(rng)
+    src = ReplaySource(traces)
+    assert [src.layer_for_model_layer(m) for m in (1, 2, 4)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="model_layer_number"):
+        src.layer_for_model_layer(3)  # a dense layer
+    ident = ReplaySource(RoutingTrace(random_ids(rng, 1, 2, 1, 4), num_experts=4, top_k=1))
+    assert ident.layer_for_model_layer(1) == 1
+
+
+def test_replay_drives_route(rng, generator):
+    from replaymoe.routing import RoutingMethod, route
+
+    traces, positions, (L, K, E) = _batch(rng)
+    src = ReplaySource(traces)
+    T = positions.numel()
+    for layer in range(L):
+        logits = torch.randn(T, E, generator=generator)
+        replay = src.ids_for(layer, positions)
+        forced = route(logits, K, RoutingMethod.RENORMALIZE, replay_ids=replay)
+        native = route(logits, K, RoutingMethod.RENORMALIZE)
+        fb = replay[:, 0] < 0
+        assert torch.equal(forced.topk_ids[~fb], replay[~fb].to(forced.topk_ids.dtype))
+        assert torch.equal(forced.topk_ids[fb], native.topk_ids[fb])
+        # weights come from the logits over the forced set (renormalized softmax)
+        sm = torch.softmax(logits, -1).gather(1, forced.topk_ids.long())
+        torch.testing.assert_close(forced.topk_weights, sm / sm.sum(-1, keepdim=True))

@@ -1,0 +1,528 @@
+"""RoutingTrace: construction checks, the file format (round trips, every corruption case,
+atomic writes), vLLM / SGLang wire formats against payloads built here with numpy + base64,
+and concatenation / merging."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import zipfile
+
+import numpy as np
+import pytest
+
+from replaymoe.trace import FORMAT_VERSION, RoutingTrace, TraceFormatError
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def random_ids(rng, n, L, K, E, missing=()):
+    """[n, L, K] int64 of distinct ids per row; rows listed in ``missing`` (token, layer) are -1."""
+    ids = np.argsort(rng.random((n, L, E)), axis=-1)[..., :K].astype(np.int64)
+    for t, layer in missing:
+        ids[t, layer] = -1
+    return ids
+
+
+def npy_b64(arr):
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture
+def rng(generator):
+    return np.random.default_rng(int(generator.initial_seed()))
+
+
+@pytest.fixture
+def trace(rng):
+    ids = random_ids(rng, 7, 3, 4, 16, missing=[(0, 0), (0, 1), (0, 2), (5, 1)])
+    return RoutingTrace(ids, num_experts=16, top_k=4, layer_ids=[1, 3, 4], model_id="toy/moe", token_offset=2)
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def test_basic_properties(trace):
+    assert trace.ids.dtype == np.int16 and trace.ids.flags.c_contiguous
+    assert (trace.num_tokens, trace.num_layers, trace.top_k, trace.end) == (7, 3, 4, 9)
+    assert trace.missing_mask().sum() == 4
+    assert trace.missing_fraction() == pytest.approx(4 / 21)
+    assert trace.model_layer_ids() == (1, 3, 4)
+    assert "tokens=7" in repr(trace)
+
+
+@pytest.mark.parametrize(
+    "ids, kw, match",
+    [
+        (np.zeros((3, 2)), {}, "dtype of ids"),  # float array
+        (np.zeros((3, 2), dtype=np.int64), {}, "shape of ids"),  # 2-D
+        (np.zeros((3, 2, 3), dtype=np.int64), {}, "shape of ids"),  # K != top_k
+        (np.full((2, 1, 2), 16), {}, "ids.*16"),  # id == E
+        (np.full((2, 1, 2), -2), {}, "ids.*-2"),  # below the -1 sentinel
+        (np.array([[[0, -1]]]), {}, "all -1"),  # row mixing -1 and an id
+        (np.array([[[3, 3]]]), {}, "distinct"),  # duplicate id in a row
+        (np.array([[[0, 1]]]), {"layer_ids": [0, 1]}, "layer_ids"),  # wrong length
+        (np.array([[[0, 1], [2, 3]]]), {"layer_ids": [5, 5]}, "layer_ids"),  # not distinct
+        (np.array([[[0, 1]]]), {"top_k": 0}, "top_k"),
+        (np.array([[[0, 1]]]), {"num_experts": 1}, "top_k"),  # K > E
+        (np.array([[[0, 1]]]), {"token_offset": -1}, "token_offset"),
+        (np.array([[[0, 1]]]), {"model_id": 3}, "model_id"),
+    ],
+)
+def test_constructor_rejects(ids, kw, match):
+    args = {"num_experts": 16, "top_k": 2, **kw}
+    with pytest.raises(ValueError, match=match):
+        RoutingTrace(ids, **args)
+
+
+def test_accepts_torch_and_unknown_num_experts(rng):
+    import torch
+
+    ids = random_ids(rng, 3, 2, 2, 300)
+    t = RoutingTrace(torch.from_numpy(ids), num_experts=None, top_k=2)
+    np.testing.assert_array_equal(t.ids, ids)
+    assert t.num_experts is None
+
+
+# ----------------------------------------------------------------------------- file round trips
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_save_load_round_trip(tmp_path, trace, compress):
+    path = tmp_path / "run.trace"  # no suffix is added
+    trace.save(path, compress=compress)
+    assert os.listdir(tmp_path) == ["run.trace"]
+    back = RoutingTrace.load(path)
+    assert back == trace
+    assert back.layer_ids == (1, 3, 4) and back.model_id == "toy/moe" and back.token_offset == 2
+    # the documented layout: numpy can read it without pickle
+    with np.load(path, allow_pickle=False) as z:
+        assert sorted(z.files) == ["ids", "meta"]
+        meta = json.loads(z["meta"].tobytes())
+        np.testing.assert_array_equal(z["ids"], trace.ids)
+    assert meta["version"] == FORMAT_VERSION and meta["shape"] == [7, 3, 4]
+
+
+def test_save_load_empty_and_unknown_e(tmp_path):
+    t = RoutingTrace(np.zeros((0, 5, 2), dtype=np.int16), num_experts=None, top_k=2)
+    t.save(tmp_path / "e.npz")
+    assert RoutingTrace.load(tmp_path / "e.npz") == t
+
+
+def test_save_overwrites_atomically(tmp_path, trace):
+    path = tmp_path / "t.trace"
+    trace.save(path)
+    other = trace.replace(token_offset=0)
+    other.save(path)
+    assert RoutingTrace.load(path) == other
+    assert os.listdir(tmp_path) == ["t.trace"]
+
+
+def _failing_writer(f, ids, meta, compress):
+    f.write(b"PK\x03\x04 partial")
+    raise OSError("disk full (simulated)")
+
+
+def test_failed_save_leaves_nothing(tmp_path, trace, monkeypatch):
+    import replaymoe.trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "_write_payload", _failing_writer)
+    with pytest.raises(OSError, match="disk full"):
+        trace.save(tmp_path / "new.trace")
+    assert os.listdir(tmp_path) == []  # no target, no temp file
+
+
+def test_failed_save_keeps_existing_file(tmp_path, trace, monkeypatch):
+    import replaymoe.trace as trace_mod
+
+    path = tmp_path / "keep.trace"
+    trace.save(path)
+    before = path.read_bytes()
+    monkeypatch.setattr(trace_mod, "_write_payload", _failing_writer)
+    with pytest.raises(OSError):
+        trace.replace(token_offset=0).save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["keep.trace"]
+
+
+def test_save_into_missing_directory(tmp_path, trace):
+    with pytest.raises(FileNotFoundError):
+        trace.save(tmp_path / "nope" / "t.trace")
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+def _load_fails(path, match):
+    with pytest.raises(TraceFormatError, match=re.escape(str(path)) + ".*" + match) as info:
+        RoutingTrace.load(path)
+    assert info.value.path == str(path)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("keep", [0, 3, 30, 0.5, -1])  # empty, inside magic, inside header, half, last byte
+def test_truncated(tmp_path, trace, keep):
+    path = tmp_path / "t.trace"
+    trace.save(path)
+    data = path.read_bytes()
+    n = int(len(data) * keep) if isinstance(keep, float) else (keep if keep >= 0 else len(data) + keep)
+    path.write_bytes(data[:n])
+    _load_fails(path, "")
+
+
+@pytest.mark.parametrize("where", ["ids", "meta"])
+def test_flipped_byte_in_payload(tmp_path, trace, where):
+    # uncompressed so the member bytes can be located; the zip CRC or our sha256 must catch it
+    path = tmp_path / "t.trace"
+    trace.save(path, compress=False)
+    data = bytearray(path.read_bytes())
+    needle = trace.ids.astype("<i2").tobytes() if where == "ids" else b'"sha256"'
+    at = data.find(needle)
+    assert at > 0
+    data[at + len(needle) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    _load_fails(path, "corrupt")
+
+
+@pytest.mark.parametrize("offset_frac", [0.25, 0.5, 0.75])
+def test_flipped_byte_compressed(tmp_path, trace, offset_frac):
+    path = tmp_path / "t.trace"
+    trace.save(path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("ids.npy")
+    # inside the ids member's deflate stream: after its local header (30 bytes + name + extra)
+    h = info.header_offset
+    start = (
+        h
+        + 30
+        + int.from_bytes(data[h + 26 : h + 28], "little")
+        + int.from_bytes(data[h + 28 : h + 30], "little")
+    )
+    data[start + int(info.compress_size * offset_frac)] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _load_fails(path, "")
+
+
+def _write_npz(path, **arrays):
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _meta_bytes(**meta):
+    return np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+
+
+def test_consistent_zip_with_tampered_ids(tmp_path, trace):
+    # a well-formed archive (valid zip CRCs) whose ids differ from the recorded checksum
+    path = tmp_path / "t.trace"
+    trace.save(path)
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes())
+        ids = z["ids"].copy()
+    ids[1, 0, 0] = (ids[1, 0, 0] + 1) % 16
+    _write_npz(path, ids=ids, meta=_meta_bytes(**meta))
+    _load_fails(path, "checksum")
+
+
+@pytest.mark.parametrize("version, match", [(FORMAT_VERSION + 1, "newer"), (0, "version"), ("1", "version")])
+def test_wrong_version(tmp_path, trace, version, match):
+    path = tmp_path / "t.trace"
+    trace.save(path)
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes())
+        ids = z["ids"]
+    meta["version"] = version
+    _write_npz(path, ids=ids, meta=_meta_bytes(**meta))
+    _load_fails(path, match)
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        {"weights": np.ones(3)},  # someone else's npz
+        {"ids": np.zeros((1, 1, 1), np.int16), "meta": np.array("{}")},  # meta not bytes
+        {"ids": np.zeros((1, 1, 1), np.int16), "meta": np.frombuffer(b'{"format": "x"}', np.uint8)},
+        {"ids": np.zeros((1, 1, 1), np.int16), "meta": np.frombuffer(b"not json", np.uint8)},
+    ],
+)
+def test_foreign_npz(tmp_path, arrays):
+    path = tmp_path / "foreign.npz"
+    _write_npz(path, **arrays)
+    _load_fails(path, "")
+
+
+def test_shape_mismatch_with_meta(tmp_path, trace):
+    path = tmp_path / "t.trace"
+    trace.save(path)
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes())
+    ids = trace.ids[:3]
+    meta["sha256"] = __import__("hashlib").sha256(ids.astype("<i2").tobytes()).hexdigest()
+    _write_npz(path, ids=ids, meta=_meta_bytes(**meta))
+    _load_fails(path, "do not match")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"hello world\n", b"", None],  # text, empty, a plain .npy file
+)
+def test_not_a_zip(tmp_path, content):
+    path = tmp_path / "x.trace"
+    if content is None:
+        np.save(path.with_suffix(".npy"), np.zeros(3))
+        path = path.with_suffix(".npy")
+    else:
+        path.write_bytes(content)
+    _load_fails(path, "not a replaymoe routing trace")
+
+
+def test_zip_without_npz_members(tmp_path):
+    path = tmp_path / "x.zip"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("readme.txt", "hi")
+    _load_fails(path, "")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        RoutingTrace.load(tmp_path / "absent.trace")
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+@pytest.mark.parametrize("dtype", ["int16", "int32", "int64", "uint8", "uint16"])
+def test_to_vllm_readable_by_numpy(rng, dtype):
+    ids = random_ids(rng, 5, 3, 2, 200)
+    t = RoutingTrace(ids, num_experts=200, top_k=2)
+    arr = np.load(io.BytesIO(base64.b64decode(t.to_vllm(dtype))), allow_pickle=False)
+    assert arr.dtype == np.dtype(dtype) and arr.shape == (5, 3, 2)
+    np.testing.assert_array_equal(arr, ids)
+
+
+def test_to_vllm_unsigned_rejects_missing_and_large(rng, trace):
+    with pytest.raises(ValueError, match="signed dtype"):
+        trace.to_vllm("uint8")
+    big = RoutingTrace(np.array([[[300, 1]]]), num_experts=512, top_k=2)
+    with pytest.raises(ValueError, match="300"):
+        big.to_vllm("uint8")
+    with pytest.raises(ValueError, match="dtype"):
+        big.to_vllm("float32")
+
+
+@pytest.mark.parametrize(
+    "dtype, E",
+    [("uint8", 256), ("uint16", 384), ("int32", 128), ("int16", 64)],  # vLLM's compact and wide wire dtypes
+)
+def test_from_vllm_b64_dtypes(rng, dtype, E):
+    ids = random_ids(rng, 6, 4, 8, E)
+    ids[2, 1] = np.arange(E - 8, E)  # the largest ids survive the dtype
+    t = RoutingTrace.from_vllm(npy_b64(ids.astype(dtype)), num_experts=E)
+    np.testing.assert_array_equal(t.ids, ids)
+    assert (t.num_tokens, t.num_layers, t.top_k, t.num_experts, t.token_offset) == (6, 4, 8, E, 0)
+
+
+def test_from_vllm_int16_sentinel_rows_stay_missing(rng):
+    ids = random_ids(rng, 5, 2, 2, 8, missing=[(0, 0), (0, 1), (1, 0), (1, 1)])  # 2-token prefix hit
+    t = RoutingTrace.from_vllm(npy_b64(ids.astype(np.int16)))
+    assert t.missing_mask()[:2].all() and not t.missing_mask()[2:].any()
+
+
+def _response(prompt_len, completion_len, L, K, E, rng, *, split, dtype="uint8", n=1, start=None):
+    """A vLLM chat/completions response with routing, as vLLM 0.33 shapes it."""
+    total = prompt_len + completion_len - 1  # the last sampled token has no routing
+    skip = start or 0
+    full = [random_ids(rng, total, L, K, E) for _ in range(n)]
+    for f in full[1:]:
+        f[:prompt_len] = full[0][:prompt_len]  # the n choices share the prompt
+    resp = {
+        "id": "cmpl-1",
+        "model": "Qwen/Qwen3-30B-A3B",
+        "prompt_token_ids": list(range(prompt_len)),
+        "choices": [],
+    }
+    if split:
+        resp["prompt_routed_experts"] = npy_b64(full[0][skip:prompt_len].astype(dtype))
+    for i in range(n):
+        rows = full[i][prompt_len:] if split else full[i][skip:]
+        resp["choices"].append(
+            {
+                "index": i,
+                "token_ids": list(range(completion_len)),
+                "routed_experts": npy_b64(rows.astype(dtype)),
+            }
+        )
+    if start is not None:
+        resp["routed_experts_prompt_start"] = start
+    return resp, [f[skip:] for f in full]
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_from_vllm_response(rng, split, as_json):
+    resp, full = _response(5, 4, 3, 2, 64, rng, split=split)
+    t = RoutingTrace.from_vllm(json.dumps(resp) if as_json else resp, num_experts=64)
+    assert t.num_tokens == 5 + 4 - 1  # (num_tokens - 1, L, K)
+    np.testing.assert_array_equal(t.ids, full[0])
+    assert t.model_id == "Qwen/Qwen3-30B-A3B" and t.token_offset == 0
+
+
+def test_from_vllm_choice_dict_and_array(rng):
+    resp, full = _response(3, 3, 2, 2, 16, rng, split=False, dtype="int32")
+    t = RoutingTrace.from_vllm(resp["choices"][0])
+    np.testing.assert_array_equal(t.ids, full[0])
+    np.testing.assert_array_equal(RoutingTrace.from_vllm(full[0]).ids, full[0])  # offline API array
+    np.testing.assert_array_equal(RoutingTrace.from_vllm(full[0].tolist()).ids, full[0])  # JSON lists
+
+
+def test_from_vllm_n_choices_share_prompt(rng):
+    resp, full = _response(4, 3, 2, 2, 16, rng, split=True, n=2)
+    t0 = RoutingTrace.from_vllm(resp, choice=0)
+    t1 = RoutingTrace.from_vllm(resp, choice=1)
+    np.testing.assert_array_equal(t1.ids, full[1])
+    np.testing.assert_array_equal(t0.ids[:4], t1.ids[:4])
+    with pytest.raises(ValueError, match="choice"):
+        RoutingTrace.from_vllm(resp, choice=2)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_from_vllm_prompt_start(rng, split):
+    resp, full = _response(6, 3, 2, 2, 16, rng, split=split, start=4)
+    t = RoutingTrace.from_vllm(resp)
+    assert t.token_offset == 4 and t.num_tokens == 6 + 3 - 1 - 4
+    np.testing.assert_array_equal(t.ids, full[0])
+    # the client may pass the value it sent instead
+    del resp["routed_experts_prompt_start"]
+    resp.pop("prompt_token_ids")
+    assert RoutingTrace.from_vllm(resp, prompt_start=4).token_offset == 4
+
+
+def test_from_vllm_one_token_completion(rng):
+    # completion of one token: its routing does not exist yet, the choice carries 0 rows
+    resp, full = _response(4, 1, 2, 2, 16, rng, split=True)
+    t = RoutingTrace.from_vllm(resp)
+    assert t.num_tokens == 4
+    np.testing.assert_array_equal(t.ids, full[0])
+
+
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        (
+            {"choices": [{"index": 0, "routed_experts": None}], "prompt_routed_experts": None},
+            "no routed_experts",
+        ),
+        ("!!!not base64", "base64"),
+        (base64.b64encode(b"garbage bytes").decode(), "npy"),
+        (npy_b64(np.zeros((2, 3))), "integer"),  # float payload
+        (npy_b64(np.zeros((2, 3), np.int32)), "shape"),  # 2-D payload
+        ("{not json", "JSON"),
+        (3.5, "unsupported"),
+    ],
+)
+def test_from_vllm_rejects(obj, match):
+    with pytest.raises(TraceFormatError, match=match):
+        RoutingTrace.from_vllm(obj)
+
+
+def test_from_vllm_prompt_length_mismatch(rng):
+    resp, _ = _response(5, 3, 2, 2, 16, rng, split=True)
+    resp["prompt_token_ids"] = list(range(7))
+    with pytest.raises(TraceFormatError, match="5 rows but the prompt has 7"):
+        RoutingTrace.from_vllm(resp)
+
+
+def test_vllm_round_trip(trace):
+    back = RoutingTrace.from_vllm(
+        trace.to_vllm("int32"), num_experts=16, layer_ids=[1, 3, 4], model_id="toy/moe"
+    )
+    assert back == trace.replace(token_offset=0)
+
+
+# ----------------------------------------------------------------------------- SGLang
+
+
+@pytest.mark.parametrize("dtype, E", [("int32", 512), ("uint8", 256), ("uint16", 1000)])
+def test_from_sglang(rng, dtype, E):
+    ids = random_ids(rng, 7, 3, 4, E)
+    b64 = base64.b64encode(ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()).decode()  # flat
+    t = RoutingTrace.from_sglang(b64, 3, 4, dtype=dtype, num_experts=E)
+    np.testing.assert_array_equal(t.ids, ids)
+    assert t.num_experts == E
+    # the meta_info dict with its dtype tag, and the start offset
+    t2 = RoutingTrace.from_sglang({"routed_experts": b64, "routed_experts_dtype": dtype}, 3, 4, start=5)
+    np.testing.assert_array_equal(t2.ids, ids)
+    assert t2.token_offset == 5
+    assert RoutingTrace.from_sglang(t.to_sglang(dtype), 3, 4, dtype=dtype, num_experts=E) == t
+
+
+def test_from_sglang_rejects(rng):
+    ids = random_ids(rng, 2, 3, 4, 16).astype("<i4")
+    b64 = base64.b64encode(ids.tobytes()).decode()
+    with pytest.raises(TraceFormatError, match="whole number"):
+        RoutingTrace.from_sglang(b64, 5, 4)  # 96 bytes is not a multiple of 5*4*4
+    with pytest.raises(TraceFormatError, match="whole number"):
+        RoutingTrace.from_sglang(base64.b64encode(ids.tobytes()[:-2]).decode(), 3, 4)
+    with pytest.raises(ValueError, match="dtype"):
+        RoutingTrace.from_sglang(b64, 3, 4, dtype="float32")
+    with pytest.raises(TraceFormatError, match="routed_experts"):
+        RoutingTrace.from_sglang({"foo": 1}, 3, 4)
+    with pytest.raises(ValueError, match="ids"):
+        RoutingTrace.from_sglang(b64, 3, 4, num_experts=8)  # ids up to 15 do not fit E=8
+
+
+# ----------------------------------------------------------------------------- concat / merge
+
+
+def test_concat_prompt_and_completion(rng):
+    a = RoutingTrace(random_ids(rng, 4, 2, 2, 8), num_experts=8, top_k=2, model_id="m")
+    b = RoutingTrace(random_ids(rng, 3, 2, 2, 8), num_experts=None, top_k=2, token_offset=4)
+    c = RoutingTrace.concat([a, b])
+    assert (c.num_tokens, c.token_offset, c.num_experts, c.model_id) == (7, 0, 8, "m")
+    np.testing.assert_array_equal(c.ids, np.concatenate([a.ids, b.ids]))
+    with pytest.raises(ValueError, match="consecutive"):
+        RoutingTrace.concat([a, b.replace(token_offset=5)])
+    with pytest.raises(ValueError, match="top_k"):
+        RoutingTrace.concat(
+            [a, RoutingTrace(random_ids(rng, 1, 2, 3, 8), num_experts=8, top_k=3, token_offset=4)]
+        )
+    with pytest.raises(ValueError, match="model_id"):
+        RoutingTrace.concat([a, b.replace(model_id="other")])
+    with pytest.raises(ValueError, match="at least one"):
+        RoutingTrace.concat([])
+
+
+def test_merge_multi_turn(rng):
+    # turn 1: positions 0..5; turn 2 re-sends positions 4..9 (prompt_start=4), prefix-cache rows missing
+    full = random_ids(rng, 10, 2, 2, 8)
+    t1 = RoutingTrace(full[:6], num_experts=8, top_k=2)
+    turn2 = full[4:].copy()
+    turn2[0] = -1  # position 4 served from the prefix cache in turn 2
+    t2 = RoutingTrace(turn2, num_experts=8, top_k=2, token_offset=4)
+    m = RoutingTrace.merge([t1, t2])
+    assert (m.token_offset, m.num_tokens) == (0, 10)
+    np.testing.assert_array_equal(m.ids, full)
+    # a gap stays missing
+    g = RoutingTrace.merge([t1, RoutingTrace(full[8:], num_experts=8, top_k=2, token_offset=8)])
+    assert g.missing_mask()[6:8].all() and not g.missing_mask()[:6].any() and not g.missing_mask()[8:].any()
+
+
+def test_merge_conflicts(rng):
+    a_ids = random_ids(rng, 3, 1, 2, 8)
+    b_ids = a_ids.copy()
+    b_ids[1, 0] = [7, 6] if tuple(a_ids[1, 0]) != (7, 6) else [5, 4]
+    a = RoutingTrace(a_ids, num_experts=8, top_k=2)
+    b = RoutingTrace(b_ids, num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match="position 1, layer 0"):
+        RoutingTrace.merge([a, b])
+    np.testing.assert_array_equal(RoutingTrace.merge([a, b], on_conflict="first").ids, a_ids)
+    np.testing.assert_array_equal(RoutingTrace.merge([a, b], on_conflict="last").ids, b_ids)
+    with pytest.raises(ValueError, match="on_conflict"):
+        RoutingTrace.merge([a, b], on_conflict="newest")
