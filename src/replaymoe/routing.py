@@ -218,7 +218,7 @@ def _validate(
         check_tensor(
             "replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev, contiguous=True
         )
-        if not is_capturing():
+        if not is_capturing() and not torch.compiler.is_compiling():
             _check_replay_values(replay_ids, num_experts)
 
     return _Params(method, top_k, ng, tg, scale)
@@ -455,6 +455,170 @@ def route(
     return _route_triton(router_logits, p, bias, routing_replay_out, replay_ids)
 
 
+# --------------------------------------------------------------------------------------------------
+# Triton backend
+# --------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# Launch-configuration overrides for benchmarks/tuning: keys "BLOCK_T", "num_warps", "ALGO".
+_CONFIG_OVERRIDE: dict[str, int] = {}
+
+
+def _launch_config(ep: int) -> tuple[int, int, int]:
+    """(BLOCK_T, num_warps, ALGO) for a padded expert count ``ep``."""
+    block_t = _CONFIG_OVERRIDE.get("BLOCK_T", max(1, min(64, 2048 // ep)))
+    num_warps = _CONFIG_OVERRIDE.get("num_warps", 4)
+    algo = _CONFIG_OVERRIDE.get("ALGO", 0)
+    return block_t, num_warps, algo
+
+
+def _launch(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
+    routing_replay_out: Optional[torch.Tensor],
+    top_k: int,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the outputs and run the routing kernel once (no validation)."""
+    from replaymoe._kernels.routing import route_kernel
+
+    num_tokens, num_experts = router_logits.shape
+    dev = router_logits.device
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=dev)
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=dev)
+    if num_tokens == 0:
+        return ids, weights
+    gs = num_experts // n_group
+    ngp, gsp = _next_pow2(n_group), _next_pow2(gs)
+    block_t, num_warps, algo = _launch_config(ngp * gsp)
+    grid = ((num_tokens + block_t - 1) // block_t,)
+    route_kernel[grid](
+        router_logits,
+        router_logits.stride(0),
+        router_logits if bias is None else bias,
+        router_logits if replay_ids is None else replay_ids,
+        ids,
+        weights,
+        router_logits if routing_replay_out is None else routing_replay_out,
+        num_tokens,
+        scale,
+        METHOD=int(method),
+        K=top_k,
+        KP=_next_pow2(top_k),
+        NG=n_group,
+        GS=gs,
+        NGP=ngp,
+        GSP=gsp,
+        TOPK_GROUP=topk_group,
+        HAS_BIAS=bias is not None,
+        HAS_REPLAY=replay_ids is not None,
+        HAS_CAPTURE=routing_replay_out is not None,
+        BLOCK_T=block_t,
+        ALGO=algo,
+        num_warps=num_warps,
+    )
+    return ids, weights
+
+
+@torch.library.custom_op("replaymoe::route", mutates_args=("routing_replay_out",))
+def _route_op(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
+    routing_replay_out: Optional[torch.Tensor],
+    top_k: int,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.replaymoe.route``: the routing kernel as a custom op (for torch.compile)."""
+    return _launch(router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group,
+                   scale)
+
+
+@_route_op.register_fake
+def _route_op_fake(router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group,
+                   scale):
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.int32),
+            router_logits.new_empty((t, top_k), dtype=torch.float32))
+
+
+def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: _Params):
+    args = (router_logits, bias, replay_ids, routing_replay_out, p.top_k, int(p.method), p.n_group,
+            p.topk_group, p.scale)
+    if torch.compiler.is_compiling():
+        return torch.ops.replaymoe.route(*args)
+    return _launch(*args)  # eager: skip the custom-op dispatch overhead, same code
+
+
+def _weights_backward(
+    router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, method: int, scale: float
+) -> torch.Tensor:
+    """Gradient of the weights w.r.t. the logits at fixed ids (closed form of :func:`_weights_torch`)."""
+    x = router_logits.float()
+    idl = ids.long()
+    g = grad_w.float()
+    xs = x.gather(1, idl)
+    m = RoutingMethod(method)
+    extra = None
+    if m == RoutingMethod.DEFAULT:
+        probs = torch.softmax(x, dim=1)
+        gw = g * probs.gather(1, idl)
+        gxs = gw
+        extra = -probs * gw.sum(dim=1, keepdim=True)
+    elif m in (RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE):
+        w = torch.softmax(xs, dim=1)
+        gxs = w * (g - (g * w).sum(dim=1, keepdim=True))
+    elif m == RoutingMethod.TOPK:
+        gxs = g
+    else:
+        s = torch.sigmoid(xs)
+        if m == RoutingMethod.SIGMOID_RENORM:
+            z = s.sum(dim=1, keepdim=True)
+            zc = z.clamp_min(_EPS)
+            ds = g / zc - torch.where(z > _EPS, (g * s).sum(dim=1, keepdim=True) / (zc * zc), 0.0)
+        elif m in _BIASED:
+            z = s.sum(dim=1, keepdim=True) + _EPS
+            ds = scale * (g / z - (g * s).sum(dim=1, keepdim=True) / (z * z))
+        else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+            ds = g
+        gxs = ds * s * (1.0 - s)
+    gx = torch.zeros_like(x).scatter_add_(1, idl, gxs)
+    if extra is not None:
+        gx = gx + extra
+    return gx.to(router_logits.dtype)
+
+
+class _RouteFunction(torch.autograd.Function):
+    """route() on the Triton backend with a backward w.r.t. the logits (ids are not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group,
+                topk_group, scale):
+        p = _Params(RoutingMethod(method), top_k, n_group, topk_group, scale)
+        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
+        ctx.save_for_backward(router_logits, ids)
+        ctx.method, ctx.scale = method, scale
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, grad_ids, grad_w):
+        router_logits, ids = ctx.saved_tensors
+        gx = _weights_backward(router_logits, ids, grad_w, ctx.method, ctx.scale)
+        return gx, None, None, None, None, None, None, None, None
+
+
 def _route_triton(
     router_logits: torch.Tensor,
     p: _Params,
@@ -462,4 +626,9 @@ def _route_triton(
     routing_replay_out: Optional[torch.Tensor],
     replay_ids: Optional[torch.Tensor],
 ) -> RoutingOutput:
-    raise NotImplementedError("the Triton routing backend lands next; use backend='torch' meanwhile")
+    if torch.is_grad_enabled() and router_logits.requires_grad:
+        ids, weights = _RouteFunction.apply(router_logits, bias, replay_ids, routing_replay_out, p.top_k,
+                                            int(p.method), p.n_group, p.topk_group, p.scale)
+    else:
+        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
+    return RoutingOutput(ids, weights)
