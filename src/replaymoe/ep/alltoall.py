@@ -1,0 +1,643 @@
+"""MoE all-to-all: dispatch tokens to the ranks that own their experts, combine the results back.
+
+Semantics (DESIGN.md "Expert parallelism", reference/flashinfer-semantics.md §5), with the choices
+made here spelled out:
+
+* **Expert split.** Contiguous: ``base = E // ep``, ``rem = E % ep``; rank ``r < rem`` owns
+  ``base + 1`` experts starting at ``r * (base + 1)``, the others own ``base`` (any ``ep >= 1``,
+  ``E >= ep``). See :func:`expert_partition` and :func:`expert_owner`.
+* **Dispatch.** Token ``t`` goes once to every distinct rank owning one of its experts (its own rank
+  included). Ids outside ``[0, E)`` (e.g. ``-1``) send the token nowhere. On the receiving rank the
+  rows from source ``s`` are ``recv[s, 0:recv_counts[s]]`` **in the source's token order**
+  (deterministic, unlike FlashInfer's atomics); rows ``>= recv_counts[s]`` are padding holding
+  stale data.
+* **Expert ids.** With ``expert_id_payload_index`` the received id payload is *sanitized*: padding
+  rows are set to ``invalid_token_expert_id`` entirely, and in real rows every id of an expert this
+  rank does not own is set to ``invalid_token_expert_id`` too (FlashInfer keeps those global ids;
+  we drop them so that a local expert kernel, or any user code, cannot count a remote expert twice).
+  Local ids stay global (``fused_moe(..., local_expert_offset=a2a.local_expert_offset)`` takes them
+  as they are).
+* **Combine.** ``payload[s, j]`` (``j < recv_counts[s]``) must hold this rank's result for the token
+  that arrived from ``s`` at slot ``j`` (already weighted over this rank's experts). It goes back to
+  ``s``, which sums, per token, the rows of every rank it was sent to in fp32 (in rank order, so the
+  result is deterministic and identical for both transports) and returns the payload dtype.
+* **Lockstep.** ``idle -> dispatch -> dispatched -> combine -> idle``; calling a phase twice raises
+  ``RuntimeError``. Every rank must call ``dispatch``/``combine`` the same number of times with the
+  same ``runtime_max_tokens_per_rank`` and payload layout (dtypes and per-token shapes); a rank with
+  zero tokens still calls. Argument errors raise ``ValueError`` on the calling rank *before* any
+  communication, so that rank will not enter the collective and its peers will wait for it until
+  the group's timeout (gloo/NCCL) or the barrier timeout (symm) fires — all ranks must pass valid
+  arguments.
+
+Transports (identical results):
+
+* ``"nccl"``: fixed-size padded ``all_to_all_single`` of byte buffers ``[ep, runtime_max + 1, row]``
+  (rows ``0..runtime_max-1`` carry tokens, the last row of each block carries the count). No host
+  synchronization; CUDA-graph capturable; works across nodes; with a gloo group it runs on CPU
+  (used by the CPU tests).
+* ``"symm"``: intra-node; receive buffers in ``torch.distributed._symmetric_memory``; one Triton
+  kernel per payload stores each token straight into every destination rank's receive buffer (only
+  real rows cross NVLink), then a barrier (release/acquire over the signal pads).
+
+Received views alias internal buffers: they are valid until ``combine`` (the next ``dispatch`` on
+any rank may overwrite them). Consume them (or copy them) before calling ``combine``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
+
+__all__ = [
+    "MoeAlltoAll",
+    "expert_partition",
+    "expert_owner",
+    "dispatch_torch",
+    "combine_torch",
+]
+
+_ALIGN = 64  # bytes: payload regions and rows are aligned so Triton sees 16-unit divisibility
+_COMBINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TRANSPORTS = ("nccl", "symm")
+_KERNEL_BACKENDS = ("auto", "triton", "torch")
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert split
+# ----------------------------------------------------------------------------------------------
+
+
+def expert_partition(num_experts: int, ep: int) -> list[tuple[int, int]]:
+    """Contiguous expert split: ``(first expert, number of experts)`` per rank.
+
+    ``base = E // ep``; the first ``E % ep`` ranks own ``base + 1`` experts, the rest ``base``.
+    """
+    check_int("ep", ep, low=1)
+    check_int("num_experts", num_experts, low=ep)
+    base, rem = divmod(num_experts, ep)
+    out = []
+    for r in range(ep):
+        out.append((r * base + min(r, rem), base + (1 if r < rem else 0)))
+    return out
+
+
+def expert_owner(ids: torch.Tensor, num_experts: int, ep: int) -> torch.Tensor:
+    """Rank owning each expert id (int64, same shape); ids outside ``[0, E)`` map to ``ep``."""
+    base, rem = divmod(num_experts, ep)
+    ids64 = ids.long()
+    cut = rem * (base + 1)
+    owner = torch.where(ids64 < cut, ids64 // (base + 1), rem + (ids64 - cut) // base)
+    valid = (ids64 >= 0) & (ids64 < num_experts)
+    return torch.where(valid, owner, torch.full_like(owner, ep))
+
+
+@dataclass
+class _Plan:
+    """Where this rank's tokens go (device tensors, computed without host sync).
+
+    slot : int32 [T, ep] — row of token t in rank r's block of this source, -1 = not sent to r.
+    send_counts : int32 [ep] — rows sent to each rank (= max slot + 1).
+    """
+
+    slot: torch.Tensor
+    send_counts: torch.Tensor
+
+
+def _make_plan(ids: torch.Tensor, num_experts: int, ep: int) -> _Plan:
+    T = ids.shape[0]
+    owner = expert_owner(ids, num_experts, ep)  # [T, K] in [0, ep]
+    mask = torch.zeros(T, ep + 1, dtype=torch.int32, device=ids.device)
+    mask.scatter_(1, owner, 1)
+    mask = mask[:, :ep]
+    csum = torch.cumsum(mask, dim=0, dtype=torch.int32)
+    slot = torch.where(mask.bool(), csum - 1, torch.full_like(csum, -1)).contiguous()
+    if T > 0:
+        counts = csum[-1].contiguous()
+    else:
+        counts = torch.zeros(ep, dtype=torch.int32, device=ids.device)
+    return _Plan(slot=slot, send_counts=counts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Row layout
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _PayloadSpec:
+    """One payload's place in a packed row.
+
+    dtype, inner : element dtype and per-token shape; nbytes : bytes per token;
+    offset : byte offset of its region in the row (multiple of 64).
+    """
+
+    dtype: torch.dtype
+    inner: tuple[int, ...]
+    nbytes: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class _RowLayout:
+    specs: tuple[_PayloadSpec, ...]
+    row_bytes: int  # multiple of 64, >= 64 (the header row holds one int32 count)
+
+
+def _row_layout(payloads: list[torch.Tensor]) -> _RowLayout:
+    specs, off = [], 0
+    for p in payloads:
+        inner = tuple(p.shape[1:])
+        n = 1
+        for d in inner:
+            n *= d
+        nbytes = n * p.element_size()
+        specs.append(_PayloadSpec(p.dtype, inner, nbytes, off))
+        off += _align(max(nbytes, 1))
+    return _RowLayout(tuple(specs), max(_align(off), _ALIGN))
+
+
+def _unit_dtype(nbytes: int, *ptrs: int) -> torch.dtype:
+    """Widest integer unit (int32, int16 or uint8) dividing the row width and the addresses."""
+    for size, dt in ((4, torch.int32), (2, torch.int16)):
+        if nbytes % size == 0 and all(p % size == 0 for p in ptrs):
+            return dt
+    return torch.uint8
+
+
+def _typed_view(buf: torch.Tensor, dtype: torch.dtype, size, stride, offset_bytes: int) -> torch.Tensor:
+    """A strided ``dtype`` view into the uint8 buffer ``buf`` starting ``offset_bytes`` in."""
+    es = torch.empty((), dtype=dtype).element_size()
+    assert offset_bytes % es == 0 and buf.numel() % es == 0
+    return buf.view(dtype).as_strided(size, stride, buf.storage_offset() // es + offset_bytes // es)
+
+
+def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+# ----------------------------------------------------------------------------------------------
+# MoeAlltoAll
+# ----------------------------------------------------------------------------------------------
+
+
+class MoeAlltoAll:
+    """Expert-parallel token dispatch and combine over a ``torch.distributed`` process group.
+
+    Parameters
+    ----------
+    group : ProcessGroup or None
+        The expert-parallel group (``None``: the default group). ``ep = group.size()``; this rank's
+        index in it is ``rank``.
+    max_num_tokens : int
+        Upper bound of ``runtime_max_tokens_per_rank`` (and so of any rank's token count); buffers
+        are sized by it.
+    top_k : int
+        Experts per token (``token_selected_experts.shape[1]``).
+    num_experts : int
+        Global number of experts ``E >= ep``, split contiguously (see :func:`expert_partition`).
+    hidden_size : int
+        Width ``H`` of the combine payload.
+    transport : {"nccl", "symm"}
+        ``"nccl"``: padded ``all_to_all_single`` (NCCL on CUDA, gloo on CPU). ``"symm"``: one-sided
+        NVLink writes into symmetric-memory buffers (CUDA, one node). A failure to set up symmetric
+        memory raises ``RuntimeError``; there is no silent fallback.
+    payload_bytes_per_token : int, optional
+        Pre-size the dispatch buffers for rows of this many bytes (sum over payloads, each region
+        rounded up to 64). Default: sized lazily by the first dispatch and grown when a later one
+        needs more (growth is refused during CUDA-graph capture; with ``symm`` it is collective).
+    timeout : float (seconds) or datetime.timedelta, optional
+        Bound on waiting for peers. ``nccl``/gloo: a private sub-group with this timeout is created
+        (collectively) for the exchange; a peer that never arrives raises ``RuntimeError`` naming this
+        rank and the group. ``symm``: the barrier's timeout (the device traps with a message naming
+        both ranks). Default: the group's own timeout (NCCL/gloo) and 10 minutes (symm).
+    device : torch.device, optional
+        Device of the buffers. Default: the current CUDA device for NCCL groups, CPU otherwise.
+    kernel_backend : {"auto", "triton", "torch"}
+        Packing/reduction implementation: ``auto`` = Triton on CUDA, torch ops on CPU; ``triton`` on
+        CPU needs ``TRITON_INTERPRET=1``. ``symm`` always uses Triton.
+
+    Attributes
+    ----------
+    ep, rank : int
+    local_expert_offset, num_local_experts : int
+        This rank's expert slice.
+    recv_counts : torch.Tensor
+        int32 [ep] on ``device``: rows received from each source by the last dispatch.
+    send_counts : torch.Tensor or None
+        int32 [ep]: rows this rank sent to each rank in the last dispatch.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        max_num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        hidden_size: int,
+        *,
+        transport: str = "nccl",
+        payload_bytes_per_token: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        device: torch.device | str | None = None,
+        kernel_backend: str = "auto",
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            fail(
+                "group", "an initialized torch.distributed process group", "torch.distributed not initialized"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.ep = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.max_num_tokens = check_int("max_num_tokens", max_num_tokens, low=1)
+        self.top_k = check_int("top_k", top_k, low=1)
+        self.num_experts = check_int("num_experts", num_experts, low=self.ep)
+        self.hidden_size = check_int("hidden_size", hidden_size, low=1)
+        self.transport = check_choice("transport", transport, _TRANSPORTS)
+        self.kernel_backend = check_choice("kernel_backend", kernel_backend, _KERNEL_BACKENDS)
+        if self.top_k > self.num_experts:
+            fail("top_k", f"an int in [1, num_experts={self.num_experts}]", top_k)
+        backend_name = str(dist.get_backend(self.group)).lower()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_name else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+                fail("timeout", "a positive number of seconds or a datetime.timedelta", repr(timeout))
+            timeout = datetime.timedelta(seconds=float(timeout))
+        self.timeout = timeout
+        parts = expert_partition(self.num_experts, self.ep)
+        self.local_expert_offset, self.num_local_experts = parts[self.rank]
+        self.recv_counts = torch.zeros(self.ep, dtype=torch.int32, device=self.device)
+        self.send_counts: torch.Tensor | None = None
+        self._phase = "idle"
+        self._plan: _Plan | None = None
+        self._runtime_max: int | None = None
+        self._num_tokens: int | None = None
+
+        if self.transport == "symm":
+            if self.device.type != "cuda":
+                fail("transport", "'nccl' for a CPU device ('symm' needs CUDA symmetric memory)", "'symm'")
+            from .transport_symm import SymmTransport
+
+            self._transport = SymmTransport(self)
+        else:
+            from .transport_nccl import NcclTransport
+
+            self._transport = NcclTransport(self)
+        if payload_bytes_per_token is not None:
+            check_int("payload_bytes_per_token", payload_bytes_per_token, low=1)
+            self._transport.ensure_dispatch(_align(payload_bytes_per_token))
+
+    # ------------------------------------------------------------------------------------------
+    def use_triton(self) -> bool:
+        """Whether packing/reduction run the Triton kernels (see ``kernel_backend``)."""
+        if self.transport == "symm":
+            return True
+        if self.kernel_backend == "auto":
+            return self.device.type == "cuda"
+        if self.kernel_backend == "triton" and self.device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                fail(
+                    "kernel_backend",
+                    "'torch' or 'auto' on CPU unless the process was started with TRITON_INTERPRET=1",
+                    "'triton'",
+                )
+        return self.kernel_backend == "triton"
+
+    def __repr__(self) -> str:
+        return (
+            f"MoeAlltoAll(ep={self.ep}, rank={self.rank}, max_num_tokens={self.max_num_tokens}, "
+            f"top_k={self.top_k}, num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"transport={self.transport!r}, local_experts=[{self.local_expert_offset}, "
+            f"{self.local_expert_offset + self.num_local_experts}))"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    def dispatch(
+        self,
+        token_selected_experts: torch.Tensor,
+        payloads: list[torch.Tensor],
+        runtime_max_tokens_per_rank: int,
+        *,
+        invalid_token_expert_id: int = -1,
+        expert_id_payload_index: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Send every token to the ranks owning its experts.
+
+        Parameters
+        ----------
+        token_selected_experts : torch.Tensor
+            int32 [T_local, top_k], global expert ids (ids outside ``[0, E)`` are not sent).
+        payloads : list of torch.Tensor
+            Each [T_local, *] on ``device``, any dtype of element size <= 8 (bf16 hidden, int32 ids,
+            fp32 weights, fp8 data, fp32 scales ...). Same dtypes and per-token shapes on every rank.
+        runtime_max_tokens_per_rank : int
+            The same on every rank; ``T_local <= runtime_max <= max_num_tokens``.
+        invalid_token_expert_id : int
+            Id written where ``expert_id_payload_index`` is sanitized.
+        expert_id_payload_index : int, optional
+            Index of an int32 [T_local, top_k] payload holding expert ids: its padding rows, and its
+            entries naming experts not owned by this rank, become ``invalid_token_expert_id``.
+
+        Returns
+        -------
+        list of torch.Tensor
+            One view per payload, [ep, runtime_max, *] in the payload's dtype: ``[s, j]`` for
+            ``j < recv_counts[s]`` is the j-th token that source ``s`` sent here (in its token order).
+            Views alias internal buffers; valid until ``combine``.
+        """
+        if self._phase != "idle":
+            raise RuntimeError(
+                f"MoeAlltoAll.dispatch on rank {self.rank}: called twice without combine "
+                "(the phases are dispatch -> combine -> dispatch ...)"
+            )
+        ids = check_tensor(
+            "token_selected_experts", token_selected_experts, ndim=2, dtype=torch.int32, device=self.device
+        )
+        T, K = ids.shape
+        if K != self.top_k:
+            fail("token_selected_experts", f"[T_local, top_k={self.top_k}]", tuple(ids.shape), what="shape")
+        rt = check_int(
+            "runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, low=1, high=self.max_num_tokens
+        )
+        if T > rt:
+            fail(
+                "token_selected_experts",
+                f"at most runtime_max_tokens_per_rank={rt} tokens",
+                f"{T} tokens",
+                what="shape",
+            )
+        if not isinstance(payloads, (list, tuple)) or len(payloads) == 0:
+            fail("payloads", "a non-empty list of [T_local, *] tensors", type(payloads).__name__)
+        payloads = list(payloads)
+        for i, p in enumerate(payloads):
+            check_tensor(f"payloads[{i}]", p, device=self.device)
+            if p.dim() < 1 or p.shape[0] != T:
+                fail(f"payloads[{i}]", f"[T_local={T}, *]", tuple(p.shape), what="shape")
+            if p.element_size() > 8:
+                fail(f"payloads[{i}]", "an element size of at most 8 bytes", p.dtype, what="dtype")
+        check_int("invalid_token_expert_id", invalid_token_expert_id, low=-(2**31), high=2**31 - 1)
+        if expert_id_payload_index is not None:
+            check_int("expert_id_payload_index", expert_id_payload_index, low=0, high=len(payloads) - 1)
+            check_tensor(
+                f"payloads[{expert_id_payload_index}]",
+                payloads[expert_id_payload_index],
+                shape=(T, K),
+                dtype=torch.int32,
+            )
+
+        layout = _row_layout(payloads)
+        plan = _make_plan(ids, self.num_experts, self.ep)
+        payloads = [p.contiguous() for p in payloads]
+        self._phase = "dispatching"
+        try:
+            recv, block_bytes = self._transport.dispatch(plan, payloads, layout, rt)
+        except BaseException:
+            self._phase = "broken"
+            raise
+        # views [ep, rt, *inner] into the receive buffer
+        views = []
+        for s in layout.specs:
+            es = torch.empty((), dtype=s.dtype).element_size()
+            size = (self.ep, rt, *s.inner)
+            stride = (block_bytes // es, layout.row_bytes // es, *_contig_strides(s.inner))
+            views.append(_typed_view(recv, s.dtype, size, stride, s.offset))
+        counts = _typed_view(recv, torch.int32, (self.ep,), (block_bytes // 4,), rt * layout.row_bytes)
+        self.recv_counts.copy_(counts)
+        if expert_id_payload_index is not None:
+            # sanitize the whole run of rows [ep * (rt + 1) - 1, K] (the header rows between blocks
+            # included, so that ep_moe can hand the run to fused_moe without a copy)
+            v = views[expert_id_payload_index]
+            n = self.ep * (rt + 1) - 1
+            flat = torch.as_strided(v, (n, K), v.stride()[1:])
+            i = torch.arange(n, device=self.device, dtype=torch.int64)
+            pad = (i % (rt + 1)) >= self.recv_counts[i // (rt + 1)]
+            lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
+            drop = pad[:, None] | (flat < lo) | (flat >= hi)
+            flat.copy_(torch.where(drop, torch.full_like(flat, invalid_token_expert_id), flat))
+        self._plan = plan
+        self.send_counts = plan.send_counts
+        self._runtime_max = rt
+        self._num_tokens = T
+        self._phase = "dispatched"
+        return views
+
+    # ------------------------------------------------------------------------------------------
+    def combine(self, payload: torch.Tensor, runtime_max_tokens_per_rank: int) -> torch.Tensor:
+        """Return each rank's rows to their source and sum them per token.
+
+        Parameters
+        ----------
+        payload : torch.Tensor
+            [ep, runtime_max, hidden_size], fp32/bf16/fp16: row ``[s, j]`` (``j < recv_counts[s]``)
+            is this rank's (weighted) result for the j-th token received from ``s``. Other rows are
+            ignored (they may hold anything, NaN included).
+        runtime_max_tokens_per_rank : int
+            The value given to the matching ``dispatch``.
+
+        Returns
+        -------
+        torch.Tensor
+            [T_local, hidden_size] in the payload's dtype: per token, the fp32 sum of the rows that
+            came back from every rank it was sent to (zeros for a token sent nowhere).
+        """
+        if self._phase != "dispatched":
+            raise RuntimeError(
+                f"MoeAlltoAll.combine on rank {self.rank}: called before dispatch "
+                f"(phase is {self._phase!r}; the phases are dispatch -> combine -> dispatch ...)"
+            )
+        rt = check_int(
+            "runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, low=1, high=self.max_num_tokens
+        )
+        if rt != self._runtime_max:
+            fail(
+                "runtime_max_tokens_per_rank",
+                f"the value given to dispatch ({self._runtime_max})",
+                rt,
+            )
+        check_tensor(
+            "payload",
+            payload,
+            shape=(self.ep, rt, self.hidden_size),
+            dtype=_COMBINE_DTYPES,
+            device=self.device,
+        )
+        if (
+            payload.stride(2) != 1
+            or payload.stride(0) < rt * payload.stride(1)
+            or payload.stride(1) < self.hidden_size
+        ):
+            payload = payload.contiguous()
+        assert self._plan is not None and self._num_tokens is not None
+        self._phase = "combining"
+        try:
+            rows, block_stride = self._transport.combine(payload, rt)
+            out = torch.empty(self._num_tokens, self.hidden_size, dtype=payload.dtype, device=self.device)
+            _combine_reduce(self, rows, block_stride, self._plan.slot, out)
+        except BaseException:
+            self._phase = "broken"
+            raise
+        self._phase = "idle"
+        self._plan = None
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def _guard_growth(self, what: str) -> None:
+        if is_capturing():
+            raise RuntimeError(
+                f"MoeAlltoAll on rank {self.rank}: the {what} buffer must grow during CUDA-graph capture; "
+                "run one dispatch/combine with the same payloads before capturing (or pass "
+                "payload_bytes_per_token)"
+            )
+
+    def _collective_error(self, op: str, err: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"MoeAlltoAll.{op}: rank {self.rank} of {self.ep} (global rank "
+            f"{dist.get_rank()}) failed in the all-to-all — a peer rank did not arrive within the "
+            f"timeout or left the group (all ranks must call {op} in lockstep with valid arguments): {err}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Combine reduction (shared by the transports)
+# ----------------------------------------------------------------------------------------------
+
+
+def _combine_reduce(
+    a2a: MoeAlltoAll, rows: torch.Tensor, block_stride: int, slot: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out[t] = sum_r [slot[t, r] >= 0] rows[r, slot[t, r]] in fp32 (rank order)."""
+    T, H = out.shape
+    ep = a2a.ep
+    if T == 0:
+        return
+    row_stride = rows.stride(0)
+    if a2a.use_triton():
+        import triton
+
+        from .._kernels.ep import ep_combine_reduce_kernel
+
+        block = min(1024, triton.next_power_of_2(H))
+        ep_combine_reduce_kernel[(T, triton.cdiv(H, block))](
+            rows, slot, out, H, block_stride, row_stride, EP=ep, BLOCK=block
+        )
+        return
+    nrows = rows.shape[0]  # rows is a 2-D [N, H] view of the buffer; rank r's row j = r*bs/rs + j
+    per_rank = block_stride // row_stride
+    idx = (torch.arange(ep, device=slot.device, dtype=torch.int64)[None, :] * per_rank + slot.long()).clamp(
+        0, nrows - 1
+    )
+    g = rows[idx.reshape(-1)].reshape(T, ep, H).float()
+    g = torch.where((slot >= 0)[:, :, None], g, torch.zeros((), dtype=torch.float32, device=g.device))
+    acc = g[:, 0]
+    for r in range(1, ep):
+        acc = acc + g[:, r]
+    out.copy_(acc)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference implementation (single process, all ranks simulated)
+# ----------------------------------------------------------------------------------------------
+
+
+def dispatch_torch(
+    token_selected_experts: list[torch.Tensor],
+    payloads: list[list[torch.Tensor]],
+    num_experts: int,
+    runtime_max_tokens_per_rank: int,
+    *,
+    invalid_token_expert_id: int = -1,
+    expert_id_payload_index: int | None = None,
+) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Executable spec of :meth:`MoeAlltoAll.dispatch` for all ``ep`` ranks in one process.
+
+    Parameters
+    ----------
+    token_selected_experts : list of ep tensors int [T_r, K]
+    payloads : list (per rank) of lists of [T_r, *] tensors
+    num_experts, runtime_max_tokens_per_rank, invalid_token_expert_id, expert_id_payload_index
+        As for :meth:`MoeAlltoAll.dispatch`.
+
+    Returns
+    -------
+    (recv, counts)
+        ``recv[r][p]``: [ep, runtime_max, *] what rank ``r`` receives of payload ``p`` (padding rows
+        zero, or ``invalid_token_expert_id`` for the sanitized id payload); ``counts``: int32
+        [ep (receiver), ep (source)].
+    """
+    ep = len(token_selected_experts)
+    parts = expert_partition(num_experts, ep)
+    rt = runtime_max_tokens_per_rank
+    counts = torch.zeros(ep, ep, dtype=torch.int32)
+    recv = []
+    for r in range(ep):
+        lo, n = parts[r]
+        outs = [torch.zeros(ep, rt, *p.shape[1:], dtype=p.dtype) for p in payloads[0]]
+        if expert_id_payload_index is not None:
+            outs[expert_id_payload_index].fill_(invalid_token_expert_id)
+        for s in range(ep):
+            ids = token_selected_experts[s].long().cpu()
+            j = 0
+            for t in range(ids.shape[0]):
+                if any(lo <= int(e) < lo + n for e in ids[t]):
+                    for p, o in zip(payloads[s], outs):
+                        o[s, j] = p[t].cpu()
+                    if expert_id_payload_index is not None:
+                        o = outs[expert_id_payload_index][s, j]
+                        o.copy_(
+                            torch.where(
+                                (o >= lo) & (o < lo + n), o, torch.full_like(o, invalid_token_expert_id)
+                            )
+                        )
+                    j += 1
+            if j > rt:
+                raise ValueError(f"rank {s} has more than runtime_max={rt} tokens")
+            counts[r, s] = j
+        recv.append(outs)
+    return recv, counts
+
+
+def combine_torch(
+    payloads: list[torch.Tensor],
+    token_selected_experts: list[torch.Tensor],
+    num_experts: int,
+) -> list[torch.Tensor]:
+    """Executable spec of :meth:`MoeAlltoAll.combine` for all ranks in one process.
+
+    ``payloads[r]`` is rank r's [ep, runtime_max, H] combine payload laid out as
+    :func:`dispatch_torch` delivered; returns per source rank the [T_s, H] fp32 sum (cast to the
+    payload dtype) over the ranks each token was sent to.
+    """
+    ep = len(token_selected_experts)
+    parts = expert_partition(num_experts, ep)
+    outs = []
+    for s in range(ep):
+        ids = token_selected_experts[s].long().cpu()
+        T = ids.shape[0]
+        H = payloads[0].shape[-1]
+        acc = torch.zeros(T, H, dtype=torch.float32)
+        nxt = [0] * ep
+        for t in range(T):
+            for r in range(ep):
+                lo, n = parts[r]
+                if any(lo <= int(e) < lo + n for e in ids[t]):
+                    acc[t] += payloads[r][s, nxt[r]].float().cpu()
+                    nxt[r] += 1
+        outs.append(acc.to(payloads[0].dtype))
+    return outs

@@ -1,0 +1,168 @@
+"""The ``nccl`` transport: fixed-size padded ``all_to_all_single`` on byte buffers.
+
+Dispatch send/receive buffers are uint8 ``[ep, runtime_max + 1, row_bytes]`` (block ``r`` of the send
+buffer goes to rank ``r``; rows ``j < runtime_max`` hold the tokens, the last row of a block is a
+header whose first int32 is the row count). Every byte of every block is exchanged (padding
+included), which costs bandwidth but needs no host synchronization: the whole exchange is
+CUDA-graph capturable and works across nodes. With a gloo group the same code runs on CPU tensors (CPU tests).
+
+Combine sends the ``[ep, runtime_max, H]`` payload as it is and receives ``[ep, runtime_max, H]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import alltoall as _a
+
+
+class NcclTransport:
+    """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over ``all_to_all_single``."""
+
+    def __init__(self, a2a: _a.MoeAlltoAll) -> None:
+        self.a2a = a2a
+        self.pg = a2a.group
+        if a2a.timeout is not None and a2a.ep > 1:
+            ranks = dist.get_process_group_ranks(a2a.group)
+            self.pg = dist.new_group(
+                ranks,
+                timeout=a2a.timeout,
+                backend=str(dist.get_backend(a2a.group)),
+                use_local_synchronization=True,
+            )
+        self.row_cap = 0
+        self.send: torch.Tensor | None = None
+        self.recv: torch.Tensor | None = None
+        self.csend: torch.Tensor | None = None
+        self.crecv: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------
+    def ensure_dispatch(self, row_bytes: int) -> None:
+        if row_bytes <= self.row_cap:
+            return
+        a = self.a2a
+        a._guard_growth("dispatch")
+        n = a.ep * (a.max_num_tokens + 1) * row_bytes + row_bytes  # + one trash row (torch packing)
+        self.recv = torch.empty(n, dtype=torch.uint8, device=a.device)
+        self.send = self.recv if a.ep == 1 else torch.empty(n, dtype=torch.uint8, device=a.device)
+        self.row_cap = row_bytes
+
+    def _exchange(self, op: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+        try:
+            dist.all_to_all_single(out, inp, group=self.pg)
+        except Exception as e:  # noqa: BLE001 - re-raised with the rank named
+            raise self.a2a._collective_error(op, e) from e
+
+    # ------------------------------------------------------------------------------------------
+    def dispatch(self, plan, payloads, layout, rt: int) -> tuple[torch.Tensor, int]:
+        a = self.a2a
+        RB = layout.row_bytes
+        self.ensure_dispatch(RB)
+        send, recv = self.send, self.recv
+        assert send is not None and recv is not None
+        block = (rt + 1) * RB
+        _pack(a, plan, payloads, layout, send, block_bytes=block, rank_stride_bytes=block, base_bytes=0)
+        _a._typed_view(send, torch.int32, (a.ep,), (block // 4,), rt * RB).copy_(plan.send_counts)
+        if a.ep > 1:
+            self._exchange("dispatch", recv[: a.ep * block], send[: a.ep * block])
+        return recv, block
+
+    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int]:
+        """Exchange ``[ep, rt + 1, H]`` blocks (the extra row keeps ``ep_moe``'s output copy-free)."""
+        a = self.a2a
+        H = a.hidden_size
+        es = payload.element_size()
+        block = (rt + 1) * H
+        if a.ep == 1 and payload.stride(1) == H:
+            return payload[0], payload.stride(0)
+        if _spans_blocks(payload, block):
+            send = torch.as_strided(payload, (a.ep * block,), (1,))
+        else:
+            cap = a.ep * (a.max_num_tokens + 1) * H * es
+            if self.csend is None or self.csend.numel() < a.ep * block * es:
+                a._guard_growth("combine")
+                self.csend = torch.empty(cap, dtype=torch.uint8, device=a.device)
+            send = self.csend[: a.ep * block * es].view(payload.dtype)
+            send.view(a.ep, rt + 1, H)[:, :rt].copy_(payload)
+        if a.ep == 1:
+            return send.view(rt + 1, H), block
+        if self.crecv is None or self.crecv.numel() < a.ep * block * es:
+            a._guard_growth("combine")
+            self.crecv = torch.empty(
+                a.ep * (a.max_num_tokens + 1) * H * es, dtype=torch.uint8, device=a.device
+            )
+        out = self.crecv[: a.ep * block * es]
+        self._exchange("combine", out, send.view(torch.uint8))
+        return out.view(payload.dtype).view(a.ep * (rt + 1), H), block
+
+
+def _spans_blocks(payload: torch.Tensor, block: int) -> bool:
+    """True when ``payload`` [ep, rt, H] is laid out as rows of ``ep`` contiguous ``block``-element
+    blocks (row stride H, block stride ``block``) inside its storage."""
+    ep, _, H = payload.shape
+    if payload.stride() != (block, H, 1):
+        return False
+    end = (payload.storage_offset() + ep * block) * payload.element_size()
+    return end <= payload.untyped_storage().nbytes()
+
+
+def _pack(
+    a, plan, payloads, layout, dst: torch.Tensor, *, block_bytes, rank_stride_bytes, base_bytes
+) -> None:
+    """Write token rows into the local buffer ``dst`` (uint8): rank r, slot j, payload p lands at
+    ``r * rank_stride_bytes + base_bytes + j * row_bytes + offset_p``."""
+    T = plan.slot.shape[0]
+    if T == 0:
+        return
+    RB = layout.row_bytes
+    if a.use_triton():
+        _pack_triton(a, plan, payloads, layout, [dst] * a.ep, rank_stride_bytes, base_bytes)
+        return
+    # torch ops (CPU/gloo path): rows not sent go to a trash row past the last block
+    ep = a.ep
+    assert rank_stride_bytes == block_bytes and base_bytes == 0
+    rows_per_block = block_bytes // RB
+    trash = ep * rows_per_block
+    rows = dst[: (trash + 1) * RB].view(trash + 1, RB)
+    r_idx = torch.arange(ep, device=dst.device, dtype=torch.int64)[None, :] * rows_per_block
+    idx = torch.where(plan.slot >= 0, r_idx + plan.slot.long(), torch.full_like(r_idx, trash))
+    idx = idx.reshape(-1)
+    for spec, p in zip(layout.specs, payloads):
+        if spec.nbytes == 0:
+            continue
+        src = p.reshape(T, -1).view(torch.uint8).repeat_interleave(ep, dim=0)
+        rows[:, spec.offset : spec.offset + spec.nbytes].index_copy_(0, idx, src)
+
+
+def _pack_triton(a, plan, payloads, layout, dsts: list[torch.Tensor], rank_stride_bytes, base_bytes) -> None:
+    """Launch :func:`ep_dispatch_copy_kernel` once per payload (``dsts``: uint8 base per rank)."""
+    import triton
+
+    from .._kernels.ep import ep_dispatch_copy_kernel
+
+    T = plan.slot.shape[0]
+    RB = layout.row_bytes
+    for spec, p in zip(layout.specs, payloads):
+        if spec.nbytes == 0:
+            continue
+        src = p.reshape(T, -1).view(torch.uint8)
+        unit = _a._unit_dtype(spec.nbytes, src.data_ptr(), *(d.data_ptr() for d in dsts))
+        u = torch.empty((), dtype=unit).element_size()
+        src_u = src.view(unit)
+        d_u = [d.view(unit) for d in dsts]
+        d_u = d_u + [d_u[0]] * (8 - len(d_u))
+        n_cols = spec.nbytes // u
+        block = max(16, min(1024, triton.next_power_of_2(n_cols)))
+        ep_dispatch_copy_kernel[(T, triton.cdiv(n_cols, block))](
+            src_u,
+            plan.slot,
+            *d_u,
+            src_u.stride(0),
+            n_cols,
+            rank_stride_bytes // u,
+            (base_bytes + spec.offset) // u,
+            RB // u,
+            EP=a.ep,
+            BLOCK=block,
+        )

@@ -1,0 +1,156 @@
+"""The ``symm`` transport: one-sided NVLink writes into peers' symmetric-memory buffers.
+
+Every rank allocates its receive buffers with ``torch.distributed._symmetric_memory`` (``empty`` +
+``rendezvous``) and maps its peers' buffers (``handle.get_buffer(peer, ...)``). Then:
+
+* dispatch: one small kernel stores this rank's send counts into every peer's header rows, and one
+  Triton kernel per payload stores each token row straight into each destination rank's receive
+  buffer (``[source block = this rank, slot]``), all destinations from the same program, so every
+  peer is written concurrently with 128-bit stores and only real rows cross NVLink; then a barrier
+  (torch's signal-pad barrier: release on put, acquire on wait, system scope).
+* combine: one Triton kernel sends row ``[s, j]`` (``j < recv_counts[s]``) to source ``s``'s combine
+  buffer ``[this rank, j]``; barrier; the fp32 per-token sum reads the local buffer.
+
+Buffer reuse is ordered by those two barriers per round (a peer writes into our dispatch buffer only
+after our previous combine barrier, i.e. after we consumed the received views; it writes into our
+combine buffer only after our dispatch barrier, i.e. after our previous reduction). So received views
+must be consumed before ``combine``.
+
+Intra-node only, ``ep <= 8``. NVLink multicast stays off: this module sets ``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` (``setdefault``) when imported,
+and never uses multimem. Any failure to set up symmetric memory raises ``RuntimeError``; there is no
+silent fallback to NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+
+from . import alltoall as _a  # noqa: E402
+from .transport_nccl import _pack_triton  # noqa: E402
+
+_MAX_EP = 8
+_DEFAULT_TIMEOUT_MS = 600_000
+
+
+class _SymmBuffer:
+    """One rendezvoused uint8 buffer: ``local`` (this rank's) and ``peers[r]`` (rank r's, mapped)."""
+
+    def __init__(self, a2a: _a.MoeAlltoAll, nbytes: int, what: str) -> None:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=a2a.device)
+            group_name = a2a.group.group_name
+            self.handle = symm_mem.rendezvous(self.local, group_name)
+            self.peers = [
+                self.local if r == a2a.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
+                for r in range(a2a.ep)
+            ]
+        except Exception as e:  # noqa: BLE001 - re-raised with context, no fallback
+            raise RuntimeError(
+                f"MoeAlltoAll(transport='symm') on rank {a2a.rank}: could not set up the {what} buffer "
+                f"({nbytes} bytes) in torch.distributed._symmetric_memory: {type(e).__name__}: {e}. "
+                "The symm transport needs CUDA GPUs of one node with peer access; use transport='nccl' "
+                "otherwise."
+            ) from e
+        self.nbytes = nbytes
+
+
+class SymmTransport:
+    """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over symmetric memory."""
+
+    def __init__(self, a2a: _a.MoeAlltoAll) -> None:
+        if a2a.ep > _MAX_EP:
+            _a.fail("group", f"at most {_MAX_EP} ranks for transport='symm' (one node)", f"{a2a.ep} ranks")
+        self.a2a = a2a
+        t = a2a.timeout
+        self.timeout_ms = _DEFAULT_TIMEOUT_MS if t is None else max(1, int(t.total_seconds() * 1000))
+        self.row_cap = 0
+        self.disp: _SymmBuffer | None = None
+        self.comb: _SymmBuffer | None = None
+        self._retired: list[_SymmBuffer] = []  # grown-out buffers stay mapped (peers may be in flight)
+
+    def _barrier(self) -> None:
+        assert self.disp is not None
+        self.disp.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+    def ensure_dispatch(self, row_bytes: int) -> None:
+        if row_bytes <= self.row_cap:
+            return
+        a = self.a2a
+        a._guard_growth("dispatch")
+        if self.disp is not None:
+            self._retired.append(self.disp)
+        self.disp = _SymmBuffer(a, a.ep * (a.max_num_tokens + 1) * row_bytes, "dispatch")
+        self.row_cap = row_bytes
+
+    # ------------------------------------------------------------------------------------------
+    def dispatch(self, plan, payloads, layout, rt: int) -> tuple[torch.Tensor, int]:
+        import triton  # noqa: F401 - fail early and clearly if Triton is missing
+
+        from .._kernels.ep import ep_put_counts_kernel
+
+        a = self.a2a
+        RB = layout.row_bytes
+        self.ensure_dispatch(RB)
+        buf = self.disp
+        assert buf is not None
+        block = (rt + 1) * RB  # all ranks use the same rt in a round; the barriers order rounds
+        mine = a.rank * block
+        cnt = [p.view(torch.int32) for p in buf.peers]
+        cnt = cnt + [cnt[0]] * (_MAX_EP - len(cnt))
+        ep_put_counts_kernel[(1,)](plan.send_counts, *cnt, (mine + rt * RB) // 4, EP=a.ep)
+        if plan.slot.shape[0] > 0:
+            _pack_triton(a, plan, payloads, layout, buf.peers, 0, mine)
+        self._barrier()
+        return buf.local, block
+
+    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int]:
+        import triton
+
+        from .._kernels.ep import ep_combine_send_kernel
+
+        a = self.a2a
+        H = a.hidden_size
+        es = payload.element_size()
+        nbytes = a.ep * a.max_num_tokens * H * es
+        if self.comb is None or self.comb.nbytes < nbytes:
+            a._guard_growth("combine")
+            if self.comb is not None:
+                self._retired.append(self.comb)
+            self.comb = _SymmBuffer(a, nbytes, "combine")
+        buf = self.comb
+        row_bytes = H * es
+        s0, s1 = payload.stride(0) * es, payload.stride(1) * es
+        unit = _a._unit_dtype(row_bytes, s0, s1, payload.data_ptr(), *(p.data_ptr() for p in buf.peers))
+        u = torch.empty((), dtype=unit).element_size()
+        # a flat unit view over the payload's span (payload rows need not be contiguous)
+        span = (payload.shape[0] - 1) * payload.stride(0) + (rt - 1) * payload.stride(1) + H
+        src = torch.as_strided(payload, (span,), (1,)).view(torch.uint8).view(unit)
+        dst = [p.view(unit) for p in buf.peers]
+        dst = dst + [dst[0]] * (_MAX_EP - len(dst))
+        n_cols = row_bytes // u
+        blk = max(16, min(1024, triton.next_power_of_2(n_cols)))
+        ep_combine_send_kernel[(a.ep * rt, triton.cdiv(n_cols, blk))](
+            src,
+            a.recv_counts,
+            *dst,
+            rt,
+            n_cols,
+            s0 // u,
+            s1 // u,
+            a.rank * rt * n_cols,
+            n_cols,
+            EP=a.ep,
+            BLOCK=blk,
+        )
+        self._barrier()
+        rows = buf.local[: a.ep * rt * row_bytes].view(payload.dtype).view(a.ep * rt, H)
+        return rows, rt * H
