@@ -177,7 +177,11 @@ def _route(router_logits, top_k, method, backend, **kw):
     from .routing import RoutingMethod, route
 
     method = RoutingMethod.RENORMALIZE if method is None else method
-    res = route(router_logits, top_k, method, backend=backend, **kw)
+    try:
+        res = route(router_logits, top_k, method, backend=backend, **kw)
+    except NotImplementedError:
+        # route()'s Triton backend is newer than this module in some builds: same result via torch.
+        res = route(router_logits, top_k, method, backend="torch", **kw)
     return res.topk_ids, res.topk_weights
 
 
@@ -432,23 +436,170 @@ def _check_triton_available(x: torch.Tensor) -> None:
         )
 
 
-def _experts_triton(x, w13, w2, topk_ids, topk_weights, *, w13_scale, w2_scale, local_expert_offset, out):
-    # Until the Triton kernels land this runs the reference, so callers already get correct results.
-    res = _experts_torch(
-        x,
-        w13,
-        w2,
-        topk_ids,
-        topk_weights,
-        w13_scale=w13_scale,
-        w2_scale=w2_scale,
-        local_expert_offset=local_expert_offset,
-        out_dtype=torch.bfloat16 if w13_scale is not None else x.dtype,
-    )
-    if out is not None:
-        out.copy_(res)
-        return out
-    return res
+@dataclass(frozen=True)
+class MoEConfig:
+    """Kernel configuration of one fused-MoE call (chosen by :func:`moe_config` from the shape).
+
+    ``direct``: decode mode (one tile per slot, no layout, reduction fused into GEMM2); otherwise
+    tiles of ``block_m`` rows from :func:`replaymoe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
+    + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection).
+    """
+
+    direct: bool
+    block_m: int
+    block_n1: int
+    block_k1: int
+    warps1: int
+    stages1: int
+    block_n2: int
+    block_k2: int
+    warps2: int
+    stages2: int
+    group_m: int = 8
+
+
+# Tuned on the H200 (bench/moe_tune.py); key (H, I, E_local, K, fp8, token bucket) -> config.
+_TUNED: dict[tuple, MoEConfig] = {}
+
+
+def _bucket(T: int) -> int:
+    return 1 << max(0, (T - 1).bit_length())
+
+
+def moe_config(T: int, K: int, H: int, I: int, E_local: int, *, fp8: bool = False) -> MoEConfig:  # noqa: E741
+    """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I."""
+    tuned = _TUNED.get((H, I, E_local, K, fp8, _bucket(T)))
+    if tuned is not None:
+        return tuned
+    slots = T * K
+    if T == 1 or slots * 4 <= E_local:
+        # decode: each active expert's weights streamed once, split along N for parallelism
+        return MoEConfig(True, 16, 128 if fp8 else 64, 128 if fp8 else 256, 4, 4, 64 if fp8 else 32,
+                         128 if fp8 else 256, 4, 4)  # fmt: skip
+    m_avg = slots / min(E_local, slots)
+    if m_avg <= 16:
+        bm = 16
+    elif m_avg <= 32:
+        bm = 32
+    elif m_avg <= 64:
+        bm = 64
+    else:
+        bm = 128
+    if bm <= 32:
+        return MoEConfig(False, bm, 128 if fp8 else 64, 128, 4, 4, 64, 128, 4, 4)
+    return MoEConfig(False, bm, 128, 128 if fp8 else 64, 8, 3, 128, 128 if fp8 else 64, 8, 4)
+
+
+def _experts_triton(
+    x, w13, w2, topk_ids, topk_weights, *, w13_scale, w2_scale, local_expert_offset, out, config=None
+):
+    """Run the Triton experts into ``out`` (allocated when None); returns it."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    fp8 = w13_scale is not None
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
+    torch.ops.replaymoe.moe_experts(
+        x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+        _config_tuple(config or moe_config(T, K, H, I, E_local, fp8=fp8)),
+    )  # fmt: skip
+    return out
+
+
+def _config_tuple(c: MoEConfig) -> list[int]:
+    return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
+            c.warps2, c.stages2, c.group_m]  # fmt: skip
+
+
+@torch.library.custom_op("replaymoe::moe_experts", mutates_args=("out",))
+def _moe_experts_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    local_expert_offset: int,
+    out: torch.Tensor,
+    config: list[int],
+) -> None:
+    """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call)."""
+    _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+            MoEConfig(bool(config[0]), *config[1:]))  # fmt: skip
+
+
+@_moe_experts_op.register_fake
+def _(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, config) -> None:
+    return None
+
+
+def _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
+    from ._kernels.moe import _moe_gemm1_kernel, _moe_gemm2_kernel, _moe_reduce_kernel
+    from .layout import expert_layout
+
+    T, H = x.shape
+    if T == 0:
+        return
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    fp8 = w13_scale is not None
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    slots = T * K
+    dev = x.device
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    inter_dt = _FP8 if fp8 else x.dtype
+    s13 = w13_scale if fp8 else w13
+    s2 = w2_scale if fp8 else w2
+    s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
+    s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
+    if c.direct:
+        rows, num_pid_m = slots, slots
+        sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
+    else:
+        lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+        sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
+        num_pid_m = lay.max_tiles
+        rows = max(lay.sorted_slots.shape[0], 1)
+    inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
+    inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if fp8 else inter
+    if num_pid_m == 0:
+        out.zero_()
+        return
+    grid1 = (num_pid_m * triton_cdiv(I, c.block_n1),)
+    _moe_gemm1_kernel[grid1](
+        x, w13, s13, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, K, slots,
+        offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, inter.stride(0),
+        DIRECT=c.direct, FP8=fp8, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1,
+        BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
+    )  # fmt: skip
+    if c.direct:
+        y, m2 = out, T
+    else:
+        y, m2 = torch.empty(slots, H, dtype=out.dtype if not fp8 else torch.bfloat16, device=dev), num_pid_m
+    grid2 = (m2 * triton_cdiv(H, c.block_n2),)
+    _moe_gemm2_kernel[grid2](
+        inter, inter_s, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, m2, H, I, K, slots,
+        offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
+        DIRECT=c.direct, FP8=fp8, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2,
+        BLOCK_K=c.block_k2, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2, num_stages=c.stages2,
+    )  # fmt: skip
+    if not c.direct:
+        bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+        _moe_reduce_kernel[(T, triton_cdiv(H, bh))](
+            y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
+        )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def swap_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor | None = None):

@@ -1,0 +1,129 @@
+"""Device script for the fused-MoE kernels: correctness on real shapes + timings of config variants.
+
+PYTHONPATH=src PYTHONUNBUFFERED=1 python3 bench/moe_tune.py [check] [time] [variants]
+Experts only (topk given); the whole-layer benchmark is `replaymoe bench moe`.
+"""
+
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+from replaymoe.bench._timing import time_graph
+from replaymoe.bench.moe import SHAPES, VLLM_KERNELS_MS, _floor_ms, _routing, make_weights
+from replaymoe.moe import _experts_triton, fused_moe_torch, moe_config
+
+OUT = os.environ.get("OUT", "/tmp")
+what = set(sys.argv[1:]) or {"check", "time"}
+rows = []
+W = {}
+
+
+def weights(name, fp8):
+    key = (name, fp8)
+    if key not in W:
+        for k in list(W):
+            if k[0] != name:
+                del W[k]
+        torch.cuda.empty_cache()
+        H, I, E, K, _ = SHAPES[name]
+        W[key] = make_weights(H, I, E, fp8=fp8)
+    return W[key]
+
+
+def call(x, w, ids, wts, cfg=None, out=None):
+    w13, w2, s13, s2 = w
+    return _experts_triton(x, w13, w2, ids, wts, w13_scale=s13, w2_scale=s2, local_expert_offset=0,
+                           out=out, config=cfg)
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+if "check" in what:
+    for name in ("qwen3", "mixtral", "deepseek"):
+        H, I, E, K, _ = SHAPES[name]
+        for fp8 in (False, True):
+            w = weights(name, fp8)
+            for T in (1, 8, 64, 256, 4096):
+                if fp8 and T not in (1, 64, 4096):
+                    continue
+                x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+                _, _, _, _, ids, wts = _routing(name, T)
+                y = call(x, w, ids, wts)
+                y2 = call(x, w, ids, wts)
+                ref = fused_moe_torch(x, w[0], w[1], topk_ids=ids, topk_weights=wts, w13_scale=w[2], w2_scale=w[3])
+                out = torch.full_like(y, float("nan"))
+                g = torch.cuda.CUDAGraph()
+                s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    call(x, w, ids, wts, out=out)
+                torch.cuda.current_stream().wait_stream(s)
+                out.fill_(float("nan"))
+                with torch.cuda.graph(g):
+                    call(x, w, ids, wts, out=out)
+                g.replay(); torch.cuda.synchronize()
+                r = dict(kind="check", shape=name, T=T, fp8=fp8, cfg=str(moe_config(T, K, H, I, E, fp8=fp8).direct),
+                         rel_err=rel(y, ref), nan=bool(torch.isnan(y).any()), determ=bool(torch.equal(y, y2)),
+                         graph_eq=bool(torch.equal(out, y)))
+                rows.append(r); print(r, flush=True)
+    # skewed: all tokens to expert 3; and empty experts
+    name = "qwen3"; H, I, E, K, _ = SHAPES[name]
+    w = weights(name, False)
+    for T in (64, 4096):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.arange(3, 3 + K, device="cuda")] * T).int()
+        ids[:, 0] = 3
+        wts = torch.rand(T, K, device="cuda")
+        y = call(x, w, ids, wts)
+        ref = fused_moe_torch(x, w[0], w[1], topk_ids=ids, topk_weights=wts)
+        r = dict(kind="skew", shape=name, T=T, rel_err=rel(y, ref)); rows.append(r); print(r, flush=True)
+
+def timeit(name, T, fp8, cfg=None, tag="default"):
+    H, I, E, K, _ = SHAPES[name]
+    w = weights(name, fp8)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, _, _, _, ids, wts = _routing(name, T)
+    c = cfg or moe_config(T, K, H, I, E, fp8=fp8)
+    try:
+        us = time_graph(lambda: call(x, w, ids, wts, cfg=c), iters=30)
+    except Exception as ex:  # noqa: BLE001
+        print("FAIL", name, T, tag, repr(ex)[:200]); return None
+    fl, bound = _floor_ms(name, T, ids, 1 if fp8 else 2)
+    r = dict(kind="time", shape=name, T=T, fp8=fp8, tag=tag, us=round(us, 1), floor_us=round(fl * 1e3, 1),
+             frac=round(fl * 1e3 / us, 3), vllm_us=VLLM_KERNELS_MS.get((name, T), 0) * 1e3, cfg=str(c))
+    rows.append(r); print({k: v for k, v in r.items() if k != "cfg"}, flush=True)
+    return us
+
+if "time" in what:
+    for name in ("qwen3", "mixtral", "deepseek"):
+        for fp8 in (False, True):
+            for T in (1, 8, 64, 256, 1024, 4096, 16384):
+                timeit(name, T, fp8)
+
+if "variants" in what:
+    H, I, E, K, _ = SHAPES["qwen3"]
+    base = moe_config(1, K, H, I, E)
+    for bn1, bk1, bn2, bk2, st in [(32, 256, 32, 256, 4), (64, 128, 64, 128, 4), (32, 128, 16, 256, 3), (16, 256, 16, 256, 4), (64, 256, 32, 256, 3)]:
+        timeit("qwen3", 1, False, replace(base, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, stages1=st, stages2=st), f"d{bn1}/{bk1}/{bn2}/{bk2}/s{st}")
+    c8 = moe_config(8, K, H, I, E)
+    timeit("qwen3", 8, False, replace(base), "direct@8")
+    for bn in (32, 64, 128):
+        timeit("qwen3", 8, False, replace(c8, block_n1=bn, block_n2=bn), f"layout16 bn{bn}")
+    for name in ("qwen3", "mixtral"):
+        H, I, E, K, _ = SHAPES[name]
+        c = moe_config(4096, K, H, I, E)
+        for bn1, bk, w_, st, bn2 in [(128, 64, 8, 3, 128), (128, 64, 8, 4, 256), (64, 64, 4, 4, 128), (128, 32, 8, 5, 128), (256, 64, 8, 3, 256)]:
+            timeit(name, 4096, False, replace(c, block_m=128, block_n1=bn1, block_k1=bk, warps1=w_, stages1=st, block_n2=bn2, block_k2=bk, warps2=w_, stages2=st), f"p{bn1}/{bk}/w{w_}/s{st}/{bn2}")
+
+json.dump(rows, open(os.path.join(OUT, "tune.json"), "w"), indent=1)
+print("\n%-8s %6s %4s %-22s %9s %9s %6s %8s %s" % ("shape", "T", "fp8", "tag", "us", "floor", "frac", "vllm", "extra"))
+for r in rows:
+    if r["kind"] == "time":
+        print("%-8s %6d %4d %-22s %9.1f %9.1f %6.3f %8.1f" % (r["shape"], r["T"], r["fp8"], r["tag"], r["us"], r["floor_us"], r["frac"], r["vllm_us"]))
+    else:
+        print(r["kind"], r["shape"], r["T"], r.get("fp8"), "rel=%.2e" % r["rel_err"], "nan" if r.get("nan") else "", "det" if r.get("determ") else "", "geq" if r.get("graph_eq") else "")

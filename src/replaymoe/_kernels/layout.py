@@ -1,0 +1,107 @@
+"""Triton kernels of the token layout (align step): expert-sorted, tile-padded slots.
+
+Two launches, no host synchronization:
+
+1. ``_layout_hist_kernel`` (grid = chunks): per-chunk histogram of local expert ids.
+2. ``_layout_scatter_kernel`` (grid = max(chunks, tile blocks)): every program re-derives the
+   per-expert totals and padded offsets from the (small) histogram table, then
+   * scatters its chunk's slots to their sorted positions (stable: slot order inside an expert),
+   * writes the tile metadata and the padding markers of its block of tiles,
+   * program 0 writes ``expert_offsets``, ``expert_counts`` and ``num_tiles``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _local_expert(ids_ptr, offs, num_slots, expert_offset, num_local):
+    """Local expert id of each slot and whether it is local (and a real slot)."""
+    in_range = offs < num_slots
+    e = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32) - expert_offset
+    local = in_range & (e >= 0) & (e < num_local)
+    return tl.where(local, e, 0), local
+
+
+@triton.jit
+def _layout_hist_kernel(
+    ids_ptr, hist_ptr, num_slots, expert_offset, num_local, CH: tl.constexpr, E_PAD: tl.constexpr
+):
+    c = tl.program_id(0)
+    offs = c * CH + tl.arange(0, CH)
+    e, local = _local_expert(ids_ptr, offs, num_slots, expert_offset, num_local)
+    h = tl.histogram(e, E_PAD, mask=local)
+    tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), h)
+
+
+@triton.jit
+def _layout_scatter_kernel(
+    ids_ptr,
+    hist_ptr,
+    base_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    tile_row_end_ptr,
+    expert_offsets_ptr,
+    expert_counts_ptr,
+    num_tiles_ptr,
+    num_slots,
+    expert_offset,
+    num_local,
+    num_chunks,
+    max_tiles,
+    CH: tl.constexpr,
+    E_PAD: tl.constexpr,
+    NC_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SEG: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ev = tl.arange(0, E_PAD)
+    rows = tl.arange(0, NC_PAD)
+    hist = tl.load(hist_ptr + rows[:, None] * E_PAD + ev[None, :], mask=(rows < num_chunks)[:, None], other=0)
+    total = tl.sum(hist, axis=0)  # [E_PAD] tokens per local expert
+    padded = (total + SEG - 1) // SEG * SEG
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+
+    # ---- scatter this program's chunk of slots (stable within each expert) ----
+    if pid < num_chunks:
+        prev = tl.sum(tl.where((rows < pid)[:, None], hist, 0), axis=0)
+        mine = tl.sum(tl.where((rows == pid)[:, None], hist, 0), axis=0)
+        chunk_excl = tl.cumsum(mine, axis=0) - mine
+        tl.store(base_ptr + pid * E_PAD + ev, padded_start + prev - chunk_excl)
+        tl.debug_barrier()
+        i = tl.arange(0, CH)
+        e, local = _local_expert(ids_ptr, pid * CH + i, num_slots, expert_offset, num_local)
+        key = tl.where(local, e, E_PAD) * CH + i
+        skey = tl.sort(key)
+        se = skey // CH
+        si = skey % CH
+        ok = se < E_PAD
+        base = tl.load(base_ptr + pid * E_PAD + se, mask=ok, other=0)
+        tl.store(sorted_ptr + base + i, pid * CH + si, mask=ok)
+
+    # ---- tile metadata and padding markers for this program's block of tiles ----
+    n_tiles = tl.sum(padded, axis=0) // BLOCK_M
+    t = pid * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
+    row0 = t * BLOCK_M
+    te = tl.sum((padded_end[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # expert of the tile
+    onehot = ev[None, :] == te[:, None]
+    row_end = tl.sum(tl.where(onehot, (padded_start + total)[None, :], 0), axis=1)
+    valid = t < n_tiles
+    in_buf = t < max_tiles
+    tl.store(tile_expert_ptr + t, tl.where(valid, te, -1), mask=in_buf)
+    tl.store(tile_row_end_ptr + t, tl.where(valid, row_end, 0), mask=in_buf)
+    r = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    pad_mask = valid[:, None] & (r >= row_end[:, None])
+    tl.store(sorted_ptr + r, tl.full(r.shape, 0, tl.int32) + num_slots, mask=pad_mask)
+
+    if pid == 0:
+        tl.store(expert_offsets_ptr, 0)
+        tl.store(expert_offsets_ptr + 1 + ev, padded_end, mask=ev < num_local)
+        tl.store(expert_counts_ptr + ev, total, mask=ev < num_local)
+        tl.store(num_tiles_ptr, n_tiles)

@@ -1,0 +1,214 @@
+"""``replaymoe bench moe``: whole fused-MoE layers on the GPU against their peers.
+
+Each point times one whole layer (routing inside where the call does it, layout, both GEMMs,
+activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed, plus eager:
+
+* ``rmoe_bf16`` / ``rmoe_fp8`` — :func:`replaymoe.fused_moe` with ``router_logits`` (fp8: block-scale
+  weights, activations quantized inside);
+* ``grouped_mm`` — a torch layer: sort / offsets / ``torch._grouped_mm`` / SwiGLU / ``_grouped_mm`` /
+  ``index_add_`` (graph-capturable);
+* ``naive`` — the per-expert Python loop of Hugging Face eager MoE blocks (eager only: it syncs);
+* ``floor`` — max(distinct active experts' weight bytes / 4.27 TB/s, FLOPs / 700 TFLOP/s), and the
+  ``vllm`` bar (vLLM's two GEMM kernels alone, measured on this H200; reference/toolchain.md).
+
+Usage: ``replaymoe bench moe [--out DIR] [--shapes qwen3,mixtral,deepseek] [--tokens 1,8,64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ._timing import BF16_FLOPS_PER_S, HBM_BYTES_PER_S, print_table, time_eager, time_graph, write_results
+
+# name -> (H, I, E, K, routing kwargs)
+SHAPES: dict[str, tuple[int, int, int, int, dict]] = {
+    "deepseek": (
+        7168,
+        2048,
+        256,
+        8,
+        {"method": 2, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},
+    ),
+    "qwen3": (2048, 768, 128, 8, {"method": 1}),
+    "mixtral": (4096, 14336, 8, 2, {"method": 1}),
+}
+TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+NAIVE_TOKENS = {"deepseek": (1, 64), "qwen3": (1, 64, 4096), "mixtral": (1, 64, 4096)}
+
+# vLLM 0.33 Triton fused MoE on this H200, bf16, graph replay, L2 cold: two GEMM kernels alone (ms).
+VLLM_KERNELS_MS: dict[tuple[str, int], float] = {
+    ("qwen3", 1): 0.035, ("qwen3", 8): 0.127, ("qwen3", 64): 0.290, ("qwen3", 256): 0.318,
+    ("qwen3", 1024): 0.361, ("qwen3", 4096): 0.777, ("qwen3", 16384): 2.570,
+    ("mixtral", 1): 0.186, ("mixtral", 8): 0.573, ("mixtral", 64): 0.652, ("mixtral", 256): 0.719,
+    ("mixtral", 1024): 1.720, ("mixtral", 4096): 5.273, ("mixtral", 16384): 20.19,
+    ("deepseek", 1): 0.194, ("deepseek", 8): 1.229, ("deepseek", 64): 4.162, ("deepseek", 256): 5.121,
+    ("deepseek", 1024): 5.887, ("deepseek", 4096): 8.816, ("deepseek", 16384): 26.35,
+}  # fmt: skip
+
+
+def make_weights(H: int, I: int, E: int, *, fp8: bool, device="cuda", seed: int = 0):  # noqa: E741
+    """Random expert weights (std 1/sqrt(fan_in)); fp8: block-quantized per expert (bounded memory)."""
+    from ..quant import quantize_fp8_block
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=device)
+    for e in range(E):
+        w13[e].normal_(0, H**-0.5, generator=g)
+        w2[e].normal_(0, I**-0.5, generator=g)
+    if not fp8:
+        return w13, w2, None, None
+    q13 = torch.empty(w13.shape, dtype=torch.float8_e4m3fn, device=device)
+    q2 = torch.empty(w2.shape, dtype=torch.float8_e4m3fn, device=device)
+    s13 = torch.empty(E, 2 * I // 128, H // 128, dtype=torch.float32, device=device)
+    s2 = torch.empty(E, H // 128, I // 128, dtype=torch.float32, device=device)
+    for e in range(0, E, 16):
+        q13[e : e + 16], s13[e : e + 16] = quantize_fp8_block(w13[e : e + 16])
+        q2[e : e + 16], s2[e : e + 16] = quantize_fp8_block(w2[e : e + 16])
+    del w13, w2
+    return q13, q2, s13, s2
+
+
+def grouped_mm_layer(x, w13, w2, ids, wts):
+    """The torch peer: sort / offsets / _grouped_mm / SwiGLU / _grouped_mm / index_add_ (no host sync)."""
+    T, K = ids.shape
+    E, two_i, _ = w13.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // K
+    xs = x.index_select(0, tok)
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    i = two_i // 2
+    a = F.silu(h[:, :i]) * h[:, i:]
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+    y = y * wts.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    out = torch.zeros_like(x)
+    out.index_add_(0, tok, y)
+    return out
+
+
+def naive_layer(x, w13, w2, ids, wts):
+    """Per-expert loop as in Hugging Face eager MoE blocks (host-synchronizing)."""
+    out = torch.zeros_like(x)
+    i = w13.shape[1] // 2
+    for e in torch.unique(ids).tolist():
+        tok, kk = torch.nonzero(ids == e, as_tuple=True)
+        h = x[tok] @ w13[e].T
+        y = (F.silu(h[:, :i]) * h[:, i:]) @ w2[e].T
+        out.index_add_(0, tok, y * wts[tok, kk, None].to(y.dtype))
+    return out
+
+
+def _floor_ms(name: str, T: int, ids: torch.Tensor, bytes_per_weight: float) -> tuple[float, str]:
+    """Roofline floor (ms) of one layer and which term bounds it ("hbm" or "flops")."""
+    H, inter, E, K, _ = SHAPES[name]
+    distinct = int(torch.unique(ids).numel())
+    mem = distinct * 3 * H * inter * bytes_per_weight / HBM_BYTES_PER_S * 1e3
+    flops = 2 * T * K * 3 * H * inter / BF16_FLOPS_PER_S * 1e3
+    return (mem, "hbm") if mem >= flops else (flops, "flops")
+
+
+def _routing(name: str, T: int, device="cuda", seed: int = 1):
+    """Router logits (and the model's routing args) plus the resulting (ids, weights)."""
+    from ..routing import RoutingMethod, route
+
+    H, inter, E, K, kw = SHAPES[name]
+    g = torch.Generator(device=device).manual_seed(seed + T)
+    logits = torch.randn(T, E, generator=g, device=device, dtype=torch.float32)
+    kw = dict(kw)
+    method = RoutingMethod(kw.pop("method"))
+    bias = None
+    if method == RoutingMethod.DEEPSEEK_V3:
+        bias = (torch.randn(E, generator=g, device=device) * 0.1).float()
+    ids, wts = route(logits, K, method, bias=bias, backend="torch", **kw)
+    return logits, method, bias, kw, ids, wts
+
+
+def _point(name: str, T: int, bf16w, fp8w) -> dict:
+    from ..moe import fused_moe
+
+    H, inter, E, K, _ = SHAPES[name]
+    w13, w2, _, _ = bf16w
+    q13, q2, s13, s2 = fp8w
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    logits, method, bias, kw, ids, wts = _routing(name, T)
+    rkw = dict(router_logits=logits, top_k=K, method=method, bias=bias, **kw)
+    floor_ms, bound = _floor_ms(name, T, ids, 2)
+    floor8, _ = _floor_ms(name, T, ids, 1)
+    row = {"shape": name, "T": T, "floor_ms": floor_ms, "bound": bound}
+
+    def fb():
+        return fused_moe(x, w13, w2, **rkw)
+
+    def f8():
+        return fused_moe(x, q13, q2, w13_scale=s13, w2_scale=s2, **rkw)
+
+    def fg():
+        return grouped_mm_layer(x, w13, w2, ids, wts)
+
+    row["rmoe_bf16_ms"] = time_graph(fb) / 1e3
+    row["rmoe_bf16_eager_ms"] = time_eager(fb) / 1e3
+    row["rmoe_fp8_ms"] = time_graph(f8) / 1e3
+    row["rmoe_fp8_eager_ms"] = time_eager(f8) / 1e3
+    row["grouped_mm_ms"] = time_graph(fg) / 1e3
+    if T in NAIVE_TOKENS.get(name, ()):
+        row["naive_ms"] = time_eager(lambda: naive_layer(x, w13, w2, ids, wts), iters=5, warmup=1) / 1e3
+    row["frac_floor_bf16"] = floor_ms / row["rmoe_bf16_ms"]
+    row["frac_floor_fp8"] = floor8 / row["rmoe_fp8_ms"] if bound == "hbm" else float("nan")
+    row["tflops_bf16"] = 2 * T * K * 3 * H * inter / (row["rmoe_bf16_ms"] * 1e-3) / 1e12
+    row["fp8_speedup"] = row["rmoe_bf16_ms"] / row["rmoe_fp8_ms"]
+    bar = VLLM_KERNELS_MS.get((name, T))
+    if bar is not None:
+        row["vllm_kernels_ms"] = bar
+        row["vs_vllm"] = row["rmoe_bf16_ms"] / bar
+    return row
+
+
+def run(shapes, tokens) -> list[dict]:
+    """Measure every (shape, T) point; returns one row per point."""
+    rows: list[dict] = []
+    for name in shapes:
+        H, inter, E, K, _ = SHAPES[name]
+        bf16w = make_weights(H, inter, E, fp8=False)
+        fp8w = make_weights(H, inter, E, fp8=True)
+        for T in tokens:
+            row = _point(name, T, bf16w, fp8w)
+            rows.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        del bf16w, fp8w
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="replaymoe bench moe", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench_results", help="output directory for moe.csv / moe.json")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("replaymoe bench moe needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [s for s in a.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        p.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    tokens = [int(t) for t in a.tokens.split(",") if t]
+    rows = run(shapes, tokens)
+    write_results(rows, a.out, "moe")
+    cols = ["shape", "T", "floor_ms", "rmoe_bf16_ms", "rmoe_fp8_ms", "grouped_mm_ms", "naive_ms",
+            "vllm_kernels_ms", "vs_vllm", "frac_floor_bf16", "tflops_bf16", "fp8_speedup",
+            "rmoe_bf16_eager_ms"]  # fmt: skip
+    print_table(rows, cols)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

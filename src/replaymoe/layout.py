@@ -1,0 +1,223 @@
+"""Token layout (the align step): (token, k) slots sorted by local expert, padded per expert to tiles.
+
+A grouped GEMM over experts walks ``sorted_slots`` tile by tile (``block_m`` rows per tile); every
+tile belongs to exactly one local expert, so a tile program reads one expert's weights. Rows past an
+expert's real count are padding (slot id ``T*K``), which kernels mask. Buffers are sized by upper
+bounds computed on the host from shapes only, so the layout needs no host synchronization and is
+CUDA-graph capturable; the device tells how much of them is used (``num_tiles``).
+
+* :func:`expert_layout` — Triton, two launches.
+* :func:`layout_torch` — the reference (host-synchronizing), same outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._validation import check_int, check_tensor, fail
+
+__all__ = ["ExpertLayout", "expert_layout", "layout_torch", "layout_sizes"]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class ExpertLayout:
+    """Expert-sorted, tile-padded layout of the T·K (token, k) slots (slot = t*K + k).
+
+    Only the first ``num_tiles[0] * block_m`` entries of ``sorted_slots`` and the first
+    ``num_tiles[0]`` entries of the tile arrays are meaningful; the rest of ``sorted_slots`` is
+    unspecified and the rest of the tile arrays is ``tile_expert = -1``, ``tile_row_end = 0``.
+
+    Attributes
+    ----------
+    sorted_slots : int32 [max_padded]
+        Slots grouped by local expert in ascending expert order; within an expert in ascending slot
+        order. Expert ``e``'s segment is ``[expert_offsets[e], expert_offsets[e+1])``: its
+        ``expert_counts[e]`` real slots first, then padding entries equal to ``T*K`` up to a multiple
+        of ``block_m * cluster``. Slots routed to non-local experts do not appear.
+    tile_expert : int32 [max_tiles]
+        Local expert of tile ``i`` (rows ``[i*block_m, (i+1)*block_m)``), ``-1`` for ``i >= num_tiles``.
+    tile_row_end : int32 [max_tiles]
+        End of the real rows in tile ``i``'s expert segment (``expert_offsets[e] + expert_counts[e]``):
+        rows ``>= tile_row_end[i]`` are padding. ``0`` for unused tiles.
+    expert_offsets : int32 [E_local + 1]
+        Padded segment starts; ``expert_offsets[0] = 0``, ``expert_offsets[E_local] = num_tiles*block_m``;
+        every difference is a multiple of ``block_m * cluster``.
+    expert_counts : int32 [E_local]
+        Real (unpadded) slots per local expert.
+    num_tiles : int32 [1]
+        Tiles in use (a multiple of ``cluster``), on the device.
+    block_m, cluster, num_slots : int
+        Tile rows, tiles per group, and T*K (the padding marker).
+    """
+
+    sorted_slots: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row_end: torch.Tensor
+    expert_offsets: torch.Tensor
+    expert_counts: torch.Tensor
+    num_tiles: torch.Tensor
+    block_m: int
+    cluster: int
+    num_slots: int
+
+    @property
+    def max_tiles(self) -> int:
+        """Upper bound of ``num_tiles`` (the length of the tile arrays)."""
+        return self.tile_expert.shape[0]
+
+
+def layout_sizes(num_slots: int, num_local_experts: int, block_m: int, cluster: int = 1) -> tuple[int, int]:
+    """Host-side upper bounds ``(max_padded, max_tiles)`` of a layout (exact integer arithmetic).
+
+    Each non-empty expert adds at most ``seg - 1`` padding rows (``seg = block_m * cluster``) and at
+    most ``min(E_local, T*K)`` experts are non-empty. Python integers do not overflow, so T·K·block
+    beyond 2^31 is computed exactly; a layout whose positions would not fit int32 is rejected.
+    """
+    seg = block_m * cluster
+    busy = min(num_local_experts, num_slots)
+    max_padded = (num_slots + busy * (seg - 1)) // seg * seg
+    max_tiles = max_padded // block_m
+    if max_padded > _INT32_MAX or num_slots >= _INT32_MAX:
+        fail(
+            "topk_ids",
+            f"T*K and its padded layout below 2^31 (int32 positions); block_m={block_m}",
+            f"T*K={num_slots}, padded bound {max_padded}",
+            what="size",
+        )
+    return max_padded, max_tiles
+
+
+def _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster):
+    check_tensor("topk_ids", topk_ids, ndim=2, dtype=(torch.int32, torch.int64), contiguous=True)
+    check_int("num_local_experts", num_local_experts, low=1)
+    check_int("block_m", block_m, low=1)
+    if block_m & (block_m - 1):
+        fail("block_m", "a power of two", block_m)
+    check_int("local_expert_offset", local_expert_offset, low=0)
+    check_int("cluster", cluster, low=1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def expert_layout(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    *,
+    block_m: int,
+    local_expert_offset: int = 0,
+    cluster: int = 1,
+) -> ExpertLayout:
+    """Sort the T·K slots by local expert and pad each expert's segment to ``block_m * cluster``.
+
+    Parameters
+    ----------
+    topk_ids : int32 / int64 [T, K], contiguous
+        Global expert ids. Ids outside ``[local_expert_offset, +num_local_experts)`` (including
+        negative padding ids) get no slot and no tile.
+    num_local_experts : int
+        E_local.
+    block_m : int (power of two), keyword-only
+        Rows per GEMM tile.
+    local_expert_offset : int
+        Global id of the first local expert.
+    cluster : int
+        Segments are padded to ``block_m * cluster`` so tiles come in groups of ``cluster``.
+
+    Returns
+    -------
+    ExpertLayout
+        On ``topk_ids``' device. Two Triton launches (Triton's interpreter on CPU tensors when the
+        process runs with ``TRITON_INTERPRET=1``), no host synchronization.
+    """
+    _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster)
+    from ._kernels.layout import _layout_hist_kernel, _layout_scatter_kernel
+
+    T, K = topk_ids.shape
+    num_slots = T * K
+    max_padded, max_tiles = layout_sizes(num_slots, num_local_experts, block_m, cluster)
+    dev = topk_ids.device
+    e_pad = _pow2(max(num_local_experts, 2))
+    nc_max = max(1, 8192 // e_pad)
+    ch = max(64, _pow2(-(-num_slots // nc_max)))
+    num_chunks = max(1, -(-num_slots // ch))
+    nc_pad = _pow2(max(num_chunks, 2))
+    tile_block = max(1, min(64, 4096 // e_pad, _pow2(max(max_tiles, 1))))
+    grid = max(num_chunks, -(-max_tiles // tile_block))
+    i32 = torch.int32
+    hist = torch.empty(num_chunks, e_pad, dtype=i32, device=dev)
+    base = torch.empty(num_chunks, e_pad, dtype=i32, device=dev)
+    out = ExpertLayout(
+        sorted_slots=torch.empty(max(max_padded, 1), dtype=i32, device=dev),
+        tile_expert=torch.empty(max_tiles, dtype=i32, device=dev),
+        tile_row_end=torch.empty(max_tiles, dtype=i32, device=dev),
+        expert_offsets=torch.empty(num_local_experts + 1, dtype=i32, device=dev),
+        expert_counts=torch.empty(num_local_experts, dtype=i32, device=dev),
+        num_tiles=torch.empty(1, dtype=i32, device=dev),
+        block_m=block_m,
+        cluster=cluster,
+        num_slots=num_slots,
+    )
+    _layout_hist_kernel[(num_chunks,)](
+        topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
+    )
+    _layout_scatter_kernel[(grid,)](
+        topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
+        out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, num_chunks,
+        max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,
+        TILE_BLOCK=tile_block, num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+def layout_torch(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    *,
+    block_m: int,
+    local_expert_offset: int = 0,
+    cluster: int = 1,
+) -> ExpertLayout:
+    """Reference of :func:`expert_layout` in plain torch (host-synchronizing); identical outputs
+    on the meaningful entries (see :class:`ExpertLayout`)."""
+    _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster)
+    T, K = topk_ids.shape
+    num_slots = T * K
+    max_padded, max_tiles = layout_sizes(num_slots, num_local_experts, block_m, cluster)
+    seg = block_m * cluster
+    dev = topk_ids.device
+    e = topk_ids.reshape(-1).long() - local_expert_offset
+    local = (e >= 0) & (e < num_local_experts)
+    counts = torch.bincount(e[local], minlength=num_local_experts)
+    padded = (counts + seg - 1) // seg * seg
+    offsets = torch.zeros(num_local_experts + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(padded.cpu(), 0)
+    sorted_slots = torch.full((max(max_padded, 1),), num_slots, dtype=torch.int32)
+    tile_expert = torch.full((max_tiles,), -1, dtype=torch.int32)
+    tile_row_end = torch.zeros(max_tiles, dtype=torch.int32)
+    slots = torch.arange(num_slots)
+    for x in range(num_local_experts):
+        mine = slots[(e == x).cpu()]
+        s = int(offsets[x])
+        sorted_slots[s : s + mine.numel()] = mine.to(torch.int32)
+        t0, t1 = s // block_m, int(offsets[x + 1]) // block_m
+        tile_expert[t0:t1] = x
+        tile_row_end[t0:t1] = s + mine.numel()
+    n_tiles = int(offsets[-1]) // block_m
+    i32 = torch.int32
+    return ExpertLayout(
+        sorted_slots=sorted_slots.to(dev),
+        tile_expert=tile_expert.to(dev),
+        tile_row_end=tile_row_end.to(dev),
+        expert_offsets=offsets.to(i32).to(dev),
+        expert_counts=counts.to(i32).to(dev),
+        num_tiles=torch.tensor([n_tiles], dtype=i32, device=dev),
+        block_m=block_m,
+        cluster=cluster,
+        num_slots=num_slots,
+    )
