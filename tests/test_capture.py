@@ -1,0 +1,295 @@
+"""RoutedExpertsCapturer on device='cpu' with real route() calls writing its buffers:
+the serving protocol (prefix-cache hit, decode steps, abort, id reuse), the two DP layouts,
+deferred scatter / double buffering (with a transfer whose copies complete on demand),
+host-memory accounting and its bound, and argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replaymoe.capture import CaptureMemoryError, RoutedExpertsCapturer, _SyncTransfer
+from replaymoe.routing import RoutingMethod, route
+from replaymoe.trace import RoutingTrace
+
+L, K, E, N = 3, 2, 8, 16
+
+
+def run_step(cap, generator, token_requests, token_positions, expected, *, rows=None, dp_span=None, skip=()):
+    """Route T rows through every layer into the capturer's buffers, remember what each
+    (request, position, layer) got, then end the step. ``rows`` = how many buffer rows the
+    kernels route (defaults to the number of tokens); layers in ``skip`` are not routed."""
+    T = rows if rows is not None else len(token_requests)
+    start = dp_span[0] if dp_span else 0
+    ids = []
+    for layer in range(L):
+        logits = torch.randn(T, E, generator=generator)
+        if layer in skip:
+            ids.append(None)
+            continue
+        out = route(logits, K, RoutingMethod.RENORMALIZE, routing_replay_out=cap.layer_buffer(layer))
+        ids.append(out.topk_ids)
+    for i, (req, pos) in enumerate(zip(token_requests, token_positions)):
+        if req is None:
+            continue
+        pos = int(pos)
+        for layer in range(L):
+            if ids[layer] is not None:
+                expected.setdefault(req, {})[(pos, layer)] = ids[layer][start + i].tolist()
+    cap.end_step(token_requests, token_positions, dp_span=dp_span)
+
+
+def expected_array(exp, n):
+    out = np.full((n, L, K), -1, dtype=np.int16)
+    for (pos, layer), row in exp.items():
+        if pos < n:
+            out[pos, layer] = row
+    return out
+
+
+def make(**kw):
+    args = dict(num_layers=L, max_num_tokens=N, top_k=K, device="cpu", num_experts=E, layer_ids=[1, 3, 5])
+    args.update(kw)
+    return RoutedExpertsCapturer(**args)
+
+
+def test_serving_protocol(generator):
+    cap = make(model_id="toy", page_size=4, slab_pages=4)
+    staging = cap.host_bytes()
+    exp: dict = {}
+    # prefill: A has a 4-position prefix-cache hit (computes positions 4..6), B computes 0..4,
+    # C computes 0..2; two padding rows at the end of the (graph-padded) batch
+    reqs = ["A"] * 3 + ["B"] * 5 + ["C"] * 3 + [None, None]
+    poss = [4, 5, 6] + [0, 1, 2, 3, 4] + [0, 1, 2] + [0, 0]
+    run_step(cap, generator, reqs, poss, exp)
+    assert cap.host_bytes() > staging
+    assert sorted(cap.live_requests) == ["A", "B", "C"]
+    # decode steps: one token per live request
+    run_step(cap, generator, ["A", "B", "C"], [7, 5, 3], exp)
+    cap.abort("C")  # preempted / cancelled
+    run_step(cap, generator, ["B", "A", None], [6, 8, 0], exp)
+    run_step(cap, generator, ["A", "B"], [9, 7], exp)
+
+    a = cap.finish("A")
+    assert isinstance(a, RoutingTrace)
+    assert (a.num_tokens, a.num_layers, a.top_k, a.num_experts) == (10, L, K, E)
+    assert a.layer_ids == (1, 3, 5) and a.model_id == "toy" and a.token_offset == 0
+    assert (a.ids[:4] == -1).all()  # the prefix-cache hit stays missing
+    np.testing.assert_array_equal(a.ids, expected_array(exp["A"], 10))
+    b = cap.finish("B")
+    np.testing.assert_array_equal(b.ids, expected_array(exp["B"], 8))
+    assert not b.missing_mask().any()
+
+    with pytest.raises(ValueError, match="request_id"):
+        cap.finish("C")  # aborted: nothing to return
+    with pytest.raises(ValueError, match="request_id"):
+        cap.finish("A")  # already finished
+    cap.abort("unknown")  # ignored
+    assert cap.live_requests == [] and cap.memory_stats()["used_page_bytes"] == 0
+
+    # the id "C" can be reused by a new request: it sees none of the aborted one's rows
+    exp2: dict = {}
+    run_step(cap, generator, ["C", "C"], [5, 6], exp2)
+    c = cap.finish("C")
+    assert c.num_tokens == 7 and (c.ids[:5] == -1).all()
+    np.testing.assert_array_equal(c.ids, expected_array(exp2["C"], 7))
+
+
+def test_finish_num_positions_and_page_reuse(generator):
+    cap = make(page_size=2, slab_pages=2)
+    exp: dict = {}
+    run_step(cap, generator, ["r"] * 5, list(range(5)), exp)
+    pool = cap.memory_stats()["pool_bytes"]
+    t = cap.finish("r", num_positions=3)  # e.g. trailing rejected speculative tokens
+    np.testing.assert_array_equal(t.ids, expected_array(exp["r"], 3))
+    # freed pages are reused: a second request of the same size needs no new slab
+    exp2: dict = {}
+    run_step(cap, generator, ["s"] * 5, list(range(5)), exp2)
+    assert cap.memory_stats()["pool_bytes"] == pool
+    t2 = cap.finish("s", num_positions=8)  # padded with -1
+    assert (t2.ids[5:] == -1).all()
+    np.testing.assert_array_equal(t2.ids[:5], expected_array(exp2["s"], 5))
+
+
+def test_dp_all_ranks_tokens_with_span(generator):
+    # the MoE runs on all DP ranks' tokens concatenated (rank 0: 3 tokens, rank 1: 4 tokens);
+    # this is rank 1's capturer: its rows are [3, 7)
+    cap = make()
+    exp: dict = {}
+    run_step(cap, generator, ["x", "x", "y", "y"], [0, 1, 0, 1], exp, rows=7, dp_span=(3, 4))
+    run_step(cap, generator, ["y", "x"], [2, 2], exp, rows=5, dp_span=(3, 2))
+    for r in ("x", "y"):
+        np.testing.assert_array_equal(cap.finish(r).ids, expected_array(exp[r], 3))
+
+
+def test_dp_all_ranks_tokens_with_none_entries(generator):
+    # same layout, described with one entry per row and None for the other rank's tokens
+    cap = make()
+    exp: dict = {}
+    run_step(cap, generator, [None] * 3 + ["x", "x", "y", "y"], [0, 0, 0, 0, 1, 0, 1], exp)
+    np.testing.assert_array_equal(cap.finish("y").ids, expected_array(exp["y"], 2))
+    np.testing.assert_array_equal(cap.finish("x").ids, expected_array(exp["x"], 2))
+
+
+def test_dp_this_rank_only(generator):
+    # only this rank's tokens reach the MoE: rows 0..T-1, no span
+    cap = make()
+    exp: dict = {}
+    run_step(cap, generator, ["x", "y", "x"], [0, 0, 1], exp)
+    np.testing.assert_array_equal(cap.finish("x").ids, expected_array(exp["x"], 2))
+
+
+def test_clear_after_copy_exposes_skipped_writes(generator):
+    for clear in (False, True):
+        cap = make(clear_after_copy=clear)
+        exp: dict = {}
+        run_step(cap, generator, ["r", "r"], [0, 1], exp)
+        before = cap.buffer[1, :2].clone()
+        run_step(cap, generator, ["r", "r"], [2, 3], exp, skip=(1,))  # layer 1's kernel never writes
+        t = cap.finish("r")
+        if clear:
+            assert (t.ids[2:, 1] == -1).all()  # shows up as missing
+        else:
+            np.testing.assert_array_equal(t.ids[2:, 1], before.numpy())  # stale rows: the hazard
+
+
+# ----------------------------------------------------------------------------- deferred copies
+
+
+class _Handle:
+    def __init__(self, step):
+        self.step, self.done = step, False
+
+
+class _ManualTransfer(_SyncTransfer):
+    """Copies at start (like the gather on the step's stream) but reports completion only when
+    the test says so, like a side-stream copy still in flight."""
+
+    def __init__(self, buffer, num_buffers):
+        super().__init__(buffer, num_buffers)
+        self.handles, self.waited = [], []
+
+    def start(self, slot, start, T):
+        super().start(slot, start, T)
+        h = _Handle(len(self.handles))
+        self.handles.append(h)
+        return h
+
+    def ready(self, handle):
+        return handle.done
+
+    def wait(self, handle):
+        self.waited.append(handle.step)
+        handle.done = True
+
+
+class _ManualCapturer(RoutedExpertsCapturer):
+    def _make_transfer(self):
+        return _ManualTransfer(self.buffer, self.num_buffers)
+
+
+def test_scatter_waits_for_copy_events(generator):
+    cap = _ManualCapturer(L, N, K, device="cpu", num_experts=E, page_size=4, slab_pages=8)
+    tr = cap._transfer
+    exp: dict = {}
+    run_step(cap, generator, ["a", "b"], [0, 0], exp)  # step 0
+    run_step(cap, generator, ["b"], [1], exp)  # step 1
+    assert cap.pending_steps == 2 and tr.waited == []  # nothing scattered, nobody waited
+    cap.poll()
+    assert cap.pending_steps == 2
+    tr.handles[0].done = True
+    cap.poll()  # the completed copy is scattered, in order
+    assert cap.pending_steps == 1 and tr.waited == []
+    # a third step reuses step 0's staging slot (double buffering): no wait, step 0 is done
+    run_step(cap, generator, ["a"], [1], exp)  # step 2
+    assert tr.waited == []
+    # a fourth step reuses step 1's slot, whose copy is still in flight: back-pressure waits
+    run_step(cap, generator, ["b"], [2], exp)  # step 3
+    assert tr.waited == [1]
+    # finish waits only for the copies of steps that carried the request (a: steps 0 and 2)
+    a = cap.finish("a")
+    assert tr.waited == [1, 2]
+    np.testing.assert_array_equal(a.ids, expected_array(exp["a"], 2))
+    b = cap.finish("b")
+    assert tr.waited == [1, 2, 3]
+    np.testing.assert_array_equal(b.ids, expected_array(exp["b"], 3))
+
+
+def test_abort_with_copy_in_flight_keeps_pages_until_it_lands(generator):
+    cap = _ManualCapturer(L, N, K, device="cpu", num_experts=E, page_size=4, slab_pages=8)
+    tr = cap._transfer
+    exp: dict = {}
+    run_step(cap, generator, ["a"] * 4, [0, 1, 2, 3], exp)  # step 0, in flight
+    used = cap.memory_stats()["used_page_bytes"]
+    cap.abort("a")  # never waits
+    assert tr.waited == [] and cap.memory_stats()["used_page_bytes"] == used  # still targeted
+    exp2: dict = {}
+    run_step(cap, generator, ["a"] * 4, [0, 1, 2, 3], exp2)  # a new request reusing the id
+    assert cap.memory_stats()["used_page_bytes"] == 2 * used  # got other pages
+    tr.handles[0].done = True
+    cap.poll()
+    assert cap.memory_stats()["used_page_bytes"] == used  # the aborted one's page came back
+    t = cap.finish("a")
+    np.testing.assert_array_equal(t.ids, expected_array(exp2["a"], 4))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_host_bytes_and_bound(generator):
+    row = L * K * 2
+    cap = make(page_size=4, slab_pages=2, max_host_bytes=2 * N * row + 2 * 2 * 4 * row)  # staging + 2 slabs
+    staging = 2 * N * row  # two staging buffers of [N, L, K] int16
+    assert cap.host_bytes() == staging
+    exp: dict = {}
+    run_step(cap, generator, ["a"] * 9, list(range(9)), exp)  # 3 pages -> 2 slabs of 2 pages
+    assert cap.host_bytes() == staging + 2 * 2 * 4 * row
+    assert cap.memory_stats()["used_page_bytes"] == 3 * 4 * row
+    with pytest.raises(CaptureMemoryError, match="max_host_bytes"):
+        run_step(cap, generator, ["b"] * 8, list(range(8)), {})  # 2 more pages: only 1 free
+    assert cap.live_requests == ["a"]  # nothing of the failed step was recorded
+    run_step(cap, generator, ["a"], [9], exp)  # position 9 is on a's page 2: no new page needed
+    np.testing.assert_array_equal(cap.finish("a").ids, expected_array(exp["a"], 10))
+    with pytest.raises(CaptureMemoryError, match="staging"):
+        make(max_host_bytes=100)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def test_rejections():
+    cap = make()
+    with pytest.raises(ValueError, match="layer"):
+        cap.layer_buffer(L)
+    assert cap.layer_buffer(2).shape == (N, K) and cap.layer_buffer(2).is_contiguous()
+    assert cap.layer_buffer(2).dtype == torch.int16
+    with pytest.raises(ValueError, match="token_positions"):
+        cap.end_step(["a", "b"], [0])
+    with pytest.raises(ValueError, match="token_positions"):
+        cap.end_step(["a"], [-1])
+    with pytest.raises(ValueError, match="token_positions"):
+        cap.end_step(["a"], [0.5])
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        cap.end_step(["a"] * (N + 1), list(range(N + 1)))
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        cap.end_step(["a"] * 2, [0, 1], dp_span=(N - 1, 2))
+    with pytest.raises(ValueError, match="dp_span"):
+        cap.end_step(["a"] * 2, [0, 1], dp_span=(0, 3))
+    with pytest.raises(ValueError, match="top_k"):
+        make(top_k=E + 1)
+    with pytest.raises(ValueError, match="layer_ids"):
+        make(layer_ids=[0, 1])
+    with pytest.raises(ValueError, match="device"):
+        make(device="meta")
+    assert cap.live_requests == []
+    cap.end_step([None, None], [0, 0])  # a step of padding only records nothing
+    assert cap.pending_steps == 0 and cap.live_requests == []
+
+
+def test_positions_as_tensor_and_numpy(generator):
+    cap = make()
+    exp: dict = {}
+    run_step(cap, generator, ["a", "a"], torch.tensor([0, 1]), exp)
+    run_step(cap, generator, ["a"], np.array([2], dtype=np.int32), exp)
+    np.testing.assert_array_equal(cap.finish("a").ids, expected_array(exp["a"], 3))
