@@ -265,7 +265,7 @@ def _selection_scores(x32: torch.Tensor, p: _Params, bias: Optional[torch.Tensor
             b = b + bias.float()
     else:
         b = x32.clone()
-    neg_inf = torch.tensor(float("-inf"), dtype=torch.float32, device=b.device)
+    neg_inf = float("-inf")  # a Python scalar: no host->device copy (CUDA-graph capturable)
     b = torch.where(torch.isnan(b), neg_inf, b)
     if p.method == RoutingMethod.DEEPSEEK_V3 and p.n_group > 1:
         t, e = b.shape
@@ -523,6 +523,7 @@ def _launch(
         HAS_CAPTURE=routing_replay_out is not None,
         BLOCK_T=block_t,
         ALGO=algo,
+        KEY32=router_logits.dtype != torch.float32 and method not in _BIASED,
         num_warps=num_warps,
     )
     return ids, weights
@@ -541,21 +542,34 @@ def _route_op(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.replaymoe.route``: the routing kernel as a custom op (for torch.compile)."""
-    return _launch(router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group,
-                   scale)
+    return _launch(
+        router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
+    )
 
 
 @_route_op.register_fake
-def _route_op_fake(router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group,
-                   scale):
+def _route_op_fake(
+    router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
+):
     t = router_logits.shape[0]
-    return (router_logits.new_empty((t, top_k), dtype=torch.int32),
-            router_logits.new_empty((t, top_k), dtype=torch.float32))
+    return (
+        router_logits.new_empty((t, top_k), dtype=torch.int32),
+        router_logits.new_empty((t, top_k), dtype=torch.float32),
+    )
 
 
 def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: _Params):
-    args = (router_logits, bias, replay_ids, routing_replay_out, p.top_k, int(p.method), p.n_group,
-            p.topk_group, p.scale)
+    args = (
+        router_logits,
+        bias,
+        replay_ids,
+        routing_replay_out,
+        p.top_k,
+        int(p.method),
+        p.n_group,
+        p.topk_group,
+        p.scale,
+    )
     if torch.compiler.is_compiling():
         return torch.ops.replaymoe.route(*args)
     return _launch(*args)  # eager: skip the custom-op dispatch overhead, same code
@@ -603,8 +617,9 @@ class _RouteFunction(torch.autograd.Function):
     """route() on the Triton backend with a backward w.r.t. the logits (ids are not differentiable)."""
 
     @staticmethod
-    def forward(ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group,
-                topk_group, scale):
+    def forward(
+        ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
+    ):
         p = _Params(RoutingMethod(method), top_k, n_group, topk_group, scale)
         ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
         ctx.save_for_backward(router_logits, ids)
@@ -627,8 +642,17 @@ def _route_triton(
     replay_ids: Optional[torch.Tensor],
 ) -> RoutingOutput:
     if torch.is_grad_enabled() and router_logits.requires_grad:
-        ids, weights = _RouteFunction.apply(router_logits, bias, replay_ids, routing_replay_out, p.top_k,
-                                            int(p.method), p.n_group, p.topk_group, p.scale)
+        ids, weights = _RouteFunction.apply(
+            router_logits,
+            bias,
+            replay_ids,
+            routing_replay_out,
+            p.top_k,
+            int(p.method),
+            p.n_group,
+            p.topk_group,
+            p.scale,
+        )
     else:
         ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
     return RoutingOutput(ids, weights)

@@ -29,27 +29,39 @@ _MINIMAX2 = tl.constexpr(7)
 _SIGMOID = tl.constexpr(8)
 _TOPK_SIGMOID = tl.constexpr(9)
 
-_SENTINEL = tl.constexpr(-4611686018427387904)  # -2**62, below every packed key (>= -2**47)
+_SENTINEL = tl.constexpr(-4611686018427387904)  # -2**62, below every int64 key (>= -2**47)
+_SENTINEL32 = tl.constexpr(-2147483648)  # below every int32 key (-inf packs above it)
 
 
 @triton.jit
-def _pack(score, expert):
-    """int64 key ordering by (score, -expert); score fp32 without NaN, -0.0 canonicalised."""
+def _pack(score, expert, KEY32: tl.constexpr):
+    """Key ordering by (score, -expert); score fp32 without NaN, -0.0 canonicalised.
+
+    KEY32: int32 key for scores that are exactly 16-bit floats (their fp32 form has 13 zero
+    low bits, which carry ``8191 - expert``); else int64 ``(ordered << 16) | (65535 - expert)``.
+    """
     bits = score.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 16) | (65535 - expert).to(tl.int64)
+    if KEY32:
+        return (ordered & -8192) | (8191 - expert)
+    else:
+        return (ordered.to(tl.int64) << 16) | (65535 - expert).to(tl.int64)
 
 
 @triton.jit
 def _unpack_score(key):
+    """Score of an int64 key."""
     ordered = (key >> 16).to(tl.int32)
     bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _unpack_expert(key):
-    return 65535 - (key & 65535).to(tl.int32)
+def _unpack_expert(key, KEY32: tl.constexpr):
+    if KEY32:
+        return 8191 - (key & 8191)
+    else:
+        return 65535 - (key & 65535).to(tl.int32)
 
 
 @triton.jit
@@ -73,6 +85,7 @@ def _select(
     TOPK_GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ALGO: tl.constexpr,
+    KEY32: tl.constexpr,
 ):
     """int32 [BLOCK_T, KP] selected experts, columns in descending key order."""
     EP: tl.constexpr = NGP * GSP
@@ -82,7 +95,11 @@ def _select(
         b = x
     b = tl.where(b != b, float("-inf"), b)  # NaN -> -inf
     b = tl.where(b == 0.0, 0.0, b)  # -0.0 -> +0.0 (they compare equal)
-    key = tl.where(valid, _pack(b, expert), _SENTINEL)
+    if KEY32:
+        SENT: tl.constexpr = _SENTINEL32
+    else:
+        SENT: tl.constexpr = _SENTINEL
+    key = tl.where(valid, _pack(b, expert, KEY32), SENT)
 
     if METHOD == _DEEPSEEK_V3 and NG > 1:
         k3 = tl.reshape(key, [BLOCK_T, NGP, GSP])
@@ -96,14 +113,17 @@ def _select(
         gscore = tl.where(gscore == 0.0, 0.0, gscore)
         gid = tl.arange(0, NGP)[None, :]
         gvalid = gid < NG
-        gkey = tl.where(gvalid, _pack(gscore, gid), _SENTINEL)
+        gkey = tl.where(gvalid, _pack(gscore, gid, False), _SENTINEL)
         for _ in tl.static_range(TOPK_GROUP):
             best = tl.max(gkey, axis=1)
             gkey = tl.where(gkey == best[:, None], _SENTINEL, gkey)
         kept = (gkey == _SENTINEL) & gvalid  # the groups taken above
-        masked = _pack(tl.full([1, EP], float("-inf"), tl.float32), expert)
-        key = tl.where(tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, NGP, GSP]), [BLOCK_T, EP]),
-                       key, tl.where(valid, masked, _SENTINEL))
+        masked = _pack(tl.full([1, EP], float("-inf"), tl.float32), expert, False)
+        key = tl.where(
+            tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, NGP, GSP]), [BLOCK_T, EP]),
+            key,
+            tl.where(valid, masked, _SENTINEL),
+        )
 
     cols = tl.arange(0, KP)[None, :]
     if ALGO == 0:
@@ -111,17 +131,17 @@ def _select(
             top = tl.max(key, axis=1)[:, None]
         else:
             top = tl.topk(key, KP, dim=1)
-        ids = _unpack_expert(top)
+        ids = _unpack_expert(top, KEY32)
     else:
         ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
         for j in tl.static_range(K):
             best = tl.max(key, axis=1)
-            key = tl.where(key == best[:, None], _SENTINEL, key)
-            ids = tl.where(cols == j, _unpack_expert(best)[:, None], ids)
+            key = tl.where(key == best[:, None], SENT, key)
+            ids = tl.where(cols == j, _unpack_expert(best, KEY32)[:, None], ids)
     return ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def route_kernel(
     logits_ptr,  # [T, E] fp32/bf16/fp16, unit stride along experts
     stride_lt,  # row stride of the logits (elements)
@@ -145,6 +165,7 @@ def route_kernel(
     HAS_CAPTURE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ALGO: tl.constexpr,
+    KEY32: tl.constexpr,  # 16-bit logits and a method selecting on the raw logits
 ):
     EP: tl.constexpr = NGP * GSP
     pid = tl.program_id(0)
@@ -153,10 +174,14 @@ def route_kernel(
     rows64 = rows.to(tl.int64)
 
     c = tl.arange(0, EP)
-    g = c // GSP
-    j = c % GSP
-    expert1 = g * GS + j
-    valid1 = (g < NG) & (j < GS)
+    if NG == 1 or GS == GSP:
+        expert1 = c  # contiguous columns
+        valid1 = c < NG * GS
+    else:
+        g = c // GSP
+        j = c % GSP
+        expert1 = g * GS + j
+        valid1 = (g < NG) & (j < GS)
     expert = expert1[None, :]
     valid = valid1[None, :]
     lmask = row_ok[:, None] & valid
@@ -182,10 +207,14 @@ def route_kernel(
         native = tl.sum(((forced != -1) & col_ok).to(tl.int32), axis=1) == 0
         ids = forced
         if tl.max((native & row_ok).to(tl.int32), axis=0) > 0:
-            sel = _select(x, bias, valid, expert, METHOD, K, KP, NG, GS, NGP, GSP, TOPK_GROUP, BLOCK_T, ALGO)
+            sel = _select(
+                x, bias, valid, expert, METHOD, K, KP, NG, GS, NGP, GSP, TOPK_GROUP, BLOCK_T, ALGO, KEY32
+            )
             ids = tl.where(native[:, None], sel, ids)
     else:
-        ids = _select(x, bias, valid, expert, METHOD, K, KP, NG, GS, NGP, GSP, TOPK_GROUP, BLOCK_T, ALGO)
+        ids = _select(
+            x, bias, valid, expert, METHOD, K, KP, NG, GS, NGP, GSP, TOPK_GROUP, BLOCK_T, ALGO, KEY32
+        )
 
     # weights from the logits at the chosen experts (a cached gather), by the method's formula
     xs = tl.load(logits_ptr + rows64[:, None] * stride_lt + ids, mask=omask, other=0.0).to(tl.float32)
