@@ -491,11 +491,18 @@ def _replay_vllm(path: str, model, moe, device) -> str:
         )
     trace = RoutingTrace.from_vllm(obj, num_experts=moe.num_experts, layer_ids=moe.layer_ids)
     seq = torch.tensor([list(prompt) + list(completion)], device=device)
+    moe.traces()  # drop anything captured before
     with torch.no_grad(), moe.replaying(trace):
         model(input_ids=seq)
         rep = moe.report()
-    moe.traces()
-    return f"vLLM response {path}: {trace!r}\n  {rep}"
+    (used,) = moe.traces()
+    n = trace.num_tokens
+    same = bool(np.array_equal(used.ids[trace.token_offset : trace.token_offset + n], trace.ids))
+    return (
+        f"vLLM response {path}: {trace!r}\n"
+        f"  trainer forward over its {seq.shape[1]} tokens: ids identical to the response's: {same}\n"
+        f"  {rep}".replace("\n  most", "\n    most")
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

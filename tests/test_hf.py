@@ -1,0 +1,408 @@
+"""transformers integration (CPU, tiny random models of every supported architecture).
+
+Each architecture is checked for: outputs equal to the unpatched model, captured ids equal to the
+model's own router (computed independently from the router's inputs with the original class
+forward), generate capture (one trace per sequence, padding excluded), exact replay at the same
+weights, replay after a router perturbation (keeps the captured ids, differs from native routing),
+gradients reaching the router, -1 fallback, and clear errors on mismatches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import replaymoe.hf as rhf  # noqa: E402
+from replaymoe.demo import ARCHITECTURES, build_model  # noqa: E402
+from replaymoe.testing import assert_close  # noqa: E402
+from replaymoe.trace import RoutingTrace  # noqa: E402
+
+# the fp32 tolerance for whole-model logits: experts/routing are summed in another order than
+# transformers' grouped_mm, a few ulps of the logits' magnitude
+LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _batch(generator, vocab, lengths, *, left=True):
+    """Padded batch: ids [B, P], mask [B, P] (left or right padding), and the unpadded rows."""
+    P = max(lengths)
+    ids = torch.zeros(len(lengths), P, dtype=torch.long)
+    mask = torch.zeros(len(lengths), P, dtype=torch.long)
+    rows = []
+    for b, n in enumerate(lengths):
+        row = torch.randint(3, vocab, (n,), generator=generator)
+        sl = slice(P - n, P) if left else slice(0, n)
+        ids[b, sl], mask[b, sl] = row, 1
+        rows.append(row)
+    return ids, mask, rows
+
+
+def _model(arch, seed=0, **kw):
+    return build_model(arch, "tiny", seed=seed, **kw)
+
+
+def _perturb_routers(moe, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for info in moe.layers:
+            w = info.router.weight
+            w.add_(torch.randn(w.shape, generator=g) * scale * w.std())
+
+
+def _sets(ids):
+    return np.sort(np.asarray(ids), axis=-1)
+
+
+class _OwnRouter:
+    """Forward hooks that recompute every router call with the router class's own forward."""
+
+    def __init__(self, model):
+        self.calls: dict[int, list[torch.Tensor]] = {}
+        self.handles = []
+        for i, info in enumerate(rhf.find_moe_layers(model)):
+            self.handles.append(info.router.register_forward_hook(self._hook(i)))
+
+    def _hook(self, i):
+        def hook(router, args, output):
+            with torch.no_grad():
+                _, _, own = type(router).forward(router, args[0])  # the class forward, not the patch
+            self.calls.setdefault(i, []).append(own.reshape(-1, own.shape[-1]).clone())
+
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+# --------------------------------------------------------------------------------------------------
+# patched == unpatched; the registry switch
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
+    model = _model(arch)
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [7, 4, 2])  # left padding, ragged
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    calls = {"route": 0, "fused": 0}
+    import replaymoe.moe as rmoe
+
+    real_route, real_fused = rhf.route, rmoe.fused_moe
+
+    def spy_route(*a, **k):
+        calls["route"] += 1
+        return real_route(*a, **k)
+
+    def spy_fused(*a, **k):
+        calls["fused"] += 1
+        return real_fused(*a, **k)
+
+    monkeypatch.setattr(rhf, "route", spy_route)
+    monkeypatch.setattr(rmoe, "fused_moe", spy_fused)
+    moe = rhf.enable(model)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits
+    n_moe = len(moe.layers)
+    assert calls["route"] == n_moe
+    if arch == "gpt_oss":  # interleaved, biased, clamped experts: stay on grouped_mm
+        assert calls["fused"] == 0 and model.config._experts_implementation != "replaymoe"
+    else:
+        assert calls["fused"] == n_moe and model.config._experts_implementation == "replaymoe"
+    assert_close(out, ref, **LOGIT_TOL, name=f"{arch} logits")
+    moe.disable()
+    with torch.no_grad():
+        again = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(again, ref)  # disable() restores the model exactly
+
+
+def test_experts_implementation_switch(generator):
+    # the user-facing switch: from_config(..., experts_implementation="replaymoe")
+    import transformers
+
+    from replaymoe.demo import build_config
+
+    cfg = build_config("qwen3_moe", "tiny")
+    torch.manual_seed(0)
+    native = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="replaymoe").eval()
+    assert ours.config._experts_implementation == "replaymoe"
+    ids, mask, _ = _batch(generator, cfg.vocab_size, [5, 3])
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask).logits
+        ref = native(input_ids=ids, attention_mask=mask).logits
+    assert_close(got, ref, **LOGIT_TOL)
+
+
+# --------------------------------------------------------------------------------------------------
+# capture
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_generate_capture_matches_own_router(arch, generator):
+    model = _model(arch)
+    lengths, new = [6, 3, 1], 4
+    ids, mask, rows = _batch(generator, model.config.vocab_size, lengths)
+    own = _OwnRouter(model)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+    traces = moe.traces()
+    own.remove()
+    assert len(traces) == len(lengths)  # one per sequence
+    P, L, K = ids.shape[1], len(moe.layers), moe.top_k
+    for b, (n, tr) in enumerate(zip(lengths, traces)):
+        assert tr.num_tokens == n + new - 1  # prompt + completion; padding excluded
+        assert tr.ids.shape == (n + new - 1, L, K)
+        assert tr.num_experts == moe.num_experts and tr.top_k == K
+        assert list(tr.layer_ids) == moe.layer_ids
+        assert tr.missing_fraction() == 0.0
+        for li in range(L):
+            calls = own.calls[li]
+            assert len(calls) == new  # prefill + (new - 1) decode steps
+            prefill = calls[0].reshape(len(lengths), P, K)[b, P - n :]
+            decode = torch.stack([c.reshape(len(lengths), 1, K)[b, 0] for c in calls[1:]])
+            expected = torch.cat([prefill, decode])
+            np.testing.assert_array_equal(_sets(tr.ids[:, li]), _sets(expected.numpy()))
+    if arch in ("deepseek_v3", "glm4_moe"):
+        assert moe.layer_ids[0] == 1  # dense first layer: real layer numbers, not MoE indices
+
+
+def test_capture_right_padding_and_two_batches(generator):
+    model = _model("qwen3_moe")
+    moe = rhf.enable(model, capture=True)
+    ids, mask, rows = _batch(generator, model.config.vocab_size, [5, 2], left=False)
+    ids2, mask2, _ = _batch(generator, model.config.vocab_size, [3], left=False)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids2, attention_mask=mask2)
+    traces = moe.traces()
+    assert [t.num_tokens for t in traces] == [5, 2, 3]  # forward order, then row order
+    assert moe.traces() == []  # handed over once
+    moe.set_capture(False)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert moe.traces() == []
+
+
+def test_token_positions():
+    m = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    got = rhf.token_positions(2, 5, attention_mask=m, past_length=0, device="cpu")
+    assert got.tolist() == [[-1, -1, 0, 1, 2], [0, 1, 2, 3, -1]]
+    # decode step: the mask covers the cache and the new token
+    m2 = torch.cat([m, torch.ones(2, 1, dtype=torch.long)], 1)
+    assert rhf.token_positions(2, 1, attention_mask=m2, past_length=5, device="cpu").tolist() == [[3], [4]]
+    # mask shorter than cache + new tokens: the missing left columns count as kept
+    assert rhf.token_positions(
+        1, 2, attention_mask=torch.ones(1, 2), past_length=3, device="cpu"
+    ).tolist() == [[3, 4]]
+    # no (2-D) mask
+    assert rhf.token_positions(2, 2, attention_mask=None, past_length=4, device="cpu").tolist() == [
+        [4, 5],
+        [4, 5],
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# replay
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_replay_same_weights_is_exact(arch, generator):
+    model = _model(arch)
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [6, 4, 2])
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    traces = moe.traces()
+    with torch.no_grad(), moe.replaying(traces):
+        out = model(input_ids=ids, attention_mask=mask).logits
+        rep = moe.report()
+    assert rep.layers_with_fallback == 0 and rep.tokens_seen == 12
+    again = moe.traces()
+    assert torch.equal(out, ref)  # same ids, same weights formula: bit-identical
+    for a, b in zip(traces, again):
+        np.testing.assert_array_equal(a.ids, b.ids)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_replay_after_perturbation_keeps_ids_and_grads_reach_router(arch, generator):
+    model = _model(arch)
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [8, 5])
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    rollout = moe.traces()
+    _perturb_routers(moe, 0.5, seed=3)
+    with torch.no_grad():
+        native = model(input_ids=ids, attention_mask=mask).logits
+    native_tr = moe.traces()
+    # the perturbation changed the routing somewhere (else the test could not tell replay from native)
+    assert any(not np.array_equal(_sets(a.ids), _sets(b.ids)) for a, b in zip(rollout, native_tr))
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with moe.replaying(rollout):
+        out = model(input_ids=ids, attention_mask=mask).logits
+    replay_tr = moe.traces()
+    for a, b in zip(rollout, replay_tr):
+        np.testing.assert_array_equal(a.ids, b.ids)  # forced ids, column order kept
+    assert not torch.allclose(out.detach(), native, atol=1e-4)
+    (out.float() * mask[..., None]).square().mean().backward()
+    for info in moe.layers:
+        grad = info.router.weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, info.name
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_replay_gradient_equals_native_gradient(arch, generator):
+    # replaying a model's own routing must give the router the gradient the unpatched model gives
+    model = _model(arch)
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [6, 3])
+    model.train()
+    model(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
+    ref = [info.router.weight.grad.clone() for info in rhf.find_moe_layers(model)]
+    model.zero_grad(set_to_none=True)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    with moe.replaying(moe.traces()):
+        model(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
+    for info, g in zip(moe.layers, ref):
+        assert_close(info.router.weight.grad, g, atol=1e-6, rtol=1e-4, name=f"grad {info.name}")
+
+
+def test_minus_one_rows_fall_back_to_native(generator):
+    model = _model("qwen3_moe")
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [8, 8])
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    rollout = moe.traces()
+    _perturb_routers(moe, 0.5, seed=5)
+    holes = []
+    for t in rollout:
+        x = t.ids.copy()
+        x[::2] = -1  # even positions: no recorded routing
+        x[1, 0] = -1  # and one (token, layer) row
+        holes.append(t.replace(ids=x))
+    own = _OwnRouter(model)  # the perturbed router's own choice on this forward's inputs
+    with torch.no_grad(), moe.replaying(holes):
+        model(input_ids=ids, attention_mask=mask)
+        rep = moe.report()
+    own.remove()
+    got = moe.traces()
+    for b, (h, g) in enumerate(zip(holes, got)):
+        native = np.stack([own.calls[li][0].reshape(2, 8, -1)[b].numpy() for li in range(3)], axis=1)
+        miss = h.ids[..., 0] < 0
+        np.testing.assert_array_equal(g.ids[~miss], h.ids[~miss])  # replayed
+        np.testing.assert_array_equal(_sets(g.ids[miss]), _sets(native[miss]))  # routed natively
+        assert not np.array_equal(_sets(g.ids), _sets(native))  # and the replayed rows were forced
+    assert rep.fallback_tokens_per_layer.tolist() == [8 + 2, 8, 8]
+
+
+def test_replay_in_generate_prompt_only_trace(generator):
+    # a trace covering only the prompt: prompt tokens replayed, generated tokens routed natively
+    model = _model("mixtral")
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [5, 3])
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    prompt_tr = moe.traces()
+    _perturb_routers(moe, 0.5, seed=7)
+    with torch.no_grad(), moe.replaying(prompt_tr):
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False
+        )
+        rep = moe.report()
+    got = moe.traces()
+    for p, g in zip(prompt_tr, got):
+        np.testing.assert_array_equal(g.ids[: p.num_tokens], p.ids)
+    assert rep.fallback_tokens_per_layer.tolist() == [2 * 2] * len(moe.layers)  # 2 decode steps x 2 rows
+
+
+def test_gradient_checkpointing_recompute_uses_replayed_ids(generator):
+    model = _model("qwen3_moe")
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [6, 6])
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    rollout = moe.traces()
+    _perturb_routers(moe, 0.5, seed=9)
+    moe.set_capture(False)
+    model.train()
+    with moe.replaying(rollout):
+        model(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
+    ref = [info.router.weight.grad.clone() for info in moe.layers]
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with moe.replaying(rollout):
+        model(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
+    for info, g in zip(moe.layers, ref):
+        assert_close(info.router.weight.grad, g, atol=1e-6, rtol=1e-4, name=info.name)
+
+
+# --------------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------------
+
+
+def _trace_for(moe, n=4, *, layers=None, top_k=None, num_experts=None, layer_ids="model"):
+    L = len(moe.layers) if layers is None else layers
+    K = moe.top_k if top_k is None else top_k
+    E = moe.num_experts if num_experts is None else num_experts
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((n, L, E)), axis=-1)[..., :K]
+    lids = moe.layer_ids[:L] if layer_ids == "model" else layer_ids
+    if lids is not None and len(lids) != L:
+        lids = list(range(L))
+    return RoutingTrace(ids, num_experts=E, top_k=K, layer_ids=lids)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(layers=2), "num_layers"),  # trace of another depth (model has 3 MoE layers)
+        (dict(top_k=3), "top_k"),  # trace of another top_k
+        (dict(num_experts=16), "num_experts"),  # trace of a model with more experts
+        (dict(layer_ids=[4, 5, 6]), "layer_ids"),  # same count, other layer numbers
+    ],
+)
+def test_replay_mismatch_raises(kwargs, match):
+    model = _model("qwen3_moe")
+    moe = rhf.enable(model)
+    with pytest.raises(ValueError, match=match):
+        moe.set_replay(_trace_for(moe, **kwargs))
+    moe.disable()
+    with pytest.raises(ValueError, match=match):  # also at enable(), which then leaves the model unpatched
+        rhf.enable(model, replay=_trace_for(moe, **kwargs))
+    assert getattr(model, "_replaymoe", None) is None
+
+
+def test_replay_batch_mismatch_and_other_errors(generator):
+    model = _model("deepseek_v3")
+    moe = rhf.enable(model)
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [4, 4, 4])
+    with moe.replaying([_trace_for(moe), _trace_for(moe)]):  # 2 traces, batch of 3
+        with pytest.raises(ValueError, match="positions"):
+            model(input_ids=ids, attention_mask=mask)
+    # a trace without layer_ids is matched in MoE order (DeepSeek: MoE layers 1, 2 = indices 0, 1)
+    moe.set_replay(_trace_for(moe, layer_ids=None))
+    moe.set_replay(None)
+    with pytest.raises(ValueError, match="already enabled"):
+        rhf.enable(model)
+    moe.disable()
+    with pytest.raises(ValueError, match="backend"):
+        rhf.enable(model, backend="cuda")
+    with pytest.raises(ValueError, match="architecture"):
+        rhf.enable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="enabled"):
+        rhf.enable(model, capture="yes")
