@@ -1,0 +1,361 @@
+"""MoeAlltoAll dispatch/combine and ep_moe on gloo (CPU) in spawned processes.
+
+Spawning is slow, so each test spawns once (4 ranks) and runs many cases inside, over sub-groups
+of sizes 1, 2, 3 and 4 of the same world. Every rank builds every rank's inputs from one seed, so
+the single-process references (``dispatch_torch``, ``combine_torch``, ``fused_moe_torch``) can be
+evaluated locally and compared exactly (integers, copies) or by dtype tolerance (MoE math).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+WORLD = 4
+# (ep, E): E divisible by ep and not (ep=3, E=10: ranks own 4, 3, 3 experts; ep=4, E=6: 2, 2, 1, 1)
+EP_E = [(1, 8), (2, 8), (3, 10), (4, 16), (4, 6)]
+
+
+def _groups(rank):
+    import torch.distributed as dist
+
+    groups = {WORLD: dist.group.WORLD}
+    for n in range(1, WORLD):
+        groups[n] = dist.new_group(list(range(n)))  # every rank calls new_group for every group
+    return groups
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    fresh = torch.empty(t.shape, dtype=t.dtype)  # (contiguous() keeps odd strides of size-1 dims)
+    fresh.copy_(t)
+    return fresh.view(torch.uint8)
+
+
+def _make_ids(g, T, K, E, ep, pattern, src_rank):
+    from replaymoe.ep import expert_partition
+
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.int32)
+    if pattern == "skewed":
+        # every token to the experts of one rank (the last); slots beyond its experts are -1 (not sent)
+        lo, n = expert_partition(E, ep)[ep - 1]
+        rows = []
+        for _ in range(T):
+            sel = (torch.randperm(n, generator=g)[: min(K, n)] + lo).tolist()
+            rows.append(sel + [-1] * (K - len(sel)))
+        return torch.tensor(rows, dtype=torch.int32)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+
+
+def _make_payloads(g, T, K, ids):
+    return [
+        torch.randn(T, 24, generator=g),  # hidden fp32
+        torch.randn(T, 8, generator=g).to(torch.bfloat16),  # hidden bf16
+        ids.clone(),  # topk ids int32 (sanitized)
+        torch.rand(T, K, generator=g),  # topk weights fp32
+        (torch.randn(T, 3, generator=g) * 50).to(torch.float8_e4m3fn),  # fp8 data, 3 bytes per token
+        torch.rand(T, 2, generator=g) + 0.5,  # fp32 scales
+        torch.randint(-(2**40), 2**40, (T,), generator=g),  # int64, 1-D payload
+    ]
+
+
+def _dispatch_combine_worker(rank, world):
+    import torch.distributed as dist
+
+    from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch
+    from replaymoe.testing import poison
+
+    groups = _groups(rank)
+    n_cases = 0
+    for ep, E in EP_E:
+        for K in (1, 2, 4, 8):
+            if K > E:
+                continue
+            # skewed / zero-token patterns at K = 2 and 8 only (spawned CPU time is the budget)
+            for pattern in ("random", "skewed", "zero_rank") if K in (2, 8) else ("random",):
+                # the Triton packing/reduction kernels (interpreted: slow) in one configuration
+                interp = (ep, E, K, pattern) == (3, 10, 2, "random")
+                for kernel_backend in ("torch", "triton") if interp else ("torch",):
+                    g = torch.Generator().manual_seed(1000 * ep + 10 * K + len(pattern))
+                    max_tokens = 6
+                    if rank >= ep:
+                        continue
+                    a2a = MoeAlltoAll(groups[ep], max_tokens, K, E, 24, kernel_backend=kernel_backend)
+                    for rnd, rt in enumerate((6, 4)):  # two rounds: stale rows of round 0 must not leak
+                        Ts = torch.randint(0, rt + 1, (ep,), generator=g).tolist()
+                        if pattern == "zero_rank":
+                            Ts[ep - 1] = 0
+                        ids = [_make_ids(g, Ts[s], K, E, ep, pattern, s) for s in range(ep)]
+                        pays = [_make_payloads(g, Ts[s], K, ids[s]) for s in range(ep)]
+                        if rnd == 0:
+                            from replaymoe.ep.alltoall import _row_layout
+
+                            a2a._transport.ensure_dispatch(_row_layout(pays[rank]).row_bytes)
+                            poison(a2a._transport.recv)
+                        views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=2)
+                        ref, counts = dispatch_torch(ids, pays, E, rt, expert_id_payload_index=2)
+                        ctx = f"ep={ep} E={E} K={K} {pattern} {kernel_backend} round {rnd} rank {rank}"
+                        assert torch.equal(a2a.recv_counts, counts[rank]), (
+                            ctx,
+                            a2a.recv_counts,
+                            counts[rank],
+                        )
+                        for p, (v, r) in enumerate(zip(views, ref[rank])):
+                            assert v.shape == (ep, rt, *pays[rank][p].shape[1:]), ctx
+                            for s in range(ep):
+                                c = int(counts[rank, s])
+                                assert torch.equal(_bytes(v[s, :c]), _bytes(r[s, :c])), (ctx, p, s)
+                        # the id payload entirely (padding rows and remote experts = -1)
+                        assert torch.equal(views[2], ref[rank][2]), (ctx, views[2], ref[rank][2])
+                        # combine: each rank returns f(row) for the rows it received; padding is NaN
+                        pay = (views[0] * (rank + 1) + rank).float()
+                        for s in range(ep):
+                            pay[s, int(counts[rank, s]) :] = float("nan")
+                        all_pays = []
+                        for r in range(ep):
+                            x = ref[r][0] * (r + 1) + r
+                            all_pays.append(x)
+                        expect = combine_torch(all_pays, ids, E)[rank]
+                        if rnd == 0:
+                            out = a2a.combine(pay.contiguous(), rt)  # contiguous payload (staged)
+                        else:  # the padded [ep, rt + 1, H] layout ep_moe uses (sent as it is)
+                            big = torch.full((ep, rt + 1, 24), float("nan"))
+                            big[:, :rt] = pay
+                            out = a2a.combine(big[:, :rt], rt)
+                        assert out.shape == (Ts[rank], 24) and out.dtype == torch.float32, ctx
+                        assert torch.equal(out, expect), (ctx, (out - expect).abs().max())
+                        n_cases += 1
+                    # bf16 combine payload and a custom invalid id
+                    rt = 5
+                    Ts = [min(3 + s, rt) for s in range(ep)]
+                    ids = [_make_ids(g, Ts[s], K, E, ep, "random", s) for s in range(ep)]
+                    hid = [torch.randn(Ts[s], 24, generator=g).to(torch.bfloat16) for s in range(ep)]
+                    views = a2a.dispatch(
+                        ids[rank],
+                        [hid[rank], ids[rank]],
+                        rt,
+                        invalid_token_expert_id=-7,
+                        expert_id_payload_index=1,
+                    )
+                    ref, counts = dispatch_torch(
+                        ids,
+                        [[h, i] for h, i in zip(hid, ids)],
+                        E,
+                        rt,
+                        invalid_token_expert_id=-7,
+                        expert_id_payload_index=1,
+                    )
+                    assert torch.equal(views[1], ref[rank][1])
+                    out = a2a.combine(views[0] * 2, rt)
+                    expect = combine_torch([ref[r][0] * 2 for r in range(ep)], ids, E)[rank]
+                    assert out.dtype == torch.bfloat16 and torch.equal(out, expect)
+    dist.barrier()
+    if rank == 0:
+        assert n_cases >= 60, n_cases
+
+
+def test_dispatch_combine_gloo():
+    """Dispatch invariants exactly and combine against the per-token sum: ep 1-4, E divisible or not,
+    top_k 1/2/4/8, random / skewed (-1 padded) / one rank with zero tokens, 7 mixed-dtype payloads,
+    two rounds with different runtime_max, both combine payload layouts, Triton packing under the
+    interpreter for one configuration."""
+    run_distributed(_dispatch_combine_worker, WORLD)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _moe_worker(rank, world):
+    import torch.distributed as dist
+
+    from replaymoe.ep import MoeAlltoAll, ep_moe, expert_partition
+    from replaymoe.moe import fused_moe_torch
+    from replaymoe.quant import quantize_fp8_block
+    from replaymoe.routing import RoutingMethod
+    from replaymoe.testing import assert_close, tie_free_logits
+
+    groups = _groups(rank)
+    cases = [
+        # (ep, E, K, method kwargs, dtype, fp8)
+        (1, 8, 2, {"method": RoutingMethod.RENORMALIZE}, torch.float32, False),
+        (
+            2,
+            8,
+            4,
+            {
+                "method": RoutingMethod.DEEPSEEK_V3,
+                "n_group": 2,
+                "topk_group": 1,
+                "routed_scaling_factor": 2.5,
+            },
+            torch.float32,
+            False,
+        ),  # noqa: E501
+        (3, 10, 2, {"method": RoutingMethod.RENORMALIZE}, torch.float32, False),
+        (3, 10, 8, {"method": RoutingMethod.SIGMOID_RENORM}, torch.float32, False),
+        (4, 16, 8, {"method": RoutingMethod.RENORMALIZE}, torch.float32, False),
+        (4, 6, 1, {"method": RoutingMethod.RENORMALIZE}, torch.bfloat16, False),
+        (2, 4, 2, {"method": RoutingMethod.RENORMALIZE}, torch.bfloat16, True),
+    ]
+    for ep, E, K, kw, dtype, fp8 in cases:
+        g = torch.Generator().manual_seed(7 * ep + E + K)
+        H, I = (128, 128) if fp8 else (32, 16)  # noqa: E741
+        max_tokens = 7
+        Ts = torch.randint(1, max_tokens + 1, (ep,), generator=g).tolist()
+        Ts[-1] = 0 if ep > 1 else Ts[-1]  # a rank with zero tokens takes part
+        xs = [torch.randn(T, H, generator=g).to(dtype) for T in Ts]
+        logits = [tie_free_logits(T, E, generator=g) for T in Ts]
+        w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+        w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+        scales = {}
+        if fp8:
+            w13, s13 = quantize_fp8_block(w13.float())
+            w2, s2 = quantize_fp8_block(w2.float())
+            scales = {"w13_scale": s13, "w2_scale": s2}
+        replay = [
+            torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+            if T
+            else torch.zeros(0, K, dtype=torch.int64)
+            for T in Ts
+        ]
+        if rank >= ep:
+            continue
+        a2a = MoeAlltoAll(groups[ep], max_tokens, K, E, H)
+        lo, n = expert_partition(E, ep)[rank]
+        loc = {k: v[lo : lo + n] for k, v in scales.items()}
+        T = Ts[rank]
+        ctx = f"ep={ep} E={E} K={K} {kw['method'].name} {dtype} fp8={fp8} rank {rank}"
+        cap = torch.full((max_tokens, K), -5, dtype=torch.int16)
+        out = ep_moe(
+            xs[rank],
+            logits[rank],
+            w13[lo : lo + n],
+            w2[lo : lo + n],
+            a2a,
+            top_k=K,
+            routing_replay_out=cap,
+            **kw,
+            **loc,
+        )
+        expect = fused_moe_torch(
+            xs[rank],
+            w13,
+            w2,
+            router_logits=logits[rank],
+            top_k=K,
+            routing_replay_out=(cap_ref := torch.full((max_tokens, K), -5, dtype=torch.int16)),
+            **kw,
+            **scales,
+        )
+        assert out.shape == (T, H) and out.dtype == expect.dtype, ctx
+        assert_close(out, expect, name=ctx)
+        assert torch.equal(cap, cap_ref), ctx  # capture through ep_moe = single-device capture
+        # replay: forced ids, weights recomputed from the logits
+        out = ep_moe(
+            xs[rank],
+            logits[rank],
+            w13[lo : lo + n],
+            w2[lo : lo + n],
+            a2a,
+            top_k=K,
+            replay_ids=replay[rank],
+            runtime_max_tokens_per_rank=max(Ts),
+            **kw,
+            **loc,
+        )
+        expect = fused_moe_torch(
+            xs[rank], w13, w2, router_logits=logits[rank], top_k=K, replay_ids=replay[rank], **kw, **scales
+        )
+        assert_close(out, expect, name=ctx + " replay")
+    dist.barrier()
+
+
+def test_ep_moe_gloo():
+    """ep_moe equals single-process fused_moe_torch on the full weights (fp32, bf16, fp8 block
+    scale; ep 1-4, E=10 on 3 ranks; DeepSeek-V3 / renormalize / sigmoid routing), with a zero-token
+    rank, capture (routing_replay_out identical) and replay through it."""
+    run_distributed(_moe_worker, WORLD)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _errors_worker(rank, world):
+    import torch.distributed as dist
+
+    from replaymoe.ep import MoeAlltoAll, ep_moe
+
+    E, K, H = 8, 2, 16
+    with pytest.raises(ValueError, match="num_experts"):
+        MoeAlltoAll(None, 4, K, 1, H)
+    with pytest.raises(ValueError, match="transport"):
+        MoeAlltoAll(None, 4, K, E, H, transport="mpi")
+    with pytest.raises(ValueError, match="transport"):
+        MoeAlltoAll(None, 4, K, E, H, transport="symm")  # CPU device
+    with pytest.raises(ValueError, match="timeout"):
+        MoeAlltoAll(None, 4, K, E, H, timeout=-1)
+    with pytest.raises(ValueError, match="top_k"):
+        MoeAlltoAll(None, 4, 9, E, H)
+    a2a = MoeAlltoAll(None, 4, K, E, H)
+    ids = torch.tensor([[0, 5], [7, 1]], dtype=torch.int32)
+    x = torch.randn(2, H)
+    with pytest.raises(RuntimeError, match="before dispatch"):
+        a2a.combine(torch.zeros(2, 4, H), 4)
+    with pytest.raises(ValueError, match="runtime_max_tokens_per_rank"):
+        a2a.dispatch(ids, [x], 5)  # above the construction max
+    with pytest.raises(ValueError, match="token_selected_experts"):
+        a2a.dispatch(ids, [x], 1)  # T_local above runtime_max
+    with pytest.raises(ValueError, match="dtype of token_selected_experts"):
+        a2a.dispatch(ids.long(), [x], 4)
+    with pytest.raises(ValueError, match="shape of token_selected_experts"):
+        a2a.dispatch(ids[:, :1], [x], 4)
+    with pytest.raises(ValueError, match=r"payloads\[1\]"):
+        a2a.dispatch(ids, [x, x[:1]], 4)
+    with pytest.raises(ValueError, match="payloads"):
+        a2a.dispatch(ids, [], 4)
+    with pytest.raises(ValueError, match=r"payloads\[0\]"):
+        a2a.dispatch(ids, [x], 4, expert_id_payload_index=0)  # not an int32 [T, K] payload
+    with pytest.raises(ValueError, match="expert_id_payload_index"):
+        a2a.dispatch(ids, [x], 4, expert_id_payload_index=3)
+    # none of the above entered a collective: the ranks are still in lockstep
+    a2a.dispatch(ids, [x], 4)
+    with pytest.raises(RuntimeError, match="twice"):
+        a2a.dispatch(ids, [x], 4)
+    with pytest.raises(ValueError, match="runtime_max_tokens_per_rank"):
+        a2a.combine(torch.zeros(2, 3, H), 3)  # not the dispatch's runtime_max
+    with pytest.raises(ValueError, match="shape of payload"):
+        a2a.combine(torch.zeros(2, 4, H + 1), 4)
+    with pytest.raises(ValueError, match="dtype of payload"):
+        a2a.combine(torch.zeros(2, 4, H, dtype=torch.int32), 4)
+    out = a2a.combine(torch.zeros(2, 4, H), 4)
+    assert out.shape == (2, H)
+    w13 = torch.randn(4, 8, H)
+    w2 = torch.randn(4, H, 4)
+    logits = torch.randn(2, E)
+    with pytest.raises(ValueError, match="top_k"):
+        ep_moe(x, logits, w13, w2, a2a, top_k=3)
+    with pytest.raises(ValueError, match="w13_local"):
+        ep_moe(x, logits, w13[:3], w2, a2a, top_k=K)
+    with pytest.raises(ValueError, match="router_logits"):
+        ep_moe(x, logits[:, :7], w13, w2, a2a, top_k=K)
+    dist.barrier()
+    # a peer that never arrives: a timeout error naming this rank, not a hang
+    t = MoeAlltoAll(None, 4, K, E, H, timeout=2.0)
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 0 of 2"):
+            t.dispatch(ids, [x], 4)
+        assert time.monotonic() - start < 30
+    else:
+        time.sleep(4.0)
+    dist.barrier()
+
+
+def test_errors_gloo():
+    """Rejections raise ValueError/RuntimeError on the calling rank before any collective (the ranks
+    stay in lockstep afterwards); a missing peer raises a timeout error naming the rank."""
+    run_distributed(_errors_worker, 2)
