@@ -93,8 +93,8 @@ class _SyncTransfer:
 
     def start(self, slot: int, start: int, T: int) -> Any:
         L, _, K = self.buffer.shape
-        dst = torch.from_numpy(self.staging[slot][: T * L * K]).view(T, L, K)
-        dst.copy_(self.buffer[:, start : start + T].transpose(0, 1))
+        src = self.buffer[:, start : start + T].numpy()  # [L, T, K] view, no copy
+        np.copyto(self.staging[slot][: T * L * K].reshape(T, L, K), src.transpose(1, 0, 2))
         return None
 
     def ready(self, handle: Any) -> bool:
@@ -343,68 +343,62 @@ class RoutedExpertsCapturer:
         if start + T > self.max_num_tokens:
             fail("end_step", f"at most max_num_tokens={self.max_num_tokens} rows", f"rows up to {start + T}")
 
-        # host bookkeeping: which staging rows go to which pool rows
+        # host bookkeeping (one pass over the tokens): staging row -> pool row. Pages are taken
+        # as needed; if the memory bound stops the step, everything it changed is rolled back.
         P = self.page_size
+        pos_list = pos.tolist()
+        requests = self._requests
+        touched: dict[Hashable, tuple[_Request, int, int]] = {}  # req -> (state, old length, old #pages)
+        taken: list[tuple[_Request, int]] = []  # (state, page index) pages taken by this step
         src: list[int] = []
-        want: list[tuple[_Request, int, int]] = []  # (request, row, position)
-        new_pages: dict[tuple[int, int], None] = {}  # (id(request state), page) needing a page
-        states: dict[Hashable, _Request] = {}
-        created: list[Hashable] = []
-        for i, req in enumerate(token_requests):
-            if req is None:
-                continue
-            p = int(pos[i])
-            if p < 0:
-                fail("token_positions", "non-negative positions for tokens of a request", f"{p} at index {i}")
-            st = states.get(req)
-            if st is None:
-                st = self._requests.get(req)
-                if st is None:
-                    st = _Request()
-                    created.append(req)
-                states[req] = st
-            pg = p // P
-            if pg >= len(st.pages) or st.pages[pg] < 0:
-                new_pages[(id(st), pg)] = None
-            want.append((st, i, p))
-        if not want:
+        dst: list[int] = []
+        try:
+            for i, req in enumerate(token_requests):
+                if req is None:
+                    continue
+                p = pos_list[i]
+                if p < 0:
+                    fail(
+                        "token_positions",
+                        "non-negative positions for tokens of a request",
+                        f"{p} at index {i}",
+                    )
+                t = touched.get(req)
+                if t is None:
+                    st = requests.get(req)
+                    if st is None:
+                        st = _Request()
+                    touched[req] = t = (st, st.length, len(st.pages))
+                st = t[0]
+                pg, off = divmod(p, P)
+                pages = st.pages
+                g = pages[pg] if pg < len(pages) else -1
+                if g < 0:
+                    g = self._take_page()
+                    if pg >= len(pages):
+                        pages.extend([-1] * (pg + 1 - len(pages)))
+                    pages[pg] = g
+                    taken.append((st, pg))
+                src.append(i)
+                dst.append(g * P + off)
+                if p >= st.length:
+                    st.length = p + 1
+        except BaseException:
+            for st, pg in taken:
+                self._free_pages.append(st.pages[pg])
+                st.pages[pg] = -1
+            for st, length, npages in touched.values():
+                st.length = length
+                del st.pages[npages:]
+            raise
+        if not src:
             self._drain(block=False)
             return
-
-        # memory bound: checked before anything of this step is recorded
-        need = len(new_pages) - len(self._free_pages)
-        if need > 0:
-            grow_slabs = -(-need // self.slab_pages)
-            new_bytes = self.host_bytes() + grow_slabs * self._slab_bytes()
-            if self.max_host_bytes is not None and new_bytes > self.max_host_bytes:
-                raise CaptureMemoryError(
-                    f"RoutedExpertsCapturer: recording this step needs {len(new_pages)} new host pages "
-                    f"({need} beyond the free ones), which would take host memory to {new_bytes} bytes, over "
-                    f"max_host_bytes={self.max_host_bytes} (in use: {self.host_bytes()} bytes for "
-                    f"{len(self._requests)} live requests). finish() or abort() requests, or raise "
-                    f"max_host_bytes. Nothing of this step was recorded."
-                )
-            for _ in range(grow_slabs):
-                self._add_slab()
-
-        for req in created:
-            self._requests[req] = states[req]
         step = self._step
         self._step += 1
-        dst = np.empty(len(want), dtype=np.int64)
-        for j, (st, i, p) in enumerate(want):
-            pg = p // P
-            if pg >= len(st.pages):
-                st.pages.extend([-1] * (pg + 1 - len(st.pages)))
-            g = st.pages[pg]
-            if g < 0:
-                g = self._take_page()
-                st.pages[pg] = g
-            dst[j] = g * P + p % P
-            src.append(i)
-            if p >= st.length:
-                st.length = p + 1
+        for req, (st, _, _) in touched.items():
             st.last_step = step
+            requests[req] = st
 
         # staging slot: the copy issued num_buffers steps ago must have landed and been scattered
         slot = step % self.num_buffers
@@ -413,7 +407,7 @@ class RoutedExpertsCapturer:
         handle = self._transfer.start(slot, start, T)
         if self.clear_after_copy:
             self.buffer[:, start : start + T].fill_(-1)
-        item = _Pending(step, slot, T, np.asarray(src, dtype=np.int64), dst, handle)
+        item = _Pending(step, slot, T, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), handle)
         self._pending.append(item)
         self._slot_busy[slot] = item
         self._drain(block=False)
@@ -423,21 +417,34 @@ class RoutedExpertsCapturer:
         return self.slab_pages * self.page_size * self._row_bytes
 
     def _add_slab(self) -> None:
+        if self.max_host_bytes is not None and self.host_bytes() + self._slab_bytes() > self.max_host_bytes:
+            raise CaptureMemoryError(
+                f"RoutedExpertsCapturer: recording this step needs another {self._slab_bytes()}-byte "
+                f"slab of host pages, which would take host memory to "
+                f"{self.host_bytes() + self._slab_bytes()} bytes, over max_host_bytes={self.max_host_bytes} "
+                f"(in use: {self.host_bytes()} bytes; {len(self._requests)} live requests). finish() or "
+                f"abort() requests, or raise max_host_bytes. "
+                f"Nothing of this step was recorded."
+            )
         base = len(self._slabs) * self.slab_pages
+        # filled with -1 here and on every free, so taking a page is O(1) on the step path
         self._slabs.append(
-            np.empty((self.slab_pages * self.page_size, self.num_layers, self.top_k), dtype=np.int16)
+            np.full((self.slab_pages * self.page_size, self.num_layers, self.top_k), -1, dtype=np.int16)
         )
         self._free_pages.extend(range(base + self.slab_pages - 1, base - 1, -1))  # pop() gives low first
 
     def _take_page(self) -> int:
-        g = self._free_pages.pop()
-        s, r = divmod(g, self.slab_pages)
-        P = self.page_size
-        self._slabs[s][r * P : (r + 1) * P] = -1
-        return g
+        if not self._free_pages:
+            self._add_slab()
+        return self._free_pages.pop()
 
     def _free(self, st: _Request) -> None:
-        self._free_pages.extend(g for g in st.pages if g >= 0)
+        P = self.page_size
+        for g in st.pages:
+            if g >= 0:
+                s, r = divmod(g, self.slab_pages)
+                self._slabs[s][r * P : (r + 1) * P] = -1
+                self._free_pages.append(g)
         st.pages = []
 
     def _scatter(self, item: _Pending) -> None:
