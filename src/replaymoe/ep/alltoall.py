@@ -189,6 +189,21 @@ def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _recv_views(
+    recv: torch.Tensor, layout: _RowLayout, ep: int, rt: int, block_bytes: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-payload views [ep, rt, *inner] of a receive buffer (source s's block at ``s * block_bytes``,
+    row j at ``j * row_bytes``) and the int32 [ep] view of the counts (row ``rt`` of each block)."""
+    views = []
+    for s in layout.specs:
+        es = torch.empty((), dtype=s.dtype).element_size()
+        size = (ep, rt, *s.inner)
+        stride = (block_bytes // es, layout.row_bytes // es, *_contig_strides(s.inner))
+        views.append(_typed_view(recv, s.dtype, size, stride, s.offset))
+    counts = _typed_view(recv, torch.int32, (ep,), (block_bytes // 4,), rt * layout.row_bytes)
+    return views, counts
+
+
 # ----------------------------------------------------------------------------------------------
 # MoeAlltoAll
 # ----------------------------------------------------------------------------------------------
@@ -411,14 +426,7 @@ class MoeAlltoAll:
         except BaseException:
             self._phase = "broken"
             raise
-        # views [ep, rt, *inner] into the receive buffer
-        views = []
-        for s in layout.specs:
-            es = torch.empty((), dtype=s.dtype).element_size()
-            size = (self.ep, rt, *s.inner)
-            stride = (block_bytes // es, layout.row_bytes // es, *_contig_strides(s.inner))
-            views.append(_typed_view(recv, s.dtype, size, stride, s.offset))
-        counts = _typed_view(recv, torch.int32, (self.ep,), (block_bytes // 4,), rt * layout.row_bytes)
+        views, counts = _recv_views(recv, layout, self.ep, rt, block_bytes)
         self.recv_counts.copy_(counts)
         if expert_id_payload_index is not None:
             # sanitize the whole run of rows [ep * (rt + 1) - 1, K] (the header rows between blocks

@@ -1,0 +1,175 @@
+"""EP pieces that need no process group: the expert split, the routing plan, the references, and
+the ``symm`` transport's Triton kernels run under the interpreter with plain local tensors standing
+in for the peers' symmetric-memory buffers (a real kernel run: every simulated rank stores into the
+other ranks' buffers at the offsets the GPU run uses; only the signal-pad barrier is replaced, by
+running the ranks' phases one after the other)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from replaymoe.ep import combine_torch, dispatch_torch, expert_owner, expert_partition
+from replaymoe.ep.alltoall import MoeAlltoAll, _combine_reduce, _make_plan, _recv_views, _row_layout
+from replaymoe.testing import poison
+
+
+@pytest.mark.parametrize(
+    "E, ep, expect",
+    [
+        (8, 1, [(0, 8)]),  # one rank owns all
+        (8, 4, [(0, 2), (2, 2), (4, 2), (6, 2)]),  # divisible
+        (10, 3, [(0, 4), (4, 3), (7, 3)]),  # first E % ep ranks own one more
+        (6, 4, [(0, 2), (2, 2), (4, 1), (5, 1)]),
+        (5, 5, [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)]),  # E == ep
+    ],
+)
+def test_expert_partition_and_owner(E, ep, expect):
+    assert expert_partition(E, ep) == expect
+    ids = torch.tensor([-1, *range(E), E, 1000], dtype=torch.int32)
+    owner = expert_owner(ids, E, ep)
+    want = [ep] + [r for r, (lo, n) in enumerate(expect) for _ in range(n)] + [ep, ep]
+    assert owner.tolist() == want
+
+
+def test_expert_partition_rejects():
+    with pytest.raises(ValueError, match="num_experts"):
+        expert_partition(3, 4)  # fewer experts than ranks
+    with pytest.raises(ValueError, match="ep"):
+        expert_partition(8, 0)
+
+
+def test_plan_invariants(generator):
+    """One slot per distinct (token, rank); slots are 0..count-1 in token order; -1 ids ignored."""
+    E, ep, T, K = 10, 3, 40, 4
+    ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).to(torch.int32)
+    ids[5] = -1  # a token sent nowhere
+    ids[6, 1:] = -1
+    plan = _make_plan(ids, E, ep)
+    owner = expert_owner(ids, E, ep)
+    for r in range(ep):
+        sent = [t for t in range(T) if (owner[t] == r).any()]
+        assert plan.slot[sent, r].tolist() == list(range(len(sent)))
+        others = [t for t in range(T) if t not in sent]
+        assert (plan.slot[others, r] == -1).all()
+        assert int(plan.send_counts[r]) == len(sent)
+    assert (plan.slot[5] == -1).all()
+    empty = _make_plan(torch.zeros(0, K, dtype=torch.int32), E, ep)
+    assert empty.slot.shape == (0, ep) and empty.send_counts.tolist() == [0] * ep
+
+
+# ----------------------------------------------------------------------------------------------
+# symm transport, simulated in one process under the Triton interpreter
+# ----------------------------------------------------------------------------------------------
+
+
+def _fake_a2a(rank, ep, max_tokens, K, E, H):
+    """A MoeAlltoAll of rank ``rank`` without a process group (fields only)."""
+    a = MoeAlltoAll.__new__(MoeAlltoAll)
+    a.ep, a.rank, a.max_num_tokens, a.top_k, a.num_experts, a.hidden_size = ep, rank, max_tokens, K, E, H
+    a.transport, a.kernel_backend, a.device, a.timeout = "symm", "auto", torch.device("cpu"), None
+    a.local_expert_offset, a.num_local_experts = expert_partition(E, ep)[rank]
+    a.recv_counts = torch.zeros(ep, dtype=torch.int32)
+    return a
+
+
+def _fake_buffers(ep, nbytes):
+    bufs = [poison(torch.empty(nbytes, dtype=torch.uint8)) for _ in range(ep)]
+    handle = types.SimpleNamespace(barrier=lambda channel=0, timeout_ms=0: None)
+    return [types.SimpleNamespace(local=bufs[r], peers=bufs, handle=handle, nbytes=nbytes) for r in range(ep)]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "ep, E, K, Ts",
+    [
+        (2, 8, 2, [3, 4]),  # two ranks
+        (3, 10, 4, [5, 0, 2]),  # uneven split, a rank with zero tokens
+        (4, 8, 8, [1, 3, 2, 4]),  # top-8 of 8: every token goes to every rank
+    ],
+)
+def test_symm_transport_kernels(ep, E, K, Ts, generator):
+    from replaymoe.ep.transport_symm import SymmTransport
+
+    H, max_tokens, rt = 16, 6, 5
+    ids = [
+        torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).to(torch.int32)
+        if T
+        else torch.zeros(0, K, dtype=torch.int32)
+        for T in Ts
+    ]
+    pays = [
+        [
+            torch.randn(T, H, generator=generator),  # fp32 rows (int32 units)
+            torch.randn(T, 3, generator=generator).to(torch.float16),  # 6 bytes: int16 units
+            (torch.randn(T, 3, generator=generator) * 9).to(torch.float8_e4m3fn),  # 3 bytes: uint8 units
+            ids[s].clone(),
+        ]
+        for s, T in enumerate(Ts)
+    ]
+    layout = _row_layout(pays[0])
+    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H) for r in range(ep)]
+    trs = [SymmTransport(a) for a in a2as]
+    disp = _fake_buffers(ep, ep * (max_tokens + 1) * layout.row_bytes)
+    comb = _fake_buffers(ep, ep * max_tokens * H * 2)  # fp16 combine payload
+    for r in range(ep):
+        trs[r].disp, trs[r].row_cap, trs[r].comb = disp[r], layout.row_bytes, comb[r]
+    plans = [_make_plan(ids[s], E, ep) for s in range(ep)]
+    # dispatch phase of every rank (each stores into all peers), then the "barrier"
+    results = [trs[s].dispatch(plans[s], pays[s], layout, rt) for s in range(ep)]
+    ref, counts = dispatch_torch(ids, pays, E, rt)
+    views = []
+    for r in range(ep):
+        recv, block = results[r]
+        v, c = _recv_views(recv, layout, ep, rt, block)
+        assert torch.equal(c, counts[r]), (r, c, counts[r])
+        for p in range(len(layout.specs)):
+            for s in range(ep):
+                n = int(counts[r, s])
+                got = v[p][s, :n].contiguous().view(torch.uint8)
+                assert torch.equal(got, ref[r][p][s, :n].contiguous().view(torch.uint8)), (r, p, s)
+        a2as[r].recv_counts.copy_(c)
+        views.append(v)
+    # combine phase: payload rows f(x) (padding NaN must not be read), then each rank's reduction
+    payloads = []
+    for r in range(ep):
+        p = (views[r][0] * (r + 2)).to(torch.float16)
+        for s in range(ep):
+            p[s, int(counts[r, s]) :] = float("nan")
+        payloads.append(p)
+    rows = [trs[r].combine(payloads[r], rt) for r in range(ep)]
+    expect = combine_torch([(ref[r][0] * (r + 2)).to(torch.float16) for r in range(ep)], ids, E)
+    for s in range(ep):
+        out = poison(torch.empty(Ts[s], H, dtype=torch.float16))
+        _combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out)
+        torch.testing.assert_close(out, expect[s], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.interpret
+def test_combine_reduce_kernel_matches_torch(generator):
+    """The Triton reduction and the torch reduction agree (fp32 sums in rank order)."""
+    ep, T, H, rt = 3, 7, 40, 5
+    slot = torch.full((T, ep), -1, dtype=torch.int32)
+    nxt = [0] * ep
+    for t in range(T):
+        for r in torch.randperm(ep, generator=generator)[: 1 + t % ep].tolist():
+            slot[t, r] = nxt[r]
+            nxt[r] += 1
+    rows = torch.randn(ep * (rt + 1), H, generator=generator)
+    for r in range(ep):
+        rows[r * (rt + 1) + nxt[r] : (r + 1) * (rt + 1)] = float("nan")  # padding: never read
+    a = _fake_a2a(0, ep, rt, 1, ep, H)
+    out_t = poison(torch.empty(T, H))
+    _combine_reduce(a, rows, (rt + 1) * H, slot, out_t)  # symm -> Triton
+    a.transport, a.kernel_backend = "nccl", "torch"
+    out_r = poison(torch.empty(T, H))
+    _combine_reduce(a, rows, (rt + 1) * H, slot, out_r)
+    torch.testing.assert_close(out_t, out_r, atol=1e-6, rtol=1e-6)
+    expect = torch.zeros(T, H)
+    for t in range(T):
+        for r in range(ep):
+            if slot[t, r] >= 0:
+                expect[t] += rows[r * (rt + 1) + slot[t, r]]
+    torch.testing.assert_close(out_r, expect, atol=1e-6, rtol=1e-6)
