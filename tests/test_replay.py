@@ -163,3 +163,35 @@ def test_replay_drives_route(rng, generator):
         # weights come from the logits over the forced set (renormalized softmax)
         sm = torch.softmax(logits, -1).gather(1, forced.topk_ids.long())
         torch.testing.assert_close(forced.topk_weights, sm / sm.sum(-1, keepdim=True))
+
+
+def test_capture_save_load_replay_round_trip(tmp_path, generator):
+    """Rollout with capture -> trace file -> trainer forward with other logits replays the ids."""
+    from replaymoe.capture import RoutedExpertsCapturer
+    from replaymoe.routing import RoutingMethod, route
+
+    L, K, E = 2, 2, 8
+    cap = RoutedExpertsCapturer(L, 8, K, device="cpu", num_experts=E, layer_ids=[0, 2])
+    rollout = []
+    for step_positions in ([0, 1, 2, 3], [4], [5]):  # prefill then two decode steps
+        T = len(step_positions)
+        ids = []
+        for layer in range(L):
+            out = route(torch.randn(T, E, generator=generator), K, routing_replay_out=cap.layer_buffer(layer))
+            ids.append(out.topk_ids)
+        rollout.append(torch.stack(ids, 1))  # [T, L, K]
+        cap.end_step(["req"] * T, step_positions)
+    cap.finish("req").save(tmp_path / "req.trace")
+    rolled = torch.cat(rollout)  # [6, L, K]
+
+    src = ReplaySource(RoutingTrace.load(tmp_path / "req.trace"))
+    src.check_model(L, K, E)
+    positions = torch.arange(7)  # the trainer also feeds the last sampled token (no routing for it)
+    for model_layer in (0, 2):
+        layer = src.layer_for_model_layer(model_layer)
+        logits = torch.randn(7, E, generator=generator)  # the trainer's own logits
+        out = route(logits, K, RoutingMethod.RENORMALIZE, replay_ids=src.ids_for(layer, positions))
+        assert torch.equal(out.topk_ids[:6], rolled[:, layer])
+        assert torch.equal(out.topk_ids[6:], route(logits[6:], K).topk_ids)  # native fallback
+    rep = src.report()
+    assert rep.tokens_seen == 7 and rep.fallback_tokens_per_layer.tolist() == [1, 1]
