@@ -20,6 +20,16 @@ from replaymoe.demo import ARCHITECTURES, build_model  # noqa: E402
 from replaymoe.testing import assert_close  # noqa: E402
 from replaymoe.trace import RoutingTrace  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models are latency-bound; one intra-op thread avoids OpenMP barrier stalls under -n 2."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # the fp32 tolerance for whole-model logits: experts/routing are summed in another order than
 # transformers' grouped_mm, a few ulps of the logits' magnitude
 LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)

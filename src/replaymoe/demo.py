@@ -304,6 +304,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0 on success (see the module docstring)."""
     args = _parse(argv)
+    threads = torch.get_num_threads()
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        # a model this small is latency-bound: one intra-op thread avoids OpenMP barrier costs
+        # (10-100x per op when the cores are shared, e.g. under pytest -n 2)
+        torch.set_num_threads(1)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     import replaymoe.hf as rhf
     from replaymoe.stats import agreement, plot_heatmap

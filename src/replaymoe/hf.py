@@ -516,7 +516,13 @@ class ReplayMoE:
 
         self._max_num_tokens = max(self._max_num_tokens, num_tokens)
         self._capturer = RoutedExpertsCapturer(
-            len(self.layers), self._max_num_tokens, self.top_k, device=device, layer_ids=list(self.layer_ids)
+            len(self.layers),
+            self._max_num_tokens,
+            self.top_k,
+            device=device,
+            layer_ids=list(self.layer_ids),
+            num_experts=self.num_experts,
+            model_id=self.model_id,
         )
         self._capturer_device = device
 
@@ -524,20 +530,8 @@ class ReplayMoE:
         if self._capturer is None:
             return
         for r in list(self._pending):
-            self._finished.append(self._with_metadata(self._capturer.finish(r)))
+            self._finished.append(self._capturer.finish(r))
         self._pending.clear()
-
-    def _with_metadata(self, trace: Any) -> Any:
-        from replaymoe.trace import RoutingTrace
-
-        return RoutingTrace(
-            trace.ids,
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            layer_ids=list(self.layer_ids),
-            model_id=self.model_id,
-            token_offset=int(getattr(trace, "token_offset", 0) or 0),
-        )
 
     def set_capture(self, enabled: bool) -> None:
         """Turn capture on or off (traces captured so far stay available)."""
