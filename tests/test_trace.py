@@ -329,6 +329,17 @@ def test_from_vllm_b64_dtypes(rng, dtype, E):
     assert (t.num_tokens, t.num_layers, t.top_k, t.num_experts, t.token_offset) == (6, 4, 8, E, 0)
 
 
+def test_from_vllm_wrapped_base64(rng):
+    ids = random_ids(rng, 4, 2, 2, 8)
+    buf = io.BytesIO()
+    np.save(buf, ids.astype(np.int32))
+    wrapped = base64.encodebytes(buf.getvalue()).decode()  # MIME style: a newline every 76 chars
+    assert "\n" in wrapped
+    np.testing.assert_array_equal(RoutingTrace.from_vllm(wrapped).ids, ids)
+    with pytest.raises(TraceFormatError, match="base64"):
+        RoutingTrace.from_vllm("défaut")
+
+
 def test_from_vllm_int16_sentinel_rows_stay_missing(rng):
     ids = random_ids(rng, 5, 2, 2, 8, missing=[(0, 0), (0, 1), (1, 0), (1, 1)])  # 2-token prefix hit
     t = RoutingTrace.from_vllm(npy_b64(ids.astype(np.int16)))
