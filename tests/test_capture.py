@@ -293,3 +293,26 @@ def test_positions_as_tensor_and_numpy(generator):
     run_step(cap, generator, ["a", "a"], torch.tensor([0, 1]), exp)
     run_step(cap, generator, ["a"], np.array([2], dtype=np.int32), exp)
     np.testing.assert_array_equal(cap.finish("a").ids, expected_array(exp["a"], 3))
+
+
+def test_recompute_after_preemption_overwrites(generator):
+    # vLLM-style recompute preemption without abort: the request's positions are computed again
+    # later (same id); the trace holds the latest routing of every position, nothing missing
+    cap = make()
+    first: dict = {}
+    run_step(cap, generator, ["r"] * 4, [0, 1, 2, 3], first)
+    again: dict = {}
+    run_step(cap, generator, ["r"] * 6, [0, 1, 2, 3, 4, 5], again)
+    t = cap.finish("r")
+    np.testing.assert_array_equal(t.ids, expected_array(again["r"], 6))
+    assert not t.missing_mask().any()
+
+
+def test_all_zero_kernel_output_is_rejected_at_finish():
+    # a fused kernel that "captures" zeros (vLLM #44116) gives rows of duplicate ids: finish refuses
+    # them loudly instead of returning a plausible-looking trace
+    cap = make()
+    cap.buffer.zero_()
+    cap.end_step(["r", "r"], [0, 1])
+    with pytest.raises(ValueError, match="distinct expert ids"):
+        cap.finish("r")
