@@ -115,16 +115,22 @@ class ReplaySource:
         self.top_k = first.top_k
         self.num_experts: int | None = known.pop() if known else None
         self._layer_of = {m: i for i, m in enumerate(first.model_layer_ids())}
-        # host table [L, B * (Tmax + 1), K] int16: sequence b's row n at b*(Tmax+1) + n; row Tmax is -1
-        self._tmax = max(t.num_tokens for t in tr)
-        B, T1, L, K = len(tr), self._tmax + 1, self.num_layers, self.top_k
-        table = np.full((L, B, T1, K), -1, dtype=np.int16)
-        for b, t in enumerate(tr):
-            table[:, b, : t.num_tokens] = t.ids.transpose(1, 0, 2)
-        self._host_table = torch.from_numpy(table.reshape(L, B * T1, K))
+        # host table [L, total + 1, K] int16: the traces' rows back to back (sequence b's row n at
+        # base[b] + n), then one all -1 row that padding and uncovered positions read
+        lengths = [t.num_tokens for t in tr]
+        self._total = sum(lengths)
+        table = np.full((self.num_layers, self._total + 1, self.top_k), -1, dtype=np.int16)
+        base = 0
+        bases = []
+        for t in tr:
+            table[:, base : base + t.num_tokens] = t.ids.transpose(1, 0, 2)
+            bases.append(base)
+            base += t.num_tokens
+        self._host_table = torch.from_numpy(table)
         self._offsets = torch.tensor([t.token_offset for t in tr], dtype=torch.int64)
-        self._lengths = torch.tensor([t.num_tokens for t in tr], dtype=torch.int64)
-        self._dev: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._lengths = torch.tensor(lengths, dtype=torch.int64)
+        self._bases = torch.tensor(bases, dtype=torch.int64)
+        self._dev: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._seen: dict[torch.device, torch.Tensor] = {}
         self._fallback: dict[torch.device, torch.Tensor] = {}
 
@@ -182,6 +188,7 @@ class ReplaySource:
                 self._host_table.to(device),
                 self._offsets.to(device),
                 self._lengths.to(device),
+                self._bases.to(device),
             )
             self._seen[device] = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
             self._fallback[device] = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
@@ -218,14 +225,12 @@ class ReplaySource:
             want = f"[{B}, S]" + (" or [S]" if B == 1 else "")
             fail("positions", f"{want} (one row per trace)", tuple(positions.shape), what="shape")
         dev = self.prepare(device if device is not None else positions.device)
-        table, offsets, lengths = self._dev[dev]
+        table, offsets, lengths, bases = self._dev[dev]
         pos2 = pos2.to(dev, torch.int64)
         rel = pos2 - offsets[:, None]
         real = pos2 >= 0
         inside = real & (rel >= 0) & (rel < lengths[:, None])
-        T1 = self._tmax + 1
-        row = torch.where(inside, rel, torch.full_like(rel, self._tmax))
-        row = row + torch.arange(B, device=dev, dtype=torch.int64)[:, None] * T1
+        row = torch.where(inside, rel + bases[:, None], torch.full_like(rel, self._total))
         out = table[layer].index_select(0, row.reshape(-1)).to(torch.int32)
         fell_back = real.reshape(-1) & (out[:, 0] < 0)
         self._seen[dev][layer] += real.sum()
