@@ -140,7 +140,7 @@ def _validate(
         fail("router_logits", "at least one expert (shape[1] >= 1)", tuple(x.shape), what="shape")
     dev = x.device
 
-    if isinstance(method, bool) or not isinstance(method, int) or method not in set(RoutingMethod):
+    if isinstance(method, bool) or not isinstance(method, int) or not 0 <= method <= 9:
         fail("method", "a RoutingMethod (0..9)", repr(method))
     method = RoutingMethod(method)
 
@@ -470,9 +470,9 @@ _CONFIG_OVERRIDE: dict[str, int] = {}
 
 def _launch_config(ep: int) -> tuple[int, int, int]:
     """(BLOCK_T, num_warps, ALGO) for a padded expert count ``ep``."""
-    block_t = _CONFIG_OVERRIDE.get("BLOCK_T", max(1, min(64, 2048 // ep)))
-    num_warps = _CONFIG_OVERRIDE.get("num_warps", 4)
-    algo = _CONFIG_OVERRIDE.get("ALGO", 0)
+    block_t = _CONFIG_OVERRIDE.get("BLOCK_T", 2)
+    num_warps = _CONFIG_OVERRIDE.get("num_warps", 1 if ep <= 512 else 4)
+    algo = _CONFIG_OVERRIDE.get("ALGO", 2)
     return block_t, num_warps, algo
 
 

@@ -7,9 +7,11 @@ holds expert ``g * GS + j``.
 
 Selection works on exact int64 keys ``(sortable_int32(score) << 16) | (65535 - expert)``:
 the largest key is the largest score, ties going to the smaller expert; NaN scores were
-replaced by -inf beforehand and padding columns hold ``_SENTINEL`` (below every key), so
-ids are always distinct and in range. The top-k is a bitonic top-k (``tl.topk``) or K
-rounds of max + mask (``ALGO``), both exact.
+replaced by -inf beforehand and padding columns hold a sentinel below every key, so ids are
+always distinct and in range. ``ALGO`` picks the (exact) top-k: 0 bitonic ``tl.topk`` on the
+keys, 1 K rounds of max + mask on the keys, 2 K rounds of two int32 reductions (best
+ordered score, then the smallest expert holding it; int32 reductions map to warp ``redux``).
+16-bit logits selected on the raw logits use one int32 key (``KEY32``) in every ALGO.
 """
 
 from __future__ import annotations
@@ -30,28 +32,25 @@ _SIGMOID = tl.constexpr(8)
 _TOPK_SIGMOID = tl.constexpr(9)
 
 _SENTINEL = tl.constexpr(-4611686018427387904)  # -2**62, below every int64 key (>= -2**47)
-_SENTINEL32 = tl.constexpr(-2147483648)  # below every int32 key (-inf packs above it)
+_MIN32 = tl.constexpr(-2147483648)  # padding / removed: below every int32 key (-inf is above it)
+_ORD_NEG_INF = tl.constexpr(-2139095041)  # _ordered(-inf) = 0xFF800000 ^ 0x7FFFFFFF
 
 
 @triton.jit
-def _pack(score, expert, KEY32: tl.constexpr):
-    """Key ordering by (score, -expert); score fp32 without NaN, -0.0 canonicalised.
+def _pack(score, expert):
+    """int64 key ordering by (score, -expert); score fp32 without NaN, -0.0 canonicalised."""
+    return (_ordered(score).to(tl.int64) << 16) | (65535 - expert).to(tl.int64)
 
-    KEY32: int32 key for scores that are exactly 16-bit floats (their fp32 form has 13 zero
-    low bits, which carry ``8191 - expert``); else int64 ``(ordered << 16) | (65535 - expert)``.
-    """
+
+@triton.jit
+def _ordered(score):
+    """int32 whose signed order is the fp32 order of ``score`` (no NaN; -0.0 below +0.0)."""
     bits = score.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    if KEY32:
-        return (ordered & -8192) | (8191 - expert)
-    else:
-        return (ordered.to(tl.int64) << 16) | (65535 - expert).to(tl.int64)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def _unpack_score(key):
-    """Score of an int64 key."""
-    ordered = (key >> 16).to(tl.int32)
+def _from_ordered(ordered):
     bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True)
 
@@ -87,7 +86,7 @@ def _select(
     ALGO: tl.constexpr,
     KEY32: tl.constexpr,
 ):
-    """int32 [BLOCK_T, KP] selected experts, columns in descending key order."""
+    """int32 [BLOCK_T, KP] selected experts, columns in descending score order (ties: smaller id)."""
     EP: tl.constexpr = NGP * GSP
     if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:
         b = _sigmoid(x) + bias[None, :]
@@ -95,49 +94,60 @@ def _select(
         b = x
     b = tl.where(b != b, float("-inf"), b)  # NaN -> -inf
     b = tl.where(b == 0.0, 0.0, b)  # -0.0 -> +0.0 (they compare equal)
-    if KEY32:
-        SENT: tl.constexpr = _SENTINEL32
-    else:
-        SENT: tl.constexpr = _SENTINEL
-    key = tl.where(valid, _pack(b, expert, KEY32), SENT)
+    ordered = tl.where(valid, _ordered(b), _MIN32)  # int32, monotone in the score; padding lowest
 
     if METHOD == _DEEPSEEK_V3 and NG > 1:
-        k3 = tl.reshape(key, [BLOCK_T, NGP, GSP])
-        k1 = tl.max(k3, axis=2)
+        # group score = sum of the group's two largest scores; keep TOPK_GROUP groups
+        o3 = tl.reshape(ordered, [BLOCK_T, NGP, GSP])
+        m1 = tl.max(o3, axis=2)
         if GS >= 2:
-            k2 = tl.max(tl.where(k3 == k1[:, :, None], _SENTINEL, k3), axis=2)
-            gscore = _unpack_score(k1) + _unpack_score(k2)
+            is1 = o3 == m1[:, :, None]
+            m2 = tl.max(tl.where(is1, _MIN32, o3), axis=2)
+            m2 = tl.where(tl.sum(is1.to(tl.int32), axis=2) >= 2, m1, m2)  # a repeated maximum
+            gscore = _from_ordered(m1) + _from_ordered(m2)
         else:
-            gscore = _unpack_score(k1)
+            gscore = _from_ordered(m1)
         gscore = tl.where(gscore != gscore, float("-inf"), gscore)
         gscore = tl.where(gscore == 0.0, 0.0, gscore)
         gid = tl.arange(0, NGP)[None, :]
         gvalid = gid < NG
-        gkey = tl.where(gvalid, _pack(gscore, gid, False), _SENTINEL)
+        gkey = tl.where(gvalid, _pack(gscore, gid), _SENTINEL)
         for _ in tl.static_range(TOPK_GROUP):
             best = tl.max(gkey, axis=1)
             gkey = tl.where(gkey == best[:, None], _SENTINEL, gkey)
         kept = (gkey == _SENTINEL) & gvalid  # the groups taken above
-        masked = _pack(tl.full([1, EP], float("-inf"), tl.float32), expert, False)
-        key = tl.where(
-            tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, NGP, GSP]), [BLOCK_T, EP]),
-            key,
-            tl.where(valid, masked, _SENTINEL),
-        )
+        kept = tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, NGP, GSP]), [BLOCK_T, EP])
+        ordered = tl.where(kept, ordered, tl.where(valid, _ORD_NEG_INF, _MIN32))
 
     cols = tl.arange(0, KP)[None, :]
+    if KEY32:
+        # 16-bit scores: (ordered score, 8191 - expert) fits one int32 key
+        key = tl.where(valid, (ordered & -8192) | (8191 - expert), _MIN32)
+        SENT: tl.constexpr = _MIN32
+    elif ALGO != 2:
+        key = tl.where(valid, (ordered.to(tl.int64) << 16) | (65535 - expert).to(tl.int64), _SENTINEL)
+        SENT: tl.constexpr = _SENTINEL
     if ALGO == 0:
         if KP == 1:
             top = tl.max(key, axis=1)[:, None]
         else:
             top = tl.topk(key, KP, dim=1)
         ids = _unpack_expert(top, KEY32)
-    else:
+    elif ALGO == 1 or KEY32:
         ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
         for j in tl.static_range(K):
             best = tl.max(key, axis=1)
             key = tl.where(key == best[:, None], SENT, key)
             ids = tl.where(cols == j, _unpack_expert(best, KEY32)[:, None], ids)
+    else:
+        # two int32 reductions per pick: the best score, then the smallest expert holding it
+        rev = 65535 - expert
+        ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(ordered, axis=1)
+            r = tl.max(tl.where(ordered == best[:, None], rev, -1), axis=1)
+            ordered = tl.where(rev == r[:, None], _MIN32, ordered)
+            ids = tl.where(cols == j, 65535 - r[:, None], ids)
     return ids
 
 
