@@ -25,8 +25,15 @@ Data path per step (CUDA)
 3. The host scatter into per-request storage happens lazily, at a later ``end_step`` (for
    every copy whose event has completed) or at ``finish``. Staging is ``num_buffers``-fold
    (default 2, double-buffered): ``end_step`` blocks only when the copy issued
-   ``num_buffers`` steps earlier has still not completed (back-pressure, never in a loop
-   where the host waits for the sampled tokens each step).
+   ``num_buffers`` steps earlier has still not completed (back-pressure: the host is then
+   more than ``num_buffers`` steps ahead of the GPU, which a loop that reads the sampled
+   tokens every step never is).
+
+Memory: per 1k captured tokens ``1000 * L * K * 2`` bytes (1 MiB at L=64, K=8) plus at most
+one partly used page per request; staging ``num_buffers * N * L * K * 2`` bytes pinned and
+as much on the device, plus the [L, N, K] buffer itself.
+
+Not thread-safe: call it from the thread that runs the serving loop.
 
 ``end_step`` reads nothing from the device: the request/position bookkeeping is host lists.
 The buffer is allocated once, so a whole step, model forward included, can be captured in
@@ -47,8 +54,9 @@ Data-parallel layouts
 Host storage
 ------------
 Per-request storage is paged: positions are grouped in pages of ``page_size`` positions
-(int16 [page_size, L, K], filled with -1 when handed to a request) drawn from slabs of
-pinned-free host memory that grow on demand up to ``max_host_bytes``. A request's pages are
+(int16 [page_size, L, K], all -1 when handed to a request) drawn from slabs of ordinary
+(pageable) host memory that grow on demand, ``slab_pages`` pages at a time, up to
+``max_host_bytes``; freed pages are refilled with -1 and reused, slabs are kept. A request's pages are
 allocated lazily for the positions it actually computes; positions never computed (served
 from a prefix cache, or by another rank) stay -1. ``finish`` assembles the request's
 [positions, L, K] array, returns it as a trace and frees the pages; ``abort`` frees them.
