@@ -29,7 +29,7 @@ Data path per step (CUDA)
    more than ``num_buffers`` steps ahead of the GPU, which a loop that reads the sampled
    tokens every step never is).
 
-Memory: per 1k captured tokens ``1000 * L * K * 2`` bytes (1 MiB at L=64, K=8) plus at most
+Memory: per 1k captured tokens ``1000 * L * K * 2`` bytes (1.02 MB at L=64, K=8) plus at most
 one partly used page per request; staging ``num_buffers * N * L * K * 2`` bytes pinned and
 as much on the device, plus the [L, N, K] buffer itself.
 
