@@ -413,29 +413,29 @@ def _print_summary(rows: list[dict]) -> None:
     for r in errs:
         where = f"{r.get('impl')} {r.get('payload', '')} T={r.get('tokens', '')} {r.get('op', '')}"
         print(f"ERROR {where}: {r['error']}")
-    # the short table: dispatch+combine (bf16) per implementation, best mode
-    print("\n# dispatch+combine, bf16 payload (best of graph/eager), µs [GB/s per rank]")
+    # the short tables: per implementation, best mode (g = graph, e = eager)
     impls = sorted({r["impl"] for r in ok})
     tokens = sorted({r["tokens"] for r in ok})
-    header = "tokens " + " ".join(f"{i:>20}" for i in impls)
-    print(header)
-    for T in tokens:
-        cells = []
-        for i in impls:
-            c = [
-                r
-                for r in ok
-                if r["impl"] == i
-                and r["tokens"] == T
-                and r["payload"] == "bf16"
-                and r["op"] == "dispatch+combine"
-            ]  # noqa: E501
-            if c:
-                b = min(c, key=lambda r: r["us"])
-                cells.append(f"{b['us']:>9.1f} [{b['GBps_per_rank']:>6.1f}] {b['mode'][0]}")
-            else:
-                cells.append(f"{'-':>20}")
-        print(f"{T:>6} " + " ".join(f"{c:>20}" for c in cells))
+    for payload, op, title in (
+        ("bf16", "dispatch", "dispatch alone, bf16 payload"),
+        ("fp8", "dispatch", "dispatch alone, fp8 payload + scales"),
+        ("bf16", "dispatch+combine", "dispatch+combine, bf16 payload"),
+        ("bf16", "layer", "whole ep_moe layer (route + dispatch + fused_moe + combine)"),
+    ):
+        print(f"\n# {title}: µs [GB/s per rank, % of the 450 GB/s NVLink floor]")
+        print("tokens " + " ".join(f"{i:>26}" for i in impls))
+        for T in tokens:
+            cells = []
+            for i in impls:
+                c = [r for r in ok if (r["impl"], r["tokens"], r["payload"], r["op"]) == (i, T, payload, op)]
+                if c:
+                    b = min(c, key=lambda r: r["us"])
+                    cells.append(
+                        f"{b['us']:>9.1f} [{b['GBps_per_rank']:>6.1f},{b['pct_floor']:>5.1f}%] {b['mode'][0]}"
+                    )
+                else:
+                    cells.append("-")
+            print(f"{T:>6} " + " ".join(f"{c:>26}" for c in cells))
     anchors = ", ".join(f"{t} tok: {ms * 1e3:.0f} µs" for t, ms in NAIVE_ANCHOR_MS.items())
     print(f"(earlier naive NCCL dispatch alone on this machine: {anchors})")
 
@@ -454,7 +454,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=K)
     p.add_argument("--inter", type=int, default=INTER, help="expert intermediate size (layer)")
     p.add_argument("--cpu-dry-run", action="store_true", help="run on CPU with gloo (checks the script)")
+    p.add_argument("--name", default="ep", help="result file stem (NAME.csv / NAME.json)")
+    p.add_argument("--summary-from", metavar="DIR", help="only print the summary of DIR/*.json (no GPU)")
     a = p.parse_args(argv)
+    if a.summary_from:
+        import json
+        from pathlib import Path
+
+        rows = []
+        for f in sorted(Path(a.summary_from).glob("*.json")):
+            rows += json.loads(f.read_text()).get("rows", [])
+        _print_summary(rows)
+        return 0
     _set_shape(a.hidden, a.experts, a.top_k, a.inter)
     if not torch.cuda.is_available() and not a.cpu_dry_run:
         print("replaymoe bench ep needs CUDA GPUs (run it under torchrun)", file=sys.stderr)
@@ -476,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             from ._timing import write_results
 
-            write_results([{**r, "ep": dist.get_world_size()} for r in rows], a.out, "ep")
+            write_results([{**r, "ep": dist.get_world_size()} for r in rows], a.out, a.name)
 
     try:
         rows = run(
