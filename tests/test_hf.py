@@ -416,3 +416,30 @@ def test_replay_batch_mismatch_and_other_errors(generator):
         rhf.enable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="enabled"):
         rhf.enable(model, capture="yes")
+
+
+# --------------------------------------------------------------------------------------------------
+# the Triton kernels through the integration (interpreted on the CPU)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # softmax family; grouped sigmoid + bias
+def test_triton_backend_through_the_model(arch, generator):
+    model = _model(arch)
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [6, 3])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    moe = rhf.enable(model, capture=True, backend="triton")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits
+    traces = moe.traces()
+    assert_close(out, ref, **LOGIT_TOL)
+    with torch.no_grad(), moe.replaying(traces):
+        again = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(again, out)
+    model.train()
+    with moe.replaying(traces):
+        model(input_ids=ids, attention_mask=mask).logits.square().mean().backward()
+    for info in moe.layers:
+        assert info.router.weight.grad.abs().sum() > 0

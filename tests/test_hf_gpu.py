@@ -1,0 +1,210 @@
+"""transformers integration on the GPU: medium bf16 models through the Triton routing and fused-MoE
+kernels (``PYTHONPATH=src python3 -m pytest -q -m gpu tests/test_hf_gpu.py``).
+
+bf16 router logits can tie exactly; transformers' ``torch.topk`` and replaymoe (ties to the smaller
+index) may then pick different experts, so id comparisons with the model's own router accept a
+mismatch only where the k-th and (k+1)-th selection scores are equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import replaymoe.hf as rhf  # noqa: E402
+from replaymoe.demo import build_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "gpt_oss"]
+
+
+def _batch(vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = max(lengths)
+    ids = torch.zeros(len(lengths), P, dtype=torch.long)
+    mask = torch.zeros(len(lengths), P, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, P - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[b, P - n :] = 1
+    return ids.cuda(), mask.cuda()
+
+
+def _model(arch):
+    return build_model(arch, "medium", dtype=torch.bfloat16, device="cuda")
+
+
+def _selection_scores(router, logits):
+    """The score transformers' router ranks on (for the tie check)."""
+    x = logits.float()
+    if hasattr(router, "e_score_correction_bias"):
+        return x.sigmoid() + router.e_score_correction_bias.float()
+    return x
+
+
+class _OwnRouter:
+    """Forward hooks recording the router class's own top-k and selection scores per call."""
+
+    def __init__(self, moe):
+        self.calls = {}
+        self.handles = [info.router.register_forward_hook(self._hook(info.index)) for info in moe.layers]
+
+    def _hook(self, i):
+        def hook(router, args, output):
+            with torch.no_grad():
+                logits, _, own = type(router).forward(router, args[0])
+            scores = _selection_scores(router, logits)
+            self.calls.setdefault(i, []).append((own.reshape(-1, own.shape[-1]), scores, output[2]))
+
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _check_ids_vs_own(own_ids, scores, got_ids, K):
+    """Sets equal except where the k-th and (k+1)-th selection scores tie."""
+    a = torch.sort(own_ids.long(), -1).values
+    b = torch.sort(got_ids.long(), -1).values
+    bad = (a != b).any(-1)
+    if bad.any():
+        top = torch.topk(scores[bad], K + 1, dim=-1).values
+        assert torch.equal(top[:, K - 1], top[:, K]), f"{int(bad.sum())} rows differ without a tie"
+    return float(bad.float().mean())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
+    model = _model(arch)
+    ids, mask = _batch(model.config.vocab_size, [96, 64, 17, 1])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits.float()
+    import replaymoe.moe as rmoe
+
+    calls = {"fused": 0}
+    real = rmoe.fused_moe
+
+    def spy(*a, **k):
+        calls["fused"] += 1
+        assert k.get("backend") == "auto" and a[0].is_cuda  # -> the Triton kernels
+        return real(*a, **k)
+
+    monkeypatch.setattr(rmoe, "fused_moe", spy)
+    moe = rhf.enable(model, capture=True)
+    own = _OwnRouter(moe)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits.float()
+    own.remove()
+    traces = moe.traces()
+    assert calls["fused"] == (0 if arch == "gpt_oss" else len(moe.layers))
+    # whole-model logits: bf16 expert sums in another order; later layers may flip near-tie tokens
+    keep = mask.bool()
+    rel = (out[keep] - ref[keep]).norm() / ref[keep].norm()
+    assert rel < 0.05, f"relative error {rel:.3g}"
+    # layer by layer, the patched router picked what the class's own router picks on the same input
+    K = moe.top_k
+    for i, calls_i in own.calls.items():
+        ((own_ids, scores, got),) = calls_i
+        flat_keep = keep.reshape(-1)
+        frac = _check_ids_vs_own(own_ids[flat_keep], scores[flat_keep], got[flat_keep], K)
+        assert frac < 0.02
+        # and the trace holds exactly the ids the patched router returned, padding excluded
+        got_b = got.reshape(ids.shape[0], ids.shape[1], K).cpu().numpy()
+        for b, tr in enumerate(traces):
+            np.testing.assert_array_equal(tr.ids[:, i], got_b[b][keep[b].cpu().numpy()])
+    assert [t.num_tokens for t in traces] == [96, 64, 17, 1]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_gpu_generate_capture_replay_and_grads(arch):
+    model = _model(arch)
+    lengths, new = [40, 25, 7], 12
+    ids, mask = _batch(model.config.vocab_size, lengths, seed=1)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+    rollout = moe.traces()
+    assert [t.num_tokens for t in rollout] == [n + new - 1 for n in lengths]
+    assert all(t.missing_fraction() == 0.0 for t in rollout)
+    full_mask = torch.cat([mask, torch.ones(len(lengths), new, dtype=mask.dtype, device="cuda")], 1)
+
+    # replay at the same weights: every recorded id forced, logits as the native forward's
+    with torch.no_grad():
+        native = model(input_ids=gen, attention_mask=full_mask).logits.float()
+    native_tr = moe.traces()
+    with torch.no_grad(), moe.replaying(native_tr):
+        again = model(input_ids=gen, attention_mask=full_mask).logits.float()
+        rep = moe.report()
+    assert rep.layers_with_fallback == 0
+    for a, b in zip(native_tr, moe.traces()):
+        np.testing.assert_array_equal(a.ids, b.ids)
+    keep = full_mask.bool()
+    assert torch.allclose(again[keep], native[keep], atol=2e-2, rtol=2e-2)
+
+    # perturb the routers, replay the rollout in a training forward: ids kept, grads reach routers
+    g = torch.Generator(device="cuda").manual_seed(3)
+    with torch.no_grad():
+        for info in moe.layers:
+            w = info.router.weight
+            w.add_(torch.randn(w.shape, generator=g, device="cuda").to(w.dtype) * 0.3 * w.float().std())
+    with torch.no_grad():
+        model(input_ids=gen, attention_mask=full_mask)
+    perturbed_native = moe.traces()
+    assert any(
+        not np.array_equal(np.sort(a.ids, -1), np.sort(b.ids[: a.num_tokens], -1))
+        for a, b in zip(rollout, perturbed_native)
+    )
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with moe.replaying(rollout):
+        logits = model(input_ids=gen, attention_mask=full_mask).logits
+        rep = moe.report()
+    replayed = moe.traces()
+    for a, b in zip(rollout, replayed):
+        np.testing.assert_array_equal(b.ids[: a.num_tokens], a.ids)  # forced, column order kept
+    # the only fallback is each sequence's last token (never fed back during generate)
+    assert rep.fallback_tokens_per_layer.tolist() == [len(lengths)] * len(moe.layers)
+    lp = torch.log_softmax(logits[:, -new - 1 : -1].float(), -1)
+    lp.gather(-1, gen[:, -new:, None]).mean().backward()
+    for info in moe.layers:
+        grad = info.router.weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.float().abs().sum() > 0
+    model.eval()
+
+
+def test_gpu_minus_one_rows_fall_back():
+    model = _model("qwen3_moe")
+    ids, mask = _batch(model.config.vocab_size, [32, 32], seed=2)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    rollout = moe.traces()
+    holes = []
+    for t in rollout:
+        x = t.ids.copy()
+        x[::2] = -1
+        holes.append(t.replace(ids=x))
+    with torch.no_grad(), moe.replaying(holes):
+        model(input_ids=ids, attention_mask=mask)
+        rep = moe.report()
+    got = moe.traces()
+    assert rep.fallback_tokens_per_layer.tolist() == [32] * len(moe.layers)
+    for h, g, r in zip(holes, got, rollout):
+        miss = h.ids[..., 0] < 0
+        np.testing.assert_array_equal(g.ids[~miss], h.ids[~miss])
+        # same weights: native routing of the holes gives (up to bf16 near-ties) the rollout's ids
+        same = (np.sort(g.ids[miss], -1) == np.sort(r.ids[miss], -1)).all(-1).mean()
+        assert same > 0.98
+
+
+def test_gpu_demo_runs(tmp_path):
+    from replaymoe.demo import main
+
+    assert main(["--device", "cuda", "--fast", "--quiet", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "heatmap.png").exists() and len(list((tmp_path / "traces").glob("*.rmtrace"))) == 4
