@@ -316,3 +316,99 @@ def test_all_zero_kernel_output_is_rejected_at_finish():
     cap.end_step(["r", "r"], [0, 1])
     with pytest.raises(ValueError, match="distinct expert ids"):
         cap.finish("r")
+
+
+# ----------------------------------------------------------------------------- the CUDA transfer, faked
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda for _CudaTransfer on CPU tensors, logging stream/event calls."""
+
+    def __init__(self):
+        self.log = []
+        self.current = self.Stream("main", self)
+
+    class Stream:
+        def __init__(self, name="side", owner=None):
+            self.name, self.owner = name, owner
+
+        def wait_event(self, ev):
+            self.owner.log.append(("wait", self.name, ev.name))
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            _FakeCuda.Event.count += 1
+            self.name, self.owner, self.done = f"ev{_FakeCuda.Event.count}", None, True
+
+        def record(self, stream):
+            stream.owner.log.append(("record", self.name, stream.name))
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+
+def _fake_cuda_capturer(monkeypatch, **kw):
+    import contextlib
+    import types
+
+    import replaymoe.capture as capmod
+
+    fake = _FakeCuda()
+
+    def stream_ctx(s):
+        @contextlib.contextmanager
+        def cm():
+            fake.log.append(("enter", s.name))
+            yield
+            fake.log.append(("exit", s.name))
+
+        return cm()
+
+    cuda = types.SimpleNamespace(
+        Stream=lambda device=None: _FakeCuda.Stream("side", fake),
+        Event=_FakeCuda.Event,
+        current_stream=lambda device=None: fake.current,
+        stream=stream_ctx,
+        is_available=lambda: False,
+    )
+
+    class TorchProxy:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    proxy = TorchProxy()
+    proxy.cuda = cuda
+    proxy.empty = lambda *a, pin_memory=False, **k: torch.empty(*a, **k)
+    monkeypatch.setattr(capmod, "torch", proxy)
+    monkeypatch.setattr(
+        RoutedExpertsCapturer,
+        "_make_transfer",
+        lambda self: capmod._CudaTransfer(self.buffer, self.num_buffers),
+    )
+    return make(**kw), fake
+
+
+def test_cuda_transfer_path_on_cpu(generator, monkeypatch):
+    # the real _CudaTransfer (gather on the step's stream, event, side-stream copy, event) with a fake
+    # torch.cuda: the protocol gives the same traces, and the stream/event calls come in safe order
+    cap, fake = _fake_cuda_capturer(monkeypatch, num_buffers=2)
+    exp: dict = {}
+    run_step(cap, generator, ["a", "b", None], [0, 0, 0], exp)
+    run_step(cap, generator, ["a", "x", "x", "b"], [1, 7, 8, 1], exp, rows=6, dp_span=(2, 4))
+    run_step(cap, generator, ["b"], [2], exp)
+    first = fake.log[:5]
+    gathered = first[0][1]
+    assert first[0] == ("record", gathered, "main")  # after the gather, on the step's stream
+    assert first[1] == ("wait", "side", gathered)  # the side stream waits for it ...
+    assert first[2] == ("enter", "side") and first[3] == ("exit", "side")  # ... copies under it ...
+    assert first[4][0] == "record" and first[4][2] == "side"  # ... and marks completion there
+    assert all(entry[1] != "main" for entry in fake.log if entry[0] == "wait")  # main never waits
+    for r, n in (("a", 2), ("b", 3), ("x", 9)):
+        np.testing.assert_array_equal(cap.finish(r).ids, expected_array(exp[r], n))
+    # staging: num_buffers slots of N rows in pinned memory (here plain CPU) and on the device
+    assert cap.memory_stats()["staging_bytes"] == 2 * N * L * K * 2
