@@ -402,7 +402,7 @@ def test_replay_batch_mismatch_and_other_errors(generator):
     moe = rhf.enable(model)
     ids, mask, _ = _batch(generator, model.config.vocab_size, [4, 4, 4])
     with moe.replaying([_trace_for(moe), _trace_for(moe)]):  # 2 traces, batch of 3
-        with pytest.raises(ValueError, match="positions"):
+        with pytest.raises(ValueError, match="one trace per batch row"):
             model(input_ids=ids, attention_mask=mask)
     # a trace without layer_ids is matched in MoE order (DeepSeek: MoE layers 1, 2 = indices 0, 1)
     moe.set_replay(_trace_for(moe, layer_ids=None))

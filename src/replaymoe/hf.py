@@ -85,8 +85,16 @@ are ``past_length + arange(S)``. Batch row ``b`` is sequence ``b``.
   forward (``-1`` rows, e.g. positions past the trace's end or padding, are routed natively inside
   ``route``); ``route(..., replay_ids=...)`` forces them and recomputes the weights from this
   model's logits, differentiably. A trace is matched to the model's MoE layers by ``layer_ids``.
+  A trace without ``layer_ids`` is matched in MoE-layer order. Replay needs one trace per batch
+  row, in batch order; ``report()`` (inside ``replaying``) tells how many tokens fell back.
 * Gradient checkpointing: a recomputed layer (called outside the model's forward) reuses the ids of
   that layer's last forward when the token count matches, so recomputation sees the same routing.
+
+Limits: capture assumes each batch row stays one sequence for the whole ``generate`` (greedy or
+sampling, ``num_return_sequences`` included; beam search reorders rows and is not supported).
+Layers placed on other devices than the first (``device_map``) capture through a staging copy.
+The patch is eager-mode Python (hooks, a host read of the positions per forward for capture): it is
+not meant for ``torch.compile``/CUDA-graph generation; the kernels underneath are graph-safe.
 """
 
 from __future__ import annotations
@@ -630,12 +638,16 @@ class ReplayMoE:
             )
         ids = None
         if self._replay is not None:
+            if self._replay.batch_size != step.batch_size:
+                fail(
+                    "replay",
+                    f"one trace per batch row ({step.batch_size} rows in this forward)",
+                    f"{self._replay.batch_size} trace(s)",
+                )
             ids = self._replay.ids_for(self._trace_layer[info.index], step.positions, device=device)
         cap = None
         if self._capture and self._capturer is not None:
             cap = self._capturer.layer_buffer(info.index)
-            if cap.device != device:
-                cap = None
         self._last_ids[info.index] = (num_tokens, ids)
         return ids, cap
 
@@ -645,16 +657,23 @@ def _make_router_forward(state: ReplayMoE, info: MoELayerInfo) -> Callable:
 
     def forward(router: nn.Module, hidden_states: torch.Tensor):
         logits = spec.logits(router, hidden_states)
-        replay_ids, capture_out = state._layer_io(info, logits.shape[0], logits.device)
+        T = logits.shape[0]
+        replay_ids, capture_out = state._layer_io(info, T, logits.device)
+        staged = None
+        if capture_out is not None and capture_out.device != logits.device:
+            # layer on another device than the capture buffer (device_map): capture here, copy over
+            staged = torch.empty((T, capture_out.shape[1]), dtype=torch.int16, device=logits.device)
         out = route(
             logits,
             int(router.top_k),
             spec.method(router),
-            routing_replay_out=capture_out,
+            routing_replay_out=capture_out if staged is None else staged,
             replay_ids=replay_ids,
             backend=state.backend,
             **spec.route_kwargs(router),
         )
+        if staged is not None:
+            capture_out[:T].copy_(staged)
         weights = spec.weights(router, logits, out.topk_ids, out.topk_weights)
         return logits, weights, out.topk_ids.long()
 
