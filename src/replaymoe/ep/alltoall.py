@@ -228,8 +228,9 @@ class MoeAlltoAll:
         Width ``H`` of the combine payload.
     transport : {"nccl", "symm"}
         ``"nccl"``: padded ``all_to_all_single`` (NCCL on CUDA, gloo on CPU). ``"symm"``: one-sided
-        NVLink writes into symmetric-memory buffers (CUDA, one node). A failure to set up symmetric
-        memory raises ``RuntimeError``; there is no silent fallback.
+        NVLink writes into symmetric-memory buffers (CUDA, one node, ep <= 8; with ep = 1 nothing
+        crosses and the local path is used). A failure to set up symmetric memory raises
+        ``RuntimeError``; there is no silent fallback.
     payload_bytes_per_token : int, optional
         Pre-size the dispatch buffers for rows of this many bytes (sum over payloads, each region
         rounded up to 64). Default: sized lazily by the first dispatch and grown when a later one
@@ -305,9 +306,9 @@ class MoeAlltoAll:
         self._runtime_max: int | None = None
         self._num_tokens: int | None = None
 
-        if self.transport == "symm":
-            if self.device.type != "cuda":
-                fail("transport", "'nccl' for a CPU device ('symm' needs CUDA symmetric memory)", "'symm'")
+        if self.transport == "symm" and self.device.type != "cuda":
+            fail("transport", "'nccl' for a CPU device ('symm' needs CUDA symmetric memory)", "'symm'")
+        if self.transport == "symm" and self.ep > 1:
             from .transport_symm import SymmTransport
 
             self._transport = SymmTransport(self)
@@ -377,6 +378,11 @@ class MoeAlltoAll:
             ``j < recv_counts[s]`` is the j-th token that source ``s`` sent here (in its token order).
             Views alias internal buffers; valid until ``combine``.
         """
+        if self._phase == "broken":
+            raise RuntimeError(
+                f"MoeAlltoAll on rank {self.rank}: a previous dispatch/combine failed part-way; the ranks "
+                "are no longer in lockstep, build a new MoeAlltoAll (on every rank)"
+            )
         if self._phase != "idle":
             raise RuntimeError(
                 f"MoeAlltoAll.dispatch on rank {self.rank}: called twice without combine "
