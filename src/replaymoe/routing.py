@@ -579,9 +579,10 @@ def _weights_backward(
     router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, method: int, scale: float
 ) -> torch.Tensor:
     """Gradient of the weights w.r.t. the logits at fixed ids (closed form of :func:`_weights_torch`)."""
-    x = router_logits.float()
+    acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32  # fp32 or wider
+    x = router_logits.to(acc)
     idl = ids.long()
-    g = grad_w.float()
+    g = grad_w.to(acc)
     xs = x.gather(1, idl)
     m = RoutingMethod(method)
     extra = None

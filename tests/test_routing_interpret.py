@@ -1,0 +1,183 @@
+"""The routing Triton kernel under TRITON_INTERPRET=1 (CPU): small shapes, fp16/fp32 logits,
+every method, every top-k algorithm, capture and replay, against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replaymoe.routing as routing_mod
+from replaymoe.routing import RoutingMethod, route, route_torch
+from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
+
+pytestmark = pytest.mark.interpret
+
+M = RoutingMethod
+
+
+def kwargs_for(method, num_experts, generator, top_k=3):
+    kw = {"top_k": 1 if method == M.LLAMA4 else top_k}
+    if method in (M.DEEPSEEK_V3, M.MINIMAX2):
+        kw["bias"] = ((torch.rand(num_experts, generator=generator) - 0.5) * 0.5).half()
+        kw["routed_scaling_factor"] = 2.5
+    if method == M.DEEPSEEK_V3:
+        kw["n_group"], kw["topk_group"] = 8, 3
+    return kw
+
+
+@pytest.fixture(params=[1, 2])
+def algo(request, monkeypatch):
+    """The iterative top-k on int64 keys (1) and on two int32 reductions (2, the default)."""
+    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "ALGO", request.param)
+    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 4)
+    return request.param
+
+
+def check(out, ref, t, cap=None):
+    assert out.topk_ids.dtype == torch.int32 and out.topk_weights.dtype == torch.float32
+    assert torch.equal(out.topk_ids, ref.topk_ids)
+    assert_close(out.topk_weights, ref.topk_weights, dtype=torch.float32)
+    if cap is not None:
+        assert torch.equal(cap[:t].int(), out.topk_ids)
+        assert bool((cap[t:] == POISON_INT).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # fp16: the int32-key path
+@pytest.mark.parametrize("method", list(RoutingMethod))
+def test_kernel_matches_reference(method, dtype, algo, generator):
+    # 48 experts: padded to 64 columns; DeepSeek: 8 groups of 6 (padded to 8); top_k 3 -> 4 columns;
+    # T = 9 leaves a partial last block; capture on, with 3 spare rows that must stay untouched
+    kw = kwargs_for(method, 48, generator)
+    x = tie_free_logits(9, 48, dtype=dtype, generator=generator)
+    cap = poison(torch.empty(12, kw["top_k"], dtype=torch.int16))
+    out = route(x, method=method, routing_replay_out=cap, backend="triton", **kw)
+    check(out, route_torch(x, method=method, **kw), 9, cap)
+
+
+@pytest.mark.parametrize("method", [M.DEEPSEEK_V3, M.RENORMALIZE, M.SIGMOID])
+def test_bitonic_topk(method, monkeypatch, generator):
+    # ALGO 0 (tl.topk on packed keys): slow under the interpreter, so a few cases only
+    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "ALGO", 0)
+    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 8)
+    kw = kwargs_for(method, 40, generator, top_k=5)
+    for dtype in (torch.float32, torch.float16):
+        x = tie_free_logits(8, 40, dtype=dtype, generator=generator)
+        check(route(x, method=method, backend="triton", **kw), route_torch(x, method=method, **kw), 8)
+
+
+@pytest.mark.parametrize(
+    "num_experts, n_group, topk_group, top_k",
+    [
+        (32, 32, 5, 5),  # groups of one expert
+        (24, 8, 3, 9),  # group size 3 (padded to 4), all experts of the kept groups
+        (64, 1, None, 17),  # no grouping, top_k 17 (32 columns)
+        (256, 8, 4, 8),  # DeepSeek-V3's shape
+        (384, 4, 2, 8),  # non-power-of-2 E, groups of 96 (padded to 128)
+    ],
+)
+def test_kernel_deepseek_grouping(num_experts, n_group, topk_group, top_k, algo, generator):
+    bias = (torch.rand(num_experts, generator=generator) - 0.5).float()
+    x = tie_free_logits(5, num_experts, generator=generator)
+    kw = dict(bias=bias, n_group=n_group, topk_group=topk_group, routed_scaling_factor=1.5)
+    out = route(x, top_k, M.DEEPSEEK_V3, backend="triton", **kw)
+    check(out, route_torch(x, top_k, M.DEEPSEEK_V3, **kw), 5)
+
+
+@pytest.mark.parametrize("method", [M.DEEPSEEK_V3, M.TOPK, M.RENORMALIZE_NAIVE])
+def test_kernel_ties_nan_and_negative_zero(method, algo):
+    # exact ties (smaller index first), -0.0 == +0.0, NaN rows: same ids as the reference
+    x = torch.zeros(6, 16)
+    x[1] = torch.tensor([1.0, 3, 3, 2, 3, -1, 2, 0] * 2)
+    x[2, ::2] = -0.0
+    x[3] = float("nan")
+    x[4, 3:9] = float("nan")
+    x[5, 5] = float("-inf")
+    for dtype in (torch.float32, torch.float16):
+        xd = x.to(dtype)
+        kw = {"n_group": 4, "topk_group": 2} if method == M.DEEPSEEK_V3 else {}
+        out = route(xd, 4, method, backend="triton", **kw)
+        ref = route_torch(xd, 4, method, **kw)
+        assert torch.equal(out.topk_ids, ref.topk_ids)
+        ok = ~torch.isnan(ref.topk_weights)
+        assert torch.equal(ok, ~torch.isnan(out.topk_weights))
+        assert_close(out.topk_weights[ok], ref.topk_weights[ok], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("method", list(RoutingMethod))
+def test_kernel_replay(method, generator):
+    # forced ids (int16) in arbitrary order, one row of all -1 routed natively in the kernel,
+    # capture records the ids actually used
+    kw = kwargs_for(method, 40, generator)
+    k = kw["top_k"]
+    x = tie_free_logits(6, 40, generator=generator)
+    forced = torch.stack([torch.randperm(40, generator=generator)[:k] for _ in range(6)]).short()
+    forced[2] = -1
+    cap = poison(torch.empty(8, k, dtype=torch.int16))
+    out = route(x, method=method, replay_ids=forced, routing_replay_out=cap, backend="triton", **kw)
+    check(out, route_torch(x, method=method, replay_ids=forced, **kw), 6, cap)
+    assert torch.equal(out.topk_ids[forced[:, 0] >= 0], forced[forced[:, 0] >= 0].int())
+
+
+def test_kernel_replay_block_without_native_rows_skips_selection(generator, monkeypatch):
+    # every row forced: the in-kernel selection branch is not taken, results still exact
+    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 2)
+    x = tie_free_logits(4, 16, generator=generator)
+    forced = torch.tensor([[3, 1], [0, 15], [7, 8], [2, 9]], dtype=torch.int64)
+    out = route(x, 2, M.RENORMALIZE, replay_ids=forced, backend="triton")
+    check(out, route_torch(x, 2, M.RENORMALIZE, replay_ids=forced), 4)
+
+
+def test_kernel_capture_is_bit_identical(generator):
+    kw = kwargs_for(M.DEEPSEEK_V3, 48, generator)
+    x = tie_free_logits(7, 48, generator=generator)
+    cap = poison(torch.empty(7, 3, dtype=torch.int16))
+    a = route(x, method=M.DEEPSEEK_V3, backend="triton", **kw)
+    b = route(x, method=M.DEEPSEEK_V3, routing_replay_out=cap, backend="triton", **kw)
+    assert torch.equal(a.topk_ids, b.topk_ids)
+    assert torch.equal(a.topk_weights.view(torch.int32), b.topk_weights.view(torch.int32))
+
+
+def test_kernel_edges(generator):
+    # T = 0 launches nothing; one expert; row-strided logits (a slice of a wider tensor)
+    out = route(torch.empty(0, 8), 2, backend="triton")
+    assert out.topk_ids.shape == (0, 2) and out.topk_weights.shape == (0, 2)
+    one = route(torch.randn(3, 1, generator=generator), 1, backend="triton")
+    assert one.topk_ids.tolist() == [[0]] * 3 and one.topk_weights.tolist() == [[1.0]] * 3
+    wide = tie_free_logits(5, 24, generator=generator)
+    x = wide[:, 4:20]
+    assert x.stride(0) == 24
+    check(route(x, 3, M.RENORMALIZE, backend="triton"), route_torch(x.contiguous(), 3, M.RENORMALIZE), 5)
+
+
+@pytest.mark.parametrize("method", [M.DEEPSEEK_V3, M.DEFAULT, M.RENORMALIZE, M.SIGMOID_RENORM, M.TOPK])
+def test_kernel_gradients_match_reference(method, generator):
+    kw = kwargs_for(method, 24, generator)
+    kw.pop("n_group", None), kw.pop("topk_group", None)
+    k = kw["top_k"]
+    x0 = tie_free_logits(5, 24, generator=generator)
+    forced = torch.stack([torch.randperm(24, generator=generator)[:k] for _ in range(5)])
+    forced[1] = -1
+    coef = torch.randn(k, generator=generator)
+    for replay in (None, forced):
+        grads = []
+        for backend in ("triton", "torch"):
+            x = x0.clone().requires_grad_()
+            (
+                route(x, method=method, replay_ids=replay, backend=backend, **kw).topk_weights * coef
+            ).sum().backward()
+            grads.append(x.grad)
+        assert_close(grads[0], grads[1], dtype=torch.float32)
+
+
+def test_custom_op_under_torch_compile_fullgraph(generator):
+    # the custom op and its fake traced by dynamo (aot_eager: no C++ compiler needed on CPU)
+    x = tie_free_logits(6, 32, generator=generator)
+    cap = poison(torch.empty(8, 4, dtype=torch.int16))
+    kw = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def fwd(x, cap):
+        return route(x, 4, M.DEEPSEEK_V3, routing_replay_out=cap, backend="triton", **kw)
+
+    out = fwd(x, cap)
+    check(out, route_torch(x, 4, M.DEEPSEEK_V3, **kw), 6, cap)
