@@ -173,3 +173,63 @@ def test_combine_reduce_kernel_matches_torch(generator):
             if slot[t, r] >= 0:
                 expect[t] += rows[r * (rt + 1) + slot[t, r]]
     torch.testing.assert_close(out_r, expect, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "E, ep, T, K",
+    [
+        (8, 1, 5, 2),  # one rank
+        (10, 3, 40, 4),  # uneven split
+        (6, 4, 1500, 1),  # T above the kernel's token block (the running prefix carries over)
+        (256, 4, 33, 8),  # DeepSeek-V3 experts, top-8
+        (16, 4, 0, 8),  # no tokens: counts are zero
+    ],
+)
+def test_plan_kernel_matches_torch(E, ep, T, K, generator):
+    ids = torch.zeros(0, K, dtype=torch.int32)
+    if T:
+        ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).to(torch.int32)
+    if T > 3:
+        ids[1] = -1  # a token sent nowhere
+        ids[2, 0] = E  # an out-of-range id is ignored
+    ref = _make_plan(ids, E, ep)
+    got = _make_plan(ids, E, ep, use_triton=True)
+    assert torch.equal(got.slot, ref.slot)
+    assert torch.equal(got.send_counts, ref.send_counts)
+
+
+@pytest.mark.interpret
+def test_sanitize_kernel_matches_torch(generator):
+    """The received-id sanitization (padding rows, header rows, remote experts -> invalid) and the
+    counts copy, Triton vs torch, on a hand-built receive buffer."""
+    from replaymoe.ep.alltoall import _sanitize_triton
+
+    ep, E, K, rt = 3, 10, 4, 5
+    ids = [torch.randint(-1, E, (rt, K), generator=generator, dtype=torch.int32) for _ in range(ep)]
+    layout = _row_layout([ids[0]])
+    block = (rt + 1) * layout.row_bytes
+    recv = torch.zeros(ep * block + layout.row_bytes, dtype=torch.uint8)
+    views, counts = _recv_views(recv, layout, ep, rt, block)
+    for s in range(ep):
+        views[0][s] = ids[s]
+    counts.copy_(torch.tensor([5, 0, 2], dtype=torch.int32))
+    recv2 = recv.clone()
+    outs = []
+    for r, buf in enumerate((recv, recv2)):
+        a = _fake_a2a(1, ep, rt, K, E, 16)
+        v, c = _recv_views(buf, layout, ep, rt, block)
+        n = ep * (rt + 1) - 1
+        flat = torch.as_strided(v[0], (n, K), v[0].stride()[1:])
+        if r == 0:
+            _sanitize_triton(a, flat, buf, c, rt, 4, 7, -9)
+        else:
+            i = torch.arange(n)
+            pad = (i % (rt + 1)) >= c[i // (rt + 1)]
+            drop = pad[:, None] | (flat < 4) | (flat >= 7)
+            flat.copy_(torch.where(drop, torch.full_like(flat, -9), flat))
+            a.recv_counts.copy_(c)
+        outs.append((flat.clone(), a.recv_counts.clone()))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], torch.tensor([5, 0, 2], dtype=torch.int32))
+    assert (outs[0][0][5] == -9).all() and (outs[0][0][6:12] == -9).all()  # header row, empty source

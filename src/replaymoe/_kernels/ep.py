@@ -153,3 +153,78 @@ def ep_combine_reduce_kernel(
         )
         acc += v.to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def ep_plan_kernel(
+    ids_ptr,  # int32 [T, K] contiguous: global expert ids (outside [0, E) = not sent)
+    slot_ptr,  # int32 [T, EP] out: slot of token t in rank r's block, -1 = not sent there
+    counts_ptr,  # int32 [EP] out: tokens sent to each rank
+    T,
+    E,
+    base,  # E // EP
+    rem,  # E % EP (ranks below own base + 1 experts)
+    K: tl.constexpr,
+    EP: tl.constexpr,
+    EP_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One program: owner rank of every id, one mark per distinct (token, rank), slots by a running
+    prefix sum over tokens (token order), and the per-rank totals."""
+    ranks = tl.arange(0, EP_P2)
+    carry = tl.zeros([EP_P2], dtype=tl.int32)
+    cut = rem * (base + 1)
+    for start in range(0, T, BLOCK_T):
+        toks = start + tl.arange(0, BLOCK_T)
+        tmask = toks < T
+        m = tl.zeros([BLOCK_T, EP_P2], dtype=tl.int32)
+        for k in tl.static_range(K):
+            e = tl.load(ids_ptr + toks.to(tl.int64) * K + k, mask=tmask, other=-1)
+            owner = tl.where(e < cut, e // (base + 1), rem + (e - cut) // base)
+            owner = tl.where((e >= 0) & (e < E), owner, -1)
+            m = m | (owner[:, None] == ranks[None, :]).to(tl.int32)
+        cs = tl.cumsum(m, axis=0) + carry[None, :]
+        slot = tl.where(m > 0, cs - 1, -1)
+        smask = tmask[:, None] & (ranks[None, :] < EP)
+        tl.store(slot_ptr + toks.to(tl.int64)[:, None] * EP + ranks[None, :], slot, mask=smask)
+        carry += tl.sum(m, axis=0)
+    tl.store(counts_ptr + ranks, carry, mask=ranks < EP)
+
+
+@triton.jit
+def ep_sanitize_kernel(
+    ids_ptr,  # int32 received ids, rows [n_rows, K] with row stride row_stride (a run over all blocks)
+    hdr_ptr,  # int32 view of the receive buffer: count of source s at s * hdr_block + hdr_off
+    recv_counts_ptr,  # int32 [EP] out (written by program 0)
+    n_rows,
+    row_stride,
+    rows_per_block,  # runtime_max + 1 (row rt of a block is its header)
+    hdr_block,
+    hdr_off,
+    lo,
+    hi,
+    invalid,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    EP: tl.constexpr,
+    EP_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Ids of padding rows (slot >= count of its source, header rows included) and of experts outside
+    [lo, hi) become ``invalid``; program 0 also copies the counts to ``recv_counts``."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < n_rows
+    s = rows // rows_per_block
+    j = rows % rows_per_block
+    cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0)
+    ks = tl.arange(0, K_P2)
+    m = rmask[:, None] & (ks < K)[None, :]
+    ptrs = ids_ptr + rows.to(tl.int64)[:, None] * row_stride + ks[None, :]
+    v = tl.load(ptrs, mask=m, other=0)
+    drop = (j >= cnt)[:, None] | (v < lo) | (v >= hi)
+    tl.store(ptrs, tl.where(drop, invalid, v), mask=m)
+    if pid == 0:
+        r = tl.arange(0, EP_P2)
+        c = tl.load(hdr_ptr + r.to(tl.int64) * hdr_block + hdr_off, mask=r < EP, other=0)
+        tl.store(recv_counts_ptr + r, c, mask=r < EP)

@@ -113,8 +113,23 @@ class _Plan:
     send_counts: torch.Tensor
 
 
-def _make_plan(ids: torch.Tensor, num_experts: int, ep: int) -> _Plan:
+def _make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool = False) -> _Plan:
     T = ids.shape[0]
+    if use_triton:
+        import triton
+
+        from .._kernels.ep import ep_plan_kernel
+
+        ids = ids.contiguous()
+        slot = torch.empty(T, ep, dtype=torch.int32, device=ids.device)
+        counts = torch.empty(ep, dtype=torch.int32, device=ids.device)
+        base, rem = divmod(num_experts, ep)
+        ep_p2 = max(2, triton.next_power_of_2(ep))
+        ep_plan_kernel[(1,)](
+            ids, slot, counts, T, num_experts, base, rem,
+            K=ids.shape[1], EP=ep, EP_P2=ep_p2, BLOCK_T=max(16, min(1024, 4096 // ep_p2)),
+        )  # fmt: skip
+        return _Plan(slot=slot, send_counts=counts)
     owner = expert_owner(ids, num_experts, ep)  # [T, K] in [0, ep]
     mask = torch.zeros(T, ep + 1, dtype=torch.int32, device=ids.device)
     mask.scatter_(1, owner, 1)
@@ -149,8 +164,16 @@ class _PayloadSpec:
 
 @dataclass(frozen=True)
 class _RowLayout:
+    """Packed row: payload regions, then one 64-byte region no payload covers, where the header row
+    (row ``runtime_max`` of each block) keeps the int32 count, so that sanitizing the id payload over
+    all rows (header rows included) cannot clobber a count.
+
+    row_bytes : multiple of 64; count_offset : byte offset of the count in the header row.
+    """
+
     specs: tuple[_PayloadSpec, ...]
-    row_bytes: int  # multiple of 64, >= 64 (the header row holds one int32 count)
+    row_bytes: int
+    count_offset: int
 
 
 def _row_layout(payloads: list[torch.Tensor]) -> _RowLayout:
@@ -163,7 +186,7 @@ def _row_layout(payloads: list[torch.Tensor]) -> _RowLayout:
         nbytes = n * p.element_size()
         specs.append(_PayloadSpec(p.dtype, inner, nbytes, off))
         off += _align(max(nbytes, 1))
-    return _RowLayout(tuple(specs), max(_align(off), _ALIGN))
+    return _RowLayout(tuple(specs), off + _ALIGN, off)
 
 
 def _unit_dtype(nbytes: int, *ptrs: int) -> torch.dtype:
@@ -193,14 +216,15 @@ def _recv_views(
     recv: torch.Tensor, layout: _RowLayout, ep: int, rt: int, block_bytes: int
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per-payload views [ep, rt, *inner] of a receive buffer (source s's block at ``s * block_bytes``,
-    row j at ``j * row_bytes``) and the int32 [ep] view of the counts (row ``rt`` of each block)."""
+    row j at ``j * row_bytes``) and the int32 [ep] view of the counts (in row ``rt`` of each block)."""
     views = []
     for s in layout.specs:
         es = torch.empty((), dtype=s.dtype).element_size()
         size = (ep, rt, *s.inner)
         stride = (block_bytes // es, layout.row_bytes // es, *_contig_strides(s.inner))
         views.append(_typed_view(recv, s.dtype, size, stride, s.offset))
-    counts = _typed_view(recv, torch.int32, (ep,), (block_bytes // 4,), rt * layout.row_bytes)
+    count_at = rt * layout.row_bytes + layout.count_offset
+    counts = _typed_view(recv, torch.int32, (ep,), (block_bytes // 4,), count_at)
     return views, counts
 
 
@@ -233,7 +257,7 @@ class MoeAlltoAll:
         ``RuntimeError``; there is no silent fallback.
     payload_bytes_per_token : int, optional
         Pre-size the dispatch buffers for rows of this many bytes (sum over payloads, each region
-        rounded up to 64). Default: sized lazily by the first dispatch and grown when a later one
+        rounded up to 64, plus 64). Default: sized lazily by the first dispatch and grown when a later one
         needs more (growth is refused during CUDA-graph capture; with ``symm`` it is collective).
     timeout : float (seconds) or datetime.timedelta, optional
         Bound on waiting for peers. ``nccl``/gloo: a private sub-group with this timeout is created
@@ -424,7 +448,8 @@ class MoeAlltoAll:
             )
 
         layout = _row_layout(payloads)
-        plan = _make_plan(ids, self.num_experts, self.ep)
+        use_triton = self.use_triton()
+        plan = _make_plan(ids, self.num_experts, self.ep, use_triton=use_triton)
         payloads = [p.contiguous() for p in payloads]
         self._phase = "dispatching"
         try:
@@ -433,18 +458,23 @@ class MoeAlltoAll:
             self._phase = "broken"
             raise
         views, counts = _recv_views(recv, layout, self.ep, rt, block_bytes)
-        self.recv_counts.copy_(counts)
-        if expert_id_payload_index is not None:
+        if expert_id_payload_index is None:
+            self.recv_counts.copy_(counts)
+        else:
             # sanitize the whole run of rows [ep * (rt + 1) - 1, K] (the header rows between blocks
             # included, so that ep_moe can hand the run to fused_moe without a copy)
             v = views[expert_id_payload_index]
             n = self.ep * (rt + 1) - 1
             flat = torch.as_strided(v, (n, K), v.stride()[1:])
-            i = torch.arange(n, device=self.device, dtype=torch.int64)
-            pad = (i % (rt + 1)) >= self.recv_counts[i // (rt + 1)]
             lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
-            drop = pad[:, None] | (flat < lo) | (flat >= hi)
-            flat.copy_(torch.where(drop, torch.full_like(flat, invalid_token_expert_id), flat))
+            if use_triton:
+                _sanitize_triton(self, flat, recv, counts, rt, lo, hi, invalid_token_expert_id)
+            else:
+                self.recv_counts.copy_(counts)
+                i = torch.arange(n, device=self.device, dtype=torch.int64)
+                pad = (i % (rt + 1)) >= self.recv_counts[i // (rt + 1)]
+                drop = pad[:, None] | (flat < lo) | (flat >= hi)
+                flat.copy_(torch.where(drop, torch.full_like(flat, invalid_token_expert_id), flat))
         self._plan = plan
         self.send_counts = plan.send_counts
         self._runtime_max = rt
@@ -526,6 +556,23 @@ class MoeAlltoAll:
             f"{dist.get_rank()}) failed in the all-to-all — a peer rank did not arrive within the "
             f"timeout or left the group (all ranks must call {op} in lockstep with valid arguments): {err}"
         )
+
+
+def _sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
+    import triton
+
+    from .._kernels.ep import ep_sanitize_kernel
+
+    n, K = flat.shape
+    hdr = recv.view(torch.int32)
+    hdr_block = counts.stride(0)
+    hdr_off = counts.storage_offset() - hdr.storage_offset()
+    block = 128
+    ep_sanitize_kernel[(triton.cdiv(n, block),)](
+        flat, hdr, a2a.recv_counts, n, flat.stride(0), rt + 1, hdr_block, hdr_off, lo, hi, invalid,
+        K=K, K_P2=max(2, triton.next_power_of_2(K)), EP=a2a.ep,
+        EP_P2=max(2, triton.next_power_of_2(a2a.ep)), BLOCK=block,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

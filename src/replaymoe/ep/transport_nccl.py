@@ -2,11 +2,13 @@
 
 Dispatch send/receive buffers are uint8 ``[ep, runtime_max + 1, row_bytes]`` (block ``r`` of the send
 buffer goes to rank ``r``; rows ``j < runtime_max`` hold the tokens, the last row of a block is a
-header whose first int32 is the row count). Every byte of every block is exchanged (padding
-included), which costs bandwidth but needs no host synchronization: the whole exchange is
-CUDA-graph capturable and works across nodes. With a gloo group the same code runs on CPU tensors (CPU tests).
+header holding the row count in the row's reserved last 64 bytes). Every byte of every block is
+exchanged (padding included), which costs bandwidth but needs no host synchronization: the whole
+exchange is CUDA-graph capturable and works across nodes. With a gloo group the same code runs on
+CPU tensors (CPU tests).
 
-Combine sends the ``[ep, runtime_max, H]`` payload as it is and receives ``[ep, runtime_max, H]``.
+Combine sends the ``[ep, runtime_max + 1, H]`` blocks (``ep_moe``'s output layout, sent as it is;
+any other payload is staged into it) and receives the same.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class NcclTransport:
         assert send is not None and recv is not None
         block = (rt + 1) * RB
         _pack(a, plan, payloads, layout, send, block_bytes=block, rank_stride_bytes=block, base_bytes=0)
-        _a._typed_view(send, torch.int32, (a.ep,), (block // 4,), rt * RB).copy_(plan.send_counts)
+        cnt = _a._typed_view(send, torch.int32, (a.ep,), (block // 4,), rt * RB + layout.count_offset)
+        cnt.copy_(plan.send_counts)
         if a.ep > 1:
             self._exchange("dispatch", recv[: a.ep * block], send[: a.ep * block])
         return recv, block

@@ -106,7 +106,9 @@ class SymmTransport:
         mine = a.rank * block
         cnt = [p.view(torch.int32) for p in buf.peers]
         cnt = cnt + [cnt[0]] * (_MAX_EP - len(cnt))
-        ep_put_counts_kernel[(1,)](plan.send_counts, *cnt, (mine + rt * RB) // 4, EP=a.ep)
+        ep_put_counts_kernel[(1,)](
+            plan.send_counts, *cnt, (mine + rt * RB + layout.count_offset) // 4, EP=a.ep
+        )
         if plan.slot.shape[0] > 0:
             _pack_triton(a, plan, payloads, layout, buf.peers, 0, mine)
         self._barrier()
