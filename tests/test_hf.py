@@ -414,7 +414,7 @@ def test_replay_batch_mismatch_and_other_errors(generator):
         rhf.enable(model, backend="cuda")
     with pytest.raises(ValueError, match="architecture"):
         rhf.enable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
-    with pytest.raises(ValueError, match="enabled"):
+    with pytest.raises(ValueError, match="capture"):
         rhf.enable(model, capture="yes")
 
 

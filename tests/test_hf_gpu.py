@@ -8,6 +8,8 @@ mismatch only where the k-th and (k+1)-th selection scores are equal.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -79,8 +81,16 @@ def _check_ids_vs_own(own_ids, scores, got_ids, K):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
-    model = _model(arch)
-    ids, mask = _batch(model.config.vocab_size, [96, 64, 17, 1])
+    # fp32 eager model = the truth; the bf16 model is its copy. bf16 noise in a random 4-layer model
+    # is large (DeepSeek-V3's MLA: ~16% relative logit error for transformers' own bf16 path), so the
+    # patched model must be as close to the truth as the unpatched bf16 model, not equal to it.
+    truth_model = build_model(arch, "medium", dtype=torch.float32, device="cuda")
+    truth_model.set_experts_implementation("eager")
+    ids, mask = _batch(truth_model.config.vocab_size, [96, 64, 17, 1])
+    with torch.no_grad():
+        truth = truth_model(input_ids=ids, attention_mask=mask).logits.float()
+    model = copy.deepcopy(truth_model).to(torch.bfloat16)
+    del truth_model
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits.float()
     import replaymoe.moe as rmoe
@@ -103,8 +113,13 @@ def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
     assert calls["fused"] == (0 if arch == "gpt_oss" else len(moe.layers))
     # whole-model logits: bf16 expert sums in another order; later layers may flip near-tie tokens
     keep = mask.bool()
-    rel = (out[keep] - ref[keep]).norm() / ref[keep].norm()
-    assert rel < 0.05, f"relative error {rel:.3g}"
+
+    def rel(x):
+        return float((x[keep] - truth[keep]).norm() / truth[keep].norm())
+
+    assert rel(out) <= 1.5 * rel(ref) + 0.01, (
+        f"patched {rel(out):.3g} vs unpatched {rel(ref):.3g} (bf16 vs fp32)"
+    )
     # layer by layer, the patched router picked what the class's own router picks on the same input
     K = moe.top_k
     for i, calls_i in own.calls.items():

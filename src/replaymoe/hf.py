@@ -720,6 +720,8 @@ def enable(
         Unsupported architecture, bad backend, replay trace not matching the model (layers, top_k,
         num_experts).
     """
+    if not isinstance(capture, bool):
+        fail("capture", "a bool", type(capture).__name__, what="type")
     state = ReplayMoE(model, backend=backend, experts=experts, max_num_tokens=max_num_tokens)
     try:
         state.set_capture(capture)
