@@ -91,7 +91,9 @@ are ``past_length + arange(S)``. Batch row ``b`` is sequence ``b``.
   that layer's last forward when the token count matches, so recomputation sees the same routing.
 
 Limits: capture assumes each batch row stays one sequence for the whole ``generate`` (greedy or
-sampling, ``num_return_sequences`` included; beam search reorders rows and is not supported).
+sampling, ``num_return_sequences`` included; beam search reorders rows and is not supported) and a
+KV cache (``use_cache=True``, the default: without it every step is a new full-sequence forward and
+yields its own traces). Padded batches need their ``attention_mask`` (positions come from it).
 Layers placed on other devices than the first (``device_map``) capture through a staging copy.
 The patch is eager-mode Python (hooks, a host read of the positions per forward for capture): it is
 not meant for ``torch.compile``/CUDA-graph generation; the kernels underneath are graph-safe.
