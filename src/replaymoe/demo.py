@@ -445,6 +445,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(f"  {report}".replace("\n", "\n  "))
     print("  (the fallback is each sequence's last token: it was sampled, never fed back, so has no routing)")
+    print(
+        f"=> without replay the trainer routes {1 - a_nat_all:.0%} of the tokens differently from the "
+        "rollout in at least one layer;\n   with replay it uses the rollout's experts "
+        f"({a_rep_all:.0%} agreement) and the router still gets gradients (R3, rollout routing replay)."
+    )
     ok_grad = all(g > 0 and np.isfinite(g) for g in gnorms)
 
     # ---------------------------------------------------------------- optional: vLLM response
