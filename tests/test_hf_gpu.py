@@ -90,6 +90,7 @@ def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
     with torch.no_grad():
         truth = truth_model(input_ids=ids, attention_mask=mask).logits.float()
     model = copy.deepcopy(truth_model).to(torch.bfloat16)
+    model.set_experts_implementation("grouped_mm")  # transformers' default: the unpatched reference
     del truth_model
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits.float()
