@@ -54,7 +54,11 @@ if "check" in what:
                     continue
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                 _, _, _, _, ids, wts = _routing(name, T)
-                y = call(x, w, ids, wts)
+                try:
+                    y = call(x, w, ids, wts)
+                except Exception as ex:  # noqa: BLE001
+                    print("CHECK FAIL", name, T, fp8, repr(ex)[:400], flush=True)
+                    continue
                 y2 = call(x, w, ids, wts)
                 ref = fused_moe_torch(x, w[0], w[1], topk_ids=ids, topk_weights=wts, w13_scale=w[2], w2_scale=w[3])
                 out = torch.full_like(y, float("nan"))
@@ -105,20 +109,52 @@ if "time" in what:
             for T in (1, 8, 64, 256, 1024, 4096, 16384):
                 timeit(name, T, fp8)
 
+def V(name, T, fp8, tag, **kw):
+    H, I, E, K, _ = SHAPES[name]
+    timeit(name, T, fp8, replace(moe_config(T, K, H, I, E, fp8=fp8), **kw), tag)
+
+
+def P(bm, bn1, bk1, w1, s1, bn2, bk2, w2, s2, g=8, direct=False):
+    return dict(direct=direct, block_m=bm, block_n1=bn1, block_k1=bk1, warps1=w1, stages1=s1, block_n2=bn2,
+                block_k2=bk2, warps2=w2, stages2=s2, group_m=g)
+
+
 if "variants" in what:
-    H, I, E, K, _ = SHAPES["qwen3"]
-    base = moe_config(1, K, H, I, E)
-    for bn1, bk1, bn2, bk2, st in [(32, 256, 32, 256, 4), (64, 128, 64, 128, 4), (32, 128, 16, 256, 3), (16, 256, 16, 256, 4), (64, 256, 32, 256, 3)]:
-        timeit("qwen3", 1, False, replace(base, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, stages1=st, stages2=st), f"d{bn1}/{bk1}/{bn2}/{bk2}/s{st}")
-    c8 = moe_config(8, K, H, I, E)
-    timeit("qwen3", 8, False, replace(base), "direct@8")
-    for bn in (32, 64, 128):
-        timeit("qwen3", 8, False, replace(c8, block_n1=bn, block_n2=bn), f"layout16 bn{bn}")
-    for name in ("qwen3", "mixtral"):
+    mid = [P(16, 32, 256, 4, 4, 32, 256, 4, 4), P(16, 128, 64, 4, 4, 128, 64, 4, 4), P(16, 64, 64, 4, 5, 128, 64, 4, 5),
+           P(16, 64, 256, 4, 3, 64, 256, 4, 3), P(16, 128, 128, 8, 3, 128, 128, 8, 3), P(32, 64, 128, 4, 4, 64, 128, 4, 4)]
+    for name, T in (("qwen3", 8), ("qwen3", 64), ("qwen3", 256), ("mixtral", 8), ("mixtral", 64), ("mixtral", 256), ("deepseek", 8)):
+        for i, c in enumerate(mid):
+            V(name, T, False, f"mid{i}", **c)
+    for T in (1024,):
+        for i, c in enumerate([P(32, 64, 128, 4, 4, 64, 128, 4, 4), P(64, 128, 64, 4, 4, 128, 64, 4, 4), P(128, 128, 64, 8, 4, 256, 64, 8, 4), P(64, 64, 64, 4, 4, 128, 64, 4, 4)]):
+            V("qwen3", T, False, f"q1k{i}", **c)
+    pre = [P(128, 128, 64, 8, 4, 256, 64, 8, 4, 16), P(128, 128, 64, 8, 4, 256, 64, 8, 4, 4), P(128, 128, 64, 8, 3, 256, 64, 8, 3),
+           P(128, 64, 64, 4, 4, 128, 64, 4, 4), P(64, 128, 64, 8, 4, 256, 64, 8, 4), P(128, 128, 64, 8, 4, 128, 64, 4, 4)]
+    for name in ("qwen3", "mixtral", "deepseek"):
+        for i, c in enumerate(pre):
+            V(name, 4096, False, f"pre{i}", **c)
+    for name, T in (("qwen3", 1), ("qwen3", 64), ("mixtral", 64), ("deepseek", 1)):
+        for i, c in enumerate([P(16, 64, 128, 4, 4, 64, 128, 4, 4, direct=T == 1), P(16, 32, 128, 4, 4, 32, 128, 4, 4, direct=T == 1), P(16, 128, 128, 4, 3, 128, 128, 4, 3, direct=T == 1)]):
+            V(name, T, True, f"f8d{i}", **c)
+
+if "profile" in what:
+    from torch.profiler import ProfilerActivity, profile
+    for name, T, fp8 in (("qwen3", 1, False), ("qwen3", 64, False), ("qwen3", 4096, False), ("mixtral", 4096, False), ("qwen3", 1, True)):
         H, I, E, K, _ = SHAPES[name]
-        c = moe_config(4096, K, H, I, E)
-        for bn1, bk, w_, st, bn2 in [(128, 64, 8, 3, 128), (128, 64, 8, 4, 256), (64, 64, 4, 4, 128), (128, 32, 8, 5, 128), (256, 64, 8, 3, 256)]:
-            timeit(name, 4096, False, replace(c, block_m=128, block_n1=bn1, block_k1=bk, warps1=w_, stages1=st, block_n2=bn2, block_k2=bk, warps2=w_, stages2=st), f"p{bn1}/{bk}/w{w_}/s{st}/{bn2}")
+        w = weights(name, fp8)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        _, _, _, _, ids, wts = _routing(name, T)
+        for _ in range(3):
+            call(x, w, ids, wts)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                call(x, w, ids, wts)
+            torch.cuda.synchronize()
+        print("PROFILE", name, T, fp8)
+        for ev in prof.key_averages():
+            if ev.device_time_total > 0:
+                print("   %-40s %8.1f us x%d" % (ev.key[:40], ev.device_time_total / ev.count, ev.count))
 
 json.dump(rows, open(os.path.join(OUT, "tune.json"), "w"), indent=1)
 print("\n%-8s %6s %4s %-22s %9s %9s %6s %8s %s" % ("shape", "T", "fp8", "tag", "us", "floor", "frac", "vllm", "extra"))

@@ -218,8 +218,8 @@ def _experts_torch(
             a, g13, g2 = xf[tok], w13[e].float(), w2[e].float()
         h = a @ g13.T
         act = F.silu(h[:, :I]) * h[:, I:]
-        if fp8:
-            act = fake_quant_fp8_per_token_group(act)
+        if fp8:  # the kernels keep silu(gate)*up in bf16, then quantize it per 1x128 group
+            act = fake_quant_fp8_per_token_group(act.to(torch.bfloat16))
         y = act @ g2.T
         acc.index_add_(0, tok, y * wts[tok, kk].unsqueeze(1))
     return acc.to(out_dtype)
@@ -253,7 +253,8 @@ def fused_moe_torch(
     Same arguments and semantics as :func:`fused_moe` (minus ``backend``). The fp8 path dequantizes
     the weights per 128×128 block and passes the activations through the same per-1×128-group fp8
     quantization the kernels apply (both GEMM inputs), so it is the exact spec of the fp8 kernels up
-    to accumulation order. Runs on any device; host-synchronizing.
+    to accumulation order (the SwiGLU rows are rounded to bf16 before their quantization, as in the
+    kernels). Runs on any device; host-synchronizing.
     """
     return fused_moe(
         hidden_states,
@@ -473,21 +474,20 @@ def moe_config(T: int, K: int, H: int, I: int, E_local: int, *, fp8: bool = Fals
         return tuned
     slots = T * K
     if T == 1 or slots * 4 <= E_local:
-        # decode: each active expert's weights streamed once, split along N for parallelism
-        return MoEConfig(True, 16, 128 if fp8 else 64, 128 if fp8 else 256, 4, 4, 64 if fp8 else 32,
-                         128 if fp8 else 256, 4, 4)  # fmt: skip
-    m_avg = slots / min(E_local, slots)
-    if m_avg <= 16:
-        bm = 16
-    elif m_avg <= 32:
-        bm = 32
-    elif m_avg <= 64:
-        bm = 64
-    else:
-        bm = 128
-    if bm <= 32:
-        return MoEConfig(False, bm, 128 if fp8 else 64, 128, 4, 4, 64, 128, 4, 4)
-    return MoEConfig(False, bm, 128, 128 if fp8 else 64, 8, 3, 128, 128 if fp8 else 64, 8, 4)
+        # decode: one tile per slot, each active expert's weights streamed once, split along N
+        if fp8:
+            return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
+        return MoEConfig(True, 16, 32, 256, 4, 4, 32, 256, 4, 4)
+    m_avg = slots / min(E_local, slots)  # rows per active expert
+    if fp8:
+        if m_avg < 48:
+            return MoEConfig(False, 16 if m_avg < 12 else 32, 128, 128, 4, 3, 128, 128, 4, 3)
+        return MoEConfig(False, 64, 128, 128, 8, 3, 128, 128, 8, 3)
+    if m_avg < 12:  # H200 sweep (bench/moe_notes.md): memory-bound, deep K tiles
+        return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
+    if m_avg < 48:
+        return MoEConfig(False, 32, 64, 128, 4, 4, 64, 128, 4, 4)
+    return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)
 
 
 def _experts_triton(
@@ -555,7 +555,7 @@ def _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out
     slots = T * K
     dev = x.device
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    inter_dt = _FP8 if fp8 else x.dtype
+    inter_dt = torch.bfloat16 if fp8 else x.dtype
     s13 = w13_scale if fp8 else w13
     s2 = w2_scale if fp8 else w2
     s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
@@ -569,33 +569,28 @@ def _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
     inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
-    inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if fp8 else inter
     if num_pid_m == 0:
         out.zero_()
         return
     grid1 = (num_pid_m * triton_cdiv(I, c.block_n1),)
     _moe_gemm1_kernel[grid1](
-        x, w13, s13, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, K, slots,
+        x, w13, s13, inter, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, K, slots,
         offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, inter.stride(0),
         DIRECT=c.direct, FP8=fp8, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1,
         BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
     )  # fmt: skip
-    if c.direct:
-        y, m2 = out, T
-    else:
-        y, m2 = torch.empty(slots, H, dtype=out.dtype if not fp8 else torch.bfloat16, device=dev), num_pid_m
-    grid2 = (m2 * triton_cdiv(H, c.block_n2),)
+    y = torch.empty(slots, H, dtype=out.dtype, device=dev)
+    grid2 = (num_pid_m * triton_cdiv(H, c.block_n2),)
     _moe_gemm2_kernel[grid2](
-        inter, inter_s, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, m2, H, I, K, slots,
+        inter, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
         DIRECT=c.direct, FP8=fp8, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2,
         BLOCK_K=c.block_k2, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2, num_stages=c.stages2,
     )  # fmt: skip
-    if not c.direct:
-        bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-        _moe_reduce_kernel[(T, triton_cdiv(H, bh))](
-            y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
-        )
+    bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+    _moe_reduce_kernel[(T, triton_cdiv(H, bh))](
+        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -6,12 +6,12 @@ Two modes, chosen by the wrapper from the shape:
   GEMM1 gathers token rows through ``sorted_slots`` and writes ``silu(gate)*up`` rows in layout
   order; GEMM2 reads them contiguously, applies the routing weight and writes one row per slot;
   ``_moe_reduce_kernel`` sums each token's K rows in k order (deterministic, no atomics).
-* DIRECT (decode): one tile per slot (row 0 real), no layout; GEMM2 loops over the token's K
-  slots in k order inside the program and writes the output row (reduction fused).
+* DIRECT (decode): one tile per slot (row 0 real), no layout; GEMM2 writes one row per slot and
+  the same reduction kernel sums them.
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
-quantized per 1×128 group in registers (GEMM1 on load, GEMM2's input in GEMM1's epilogue);
-``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so each dot sees one weight scale.
+quantized per 1×128 group in registers as each GEMM loads them (x in GEMM1, the bf16 SwiGLU rows
+in GEMM2); ``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so each dot sees one weight scale.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -47,7 +47,6 @@ def _moe_gemm1_kernel(
     w_ptr,
     ws_ptr,
     inter_ptr,
-    inter_s_ptr,
     ids_ptr,
     sorted_ptr,
     tile_expert_ptr,
@@ -99,7 +98,7 @@ def _moe_gemm1_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + rk[None, :]
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    g_ptrs = w_base + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    g_ptrs = w_base + rn[None, :] * stride_wn + rk[:, None]
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -131,56 +130,12 @@ def _moe_gemm1_kernel(
         u_ptrs += BLOCK_K
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     o_ptrs = inter_ptr + out_rows[:, None].to(tl.int64) * stride_im + rn[None, :]
-    o_mask = row_ok[:, None] & n_ok[None, :]
-    if FP8:
-        hq, hs = _quant_rows(h)
-        tl.store(o_ptrs, hq, mask=o_mask)
-        tl.store(inter_s_ptr + out_rows.to(tl.int64) * (I // 128) + pid_n * BLOCK_N // 128, hs, mask=row_ok)
-    else:
-        tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _gemm2_tile(
-    a_ptrs,
-    a_s_ptrs,
-    b_ptrs,
-    bs_ptr,
-    row_ok,
-    n_ok,
-    I,
-    FP8: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(I, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = rk < I - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8:
-            sa = tl.load(a_s_ptrs + k, mask=row_ok, other=0.0)
-            sb = tl.load(bs_ptr + k)
-            acc += tl.dot(a, b) * (sa[:, None] * sb)
-        else:
-            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    return acc
+    tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _moe_gemm2_kernel(
     inter_ptr,
-    inter_s_ptr,
     w_ptr,
     ws_ptr,
     y_ptr,
@@ -192,7 +147,6 @@ def _moe_gemm2_kernel(
     num_pid_m,
     H,
     I,
-    TOP_K,
     num_slots,
     expert_offset,
     num_local,
@@ -211,58 +165,52 @@ def _moe_gemm2_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """LAYOUT: y[slot, n] = w[slot] * inter[row] @ w2[e, n]^T per tile row.
-    DIRECT: y[t, n] = sum_k (in k order, local experts only) w[t,k] * inter[t*K+k] @ w2[e_k, n]^T."""
+    """y[slot, n] = w[slot] * inter[row] @ w2[e, n]^T for each real row of a tile (DIRECT: tile = slot)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < H
-    rk = tl.arange(0, BLOCK_K)
-    n_sblocks = I // 128
     if DIRECT:
-        # pid_m is a token; its K slots in k order, rows 0 real.
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, TOP_K):
-            slot = pid_m * TOP_K + kk
-            e = tl.load(ids_ptr + slot).to(tl.int32) - expert_offset
-            if (e >= 0) & (e < num_local):
-                row_ok = rm == 0
-                rows = (slot + rm * 0).to(tl.int64)
-                a_ptrs = inter_ptr + rows[:, None] * stride_im + rk[None, :]
-                a_s_ptrs = inter_s_ptr + rows * n_sblocks
-                b_ptrs = (
-                    w_ptr + e.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
-                )
-                bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
-                acc = _gemm2_tile(
-                    a_ptrs, a_s_ptrs, b_ptrs, bs_ptr, row_ok, n_ok, I, FP8, EVEN_K, BLOCK_M, BLOCK_N,
-                    BLOCK_K, DOT_PREC,
-                )  # fmt: skip
-                wt = tl.load(wts_ptr + slot).to(tl.float32)
-                total += acc * wt
-        o_ptrs = y_ptr + pid_m.to(tl.int64) * stride_ym + rm[:, None] * 0 + rn[None, :]
-        tl.store(o_ptrs, total.to(y_ptr.dtype.element_ty), mask=(rm == 0)[:, None] & n_ok[None, :])
+        e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
+        if (e < 0) | (e >= num_local):
+            return
+        slots = tl.where(rm == 0, pid_m, num_slots)
+        rows = pid_m + rm * 0
     else:
         if pid_m >= tl.load(num_tiles_ptr):
             return
         e = tl.load(tile_expert_ptr + pid_m)
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + rm)
-        row_ok = slots < num_slots
-        rows = (pid_m * BLOCK_M + rm).to(tl.int64)
-        a_ptrs = inter_ptr + rows[:, None] * stride_im + rk[None, :]
-        a_s_ptrs = inter_s_ptr + rows * n_sblocks
-        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        rows = pid_m * BLOCK_M + rm
+    row_ok = slots < num_slots
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < H
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + rk[None, :]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None]
+    if FP8:
         bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
-        acc = _gemm2_tile(
-            a_ptrs, a_s_ptrs, b_ptrs, bs_ptr, row_ok, n_ok, I, FP8, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-            DOT_PREC,
-        )  # fmt: skip
-        wt = tl.load(wts_ptr + slots, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * wt[:, None]
-        o_ptrs = y_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(I, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = rk < I - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8:
+            aq, sa = _quant_rows(a.to(tl.float32))
+            sb = tl.load(bs_ptr + k)
+            acc += tl.dot(aq, b) * (sa[:, None] * sb)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    wt = tl.load(wts_ptr + slots, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    o_ptrs = y_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
