@@ -353,6 +353,11 @@ def _errors_worker(rank, world):
     else:
         time.sleep(4.0)
     dist.barrier()
+    only_rank1 = dist.new_group([1])  # collective: every rank creates it
+    if rank == 0:
+        with pytest.raises(ValueError, match="group"):
+            MoeAlltoAll(only_rank1, 4, K, E, H)  # a group this rank is not in
+    dist.barrier()
 
 
 def test_errors_gloo():

@@ -261,9 +261,11 @@ class MoeAlltoAll:
         needs more (growth is refused during CUDA-graph capture; with ``symm`` it is collective).
     timeout : float (seconds) or datetime.timedelta, optional
         Bound on waiting for peers. ``nccl``/gloo: a private sub-group with this timeout is created
-        (collectively) for the exchange; a peer that never arrives raises ``RuntimeError`` naming this
-        rank and the group. ``symm``: the barrier's timeout (the device traps with a message naming
-        both ranks). Default: the group's own timeout (NCCL/gloo) and 10 minutes (symm).
+        (collectively, by every member at the same point) for the exchange. With gloo a peer that
+        never arrives raises ``RuntimeError`` naming this rank; with NCCL the collective is
+        asynchronous, so the NCCL watchdog reports the timeout (naming the rank and the collective)
+        and tears the process down. ``symm``: the barrier's timeout (the device traps after printing
+        a message naming both ranks). Default: the group's own timeout (NCCL/gloo), 10 minutes (symm).
     device : torch.device, optional
         Device of the buffers. Default: the current CUDA device for NCCL groups, CPU otherwise.
     kernel_backend : {"auto", "triton", "torch"}
@@ -302,6 +304,12 @@ class MoeAlltoAll:
         self.group = group if group is not None else dist.group.WORLD
         self.ep = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            fail(
+                "group",
+                "a process group this rank belongs to",
+                f"a group without global rank {dist.get_rank()}",
+            )
         self.max_num_tokens = check_int("max_num_tokens", max_num_tokens, low=1)
         self.top_k = check_int("top_k", top_k, low=1)
         self.num_experts = check_int("num_experts", num_experts, low=self.ep)
