@@ -29,6 +29,12 @@ def _ids(g, T, K, E):
     return torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(torch.int32)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    fresh = torch.empty(t.shape, dtype=t.dtype)  # CPU, contiguous (size-1 dims keep odd strides otherwise)
+    fresh.copy_(t)
+    return fresh.view(torch.uint8)
+
+
 def _transports_worker(rank, world):
     import torch.distributed as dist
 
@@ -67,13 +73,7 @@ def _transports_worker(rank, world):
             for p, v in enumerate(views):
                 for s in range(world):
                     n = int(counts[rank, s])
-                    got = v[s, :n].cpu().contiguous().view(torch.uint8)
-                    assert torch.equal(got, ref[rank][p][s, :n].contiguous().view(torch.uint8)), (
-                        t,
-                        case,
-                        p,
-                        s,
-                    )
+                    assert torch.equal(_bytes(v[s, :n]), _bytes(ref[rank][p][s, :n])), (t, case, p, s)
             assert torch.equal(views[3].cpu(), ref[rank][3]), (t, case)
             pay = views[0].float() * (rank + 1)
             outs[t] = a.combine(pay.to(torch.bfloat16), rt)
