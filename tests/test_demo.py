@@ -68,6 +68,26 @@ def test_demo_fast_writes_files(arch, tmp_path, capsys):
     assert "vLLM response" in text and "ids identical to the response's: True" in text
 
 
+def test_demo_from_vllm_mismatch_is_a_clear_error(tmp_path, capsys):
+    # a response recorded from another model (top-4 of 16 experts) cannot replay into the fast model
+    from replaymoe.trace import RoutingTrace
+
+    ids = np.argsort(np.random.default_rng(0).random((9, 3, 16)), axis=-1)[..., :4]
+    resp = {
+        "prompt_token_ids": [5, 6, 7, 8],
+        "choices": [
+            {"token_ids": [9] * 6, "routed_experts": RoutingTrace(ids, num_experts=16, top_k=4).to_vllm()}
+        ],
+    }
+    path = tmp_path / "resp.json"
+    path.write_text(json.dumps(resp))
+    rc = main(
+        ["--fast", "--quiet", "--device", "cpu", "--out", str(tmp_path / "o"), "--from-vllm", str(path)]
+    )
+    assert rc == 2
+    assert "top_k" in capsys.readouterr().err
+
+
 def test_demo_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         main(["--tokens", "1"])

@@ -455,7 +455,12 @@ def _run(args: argparse.Namespace) -> int:
     # ---------------------------------------------------------------- optional: vLLM response
     vllm_note = None
     if args.from_vllm:
-        vllm_note = _replay_vllm(args.from_vllm, model, moe, device)
+        try:
+            vllm_note = _replay_vllm(args.from_vllm, model, moe, device)
+        except (OSError, ValueError) as exc:  # unreadable file, not a vLLM response, other model shape
+            print(f"replaymoe demo: --from-vllm {args.from_vllm}: {exc}", file=sys.stderr)
+            moe.disable()
+            return 2
         print(vllm_note)
 
     # example vLLM-style response of sequence 0 (round trip: --from-vllm this file)
@@ -506,7 +511,9 @@ def _replay_vllm(path: str, model, moe, device) -> str:
             f"Invalid value of --from-vllm: expected a response with prompt_token_ids and "
             f"choices[0].token_ids, got keys {sorted(obj)} / {sorted(choice)}"
         )
-    trace = RoutingTrace.from_vllm(obj, num_experts=moe.num_experts, layer_ids=moe.layer_ids)
+    trace = RoutingTrace.from_vllm(obj)  # vLLM sends neither E nor layer numbers
+    if trace.num_layers == len(moe.layers):
+        trace = trace.replace(layer_ids=moe.layer_ids)  # vLLM's layers are the MoE layers, in order
     seq = torch.tensor([list(prompt) + list(completion)], device=device)
     moe.traces()  # drop anything captured before
     with torch.no_grad(), moe.replaying(trace):
