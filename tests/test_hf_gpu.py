@@ -126,8 +126,9 @@ def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
     for i, calls_i in own.calls.items():
         ((own_ids, scores, got),) = calls_i
         flat_keep = keep.reshape(-1)
-        frac = _check_ids_vs_own(own_ids[flat_keep], scores[flat_keep], got[flat_keep], K)
-        assert frac < 0.02
+        # (with bf16 logits ~N(0, 2) over 64 experts the k-th/(k+1)-th scores tie for several % of
+        # tokens, so only the per-row tie check is asserted, not a mismatch rate)
+        _check_ids_vs_own(own_ids[flat_keep], scores[flat_keep], got[flat_keep], K)
         # and the trace holds exactly the ids the patched router returned, padding excluded
         got_b = got.reshape(ids.shape[0], ids.shape[1], K).cpu().numpy()
         for b, tr in enumerate(traces):
