@@ -443,3 +443,20 @@ def test_triton_backend_through_the_model(arch, generator):
         model(input_ids=ids, attention_mask=mask).logits.square().mean().backward()
     for info in moe.layers:
         assert info.router.weight.grad.abs().sum() > 0
+
+
+def test_interleaved_dense_layers_keep_model_layer_numbers(generator):
+    # Qwen3-MoE with decoder_sparse_step=2: MoE blocks only in layers 1 and 3
+    model = _model("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2)
+    moe = rhf.enable(model, capture=True)
+    assert moe.layer_ids == [1, 3]
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [5, 4])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    traces = moe.traces()
+    assert all(list(t.layer_ids) == [1, 3] and t.num_layers == 2 for t in traces)
+    with torch.no_grad(), moe.replaying(traces):
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref)
+    # a trace of the same depth recorded on other layer numbers is refused
+    with pytest.raises(ValueError, match="layer_ids"):
+        moe.set_replay([t.replace(layer_ids=[0, 1]) for t in traces])
