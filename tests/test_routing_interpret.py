@@ -25,9 +25,10 @@ def kwargs_for(method, num_experts, generator, top_k=3):
     return kw
 
 
-@pytest.fixture(params=[1, 2])
+@pytest.fixture(params=[1, 2, 3])
 def algo(request, monkeypatch):
-    """The iterative top-k on int64 keys (1) and on two int32 reductions (2, the default)."""
+    """Iterative top-k on int64 keys (1), on two int32 reductions (2), on truncated int32 keys
+    with verification and fallback (3, the default)."""
     monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "ALGO", request.param)
     monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 4)
     return request.param
@@ -181,3 +182,23 @@ def test_custom_op_under_torch_compile_fullgraph(generator):
 
     out = fwd(x, cap)
     check(out, route_torch(x, 4, M.DEEPSEEK_V3, **kw), 6, cap)
+
+
+@pytest.mark.parametrize("algo_id", [2, 3])
+def test_kernel_exact_when_scores_differ_in_the_last_bits(algo_id, monkeypatch):
+    # scores 1 ulp apart, increasing with the index: a key truncated to its top bits cannot order
+    # them, so ALGO 3 must detect it and fall back to the exact pass (row 0); row 1 is ordinary,
+    # row 2 mixes exact duplicates with 1-ulp neighbours
+    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "ALGO", algo_id)
+    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 4)
+    one = torch.tensor(1.0)
+    ulps = torch.arange(48, dtype=torch.int32) + one.view(torch.int32)
+    x = torch.stack(
+        [ulps.view(torch.float32), torch.linspace(-1, 1, 48), (ulps // 2 * 2).view(torch.float32)]
+    )
+    for method in (M.TOPK, M.RENORMALIZE, M.SIGMOID):  # selecting on the logits themselves
+        out = route(x, 6, method, backend="triton")
+        ref = route_torch(x, 6, method)
+        assert torch.equal(out.topk_ids, ref.topk_ids)
+    assert route(x, 6, M.TOPK, backend="triton").topk_ids[0].tolist() == [47, 46, 45, 44, 43, 42]
+    assert route(x, 6, M.TOPK, backend="triton").topk_ids[2].tolist() == [46, 47, 44, 45, 42, 43]

@@ -472,7 +472,7 @@ def _launch_config(ep: int) -> tuple[int, int, int]:
     """(BLOCK_T, num_warps, ALGO) for a padded expert count ``ep``."""
     block_t = _CONFIG_OVERRIDE.get("BLOCK_T", 2)
     num_warps = _CONFIG_OVERRIDE.get("num_warps", 1 if ep <= 512 else 4)
-    algo = _CONFIG_OVERRIDE.get("ALGO", 2)
+    algo = _CONFIG_OVERRIDE.get("ALGO", 3)
     return block_t, num_warps, algo
 
 
@@ -524,6 +524,7 @@ def _launch(
         BLOCK_T=block_t,
         ALGO=algo,
         KEY32=router_logits.dtype != torch.float32 and method not in _BIASED,
+        LOG_EP=(ngp * gsp).bit_length() - 1,
         num_warps=num_warps,
     )
     return ids, weights

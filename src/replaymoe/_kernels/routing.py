@@ -10,7 +10,8 @@ the largest key is the largest score, ties going to the smaller expert; NaN scor
 replaced by -inf beforehand and padding columns hold a sentinel below every key, so ids are
 always distinct and in range. ``ALGO`` picks the (exact) top-k: 0 bitonic ``tl.topk`` on the
 keys, 1 K rounds of max + mask on the keys, 2 K rounds of two int32 reductions (best
-ordered score, then the smallest expert holding it; int32 reductions map to warp ``redux``).
+ordered score, then the smallest expert holding it; int32 reductions map to warp ``redux``),
+3 K rounds of one int32 reduction on truncated keys, verified, with 2 as the fallback.
 16-bit logits selected on the raw logits use one int32 key (``KEY32``) in every ALGO.
 """
 
@@ -85,6 +86,8 @@ def _select(
     BLOCK_T: tl.constexpr,
     ALGO: tl.constexpr,
     KEY32: tl.constexpr,
+    LOG_EP: tl.constexpr,
+    row_ok,
 ):
     """int32 [BLOCK_T, KP] selected experts, columns in descending score order (ties: smaller id)."""
     EP: tl.constexpr = NGP * GSP
@@ -124,7 +127,7 @@ def _select(
         # 16-bit scores: (ordered score, 8191 - expert) fits one int32 key
         key = tl.where(valid, (ordered & -8192) | (8191 - expert), _MIN32)
         SENT: tl.constexpr = _MIN32
-    elif ALGO != 2:
+    elif ALGO < 2:
         key = tl.where(valid, (ordered.to(tl.int64) << 16) | (65535 - expert).to(tl.int64), _SENTINEL)
         SENT: tl.constexpr = _SENTINEL
     if ALGO == 0:
@@ -139,15 +142,48 @@ def _select(
             best = tl.max(key, axis=1)
             key = tl.where(key == best[:, None], SENT, key)
             ids = tl.where(cols == j, _unpack_expert(best, KEY32)[:, None], ids)
+    elif ALGO == 2:
+        ids = _topk_two_pass(ordered, expert, K, KP, BLOCK_T)
     else:
-        # two int32 reductions per pick: the best score, then the smallest expert holding it
-        rev = 65535 - expert
+        # one int32 key per column: the score truncated to its top 32 - LOG_EP bits, then the
+        # column. Exact whenever the K picks and the next one have distinct truncated scores
+        # (then truncated order = score order); rows where that fails are redone by the
+        # two-reduction pass (a branch taken only by blocks holding such a row).
+        low: tl.constexpr = (1 << LOG_EP) - 1
+        col = tl.arange(0, EP)[None, :]
+        tkey = tl.where(valid, (ordered & (-(1 << LOG_EP))) | (low - col), _MIN32)
         ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+        prev = tl.max(tkey, axis=1)
+        bad = prev != prev  # all False
         for j in tl.static_range(K):
-            best = tl.max(ordered, axis=1)
-            r = tl.max(tl.where(ordered == best[:, None], rev, -1), axis=1)
-            ordered = tl.where(rev == r[:, None], _MIN32, ordered)
-            ids = tl.where(cols == j, 65535 - r[:, None], ids)
+            best = tl.max(tkey, axis=1)
+            if j > 0:
+                bad = bad | ((best >> LOG_EP) == (prev >> LOG_EP))
+            prev = best
+            tkey = tl.where(tkey == best[:, None], _MIN32, tkey)
+            c = low - (best & low)
+            ids = tl.where(cols == j, ((c // GSP) * GS + c % GSP)[:, None], ids)
+        if K < NG * GS:
+            nxt = tl.max(tkey, axis=1)
+            bad = bad | ((nxt >> LOG_EP) == (prev >> LOG_EP))
+        if tl.max((bad & row_ok).to(tl.int32), axis=0) > 0:
+            exact = _topk_two_pass(ordered, expert, K, KP, BLOCK_T)
+            ids = tl.where(bad[:, None], exact, ids)
+    return ids
+
+
+@triton.jit
+def _topk_two_pass(ordered, expert, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Exact top-k of int32 ``ordered`` with two int32 reductions per pick: the best score, then
+    the smallest expert holding it."""
+    cols = tl.arange(0, KP)[None, :]
+    rev = 65535 - expert
+    ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(ordered, axis=1)
+        r = tl.max(tl.where(ordered == best[:, None], rev, -1), axis=1)
+        ordered = tl.where(rev == r[:, None], _MIN32, ordered)
+        ids = tl.where(cols == j, 65535 - r[:, None], ids)
     return ids
 
 
@@ -176,6 +212,7 @@ def route_kernel(
     BLOCK_T: tl.constexpr,
     ALGO: tl.constexpr,
     KEY32: tl.constexpr,  # 16-bit logits and a method selecting on the raw logits
+    LOG_EP: tl.constexpr,  # log2(NGP * GSP)
 ):
     EP: tl.constexpr = NGP * GSP
     pid = tl.program_id(0)
@@ -218,12 +255,44 @@ def route_kernel(
         ids = forced
         if tl.max((native & row_ok).to(tl.int32), axis=0) > 0:
             sel = _select(
-                x, bias, valid, expert, METHOD, K, KP, NG, GS, NGP, GSP, TOPK_GROUP, BLOCK_T, ALGO, KEY32
+                x,
+                bias,
+                valid,
+                expert,
+                METHOD,
+                K,
+                KP,
+                NG,
+                GS,
+                NGP,
+                GSP,
+                TOPK_GROUP,
+                BLOCK_T,
+                ALGO,
+                KEY32,
+                LOG_EP,
+                row_ok,
             )
             ids = tl.where(native[:, None], sel, ids)
     else:
         ids = _select(
-            x, bias, valid, expert, METHOD, K, KP, NG, GS, NGP, GSP, TOPK_GROUP, BLOCK_T, ALGO, KEY32
+            x,
+            bias,
+            valid,
+            expert,
+            METHOD,
+            K,
+            KP,
+            NG,
+            GS,
+            NGP,
+            GSP,
+            TOPK_GROUP,
+            BLOCK_T,
+            ALGO,
+            KEY32,
+            LOG_EP,
+            row_ok,
         )
 
     # weights from the logits at the chosen experts (a cached gather), by the method's formula
