@@ -137,6 +137,20 @@ if "variants" in what:
         for i, c in enumerate([P(16, 64, 128, 4, 4, 64, 128, 4, 4, direct=T == 1), P(16, 32, 128, 4, 4, 32, 128, 4, 4, direct=T == 1), P(16, 128, 128, 4, 3, 128, 128, 4, 3, direct=T == 1)]):
             V(name, T, True, f"f8d{i}", **c)
 
+if "variants2" in what:
+    for i, c in enumerate([P(16, 32, 256, 4, 4, 16, 256, 4, 3, direct=True), P(16, 32, 256, 4, 4, 64, 128, 4, 4, direct=True),
+                           P(16, 16, 256, 4, 4, 32, 128, 4, 4, direct=True), P(16, 32, 128, 4, 4, 32, 128, 4, 4, direct=True),
+                           P(16, 64, 128, 4, 4, 32, 256, 4, 4, direct=True)]):
+        V("qwen3", 1, False, f"dec{i}", **c)
+        V("deepseek", 1, False, f"dec{i}", **c)
+    for i, c in enumerate([P(16, 32, 128, 4, 4, 32, 128, 4, 4, direct=True), P(16, 64, 128, 4, 4, 64, 128, 4, 4, direct=True),
+                           P(16, 128, 128, 4, 3, 64, 128, 4, 3, direct=True)]):
+        V("qwen3", 1, True, f"f8dec{i}", **c)
+    for i, c in enumerate([P(64, 128, 64, 8, 4, 256, 64, 8, 4), P(64, 64, 128, 4, 4, 64, 128, 4, 4), P(128, 128, 64, 8, 4, 256, 64, 8, 4),
+                           P(32, 64, 128, 4, 4, 64, 128, 4, 4), P(64, 128, 64, 4, 4, 128, 64, 4, 4)]):
+        V("mixtral", 256, False, f"m256_{i}", **c)
+        V("qwen3", 1024, False, f"m256_{i}", **c)
+
 if "profile" in what:
     from torch.profiler import ProfilerActivity, profile
     for name, T, fp8 in (("qwen3", 1, False), ("qwen3", 64, False), ("qwen3", 4096, False), ("mixtral", 4096, False), ("qwen3", 1, True)):

@@ -459,8 +459,11 @@ class MoEConfig:
     group_m: int = 8
 
 
-# Tuned on the H200 (bench/moe_tune.py); key (H, I, E_local, K, fp8, token bucket) -> config.
-_TUNED: dict[tuple, MoEConfig] = {}
+# Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
+_TUNED: dict[tuple, MoEConfig] = {
+    (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, 16, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8 decode
+}
 
 
 def _bucket(T: int) -> int:
@@ -477,7 +480,7 @@ def moe_config(T: int, K: int, H: int, I: int, E_local: int, *, fp8: bool = Fals
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8:
             return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
-        return MoEConfig(True, 16, 32, 256, 4, 4, 32, 256, 4, 4)
+        return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
     m_avg = slots / min(E_local, slots)  # rows per active expert
     if fp8:
         if m_avg < 48:
