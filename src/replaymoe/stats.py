@@ -224,6 +224,9 @@ def plot_heatmap(
     fig.colorbar(im, ax=ax, label="share of the layer's routed slots")
     ax.set_xlabel(f"expert (E = {E}; even share = {1 / E:.3g})")
     ax.set_ylabel("MoE layer")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=min(E, 16), integer=True))  # experts are integers
     layer_ids = tr[0].model_layer_ids()
     if L <= 64:
         ax.set_yticks(range(L))
