@@ -396,3 +396,9 @@ def test_auto_backend_on_cpu_is_the_reference(generator):
 def test_method_accepts_plain_ints(generator):
     x = tie_free_logits(3, 16, generator=generator)
     assert torch.equal(route(x, 2, 5).topk_ids, route(x, 2, M.TOPK).topk_ids)
+
+
+def test_triton_backend_expert_limit():
+    # the kernel keeps a token's experts in registers: explicit 'triton' beyond 4096 is refused
+    with pytest.raises(ValueError, match="router_logits.*4096"):
+        route(torch.zeros(1, 4097), 2, backend="triton")

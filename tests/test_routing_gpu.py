@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.routing import RoutingMethod, _Params, _selection_scores, route, route_torch
+from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits
 
 pytestmark = pytest.mark.gpu
@@ -28,24 +28,52 @@ def _kwargs(method: RoutingMethod, num_experts: int, bias_dtype=torch.float32, g
     return kw
 
 
+def _assert_eps_optimal(x, ids, method, kw, eps=1e-5):
+    """The kernel's choice on rows that differ from the reference is optimal up to ``eps`` in
+    float64 scores (groups and experts), i.e. the difference is a last-ulp sigmoid near-tie."""
+    b = torch.sigmoid(x.double())
+    if kw.get("bias") is not None:
+        b = b + kw["bias"].double()
+    t, e = b.shape
+    allowed = torch.ones_like(b, dtype=torch.bool)
+    ng = kw.get("n_group") or 1
+    if method == M.DEEPSEEK_V3 and ng > 1:
+        gs = e // ng
+        gscore = b.view(t, ng, gs).topk(min(2, gs), dim=2).values.sum(dim=2)
+        chosen_groups = torch.zeros(t, ng, dtype=torch.bool, device=b.device)
+        chosen_groups.scatter_(1, ids.long() // gs, True)
+        assert bool((chosen_groups.sum(dim=1) <= kw["topk_group"]).all()), "too many groups used"
+        worst_kept = torch.where(chosen_groups, gscore, float("inf")).min(dim=1).values
+        best_dropped = torch.where(chosen_groups, float("-inf"), gscore).max(dim=1).values
+        # a dropped group may beat a kept one only by eps (unless the kept set is forced by top_k)
+        full = chosen_groups.sum(dim=1) == kw["topk_group"]
+        assert bool((~full | (best_dropped <= worst_kept + eps)).all()), "group choice not eps-optimal"
+        allowed = chosen_groups.repeat_interleave(gs, dim=1)
+    sel = b.gather(1, ids.long())
+    unsel = b.scatter(1, ids.long(), float("-inf"))
+    unsel = torch.where(allowed, unsel, float("-inf"))
+    assert bool((unsel.max(dim=1).values <= sel.min(dim=1).values + eps).all()), (
+        "expert choice not eps-optimal"
+    )
+    assert bool((sel[:, 1:] <= sel[:, :-1] + eps).all()), "columns not in descending order"
+
+
 def _check_against_reference(x: torch.Tensor, method: RoutingMethod, kw: dict, out) -> None:
-    """ids equal to route_torch's; for sigmoid+bias selection, a row may differ only where the
-    reference's selection scores of the two choices agree to 1e-6 (a last-ulp sigmoid difference)."""
+    """ids equal to route_torch's; for sigmoid+bias selection, rows may differ only where the
+    kernel's choice is optimal to 1e-5 in float64 (a last-ulp sigmoid near-tie)."""
     ref = route_torch(x, method=method, **kw)
     k = kw["top_k"]
     ids, rids = out.topk_ids, ref.topk_ids
     assert ids.dtype == torch.int32 and out.topk_weights.dtype == torch.float32
     assert ids.shape == rids.shape == (x.shape[0], k)
+    srt = ids.long().sort(dim=1).values
+    assert bool(((srt >= 0) & (srt < x.shape[1])).all()) and not bool((srt[:, 1:] == srt[:, :-1]).any())
     same = (ids == rids).all(dim=1)
     if method in (M.DEEPSEEK_V3, M.MINIMAX2):
         bad = (~same).nonzero().flatten()
         assert bad.numel() <= max(2, x.shape[0] // 1000), f"{bad.numel()} rows differ"
         if bad.numel():
-            p = _Params(method, k, kw.get("n_group") or 1, kw.get("topk_group") or 1, 2.5)
-            b = _selection_scores(x[bad].float(), p, kw.get("bias"))
-            got = b.gather(1, ids[bad].long()).sort(dim=1).values
-            want = b.gather(1, rids[bad].long()).sort(dim=1).values
-            assert torch.allclose(got, want, atol=1e-6, rtol=0), (got, want)
+            _assert_eps_optimal(x[bad], ids[bad], method, kw)
     else:
         assert bool(same.all()), f"{int((~same).sum())} rows differ, first {int((~same).nonzero()[0])}"
     assert_close(out.topk_weights[same], ref.topk_weights[same], dtype=torch.float32, name="weights")

@@ -63,6 +63,7 @@ _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
 _MAX_N_GROUP = 32
+_MAX_KERNEL_EXPERTS = 4096  # the kernel holds a token's experts in registers
 _EPS = 1e-20
 
 
@@ -127,7 +128,10 @@ def _validate(
     routing_replay_out: object,
     replay_ids: object,
 ) -> _Params:
-    x = check_tensor("router_logits", router_logits, ndim=2, dtype=_LOGIT_DTYPES)
+    # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
+    x = router_logits
+    if not _tensor_ok(x, 2, _LOGIT_DTYPES, None, False):
+        check_tensor("router_logits", router_logits, ndim=2, dtype=_LOGIT_DTYPES)
     if x.shape[1] > 1 and x.stride(1) != 1:
         fail(
             "router_logits",
@@ -144,12 +148,15 @@ def _validate(
         fail("method", "a RoutingMethod (0..9)", repr(method))
     method = RoutingMethod(method)
 
-    check_int("top_k", top_k, low=1, high=num_experts)
+    if type(top_k) is not int or not 1 <= top_k <= num_experts:
+        check_int("top_k", top_k, low=1, high=num_experts)
     if method == RoutingMethod.LLAMA4 and top_k != 1:
         fail("top_k", "1 for RoutingMethod.LLAMA4", top_k)
 
     if method in _BIASED:
-        if bias is not None:
+        if bias is not None and not (
+            _tensor_ok(bias, 1, _BIAS_DTYPES, dev, True) and bias.shape[0] == num_experts
+        ):
             check_tensor("bias", bias, shape=(num_experts,), dtype=_BIAS_DTYPES, device=dev, contiguous=True)
         if routed_scaling_factor is None:
             scale = 1.0
@@ -199,9 +206,16 @@ def _validate(
         ng, tg = 1, 1
 
     if routing_replay_out is not None:
-        r = check_tensor(
-            "routing_replay_out", routing_replay_out, ndim=2, dtype=torch.int16, device=dev, contiguous=True
-        )
+        r = routing_replay_out
+        if not _tensor_ok(r, 2, (torch.int16,), dev, True):
+            check_tensor(
+                "routing_replay_out",
+                routing_replay_out,
+                ndim=2,
+                dtype=torch.int16,
+                device=dev,
+                contiguous=True,
+            )
         if r.shape[1] != top_k:
             fail("routing_replay_out", f"shape (>= {num_tokens}, {top_k})", tuple(r.shape), what="shape")
         if r.shape[0] < num_tokens:
@@ -215,13 +229,33 @@ def _validate(
             fail("routing_replay_out", "E <= 32768 experts (ids are stored as int16)", num_experts)
 
     if replay_ids is not None:
-        check_tensor(
-            "replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev, contiguous=True
-        )
+        if not (
+            _tensor_ok(replay_ids, 2, _ID_DTYPES, dev, True)
+            and tuple(replay_ids.shape) == (num_tokens, top_k)
+        ):
+            check_tensor(
+                "replay_ids",
+                replay_ids,
+                shape=(num_tokens, top_k),
+                dtype=_ID_DTYPES,
+                device=dev,
+                contiguous=True,
+            )
         if not is_capturing() and not torch.compiler.is_compiling():
             _check_replay_values(replay_ids, num_experts)
 
     return _Params(method, top_k, ng, tg, scale)
+
+
+def _tensor_ok(t: object, ndim: int, dtypes: tuple, device: Optional[torch.device], contiguous: bool) -> bool:
+    """Cheap predicate for the common valid case (check_tensor then explains a failure)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dim() == ndim
+        and t.dtype in dtypes
+        and (device is None or t.device == device)
+        and (not contiguous or t.is_contiguous())
+    )
 
 
 def _check_replay_values(replay_ids: torch.Tensor, num_experts: int) -> None:
@@ -368,9 +402,17 @@ def route_torch(
 
 
 def _resolve_backend(backend: object, x: torch.Tensor) -> str:
-    check_choice("backend", backend, ("auto", "triton", "torch"))
+    if backend not in ("auto", "triton", "torch"):
+        check_choice("backend", backend, ("auto", "triton", "torch"))
     if backend == "auto":
-        return "triton" if x.is_cuda else "torch"
+        return "triton" if x.is_cuda and x.shape[1] <= _MAX_KERNEL_EXPERTS else "torch"
+    if backend == "triton" and x.shape[1] > _MAX_KERNEL_EXPERTS:
+        fail(
+            "router_logits",
+            f"at most {_MAX_KERNEL_EXPERTS} experts for backend='triton' (one register tile per "
+            "token; 'auto' uses the torch path beyond that)",
+            x.shape[1],
+        )
     if backend == "triton" and not x.is_cuda and not _INTERPRET_AT_IMPORT:
         fail(
             "backend",
@@ -424,8 +466,8 @@ def route(
         is routed natively. Any other id outside ``[0, E)``, a row mixing -1 with ids, or a
         repeated id in a row raises ValueError (checked except during CUDA-graph capture).
     backend : {"auto", "triton", "torch"}
-        ``auto``: the Triton kernel on CUDA tensors, the torch reference otherwise. ``triton``
-        on CPU tensors needs the process started with ``TRITON_INTERPRET=1``.
+        ``auto``: the Triton kernel on CUDA tensors (up to 4096 experts), the torch reference
+        otherwise. ``triton`` on CPU tensors needs the process started with ``TRITON_INTERPRET=1``.
 
     Returns
     -------
