@@ -202,3 +202,23 @@ def test_kernel_exact_when_scores_differ_in_the_last_bits(algo_id, monkeypatch):
         assert torch.equal(out.topk_ids, ref.topk_ids)
     assert route(x, 6, M.TOPK, backend="triton").topk_ids[0].tolist() == [47, 46, 45, 44, 43, 42]
     assert route(x, 6, M.TOPK, backend="triton").topk_ids[2].tolist() == [46, 47, 44, 45, 42, 43]
+
+
+def test_gradient_with_capture_eager_and_compiled(generator):
+    # a trainer capturing while backpropagating: the mutated capture buffer and the backward coexist
+    x0 = tie_free_logits(6, 32, generator=generator)
+    coef = torch.randn(4, generator=generator)
+    xr = x0.clone().requires_grad_()
+    (route_torch(xr, 4).topk_weights * coef).sum().backward()
+
+    def loss(x, cap):
+        out = route(x, 4, M.RENORMALIZE, routing_replay_out=cap, backend="triton")
+        return (out.topk_weights * coef).sum(), out.topk_ids
+
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        x = x0.clone().requires_grad_()
+        cap = poison(torch.empty(8, 4, dtype=torch.int16))
+        value, ids = fn(x, cap)
+        value.backward()
+        assert torch.equal(cap[:6].int(), ids) and bool((cap[6:] == POISON_INT).all())
+        assert_close(x.grad, xr.grad, dtype=torch.float32)
