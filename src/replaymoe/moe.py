@@ -540,7 +540,7 @@ def _(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offs
 
 
 def _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
-    from ._kernels.moe import _moe_gemm1_kernel, _moe_gemm2_kernel, _moe_reduce_kernel
+    from ._kernels.moe import _moe_gemm1_kernel, _moe_gemm2_kernel, _moe_reduce_kernel, _quant_groups_kernel
     from .layout import expert_layout
 
     T, H = x.shape
@@ -571,24 +571,39 @@ def _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
-    inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
+    preq = fp8 and not c.direct and c.block_n1 == 128
+    if preq:  # quantize x once; GEMM1 writes e4m3 SwiGLU rows + per-128 scales
+        xq = torch.empty(T, H, dtype=_FP8, device=dev)
+        xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
+        g = 8
+        _quant_groups_kernel[(T, triton_cdiv(H // 128, g))](
+            x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4
+        )
+        inter = torch.empty(rows, I, dtype=_FP8, device=dev)
+        inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev)
+    else:
+        xq, xs = x, x
+        inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
+        inter_s = inter
     if num_pid_m == 0:
         out.zero_()
         return
     grid1 = (num_pid_m * triton_cdiv(I, c.block_n1),)
     _moe_gemm1_kernel[grid1](
-        x, w13, s13, inter, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, K, slots,
-        offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, inter.stride(0),
-        DIRECT=c.direct, FP8=fp8, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1,
-        BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
+        xq, xs, w13, s13, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, K,
+        slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides, inter.stride(0),
+        DIRECT=c.direct, FP8=fp8, PREQ=preq, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1,
+        num_stages=c.stages1,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton_cdiv(H, c.block_n2),)
     _moe_gemm2_kernel[grid2](
-        inter, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
+        inter, inter_s, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-        DIRECT=c.direct, FP8=fp8, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2,
-        BLOCK_K=c.block_k2, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2, num_stages=c.stages2,
+        DIRECT=c.direct, FP8=fp8, PREQ=preq, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2,
+        num_stages=c.stages2,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     _moe_reduce_kernel[(T, triton_cdiv(H, bh))](

@@ -10,8 +10,11 @@ Two modes, chosen by the wrapper from the shape:
   the same reduction kernel sums them.
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
-quantized per 1×128 group in registers as each GEMM loads them (x in GEMM1, the bf16 SwiGLU rows
-in GEMM2); ``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so each dot sees one weight scale.
+quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ`` (tile mode): x is
+quantized once by ``_quant_groups_kernel`` and GEMM1's epilogue quantizes its 128-column block of
+SwiGLU rows, so the GEMMs read e4m3 activations plus scales; without it (decode) each GEMM quantizes
+its activation tiles in registers as it loads them. ``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so
+each dot sees one weight scale.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ def _quant_rows(a):
 @triton.jit
 def _moe_gemm1_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     ws_ptr,
     inter_ptr,
+    inter_s_ptr,
     ids_ptr,
     sorted_ptr,
     tile_expert_ptr,
@@ -66,6 +71,7 @@ def _moe_gemm1_kernel(
     stride_im,
     DIRECT: tl.constexpr,
     FP8: tl.constexpr,
+    PREQ: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -116,7 +122,13 @@ def _moe_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8:
+        if PREQ:
+            sa = tl.load(xs_ptr + tok * (H // 128) + k, mask=row_ok, other=0.0)
+            sg = tl.load(sg_ptr + k)
+            su = tl.load(su_ptr + k)
+            acc_g += tl.dot(a, bg) * (sa[:, None] * sg)
+            acc_u += tl.dot(a, bu) * (sa[:, None] * su)
+        elif FP8:
             aq, sa = _quant_rows(a.to(tl.float32))
             sg = tl.load(sg_ptr + k)
             su = tl.load(su_ptr + k)
@@ -130,12 +142,19 @@ def _moe_gemm1_kernel(
         u_ptrs += BLOCK_K
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     o_ptrs = inter_ptr + out_rows[:, None].to(tl.int64) * stride_im + rn[None, :]
-    tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if PREQ:  # quantize the SwiGLU rows (rounded to bf16 first, as the reference) per 1x128 group
+        tl.static_assert(BLOCK_N == 128)
+        hq, hs = _quant_rows(h.to(tl.bfloat16).to(tl.float32))
+        tl.store(o_ptrs, hq, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(inter_s_ptr + out_rows.to(tl.int64) * (I // 128) + pid_n, hs, mask=row_ok)
+    else:
+        tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _moe_gemm2_kernel(
     inter_ptr,
+    inter_s_ptr,
     w_ptr,
     ws_ptr,
     y_ptr,
@@ -158,6 +177,7 @@ def _moe_gemm2_kernel(
     stride_ym,
     DIRECT: tl.constexpr,
     FP8: tl.constexpr,
+    PREQ: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -199,7 +219,11 @@ def _moe_gemm2_kernel(
             k_ok = rk < I - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8:
+        if PREQ:
+            sa = tl.load(inter_s_ptr + rows.to(tl.int64) * (I // 128) + k, mask=row_ok, other=0.0)
+            sb = tl.load(bs_ptr + k)
+            acc += tl.dot(a, b) * (sa[:, None] * sb)
+        elif FP8:
             aq, sa = _quant_rows(a.to(tl.float32))
             sb = tl.load(bs_ptr + k)
             acc += tl.dot(aq, b) * (sa[:, None] * sb)
@@ -211,6 +235,19 @@ def _moe_gemm2_kernel(
     acc = acc * wt[:, None]
     o_ptrs = y_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
     tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, G: tl.constexpr):
+    """Per 1x128 group of each row: q = e4m3(x / s), s = amax / 448 (activations of the fp8 path)."""
+    t = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1) * G + tl.arange(0, G)
+    ok = gi < n_groups
+    offs = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + t * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    q, s = _quant_rows(x)
+    tl.store(q_ptr + t * n_groups * 128 + offs, q, mask=ok[:, None])
+    tl.store(s_ptr + t * n_groups + gi, s, mask=ok)
 
 
 @triton.jit
