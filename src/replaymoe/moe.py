@@ -177,11 +177,7 @@ def _route(router_logits, top_k, method, backend, **kw):
     from .routing import RoutingMethod, route
 
     method = RoutingMethod.RENORMALIZE if method is None else method
-    try:
-        res = route(router_logits, top_k, method, backend=backend, **kw)
-    except NotImplementedError:
-        # route()'s Triton backend is newer than this module in some builds: same result via torch.
-        res = route(router_logits, top_k, method, backend="torch", **kw)
+    res = route(router_logits, top_k, method, backend=backend, **kw)
     return res.topk_ids, res.topk_weights
 
 
