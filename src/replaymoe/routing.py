@@ -84,6 +84,7 @@ class RoutingMethod(IntEnum):
 
 # methods whose selection score is sigmoid(x) + bias and that take a routed_scaling_factor
 _BIASED = (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2)
+_METHOD_VALUES = tuple(range(10))
 
 
 class RoutingOutput(NamedTuple):
@@ -144,7 +145,8 @@ def _validate(
         fail("router_logits", "at least one expert (shape[1] >= 1)", tuple(x.shape), what="shape")
     dev = x.device
 
-    if isinstance(method, bool) or not isinstance(method, int) or not 0 <= method <= 9:
+    # membership by ==, not chained <: torch 2.11's dynamo rejects `<` on enum constants
+    if isinstance(method, bool) or not isinstance(method, int) or method not in _METHOD_VALUES:
         fail("method", "a RoutingMethod (0..9)", repr(method))
     method = RoutingMethod(method)
 
