@@ -148,7 +148,8 @@ def _validate(
     # membership by ==, not chained <: torch 2.11's dynamo rejects `<` on enum constants
     if isinstance(method, bool) or not isinstance(method, int) or method not in _METHOD_VALUES:
         fail("method", "a RoutingMethod (0..9)", repr(method))
-    method = RoutingMethod(method)
+    if not isinstance(method, RoutingMethod):  # torch 2.11's dynamo cannot trace the enum constructor
+        method = RoutingMethod(method)
 
     if type(top_k) is not int or not 1 <= top_k <= num_experts:
         check_int("top_k", top_k, low=1, high=num_experts)
