@@ -192,7 +192,7 @@ def _all_worker(rank, world):
             print(f"PASS {name} on {world} GPUs", flush=True)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])  # 8: the DeepSeek-V3 deployment size (issue 7)
 def test_ep_multigpu(world):
     """CUDA-graph capture of dispatch+combine (nccl); nccl vs symm vs the references, including
     back-to-back rounds; ep_moe vs single-GPU fused_moe — on ``world`` GPUs, in one spawn (fail-fast:
