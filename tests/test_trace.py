@@ -409,8 +409,11 @@ def test_from_vllm_prompt_start(rng, split):
     t = RoutingTrace.from_vllm(resp)
     assert t.token_offset == 4 and t.num_tokens == 6 + 3 - 1 - 4
     np.testing.assert_array_equal(t.ids, full[0])
-    # the client may pass the value it sent instead
+    # the client may pass the value it sent instead; the prompt-row check must use it
     del resp["routed_experts_prompt_start"]
+    t2 = RoutingTrace.from_vllm(resp, prompt_start=4)
+    assert t2.token_offset == 4
+    np.testing.assert_array_equal(t2.ids, full[0])
     resp.pop("prompt_token_ids")
     assert RoutingTrace.from_vllm(resp, prompt_start=4).token_offset == 4
 

@@ -453,7 +453,7 @@ class RoutingTrace:
             ids = resp
             found_start = None
         else:
-            ids, found_start, found_model = _vllm_dict_ids(resp, choice)
+            ids, found_start, found_model = _vllm_dict_ids(resp, choice, prompt_start)
             if model_id is None:
                 model_id = found_model
         if prompt_start is None:
@@ -700,8 +700,14 @@ def _parse_vllm_obj(obj: Any) -> np.ndarray | Mapping[str, Any]:
     return _routes_array(obj, "vLLM routed_experts")
 
 
-def _vllm_dict_ids(d: Mapping[str, Any], choice: int) -> tuple[np.ndarray, int | None, str | None]:
-    """(ids, prompt_start found, model found) from a vLLM response or choice dict."""
+def _vllm_dict_ids(
+    d: Mapping[str, Any], choice: int, given_start: int | None = None
+) -> tuple[np.ndarray, int | None, str | None]:
+    """(ids, prompt_start found, model found) from a vLLM response or choice dict.
+
+    ``given_start`` (the caller's ``prompt_start``) takes precedence over the response's own field
+    when the prompt rows are checked against ``prompt_token_ids``.
+    """
     start_key = "routed_experts_prompt_start"
     model = d.get("model") if isinstance(d.get("model"), str) else None
     if "choices" in d:
@@ -726,10 +732,11 @@ def _vllm_dict_ids(d: Mapping[str, Any], choice: int) -> tuple[np.ndarray, int |
     if prompt is not None:
         p = _routes_array(prompt, "vLLM prompt_routed_experts")
         ptoks = d.get("prompt_token_ids", ch.get("prompt_token_ids"))
-        if isinstance(ptoks, list) and p.shape[0] != len(ptoks) - (start or 0):
+        skip = given_start if given_start is not None else (start or 0)
+        if isinstance(ptoks, list) and isinstance(skip, int) and p.shape[0] != len(ptoks) - skip:
             raise TraceFormatError(
                 f"vLLM prompt_routed_experts has {p.shape[0]} rows but the prompt has {len(ptoks)} tokens"
-                f" (prompt_start {start or 0})"
+                f" (prompt_start {skip})"
             )
         parts.append(p)
     if completion is not None:
