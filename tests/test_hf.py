@@ -202,6 +202,31 @@ def test_capture_right_padding_and_two_batches(generator):
     assert moe.traces() == []
 
 
+def test_capture_all_padding_row_and_trimming(generator):
+    # a row that is padding only still yields a (empty) trace, so traces()[b] is row b
+    model = _model("qwen3_moe")
+    moe = rhf.enable(model, capture=True)
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [4, 1, 3], left=True)
+    mask[1] = 0
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    traces = moe.traces()
+    assert [t.num_tokens for t in traces] == [4, 0, 3]
+    # trimming (e.g. pad tokens fed after EOS in generate) and padding with -1
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(mask))
+    full = moe.traces()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(mask))
+    with pytest.raises(ValueError, match="num_positions"):
+        moe.traces(num_positions=[1, 2])
+    cut = moe.traces(num_positions=[2, 4, 6])  # the bad call above lost nothing
+    assert [t.num_tokens for t in cut] == [2, 4, 6]
+    np.testing.assert_array_equal(cut[0].ids, full[0].ids[:2])
+    np.testing.assert_array_equal(cut[1].ids, full[1].ids)
+    assert (cut[2].ids[4:] == -1).all() and np.array_equal(cut[2].ids[:4], full[2].ids)
+
+
 def test_token_positions():
     m = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
     got = rhf.token_positions(2, 5, attention_mask=m, past_length=0, device="cpu")

@@ -104,10 +104,11 @@ from __future__ import annotations
 import contextlib
 import re
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -435,7 +436,8 @@ class ReplayMoE:
         self._capture = False
         self._capturer = None
         self._capturer_device: Optional[torch.device] = None
-        self._pending: dict[Any, None] = {}  # request ids not finished yet (ordered)
+        # request ids not finished yet (ordered) -> whether any of its tokens was recorded
+        self._pending: dict[Any, bool] = {}
         self._finished: list[Any] = []  # RoutingTrace list, in order
         self._replay = None  # ReplaySource
         self._trace_layer: list[int] = []
@@ -504,9 +506,11 @@ class ReplayMoE:
             return
         pos = step.positions.reshape(-1).tolist()
         requests = [None if p < 0 else (step.epoch, i // step.seq_len) for i, p in enumerate(pos)]
+        for b in range(step.batch_size):  # every row is a sequence, even one that is all padding
+            self._pending.setdefault((step.epoch, b), False)
         for r in requests:
-            if r is not None and r not in self._pending:
-                self._pending[r] = None
+            if r is not None:
+                self._pending[r] = True
         self._capturer.end_step(requests, pos)
 
     # ---------------------------------------------------------------- capture
@@ -539,8 +543,23 @@ class ReplayMoE:
     def _finish_pending(self) -> None:
         if self._capturer is None:
             return
-        for r in list(self._pending):
-            self._finished.append(self._capturer.finish(r))
+        from replaymoe.trace import RoutingTrace
+
+        cap = self._capturer
+        for r, recorded in list(self._pending.items()):
+            if recorded:
+                self._finished.append(cap.finish(r))
+            else:  # a row that was padding only: an empty trace keeps traces() aligned with rows
+                empty = np.empty((0, cap.num_layers, cap.top_k), dtype=np.int16)
+                self._finished.append(
+                    RoutingTrace(
+                        empty,
+                        num_experts=cap.num_experts,
+                        top_k=cap.top_k,
+                        layer_ids=cap.layer_ids,
+                        model_id=cap.model_id,
+                    )
+                )
         self._pending.clear()
 
     def set_capture(self, enabled: bool) -> None:
@@ -551,16 +570,37 @@ class ReplayMoE:
             self._finish_pending()
         self._capture = enabled
 
-    def traces(self) -> list:
+    def traces(self, num_positions: Sequence[int] | None = None) -> list:
         """All sequences captured since the last call, one ``RoutingTrace`` each, in (forward, row) order.
 
         A forward with an empty cache (``generate``'s prefill, a training forward) starts a new
-        batch; its row ``b`` is one sequence. Positions are unpadded; the trace covers every
-        position that went through the model.
+        batch; its row ``b`` is one sequence (a row that was all padding gives an empty trace).
+        Positions are unpadded; the trace covers every position that went through the model.
+
+        Parameters
+        ----------
+        num_positions : sequence of int, optional
+            One length per returned trace: each trace is cut to (or padded with -1 to) that many
+            positions. ``generate`` keeps feeding pad tokens, with attention mask 1, to rows that
+            already reached EOS, and those positions are captured too; pass
+            ``len(prompt) + len(completion up to and including EOS) - 1`` per row to drop them.
         """
         self._finish_pending()
         out, self._finished = self._finished, []
-        return out
+        if num_positions is None:
+            return out
+        if len(num_positions) != len(out):
+            self._finished = out  # nothing is lost on a bad call
+            fail("num_positions", f"{len(out)} lengths (one per trace)", len(num_positions))
+        cut = []
+        for trace, n in zip(out, num_positions):
+            check_int("num_positions", n, low=0)
+            ids = trace.ids[:n]
+            if ids.shape[0] < n:
+                pad = np.full((n - ids.shape[0], *ids.shape[1:]), -1, dtype=ids.dtype)
+                ids = np.concatenate([ids, pad])
+            cut.append(trace.replace(ids=ids))
+        return cut
 
     # ---------------------------------------------------------------- replay
     def set_replay(self, replay: Any) -> None:
