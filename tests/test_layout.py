@@ -123,6 +123,14 @@ def test_layout_sizes_rejects_positions_beyond_int32():
         layout_sizes(2**31 - 100, 64, 128)
 
 
+def test_layout_triton_rejects_sort_key_overflow():
+    # 4097 local experts pad to 8192 and take one chunk of 2^18 slots: 8193 * 2^18 >= 2^31 would
+    # wrap the kernel's int32 sort key; rejected on the host before any launch
+    ids = torch.zeros(2**15, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="shape of topk_ids: expected fewer .* sort key"):
+        expert_layout(ids, 4097, block_m=64)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

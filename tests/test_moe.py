@@ -242,6 +242,8 @@ REJECT_FP8 = [
     (lambda a: a.update(w13_scale=a["w13_scale"][:, :1]), "shape of w13_scale"),
     (lambda a: a.update(w2_scale=a["w2_scale"][:3]), "shape of w2_scale"),
     (lambda a: a.update(w2_scale=a["w2_scale"].double()), "dtype of w2_scale"),
+    # same values and shape, strided storage: the kernels step through scale blocks with unit stride
+    (lambda a: a.update(w13_scale=torch.cat([a["w13_scale"]] * 2, dim=2)[..., :1]), "layout of w13_scale"),
     (lambda a: a.update(w13=a["w13"].float()), "dtype of w13"),  # scales with non-fp8 weights
     (lambda a: a.update(out=torch.zeros(3, 128, dtype=torch.float32)), "dtype of out"),  # fp8 path gives bf16
 ]

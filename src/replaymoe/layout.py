@@ -145,6 +145,14 @@ def expert_layout(
     e_pad = _pow2(max(num_local_experts, 2))
     nc_max = max(1, 8192 // e_pad)
     ch = max(64, _pow2(-(-num_slots // nc_max)))
+    if (e_pad + 1) * ch >= 2**31:  # the kernel's int32 sort key (expert * CH + slot) would wrap
+        fail(
+            "topk_ids",
+            f"fewer (token, k) slots for {num_local_experts} local experts (the Triton layout's int32 "
+            "sort key, expert * chunk + slot, must stay below 2**31); split the call",
+            f"{num_slots} slots ({T} x {K})",
+            what="shape",
+        )
     num_chunks = max(1, -(-num_slots // ch))
     nc_pad = _pow2(max(num_chunks, 2))
     tile_block = max(1, min(64, 4096 // e_pad, _pow2(max(max_tiles, 1))))
