@@ -222,3 +222,26 @@ def test_gradient_with_capture_eager_and_compiled(generator):
         value.backward()
         assert torch.equal(cap[:6].int(), ids) and bool((cap[6:] == POISON_INT).all())
         assert_close(x.grad, xr.grad, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_ids_checked_under_torch_compile(backend, generator):
+    # eager validation cannot run inside a compiled graph (it syncs); the check op runs there instead,
+    # so a compiled trainer step rejects bad replay ids with the same ValueError
+    x = tie_free_logits(3, 16, generator=generator)
+    good = torch.tensor([[1, 4], [-1, -1], [7, 0]], dtype=torch.int32)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def fwd(x, r):
+        return route(x, 2, RoutingMethod.RENORMALIZE, replay_ids=r, backend=backend)
+
+    out = fwd(x, good)
+    ref = route_torch(x, 2, RoutingMethod.RENORMALIZE, replay_ids=good)
+    assert torch.equal(out.topk_ids, ref.topk_ids)
+    for bad, match in [
+        ([[1, 1], [2, 3], [0, 5]], "distinct"),  # duplicate
+        ([[1, 16], [2, 3], [0, 5]], r"in \[0, 16\)"),  # out of range
+        ([[1, -1], [2, 3], [0, 5]], "all -1"),  # mixed row
+    ]:
+        with pytest.raises(ValueError, match=match):
+            fwd(x, torch.tensor(bad, dtype=torch.int32))

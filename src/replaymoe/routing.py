@@ -246,6 +246,7 @@ def _validate(
             )
         if not is_capturing() and not torch.compiler.is_compiling():
             _check_replay_values(replay_ids, num_experts)
+        # under torch.compile the check runs inside the graph, in the op from _compiled_replay_check
 
     return _Params(method, top_k, ng, tg, scale)
 
@@ -259,6 +260,30 @@ def _tensor_ok(t: object, ndim: int, dtypes: tuple, device: Optional[torch.devic
         and (device is None or t.device == device)
         and (not contiguous or t.is_contiguous())
     )
+
+
+@torch.library.custom_op("replaymoe::check_replay_ids", mutates_args=())
+def _check_replay_ids_op(replay_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The replay-id check as an opaque op for compiled graphs: a copy of ``replay_ids`` once valid.
+
+    Returning a copy that the routing consumes keeps the op from being dropped as dead code; the
+    check itself is skipped while a CUDA graph is being captured (it needs a host sync).
+    """
+    if not is_capturing():
+        _check_replay_values(replay_ids, num_experts)
+    return replay_ids.clone()
+
+
+@_check_replay_ids_op.register_fake
+def _check_replay_ids_fake(replay_ids, num_experts):
+    return torch.empty_like(replay_ids)
+
+
+def _compiled_replay_check(replay_ids: Optional[torch.Tensor], num_experts: int) -> Optional[torch.Tensor]:
+    """Under torch.compile, route replay ids through the checking op (eager validation is skipped there)."""
+    if replay_ids is None or not torch.compiler.is_compiling():
+        return replay_ids
+    return torch.ops.replaymoe.check_replay_ids(replay_ids, num_experts)
 
 
 def _check_replay_values(replay_ids: torch.Tensor, num_experts: int) -> None:
@@ -396,6 +421,7 @@ def route_torch(
         routing_replay_out,
         replay_ids,
     )
+    replay_ids = _compiled_replay_check(replay_ids, router_logits.shape[1])
     return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)
 
 
@@ -494,6 +520,7 @@ def route(
         routing_replay_out,
         replay_ids,
     )
+    replay_ids = _compiled_replay_check(replay_ids, router_logits.shape[1])
     be = _resolve_backend(backend, router_logits)
     if be == "torch":
         return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)
