@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import replaymoe.hf as rhf  # noqa: E402
-from replaymoe.demo import ARCHITECTURES, build_model  # noqa: E402
+from replaymoe.hf.models import ARCHITECTURES, build_model  # noqa: E402
 from replaymoe.testing import assert_close  # noqa: E402
 from replaymoe.trace import RoutingTrace  # noqa: E402
 
@@ -133,7 +133,7 @@ def test_experts_implementation_switch(generator):
     # the user-facing switch: from_config(..., experts_implementation="replaymoe")
     import transformers
 
-    from replaymoe.demo import build_config
+    from replaymoe.hf.models import build_config
 
     cfg = build_config("qwen3_moe", "tiny")
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 import replaymoe.hf as rhf  # noqa: E402
-from replaymoe.demo import build_model  # noqa: E402
+from replaymoe.hf.models import build_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -32,7 +32,7 @@ from ._timing import print_table, write_results
 
 
 def _parse(argv):
-    from replaymoe.demo import ARCHITECTURES, SIZES
+    from replaymoe.hf.models import ARCHITECTURES, SIZES
 
     p = argparse.ArgumentParser(prog="replaymoe bench hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_results", help="output directory (CSV + JSON)")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print("replaymoe bench hf: needs a CUDA GPU", file=sys.stderr)
         return 2
     import replaymoe.hf as rhf
-    from replaymoe.demo import build_model
+    from replaymoe.hf.models import build_model
 
     batches = [int(b) for b in args.batch.split(",") if b]
     impls = [s for s in args.impls.split(",") if s]
