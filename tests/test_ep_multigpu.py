@@ -48,7 +48,12 @@ def _transports_worker(rank, world):
     g = torch.Generator().manual_seed(11)
     # --- exactness over several shapes: T per rank incl. 0, skew, fp8 + scales payloads
     for case, (Ts, rt) in enumerate(
-        [([5] * world, 8), ([0] + [7] * (world - 1), 7), ([200, 3, 256, 1][:world], 256), ([1] * world, 1)]
+        [
+            ([5] * world, 8),  # equal small counts
+            ([0] + [7] * (world - 1), 7),  # rank 0 sends nothing and receives nothing
+            ([(200, 3, 256, 1)[s % 4] for s in range(world)], 256),  # skewed, one rank at the max (any world)
+            ([1] * world, 1),  # runtime_max 1
+        ]
     ):
         ids = [_ids(g, T, K, E) for T in Ts]
         if case == 1:
