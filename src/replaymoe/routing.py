@@ -233,17 +233,10 @@ def _validate(
 
     if replay_ids is not None:
         if not (
-            _tensor_ok(replay_ids, 2, _ID_DTYPES, dev, True)
+            _tensor_ok(replay_ids, 2, _ID_DTYPES, dev, False)  # any strides: copied when needed
             and tuple(replay_ids.shape) == (num_tokens, top_k)
         ):
-            check_tensor(
-                "replay_ids",
-                replay_ids,
-                shape=(num_tokens, top_k),
-                dtype=_ID_DTYPES,
-                device=dev,
-                contiguous=True,
-            )
+            check_tensor("replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev)
         if not is_capturing() and not torch.compiler.is_compiling():
             _check_replay_values(replay_ids, num_experts)
         # under torch.compile the check runs inside the graph, in the op from _compiled_replay_check
@@ -280,8 +273,17 @@ def _check_replay_ids_fake(replay_ids, num_experts):
 
 
 def _compiled_replay_check(replay_ids: Optional[torch.Tensor], num_experts: int) -> Optional[torch.Tensor]:
-    """Under torch.compile, route replay ids through the checking op (eager validation is skipped there)."""
-    if replay_ids is None or not torch.compiler.is_compiling():
+    """Replay ids as the kernels read them: contiguous, and under torch.compile routed through the
+    checking op (eager validation is skipped there).
+
+    Any strides are accepted (e.g. ``trace.ids[:, l]``, a per-layer slice of a recorded trace); the
+    small ``[T, K]`` tensor is copied when it is not contiguous.
+    """
+    if replay_ids is None:
+        return None
+    if not replay_ids.is_contiguous():
+        replay_ids = replay_ids.contiguous()
+    if not torch.compiler.is_compiling():
         return replay_ids
     return torch.ops.replaymoe.check_replay_ids(replay_ids, num_experts)
 
@@ -490,7 +492,8 @@ def route(
         buffer serves every step of a CUDA graph. When None the write is compiled out of the
         kernel; results are bit-identical either way.
     replay_ids : torch.Tensor, optional
-        ``[T, K]`` int16/int32/int64 expert ids to force: selection is skipped and the weights
+        ``[T, K]`` int16/int32/int64 expert ids to force (any strides; copied when not
+        contiguous, e.g. ``trace_ids[:, layer]``): selection is skipped and the weights
         are recomputed from the logits over these ids (in this column order). A row of all -1
         is routed natively. Any other id outside ``[0, E)``, a row mixing -1 with ids, or a
         repeated id in a row raises ValueError (checked except during CUDA-graph capture).
