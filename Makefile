@@ -1,20 +1,21 @@
 # Set-up-included entry points for a fresh machine.
-#   make test   -> venv + installs + the CPU test suite (what CI runs)
-#   make demo   -> venv + installs + `replaymoe demo` (GPU when present, else CPU)
+#   make test      -> venv + installs + the CPU test suite (what CI runs, through .ci/run)
+#   make demo      -> venv + installs + `replaymoe demo` (Triton kernels on a GPU, torch reference on CPU)
+#   make test-gpu  -> the gpu/multigpu tests (on a GPU machine)
+# scripts/install.sh does the installing: on a machine whose python3 already has a CUDA torch (GPU
+# machines, often offline) it reuses that torch and installs only what is missing; elsewhere it
+# installs a CPU torch==2.13.0 plus the triton/numpy the Triton-interpreter tests need.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.replaymoe-installed
+# extra pip arguments for torch on a CPU machine, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
 
 .PHONY: venv test test-gpu demo lint format clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: a bare `torch` would pull several GB of CUDA packages.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q triton==3.6.0 "numpy<2.3"
-	$(PY) -m pip install -q -e ".[dev,plot,hf]"
+$(STAMP): pyproject.toml scripts/install.sh
+	PYTHON="$(PYTHON)" VENV="$(VENV)" TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" bash scripts/install.sh
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,15 +27,15 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m "gpu or multigpu" tests
 
 demo: $(STAMP)
-	$(VENV)/bin/replaymoe demo
+	$(PY) -m replaymoe demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests
-	$(VENV)/bin/ruff check --fix src tests
+	$(PY) -m ruff format src tests
+	$(PY) -m ruff check --fix src tests
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

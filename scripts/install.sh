@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Create $VENV and install replaymoe in it (what `make test`, `make demo` and CI run first).
+#
+# Two kinds of machine, told apart by whether $PYTHON already imports a CUDA build of torch:
+#
+# * GPU machine (a CUDA torch is there; often offline): REUSE it. The venv is created with
+#   --system-site-packages (and, when $PYTHON itself runs in a venv, that venv's site-packages are
+#   added through a .pth file: --system-site-packages only reaches the base interpreter's). The
+#   project is installed editable with --no-deps --no-build-isolation (nothing downloaded; torch
+#   and triton untouched); a missing test/demo dependency is installed with torch and triton held
+#   at the versions present. triton and numpy are never pinned here.
+# * CPU machine: a CPU torch==$TORCH_VERSION (on a machine whose index serves the CUDA build, pass
+#   the CPU index, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"), then,
+#   only if that torch is a CPU build, triton==3.6.0 and numpy<2.3, the versions under which the
+#   Triton-interpreter tests are known to be correct; then the project with its extras.
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_PIP_ARGS=${TORCH_PIP_ARGS:-}
+EXTRAS=${EXTRAS:-dev,plot,hf}
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install -q)
+
+say() { echo "install: $*"; }
+
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+    # ------------------------------------------------------------------ reuse the CUDA torch
+    say "$PYTHON has a CUDA build of torch: reusing it ($("$PYTHON" -c \
+        'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")' 2>/dev/null \
+        || echo 'no triton'))"
+    test -x "$PY" || "$PYTHON" -m venv --system-site-packages "$VENV"
+    purelib=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    if "$PYTHON" -c "import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)"; then
+        # $PYTHON is itself a venv: make its site-packages visible too
+        "$PYTHON" -c "import site; print('\n'.join(site.getsitepackages()))" >"$purelib/_replaymoe_parent_env.pth"
+    fi
+    "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || {
+        say "error: the venv $VENV does not see $PYTHON's CUDA torch (remove $VENV and retry)"
+        exit 1
+    }
+    if ! "${PIP[@]}" --no-deps --no-build-isolation -e . 2>"$VENV/editable-install.log"; then
+        # e.g. an older setuptools without PEP 639 license strings: put src/ on the path instead
+        say "editable install failed (see $VENV/editable-install.log); adding $(pwd)/src through a .pth file"
+        echo "$(pwd)/src" >"$purelib/_replaymoe_src.pth"
+    fi
+    # what the tests and the demo need, by import name -> requirement
+    missing=$("$PY" - <<'EOF'
+import importlib.util
+need = {"numpy": "numpy", "pytest": "pytest>=8", "xdist": "pytest-xdist", "matplotlib": "matplotlib",
+        "transformers": "transformers==5.17.0", "tqdm": "tqdm"}
+print(" ".join(req for mod, req in need.items() if importlib.util.find_spec(mod) is None))
+EOF
+)
+    if [ -n "$missing" ]; then
+        say "installing what is missing: $missing (torch and triton held where they are)"
+        "$PY" -c "import torch, triton; print(f'torch=={torch.__version__}\ntriton=={triton.__version__}')" \
+            >"$VENV/held.txt"
+        # shellcheck disable=SC2086
+        "${PIP[@]}" -c "$VENV/held.txt" $missing || {
+            say "error: could not install $missing (offline? carry them as wheels and pip install --no-index)"
+            exit 1
+        }
+    fi
+else
+    # ------------------------------------------------------------------ CPU machine
+    test -x "$PY" || "$PYTHON" -m venv "$VENV"
+    # shellcheck disable=SC2086
+    "${PIP[@]}" "torch==$TORCH_VERSION" $TORCH_PIP_ARGS
+    if "$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)"; then
+        "${PIP[@]}" triton==3.6.0 "numpy<2.3"
+    else
+        say "note: the index served a CUDA build of torch; triton is left at torch's own pin" \
+            "(for a CPU build: TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu')"
+    fi
+    "${PIP[@]}" -e ".[$EXTRAS]"
+fi
+"$PY" -c "import torch, triton, replaymoe
+print(f'install: ok: replaymoe {replaymoe.__version__}, torch {torch.__version__} '
+      f'({\"CUDA \" + torch.version.cuda if torch.version.cuda else \"CPU\"} build, '
+      f'GPU: {torch.cuda.is_available()}), triton {triton.__version__}')"
