@@ -54,7 +54,7 @@ import torch
 
 from replaymoe._validation import check_choice, check_int, check_tensor, fail, is_capturing
 
-__all__ = ["RoutingMethod", "RoutingOutput", "route", "route_torch"]
+__all__ = ["RoutingMethod", "RoutingOutput", "check_replay_ids", "route", "route_torch"]
 
 # Read once, as Triton does: the interpreter is only usable when the process started with it.
 _INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
@@ -128,6 +128,7 @@ def _validate(
     routed_scaling_factor: object,
     routing_replay_out: object,
     replay_ids: object,
+    check_replay: bool = True,
 ) -> _Params:
     # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
     x = router_logits
@@ -237,7 +238,7 @@ def _validate(
             and tuple(replay_ids.shape) == (num_tokens, top_k)
         ):
             check_tensor("replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev)
-        if not is_capturing() and not torch.compiler.is_compiling():
+        if check_replay and not is_capturing() and not torch.compiler.is_compiling():
             _check_replay_values(replay_ids, num_experts)
         # under torch.compile the check runs inside the graph, in the op from _compiled_replay_check
 
@@ -272,7 +273,9 @@ def _check_replay_ids_fake(replay_ids, num_experts):
     return torch.empty_like(replay_ids)
 
 
-def _compiled_replay_check(replay_ids: Optional[torch.Tensor], num_experts: int) -> Optional[torch.Tensor]:
+def _compiled_replay_check(
+    replay_ids: Optional[torch.Tensor], num_experts: int, check: bool = True
+) -> Optional[torch.Tensor]:
     """Replay ids as the kernels read them: contiguous, and under torch.compile routed through the
     checking op (eager validation is skipped there).
 
@@ -283,9 +286,23 @@ def _compiled_replay_check(replay_ids: Optional[torch.Tensor], num_experts: int)
         return None
     if not replay_ids.is_contiguous():
         replay_ids = replay_ids.contiguous()
-    if not torch.compiler.is_compiling():
+    if not check or not torch.compiler.is_compiling():
         return replay_ids
     return torch.ops.replaymoe.check_replay_ids(replay_ids, num_experts)
+
+
+def check_replay_ids(replay_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError unless every row of ``replay_ids`` is all -1 or ``K`` distinct ids in ``[0, E)``.
+
+    Parameters
+    ----------
+    replay_ids : torch.Tensor
+        ``[T, K]`` integer expert ids, on any device (one host sync).
+    num_experts : int
+        ``E``.
+    """
+    check_tensor("replay_ids", replay_ids, ndim=2, dtype=_ID_DTYPES)
+    _check_replay_values(replay_ids, num_experts)
 
 
 def _check_replay_values(replay_ids: torch.Tensor, num_experts: int) -> None:
@@ -466,6 +483,7 @@ def route(
     routing_replay_out: Optional[torch.Tensor] = None,
     replay_ids: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    check_replay: bool = True,
 ) -> RoutingOutput:
     """Select the top-k experts of every token and their weights (one fused kernel on the GPU).
 
@@ -500,6 +518,11 @@ def route(
     backend : {"auto", "triton", "torch"}
         ``auto``: the Triton kernel on CUDA tensors (up to 4096 experts), the torch reference
         otherwise. ``triton`` on CPU tensors needs the process started with ``TRITON_INTERPRET=1``.
+    check_replay : bool
+        Check the values of ``replay_ids`` (one host sync per call eagerly; an op in the graph
+        under ``torch.compile``). Pass False only for ids already checked once with
+        :func:`check_replay_ids` (e.g. a replay table built from validated traces), so that a
+        forward replaying them pays no sync.
 
     Returns
     -------
@@ -522,8 +545,9 @@ def route(
         routed_scaling_factor,
         routing_replay_out,
         replay_ids,
+        check_replay,
     )
-    replay_ids = _compiled_replay_check(replay_ids, router_logits.shape[1])
+    replay_ids = _compiled_replay_check(replay_ids, router_logits.shape[1], check_replay)
     be = _resolve_backend(backend, router_logits)
     if be == "torch":
         return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)
