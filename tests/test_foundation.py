@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import replaymoe
+import replaymoe.cli as cli_mod
 from replaymoe._validation import check_choice, check_int, check_tensor
 from replaymoe.cli import main
 from replaymoe.testing import assert_close, poison, tie_free_logits
@@ -89,9 +90,74 @@ def test_cli_help_and_version(capsys):
     assert replaymoe.__version__ in capsys.readouterr().out
 
 
-def test_cli_rejects_unknown_bench():
-    with pytest.raises(SystemExit):
-        main(["bench", "nonsense"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "nonsense"],  # unknown benchmark
+        ["bench"],  # no benchmark named
+        ["bench", "--out"],  # --out without its value
+        ["bench", "--tokens", "1"],  # an option before the benchmark's name
+    ],
+)
+def test_cli_bench_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: replaymoe bench" in capsys.readouterr().err
+
+
+BENCHES = sorted(cli_mod._BENCHES)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+@pytest.mark.parametrize("out_first", [False, True])  # `bench --out D NAME` and `bench NAME --out D`
+def test_cli_bench_without_gpu_same_code_and_wording(name, out_first, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
+    out = ["--out", str(tmp_path)]
+    rc = main(["bench", *out, name] if out_first else ["bench", name, *out])
+    assert rc == cli_mod.EXIT_USAGE == 2
+    cap = capsys.readouterr()
+    assert cap.err == (
+        f"replaymoe bench {name}: error: needs a CUDA GPU, and torch sees none "
+        "(torch.cuda.is_available() is False)\n"
+    )
+    assert cap.out == "" and not any(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_cli_bench_help_lists_out_and_the_benchmarks(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--out DIR" in text and all(name in text for name in BENCHES)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_cli_bench_sub_help_is_plain_text(name, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # help needs no GPU
+    assert main(["bench", name, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert f"usage: replaymoe bench {name}" in text and "--out" in text
+    for markup in ("``", ":func:", ":class:", ":meth:", "::"):
+        assert markup not in text, (name, markup)
+
+
+@pytest.mark.parametrize(
+    "rest, plain",
+    [
+        ("``replaymoe bench moe``: x", "replaymoe bench moe: x"),  # inline literal
+        (
+            ":func:`replaymoe.hf.enable` and :class:`~replaymoe.MoeAlltoAll`",
+            "replaymoe.hf.enable and MoeAlltoAll",
+        ),
+        ("``generate``\\ s", "generates"),  # escaped space after a literal
+        ("Run it::\n\n    cmd", "Run it:\n\n    cmd"),  # literal-block marker
+        ("a `link`_ and `x`", "a link and x"),  # default role and a reference
+        ("no markup: a*b, [1, 2]", "no markup: a*b, [1, 2]"),  # left alone
+    ],
+)
+def test_strip_rest(rest, plain):
+    assert cli_mod.strip_rest(rest) == plain
 
 
 def test_lazy_exports_unknown_name():

@@ -5,15 +5,28 @@ Subcommands live in their own modules and are imported only when run, so that
 does not break the others:
 
 ``replaymoe demo``                  -> ``replaymoe.demo:main``
-``replaymoe bench {routing,moe,ep,capture,hf}`` -> ``replaymoe.bench.<name>:main``
+``replaymoe bench {routing,moe,ep,capture,hf,...}`` -> ``replaymoe.bench.<name>:main``
 ``replaymoe inspect TRACE``         -> ``replaymoe.inspect_cli:main``
+
+Exit codes (every subcommand; errors are one line on stderr, no traceback):
+
+* 0 -- success;
+* 1 -- the run finished but one of its own checks failed (``demo``: the router got no gradient
+  under replay; ``bench capture``: the captured trace differs from the routed ids);
+* 2 -- the command cannot run as asked: a bad option or value, an unreadable, invalid or unwritable
+  file or directory, or a benchmark started without a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import re
 import sys
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
 # name -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,6 +40,24 @@ _BENCHES: dict[str, str] = {
     "capture": "decode loop with RoutedExpertsCapturer on vs off",
     "hf": "transformers generate() throughput, replaymoe vs grouped_mm experts",
 }
+# options with which a benchmark runs without a GPU (checks or summaries only)
+_BENCH_CPU_OPTIONS: dict[str, tuple[str, ...]] = {"ep": ("--cpu-dry-run", "--summary-from")}
+
+
+def strip_rest(text: str) -> str:
+    """Plain text from the reStructuredText of a docstring (for ``--help``).
+
+    ``:func:`~a.b``` -> ``b``, ``:class:`a.B``` -> ``a.B``, double and single backquotes dropped,
+    ``\\ `` escapes removed, a paragraph-ending ``::`` shortened to ``:``, directive lines dropped.
+    """
+    text = re.sub(r":[a-z]+:`~[\w.]*?(\w+)`", r"\1", text)  # :func:`~mod.name` -> name
+    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", text)  # :class:`mod.Name` -> mod.Name
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    text = re.sub(r"(?<![\w`])`([^`\n]+)`(?:_)?", r"\1", text)
+    text = text.replace("\\ ", "")
+    text = re.sub(r"\s*::$", ":", text, flags=re.M)  # "Run it::" -> "Run it:"
+    text = re.sub(r"^\s*\.\. [\w-]+::.*\n", "", text, flags=re.M)
+    return text
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -35,14 +66,69 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="replaymoe",
         description="Fused MoE kernels with routing capture and replay.",
+        epilog="exit codes: 0 success; 1 the run finished but a check failed; 2 bad options or "
+        "input/output files, or a benchmark without a CUDA GPU. 'replaymoe COMMAND --help' for each.",
     )
     parser.add_argument("--version", action="version", version=f"replaymoe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks (GPU): " + ", ".join(_BENCHES))
-    bench.add_argument("op", choices=sorted(_BENCHES), help="which benchmark")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (GPU): " + ", ".join(_BENCHES),
+        description="Benchmarks on a CUDA GPU, each against its peers in the same run; results as "
+        "CSV and JSON under --out. Without a CUDA GPU: exit code 2.",
+        epilog="Each benchmark has more options: replaymoe bench NAME --help.",
+    )
+    bench.add_argument(
+        "op",
+        choices=sorted(_BENCHES),
+        metavar="NAME",
+        help="which benchmark: " + "; ".join(f"{k}: {v}" for k, v in _BENCHES.items()),
+    )
+    bench.add_argument(
+        "--out",
+        metavar="DIR",
+        help="directory for the results, NAME.csv and NAME.json (default: the benchmark's own)",
+    )
     return parser
+
+
+def _bench_help(module, rest: list[str]) -> int:
+    """A benchmark's own --help, with its docstring's reST markup turned into plain text."""
+    buf = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(buf):
+        try:
+            module.main(rest)
+        except SystemExit as exc:  # argparse exits after printing the help
+            code = exc.code if isinstance(exc.code, int) else 0
+    sys.stdout.write(strip_rest(buf.getvalue()))
+    return code
+
+
+def _bench(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    rest = argv[1:]
+    if not rest or rest[0].startswith("-") and rest[0] != "--out":
+        parser.parse_args(argv)  # prints the bench help (or a usage error) and exits
+    # `bench [--out DIR] NAME [options...]`: --out may also come before the name
+    out: list[str] = []
+    while rest and rest[0] == "--out":
+        if len(rest) < 2:
+            parser.parse_args(argv)  # "expected one argument", exit 2
+        out, rest = ["--out", rest[1]], rest[2:]
+    if not rest or rest[0] not in _BENCHES:
+        parser.parse_args(["bench", *rest] if rest else ["bench"])  # usage error naming the choices
+    op, options = rest[0], rest[1:] + out
+    module = importlib.import_module(f"replaymoe.bench.{op}")
+    if "-h" in options or "--help" in options:
+        return _bench_help(module, options)
+    from replaymoe.bench._timing import no_cuda
+
+    cpu_ok = any(o.split("=")[0] in _BENCH_CPU_OPTIONS.get(op, ()) for o in options)
+    if not cpu_ok and no_cuda(f"replaymoe bench {op}"):
+        return EXIT_USAGE
+    return int(module.main(options) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     if not argv:
         parser.print_help()
-        return 0
+        return EXIT_OK
     if argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv)  # prints and exits
     command, rest = argv[0], argv[1:]
@@ -58,12 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(_COMMANDS[command][0])
         return int(module.main(rest) or 0)
     if command == "bench":
-        if not rest or rest[0] not in _BENCHES:
-            parser.parse_args(argv)  # prints the usage error and exits
-        module = importlib.import_module(f"replaymoe.bench.{rest[0]}")
-        return int(module.main(rest[1:]) or 0)
+        return _bench(parser, argv)
     parser.parse_args(argv)
-    return 2
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,15 +13,30 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+NO_CUDA_EXIT = 2  # the documented exit code of a benchmark started without a GPU (replaymoe.cli)
+
 HBM_BYTES_PER_S = 4.27e12  # measured device-to-device copy on the H200 (read + write)
 BF16_FLOPS_PER_S = 700e12  # measured dense bf16 matmul on the H200
 
 _L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def no_cuda(prog: str) -> bool:
+    """True, after one error line on stderr, when there is no CUDA GPU (the same wording for every
+    benchmark; the caller then exits with :data:`NO_CUDA_EXIT`)."""
+    if torch.cuda.is_available():
+        return False
+    print(
+        f"{prog}: error: needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)",
+        file=sys.stderr,
+    )
+    return True
 
 
 def _flush_buffer() -> torch.Tensor:

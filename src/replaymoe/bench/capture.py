@@ -35,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from replaymoe.bench._timing import print_table, write_results
+from replaymoe.bench._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
 from replaymoe.capture import RoutedExpertsCapturer
 from replaymoe.routing import RoutingMethod, route
 
@@ -255,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffers", type=int, default=2, help="staging buffers in flight")
     parser.add_argument("--out", default="bench_results", help="directory for capture.csv / capture.json")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("replaymoe bench capture: needs a CUDA GPU", file=sys.stderr)
-        return 1
+    if no_cuda("replaymoe bench capture"):
+        return NO_CUDA_EXIT
     rows, summary = run(
         layers=args.layers,
         tokens=args.tokens,
@@ -289,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{sm['host_bytes_per_1k_tokens_at_1000_positions'] / 1e6:.2f} MB per 1k tokens "
         f"(ideal {sm['ideal_bytes_per_1k_tokens'] / 1e6:.2f} MB)."
     )
-    return 0 if summary["trace_matches_routed_ids"] else 2
+    return 0 if summary["trace_matches_routed_ids"] else 1  # a failed check (replaymoe.cli exit codes)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,12 +17,20 @@ Usage: ``replaymoe bench moe [--out DIR] [--shapes qwen3,mixtral,deepseek] [--to
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
 
-from ._timing import BF16_FLOPS_PER_S, HBM_BYTES_PER_S, print_table, time_eager, time_graph, write_results
+from ._timing import (
+    BF16_FLOPS_PER_S,
+    HBM_BYTES_PER_S,
+    NO_CUDA_EXIT,
+    no_cuda,
+    print_table,
+    time_eager,
+    time_graph,
+    write_results,
+)
 
 # name -> (H, I, E, K, routing kwargs)
 SHAPES: dict[str, tuple[int, int, int, int, dict]] = {
@@ -193,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("replaymoe bench moe needs a CUDA GPU", file=sys.stderr)
-        return 2
+    if no_cuda("replaymoe bench moe"):
+        return NO_CUDA_EXIT
     shapes = [s for s in a.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES]
     if bad:

@@ -14,7 +14,15 @@ import argparse
 
 import torch
 
-from replaymoe.bench._timing import HBM_BYTES_PER_S, print_table, time_eager, time_graph, write_results
+from replaymoe.bench._timing import (
+    HBM_BYTES_PER_S,
+    NO_CUDA_EXIT,
+    no_cuda,
+    print_table,
+    time_eager,
+    time_graph,
+    write_results,
+)
 from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import tie_free_logits
 
@@ -138,9 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("replaymoe bench routing needs a CUDA GPU")
-        return 1
+    if no_cuda("replaymoe bench routing"):
+        return NO_CUDA_EXIT
     if args.sweep:
         sweep = run_sweep()
         write_results(sweep, args.out, "routing_sweep")
