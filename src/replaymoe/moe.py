@@ -33,6 +33,7 @@ from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
 __all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up"]
 
 _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REF_DTYPES = _ACT_DTYPES + (torch.float64,)  # torch backend only: fp64 is the gradient reference
 _ID_DTYPES = (torch.int32, torch.int64)
 _FP8 = torch.float8_e4m3fn
 _BACKENDS = ("auto", "triton", "torch")
@@ -72,9 +73,10 @@ def _validate(
     local_expert_offset,
     num_experts,
     out,
+    act_dtypes=_ACT_DTYPES,
 ) -> _Problem:
     check_choice("activation", activation, ("swiglu",))
-    check_tensor("hidden_states", hidden_states, ndim=2, dtype=_ACT_DTYPES)
+    check_tensor("hidden_states", hidden_states, ndim=2, dtype=act_dtypes)
     dev = hidden_states.device
     T, H = hidden_states.shape
     fp8 = w13_scale is not None or w2_scale is not None
@@ -166,7 +168,7 @@ def _validate(
         check_tensor("topk_ids", topk_ids, ndim=2, dtype=_ID_DTYPES, device=dev)
         if topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
             fail("topk_ids", f"[T={T}, K>=1]", tuple(topk_ids.shape), what="shape")
-        check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtype=_ACT_DTYPES, device=dev)
+        check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtype=act_dtypes, device=dev)
         E = (
             local_expert_offset + E_local
             if num_experts is None
@@ -204,15 +206,18 @@ def _experts_torch(
     local_expert_offset: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Naive per-expert loop in fp32 (the executable spec; host-synchronizing, not for speed)."""
+    """Naive per-expert loop in fp32 (fp64 for fp64 inputs; the executable spec; host-synchronizing,
+    not for speed). Differentiable by plain autograd with respect to ``x``, ``w13``, ``w2`` and
+    ``topk_weights``."""
     T, H = x.shape
     E_local, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741
     fp8 = w13_scale is not None
-    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    xf = x.float()
+    acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = torch.zeros(T, H, dtype=acc_dt, device=x.device)
+    xf = x.to(acc_dt)
     ids = topk_ids.long() - local_expert_offset
-    wts = topk_weights.float()
+    wts = topk_weights.to(acc_dt)
     for e in range(E_local):
         tok, kk = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
@@ -222,7 +227,7 @@ def _experts_torch(
             g13 = dequantize_fp8_block(w13[e], w13_scale[e])
             g2 = dequantize_fp8_block(w2[e], w2_scale[e])
         else:
-            a, g13, g2 = xf[tok], w13[e].float(), w2[e].float()
+            a, g13, g2 = xf[tok], w13[e].to(acc_dt), w2[e].to(acc_dt)
         h = a @ g13.T
         act = F.silu(h[:, :I]) * h[:, I:]
         if fp8:  # the kernels keep silu(gate)*up in bf16, then quantize it per 1x128 group
@@ -311,6 +316,7 @@ def fused_moe(
     num_experts: int | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Mixture-of-Experts layer: ``out[t] = Σ_k w[t,k] · w2[e] @ swiglu(w13[e] @ x_t)`` over local experts.
 
@@ -347,12 +353,32 @@ def fused_moe(
         Written in place and returned (output dtype, contiguous).
     backend : "auto" | "triton" | "torch"
         ``auto`` = Triton on CUDA tensors, torch elsewhere; ``triton`` on CPU tensors runs the
-        kernels in Triton's interpreter (process started with ``TRITON_INTERPRET=1``).
+        kernels in Triton's interpreter (process started with ``TRITON_INTERPRET=1``). The torch
+        backend also takes float64 activations (the gradient reference).
+    recompute : bool, keyword-only
+        Training only (some input requires grad, Triton backend): ``False`` saves the GEMM1 outputs
+        (gate and up pre-activations, ``[T*K, 2I]`` in the activation dtype) for the backward;
+        ``True`` saves nothing but the inputs and recomputes GEMM1 inside the backward's first
+        kernel (less memory, more time). No effect on the forward's values.
 
     Returns
     -------
     Tensor [T, H], dtype of ``hidden_states`` (bfloat16 on the fp8 path). Under expert parallelism a
     partial sum over this rank's experts. ``T = 0`` gives an empty output.
+
+    Gradients
+    ---------
+    Differentiable (bf16/fp16/fp32, every backend) with respect to ``hidden_states``, ``w13``, ``w2``
+    and ``topk_weights``; with routing inside (``router_logits``, also with ``replay_ids``), the
+    weights' gradient flows on to ``router_logits`` through :func:`replaymoe.routing.route`'s
+    backward (``bias`` and the ids get none). The torch backend differentiates the reference by
+    autograd; the Triton backend registers a backward on its custom op
+    (``torch.ops.replaymoe.moe_experts_train``, so it works under ``torch.compile``) that runs
+    Triton kernels: deterministic (no float atomics, every reduction in a fixed order), bitwise
+    equal from run to run. Tokens routed to non-local experts get zero gradient from this rank;
+    experts without tokens get zero weight gradients. The fp8 block-scale path is inference-only
+    (a ValueError is raised when an input requires grad). The forward's values are the same with
+    and without gradients.
 
     Raises
     ------
@@ -362,6 +388,10 @@ def fused_moe(
         topk tensors; missing routing; bad ``activation`` or ``backend``.
     """
     check_choice("backend", backend, _BACKENDS)
+    if not isinstance(recompute, bool):
+        fail("recompute", "a bool", type(recompute).__name__, what="type")
+    on_cuda = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda
+    use_triton = backend == "triton" or (backend == "auto" and on_cuda)
     p = _validate(
         hidden_states,
         w13,
@@ -383,8 +413,8 @@ def fused_moe(
         local_expert_offset=local_expert_offset,
         num_experts=num_experts,
         out=out,
+        act_dtypes=_ACT_DTYPES if use_triton else _REF_DTYPES,
     )
-    use_triton = backend == "triton" or (backend == "auto" and hidden_states.is_cuda)
     if use_triton:
         _check_triton_available(hidden_states)
     if router_logits is not None:
@@ -398,10 +428,38 @@ def fused_moe(
             topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor,
             routing_replay_out=routing_replay_out,
-            replay_ids=replay_ids,
+            # any strides (e.g. trace.ids[:, l]): the small [T, K] tensor is copied when needed
+            replay_ids=replay_ids.contiguous() if isinstance(replay_ids, torch.Tensor) else replay_ids,
+        )
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, w13, w2, topk_weights)
+    )
+    if needs_grad and p.fp8:
+        fail(
+            "w13_scale",
+            "None when gradients are required (the fp8 block-scale path is inference-only)",
+            "fp8 weights with an input that requires grad",
         )
     if p.T == 0:
-        return out if out is not None else hidden_states.new_empty((0, p.H), dtype=p.out_dtype)
+        res = hidden_states.new_empty((0, p.H), dtype=p.out_dtype)
+        if needs_grad:  # connected to the inputs, so that their gradients are zeros (not None)
+            res = res + sum(t.reshape(-1)[:0].sum().to(p.out_dtype)
+                            for t in (hidden_states, w13, w2, topk_weights) if t.requires_grad)  # fmt: skip
+        return out.copy_(res) if out is not None else res
+    if use_triton and needs_grad:
+        res = _experts_triton_train(
+            hidden_states,
+            w13,
+            w2,
+            topk_ids,
+            topk_weights,
+            local_expert_offset=local_expert_offset,
+            recompute=recompute,
+        )
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
     if use_triton:
         res = _experts_triton(
             hidden_states,
@@ -518,6 +576,131 @@ def _experts_triton(
     return out
 
 
+def _experts_triton_train(x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None):
+    """Differentiable Triton experts (``torch.ops.replaymoe.moe_experts_train`` + its backward)."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    c = config or moe_config(T, K, H, two_i // 2, E_local)
+    out, _ = torch.ops.replaymoe.moe_experts_train(
+        x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config_tuple(c), recompute
+    )
+    return out
+
+
+@torch.library.custom_op("replaymoe::moe_experts_train", mutates_args=())
+def _moe_train_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_expert_offset: int,
+    config: list[int],
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of the differentiable experts: ``(out [T, H], saved)``.
+
+    ``saved`` is the GEMM1 output per slot, ``[T*K, 2I]`` (gate pre-activations in columns [0, I),
+    up in [I, 2I)), rows of non-local slots unspecified; empty with ``recompute``. Same kernels and
+    configuration as the inference path, so ``out`` is bitwise the inference output.
+    """
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
+    _launch(x, w13, w2, topk_ids, topk_weights, None, None, local_expert_offset, out,
+            MoEConfig(bool(config[0]), *config[1:]), saved=None if recompute else saved)  # fmt: skip
+    return out, saved
+
+
+@_moe_train_op.register_fake
+def _(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute):
+    T, H = x.shape
+    return x.new_empty((T, H)), x.new_empty((0 if recompute else T * topk_ids.shape[1], w13.shape[1]))
+
+
+def _train_setup_context(ctx, inputs, output):
+    x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs
+    ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, output[1])
+    ctx.offset, ctx.recompute = local_expert_offset, recompute
+
+
+def _train_backward(ctx, grad_out, _grad_saved):
+    x, w13, w2, topk_ids, topk_weights, saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dx, dw13, dw2, dwts = torch.ops.replaymoe.moe_experts_bwd(
+        grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute,
+        [bool(need[0]), bool(need[1]), bool(need[2]), bool(need[4])],
+    )  # fmt: skip
+    return (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
+            dwts if need[4] else None, None, None, None)  # fmt: skip
+
+
+_moe_train_op.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+@torch.library.custom_op("replaymoe::moe_experts_bwd", mutates_args=())
+def _moe_bwd_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    saved: torch.Tensor,
+    local_expert_offset: int,
+    recompute: bool,
+    need: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``moe_experts_train``: ``(dx, dw13, dw2, dtopk_weights)``; a gradient not in
+    ``need`` (x, w13, w2, topk_weights) comes back empty."""
+    return _experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, local_expert_offset, need)
+
+
+@_moe_bwd_op.register_fake
+def _(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute, need):
+    return tuple(t.new_empty(t.shape if n else (0,)) for t, n in zip((x, w13, w2, topk_weights), need))
+
+
+def _experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset, need):
+    """Closed-form backward of :func:`_experts_torch` in fp32 (fp64 for fp64 inputs), per expert.
+
+    Host-synchronizing (a loop over experts); the spec of the Triton backward kernels. Returns
+    ``(dx, dw13, dw2, dtopk_weights)`` in the inputs' dtypes, empty where ``need`` is False.
+    """
+    acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    xf, do = x.to(acc_dt), grad_out.to(acc_dt)
+    dx = torch.zeros_like(xf)
+    dw13 = torch.zeros(w13.shape, dtype=acc_dt, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=acc_dt, device=x.device)
+    dwts = torch.zeros(topk_weights.shape, dtype=acc_dt, device=x.device)
+    ids = topk_ids.long() - offset
+    wts = topk_weights.to(acc_dt)
+    for e in range(E_local):
+        tok, kk = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe, w13e, w2e, doe = xf[tok], w13[e].to(acc_dt), w2[e].to(acc_dt), do[tok]
+        h = xe @ w13e.T
+        g, u = h[:, :I], h[:, I:]
+        sig = torch.sigmoid(g)
+        a = g * sig * u
+        w = wts[tok, kk].unsqueeze(1)
+        da_unweighted = doe @ w2e  # [n, I]
+        dwts[tok, kk] = (da_unweighted * a).sum(1)
+        da = w * da_unweighted
+        dh = torch.cat([da * u * sig * (1 + g * (1 - sig)), da * g * sig], dim=1)
+        dx.index_add_(0, tok, dh @ w13e)
+        dw13[e] = dh.T @ xe
+        dw2[e] = doe.T @ (w * a)
+    res = (dx, dw13, dw2, dwts)
+    src = (x, w13, w2, topk_weights)
+    return tuple(r.to(t.dtype) if n else t.new_empty((0,)) for r, t, n in zip(res, src, need))
+
+
 def _config_tuple(c: MoEConfig) -> list[int]:
     return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
             c.warps2, c.stages2, c.group_m]  # fmt: skip
@@ -546,7 +729,11 @@ def _(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offs
     return None
 
 
-def _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
+def _launch(
+    x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig, saved=None
+) -> None:
+    """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
+    receives GEMM1's gate/up outputs per slot for the backward."""
     from ._kernels.moe import _moe_gemm1_kernel, _moe_gemm2_kernel, _moe_reduce_kernel, _quant_groups_kernel
     from .layout import expert_layout
 
@@ -596,12 +783,14 @@ def _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out
         out.zero_()
         return
     grid1 = (num_pid_m * triton_cdiv(I, c.block_n1),)
+    save = saved is not None and saved.numel() > 0
+    h_buf = saved if save else inter
     _moe_gemm1_kernel[grid1](
-        xq, xs, w13, s13, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, K,
-        slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides, inter.stride(0),
-        DIRECT=c.direct, FP8=fp8, PREQ=preq, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m,
-        BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1,
-        num_stages=c.stages1,
+        xq, xs, w13, s13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I,
+        K, slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
+        inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, SAVE_H=save,
+        EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
+        GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton_cdiv(H, c.block_n2),)

@@ -52,6 +52,7 @@ def _moe_gemm1_kernel(
     ws_ptr,
     inter_ptr,
     inter_s_ptr,
+    h_ptr,
     ids_ptr,
     sorted_ptr,
     tile_expert_ptr,
@@ -69,9 +70,11 @@ def _moe_gemm1_kernel(
     stride_se,
     stride_sn,
     stride_im,
+    stride_hm,
     DIRECT: tl.constexpr,
     FP8: tl.constexpr,
     PREQ: tl.constexpr,
+    SAVE_H: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -79,7 +82,10 @@ def _moe_gemm1_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for one tile × BLOCK_N."""
+    """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for one tile × BLOCK_N.
+
+    ``SAVE_H`` (training): also store the gate and up accumulators per slot, h[slot, n] and
+    h[slot, I + n], for the backward."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -140,6 +146,11 @@ def _moe_gemm1_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SAVE_H:
+        h_ptrs = h_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_hm + rn[None, :]
+        h_ok = row_ok[:, None] & n_ok[None, :]
+        tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=h_ok)
+        tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=h_ok)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     o_ptrs = inter_ptr + out_rows[:, None].to(tl.int64) * stride_im + rn[None, :]
     if PREQ:  # quantize the SwiGLU rows (rounded to bf16 first, as the reference) per 1x128 group

@@ -1,0 +1,187 @@
+"""Gradients of fused_moe: torch and Triton (interpreter) backends against fp64 autograd of the
+reference, replay, determinism, torch.compile of a training step, MoELayer training, rejections.
+
+The Triton cases run the real kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest on CPU machines) at tiny fp32/fp16 shapes; bf16 runs on the GPU (test_moe_backward_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch
+from replaymoe.routing import RoutingMethod
+from replaymoe.testing import assert_close, tie_free_logits
+
+# (T, H, I, E, E_local, offset, K)
+CASES = [
+    pytest.param(6, 32, 16, 4, 4, 0, 2, id="basic"),  # every expert local
+    pytest.param(3, 32, 16, 8, 8, 0, 2, id="empty-experts"),  # 6 slots over 8 experts: some get none
+    pytest.param(0, 32, 16, 4, 4, 0, 2, id="T0"),  # no tokens: zero weight gradients
+    pytest.param(5, 32, 16, 4, 4, 0, 1, id="top1"),  # top-k 1
+    pytest.param(3, 32, 16, 8, 8, 0, 8, id="top8"),  # top-k 8 = E: every expert gets every token
+    pytest.param(7, 32, 16, 8, 3, 2, 3, id="ep-slice"),  # ids outside [2, 5) and -1 padding rows
+    pytest.param(5, 40, 24, 4, 4, 0, 2, id="odd-dims"),  # H, I not multiples of the tiles
+]
+
+
+def _problem(T, H, I, E, E_local, offset, K, g, dtype):  # noqa: E741
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E_local, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(E_local, H, I, generator=g) / I**0.5).to(dtype)
+    if T:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    else:
+        ids = torch.zeros(0, K, dtype=torch.int32)
+    if offset and T > 1:
+        ids[1] = -1  # EP dispatch padding row
+    wts = torch.rand(T, K, generator=g)
+    dout = torch.randn(T, H, generator=g).to(dtype)
+    return x, w13, w2, ids, wts, dout
+
+
+def _grads(x, w13, w2, ids, wts, dout, *, E, offset, backend, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2, wts)]
+    out = fused_moe(leaves[0], leaves[1], leaves[2], topk_ids=ids, topk_weights=leaves[3],
+                    local_expert_offset=offset, num_experts=E, backend=backend, **kw)  # fmt: skip
+    out.backward(dout)
+    return [out.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+
+
+def _reference_grads(x, w13, w2, ids, wts, dout, *, E, offset):
+    """fp64 autograd of the reference (fused_moe_torch)."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, w13, w2, wts)]
+    out = fused_moe_torch(leaves[0], leaves[1], leaves[2], topk_ids=ids, topk_weights=leaves[3],
+                          local_expert_offset=offset, num_experts=E)  # fmt: skip
+    out.backward(dout.double())
+    return [out.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+
+
+def _check(got, ref, dtype):
+    # gradients are sums over tokens / features: compare against the reference's scale
+    for name, a, e in zip(("out", "dx", "dw13", "dw2", "dtopk_weights"), got, ref):
+        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
+        tol = {torch.float32: 1e-5, torch.float16: 4e-3}[dtype]
+        assert_close(a.float(), e.float(), atol=tol * scale, rtol=tol, name=name)
+
+
+@pytest.mark.parametrize("T,H,I,E,E_local,offset,K", CASES)
+def test_torch_backend_gradients_match_fp64(T, H, I, E, E_local, offset, K, generator):  # noqa: E741
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
+    got = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="torch")
+    ref = _reference_grads(x, w13, w2, ids, wts, dout, E=E, offset=offset)
+    _check(got, ref, torch.float32)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("T,H,I,E,E_local,offset,K", CASES)
+def test_triton_gradients_match_fp64(T, H, I, E, E_local, offset, K, recompute, dtype, generator):  # noqa: E741
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, dtype)
+    got = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="triton", recompute=recompute)
+    ref = _reference_grads(x, w13, w2, ids, wts, dout, E=E, offset=offset)
+    for t, r in zip(got[1:], (x, w13, w2, wts)):
+        assert t.dtype == r.dtype and t.shape == r.shape
+    _check(got, ref, dtype)
+
+
+@pytest.mark.interpret
+def test_triton_forward_unchanged_by_training_and_backward_deterministic(generator):
+    x, w13, w2, ids, wts, dout = _problem(9, 32, 16, 4, 4, 0, 2, generator, torch.float16)
+    plain = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, backend="triton")
+    a = _grads(x, w13, w2, ids, wts, dout, E=4, offset=0, backend="triton")
+    b = _grads(x, w13, w2, ids, wts, dout, E=4, offset=0, backend="triton")
+    assert torch.equal(a[0], plain)  # the training forward is the inference forward, bitwise
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)  # two backward passes are bitwise equal
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_gradients_reach_the_router(backend, generator):
+    # replay: ids forced from a (non-contiguous) slice of a recorded trace, weights recomputed from
+    # the trainer's logits; d(logits) equals the fp64 reference's, including the all -1 row that is
+    # routed natively
+    T, H, I, E, K = 6, 32, 16, 8, 2  # noqa: E741
+    x, w13, w2, _, _, dout = _problem(T, H, I, E, E, 0, K, generator, torch.float32)
+    logits = tie_free_logits(T, E, generator=generator)
+    trace = torch.stack([torch.randperm(E, generator=generator)[: K * 3] for _ in range(T)]).reshape(T, 3, K)
+    replay = trace[:, 1]  # [T, K] with strides (3K, 1): not contiguous
+    replay[4] = -1
+    assert not replay.is_contiguous()
+
+    def run(dt, be):
+        # the fp64 reference keeps fp32 logits (routing takes fp32/bf16/fp16), the rest in fp64
+        leaves = [t.detach().to(dt).requires_grad_() for t in (x, w13, w2)]
+        leaves.append(logits.detach().clone().requires_grad_())
+        fn = fused_moe if be != "ref" else fused_moe_torch
+        kw = {} if be == "ref" else {"backend": be}
+        out = fn(leaves[0], leaves[1], leaves[2], router_logits=leaves[3], top_k=K,
+                 method=RoutingMethod.RENORMALIZE, replay_ids=replay, **kw)  # fmt: skip
+        out.backward(dout.to(dt))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    got = run(torch.float32, backend)
+    ref = run(torch.float64, "ref")
+    _check(got, ref, torch.float32)
+    rows = [0, 1, 2, 3, 5]
+    forced = torch.zeros(len(rows), E, dtype=torch.bool).scatter_(1, replay[rows].long(), True)
+    assert (got[4][rows][~forced] == 0).all()  # only the forced experts' logits move
+    assert (got[4][rows][forced] != 0).all()
+
+
+@pytest.mark.interpret
+def test_torch_compile_training_step_matches_eager(generator):
+    # the custom op, its fake and its registered autograd traced by dynamo / AOTAutograd (aot_eager:
+    # no C++ compiler needed on CPU); routing inside, MoELayer on the Triton backend
+    torch.manual_seed(0)
+    layer = MoELayer(32, 16, 4, 2, backend="triton")
+    x = torch.randn(7, 32, generator=generator)
+
+    def step(m, inp):
+        loss = m(inp).square().sum()
+        loss.backward()
+        return loss.detach()
+
+    eager_loss = step(layer, x)
+    eager = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    compiled_loss = torch.compile(step, fullgraph=False, backend="aot_eager")(layer, x)
+    assert torch.equal(eager_loss, compiled_loss)
+    for a, p in zip(eager, layer.parameters()):
+        assert torch.equal(a, p.grad)
+
+
+def test_moelayer_trains(generator):
+    # a few SGD steps on the torch backend lower a regression loss; every parameter gets a gradient
+    torch.manual_seed(1)
+    layer = MoELayer(16, 8, 4, 2, backend="torch")
+    x = torch.randn(32, 16, generator=generator)
+    target = torch.randn(32, 16, generator=generator) * 0.1
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = (layer(x) - target).square().mean()
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+
+
+def test_rejections(generator):
+    from replaymoe.quant import quantize_fp8_block
+
+    x, w13, w2, ids, wts, _ = _problem(3, 128, 128, 2, 2, 0, 2, generator, torch.float32)
+    with pytest.raises(ValueError, match="recompute"):
+        fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, recompute=1)
+    q13, s13 = quantize_fp8_block(w13)
+    q2, s2 = quantize_fp8_block(w2)
+    with pytest.raises(ValueError, match="w13_scale.*inference-only"):
+        fused_moe(x.bfloat16().requires_grad_(), q13, q2, topk_ids=ids, topk_weights=wts, w13_scale=s13,
+                  w2_scale=s2)  # fmt: skip
+    with pytest.raises(ValueError, match="hidden_states"):  # fp64 is for the torch reference only
+        fused_moe(x.double(), w13.double(), w2.double(), topk_ids=ids, topk_weights=wts, backend="triton")
