@@ -65,9 +65,10 @@ def test_plan_invariants(generator):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fake_a2a(rank, ep, max_tokens, K, E, H):
+def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None):
     """A MoeAlltoAll of rank ``rank`` without a process group (fields only)."""
     a = MoeAlltoAll.__new__(MoeAlltoAll)
+    a._num_sms, a._device_sms, a._dcache = num_sms, 4, {}
     a.ep, a.rank, a.max_num_tokens, a.top_k, a.num_experts, a.hidden_size = ep, rank, max_tokens, K, E, H
     a.transport, a.kernel_backend, a.device, a.timeout = "symm", "auto", torch.device("cpu"), None
     a.local_expert_offset, a.num_local_experts = expert_partition(E, ep)[rank]
@@ -83,14 +84,14 @@ def _fake_buffers(ep, nbytes):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "ep, E, K, Ts",
+    "ep, E, K, Ts, num_sms",
     [
-        (2, 8, 2, [3, 4]),  # two ranks
-        (3, 10, 4, [5, 0, 2]),  # uneven split, a rank with zero tokens
-        (4, 8, 8, [1, 3, 2, 4]),  # top-8 of 8: every token goes to every rank
+        (2, 8, 2, [3, 4], None),  # two ranks, 4 programs (the CPU default)
+        (3, 10, 4, [5, 0, 2], 1),  # uneven split, a rank with zero tokens; one program loops over all
+        (4, 8, 8, [1, 3, 2, 4], 2),  # top-8 of 8: every token goes to every rank
     ],
 )
-def test_symm_transport_kernels(ep, E, K, Ts, generator):
+def test_symm_transport_kernels(ep, E, K, Ts, num_sms, generator):
     from replaymoe.ep.transport_symm import SymmTransport
 
     H, max_tokens, rt = 16, 6, 5
@@ -110,20 +111,23 @@ def test_symm_transport_kernels(ep, E, K, Ts, generator):
         for s, T in enumerate(Ts)
     ]
     layout = _row_layout(pays[0])
-    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H) for r in range(ep)]
+    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms=num_sms) for r in range(ep)]
     trs = [SymmTransport(a) for a in a2as]
     disp = _fake_buffers(ep, ep * (max_tokens + 1) * layout.row_bytes)
     comb = _fake_buffers(ep, ep * max_tokens * H * 2)  # fp16 combine payload
     for r in range(ep):
         trs[r].disp, trs[r].row_cap, trs[r].comb = disp[r], layout.row_bytes, comb[r]
-    plans = [_make_plan(ids[s], E, ep) for s in range(ep)]
-    # dispatch phase of every rank (each stores into all peers), then the "barrier"
-    results = [trs[s].dispatch(plans[s], pays[s], layout, rt) for s in range(ep)]
+        a2as[r]._transport = trs[r]
+    # dispatch of every rank (each stores into all peers; the barrier is a no-op here), in rank order
+    states = []
+    for s in range(ep):
+        st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, None)
+        a2as[s]._dispatch_triton(st, ids[s], pays[s])
+        states.append(st)
     ref, counts = dispatch_torch(ids, pays, E, rt)
     views = []
     for r in range(ep):
-        recv, block = results[r]
-        v, c = _recv_views(recv, layout, ep, rt, block)
+        v, c = states[r].views, states[r].counts
         assert torch.equal(c, counts[r]), (r, c, counts[r])
         for p in range(len(layout.specs)):
             for s in range(ep):
@@ -132,6 +136,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, generator):
                 assert torch.equal(got, ref[r][p][s, :n].contiguous().view(torch.uint8)), (r, p, s)
         a2as[r].recv_counts.copy_(c)
         views.append(v)
+    plans = [types.SimpleNamespace(slot=st.slot) for st in states]
     # combine phase: payload rows f(x) (padding NaN must not be read), then each rank's reduction
     payloads = []
     for r in range(ep):

@@ -41,9 +41,32 @@ def _pick(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
-def ep_dispatch_copy_kernel(
-    src_ptr,  # payload as units [T, n_cols], row stride src_row_stride
+def _pack_one(
+    src, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
+    dst_rank_stride, dst_base,
+    RB: tl.constexpr, N: tl.constexpr, NB: tl.constexpr, OFF: tl.constexpr, EP: tl.constexpr,
+):  # fmt: skip
+    """Rows ``toks`` of one payload (units [T, N], contiguous), column chunk ``chunk`` of width NB,
+    stored at ``dst_base + r * dst_rank_stride + slot * RB + OFF`` of every rank r with slot >= 0."""
+    cols = chunk * NB + tl.arange(0, NB)
+    cm = cols < N
+    m = tmask[:, None] & cm[None, :]
+    vals = tl.load(src + toks[:, None] * N + cols[None, :], mask=m)
+    for r in tl.static_range(EP):
+        base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+        slot = tl.load(slot_ptr + toks * EP + r, mask=tmask, other=-1).to(tl.int64)
+        # (r + toks * 0) is an int64 rank index, so the product cannot overflow int32
+        off = (toks * 0 + r) * dst_rank_stride + dst_base + slot * RB + OFF
+        tl.store(base + off[:, None] + cols[None, :], vals, mask=m & (slot >= 0)[:, None])
+
+
+@triton.jit
+def ep_pack_kernel(
     slot_ptr,  # int32 [T, EP]: slot of token t in rank r's block, -1 = not sent there
+    s0,
+    s1,
+    s2,
+    s3,  # up to four payloads, as units [T, N_i] contiguous (unused ones: any pointer)
     p0,
     p1,
     p2,
@@ -52,46 +75,47 @@ def ep_dispatch_copy_kernel(
     p5,
     p6,
     p7,  # destination base per rank (units)
-    src_row_stride,
-    n_cols,
+    T,
     dst_rank_stride,  # units added per destination rank index (nccl: one block; symm: 0)
-    dst_offset,  # units added to every destination (block of this source + header + column offset)
-    dst_row_stride,  # units per received row
+    dst_base,  # units added to every destination (symm: this source's block)
+    RB: tl.constexpr,  # units per received row
+    N0: tl.constexpr,
+    N1: tl.constexpr,
+    N2: tl.constexpr,
+    N3: tl.constexpr,  # units per token of each payload
+    NB0: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
+    NB3: tl.constexpr,  # column chunk of each payload (power of 2)
+    O0: tl.constexpr,
+    O1: tl.constexpr,
+    O2: tl.constexpr,
+    O3: tl.constexpr,  # unit offset of each payload's region in a row
+    NP: tl.constexpr,
     EP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    TT: tl.constexpr,  # tokens per iteration
 ):
-    """Copy token ``t``'s payload row to every rank that receives it, at its slot there."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < n_cols
-    vals = tl.load(src_ptr + t * src_row_stride + cols, mask=cmask)
-    for r in tl.static_range(EP):
-        base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-        slot = tl.load(slot_ptr + t * EP + r).to(tl.int64)
-        # (t * 0 + r) is an int64 rank index, so that the product cannot overflow int32
-        off = (t * 0 + r) * dst_rank_stride + dst_offset + slot * dst_row_stride
-        tl.store(base + off + cols, vals, mask=cmask & (slot >= 0))
-
-
-@triton.jit
-def ep_put_counts_kernel(
-    counts_ptr,  # int32 [EP]: rows this rank sends to each rank
-    p0,
-    p1,
-    p2,
-    p3,
-    p4,
-    p5,
-    p6,
-    p7,  # int32 views of each rank's receive buffer
-    dst_offset,  # int32 units: where this source's count lives in a receive buffer
-    EP: tl.constexpr,
-):
-    """Write ``counts[r]`` into rank ``r``'s receive buffer (the header row of this source's block)."""
-    for r in tl.static_range(EP):
-        base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-        c = tl.load(counts_ptr + r)
-        tl.store(base + dst_offset, c)
+    """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
+    column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
+    stores issued from the same program: with ``symm`` every peer is written concurrently). The grid's
+    first axis bounds the number of SMs used (``num_sms``)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    chunk = tl.program_id(1)
+    for t0 in range(pid * TT, T, nprog * TT):
+        toks = (t0 + tl.arange(0, TT)).to(tl.int64)
+        tmask = toks < T
+        _pack_one(s0, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
+                  dst_rank_stride, dst_base, RB, N0, NB0, O0, EP)  # fmt: skip
+        if NP > 1:
+            _pack_one(s1, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
+                      dst_rank_stride, dst_base, RB, N1, NB1, O1, EP)  # fmt: skip
+        if NP > 2:
+            _pack_one(s2, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
+                      dst_rank_stride, dst_base, RB, N2, NB2, O2, EP)  # fmt: skip
+        if NP > 3:
+            _pack_one(s3, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
+                      dst_rank_stride, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
 
 
 @triton.jit
@@ -113,19 +137,25 @@ def ep_combine_send_kernel(
     dst_offset,  # units: this rank's block in every source's combine receive buffer
     dst_row_stride,
     EP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    NB: tl.constexpr,  # column chunk (power of 2); program_id(1) is the chunk
+    TT: tl.constexpr,  # rows per iteration
 ):
-    """Send row ``[s, j]`` (``j < counts[s]``) back to source rank ``s`` at ``[this rank, j]``."""
+    """Send row ``[s, j]`` (``j < counts[s]``) back to source rank ``s`` at ``[this rank, j]``.
+    Persistent over ``j`` (the grid's first axis bounds the SMs used); rows past a source's count
+    are neither read nor sent."""
     pid = tl.program_id(0)
-    s = pid // rows
-    j = (pid % rows).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = j < tl.load(counts_ptr + s)
-    cmask = (cols < n_cols) & live
-    vals = tl.load(src_ptr + s.to(tl.int64) * src_block_stride + j * src_row_stride + cols, mask=cmask)
-    for r in tl.static_range(EP):
-        base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-        tl.store(base + dst_offset + j * dst_row_stride + cols, vals, mask=cmask & (s == r))
+    nprog = tl.num_programs(0)
+    cols = tl.program_id(1) * NB + tl.arange(0, NB)
+    cm = cols < n_cols
+    for j0 in range(pid * TT, rows, nprog * TT):
+        j = (j0 + tl.arange(0, TT)).to(tl.int64)
+        for s in tl.static_range(EP):
+            live = j < tl.load(counts_ptr + s)
+            m = live[:, None] & cm[None, :]
+            row = src_block_stride.to(tl.int64) * s + j * src_row_stride
+            v = tl.load(src_ptr + row[:, None] + cols[None, :], mask=m)
+            base = _pick(s, p0, p1, p2, p3, p4, p5, p6, p7)
+            tl.store(base + dst_offset + j[:, None] * dst_row_stride + cols[None, :], v, mask=m)
 
 
 @triton.jit
@@ -133,26 +163,32 @@ def ep_combine_reduce_kernel(
     recv_ptr,  # returned rows [EP, rows, H] (payload dtype), strides (recv_block_stride, recv_row_stride)
     slot_ptr,  # int32 [T, EP]: slot of token t on rank r, -1 = not sent there
     out_ptr,  # [T, H] contiguous, payload dtype
+    T,
     H,
     recv_block_stride,
     recv_row_stride,
     EP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    NB: tl.constexpr,  # column chunk (power of 2); program_id(1) is the chunk
+    TT: tl.constexpr,  # tokens per iteration
 ):
-    """out[t] = sum over ranks r that received t of recv[r, slot[t, r]], accumulated in fp32 in rank order."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(EP):
-        slot = tl.load(slot_ptr + t * EP + r).to(tl.int64)
-        v = tl.load(
-            recv_ptr + r * recv_block_stride + slot * recv_row_stride + cols,
-            mask=cmask & (slot >= 0),
-            other=0.0,
-        )
-        acc += v.to(tl.float32)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    """out[t] = sum over ranks r that received t of recv[r, slot[t, r]], accumulated in fp32 in rank
+    order. Persistent over tokens (the grid's first axis bounds the SMs used)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.program_id(1) * NB + tl.arange(0, NB)
+    cm = cols < H
+    for t0 in range(pid * TT, T, nprog * TT):
+        toks = (t0 + tl.arange(0, TT)).to(tl.int64)
+        tmask = toks < T
+        acc = tl.zeros([TT, NB], dtype=tl.float32)
+        for r in tl.static_range(EP):
+            slot = tl.load(slot_ptr + toks * EP + r, mask=tmask, other=-1).to(tl.int64)
+            m = (slot >= 0)[:, None] & cm[None, :]
+            row = recv_block_stride.to(tl.int64) * r + slot * recv_row_stride
+            v = tl.load(recv_ptr + row[:, None] + cols[None, :], mask=m, other=0.0)
+            acc += v.to(tl.float32)
+        om = tmask[:, None] & cm[None, :]
+        tl.store(out_ptr + toks[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
@@ -160,6 +196,16 @@ def ep_plan_kernel(
     ids_ptr,  # int32 [T, K] contiguous: global expert ids (outside [0, E) = not sent)
     slot_ptr,  # int32 [T, EP] out: slot of token t in rank r's block, -1 = not sent there
     counts_ptr,  # int32 [EP] out: tokens sent to each rank
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    h6,
+    h7,  # int32 views where count r also goes: h_r + r * hdr_rank_stride + hdr_offset (if PUT)
+    hdr_rank_stride,
+    hdr_offset,
     T,
     E,
     base,  # E // EP
@@ -168,9 +214,11 @@ def ep_plan_kernel(
     EP: tl.constexpr,
     EP_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PUT: tl.constexpr,
 ):
     """One program: owner rank of every id, one mark per distinct (token, rank), slots by a running
-    prefix sum over tokens (token order), and the per-rank totals."""
+    prefix sum over tokens (token order), and the per-rank totals (also stored into each rank's
+    header when ``PUT``: the nccl send buffer's blocks, or the peers' symm receive buffers)."""
     ranks = tl.arange(0, EP_P2)
     carry = tl.zeros([EP_P2], dtype=tl.int32)
     cut = rem * (base + 1)
@@ -189,6 +237,11 @@ def ep_plan_kernel(
         tl.store(slot_ptr + toks.to(tl.int64)[:, None] * EP + ranks[None, :], slot, mask=smask)
         carry += tl.sum(m, axis=0)
     tl.store(counts_ptr + ranks, carry, mask=ranks < EP)
+    if PUT:
+        for r in tl.static_range(EP):
+            base = _pick(r, h0, h1, h2, h3, h4, h5, h6, h7)
+            c = tl.sum(tl.where(ranks == r, carry, 0))
+            tl.store(base + r * hdr_rank_stride + hdr_offset, c)
 
 
 @triton.jit
@@ -213,17 +266,19 @@ def ep_sanitize_kernel(
     """Ids of padding rows (slot >= count of its source, header rows included) and of experts outside
     [lo, hi) become ``invalid``; program 0 also copies the counts to ``recv_counts``."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK + tl.arange(0, BLOCK)
-    rmask = rows < n_rows
-    s = rows // rows_per_block
-    j = rows % rows_per_block
-    cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0)
+    nprog = tl.num_programs(0)
     ks = tl.arange(0, K_P2)
-    m = rmask[:, None] & (ks < K)[None, :]
-    ptrs = ids_ptr + rows.to(tl.int64)[:, None] * row_stride + ks[None, :]
-    v = tl.load(ptrs, mask=m, other=0)
-    drop = (j >= cnt)[:, None] | (v < lo) | (v >= hi)
-    tl.store(ptrs, tl.where(drop, invalid, v), mask=m)
+    for r0 in range(pid * BLOCK, n_rows, nprog * BLOCK):
+        rows = r0 + tl.arange(0, BLOCK)
+        rmask = rows < n_rows
+        s = rows // rows_per_block
+        j = rows % rows_per_block
+        cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0)
+        m = rmask[:, None] & (ks < K)[None, :]
+        ptrs = ids_ptr + rows.to(tl.int64)[:, None] * row_stride + ks[None, :]
+        v = tl.load(ptrs, mask=m, other=0)
+        drop = (j >= cnt)[:, None] | (v < lo) | (v >= hi)
+        tl.store(ptrs, tl.where(drop, invalid, v), mask=m)
     if pid == 0:
         r = tl.arange(0, EP_P2)
         c = tl.load(hdr_ptr + r.to(tl.int64) * hdr_block + hdr_off, mask=r < EP, other=0)

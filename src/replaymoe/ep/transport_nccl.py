@@ -49,6 +49,7 @@ class NcclTransport:
         self.recv = torch.empty(n, dtype=torch.uint8, device=a.device)
         self.send = self.recv if a.ep == 1 else torch.empty(n, dtype=torch.uint8, device=a.device)
         self.row_cap = row_bytes
+        a._dcache.clear()  # cached views alias the old buffers
 
     def _exchange(self, op: str, out: torch.Tensor, inp: torch.Tensor) -> None:
         try:
@@ -57,19 +58,29 @@ class NcclTransport:
             raise self.a2a._collective_error(op, e) from e
 
     # ------------------------------------------------------------------------------------------
-    def dispatch(self, plan, payloads, layout, rt: int) -> tuple[torch.Tensor, int]:
+    def dispatch_targets(self, layout, rt: int) -> _a._Targets:
         a = self.a2a
-        RB = layout.row_bytes
-        self.ensure_dispatch(RB)
         send, recv = self.send, self.recv
         assert send is not None and recv is not None
-        block = (rt + 1) * RB
-        _pack(a, plan, payloads, layout, send, block_bytes=block, rank_stride_bytes=block, base_bytes=0)
-        cnt = _a._typed_view(send, torch.int32, (a.ep,), (block // 4,), rt * RB + layout.count_offset)
+        block = (rt + 1) * layout.row_bytes
+        return _a._Targets(
+            recv=recv, block=block, dsts=[send] * a.ep, dst_rank_stride=block, dst_base=0,
+            send=send[: a.ep * block], recv_out=recv[: a.ep * block],
+        )  # fmt: skip
+
+    def exchange_dispatch(self, tg: _a._Targets) -> None:
+        if self.a2a.ep > 1:
+            self._exchange("dispatch", tg.recv_out, tg.send)
+
+    def dispatch_torch(self, plan, payloads, layout, rt: int, tg: _a._Targets) -> None:
+        """Pack with torch ops (CPU/gloo path), write the counts, exchange."""
+        a = self.a2a
+        RB = layout.row_bytes
+        _pack(a, plan, payloads, layout, tg.dsts[0], block_bytes=tg.block)
+        at = rt * RB + layout.count_offset
+        cnt = _a._typed_view(tg.dsts[0], torch.int32, (a.ep,), (tg.block // 4,), at)
         cnt.copy_(plan.send_counts)
-        if a.ep > 1:
-            self._exchange("dispatch", recv[: a.ep * block], send[: a.ep * block])
-        return recv, block
+        self.exchange_dispatch(tg)
 
     def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int]:
         """Exchange ``[ep, rt + 1, H]`` blocks (the extra row keeps ``ep_moe``'s output copy-free)."""
@@ -110,21 +121,15 @@ def _spans_blocks(payload: torch.Tensor, block: int) -> bool:
     return end <= payload.untyped_storage().nbytes()
 
 
-def _pack(
-    a, plan, payloads, layout, dst: torch.Tensor, *, block_bytes, rank_stride_bytes, base_bytes
-) -> None:
-    """Write token rows into the local buffer ``dst`` (uint8): rank r, slot j, payload p lands at
-    ``r * rank_stride_bytes + base_bytes + j * row_bytes + offset_p``."""
+def _pack(a, plan, payloads, layout, dst: torch.Tensor, *, block_bytes) -> None:
+    """Write token rows into the local buffer ``dst`` (uint8) with torch ops: rank r, slot j, payload p
+    lands at ``r * block_bytes + j * row_bytes + offset_p``; rows not sent go to a trash row past the
+    last block."""
     T = plan.slot.shape[0]
     if T == 0:
         return
     RB = layout.row_bytes
-    if a.use_triton():
-        _pack_triton(a, plan, payloads, layout, [dst] * a.ep, rank_stride_bytes, base_bytes)
-        return
-    # torch ops (CPU/gloo path): rows not sent go to a trash row past the last block
     ep = a.ep
-    assert rank_stride_bytes == block_bytes and base_bytes == 0
     rows_per_block = block_bytes // RB
     trash = ep * rows_per_block
     rows = dst[: (trash + 1) * RB].view(trash + 1, RB)
@@ -136,36 +141,3 @@ def _pack(
             continue
         src = p.reshape(T, -1).view(torch.uint8).repeat_interleave(ep, dim=0)
         rows[:, spec.offset : spec.offset + spec.nbytes].index_copy_(0, idx, src)
-
-
-def _pack_triton(a, plan, payloads, layout, dsts: list[torch.Tensor], rank_stride_bytes, base_bytes) -> None:
-    """Launch :func:`ep_dispatch_copy_kernel` once per payload (``dsts``: uint8 base per rank)."""
-    import triton
-
-    from .._kernels.ep import ep_dispatch_copy_kernel
-
-    T = plan.slot.shape[0]
-    RB = layout.row_bytes
-    for spec, p in zip(layout.specs, payloads):
-        if spec.nbytes == 0:
-            continue
-        src = p.reshape(T, -1).view(torch.uint8)
-        unit = _a._unit_dtype(spec.nbytes, src.data_ptr(), *(d.data_ptr() for d in dsts))
-        u = torch.empty((), dtype=unit).element_size()
-        src_u = src.view(unit)
-        d_u = [d.view(unit) for d in dsts]
-        d_u = d_u + [d_u[0]] * (8 - len(d_u))
-        n_cols = spec.nbytes // u
-        block = max(16, min(1024, triton.next_power_of_2(n_cols)))
-        ep_dispatch_copy_kernel[(T, triton.cdiv(n_cols, block))](
-            src_u,
-            plan.slot,
-            *d_u,
-            src_u.stride(0),
-            n_cols,
-            rank_stride_bytes // u,
-            (base_bytes + spec.offset) // u,
-            RB // u,
-            EP=a.ep,
-            BLOCK=block,
-        )

@@ -33,7 +33,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 
 from . import alltoall as _a  # noqa: E402
-from .transport_nccl import _pack_triton  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
@@ -76,6 +75,7 @@ class SymmTransport:
         self.disp: _SymmBuffer | None = None
         self.comb: _SymmBuffer | None = None
         self._retired: list[_SymmBuffer] = []  # grown-out buffers stay mapped (peers may be in flight)
+        self._ckeys: dict = {}  # combine launch plans per (dtype, rt, payload strides)
 
     def _barrier(self) -> None:
         assert self.disp is not None
@@ -90,31 +90,25 @@ class SymmTransport:
             self._retired.append(self.disp)
         self.disp = _SymmBuffer(a, a.ep * (a.max_num_tokens + 1) * row_bytes, "dispatch")
         self.row_cap = row_bytes
+        a._dcache.clear()  # cached views alias the old buffers
 
     # ------------------------------------------------------------------------------------------
-    def dispatch(self, plan, payloads, layout, rt: int) -> tuple[torch.Tensor, int]:
-        import triton  # noqa: F401 - fail early and clearly if Triton is missing
-
-        from .._kernels.ep import ep_put_counts_kernel
-
+    def dispatch_targets(self, layout, rt: int) -> _a._Targets:
+        """Token rows of this source go to block ``rank`` of every peer's receive buffer."""
         a = self.a2a
-        RB = layout.row_bytes
-        self.ensure_dispatch(RB)
         buf = self.disp
         assert buf is not None
-        block = (rt + 1) * RB  # all ranks use the same rt in a round; the barriers order rounds
-        mine = a.rank * block
-        cnt = [p.view(torch.int32) for p in buf.peers]
-        cnt = cnt + [cnt[0]] * (_MAX_EP - len(cnt))
-        ep_put_counts_kernel[(1,)](
-            plan.send_counts, *cnt, (mine + rt * RB + layout.count_offset) // 4, EP=a.ep
-        )
-        if plan.slot.shape[0] > 0:
-            _pack_triton(a, plan, payloads, layout, buf.peers, 0, mine)
+        block = (rt + 1) * layout.row_bytes  # all ranks use the same rt in a round; barriers order rounds
+        return _a._Targets(recv=buf.local, block=block, dsts=list(buf.peers), dst_rank_stride=0,
+                           dst_base=a.rank * block)  # fmt: skip
+
+    def exchange_dispatch(self, tg: _a._Targets) -> None:
         self._barrier()
-        return buf.local, block
 
     def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int]:
+        """Send row ``[s, j]`` (``j < recv_counts[s]``) to source ``s``'s combine buffer at
+        ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]`` and the block
+        stride (elements)."""
         import triton
 
         from .._kernels.ep import ep_combine_send_kernel
@@ -128,31 +122,27 @@ class SymmTransport:
             if self.comb is not None:
                 self._retired.append(self.comb)
             self.comb = _SymmBuffer(a, nbytes, "combine")
+            self._ckeys = {}
         buf = self.comb
-        row_bytes = H * es
-        s0, s1 = payload.stride(0) * es, payload.stride(1) * es
-        unit = _a._unit_dtype(row_bytes, s0, s1, payload.data_ptr(), *(p.data_ptr() for p in buf.peers))
-        u = torch.empty((), dtype=unit).element_size()
-        # a flat unit view over the payload's span (payload rows need not be contiguous)
-        span = (payload.shape[0] - 1) * payload.stride(0) + (rt - 1) * payload.stride(1) + H
-        src = torch.as_strided(payload, (span,), (1,)).view(torch.uint8).view(unit)
-        dst = [p.view(unit) for p in buf.peers]
-        dst = dst + [dst[0]] * (_MAX_EP - len(dst))
-        n_cols = row_bytes // u
-        blk = max(16, min(1024, triton.next_power_of_2(n_cols)))
-        ep_combine_send_kernel[(a.ep * rt, triton.cdiv(n_cols, blk))](
-            src,
-            a.recv_counts,
-            *dst,
-            rt,
-            n_cols,
-            s0 // u,
-            s1 // u,
-            a.rank * rt * n_cols,
-            n_cols,
-            EP=a.ep,
-            BLOCK=blk,
-        )
+        key = (payload.dtype, rt, payload.stride())
+        c = self._ckeys.get(key)
+        if c is None:
+            # rows move in the payload's own dtype: strides and offsets are multiples of 16 elements
+            # whenever H is, so Triton emits 128-bit accesses without any reinterpreting view
+            dst = [p.view(payload.dtype) for p in buf.peers]
+            dst = dst + [dst[0]] * (_MAX_EP - len(dst))
+            nb = min(_a._REDUCE_CHUNK, triton.next_power_of_2(H))
+            chunks = triton.cdiv(H, nb)
+            tt = 2 if nb >= 1024 else 8
+            warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
+            rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
+            c = (dst, nb, chunks, tt, warps, rows)
+            self._ckeys[key] = c
+        dst, nb, chunks, tt, warps, rows = c
+        nprog = max(1, a._programs(triton.cdiv(rt, tt) * chunks) // chunks)
+        ep_combine_send_kernel[(nprog, chunks)](
+            payload, a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
+            EP=a.ep, NB=nb, TT=tt, num_warps=warps,
+        )  # fmt: skip
         self._barrier()
-        rows = buf.local[: a.ep * rt * row_bytes].view(payload.dtype).view(a.ep * rt, H)
         return rows, rt * H
