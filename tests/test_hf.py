@@ -101,7 +101,9 @@ def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
     calls = {"route": 0, "fused": 0}
     import replaymoe.moe as rmoe
 
-    real_route, real_fused = rhf.route, rmoe.fused_moe
+    import replaymoe.hf.session as rsession
+
+    real_route, real_fused = rsession.route, rmoe.fused_moe
 
     def spy_route(*a, **k):
         calls["route"] += 1
@@ -111,7 +113,7 @@ def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
         calls["fused"] += 1
         return real_fused(*a, **k)
 
-    monkeypatch.setattr(rhf, "route", spy_route)
+    monkeypatch.setattr(rsession, "route", spy_route)
     monkeypatch.setattr(rmoe, "fused_moe", spy_fused)
     moe = rhf.enable(model)
     with torch.no_grad():

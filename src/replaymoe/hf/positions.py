@@ -1,0 +1,82 @@
+"""Each token's position in its sequence, from what a transformers forward already holds.
+
+Everything here is device arithmetic on the forward's own tensors (attention mask, position ids,
+the cache's length): no host synchronisation and no data-dependent shapes, so it traces under
+``torch.compile(fullgraph=True)`` and runs inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+__all__ = ["cache_length", "token_positions"]
+
+PastLength = Union[int, torch.Tensor]
+
+
+def cache_length(cache: Any) -> PastLength:
+    """Tokens already in ``cache`` (``past_key_values``) without a host sync.
+
+    ``0`` without a cache; a Python int where the cache knows it on the host (``DynamicCache``: the
+    keys' shape; a ``StaticCache`` not written yet); otherwise the cache's own device counter (an
+    initialised ``StaticCache``), a 0-dim tensor.
+    """
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return 0
+    return cache.get_seq_length()
+
+
+def token_positions(
+    batch_size: int,
+    seq_len: int,
+    *,
+    attention_mask: Optional[torch.Tensor],
+    past_length: PastLength,
+    device: torch.device | str,
+    position_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Positions ``int64 [B, S]`` of a forward's tokens in their sequences, padding excluded (-1).
+
+    Parameters
+    ----------
+    batch_size, seq_len : int
+        ``B`` and ``S`` of the forward.
+    attention_mask : torch.Tensor, optional
+        * 2-D ``[B, P]`` covering the cached and the new tokens (what ``generate`` passes with a
+          dynamic cache and what a trainer passes; ``P = past_length + S``): the position of a
+          kept token is the number of kept tokens before it, padding gets -1. Columns missing at
+          the mask's left (``P < past_length + S``) are taken as unpadded.
+        * 4-D ``[B, 1, S, KV]`` (what ``generate`` passes with a static cache; bool, or additive
+          float with 0 where attended): a token whose row attends to nothing is padding. Its
+          position is ``position_ids`` when given, else ``past_length + arange(S)``.
+        * None: no padding; positions as in the 4-D case.
+    past_length : int or 0-dim tensor
+        Tokens already in the cache (:func:`cache_length`).
+    device : torch.device or str
+        Where to compute.
+    position_ids : torch.Tensor, optional
+        ``[B, S]`` or ``[1, S]`` rotary positions, which ``generate`` computes as the unpadded
+        position of every kept token. Used with 4-D or no masks.
+
+    Returns
+    -------
+    torch.Tensor
+        ``int64 [B, S]`` on ``device``.
+    """
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= seq_len:
+        m = attention_mask.to(device=device) != 0
+        offset = past_length + seq_len - m.shape[1]
+        pos = m.long().cumsum(1)[:, -seq_len:] - 1 + offset
+        return torch.where(m[:, -seq_len:], pos, -1)
+    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[1] == seq_len:
+        pos = position_ids.to(device=device, dtype=torch.int64).expand(batch_size, seq_len)
+    else:
+        base = torch.arange(seq_len, device=device, dtype=torch.int64) + past_length
+        pos = base.unsqueeze(0).expand(batch_size, seq_len)
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[2] == seq_len:
+        m = attention_mask[:, 0].to(device=device)
+        attends = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        return torch.where(attends.any(-1), pos, -1)
+    return pos.contiguous()

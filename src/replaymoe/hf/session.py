@@ -1,0 +1,467 @@
+"""The patched model: routers through :func:`replaymoe.routing.route`, capture and replay state.
+
+Per forward, a pre-forward hook on the decoder stack computes every token's position on the device
+(:mod:`replaymoe.hf.positions`), gathers the forced ids of all MoE layers at once (replay) and
+allots each token a slot of the capture buffer (capture); each router then routes with one
+``route`` call that writes its ids into a per-forward staging slab, and a forward hook copies the
+slab into the capture buffer with one indexing op. Nothing in a forward reads the device from the
+host, so the patched model runs eagerly, under ``torch.compile(fullgraph=True)``, with
+``generate(cache_implementation="static")`` and in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from replaymoe._validation import check_choice, check_int, fail
+from replaymoe.routing import route
+
+from .discovery import MoELayerInfo, find_moe_layers
+from .experts import IMPLEMENTATION_NAME, fused_compatible
+from .positions import cache_length, token_positions
+from .state import CaptureBuffer, ReplayTable, TraceMeta
+
+__all__ = ["ReplayMoE", "enable"]
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class _Step:
+    """One forward of the decoder stack, as the routers see it."""
+
+    num_tokens: int  # B * S
+    forced: Optional[torch.Tensor]  # int32 [L, T, K] replay ids (-1 rows: route natively), or None
+    staged: Optional[torch.Tensor]  # int16 [L, T, K] capture slab, or None
+    slot: Optional[torch.Tensor]  # int64 [T] capture-buffer row of each token, or None
+
+
+class ReplayMoE:
+    """Handle returned by :func:`enable`: the patched model's capture/replay state.
+
+    Attributes
+    ----------
+    model : nn.Module
+        The patched model.
+    layers : list[MoELayerInfo]
+        Its MoE blocks; ``layer_ids`` = their decoder layer numbers.
+    num_experts, top_k : int
+        Shared by all MoE layers.
+    backend : str
+        ``"auto"`` | ``"triton"`` | ``"torch"`` for routing and fused experts.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        backend: str = "auto",
+        experts: bool = True,
+        max_batch_size: int = 1,
+        max_positions: int = 256,
+    ) -> None:
+        check_choice("backend", backend, _BACKENDS)
+        check_int("max_batch_size", max_batch_size, low=1)
+        check_int("max_positions", max_positions, low=1)
+        if getattr(model, "_replaymoe", None) is not None:
+            fail("model", "a model without replaymoe enabled (call .disable() first)", "already enabled")
+        self.model = model
+        self.backend = backend
+        self.layers = find_moe_layers(model)
+        ks = {info.plan.top_k for info in self.layers}
+        es = {int(info.router.num_experts) for info in self.layers}
+        if len(ks) != 1 or len(es) != 1:
+            fail("model", "the same top_k and num_experts in every MoE layer", f"top_k {ks}, experts {es}")
+        self.top_k, self.num_experts = ks.pop(), es.pop()
+        self.layer_ids = [info.layer_number for info in self.layers]
+        config = getattr(model, "config", None)
+        self.model_id = str(getattr(config, "_name_or_path", "") or "") or str(
+            getattr(config, "model_type", type(model).__name__)
+        )
+        self._meta = TraceMeta(
+            len(self.layers), self.top_k, self.num_experts, tuple(self.layer_ids), self.model_id
+        )
+        self._capacity = (max_batch_size, max_positions)
+        self._step: Optional[_Step] = None
+        self._capture: Optional[CaptureBuffer] = None  # allocated by set_capture(True)
+        self._capturing = False
+        self._begin_pending = False  # generate() was called: its first forward starts a batch
+        self._finished: list = []  # RoutingTrace, harvested but not yet returned by traces()
+        self._replay: Optional[ReplayTable] = None  # the active table
+        self._tables: list[ReplayTable] = []  # pool (see _spare_table)
+        self._last_forced: Optional[torch.Tensor] = None  # for gradient-checkpointing recomputes
+        self._prev_impl: Optional[str] = None
+        self._hooks: list[Any] = []
+        self._patch(experts)
+        model._replaymoe = self
+
+    # ---------------------------------------------------------------- patching
+    def _device(self) -> torch.device:
+        try:
+            return next(self.model.parameters()).device
+        except StopIteration:  # pragma: no cover - a model without parameters has no MoE layers
+            return torch.device("cpu")
+
+    def _patch(self, experts: bool) -> None:
+        config = getattr(self.model, "config", None)
+        switch = (
+            experts
+            and config is not None
+            and hasattr(self.model, "set_experts_implementation")
+            and any(fused_compatible(info.experts) for info in self.layers)
+        )
+        for info in self.layers:
+            fused = switch and fused_compatible(info.experts)
+            info.router.forward = types.MethodType(_make_router_forward(self, info, fused), info.router)
+            info.experts._replaymoe_backend = self.backend
+        if switch:
+            self._prev_impl = config._experts_implementation
+            self.model.set_experts_implementation(IMPLEMENTATION_NAME)
+        stack = getattr(self.model, "base_model", self.model)
+        self._hooks.append(stack.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self._hooks.append(
+            stack.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+        )
+        if hasattr(self.model, "generate"):
+            self.model.generate = _mark_batch_start(self, self.model.generate)
+
+    def disable(self) -> None:
+        """Undo :func:`enable`: original routers and experts implementation, hooks removed."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for info in self.layers:
+            info.router.__dict__.pop("forward", None)
+            info.experts.__dict__.pop("_replaymoe_backend", None)
+        self.model.__dict__.pop("generate", None)
+        if self._prev_impl is not None:
+            self.model.set_experts_implementation(self._prev_impl)
+        self.model._replaymoe = None
+        self._step = None
+
+    # ---------------------------------------------------------------- forward context
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if ref is None or ref.dim() < 2:
+            self._step = None
+            return
+        B, S = ref.shape[0], ref.shape[1]
+        if self._replay is None and not self._capturing:
+            self._step = _Step(B * S, None, None, None)
+            return
+        past = cache_length(kwargs.get("past_key_values"))
+        positions = token_positions(
+            B,
+            S,
+            attention_mask=kwargs.get("attention_mask"),
+            past_length=past,
+            device=ref.device,
+            position_ids=kwargs.get("position_ids"),
+        )
+        forced = None
+        if self._replay is not None:
+            if self._replay.batch_size != B:
+                fail(
+                    "replay",
+                    f"one trace per batch row ({B} rows in this forward)",
+                    f"{self._replay.batch_size} trace(s)",
+                )
+            forced = self._replay.gather(positions)
+            self._last_forced = forced
+        staged = slot = None
+        if self._capturing:
+            cap = self._capture
+            eager = not torch.compiler.is_compiling()
+            needed = _positions_bound(kwargs.get("past_key_values"), past, S)
+            if self._begin_pending or (isinstance(past, int) and past == 0) or cap.rows == 0:
+                self._begin_pending = False
+                cap.begin_batch(B, needed, eager=eager)
+            else:
+                if eager and needed is not None:
+                    cap.ensure(B, needed)
+                if isinstance(past, torch.Tensor):
+                    cap.restart_rows_if(past == 0)
+            cap.dirty = True
+            slot = cap.slots(positions)
+            staged = torch.empty((len(self.layers), B * S, self.top_k), dtype=torch.int16, device=ref.device)
+        self._step = _Step(B * S, forced, staged, slot)
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        step, self._step = self._step, None
+        if step is not None and step.staged is not None and output is not None:
+            self._capture.commit(step.staged, step.slot)
+
+    # ---------------------------------------------------------------- capture
+    def set_capture(self, enabled: bool) -> None:
+        """Turn capture on or off (traces captured so far stay available).
+
+        Turning it on allocates the device buffer (``enable``'s ``max_batch_size`` x
+        ``max_positions``; it grows at eager forwards as needed).
+        """
+        if not isinstance(enabled, bool):
+            fail("enabled", "a bool", type(enabled).__name__, what="type")
+        if enabled and self._capture is None:
+            self._capture = CaptureBuffer(self._meta, self._device(), *self._capacity)
+        if not enabled and self._capture is not None:
+            self._harvest()
+        self._capturing = enabled
+
+    def _harvest(self) -> None:
+        traces, lost = self._capture.harvest()
+        self._finished.extend(traces)
+        if lost:
+            warnings.warn(
+                f"replaymoe: {lost} captured batch(es) were overwritten before traces() was called "
+                "(batches begun inside a compiled forward cannot be kept on the host side); call "
+                "traces() after each compiled forward or generate",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def traces(self, num_positions: Sequence[int] | None = None) -> list:
+        """All sequences captured since the last call, one ``RoutingTrace`` each, in (batch, row) order.
+
+        A forward with an empty cache (``generate``'s prefill, a training forward) or a call of
+        ``generate`` starts a new batch; its row ``b`` is one sequence (a row that was all padding
+        gives an empty trace). Positions are unpadded; the trace covers every position that went
+        through the model. This is the one host synchronisation of capture.
+
+        Parameters
+        ----------
+        num_positions : sequence of int, optional
+            One length per returned trace: each trace is cut to (or padded with -1 to) that many
+            positions. ``generate`` keeps feeding pad tokens, with attention mask 1, to rows that
+            already reached EOS, and those positions are captured too; pass
+            ``len(prompt) + len(completion up to and including EOS) - 1`` per row to drop them.
+        """
+        if self._capture is not None:
+            self._harvest()
+        out, self._finished = self._finished, []
+        if num_positions is None:
+            return out
+        if len(num_positions) != len(out):
+            self._finished = out  # nothing is lost on a bad call
+            fail("num_positions", f"{len(out)} lengths (one per trace)", len(num_positions))
+        cut = []
+        for trace, n in zip(out, num_positions):
+            check_int("num_positions", n, low=0)
+            ids = trace.ids[:n]
+            if ids.shape[0] < n:
+                pad = np.full((n - ids.shape[0], *ids.shape[1:]), -1, dtype=ids.dtype)
+                ids = np.concatenate([ids, pad])
+            cut.append(trace.replace(ids=ids))
+        return cut
+
+    # ---------------------------------------------------------------- replay
+    def set_replay(self, replay: Any) -> None:
+        """Replay ``replay`` (``RoutingTrace``, list of them — one per batch row — or ``ReplaySource``;
+        None stops replaying) in the following forwards.
+
+        The traces are checked and copied to the device once, here; forwards then only gather.
+
+        Raises
+        ------
+        ValueError
+            When the trace's top_k or num_experts differs from the model's, its layers do not
+            match the model's MoE layers (by ``layer_ids`` when the trace has them, else by count),
+            or a recorded row is not K distinct ids in ``[0, E)``.
+        """
+        self._last_forced = None
+        if replay is None:
+            self._replay = None
+            return
+        from replaymoe.replay import ReplaySource
+
+        src = replay if isinstance(replay, ReplaySource) else ReplaySource(replay)
+        src.check_model(len(self.layers), self.top_k, self.num_experts)
+        if src.traces[0].layer_ids is None:
+            mapping = [info.index for info in self.layers]  # MoE order
+        else:
+            try:
+                mapping = [src.layer_for_model_layer(info.layer_number) for info in self.layers]
+            except ValueError as exc:
+                fail(
+                    "replay",
+                    f"traces whose layer_ids are the model's MoE layers {self.layer_ids}",
+                    f"layer_ids {list(src.traces[0].layer_ids)} ({exc})",
+                    what="layers",
+                )
+        table = self._replay if self._replay is not None else self._spare_table(exclude=None)
+        table.load(src.traces, mapping, self.num_experts, self._device())
+        self._replay = table
+
+    def _spare_table(self, exclude: Optional[ReplayTable]) -> ReplayTable:
+        """A pooled table other than ``exclude``: tables are reused, so that their buffers keep
+        their shapes and addresses across batches (no recompile, no CUDA-graph re-record)."""
+        for table in self._tables:
+            if table is not exclude:
+                return table
+        table = ReplayTable()
+        self._tables.append(table)
+        return table
+
+    @contextlib.contextmanager
+    def replaying(self, replay: Any) -> Iterator[ReplayMoE]:
+        """Context manager: :meth:`set_replay` inside, the previous replay restored after."""
+        prev = self._replay
+        self._replay = self._spare_table(exclude=prev)
+        try:
+            self.set_replay(replay)
+            yield self
+        finally:
+            self._replay = prev
+            self._last_forced = None
+
+    def report(self) -> Any:
+        """Tokens replayed vs fallen back to native routing, per layer (``ReplayReport``), or None."""
+        return None if self._replay is None else self._replay.report()
+
+    # ---------------------------------------------------------------- per layer
+    def _layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any]:
+        """(replay ids int32 [T, K] or None, capture slab int16 [T, K] or None) for one router call."""
+        step = self._step
+        if step is None:
+            # outside the model's forward: a gradient-checkpointing recompute; reuse the last ids
+            last = self._last_forced
+            if last is not None and last.shape[1] == num_tokens:
+                return last[info.index], None
+            if self._replay is not None:
+                fail(
+                    "replay",
+                    "MoE layers called inside the model's forward (positions unknown otherwise)",
+                    f"a direct call of {info.name}",
+                    what="context",
+                )
+            return None, None
+        if step.num_tokens != num_tokens:
+            fail(
+                "hidden_states",
+                f"{step.num_tokens} tokens (batch x sequence of the model's forward)",
+                f"{num_tokens} tokens at {info.name}",
+                what="shape",
+            )
+        forced = None if step.forced is None else step.forced[info.index]
+        staged = None if step.staged is None else step.staged[info.index]
+        return forced, staged
+
+
+def _positions_bound(cache: Any, past: Any, seq_len: int) -> Optional[int]:
+    """An upper bound of 1 + any position of this forward known on the host, or None."""
+    max_len = getattr(cache, "max_cache_len", None)
+    if isinstance(max_len, int) and max_len > 0:
+        return max_len
+    if isinstance(past, int):
+        return past + seq_len
+    return None
+
+
+def _mark_batch_start(state: ReplayMoE, generate: Callable) -> Callable:
+    """``model.generate`` that starts a new capture batch (so batches are kept apart on the host
+    even when the cache's length lives on the device)."""
+
+    @functools.wraps(generate)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state._begin_pending = True
+        return generate(*args, **kwargs)
+
+    return wrapped
+
+
+def _make_router_forward(state: ReplayMoE, info: MoELayerInfo, fused: bool) -> Callable:
+    plan = info.plan
+
+    def forward(router: nn.Module, hidden_states: torch.Tensor):
+        logits = plan.logits(router, hidden_states)
+        replay_ids, staged = state._layer_io(info, logits.shape[0])
+        dev = logits.device
+        out_buf = staged
+        if staged is not None and staged.device != dev:  # device_map: capture here, copy over
+            out_buf = torch.empty(staged.shape, dtype=staged.dtype, device=dev)
+        if replay_ids is not None and replay_ids.device != dev:
+            replay_ids = replay_ids.to(dev)
+        out = route(
+            logits,
+            plan.top_k,
+            plan.method,
+            routing_replay_out=out_buf,
+            replay_ids=replay_ids,
+            backend=state.backend,
+            check_replay=False,  # the table was checked once, in set_replay
+            **plan.route_kwargs,
+        )
+        if out_buf is not staged:
+            staged.copy_(out_buf)
+        weights = plan.weights(logits, out.topk_ids, out.topk_weights)
+        # the fused experts take int32 ids as they are; transformers' own experts index with int64
+        return logits, weights, out.topk_ids if fused else out.topk_ids.long()
+
+    return forward
+
+
+def enable(
+    model: nn.Module,
+    *,
+    capture: bool = False,
+    replay: Any = None,
+    backend: str = "auto",
+    experts: bool = True,
+    max_batch_size: int = 1,
+    max_positions: int = 256,
+) -> ReplayMoE:
+    """Route a transformers MoE model through replaymoe, with optional capture and replay.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A transformers model of a supported architecture (package docstring), patched in place.
+    capture : bool
+        Record every MoE layer's ids in every forward (``generate`` included); read them with
+        :meth:`ReplayMoE.traces`.
+    replay : RoutingTrace | list[RoutingTrace] | ReplaySource, optional
+        Force these ids (batch row ``b`` = trace ``b``); -1 rows route natively. Change later with
+        :meth:`ReplayMoE.set_replay` or :meth:`ReplayMoE.replaying`.
+    backend : {"auto", "triton", "torch"}
+        Routing and fused-experts backend: ``auto`` = Triton kernels on CUDA, torch references
+        elsewhere.
+    experts : bool
+        Also switch the experts to ``experts_implementation="replaymoe"`` (when their layout fits).
+    max_batch_size, max_positions : int
+        Initial capacity of the capture buffer (batch rows x positions per sequence). It grows at
+        eager forwards (a static cache's ``max_cache_len`` at its prefill); a forward traced by
+        ``torch.compile`` cannot grow it, so give the capacity of compiled forwards here.
+
+    Returns
+    -------
+    ReplayMoE
+        The handle (also at ``model._replaymoe``); ``.disable()`` undoes the patch.
+
+    Raises
+    ------
+    ValueError
+        Unsupported architecture, bad backend, replay trace not matching the model (layers, top_k,
+        num_experts).
+    """
+    if not isinstance(capture, bool):
+        fail("capture", "a bool", type(capture).__name__, what="type")
+    state = ReplayMoE(
+        model, backend=backend, experts=experts, max_batch_size=max_batch_size, max_positions=max_positions
+    )
+    try:
+        state.set_capture(capture)
+        if replay is not None:
+            state.set_replay(replay)
+    except Exception:
+        state.disable()
+        raise
+    return state

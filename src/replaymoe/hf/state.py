@@ -1,0 +1,289 @@
+"""Device-side capture buffers and replay tables of a patched transformers model.
+
+Both are indexed by what a forward already holds on the device: the batch row and the token's
+position in its sequence (:func:`replaymoe.hf.positions.token_positions`). A forward only runs
+device indexing ops on them (no host sync, fixed shapes), so the same code runs eagerly, under
+``torch.compile(fullgraph=True)`` and inside CUDA graphs. Host work (one
+:class:`~replaymoe.trace.RoutingTrace` per sequence) happens once, in :meth:`CaptureBuffer.harvest`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from replaymoe.replay import ReplayReport
+from replaymoe.routing import check_replay_ids
+from replaymoe.trace import RoutingTrace
+
+__all__ = ["CaptureBuffer", "ReplayTable", "TraceMeta"]
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Mark a long-lived buffer as a static input of compiled graphs (no copy into CUDA graphs)."""
+    torch._dynamo.mark_static_address(t)
+    return t
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """What every trace of one model shares: ``L`` MoE layers of top-``K`` over ``E`` experts."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+    layer_ids: tuple[int, ...]
+    model_id: str
+
+
+@dataclass
+class _Snapshot:
+    """One finished batch, still on the device: ``ids [L, rows*S, K]`` and ``row_len [rows]``."""
+
+    ids: torch.Tensor
+    row_len: torch.Tensor
+    rows: int
+    seq_cap: int
+
+
+class CaptureBuffer:
+    """Routing capture for one batch of sequences at a time, on the device.
+
+    Attributes
+    ----------
+    ids : torch.Tensor int16 [L, B_cap * S_cap + 1, K]
+        Row ``b * S_cap + p`` holds position ``p`` of batch row ``b`` (-1 = not recorded). The
+        last row is a dump that padding tokens and tokens outside the capacity write to.
+    row_len : torch.Tensor int32 [B_cap]
+        Per batch row, 1 + the largest position recorded in the current batch.
+    overflow : torch.Tensor bool [1]
+        Set when a token fell outside ``(B_cap, S_cap)`` (only possible where the buffer could
+        not grow first: inside a compiled forward); :meth:`harvest` raises then.
+    started : torch.Tensor int64 [1]
+        Batches started since the last harvest (counted on the device, so that batches begun
+        inside compiled forwards are counted too).
+    batch_cap, seq_cap : int
+        ``B_cap`` and ``S_cap``.
+    """
+
+    def __init__(self, meta: TraceMeta, device: torch.device, batch_cap: int, seq_cap: int) -> None:
+        self.meta = meta
+        self.device = device
+        self.batch_cap, self.seq_cap = 0, 0
+        self.ids = torch.empty(0)
+        self.row_len = _static(torch.zeros(0, dtype=torch.int32, device=device))
+        self.overflow = _static(torch.zeros(1, dtype=torch.bool, device=device))
+        self.started = _static(torch.zeros(1, dtype=torch.int64, device=device))
+        self.rows = 0  # batch rows of the current batch
+        self.dirty = False  # the current batch recorded something (host flag, eager only)
+        self._history: list[_Snapshot] = []
+        self._grow(batch_cap, seq_cap, keep=False)
+
+    # ------------------------------------------------------------------ capacity
+    def _grow(self, batch_cap: int, seq_cap: int, *, keep: bool) -> None:
+        L, K = self.meta.num_layers, self.meta.top_k
+        ids = torch.full((L, batch_cap * seq_cap + 1, K), -1, dtype=torch.int16, device=self.device)
+        row_len = torch.zeros(batch_cap, dtype=torch.int32, device=self.device)
+        if keep and self.batch_cap and self.seq_cap:
+            old = self.ids[:, :-1].view(L, self.batch_cap, self.seq_cap, K)
+            ids[:, :-1].view(L, batch_cap, seq_cap, K)[:, : self.batch_cap, : self.seq_cap] = old
+            row_len[: self.batch_cap] = self.row_len
+        self.ids, self.row_len = _static(ids), _static(row_len)
+        self.batch_cap, self.seq_cap = batch_cap, seq_cap
+
+    def ensure(self, rows: int, positions: int) -> None:
+        """Grow (eagerly, keeping the contents) to hold ``rows`` x ``positions``; powers of two."""
+        if rows > self.batch_cap or positions > self.seq_cap:
+            self._grow(
+                max(self.batch_cap, rows),
+                max(self.seq_cap, triton.next_power_of_2(max(positions, 1))),
+                keep=True,
+            )
+
+    # ------------------------------------------------------------------ per forward
+    def begin_batch(self, rows: int, positions: int, *, eager: bool) -> None:
+        """A new batch of ``rows`` sequences starts (the host knows it: empty cache or ``generate``).
+
+        Eagerly, the previous batch is kept on the device for :meth:`harvest` and the buffer grows
+        to ``positions``; inside a compiled forward it is overwritten (:meth:`harvest` warns).
+        """
+        if eager:
+            if self.dirty:
+                self._history.append(
+                    _Snapshot(self.ids.clone(), self.row_len.clone(), self.rows, self.seq_cap)
+                )
+            self.ensure(rows, positions)
+            self.dirty = False
+        self.ids.fill_(-1)
+        self.row_len.zero_()
+        self.started.add_(1)
+        self.rows = rows
+
+    def restart_rows_if(self, is_new: torch.Tensor) -> None:
+        """Device-side batch start (``is_new``: a 0-dim bool tensor, e.g. a static cache's length
+        is 0): lengths restart; older positions beyond the new lengths are ignored by harvest."""
+        self.row_len.mul_((~is_new).to(torch.int32))
+        self.started.add_(is_new.to(torch.int64))
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Row of ``ids`` for every token, ``int64 [B*S]``, updating ``row_len`` (and ``overflow``).
+
+        ``positions`` is ``int64 [B, S]`` with -1 for padding.
+        """
+        B, S = positions.shape
+        b = torch.arange(B, device=positions.device).unsqueeze(1)
+        inside = (positions >= 0) & (positions < self.seq_cap) & (b < self.batch_cap)
+        dump = self.batch_cap * self.seq_cap
+        slot = torch.where(inside, b * self.seq_cap + positions, dump).reshape(-1)
+        self.overflow.logical_or_(((positions >= 0) & ~inside).any().reshape(1))
+        n = min(B, self.batch_cap)
+        seen = torch.where(inside, positions + 1, 0).amax(dim=1).to(torch.int32)[:n]
+        self.row_len[:n] = torch.maximum(self.row_len[:n], seen)
+        return slot
+
+    def commit(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
+        """Write one forward's ids (``int16 [L, T, K]``) to their slots (``int64 [T]``)."""
+        self.ids.index_copy_(1, slot, staged)
+
+    # ------------------------------------------------------------------ host side
+    def harvest(self) -> tuple[list[RoutingTrace], int]:
+        """Traces of every batch since the last harvest, in (batch, row) order, and the number of
+        batches that were overwritten before they could be kept (begun inside compiled forwards).
+
+        Raises
+        ------
+        ValueError
+            When a token fell outside the buffer's capacity (see :func:`replaymoe.hf.enable`'s
+            ``max_batch_size`` / ``max_positions``).
+        """
+        started = int(self.started.item())
+        if bool(self.overflow.item()):
+            self.overflow.zero_()
+            from replaymoe._validation import fail
+
+            fail(
+                "max_positions",
+                f"a capture capacity of at least the batch and length of every compiled forward "
+                f"(enable(..., max_batch_size=, max_positions=); now {self.batch_cap} x {self.seq_cap})",
+                "a token outside it, recorded as missing",
+                what="capacity",
+            )
+        batches = list(self._history)
+        if started > len(batches):
+            batches.append(_Snapshot(self.ids, self.row_len, self.rows, self.seq_cap))
+        lost = max(0, started - len(batches))
+        out = [t for snap in batches for t in self._traces(snap)]
+        self._history.clear()
+        self.started.zero_()
+        self.dirty = False
+        return out, lost
+
+    def _traces(self, snap: _Snapshot) -> list[RoutingTrace]:
+        L, K, S = self.meta.num_layers, self.meta.top_k, snap.seq_cap
+        lengths = snap.row_len[: snap.rows].cpu().numpy()
+        n = int(lengths.max()) if lengths.size else 0
+        ids = snap.ids[:, : snap.rows * S].view(L, snap.rows, S, K)[:, :, :n]
+        host = ids.permute(1, 2, 0, 3).cpu().numpy()  # [rows, n, L, K]
+        return [
+            RoutingTrace(
+                np.ascontiguousarray(host[b, : lengths[b]]),
+                num_experts=self.meta.num_experts,
+                top_k=K,
+                layer_ids=list(self.meta.layer_ids),
+                model_id=self.meta.model_id,
+            )
+            for b in range(snap.rows)
+        ]
+
+
+class ReplayTable:
+    """Recorded ids of a batch of sequences as one device table, gathered once per forward.
+
+    Attributes
+    ----------
+    table : torch.Tensor int32 [L, R_cap, K]
+        Model MoE layer ``l``'s ids: the traces' positions back to back (sequence ``b``'s
+        position ``p`` at row ``bases[b] + p - offsets[b]``), then all -1 rows; ``R_cap`` is a
+        power of two, so that new traces of a similar size reuse the buffer (same shapes, same
+        address: no recompile, no CUDA-graph re-record).
+    offsets, lengths, bases : torch.Tensor int64 [B]
+        Per trace: ``token_offset``, number of positions and first table row.
+    seen, fallback : torch.Tensor int64 [L]
+        Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
+    """
+
+    def __init__(self) -> None:
+        self.table = torch.empty(0)
+        self.offsets = self.lengths = self.bases = torch.empty(0)
+        self.seen = self.fallback = torch.empty(0)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.offsets.shape[0])
+
+    def load(
+        self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], num_experts: int, device: torch.device
+    ) -> None:
+        """Fill the table from ``traces`` (one per batch row); ``layer_of[l]`` is the trace layer
+        that model MoE layer ``l`` replays. Checks every recorded row once (one host pass)."""
+        L, K = len(layer_of), traces[0].top_k
+        lengths = [t.num_tokens for t in traces]
+        total = sum(lengths)
+        host = np.full((L, total, K), -1, dtype=np.int32)
+        base = 0
+        for t in traces:
+            host[:, base : base + t.num_tokens] = t.ids[:, list(layer_of)].transpose(1, 0, 2)
+            base += t.num_tokens
+        host_t = torch.from_numpy(host)
+        check_replay_ids(host_t.reshape(-1, K), num_experts)
+        rows = triton.next_power_of_2(total + 1)
+        shape = (L, max(rows, 64), K)
+        if tuple(self.table.shape) != shape or self.table.device != device:
+            self.table = _static(torch.empty(shape, dtype=torch.int32, device=device))
+        self.table.fill_(-1)
+        self.table[:, :total].copy_(host_t, non_blocking=False)
+        bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        meta = torch.tensor(np.stack([[t.token_offset for t in traces], lengths, bases]), dtype=torch.int64)
+        if tuple(self.offsets.shape) != (len(traces),) or self.offsets.device != device:
+            self.offsets, self.lengths, self.bases = (
+                _static(torch.empty(len(traces), dtype=torch.int64, device=device)) for _ in range(3)
+            )
+        self.offsets.copy_(meta[0])
+        self.lengths.copy_(meta[1])
+        self.bases.copy_(meta[2])
+        if tuple(self.seen.shape) != (L,) or self.seen.device != device:
+            self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
+            self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
+        self.reset_report()
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+        """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a
+        token with no recorded row gets a row of -1 (routed natively). Counts both per layer."""
+        real = positions >= 0
+        rel = positions - self.offsets[:, None]
+        inside = real & (rel >= 0) & (rel < self.lengths[:, None])
+        row = torch.where(inside, rel + self.bases[:, None], self.table.shape[1] - 1).reshape(-1)
+        forced = self.table.index_select(1, row)
+        real = real.reshape(-1)
+        self.seen.add_(real.sum())
+        self.fallback.add_((real & (forced[:, :, 0] < 0)).sum(dim=1))
+        return forced
+
+    def report(self) -> ReplayReport:
+        """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""
+        seen = self.seen.cpu().numpy()
+        fb = self.fallback.cpu().numpy()
+        return ReplayReport(
+            tokens_seen=int(seen.max()) if seen.size else 0,
+            fallback_tokens_per_layer=fb,
+            layers_with_fallback=int((fb > 0).sum()),
+            tokens_seen_per_layer=seen,
+        )
+
+    def reset_report(self) -> None:
+        self.seen.zero_()
+        self.fallback.zero_()
