@@ -218,6 +218,8 @@ def _experts_torch(
     xf = x.to(acc_dt)
     ids = topk_ids.long() - local_expert_offset
     wts = topk_weights.to(acc_dt)
+    if torch.compiler.is_compiling():
+        return _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype)
     for e in range(E_local):
         tok, kk = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
@@ -234,6 +236,28 @@ def _experts_torch(
             act = fake_quant_fp8_per_token_group(act.to(torch.bfloat16))
         y = act @ g2.T
         acc.index_add_(0, tok, y * wts[tok, kk].unsqueeze(1))
+    return acc.to(out_dtype)
+
+
+def _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype):
+    """:func:`_experts_torch` with fixed shapes, for ``torch.compile(fullgraph=True)``: every local
+    expert runs over every token and its output is weighted by the token's gate for it (0 when not
+    selected), accumulated in the same expert order. E_local times the compute of the sparse loop."""
+    I = w13.shape[1] // 2  # noqa: E741
+    acc_dt = acc.dtype
+    for e in range(w13.shape[0]):
+        gate = (wts * (ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
+        if w13_scale is not None:
+            a = fake_quant_fp8_per_token_group(xf)
+            g13 = dequantize_fp8_block(w13[e], w13_scale[e])
+            g2 = dequantize_fp8_block(w2[e], w2_scale[e])
+        else:
+            a, g13, g2 = xf, w13[e].to(acc_dt), w2[e].to(acc_dt)
+        h = a @ g13.T
+        act = F.silu(h[:, :I]) * h[:, I:]
+        if w13_scale is not None:
+            act = fake_quant_fp8_per_token_group(act.to(torch.bfloat16))
+        acc = acc + (act @ g2.T) * gate
     return acc.to(out_dtype)
 
 
@@ -655,7 +679,12 @@ def _moe_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``moe_experts_train``: ``(dx, dw13, dw2, dtopk_weights)``; a gradient not in
     ``need`` (x, w13, w2, topk_weights) comes back empty."""
-    return _experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, local_expert_offset, need)
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    c = moe_bwd_config(T, K, H, two_i // 2, E_local)
+    return _launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute,
+                       need, c)  # fmt: skip
 
 
 @_moe_bwd_op.register_fake
@@ -699,6 +728,123 @@ def _experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset
     res = (dx, dw13, dw2, dwts)
     src = (x, w13, w2, topk_weights)
     return tuple(r.to(t.dtype) if n else t.new_empty((0,)) for r, t, n in zip(res, src, need))
+
+
+@dataclass(frozen=True)
+class MoEBwdConfig:
+    """Kernel configuration of one fused-MoE backward (chosen by :func:`moe_bwd_config`).
+
+    ``block_m``: rows per tile of the backward's layout; ``*_a`` = the dh/aw kernel (N over I, K over
+    H), ``*_x`` = the dX kernel (N over H, K over 2I), ``*_w`` = the weight-gradient kernel (an
+    ``bm_w × bn_w`` block of one expert's dW, K over its rows).
+    """
+
+    block_m: int
+    bn_a: int
+    bk_a: int
+    warps_a: int
+    stages_a: int
+    bn_x: int
+    bk_x: int
+    warps_x: int
+    stages_x: int
+    bm_w: int
+    bn_w: int
+    bk_w: int
+    warps_w: int
+    stages_w: int
+    group_m: int = 8
+
+
+def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig:  # noqa: E741
+    """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I."""
+    slots = max(T * K, 1)
+    m_avg = slots / min(E_local, slots)
+    if m_avg < 12:
+        bm = 16
+    elif m_avg < 40:
+        bm = 32
+    elif m_avg < 96:
+        bm = 64
+    else:
+        bm = 128
+    w = 8 if bm >= 128 else 4
+    return MoEBwdConfig(bm, 64, 64, w, 3, 128, 64, w, 3, 128, 128, 64, 8, 3)
+
+
+def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig):
+    """Triton backward: ``(dx, dw13, dw2, dtopk_weights)`` (empty where ``need`` is False)."""
+    from ._kernels.moe import _moe_reduce_kernel
+    from ._kernels.moe_bwd import _moe_bwd_act_kernel, _moe_bwd_dw_kernel, _moe_bwd_dx_kernel
+    from .layout import expert_layout
+
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    dev = x.device
+    slots = T * K
+    empty = [t.new_empty((0,)) for t in (x, w13, w2, topk_weights)]
+    if T == 0:
+        return tuple(
+            torch.zeros_like(t) if n else z for t, n, z in zip((x, w13, w2, topk_weights), need, empty)
+        )
+    x = x.contiguous()
+    dout = dout.contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+    num_pid_m = lay.max_tiles
+    rows = max(lay.sorted_slots.shape[0], 1)
+    dh = torch.empty(rows, two_i, dtype=x.dtype, device=dev)
+    aw = torch.empty(rows, I, dtype=x.dtype, device=dev)
+    nb = triton_cdiv(I, c.bn_a)
+    dwp = torch.zeros(slots, nb, dtype=torch.float32, device=dev)
+    h = saved if not recompute else dh
+    if num_pid_m:
+        _moe_bwd_act_kernel[(num_pid_m * nb,)](
+            dout, x, w13, w2, h, wts, dh, aw, dwp, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m,
+            H, I, K, slots, dout.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0),
+            w2.stride(1), h.stride(0), dh.stride(0), aw.stride(0), RECOMPUTE=recompute,
+            EVEN_K=H % c.bk_a == 0, BLOCK_M=c.block_m, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m,
+            DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
+        )  # fmt: skip
+    res = list(empty)
+    if need[0]:
+        dx = torch.zeros(T, H, dtype=x.dtype, device=dev)
+        if num_pid_m:
+            dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
+            _moe_bwd_dx_kernel[(num_pid_m * triton_cdiv(H, c.bn_x),)](
+                dh, w13, dxs, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, two_i, slots,
+                dh.stride(0), w13.stride(0), w13.stride(1), dxs.stride(0), EVEN_K=two_i % c.bk_x == 0,
+                BLOCK_M=c.block_m, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m, DOT_PREC=prec,
+                num_warps=c.warps_x, num_stages=c.stages_x,
+            )  # fmt: skip
+            bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+            _moe_reduce_kernel[(T, triton_cdiv(H, bh))](
+                dxs, ids, dx, H, K, offset, E_local, dxs.stride(0), dx.stride(0), BLOCK_H=bh, num_warps=4
+            )
+        res[0] = dx
+    for i, (p, q, pg, qg, m, n, like) in enumerate(
+        ((dh, x, False, True, two_i, H, w13), (dout, aw, True, False, H, I, w2)), start=1
+    ):
+        if not need[i]:
+            continue
+        dw = torch.empty_like(like, memory_format=torch.contiguous_format)
+        grid = (E_local * triton_cdiv(m, c.bm_w) * triton_cdiv(n, c.bn_w),)
+        _moe_bwd_dw_kernel[grid](
+            p, q, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K, p.stride(0),
+            q.stride(0), dw.stride(0), dw.stride(1), P_GATHER=pg, Q_GATHER=qg, BLOCK_M=c.bm_w,
+            BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_w,
+            num_stages=c.stages_w,
+        )  # fmt: skip
+        res[i] = dw
+    if need[3]:
+        res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
+    return tuple(res)
 
 
 def _config_tuple(c: MoEConfig) -> list[int]:
