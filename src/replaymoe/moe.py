@@ -806,9 +806,9 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
     h = saved if not recompute else dh
     if num_pid_m:
         _moe_bwd_act_kernel[(num_pid_m * nb,)](
-            dout, x, w13, w2, h, wts, dh, aw, dwp, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m,
-            H, I, K, slots, dout.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0),
-            w2.stride(1), h.stride(0), dh.stride(0), aw.stride(0), RECOMPUTE=recompute,
+            dout, x, w13, w2, h, wts, dh, aw, dwp, lay.sorted_slots, lay.tile_expert, lay.num_tiles,
+            num_pid_m, H, I, K, slots, dout.stride(0), x.stride(0), w13.stride(0), w13.stride(1),
+            w2.stride(0), w2.stride(1), h.stride(0), dh.stride(0), aw.stride(0), RECOMPUTE=recompute,
             EVEN_K=H % c.bk_a == 0, BLOCK_M=c.block_m, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m,
             DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
