@@ -62,14 +62,119 @@ def test_inspect_via_cli_dispatch_and_vllm_json(tmp_path, traces, capsys):
     assert "(inferred)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("content", [b"PK\x03\x04garbage", b"{broken json", b"@@not base64@@"])
-def test_inspect_errors_name_the_file(tmp_path, content, capsys):
+def _b64_npy(arr, allow_pickle=False) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=allow_pickle)
+    return base64.b64encode(buf.getvalue())
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (b"PK\x03\x04garbage", ""),  # a truncated trace file (zip magic, no archive)
+        (b"{broken json", "invalid JSON"),
+        (b"@@not base64@@", "not a routing trace: text starting '@@not base64@@'"),
+        (b"", "empty file"),  # nothing at all
+        (b"  \n", "empty file"),  # only whitespace
+        (b"hello world this is text\n", "text starting 'hello world"),  # valid base64 alphabet, not .npy
+        (base64.b64encode(b"some bytes that are no npy"), "not the base64 of a .npy array"),
+        (_b64_npy(np.array([{"a": 1}], dtype=object), allow_pickle=True), "Python objects"),  # pickled
+        (_b64_npy(np.zeros((2, 3, 4), dtype=np.float32)), "float32 values"),  # not integer ids
+        (_b64_npy(np.zeros((2, 3), dtype=np.int32)), "shape (2, 3)"),  # not (tokens, layers, top_k)
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "binary data"),  # an image passed by mistake
+        (b"[1, 2, 3]", "text starting '[1, 2, 3]'"),  # JSON, but neither a response nor a choice
+    ],
+)
+def test_inspect_errors_name_the_file(tmp_path, content, says, capsys):
     path = tmp_path / "bad.trace"
     path.write_bytes(content)
-    assert main([str(path)]) == 1
-    assert str(path) in capsys.readouterr().err
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"replaymoe inspect: error: {path}") and says in err
+    assert "allow_pickle" not in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_inspect_pickled_payload_inside_a_response(tmp_path, capsys):
+    # the same bad payload inside a vLLM response JSON: numpy's allow_pickle wording is not shown
+    obj = np.array([{"a": 1}], dtype=object)
+    resp = {"choices": [{"routed_experts": _b64_npy(obj, allow_pickle=True).decode()}]}
+    (tmp_path / "r.json").write_text(json.dumps(resp))
+    assert main([str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "Python objects" in err and "allow_pickle" not in err
 
 
 def test_inspect_missing_file(tmp_path, capsys):
-    assert main([str(tmp_path / "absent")]) == 1
+    assert main([str(tmp_path / "absent")]) == 2
     assert "absent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_inspect_heatmap_format_follows_the_suffix(tmp_path, traces, suffix, magic, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    out = tmp_path / f"heat{suffix}"
+    assert main([str(tmp_path / "a.trace"), "--heatmap", str(out)]) == 0
+    assert out.read_bytes()[: len(magic)] == magic
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("heat.txt", "ending in .png"),  # not an image format
+        ("nodir/heat.png", "existing directory"),  # parent missing
+        (".", "directory"),  # a directory, not a file
+    ],
+)
+def test_inspect_heatmap_bad_path_fails_before_any_output(tmp_path, traces, where, says, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    assert main([str(tmp_path / "a.trace"), "--heatmap", str(tmp_path / where)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "--heatmap" in cap.err and says in cap.err
+
+
+@pytest.mark.parametrize("num_experts", [8, 32])  # smaller, larger than the recorded E = 16
+def test_inspect_num_experts_contradicting_the_trace(tmp_path, traces, num_experts, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    assert main([str(tmp_path / "a.trace"), "--num-experts", str(num_experts)]) == 2
+    err = capsys.readouterr().err
+    assert "--num-experts" in err and "the trace's own 16" in err and f"got {num_experts}" in err
+
+
+@pytest.mark.parametrize("argv", [["--num-experts", "0"], ["--choice", "-1"]])  # below the minimum
+def test_inspect_rejects_bad_numbers(tmp_path, traces, argv, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "a.trace"), *argv])
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_inspect_num_experts_below_the_ids_of_a_vllm_payload(tmp_path, traces, capsys):
+    a, _ = traces
+    (tmp_path / "b64.txt").write_text(a.replace(ids=a.ids[2:]).to_vllm())  # vLLM records no E
+    top = int(a.ids.max())
+    assert main([str(tmp_path / "b64.txt"), "--num-experts", str(top)]) == 2
+    assert f"largest expert id {top}" in capsys.readouterr().err
+    assert main([str(tmp_path / "b64.txt"), "--num-experts", str(top + 1)]) == 0
+    assert f"experts: {top + 1}" in capsys.readouterr().out
+
+
+def test_inspect_compare_different_lengths_warns(tmp_path, traces, capsys):
+    a, b = traces
+    a.save(tmp_path / "a.trace")
+    b.replace(ids=b.ids[:7]).save(tmp_path / "b.trace")  # positions 0..6 of 0..11
+    assert main([str(tmp_path / "a.trace"), "--compare", str(tmp_path / "b.trace")]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the traces cover different positions (0..11 vs 0..6)" in out
+    assert "only the 7 positions in both are compared" in out
+
+
+def test_inspect_compare_other_shape_is_an_error(tmp_path, traces, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    RoutingTrace(a.ids[:, :2], num_experts=16, top_k=4).save(tmp_path / "b.trace")  # 2 layers, not 3
+    assert main([str(tmp_path / "a.trace"), "--compare", str(tmp_path / "b.trace")]) == 2
+    assert "2 layers" in capsys.readouterr().err

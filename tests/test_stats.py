@@ -137,3 +137,51 @@ def test_plot_heatmap_without_matplotlib(tmp_path, small, monkeypatch):
     with pytest.raises(ImportError, match=r"replaymoe\[plot\]"):
         plot_heatmap(small, tmp_path / "h.png")
     assert not (tmp_path / "h.png").exists()
+
+
+def test_agreement_token_layer_hand_count():
+    a, b = _pair()
+    # per layer 1/2 of 2 and 3/4 of 4 compared tokens: 1 + 3 equal decisions of 6
+    assert agreement(a, b).token_layer == pytest.approx(4 / 6)
+    assert agreement(a, a).token_layer == 1.0
+    assert math.isnan(agreement(a, b.replace(token_offset=10)).token_layer)  # nothing compared
+
+
+def _png_size(path) -> tuple[int, int]:
+    head = open(path, "rb").read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+@pytest.mark.parametrize(
+    "name, magic",
+    [
+        ("h.svg", b"<?xml"),  # vector: the suffix picks the format, not always PNG
+        ("h.pdf", b"%PDF"),
+        ("h.PNG", b"\x89PNG"),  # suffix case-insensitive
+        ("heatmap", b"\x89PNG"),  # no suffix: PNG
+    ],
+)
+def test_plot_heatmap_format_from_suffix(tmp_path, small, name, magic):
+    path = plot_heatmap(small, tmp_path / name)
+    assert open(path, "rb").read(len(magic)) == magic
+
+
+def test_plot_heatmap_rejects_unknown_suffix(tmp_path, small):
+    with pytest.raises(ValueError, match="suffix of path.*'.*h.txt'"):
+        plot_heatmap(small, tmp_path / "h.txt")
+    assert not (tmp_path / "h.txt").exists()
+
+
+def test_plot_heatmap_agreement_panel(tmp_path, small):
+    plain = plot_heatmap(small, tmp_path / "plain.png")
+    both = plot_heatmap(
+        small,
+        tmp_path / "both.png",
+        agreement={"native routing": [0.5, float("nan")], "with replay": [1.0, 1.0]},  # NaN: no tokens
+        agreement_title="rollout vs trainer",
+    )
+    (w0, _), (w1, _) = _png_size(plain), _png_size(both)
+    assert w1 > w0  # the second panel widens the figure
+    with pytest.raises(ValueError, match="length of agreement\\['x'\\]"):
+        plot_heatmap(small, tmp_path / "bad.png", agreement={"x": [1.0, 1.0, 1.0]})  # 3 values, 2 layers

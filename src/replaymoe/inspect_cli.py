@@ -2,7 +2,7 @@
 
 ::
 
-    replaymoe inspect TRACE_OR_VLLM_JSON [--heatmap out.png] [--compare OTHER] [--num-experts E]
+    replaymoe inspect TRACE_OR_VLLM_JSON [--heatmap out.png|.svg|.pdf] [--compare OTHER] [--num-experts E]
 
 Input files are recognised by content: a replaymoe trace file (``RoutingTrace.save``), a JSON
 vLLM response / choice object (``routed_experts`` / ``prompt_routed_experts``), or a text file
@@ -14,7 +14,12 @@ every-layer agreement with the other trace.
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
+import io
 import json
+import os
+import re
 import sys
 
 import numpy as np
@@ -24,30 +29,127 @@ from .trace import RoutingTrace, TraceFormatError
 
 __all__ = ["main", "load_any"]
 
+EXIT_USAGE = 2  # replaymoe.cli's exit code for bad options and bad input/output files
+
+_ACCEPTED = (
+    "expected a replaymoe trace file (RoutingTrace.save), a vLLM response or choice JSON, "
+    "or a text file holding vLLM's base64 .npy routed_experts"
+)
+_B64_TEXT = re.compile(rb"[A-Za-z0-9+/=\s]+")
+
+
+def _describe(data: bytes) -> str:
+    """A few words on what a file that is not a trace holds (for the error message)."""
+    head = data[:40]
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"binary data starting {bytes(head[:8])!r}"
+    if not text.isprintable() and not text.replace("\n", "").replace("\t", "").isprintable():
+        return f"binary data starting {bytes(head[:8])!r}"
+    text = " ".join(text.split())
+    return f"text starting {text[:30]!r}"
+
+
+def _npy_problem(raw: bytes) -> str | None:
+    """Why decoded base64 is not an integer .npy array of routed experts, or None when it is one."""
+    if not raw.startswith(b"\x93NUMPY"):
+        return "not the base64 of a .npy array"
+    try:
+        f = io.BytesIO(raw)
+        major, _ = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(f)
+    except ValueError as e:
+        return f"a .npy payload with a broken header ({e})"
+    if dtype.hasobject:
+        return "a .npy payload of Python objects, not integer expert ids"
+    if dtype.kind not in "iu":
+        return f"a .npy payload of {dtype} values, not integer expert ids"
+    if len(shape) != 3:
+        return f"a .npy payload of shape {shape}, not (tokens, layers, top_k)"
+    return None
+
 
 def load_any(path: str, *, num_experts: int | None = None, choice: int = 0) -> RoutingTrace:
-    """Read a trace file, a vLLM response/choice JSON file, or a file holding vLLM's base64 string."""
+    """Read a trace file, a vLLM response/choice JSON file, or a file holding vLLM's base64 string.
+
+    Parameters
+    ----------
+    path : str
+        The file; its kind is recognised by content.
+    num_experts : int, optional
+        E for inputs that do not record it (vLLM's); must agree with a trace that records it and
+        exceed every expert id.
+    choice : int
+        Which choice of a vLLM response.
+
+    Raises
+    ------
+    TraceFormatError
+        (a ValueError) naming the file, when it is none of the accepted kinds or its payload is bad.
+    ValueError
+        When ``num_experts`` contradicts the trace.
+    OSError
+        When the file cannot be read.
+    """
     with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04":
-        t = RoutingTrace.load(path)
-        if num_experts is not None and t.num_experts is None:
-            t = t.replace(num_experts=num_experts)
-        return t
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read().strip()
-    try:
-        if text.startswith("{"):
-            obj = json.loads(text)
-        elif text.startswith('"'):
-            obj = json.loads(text)  # a JSON string holding the base64
-        else:
-            obj = text
-        return RoutingTrace.from_vllm(obj, num_experts=num_experts, choice=choice)
-    except json.JSONDecodeError as e:
-        raise TraceFormatError(f"{path}: invalid JSON ({e})", path) from e
-    except TraceFormatError as e:
-        raise TraceFormatError(f"{path}: {e}", path) from e
+        data = f.read()
+    if not data.strip():
+        raise TraceFormatError(f"{path}: empty file; {_ACCEPTED}", path)
+    if data[:4] == b"PK\x03\x04":
+        trace = RoutingTrace.load(path)
+    else:
+        text = data.decode("utf-8", errors="replace").strip()
+        try:
+            if text.startswith(("{", '"')):
+                obj = json.loads(text)  # a response / choice object, or a JSON string of the base64
+            else:
+                obj = text
+            if isinstance(obj, str):
+                stripped = obj.strip().encode("ascii", errors="replace")
+                if not _B64_TEXT.fullmatch(stripped):
+                    what = _describe(data)
+                    raise TraceFormatError(f"{path}: not a routing trace: {what}; {_ACCEPTED}", path)
+                try:
+                    raw = base64.b64decode(b"".join(stripped.split()), validate=True)
+                except (binascii.Error, ValueError):
+                    raise TraceFormatError(
+                        f"{path}: not a routing trace: {_describe(data)} (not base64); {_ACCEPTED}", path
+                    ) from None
+                problem = _npy_problem(raw)
+                if problem:
+                    if raw.startswith(b"\x93NUMPY"):
+                        what = "base64 text of " + problem.removeprefix("a ")
+                    else:
+                        what = f"{_describe(data)} ({problem})"
+                    raise TraceFormatError(f"{path}: not a routing trace: {what}; {_ACCEPTED}", path)
+            elif not isinstance(obj, dict):
+                raise TraceFormatError(
+                    f"{path}: not a routing trace: JSON {type(obj).__name__}; {_ACCEPTED}", path
+                )
+            trace = RoutingTrace.from_vllm(obj, choice=choice)
+        except json.JSONDecodeError as e:
+            raise TraceFormatError(f"{path}: invalid JSON ({e})", path) from e
+        except TraceFormatError as e:
+            msg = str(e)
+            if "pickle" in msg:  # numpy's wording for an object payload inside a JSON response
+                msg = "the routed_experts payload is not an integer .npy array (it holds Python objects)"
+            raise TraceFormatError(msg if msg.startswith(str(path)) else f"{path}: {msg}", path) from e
+    if num_experts is not None:
+        top = int(trace.ids.max()) if trace.ids.size else -1
+        if trace.num_experts is not None and num_experts != trace.num_experts:
+            raise ValueError(
+                f"Invalid value of --num-experts: expected the trace's own {trace.num_experts} "
+                f"(recorded in {path}), got {num_experts}"
+            )
+        if num_experts <= top:
+            raise ValueError(
+                f"Invalid value of --num-experts: expected more than the largest expert id {top} "
+                f"in {path}, got {num_experts}"
+            )
+        trace = trace.replace(num_experts=num_experts)
+    return trace
 
 
 def _fmt(x: float, spec: str = ".3f") -> str:
@@ -67,8 +169,18 @@ def summarize(trace: RoutingTrace, other: RoutingTrace | None = None, *, name: s
         f"missing: {100 * trace.missing_fraction():.2f}%",
     ]
     rep = None
+    warnings = []
     if other is not None:
         rep = agreement(trace, other)
+        if (trace.token_offset, trace.end) != (other.token_offset, other.end):
+            both = max(0, min(trace.end, other.end) - max(trace.token_offset, other.token_offset))
+            warnings.append(
+                f"warning: the traces cover different positions ({trace.token_offset}..{trace.end - 1} "
+                f"vs {other.token_offset}..{other.end - 1}): only the {both} positions in both are "
+                "compared; traces of different sequences do not agree by design"
+            )
+        if trace.model_id and other.model_id and trace.model_id != other.model_id:
+            warnings.append(f"warning: different models ({trace.model_id!r} vs {other.model_id!r})")
     missing = trace.missing_mask()
     header = ["layer", "model_layer", "tokens", "missing%", "max/mean", "cv", "entropy"]
     if rep is not None:
@@ -100,35 +212,86 @@ def summarize(trace: RoutingTrace, other: RoutingTrace | None = None, *, name: s
         )
     if rep is not None:
         lines.append("  " + str(rep))
+        lines += ["  " + w for w in warnings]
     return "\n".join(lines)
 
 
+def _check_output(path: str) -> None:
+    """Raise ValueError naming --heatmap for a suffix that is no image format or a place not writable."""
+    from .stats import heatmap_format
+
+    try:
+        heatmap_format(path)
+    except ValueError:
+        raise ValueError(
+            f"Invalid value of --heatmap: expected a file name ending in .png, .svg, .pdf (or another "
+            f"image format matplotlib writes), got {path!r}"
+        ) from None
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"Invalid value of --heatmap: expected a file name, got the directory {path!r}")
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"Invalid value of --heatmap: expected a file in an existing directory, got {path!r}"
+        )
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(
+            f"Invalid value of --heatmap: expected a writable place, got {path!r} (permission denied)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``replaymoe inspect``; returns 0, or 2 (after one line on stderr) for a bad option or file."""
     parser = argparse.ArgumentParser(
         prog="replaymoe inspect",
         description="Summarise a routing trace or a vLLM response: tokens, layers, missing rows, "
         "per-layer expert balance, and agreement with another trace.",
+        epilog="exit codes: 0 success; 2 a bad option, or an input that cannot be read or is not a "
+        "routing trace, or a heatmap that cannot be written.",
     )
     parser.add_argument("trace", help="replaymoe trace file, vLLM response/choice JSON, or base64 .npy text")
-    parser.add_argument("--heatmap", metavar="PNG", help="write a layer x expert load heatmap here")
+    parser.add_argument(
+        "--heatmap",
+        metavar="PATH",
+        help="write a layer x expert load heatmap here (format from the suffix: .png, .svg, .pdf, ...)",
+    )
     parser.add_argument(
         "--compare", metavar="OTHER", help="a second trace of the same tokens to compare with"
     )
-    parser.add_argument("--num-experts", type=int, default=None, help="E, for inputs that do not record it")
+    parser.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="E, for inputs that do not record it (vLLM's); must match a trace that records it",
+    )
     parser.add_argument("--choice", type=int, default=0, help="which choice of a vLLM response (default 0)")
     args = parser.parse_args(argv)
+    if args.num_experts is not None and args.num_experts < 1:
+        parser.error(f"--num-experts must be >= 1, got {args.num_experts}")
+    if args.choice < 0:
+        parser.error(f"--choice must be >= 0, got {args.choice}")
     try:
+        if args.heatmap:
+            _check_output(args.heatmap)  # before any work
         trace = load_any(args.trace, num_experts=args.num_experts, choice=args.choice)
         other = None
         if args.compare:
             other = load_any(args.compare, num_experts=args.num_experts, choice=args.choice)
+            if (other.num_layers, other.top_k) != (trace.num_layers, trace.top_k):
+                raise ValueError(
+                    f"--compare {args.compare}: {other.num_layers} layers, top_k {other.top_k}; "
+                    f"{args.trace} has {trace.num_layers} layers, top_k {trace.top_k}"
+                )
         print(summarize(trace, other, name=args.trace))
         if args.heatmap:
             plot_heatmap(trace, args.heatmap)
             print(f"  heatmap written to {args.heatmap}")
-    except (OSError, ValueError, ImportError) as e:
+    except OSError as e:  # unreadable input, unwritable heatmap
+        print(f"replaymoe inspect: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, ImportError) as e:
         print(f"replaymoe inspect: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     return 0
 
 

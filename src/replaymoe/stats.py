@@ -7,13 +7,14 @@ All functions take :class:`~replaymoe.trace.RoutingTrace` objects and ignore mis
   and entropy of the load distribution normalised by log E (1.0 = perfectly even).
 * :func:`agreement` -- how often two traces of the same tokens (e.g. rollout vs trainer forward)
   chose the same expert *set*, per layer and in every layer at once.
-* :func:`plot_heatmap` -- a layer x expert load picture (needs matplotlib: the ``plot`` extra).
+* :func:`plot_heatmap` -- a layer x expert load picture, optionally beside per-layer agreement bars
+  (needs matplotlib: the ``plot`` extra); the format follows the file suffix (:func:`heatmap_format`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from ._validation import check_int, fail
 from .trace import RoutingTrace
 
-__all__ = ["expert_load", "balance", "agreement", "AgreementReport", "plot_heatmap"]
+__all__ = ["expert_load", "balance", "agreement", "AgreementReport", "plot_heatmap", "heatmap_format"]
 
 
 def _traces(trace: RoutingTrace | Sequence[RoutingTrace]) -> list[RoutingTrace]:
@@ -141,6 +142,16 @@ class AgreementReport:
     compared_tokens: int
     excluded_tokens: int
 
+    @property
+    def token_layer(self) -> float:
+        """Fraction of the compared (token, layer) router decisions whose expert sets are equal (each
+        layer weighted by its compared tokens); NaN when nothing was compared."""
+        n = int(self.compared_per_layer.sum())
+        if n == 0:
+            return float("nan")
+        same = np.where(self.compared_per_layer > 0, self.per_layer, 0.0) * self.compared_per_layer
+        return float(same.sum() / n)
+
     def __str__(self) -> str:
         pl = self.per_layer
         lo = f"{np.nanmin(pl):.4f}" if np.isfinite(pl).any() else "n/a"
@@ -191,6 +202,26 @@ def agreement(a: RoutingTrace, b: RoutingTrace) -> AgreementReport:
     )
 
 
+# formats matplotlib writes (the jpeg/tiff/webp ones through pillow, which matplotlib needs anyway)
+_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def heatmap_format(path: str | os.PathLike) -> str:
+    """The image format :func:`plot_heatmap` writes to ``path``: its suffix (``png`` when it has none).
+
+    Raises
+    ------
+    ValueError
+        Naming ``path``, for a suffix that is not an image format matplotlib writes.
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    if not suffix:
+        return "png"
+    if suffix not in _FORMATS:
+        fail("path", "a file name ending in ." + ", .".join(_FORMATS), repr(os.fspath(path)), what="suffix")
+    return suffix
+
+
 def plot_heatmap(
     trace: RoutingTrace | Sequence[RoutingTrace],
     path: str | os.PathLike,
@@ -198,15 +229,44 @@ def plot_heatmap(
     num_experts: int | None = None,
     title: str | None = None,
     dpi: int = 120,
+    agreement: Mapping[str, Sequence[float]] | None = None,
+    agreement_title: str | None = None,
 ) -> str:
-    """Write a PNG heatmap of the expert load, MoE layer (rows) x expert (columns).
+    """Write a heatmap of the expert load, MoE layer (rows) x expert (columns).
 
     Each row is shown as the share of its layer's (token, k) slots, so layers compare on one
-    colour scale (1/E = even). Needs matplotlib (``pip install 'replaymoe[plot]'``). Returns the path.
+    colour scale (1/E = even). Needs matplotlib (``pip install 'replaymoe[plot]'``).
+
+    Parameters
+    ----------
+    trace : RoutingTrace or sequence of RoutingTrace
+        The load is summed over the traces (same L).
+    path : str or PathLike
+        Output file; the format follows its suffix (``.png``, ``.svg``, ``.pdf``, ...; PNG when it
+        has none, ValueError for a suffix that is not an image format).
+    num_experts : int, optional
+        E; default as :func:`expert_load`.
+    title : str, optional
+        Title of the heatmap panel (default: model, tokens, top-k).
+    dpi : int
+        Resolution of raster formats.
+    agreement : mapping of str to sequence of float [L], optional
+        Per-layer agreement figures (e.g. ``{"native routing": a, "with replay": b}``, fractions in
+        [0, 1], NaN allowed) drawn as grouped horizontal bars in a second panel whose rows are the
+        heatmap's layers, so that a reader sees at a glance where routing agrees.
+    agreement_title : str, optional
+        Title of that panel.
+
+    Returns
+    -------
+    str
+        ``path``.
     """
+    fmt = heatmap_format(path)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError as e:
         raise ImportError(
             "plot_heatmap needs matplotlib, which is not installed: pip install 'replaymoe[plot]' "
@@ -215,17 +275,27 @@ def plot_heatmap(
     tr = _traces(trace)
     load = expert_load(tr, num_experts=num_experts).astype(np.float64)
     L, E = load.shape
+    bars: dict[str, np.ndarray] = {}
+    for name, values in (agreement or {}).items():
+        arr = np.asarray(values, dtype=np.float64).reshape(-1)
+        if arr.shape != (L,):
+            fail(f"agreement[{name!r}]", f"{L} per-layer values", arr.shape[0], what="length")
+        bars[str(name)] = arr
     with np.errstate(invalid="ignore", divide="ignore"):
         share = load / load.sum(1, keepdims=True)
-    fig = Figure(figsize=(min(4 + E * 0.06, 20), min(2 + L * 0.18, 16)))
+    width = min(4 + E * 0.06, 20) + (3.2 if bars else 0.0)
+    fig = Figure(figsize=(width, min(2.2 + L * (0.3 if bars else 0.18), 16)))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    if bars:
+        grid = fig.add_gridspec(1, 2, width_ratios=[max(3.0, E * 0.06), 2.4])
+        ax = fig.add_subplot(grid[0, 0])
+        bx = fig.add_subplot(grid[0, 1], sharey=ax)
+    else:
+        ax, bx = fig.add_subplot(1, 1, 1), None
     im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis")
     fig.colorbar(im, ax=ax, label="share of the layer's routed slots")
     ax.set_xlabel(f"expert (E = {E}; even share = {1 / E:.3g})")
     ax.set_ylabel("MoE layer")
-    from matplotlib.ticker import MaxNLocator
-
     ax.xaxis.set_major_locator(MaxNLocator(nbins=min(E, 16), integer=True))  # experts are integers
     layer_ids = tr[0].model_layer_ids()
     if L <= 64:
@@ -233,10 +303,28 @@ def plot_heatmap(
         ax.set_yticklabels(
             [f"{i} (L{m})" if tr[0].layer_ids is not None else str(i) for i, m in enumerate(layer_ids)]
         )
-        ax.tick_params(axis="y", labelsize=6)
+        ax.tick_params(axis="y", labelsize=6 if L > 16 else 8)
     tokens = sum(t.num_tokens for t in tr)
     ax.set_title(title or f"{tr[0].model_id or 'routing'}: expert load, {tokens} tokens, top-{tr[0].top_k}")
+    if bx is not None:
+        n = len(bars)
+        h = 0.8 / n
+        colors = ("tab:orange", "tab:green", "tab:blue", "tab:red", "tab:purple")
+        for j, (name, arr) in enumerate(bars.items()):
+            y = np.arange(L) - 0.4 + h * (j + 0.5)
+            bx.barh(y, np.nan_to_num(arr, nan=0.0), height=h * 0.9, color=colors[j % len(colors)], label=name)
+            if L <= 32:
+                for yi, v in zip(y, arr):
+                    label = "n/a" if not np.isfinite(v) else f"{v:.2f}"
+                    bx.text(1.02, yi, label, va="center", fontsize=6 if L > 8 else 7)
+        bx.set_xlim(0, 1.22)
+        bx.set_xticks([0, 0.5, 1.0])
+        bx.axvline(1.0, color="0.5", lw=0.8, ls=":")
+        bx.tick_params(axis="y", labelleft=False)
+        bx.set_xlabel("tokens with the same expert set")
+        bx.set_title(agreement_title or "agreement per layer", fontsize=9)
+        bx.legend(loc="lower left", fontsize=7, framealpha=0.9)
     fig.tight_layout()
     path = os.fspath(path)
-    fig.savefig(path, dpi=dpi, format="png")
+    fig.savefig(path, dpi=dpi, format=fmt)
     return path
