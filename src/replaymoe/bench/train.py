@@ -1,0 +1,242 @@
+"""``replaymoe bench train``: training an MoE layer (forward and forward+backward) on the GPU.
+
+Layer rows (routing given: ids from random logits' top-k, weights a softmax over them, bf16 weights
+and activations, one expert block), per shape and T, each timed as the median of CUDA-event-timed
+eager calls with the L2 flushed (``replaymoe.bench._timing.time_eager``):
+
+* ``grouped_mm``      transformers' ``grouped_mm`` experts function (``transformers.integrations.moe
+  .grouped_mm_experts_forward``) on an experts module holding the same weights, as transformers runs
+  it in training; autograd through ``torch._grouped_mm``;
+* ``rmoe``            :func:`replaymoe.fused_moe` (Triton forward, registered Triton backward);
+* ``rmoe_recompute``  the same with ``recompute=True`` (GEMM1 recomputed in the backward).
+
+``fwd`` is the forward with gradients enabled (what a training step runs), ``fwdbwd`` the forward plus
+``torch.autograd.grad`` of all of x, w13, w2 and topk_weights; TFLOP/s count 6·T·K·H·I for the
+forward and three times that for forward+backward (recomputation not counted); ``peak_gib`` is
+``torch.cuda.max_memory_allocated`` over one forward+backward with the layer's weights, inputs and
+output gradient resident (the allocation peak of the call over what was allocated before it, plus
+those tensors' bytes). ``err_*`` is the relative norm error of each gradient against grouped_mm's.
+
+HF rows: one training step (forward with labels, backward; no optimizer) of
+``replaymoe.hf.models.build_model(arch, "bench")`` in bf16 at ``--batch`` × ``--seq`` tokens, with
+transformers' ``grouped_mm`` experts, with :func:`replaymoe.hf.enable` (``replaymoe``) and with
+``enable(model, replay=traces)`` replaying traces captured in one forward (``replaymoe+replay``).
+
+Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
+[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf]``. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._timing import BF16_FLOPS_PER_S, print_table, time_eager, write_results
+
+# name -> (H, I, E, K)
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "qwen3": (2048, 768, 128, 8),
+    "mixtral": (4096, 14336, 8, 2),
+    "dsv3": (7168, 2048, 64, 8),
+}
+TOKENS = (1024, 4096, 16384)
+GIB = 2**30
+
+
+class _HFExperts(nn.Module):
+    """The attributes transformers' ``grouped_mm_experts_forward`` reads, holding our tensors."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.num_experts = w13.shape[0]
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.gate_up_proj, self.down_proj = w13, w2  # plain tensors (leaves that require grad)
+        self.act_fn = F.silu
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+
+def _grouped_mm_fn():
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    def f(x, w13, w2, ids, wts):
+        return grouped_mm_experts_forward(_HFExperts(w13, w2), x, ids, wts)
+
+    return f
+
+
+def _rmoe_fn(recompute: bool):
+    from ..moe import fused_moe
+
+    def f(x, w13, w2, ids, wts):
+        return fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, recompute=recompute)
+
+    return f
+
+
+def _weights(H, I, E, seed=0):  # noqa: E741
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")
+    for e in range(E):
+        w13[e].normal_(0, H**-0.5, generator=g)
+        w2[e].normal_(0, I**-0.5, generator=g)
+    return w13.requires_grad_(), w2.requires_grad_()
+
+
+def _inputs(T, H, E, K, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed + T)
+    x = torch.randn(T, H, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    vals, ids = torch.randn(T, E, generator=g, device="cuda").topk(K, dim=1)
+    wts = torch.softmax(vals, dim=1).requires_grad_()
+    dout = torch.randn(T, H, generator=g, device="cuda", dtype=torch.bfloat16)
+    return x, ids.to(torch.int32), wts, dout
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _layer_point(name: str, T: int, w13, w2, impls) -> list[dict]:
+    H, I, E, K = SHAPES[name]  # noqa: E741
+    x, ids, wts, dout = _inputs(T, H, E, K)
+    leaves = (x, w13, w2, wts)
+    flops = 6.0 * T * K * H * I
+    resident = sum(t.numel() * t.element_size() for t in (x, w13, w2, ids, wts, dout))
+    rows, ref = [], None
+    for impl in impls:
+        f = _grouped_mm_fn() if impl == "grouped_mm" else _rmoe_fn(impl == "rmoe_recompute")
+
+        def fwd(f=f):
+            return f(x, w13, w2, ids, wts)
+
+        def fwdbwd(f=f):
+            return torch.autograd.grad(f(x, w13, w2, ids, wts), leaves, dout)
+
+        fwdbwd()  # compile / warm up outside the peak measurement
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = fwdbwd()
+        torch.cuda.synchronize()
+        # peak of one forward+backward over what was allocated before it, plus the resident layer
+        peak = (torch.cuda.max_memory_allocated() - before + resident) / GIB
+        iters = 10 if T * K * H * I > 2e11 else 30
+        t_f = time_eager(fwd, iters=iters, warmup=2) / 1e3
+        t_fb = time_eager(fwdbwd, iters=iters, warmup=2) / 1e3
+        same = all(torch.equal(a, b) for a, b in zip(grads, fwdbwd()))
+        row = {"shape": name, "T": T, "impl": impl, "fwd_ms": t_f, "fwdbwd_ms": t_fb,
+               "fwd_tflops": flops / t_f / 1e9, "fwdbwd_tflops": 3 * flops / t_fb / 1e9,
+               "fwdbwd_frac_700": 3 * flops / (t_fb * 1e-3) / BF16_FLOPS_PER_S, "peak_gib": peak,
+               "bitwise_repeatable": same}  # fmt: skip
+        if impl == "grouped_mm":
+            ref = {"fwd": t_f, "fwdbwd": t_fb, "peak": peak, "grads": grads}
+        elif ref is not None:
+            row["fwd_speedup"] = ref["fwd"] / t_f
+            row["fwdbwd_speedup"] = ref["fwdbwd"] / t_fb
+            row["peak_vs_grouped_mm"] = peak / ref["peak"]
+            for n, a, b in zip(("dx", "dw13", "dw2", "dwts"), grads, ref["grads"]):
+                row[f"err_{n}"] = _rel_err(a, b)
+        rows.append(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return rows
+
+
+def _layer_rows(name: str, tokens, impls) -> list[dict]:
+    H, I, E, K = SHAPES[name]  # noqa: E741
+    w13, w2 = _weights(H, I, E)
+    rows = []
+    for T in tokens:
+        rows += _layer_point(name, T, w13, w2, impls)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _hf_rows(arch: str, B: int, S: int) -> list[dict]:
+    import replaymoe.hf as rhf
+    from replaymoe.hf.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(arch, "bench", dtype=torch.bfloat16, device="cuda")
+    model.train()
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (B, S), generator=g).cuda()
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    rows, ref = [], None
+    for impl in ("grouped_mm", "replaymoe", "replaymoe+replay"):
+        moe = None
+        model.set_experts_implementation("grouped_mm")
+        if impl == "replaymoe":
+            moe = rhf.enable(model)
+        elif impl == "replaymoe+replay":
+            cap = rhf.enable(model, capture=True, max_batch_size=B, max_positions=S)
+            with torch.no_grad():
+                model(input_ids=ids)
+            traces = cap.traces()
+            cap.disable()
+            moe = rhf.enable(model, replay=traces, max_batch_size=B, max_positions=S)
+        try:
+            loss = step()
+            t = time_eager(step, iters=10, warmup=3, flush_l2=False) / 1e3
+        finally:
+            if moe is not None:
+                moe.disable()
+        row = {"shape": f"hf:{arch}", "T": B * S, "impl": impl, "fwdbwd_ms": t,
+               "tokens_per_s": B * S / t * 1e3, "loss": float(loss)}  # fmt: skip
+        if ref is None:
+            ref = t
+        else:
+            row["fwdbwd_speedup"] = ref / t
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="replaymoe bench train", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench_results", help="output directory for train.csv / train.json")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
+    p.add_argument("--impls", default="grouped_mm,rmoe,rmoe_recompute", help="comma list of layer impls")
+    p.add_argument("--hf-arch", default="qwen3_moe", help="architecture of the HF training-step rows")
+    p.add_argument("--batch", type=int, default=8, help="HF rows: sequences per step")
+    p.add_argument("--seq", type=int, default=512, help="HF rows: tokens per sequence")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF training-step rows")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("replaymoe bench train needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [s for s in a.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        p.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    tokens = [int(t) for t in a.tokens.split(",") if t]
+    impls = [s for s in a.impls.split(",") if s]
+    rows: list[dict] = []
+    for name in shapes:
+        rows += _layer_rows(name, tokens, impls)
+        write_results(rows, a.out, "train")
+    if not a.no_hf:
+        rows += _hf_rows(a.hf_arch, a.batch, a.seq)
+    write_results(rows, a.out, "train")
+    cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
+            "peak_vs_grouped_mm", "tokens_per_s", "err_dx", "err_dw13", "bitwise_repeatable"]  # fmt: skip
+    print_table(rows, cols)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
