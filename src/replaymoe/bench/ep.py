@@ -82,24 +82,31 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
 
 
-def _time_phases(run_iter, n_phases: int, iters: int, warmup: int) -> list[float]:
-    """``run_iter(events)`` records ``n_phases + 1`` events; returns per phase the median over
-    iterations of the max over ranks, in microseconds."""
+def _time_phases(run_iter, n_phases: int, iters: int, warmup: int):
+    """``run_iter(events)`` records ``n_phases + 1`` events and may return the host seconds of each
+    phase; returns (per phase the median over iterations of the max over ranks of the device time,
+    the same for the host time or None), in microseconds."""
     for _ in range(warmup):
         ev = [_event() for _ in range(n_phases + 1)]
         run_iter(ev)
     _sync()
-    times = torch.zeros(iters, n_phases, dtype=torch.float64, device=_device())
+    times = torch.zeros(iters, 2 * n_phases, dtype=torch.float64, device=_device())
+    host = False
     for i in range(iters):
         ev = [_event() for _ in range(n_phases + 1)]
         _sync()
         dist.barrier()
-        run_iter(ev)
+        h = run_iter(ev)
         ev[-1].synchronize()
         for p in range(n_phases):
             times[i, p] = ev[p].elapsed_time(ev[p + 1]) * 1e3
+        if h is not None:
+            host = True
+            for p in range(n_phases):
+                times[i, n_phases + p] = h[p] * 1e6
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return [statistics.median(times[:, p].tolist()) for p in range(n_phases)]
+    med = [statistics.median(times[:, p].tolist()) for p in range(2 * n_phases)]
+    return med[:n_phases], (med[n_phases:] if host else None)
 
 
 def _graph(fn, pool=None):
@@ -191,8 +198,27 @@ def _remote_pairs(ids: torch.Tensor, ep: int, rank: int) -> int:
     return pairs
 
 
-def run(tokens, *, iters: int, warmup: int, transports, layer: bool, graphs: bool, log, save) -> list[dict]:
-    """All points; ``save(rows)`` is called after each one (so a timeout still leaves results)."""
+def run(
+    tokens,
+    *,
+    iters: int,
+    warmup: int,
+    transports,
+    layer: bool,
+    graphs: bool,
+    log,
+    save,
+    payloads=("bf16", "fp8"),
+    num_sms=(0,),
+    peer: str | None = None,
+    peer_sms: int = 24,
+) -> list[dict]:
+    """All points; ``save(rows)`` is called after each one (so a timeout still leaves results).
+
+    ``num_sms``: values of :attr:`MoeAlltoAll.num_sms` to time ours with (0 = every SM).
+    ``peer="deepep"``: DeepEP's intranode dispatch/combine on the same tokens and routing, with
+    ``peer_sms`` SMs (see :class:`DeepEPPeer`).
+    """
     from ..ep import MoeAlltoAll, expert_partition
     from ..routing import RoutingMethod
 
@@ -211,7 +237,18 @@ def run(tokens, *, iters: int, warmup: int, transports, layer: bool, graphs: boo
             log(f"[rank {rank}] transport {t} unavailable: {_err(e)}")
             rows.append({"impl": t, "error": _err(e)})
     impls = [t for t in transports if t == "naive" or t in a2as]
+    device_sms = torch.cuda.get_device_properties(dev).multi_processor_count if _cuda() else 0
     naive = NaiveEP(ep, rank)
+    deepep = None
+    if peer == "deepep":
+        try:
+            deepep = DeepEPPeer(ep, rank, peer_sms, maxT, log)
+            rows += deepep.tune(_inputs(maxT, rank, dev), iters=max(5, iters // 2), warmup=warmup)
+            save(rows)
+        except Exception as e:  # noqa: BLE001 - report; ours still run
+            log(f"[rank {rank}] DeepEP unavailable: {_err(e)}\n{traceback.format_exc()}")
+            rows.append({"impl": "deepep", "error": _err(e)})
+            deepep = None
     route_kw = {
         "method": RoutingMethod.DEEPSEEK_V3,
         "n_group": 8,
@@ -234,27 +271,39 @@ def run(tokens, *, iters: int, warmup: int, transports, layer: bool, graphs: boo
         }
         comb_buf = torch.randn(ep * (T + 1), H, device=dev, dtype=torch.bfloat16)
         comb = comb_buf.view(ep, T + 1, H)[:, :T]  # the layout ep_moe hands to combine
-        for vname, (pays, bpt) in variants.items():
+        for vname in payloads:
+            pays, bpt = variants[vname]
             d_bytes, c_bytes = pairs * bpt, pairs * 2 * H
+            runs = []  # (impl, num_sms: 0 = every SM)
             for impl in impls:
-                base = {"impl": impl, "payload": vname, "tokens": T}
+                for n_sms in num_sms if impl == "symm" else (0,):
+                    runs.append((impl, n_sms))
+            if deepep is not None and vname == "bf16":
+                runs.append(("deepep", peer_sms))
+            for impl, n_sms in runs:
                 try:
                     if impl == "naive":
                         results = {"eager": _time_naive(naive, ids, pays, iters, warmup)}
+                    elif impl == "deepep":
+                        results = deepep.time(ids, x, wts, T, iters, warmup, graphs)
                     else:
-                        results = _time_ours(a2as[impl], ids, pays, comb, T, iters, warmup, graphs, log)
+                        results = _time_ours(a2as[impl], ids, pays, comb, T, iters, warmup, graphs, log,
+                                             num_sms=n_sms or None)  # fmt: skip
                 except Exception as e:  # noqa: BLE001
                     log(f"[rank {rank}] {impl} {vname} T={T}: {_err(e)}\n{traceback.format_exc()}")
-                    rows.append({**base, "error": _err(e)})
+                    rows.append({"impl": impl, "payload": vname, "tokens": T, "error": _err(e)})
                     continue
-                for mode, (td, tc) in results.items():
-                    for op, us, nbytes in (
-                        ("dispatch", td, d_bytes),
-                        ("combine", tc, c_bytes),
-                        ("dispatch+combine", td + tc, d_bytes + c_bytes),
+                n_sms = n_sms or (device_sms if impl != "naive" else 0)
+                base = {"impl": impl, "payload": vname, "tokens": T, "num_sms": n_sms}
+                for mode, ((td, tc), host) in results.items():
+                    hd, hc = host if host is not None else (None, None)
+                    for op, us, nbytes, h in (
+                        ("dispatch", td, d_bytes, hd),
+                        ("combine", tc, c_bytes, hc),
+                        ("dispatch+combine", td + tc, d_bytes + c_bytes, None if hd is None else hd + hc),
                     ):
-                        rows.append(_row(base, op, mode, us, nbytes))
-                log(f"[rank {rank}] done {impl} {vname} T={T}")
+                        rows.append(_row(base, op, mode, us, nbytes, h))
+                log(f"[rank {rank}] done {impl} {vname} T={T} sms={n_sms}")
                 save(rows)
         del comb_buf
     if not layer:
@@ -313,7 +362,7 @@ def _time_layer(impl, naive, a2a, x, logits, w13, w2, lo, n, T, route_kw, *, ite
         fn()
         ev[1].record()
 
-    res = {"eager": _time_phases(it, 1, iters, warmup)[0]}
+    res = {"eager": _time_phases(it, 1, iters, warmup)[0][0]}
     if graphs and impl != "naive":
         try:
             g, _ = _graph(fn)
@@ -326,17 +375,18 @@ def _time_layer(impl, naive, a2a, x, logits, w13, w2, lo, n, T, route_kw, *, ite
             g.replay()
             ev[1].record()
 
-        res["graph"] = _time_phases(itg, 1, iters, warmup)[0]
+        res["graph"] = _time_phases(itg, 1, iters, warmup)[0][0]
     return res
 
 
-def _row(base, op, mode, us, nbytes) -> dict:
+def _row(base, op, mode, us, nbytes, host_us=None) -> dict:
     floor_us = nbytes / NVLINK_BYTES_PER_S * 1e6
     return {
         **base,
         "op": op,
         "mode": mode,
         "us": round(us, 2),
+        "host_us": None if host_us is None else round(host_us, 1),
         "GBps_per_rank": round(nbytes / (us * 1e-6) / 1e9, 1) if us > 0 else 0.0,
         "MB_per_rank": round(nbytes / 1e6, 3),
         "floor_us": round(floor_us, 2),
@@ -344,7 +394,10 @@ def _row(base, op, mode, us, nbytes) -> dict:
     }
 
 
-def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log):
+def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=None):
+    """{mode: ((dispatch µs, combine µs), (host µs per call) or None)} for eager and graph."""
+    a2a.num_sms = num_sms
+
     def d():
         return a2a.dispatch(ids, pays, T, expert_id_payload_index=len(pays) - 2)
 
@@ -352,26 +405,30 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log):
         return a2a.combine(comb, T)
 
     def it(ev):
+        t0 = time.perf_counter()
         ev[0].record()
         d()
         ev[1].record()
+        t1 = time.perf_counter()
         c()
         ev[2].record()
+        t2 = time.perf_counter()
+        return (t1 - t0, t2 - t1)
 
-    res = {"eager": tuple(_time_phases(it, 2, iters, warmup))}
+    dev, host = _time_phases(it, 2, iters, warmup)
+    res = {"eager": (tuple(dev), tuple(host))}
     if not graphs:
         return res
     _sync()
     d()
-    c()  # buffers exist before capture
+    c()  # the steady-state plan exists before capture
     _sync()
     try:
         gd, _ = _graph(d)
-        keep = a2a._plan  # the combine graph reads the plan made in the dispatch graph
         gc, _ = _graph(c, pool=gd.pool())
     except Exception as e:  # noqa: BLE001 - eager figures stand; say why there is no graph row
         log(f"graph capture failed ({a2a.transport}): {_err(e)}")
-        a2a._phase, a2a._plan = "idle", None
+        a2a._phase, a2a._st = "idle", None
         return res
 
     def itg(ev):
@@ -381,8 +438,7 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log):
         gc.replay()
         ev[2].record()
 
-    res["graph"] = tuple(_time_phases(itg, 2, iters, warmup))
-    del keep
+    res["graph"] = (tuple(_time_phases(itg, 2, iters, warmup)[0]), None)
     return res
 
 
@@ -390,52 +446,240 @@ def _time_naive(naive, ids, pays, iters, warmup):
     back = {}
 
     def it(ev):
+        t0 = time.perf_counter()
         ev[0].record()
         recv = naive.dispatch(ids, pays)
         if "y" not in back or back["y"].shape[0] != recv.shape[0]:
             back["y"] = torch.randn(recv.shape[0], H, device=recv.device, dtype=torch.bfloat16)
         ev[1].record()
+        t1 = time.perf_counter()
         naive.combine(back["y"])
         ev[2].record()
+        return (t1 - t0, time.perf_counter() - t1)
 
-    return tuple(_time_phases(it, 2, iters, warmup))
+    dev, host = _time_phases(it, 2, iters, warmup)
+    return (tuple(dev), tuple(host))
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepEP (benchmark peer, loaded at run time from a git-ignored build; never a dependency)
+# ----------------------------------------------------------------------------------------------
+
+
+def _import_deepep():
+    """``deep_ep`` from ``$REPLAYMOE_DEEPEP`` (default: where ``build_deepep.sh`` builds it)."""
+    path = os.environ.get("REPLAYMOE_DEEPEP", "/tmp/deepep/DeepEP-1.2.1")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import deep_ep
+
+    return deep_ep
+
+
+class DeepEPPeer:
+    """DeepEP v1.2.1 intranode ``Buffer.dispatch`` / ``Buffer.combine`` on the same tokens, routing
+    and weights as ours (hidden bf16, top-k ids as int64, weights fp32), with ``num_sms`` SMs.
+
+    Modes:
+    * ``eager``: ``get_dispatch_layout`` + ``dispatch`` (the host waits for the received counts: that
+      is DeepEP's normal mode) and ``combine`` with the handle;
+    * ``graph``: the same with ``num_worst_tokens = ep * T`` (no host sync; DeepEP's CUDA-graph
+      mode), dispatch and combine each captured in a CUDA graph;
+    * ``cached``: ``dispatch`` of the hidden states alone with a previous call's handle (the mode
+      DeepEP's own tuning times), eager.
+    The NVLink chunk sizes are tuned once at the largest token count, like DeepEP's test does
+    (:meth:`tune`); the SM count stays fixed.
+    """
+
+    def __init__(self, ep: int, rank: int, num_sms: int, max_tokens: int, log) -> None:
+        deep_ep = _import_deepep()
+        self.deep_ep, self.ep, self.rank, self.num_sms, self.log = deep_ep, ep, rank, num_sms, log
+        deep_ep.Buffer.set_num_sms(num_sms)
+        self.dcfg = deep_ep.Buffer.get_dispatch_config(ep)
+        self.ccfg = deep_ep.Buffer.get_combine_config(ep)
+        nvl = 0
+        for chunk in (4, 8, 12, 16, 24, 32):
+            cfg = deep_ep.Config(num_sms, chunk, 256, 6, 128)
+            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(H * 2, ep))
+        for cfg in (self.dcfg, self.ccfg):
+            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(H * 2, ep))
+        self.buf = deep_ep.Buffer(dist.group.WORLD, nvl, 0)
+        self.chunks = ("default", "default")
+
+    def _dispatch(self, idx, x, w, cfg, worst=0):
+        b = self.buf
+        ntr, _, nte, in_rank, _ = b.get_dispatch_layout(idx, E)
+        out = b.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=in_rank, num_tokens_per_expert=nte,
+                         topk_idx=idx, topk_weights=w, config=cfg, num_worst_tokens=worst)  # fmt: skip
+        return out[0], out[4]  # recv_x, handle
+
+    def tune(self, inputs, *, iters: int, warmup: int) -> list[dict]:
+        """Best NVLink chunk sizes (cached mode at the largest T), as DeepEP's test tunes them."""
+        ids, x, w = inputs[0], inputs[1], inputs[2]
+        idx = ids.long()
+        deep_ep = self.deep_ep
+        recv_x, handle = self._dispatch(idx, x, w, self.dcfg)
+        rows = []
+        best_d, best_c = (None, float("inf")), (None, float("inf"))
+        for chunk in (8, 16, 24, 32):
+            cfg = deep_ep.Config(self.num_sms, chunk, 256, 6, 128)
+
+            def it(ev, cfg=cfg):
+                ev[0].record()
+                self.buf.dispatch(x, handle=handle, config=cfg)
+                ev[1].record()
+
+            us = _time_phases(it, 1, iters, warmup)[0][0]
+            rows.append({"impl": "deepep-tune", "op": "dispatch", "mode": "cached", "nvl_chunk": chunk,
+                         "num_sms": self.num_sms, "tokens": ids.shape[0], "us": round(us, 2)})  # fmt: skip
+            if us < best_d[1]:
+                best_d = (cfg, us, chunk)
+        for chunk in (4, 8, 12, 16):
+            cfg = deep_ep.Config(self.num_sms, chunk, 256, 6, 128)
+
+            def itc(ev, cfg=cfg):
+                ev[0].record()
+                self.buf.combine(recv_x, handle, config=cfg)
+                ev[1].record()
+
+            us = _time_phases(itc, 1, iters, warmup)[0][0]
+            rows.append({"impl": "deepep-tune", "op": "combine", "mode": "cached", "nvl_chunk": chunk,
+                         "num_sms": self.num_sms, "tokens": ids.shape[0], "us": round(us, 2)})  # fmt: skip
+            if us < best_c[1]:
+                best_c = (cfg, us, chunk)
+        self.dcfg, self.ccfg = best_d[0], best_c[0]
+        self.chunks = (best_d[2], best_c[2])
+        self.log(f"[rank {self.rank}] DeepEP tuned: dispatch chunk {best_d[2]}, combine chunk {best_c[2]}")
+        return rows
+
+    def time(self, ids, x, w, T, iters, warmup, graphs):
+        idx = ids.long()
+        b = self.buf
+        st = {}
+
+        def it(ev):
+            t0 = time.perf_counter()
+            ev[0].record()
+            st["rx"], st["h"] = self._dispatch(idx, x, w, self.dcfg)
+            ev[1].record()
+            t1 = time.perf_counter()
+            b.combine(st["rx"], st["h"], config=self.ccfg)
+            ev[2].record()
+            return (t1 - t0, time.perf_counter() - t1)
+
+        dev, host = _time_phases(it, 2, iters, warmup)
+        res = {"eager": (tuple(dev), tuple(host))}
+        rx, h = st["rx"], st["h"]
+
+        def itc(ev):
+            t0 = time.perf_counter()
+            ev[0].record()
+            b.dispatch(x, handle=h, config=self.dcfg)
+            ev[1].record()
+            t1 = time.perf_counter()
+            b.combine(rx, h, config=self.ccfg)
+            ev[2].record()
+            return (t1 - t0, time.perf_counter() - t1)
+
+        dev, host = _time_phases(itc, 2, iters, warmup)
+        res["cached"] = (tuple(dev), tuple(host))
+        if not graphs:
+            return res
+        worst = T * self.ep
+        try:
+            _sync()
+            rxw, hw = self._dispatch(idx, x, w, self.dcfg, worst)
+            b.combine(rxw, hw, config=self.ccfg)
+            _sync()
+            gd, outs = _graph(lambda: self._dispatch(idx, x, w, self.dcfg, worst))
+            gc, _ = _graph(lambda: b.combine(outs[0], outs[1], config=self.ccfg), pool=gd.pool())
+        except Exception as e:  # noqa: BLE001 - DeepEP may refuse capture: eager figures stand
+            self.log(f"[rank {self.rank}] DeepEP graph capture failed: {_err(e)}")
+            return res
+
+        def itg(ev):
+            ev[0].record()
+            gd.replay()
+            ev[1].record()
+            gc.replay()
+            ev[2].record()
+
+        res["graph"] = (tuple(_time_phases(itg, 2, iters, warmup)[0]), None)
+        return res
 
 
 def _print_summary(rows: list[dict]) -> None:
     from ._timing import print_table
 
-    ok = [r for r in rows if "error" not in r]
-    print("\n# replaymoe bench ep — median over iterations of the max over ranks (µs)")
-    print_table(
-        ok, ["impl", "payload", "tokens", "op", "mode", "us", "GBps_per_rank", "floor_us", "pct_floor"]
+    ok = [r for r in rows if "error" not in r and r.get("impl") != "deepep-tune"]
+    print(
+        "\n# replaymoe bench ep — median over iterations of the max over ranks "
+        "(µs; host_us: host time per call)"
     )
-    errs = [r for r in rows if "error" in r]
-    for r in errs:
+    print_table(
+        ok,
+        ["impl", "payload", "tokens", "num_sms", "op", "mode", "us", "host_us", "GBps_per_rank", "pct_floor"],
+    )
+    tune = [r for r in rows if r.get("impl") == "deepep-tune"]
+    if tune:
+        print("\n# DeepEP NVLink chunk tuning (cached mode, largest T)")
+        print_table(tune, ["op", "nvl_chunk", "num_sms", "tokens", "us"])
+    for r in [r for r in rows if "error" in r]:
         where = f"{r.get('impl')} {r.get('payload', '')} T={r.get('tokens', '')} {r.get('op', '')}"
         print(f"ERROR {where}: {r['error']}")
-    # the short tables: per implementation, best mode (g = graph, e = eager)
-    impls = sorted({r["impl"] for r in ok})
+
+    def get(impl, T, op, mode, sms=None, payload="bf16"):
+        want = (impl, T, op, mode, payload)
+        c = [r for r in ok if (r["impl"], r["tokens"], r["op"], r["mode"], r["payload"]) == want
+             and (sms is None or r.get("num_sms") == sms)]  # fmt: skip
+        return min(c, key=lambda r: r["us"]) if c else None
+
     tokens = sorted({r["tokens"] for r in ok})
-    for payload, op, title in (
-        ("bf16", "dispatch", "dispatch alone, bf16 payload"),
-        ("fp8", "dispatch", "dispatch alone, fp8 payload + scales"),
-        ("bf16", "dispatch+combine", "dispatch+combine, bf16 payload"),
-        ("bf16", "layer", "whole ep_moe layer (route + dispatch + fused_moe + combine)"),
-    ):
-        print(f"\n# {title}: µs [GB/s per rank, % of the 450 GB/s NVLink floor]")
-        print("tokens " + " ".join(f"{i:>26}" for i in impls))
+    ours = sorted({(r["impl"], r.get("num_sms", 0)) for r in ok if r["impl"] in ("nccl", "symm")})
+    # goal 1: eager <= 1.3 x graph + 20 µs, host <= 30 µs per call
+    print("\n# goal 1 (eager calls): eager µs / graph µs -> bound 1.3*graph+20; host µs per call (bf16)")
+    print(f"{'impl':>6} {'sms':>4} {'tokens':>6} {'op':>9} {'eager':>8} {'graph':>8} {'bound':>8} "
+          f"{'host':>6} ok")  # fmt: skip
+    for impl, sms in ours:
         for T in tokens:
-            cells = []
-            for i in impls:
-                c = [r for r in ok if (r["impl"], r["tokens"], r["payload"], r["op"]) == (i, T, payload, op)]
-                if c:
-                    b = min(c, key=lambda r: r["us"])
-                    cells.append(
-                        f"{b['us']:>9.1f} [{b['GBps_per_rank']:>6.1f},{b['pct_floor']:>5.1f}%] {b['mode'][0]}"
-                    )
-                else:
-                    cells.append("-")
-            print(f"{T:>6} " + " ".join(f"{c:>26}" for c in cells))
+            for op in ("dispatch", "combine"):
+                e, g = get(impl, T, op, "eager", sms), get(impl, T, op, "graph", sms)
+                if e is None or g is None:
+                    continue
+                bound = 1.3 * g["us"] + 20
+                good = e["us"] <= bound and (e.get("host_us") or 0) <= 30
+                print(f"{impl:>6} {sms:>4} {T:>6} {op:>9} {e['us']:>8.1f} {g['us']:>8.1f} {bound:>8.1f} "
+                      f"{e.get('host_us') or 0:>6.1f} {'yes' if good else 'NO'}")  # fmt: skip
+    # goal 2: ours <= DeepEP, no more SMs
+    peer = [r for r in ok if r["impl"] == "deepep"]
+    if peer:
+        psms = peer[0]["num_sms"]
+        print(f"\n# goal 2 (vs DeepEP, {psms} SMs; ours symm with num_sms <= {psms}): µs, ours / DeepEP")
+        print(f"{'tokens':>6} {'op':>9} {'mode':>6} {'ours':>8} {'deepep':>8} {'ratio':>6}  deepep cached")
+        cands = [s for i, s in ours if i == "symm" and s <= psms]
+        for T in tokens:
+            for op in ("dispatch", "combine", "dispatch+combine"):
+                for mode in ("eager", "graph"):
+                    o = [get("symm", T, op, mode, s) for s in cands]
+                    o = [r for r in o if r is not None]
+                    d = get("deepep", T, op, mode)
+                    if not o or d is None:
+                        continue
+                    b = min(o, key=lambda r: r["us"])
+                    dc = get("deepep", T, op, "cached")
+                    ratio = b["us"] / d["us"]
+                    print(f"{T:>6} {op:>9} {mode:>6} {b['us']:>8.1f} {d['us']:>8.1f} {ratio:>6.2f}  "
+                          f"{dc['us'] if dc else float('nan'):.1f}")  # fmt: skip
+    # goal 3: bandwidth at the largest T
+    T = tokens[-1] if tokens else None
+    if T is not None:
+        print(f"\n# goal 3 (bandwidth at {T} tokens/rank, graph, remote bytes only): GB/s per rank")
+        for impl, sms in ours + sorted({("deepep", r["num_sms"]) for r in peer}):
+            for op in ("dispatch", "combine"):
+                r = get(impl, T, op, "graph", sms) or get(impl, T, op, "cached", sms)
+                if r is not None:
+                    print(f"{impl:>6} {sms:>4} {op:>9} {r['mode']:>6} {r['us']:>8.1f} µs "
+                          f"{r['GBps_per_rank']:>7.1f} GB/s")  # fmt: skip
     anchors = ", ".join(f"{t} tok: {ms * 1e3:.0f} µs" for t, ms in NAIVE_ANCHOR_MS.items())
     print(f"(earlier naive NCCL dispatch alone on this machine: {anchors})")
 
@@ -447,6 +691,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--impls", default="nccl,symm,naive", help="comma list of nccl, symm, naive")
+    p.add_argument("--payloads", default="bf16,fp8", help="comma list of bf16, fp8")
+    p.add_argument("--num-sms", default="0", help="comma list of num_sms for symm (0 = every SM)")
+    p.add_argument(
+        "--peer",
+        choices=("none", "deepep"),
+        default="none",
+        help="deepep: DeepEP v1.2.1 intranode side by side ($REPLAYMOE_DEEPEP: its built source tree)",
+    )
+    p.add_argument("--peer-sms", type=int, default=24, help="SMs given to DeepEP (even)")
     p.add_argument("--no-layer", action="store_true", help="skip the whole ep_moe layer")
     p.add_argument("--no-graph", action="store_true", help="eager timings only")
     p.add_argument("--hidden", type=int, default=H, help="hidden size (default DeepSeek-V3's 7168)")
@@ -499,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
             graphs=not a.no_graph,
             log=log,
             save=save,
+            payloads=[v for v in a.payloads.split(",") if v],
+            num_sms=[int(v) for v in a.num_sms.split(",") if v],
+            peer=None if a.peer == "none" else a.peer,
+            peer_sms=a.peer_sms,
         )
         save(rows)
         if rank == 0:

@@ -172,6 +172,7 @@ class _PackGroup:
     TT: int
     warps: int
     consts: tuple
+    launch: object = None
 
 
 @dataclass
@@ -207,8 +208,10 @@ class _DState:
     slot: torch.Tensor | None = None
     send_counts: torch.Tensor | None = None
     plan_args: tuple = ()
+    plan_launch: object = None
     packs: list = field(default_factory=list)
     sanitize: tuple | None = None
+    reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,7 +525,8 @@ class MoeAlltoAll:
         try:  # the call's signature: everything validation and the launch plan depend on
             pkey = tuple((p.dtype, p.shape, p.get_device(), p.is_contiguous(), p.data_ptr() & 15)
                          for p in payloads)  # fmt: skip
-            key = (ids.shape, ids.dtype, ids.get_device(), rt, invalid_token_expert_id, idx, pkey)
+            ikey = (ids.shape, ids.dtype, ids.get_device(), ids.data_ptr() & 15)
+            key = (ikey, rt, invalid_token_expert_id, idx, pkey)
             st = self._dcache.get(key) if isinstance(payloads, (list, tuple)) else None
         except (AttributeError, TypeError):  # not tensors / unhashable: validation says what is wrong
             key, st = None, None
@@ -608,6 +612,10 @@ class MoeAlltoAll:
             return st
         import triton
 
+        from .._kernels.ep import ep_pack_kernel, ep_plan_kernel, ep_sanitize_kernel
+        from ._launch import Launcher
+
+        st.plan_launch = Launcher(ep_plan_kernel, num_warps=4)
         # plan kernel (+ the counts into every destination's header row)
         base, rem = divmod(self.num_experts, self.ep)
         ep_p2 = max(2, triton.next_power_of_2(self.ep))
@@ -641,6 +649,7 @@ class MoeAlltoAll:
                     idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
                     consts=(tg.dst_rank_stride // u, tg.dst_base // u, layout.row_bytes // u,
                             *(Ns + [1] * pad), *(NBs + [1] * pad), *(Os + [0] * pad), len(grp), self.ep, TT),
+                    launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )
             )  # fmt: skip
         if idx is not None:
@@ -650,7 +659,8 @@ class MoeAlltoAll:
             hdr = tg.recv.view(torch.int32)
             blk = 128
             st.sanitize = (
-                (self._programs(triton.cdiv(n, blk)),),
+                Launcher(ep_sanitize_kernel, num_warps=4),
+                triton.cdiv(n, blk),
                 (flat, hdr, self.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
                  counts.storage_offset() - hdr.storage_offset(), self.local_expert_offset,
                  self.local_expert_offset + self.num_local_experts, invalid, K,
@@ -659,11 +669,9 @@ class MoeAlltoAll:
         return st
 
     def _dispatch_triton(self, st: _DState, ids: torch.Tensor, payloads) -> None:
-        from .._kernels.ep import ep_pack_kernel, ep_plan_kernel, ep_sanitize_kernel
-
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        ep_plan_kernel[(1,)](ids, *st.plan_args)
+        st.plan_launch((1,), (ids, *st.plan_args))
         T = st.T
         if T > 0:
             for g in st.packs:
@@ -675,12 +683,13 @@ class MoeAlltoAll:
                     srcs.append(p if p.dtype == g.unit else p.view(torch.uint8).view(g.unit))
                 srcs = srcs + [srcs[0]] * (4 - len(srcs))
                 grid = (max(1, self._programs(triton_cdiv(T, g.TT) * g.chunks) // g.chunks), g.chunks)
-                ep_pack_kernel[grid](st.slot, *srcs, *g.dsts, T, *g.consts, num_warps=g.warps)
+                g.launch(grid, (st.slot, *srcs, *g.dsts, T, *g.consts))
         self._transport.exchange_dispatch(st.targets)
         if st.sanitize is None:
             self.recv_counts.copy_(st.counts)
         else:
-            ep_sanitize_kernel[st.sanitize[0]](*st.sanitize[1])
+            launch, work, args = st.sanitize
+            launch((self._programs(work),), args)
 
     def _dispatch_torch(self, st: _DState, ids, payloads, invalid, idx) -> None:
         """The torch-ops path (CPU/gloo): plan, pack by index_copy, exchange, sanitize."""
@@ -746,7 +755,7 @@ class MoeAlltoAll:
         try:
             rows, block_stride = self._transport.combine(payload, rt)
             out = torch.empty(st.T, self.hidden_size, dtype=payload.dtype, device=self.device)
-            _combine_reduce(self, rows, block_stride, st.slot, out)
+            _combine_reduce(self, rows, block_stride, st.slot, out, st.reduce)
         except BaseException:
             self._phase = "broken"
             raise
@@ -810,27 +819,39 @@ def _sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
 
 
 def _combine_reduce(
-    a2a: MoeAlltoAll, rows: torch.Tensor, block_stride: int, slot: torch.Tensor, out: torch.Tensor
+    a2a: MoeAlltoAll,
+    rows: torch.Tensor,
+    block_stride: int,
+    slot: torch.Tensor,
+    out: torch.Tensor,
+    cache: dict | None = None,
 ) -> None:
-    """out[t] = sum_r [slot[t, r] >= 0] rows[r, slot[t, r]] in fp32 (rank order)."""
+    """out[t] = sum_r [slot[t, r] >= 0] rows[r, slot[t, r]] in fp32 (rank order). ``cache`` keeps the
+    launch plan per layout of ``rows`` (the dispatch state's)."""
     T, H = out.shape
     ep = a2a.ep
     if T == 0:
         return
     row_stride = rows.stride(0)
     if a2a.use_triton():
-        import triton
+        key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride)
+        plan = None if cache is None else cache.get(key)
+        if plan is None:
+            import triton
 
-        from .._kernels.ep import ep_combine_reduce_kernel
+            from .._kernels.ep import ep_combine_reduce_kernel
+            from ._launch import Launcher
 
-        nb = min(_REDUCE_CHUNK, triton.next_power_of_2(H))
-        chunks = triton.cdiv(H, nb)
-        tt = 2 if nb >= 1024 else 8
-        nprog = max(1, a2a._programs(triton.cdiv(T, tt) * chunks) // chunks)
-        warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
-        ep_combine_reduce_kernel[(nprog, chunks)](
-            rows, slot, out, T, H, block_stride, row_stride, EP=ep, NB=nb, TT=tt, num_warps=warps
-        )
+            nb = min(_REDUCE_CHUNK, triton.next_power_of_2(H))
+            chunks = triton.cdiv(H, nb)
+            tt = 2 if nb >= 1024 else 8
+            warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
+            plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, -(-T // tt) * chunks, nb, tt)
+            if cache is not None:
+                cache[key] = plan
+        launch, chunks, work, nb, tt = plan
+        nprog = max(1, a2a._programs(work) // chunks)
+        launch((nprog, chunks), (rows, slot, out, T, H, block_stride, row_stride, ep, nb, tt))
         return
     nrows = rows.shape[0]  # rows is a 2-D [N, H] view of the buffer; rank r's row j = r*bs/rs + j
     per_rank = block_stride // row_stride

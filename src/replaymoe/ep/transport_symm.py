@@ -112,6 +112,7 @@ class SymmTransport:
         import triton
 
         from .._kernels.ep import ep_combine_send_kernel
+        from ._launch import Launcher
 
         a = self.a2a
         H = a.hidden_size
@@ -124,7 +125,7 @@ class SymmTransport:
             self.comb = _SymmBuffer(a, nbytes, "combine")
             self._ckeys = {}
         buf = self.comb
-        key = (payload.dtype, rt, payload.stride())
+        key = (payload.dtype, rt, payload.stride(), payload.data_ptr() & 15)
         c = self._ckeys.get(key)
         if c is None:
             # rows move in the payload's own dtype: strides and offsets are multiples of 16 elements
@@ -136,13 +137,14 @@ class SymmTransport:
             tt = 2 if nb >= 1024 else 8
             warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
             rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
-            c = (dst, nb, chunks, tt, warps, rows)
+            c = (Launcher(ep_combine_send_kernel, num_warps=warps), dst, nb, chunks, tt, rows)
             self._ckeys[key] = c
-        dst, nb, chunks, tt, warps, rows = c
+        launch, dst, nb, chunks, tt, rows = c
         nprog = max(1, a._programs(triton.cdiv(rt, tt) * chunks) // chunks)
-        ep_combine_send_kernel[(nprog, chunks)](
-            payload, a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
-            EP=a.ep, NB=nb, TT=tt, num_warps=warps,
+        launch(
+            (nprog, chunks),
+            (payload, a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
+             a.ep, nb, tt),
         )  # fmt: skip
         self._barrier()
         return rows, rt * H
