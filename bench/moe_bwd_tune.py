@@ -1,0 +1,93 @@
+"""Device script: per-kernel times of the fused-MoE backward for config variants (torch.profiler).
+
+PYTHONPATH=src PYTHONUNBUFFERED=1 python3 bench/moe_bwd_tune.py [shape:T ...]
+Routing given (random top-k), bf16; prints one line per (shape, T, variant) with each backward
+kernel's mean time and TFLOP/s, and the whole backward's CUDA-event time.
+"""
+
+import os
+import statistics
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import replaymoe.moe as M
+from replaymoe.bench.train import SHAPES, _inputs, _weights
+
+OUT = os.environ.get("OUT", "/tmp")
+
+# (block_m, A: bn bk warps stages, X: bn bk warps stages, W: bm bn bk warps stages)
+VARIANTS = {
+    "v0": M.MoEBwdConfig(128, 64, 64, 8, 3, 128, 64, 8, 3, 128, 128, 64, 8, 3),
+    "v1": M.MoEBwdConfig(128, 128, 64, 8, 3, 256, 64, 8, 3, 128, 256, 64, 8, 3),
+    "v2": M.MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 256, 128, 64, 8, 3),
+    "v3": M.MoEBwdConfig(128, 256, 64, 8, 3, 128, 128, 8, 3, 128, 128, 64, 4, 4),
+    "v4": M.MoEBwdConfig(64, 128, 64, 4, 4, 128, 64, 4, 4, 128, 128, 32, 8, 4),
+}
+
+
+def main(points):
+    lines = []
+    for pt in points:
+        name, T = pt.split(":")
+        T = int(T)
+        H, I, E, K = SHAPES[name]  # noqa: E741
+        w13, w2 = _weights(H, I, E)
+        x, ids, wts, dout = _inputs(T, H, E, K)
+        w13, w2, x, wts = (t.detach() for t in (w13, w2, x, wts))
+        c0 = M.moe_config(T, K, H, I, E)
+        out, saved = torch.ops.replaymoe.moe_experts_train(
+            x, w13, w2, ids, wts, 0, M._config_tuple(c0), False
+        )
+        S = T * K
+        flops = {"act": 2 * S * H * I, "dx": 4 * S * H * I, "dw": 6 * S * H * I, "rec": 6 * S * H * I}
+        for vname, cfg in list(VARIANTS.items()) + [("default", M.moe_bwd_config(T, K, H, I, E))]:
+            for rec in (False, True) if vname == "default" else (False,):
+
+                def f(cfg=cfg, rec=rec):
+                    return M._launch_bwd(dout, x, w13, w2, ids, wts, saved, 0, rec, [True] * 4, cfg)
+
+                try:
+                    f()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - a config may not fit
+                    lines.append(f"{name} T={T} {vname} FAILED {type(exc).__name__}: {str(exc)[:120]}")
+                    print(lines[-1], flush=True)
+                    continue
+                times = []
+                for _ in range(5):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    f()
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b))
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        f()
+                    torch.cuda.synchronize()
+                per = {}
+                for ev in prof.key_averages():
+                    key = ev.key
+                    tag = ("act" if "bwd_act" in key else "dx" if "bwd_dx" in key else "dw" if "bwd_dw" in key
+                           else "reduce" if "reduce" in key else "layout" if "layout" in key else "other")  # fmt: skip
+                    per[tag] = per.get(tag, 0.0) + ev.device_time_total / 3 / 1e3  # ms per backward
+                desc = " ".join(
+                    f"{k}={v:.3f}ms" + (f"({flops[k] / v / 1e9:.0f}TF)" if k in flops and k != "act" else "")
+                    for k, v in sorted(per.items())
+                )
+                act_fl = flops["act"] + (flops["rec"] * 2 // 3 if rec else 0)
+                act_tf = act_fl / per.get("act", 1e9) / 1e9
+                line = (f"{name} T={T} {vname}{'+rec' if rec else ''} total={statistics.median(times):.3f}ms "
+                        f"act_TF={act_tf:.0f} {desc}")  # fmt: skip
+                lines.append(line)
+                print(line, flush=True)
+        del w13, w2, x, saved, out
+        torch.cuda.empty_cache()
+    with open(os.path.join(OUT, "bwd_tune.txt"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["qwen3:4096", "qwen3:16384", "mixtral:16384", "dsv3:16384"])
