@@ -45,8 +45,8 @@ def main(points):
         for vname, cfg in list(VARIANTS.items()) + [("default", M.moe_bwd_config(T, K, H, I, E))]:
             for rec in (False, True) if vname == "default" else (False,):
 
-                def f(cfg=cfg, rec=rec):
-                    return M._launch_bwd(dout, x, w13, w2, ids, wts, saved, 0, rec, [True] * 4, cfg)
+                def f(cfg=cfg, rec=rec, args=(dout, x, w13, w2, ids, wts, saved)):
+                    return M._launch_bwd(*args, 0, rec, [True] * 4, cfg)
 
                 try:
                     f()
@@ -83,7 +83,6 @@ def main(points):
                         f"act_TF={act_tf:.0f} {desc}")  # fmt: skip
                 lines.append(line)
                 print(line, flush=True)
-        del w13, w2, x, saved, out
         torch.cuda.empty_cache()
     with open(os.path.join(OUT, "bwd_tune.txt"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
