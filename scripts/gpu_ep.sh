@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Expert parallelism on the 4-GPU machine (nvidia-h200-x4), in one go:
-#   1. environment facts (GPUs, NVLink topology, versions)
-#   2. multigpu tests on 2 GPUs, then on 4 GPUs (nccl vs symm vs references, CUDA graph, ep_moe)
-#   3. `replaymoe bench ep` on 4 GPUs (DeepSeek-V3 shapes), CSV/JSON under $OUT/bench
+# Expert parallelism on a multi-GPU machine (nvidia-h200-x2, -x4 or -x8), in one go:
+#   1. environment facts (GPUs, NVLink topology, versions); DeepEP v1.2.1 built in the background
+#      (from .peers_ep/, git-ignored and carried: DeepEP-v1.2.1.tar.gz + build_deepep.sh), if present
+#   2. multigpu tests at world = every GPU (and 2): nccl vs symm vs references, steady state, CUDA graph, ep_moe
+#   3. `replaymoe bench ep` on every GPU, DeepSeek-V3 shape, bf16 payload, 128/1024/4096 tokens/rank, eager and
+#      graph, symm at num_sms 24/32/all and nccl, DeepEP side by side (--peer deepep, 24 SMs)
 # Each step has its own time limit (`timeout` signals the step's whole process group) and the next one
-# runs whatever happened before; the total stays under 8 minutes even with every step at its limit.
-# Everything is written under $OUT; a short table is printed last.
-# Usage (repo root):  OUT=/some/dir bash scripts/gpu_ep.sh
+# runs whatever happened before. Everything is written under $OUT; a short table is printed last.
+# Usage (repo root):  OUT=/some/dir bash scripts/gpu_ep.sh      (STEPS="test bench" by default)
 set -u
 cd "$(dirname "$0")/.."
 
@@ -14,6 +15,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$PWD/gpu_ep_out}"
 PY="${PYTHON:-python3}"
+STEPS="${STEPS:-test bench}"
+TOKENS="${TOKENS:-128,1024,4096}"
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -32,37 +35,45 @@ step() {  # step NAME LIMIT_S CMD...  -> $OUT/NAME.log, one line in the summary
   [ "$rc" -ne 0 ] && what="FAILED"
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && what="TIMEOUT"
   echo "$name: $what (rc=$rc, ${took}s)" | tee -a "$SUMMARY"
-  tail -n 8 "$OUT/$name.log"
+  tail -n 6 "$OUT/$name.log"
 }
-
-step env 15 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version(), torch.cuda.device_count())'"
 
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 echo "GPUs: $NGPU" | tee -a "$SUMMARY"
+PEER=none
+if [ -f .peers_ep/build_deepep.sh ] && [[ " $STEPS " == *" bench "* ]]; then
+  # build while the tests run (CPU-bound nvcc vs GPU tests); no self-test (its tuning run costs minutes)
+  ( DEEPEP_SELFTEST=0 OUT="$OUT" timeout -k 10 300 bash .peers_ep/build_deepep.sh > "$OUT/deepep_build_step.log" 2>&1;
+    echo "rc=$?" >> "$OUT/deepep_build_step.log" ) &
+  BUILD_PID=$!
+  PEER=deepep
+fi
+step env 20 bash -c "nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nvidia-smi topo -m; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version(), torch.cuda.device_count())'"
 
-step test_2gpu 120 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
-if [ "$NGPU" -ge 4 ]; then
-  step test_4gpu 100 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[4]"
-  # two runs, so that a symm failure (a device trap kills every rank) cannot cost the nccl figures
-  step bench_nccl 140 "$PY" -m torch.distributed.run --nproc-per-node 4 -m replaymoe.cli bench ep \
-    --out "$OUT/bench" --name ep_nccl_naive --impls nccl,naive --iters 20 --warmup 3
-  step bench_symm 90 "$PY" -m torch.distributed.run --nproc-per-node 4 -m replaymoe.cli bench ep \
-    --out "$OUT/bench" --name ep_symm --impls symm --iters 20 --warmup 3
-else
-  echo "fewer than 4 GPUs: 4-GPU test and benchmark skipped" | tee -a "$SUMMARY"
+if [[ " $STEPS " == *" test "* ]]; then
+  step test_2gpu 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
+  if [ "$NGPU" -ge 4 ]; then
+    step "test_${NGPU}gpu" 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[$NGPU]"
+  fi
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+  if [ "$PEER" = deepep ]; then
+    wait "$BUILD_PID"
+    cat "$OUT/deepep_build_step.log"
+    grep -q "DeepEP built" "$OUT/deepep_build_step.log" || PEER=none
+  fi
+  step bench 200 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe.cli bench ep \
+    --out "$OUT/bench" --name ep_x"$NGPU" --impls nccl,symm --payloads bf16 --tokens "$TOKENS" \
+    --num-sms 24,32,0 --peer "$PEER" --peer-sms 24 --no-layer --iters 20 --warmup 3
 fi
 
 echo
 echo "################ summary (${OUT}) — $(( $(date +%s) - T0 ))s total"
 cat "$SUMMARY"
-for f in test_2gpu test_4gpu; do
-  [ -f "$OUT/$f.log" ] && grep -E "^PASS|passed|failed|Error|error" "$OUT/$f.log" | tail -n 6
+for f in "$OUT"/test_*gpu.log; do
+  [ -f "$f" ] && grep -E "^PASS|passed|failed|Error|error" "$f" | tail -n 8
 done
-for f in bench_nccl bench_symm; do
-  [ -f "$OUT/$f.log" ] && grep -E "^ERROR|Error|error|capture failed" "$OUT/$f.log" | grep -v "^\[rank [1-9]" | head -n 6
-done
-if [ -d "$OUT/bench" ]; then
-  # from the saved rows (partial results of a run that timed out included)
-  "$PY" -m replaymoe.cli bench ep --summary-from "$OUT/bench" > "$OUT/bench_summary.txt" 2>&1
-  sed -n '/^# dispatch alone, bf16/,$p' "$OUT/bench_summary.txt"
+if [ -f "$OUT/bench.log" ]; then
+  grep -E "^ERROR|Error|capture failed|DeepEP" "$OUT/bench.log" | grep -v "^\[rank [1-9]" | head -n 8
+  sed -n '/^# goal 1/,$p' "$OUT/bench.log"
 fi

@@ -36,7 +36,7 @@ class Launcher:
 
     def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
         ck = self.compiled
-        if ck is not None and _hooks_off() and torch.cuda.current_device() == self.device:
+        if ck is not None and _hooks_off() and torch._C._cuda_getDevice() == self.device:
             g1 = grid[1] if len(grid) > 1 else 1
             ck.run(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(self.device), ck.function,
                    ck.packed_metadata, None, None, None, *args)  # fmt: skip
@@ -67,4 +67,9 @@ def _hooks_off() -> bool:
 
         _RUNTIME_KNOBS = knobs.runtime
     rt = _RUNTIME_KNOBS
-    return rt.launch_enter_hook is None and rt.launch_exit_hook is None
+    return _empty(rt.launch_enter_hook) and _empty(rt.launch_exit_hook)
+
+
+def _empty(hook) -> bool:
+    """No hook installed: ``None`` (older Triton) or a hook chain without calls (Triton 3.6)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
