@@ -183,7 +183,7 @@ class ReplayMoE:
         if self._capturing:
             cap = self._capture
             eager = not torch.compiler.is_compiling()
-            needed = _positions_bound(kwargs.get("past_key_values"), past, S)
+            needed = _positions_bound(kwargs.get("past_key_values"), past, S) if eager else None
             if self._begin_pending or (isinstance(past, int) and past == 0) or cap.rows == 0:
                 self._begin_pending = False
                 cap.begin_batch(B, needed, eager=eager)
@@ -358,7 +358,8 @@ class ReplayMoE:
 
 def _positions_bound(cache: Any, past: Any, seq_len: int) -> Optional[int]:
     """An upper bound of 1 + any position of this forward known on the host, or None."""
-    max_len = getattr(cache, "max_cache_len", None)
+    get_max = getattr(cache, "get_max_length", None)
+    max_len = get_max() if callable(get_max) else None
     if isinstance(max_len, int) and max_len > 0:
         return max_len
     if isinstance(past, int):

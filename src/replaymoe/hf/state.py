@@ -105,7 +105,7 @@ class CaptureBuffer:
             )
 
     # ------------------------------------------------------------------ per forward
-    def begin_batch(self, rows: int, positions: int, *, eager: bool) -> None:
+    def begin_batch(self, rows: int, positions: int | None, *, eager: bool) -> None:
         """A new batch of ``rows`` sequences starts (the host knows it: empty cache or ``generate``).
 
         Eagerly, the previous batch is kept on the device for :meth:`harvest` and the buffer grows
@@ -116,7 +116,7 @@ class CaptureBuffer:
                 self._history.append(
                     _Snapshot(self.ids.clone(), self.row_len.clone(), self.rows, self.seq_cap)
                 )
-            self.ensure(rows, positions)
+            self.ensure(rows, positions or 0)
             self.dirty = False
         self.ids.fill_(-1)
         self.row_len.zero_()
