@@ -225,3 +225,63 @@ def test_gpu_demo_runs(tmp_path):
 
     assert main(["--device", "cuda", "--fast", "--quiet", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "heatmap.png").exists() and len(list((tmp_path / "traces").glob("*.rmtrace"))) == 4
+
+
+def test_gpu_static_cache_generate_capture_and_replay():
+    # transformers compiles the decode step (inductor, CUDA graphs) with a static cache
+    model = _model("qwen3_moe")
+    lengths, new = [40, 25, 7], 12
+    ids, mask = _batch(model.config.vocab_size, lengths, seed=4)
+
+    def generate(**kw):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                cache_implementation="static",
+                **kw,
+            )
+
+    moe = rhf.enable(model, capture=True)
+    torch._dynamo.utils.counters.clear()
+    out = generate()
+    rollout = moe.traces()
+    assert [t.num_tokens for t in rollout] == [n + new - 1 for n in lengths]
+    assert all(t.missing_fraction() == 0.0 for t in rollout)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    again = generate()
+    assert torch.equal(again, out)
+    for a, b in zip(rollout, moe.traces()):
+        np.testing.assert_array_equal(a.ids, b.ids)
+    # replay with capture on: the captured ids are exactly the forced ones, tokens unchanged
+    with moe.replaying(rollout):
+        replayed = generate()
+        rep = moe.report()
+    assert torch.equal(replayed, out)
+    assert rep.fallback_tokens_per_layer.tolist() == [0] * len(moe.layers)
+    for a, b in zip(rollout, moe.traces()):
+        np.testing.assert_array_equal(a.ids, b.ids)
+    assert sum(torch._dynamo.utils.counters["recompiles"].values()) <= 1  # replay is one new graph
+    moe.disable()
+
+
+def test_gpu_reduce_overhead_replayed_training_forward():
+    # the trainer side under CUDA graphs: new traces of the same shape each step, no re-record
+    model = _model("qwen3_moe")
+    ids, mask = _batch(model.config.vocab_size, [48, 48], seed=5)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        eager_native = model(input_ids=ids, attention_mask=mask).logits.float()
+    traces = moe.traces()
+    moe.set_capture(False)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for step in range(3):
+        with torch.no_grad(), moe.replaying(traces):
+            got = compiled(input_ids=ids, attention_mask=mask).logits.float()
+            rep = moe.report()
+        assert rep.layers_with_fallback == 0
+        assert torch.allclose(got, eager_native, atol=3e-2, rtol=3e-2), step
+    moe.disable()

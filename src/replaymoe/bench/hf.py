@@ -1,34 +1,43 @@
-"""``replaymoe bench hf``: transformers ``generate`` throughput, replaymoe vs transformers' experts.
+"""``replaymoe bench hf``: transformers ``generate`` speed and logits error, replaymoe vs grouped_mm.
 
 One random-weight MoE model (default: Qwen3-MoE with Qwen3-30B-A3B's MoE shape — hidden 2048, 128
 experts, top-8, expert width 768 — and 8 layers, bf16) generates ``--new`` tokens greedily after a
-``--prompt``-token prompt, per batch size, with:
+``--prompt``-token prompt, per cache mode and batch size, with:
 
 * ``grouped_mm``        transformers' own routers and ``experts_implementation="grouped_mm"``;
-* ``replaymoe``         :func:`replaymoe.hf.enable`: routers through the Triton routing kernel, experts
-  through the fused Triton MoE kernels;
-* ``replaymoe+capture`` the same with routing capture on (one trace per sequence collected after
-  each generate);
-* ``replaymoe+replay``  the same replaying the captured traces (prompt and completion forced).
+* ``replaymoe``         :func:`replaymoe.hf.enable`: routers through the Triton routing kernel,
+  experts through the fused Triton MoE kernels;
+* ``replaymoe+capture`` the same with routing capture on (traces collected after each generate);
+* ``replaymoe+replay``  the same replaying traces captured once beforehand (prompt and completion).
 
-Reported: median wall time of ``generate`` over ``--repeats`` runs after one warm-up, generated
-tokens/s (batch × new tokens / time), the speed-up over ``grouped_mm``, and the fraction of generated
-tokens equal to ``grouped_mm``'s (greedy; bf16 rounding differences may flip near-ties).
+Cache modes: ``eager`` (the default dynamic cache, no compile) and ``static``
+(``cache_implementation="static"``: transformers compiles the decode step, inductor with CUDA
+graphs).
 
-Usage: ``replaymoe bench hf [--out DIR] [--arch qwen3_moe] [--batch 1,8,32] [--prompt 128] [--new 64]``
-(or ``python -m replaymoe.bench.hf``). Needs CUDA.
+Reported per row: median wall time of ``generate`` over ``--repeats`` runs after a warm-up, generated
+tokens/s, the speed-up over ``grouped_mm`` in the same cache mode, graph breaks and recompiles seen
+by dynamo in the timed runs, and the logits error: the logits ``generate`` returned at every step
+against an fp32 forward of the same weights over the same tokens (``‖Δ‖ / ‖ref‖``), so speed and
+correctness are read together.
+
+Usage: ``replaymoe bench hf [--out DIR] [--arch qwen3_moe] [--batch 1,8,32] [--prompt 128] [--new 64]
+[--modes eager,static]`` (or ``python -m replaymoe.bench.hf``). Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
 
 import torch
 
-from ._timing import print_table, write_results
+from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
+
+IMPLS = ("grouped_mm", "replaymoe", "replaymoe+capture", "replaymoe+replay")
+MODES = ("eager", "static")
 
 
 def _parse(argv):
@@ -42,46 +51,78 @@ def _parse(argv):
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--new", type=int, default=64, help="generated tokens per sequence")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--impls",
-        default="grouped_mm,replaymoe,replaymoe+capture,replaymoe+replay",
-        help="comma-separated subset of grouped_mm, replaymoe, replaymoe+capture, replaymoe+replay",
-    )
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager, static")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ", ".join(IMPLS))
+    p.add_argument("--no-error", action="store_true", help="skip the fp32 logits-error column")
     return p.parse_args(argv)
 
 
-def _generate(model, ids, mask, new):
+def _generate(model, ids, mask, new, mode, **kw):
+    extra = {"cache_implementation": "static"} if mode == "static" else {}
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            **extra,
+            **kw,
         )
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, out[:, ids.shape[1] :]
+    return time.perf_counter() - t0, out
+
+
+def _logits_error(model, ref_model, ids, mask, new, mode):
+    """‖generate's step logits − fp32 teacher-forced logits‖ / ‖fp32‖ over all generated steps."""
+    _, out = _generate(model, ids, mask, new, mode, output_logits=True, return_dict_in_generate=True)
+    got = torch.stack(out.logits, dim=1).float()  # [B, new, V]
+    seq = out.sequences
+    full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1] :])], dim=1)
+    with torch.no_grad():
+        ref = ref_model(input_ids=seq, attention_mask=full_mask).logits.float()
+    ref = ref[:, ids.shape[1] - 1 : -1]
+    return float((got - ref).norm() / ref.norm())
+
+
+def _counters():
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), sum(counters["recompiles"].values())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if not torch.cuda.is_available():
-        print("replaymoe bench hf: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    if no_cuda("replaymoe bench hf"):
+        return NO_CUDA_EXIT
     import replaymoe.hf as rhf
     from replaymoe.hf.models import build_model
 
     batches = [int(b) for b in args.batch.split(",") if b]
     impls = [s for s in args.impls.split(",") if s]
+    modes = [s for s in args.modes.split(",") if s]
+    for name, got, allowed in (("--impls", impls, IMPLS), ("--modes", modes, MODES)):
+        bad = [x for x in got if x not in allowed]
+        if bad:
+            print(f"replaymoe bench hf: error: {name}: unknown {bad}; choose from {allowed}", file=sys.stderr)
+            return 2
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = build_model(args.arch, args.size, dtype=torch.bfloat16, device="cuda")
     model.set_experts_implementation("grouped_mm")
+    ref_model = None
+    if not args.no_error:
+        ref_model = copy.deepcopy(model).float()
+        ref_model.set_experts_implementation("eager")
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {type(model).__name__} {args.size}: {cfg.num_hidden_layers} layers, "
-        f"hidden {cfg.hidden_size}, "
-        f"{n_params / 1e9:.2f}B params bf16 (built in {time.perf_counter() - t0:.1f} s); "
-        f"prompt {args.prompt}, new {args.new}, {torch.cuda.get_device_name()}",
+        f"hidden {cfg.hidden_size}, {n_params / 1e9:.2f}B params bf16 (built in "
+        f"{time.perf_counter() - t0:.1f} s); prompt {args.prompt}, new {args.new}, "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
         flush=True,
     )
     g = torch.Generator().manual_seed(1)
@@ -89,64 +130,90 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
         mask = torch.ones_like(ids)
-        ref_tokens, ref_time, traces = None, None, None
-        for impl in impls:
-            moe = None
-            if impl.startswith("replaymoe"):
-                moe = rhf.enable(model, capture=impl == "replaymoe+capture")
-                if impl == "replaymoe+replay":
-                    if traces is None:  # capture once, outside the timing
-                        moe.set_capture(True)
-                        _generate(model, ids, mask, args.new)
-                        traces = moe.traces()
-                        moe.set_capture(False)
-                    moe.set_replay(traces)
-            elif impl != "grouped_mm":
-                raise SystemExit(f"unknown implementation {impl!r}")
-            try:
-                _generate(model, ids, mask, min(8, args.new))  # warm-up: kernels compiled, caches sized
-                if moe is not None:
-                    moe.traces()
-                times = []
-                for _ in range(args.repeats):
-                    dt, toks = _generate(model, ids, mask, args.new)
-                    times.append(dt)
-                    if impl == "replaymoe+capture":
-                        got = moe.traces()
-                        assert len(got) == B and got[0].num_tokens == args.prompt + args.new - 1
-                        if traces is None:
-                            traces = got
-            finally:
-                if moe is not None:
-                    moe.disable()
-            t = statistics.median(times)
-            if impl == "grouped_mm":
-                ref_tokens, ref_time = toks, t
-            row = {
-                "arch": args.arch,
-                "size": args.size,
-                "impl": impl,
-                "batch": B,
-                "prompt": args.prompt,
-                "new_tokens": args.new,
-                "generate_s": t,
-                "tokens_per_s": B * args.new / t,
-                "speedup_vs_grouped_mm": (ref_time / t) if ref_time else float("nan"),
-                "same_tokens_as_grouped_mm": (
-                    float((toks == ref_tokens).float().mean()) if ref_tokens is not None else float("nan")
-                ),
-            }
-            rows.append(row)
-            print(
-                f"  batch {B:3d} {impl:18s} {t:7.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
-                f"x{row['speedup_vs_grouped_mm']:.2f}",
-                flush=True,
-            )
+        traces = None
+        if "replaymoe+replay" in impls:  # capture once, outside the timing, eagerly
+            moe = rhf.enable(model, capture=True)
+            _generate(model, ids, mask, args.new, "eager")
+            traces = moe.traces()
+            moe.disable()
+        for mode in modes:
+            ref_tokens, ref_time = None, None
+            for impl in impls:
+                moe = None
+                if impl.startswith("replaymoe"):
+                    moe = rhf.enable(
+                        model,
+                        capture=impl == "replaymoe+capture",
+                        replay=traces if impl == "replaymoe+replay" else None,
+                        max_batch_size=B,
+                        max_positions=args.prompt + args.new,
+                    )
+                try:
+                    _generate(model, ids, mask, min(8, args.new), mode)  # warm-up: compile, autotune
+                    _generate(model, ids, mask, args.new, mode)
+                    if moe is not None:
+                        moe.traces()
+                    breaks0, recompiles0 = _counters()
+                    times = []
+                    for _ in range(args.repeats):
+                        dt, out = _generate(model, ids, mask, args.new, mode)
+                        times.append(dt)
+                        if impl == "replaymoe+capture":
+                            got = moe.traces()
+                            assert len(got) == B and got[0].num_tokens == args.prompt + args.new - 1
+                    breaks1, recompiles1 = _counters()
+                    toks = out[:, ids.shape[1] :]
+                    err = float("nan")
+                    if ref_model is not None:
+                        err = _logits_error(model, ref_model, ids, mask, args.new, mode)
+                        if moe is not None:
+                            moe.traces()
+                finally:
+                    if moe is not None:
+                        moe.disable()
+                t = statistics.median(times)
+                if impl == "grouped_mm":
+                    ref_tokens, ref_time = toks, t
+                row = {
+                    "arch": args.arch,
+                    "size": args.size,
+                    "mode": mode,
+                    "impl": impl,
+                    "batch": B,
+                    "prompt": args.prompt,
+                    "new_tokens": args.new,
+                    "generate_s": t,
+                    "tokens_per_s": B * args.new / t,
+                    "speedup_vs_grouped_mm": (ref_time / t) if ref_time else float("nan"),
+                    "logits_rel_err_vs_fp32": err,
+                    "same_tokens_as_grouped_mm": (
+                        float((toks == ref_tokens).float().mean()) if ref_tokens is not None else float("nan")
+                    ),
+                    "graph_breaks": breaks1 - breaks0,
+                    "recompiles": recompiles1 - recompiles0,
+                }
+                rows.append(row)
+                print(
+                    f"  batch {B:3d} {mode:6s} {impl:18s} {t:7.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
+                    f"x{row['speedup_vs_grouped_mm']:.2f}  err {err:.2e}  "
+                    f"breaks {row['graph_breaks']} recompiles {row['recompiles']}",
+                    flush=True,
+                )
     csv_path, json_path = write_results(rows, args.out, "hf_generate")
     print()
     print_table(
         rows,
-        ["impl", "batch", "generate_s", "tokens_per_s", "speedup_vs_grouped_mm", "same_tokens_as_grouped_mm"],
+        [
+            "mode",
+            "impl",
+            "batch",
+            "tokens_per_s",
+            "speedup_vs_grouped_mm",
+            "logits_rel_err_vs_fp32",
+            "same_tokens_as_grouped_mm",
+            "graph_breaks",
+            "recompiles",
+        ],
     )
     print(f"\nwrote {csv_path} and {json_path}")
     return 0
