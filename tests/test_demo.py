@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
+import replaymoe.demo as demo_mod  # noqa: E402
 from replaymoe.demo import main  # noqa: E402
 from replaymoe.trace import RoutingTrace  # noqa: E402
 
@@ -27,11 +28,25 @@ def _one_thread():
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # default; grouped routing + dense layer
 def test_demo_fast_writes_files(arch, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["--fast", "--quiet", "--device", "cpu", "--model-config", arch, "--out", str(out)])
+    # no --quiet: the progress bar is on, but stderr is not a terminal here, so tqdm prints nothing
+    rc = main(["--fast", "--device", "cpu", "--model-config", arch, "--out", str(out)])
     assert rc == 0
-    text = capsys.readouterr().out
-    for needle in ("router agreement", "max |Δ log-prob|", "gradients reach the router", "heatmap"):
-        assert needle in text
+    cap = capsys.readouterr()
+    text = cap.out
+    assert "\r" not in cap.err and "\r" not in text
+    for needle in (
+        "router agreement per layer",
+        "R3 figures",
+        "router decisions (token, layer) that differ",
+        "tokens that differ in >= 1 layer",
+        "mean KL(rollout || trainer)",
+        "extreme tokens: |Δ log-prob| > ln 2",
+        "under replay |Δ log-prob| is not 0",
+        "gradients reach the router",
+        "backend: torch reference",
+        "picture",
+    ):
+        assert needle in text, needle
     traces = sorted((out / "traces").glob("seq*.rmtrace"))
     assert len(traces) == 4
     loaded = [RoutingTrace.load(p) for p in traces]
@@ -39,11 +54,30 @@ def test_demo_fast_writes_files(arch, tmp_path, capsys):
     png = (out / "heatmap.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["agreement_replay"] == [1.0] * len(summary["layer_ids"])
+    L = len(summary["layer_ids"])
+    # the labels use the model's layer numbers (DeepSeek-V3's first layer is dense: L1..L3)
+    assert ("L0:" in text) == (summary["layer_ids"][0] == 0)
+    assert all(f"L{n}:" in text for n in summary["layer_ids"])
+    assert summary["agreement_replay"] == [1.0] * L
     assert summary["agreement_replay_all_layers"] == 1.0
     assert min(summary["agreement_native"]) < 1.0  # the perturbation moved some tokens
     assert summary["max_abs_dlogprob_replay"] < summary["max_abs_dlogprob_native"]
     assert all(np.isfinite(g) and g > 0 for g in summary["router_grad_norm_replay"])
+    # counts: the rollout's routed tokens are the traces' positions; the trainer sees one more per
+    # sequence (the last sampled token), which falls back to native routing in every layer
+    routed = sum(t.num_tokens for t in loaded)
+    assert summary["rollout_routed_tokens"] == routed and f"= {routed} routed tokens" in text
+    assert summary["replay_tokens_per_layer"] == [routed + 4] * L
+    assert summary["replay_fallback_tokens_per_layer"] == [4] * L
+    # R3 figures: replay removes every routing difference; native routing has some
+    nat, rep = summary["r3_native"], summary["r3_replay"]
+    assert rep["decisions_differ"] == 0.0 and rep["tokens_differ_any_layer"] == 0.0
+    assert 0 < nat["decisions_differ"] <= nat["tokens_differ_any_layer"] <= 1
+    assert nat["tokens_differ_any_layer"] == pytest.approx(1 - summary["agreement_native_all_layers"])
+    assert 0 <= rep["mean_kl_rollout_trainer"] < nat["mean_kl_rollout_trainer"]
+    for r in (nat, rep):
+        assert 0 <= r["extreme_token_share"] <= 1
+    assert summary["generated_tokens"] == 4 * 8
 
     if arch != "qwen3_moe":
         return
@@ -68,10 +102,8 @@ def test_demo_fast_writes_files(arch, tmp_path, capsys):
     assert "vLLM response" in text and "ids identical to the response's: True" in text
 
 
-def test_demo_from_vllm_mismatch_is_a_clear_error(tmp_path, capsys):
+def test_demo_from_vllm_mismatch_is_a_clear_error_before_the_run(tmp_path, capsys):
     # a response recorded from another model (top-4 of 16 experts) cannot replay into the fast model
-    from replaymoe.trace import RoutingTrace
-
     ids = np.argsort(np.random.default_rng(0).random((9, 3, 16)), axis=-1)[..., :4]
     resp = {
         "prompt_token_ids": [5, 6, 7, 8],
@@ -85,11 +117,77 @@ def test_demo_from_vllm_mismatch_is_a_clear_error(tmp_path, capsys):
         ["--fast", "--quiet", "--device", "cpu", "--out", str(tmp_path / "o"), "--from-vllm", str(path)]
     )
     assert rc == 2
-    assert "top_k" in capsys.readouterr().err
+    cap = capsys.readouterr()
+    assert "top_k" in cap.err and cap.err.startswith("replaymoe demo: error: --from-vllm")
+    assert "rollout:" not in cap.out  # checked right after the model is built, before generate
 
 
-def test_demo_rejects_bad_options(capsys):
-    with pytest.raises(SystemExit):
-        main(["--tokens", "1"])
-    with pytest.raises(SystemExit):
-        main(["--model-config", "llama"])
+def _trace_file(tmp_path):
+    path = tmp_path / "seq0.rmtrace"
+    ids = np.argsort(np.random.default_rng(1).random((5, 3, 8)), axis=-1)[..., :2]
+    RoutingTrace(ids, num_experts=8, top_k=2).save(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (_trace_file, "replaymoe trace file"),  # a .rmtrace, not the response JSON (was a utf-8 error)
+        (lambda d: (d / "r.json").write_text("{not json") and d / "r.json", "invalid JSON"),
+        (lambda d: (d / "r.json").write_text('{"choices": []}') and d / "r.json", "prompt_token_ids"),
+        (lambda d: d / "absent.json", "cannot read"),  # no such file
+    ],
+)
+def test_demo_from_vllm_bad_files_fail_before_the_run(tmp_path, make, says, capsys):
+    path = make(tmp_path)
+    rc = main(
+        ["--fast", "--quiet", "--device", "cpu", "--out", str(tmp_path / "o"), "--from-vllm", str(path)]
+    )
+    assert rc == 2
+    cap = capsys.readouterr()
+    assert says in cap.err and len(cap.err.strip().splitlines()) == 1 and cap.out == ""
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("file", "expected a directory, got an existing file"),  # --out is a file
+        ("file/sub", "cannot create or write"),  # below a file: NotADirectoryError
+    ],
+)
+def test_demo_bad_out_is_a_clear_error(tmp_path, where, says, capsys):
+    (tmp_path / "file").write_text("x")
+    rc = main(["--fast", "--quiet", "--device", "cpu", "--out", str(tmp_path / where)])
+    assert rc == 2
+    cap = capsys.readouterr()
+    assert cap.err.startswith(f"replaymoe demo: error: --out {tmp_path / where}") and says in cap.err
+    assert cap.out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tokens", "1"],  # fewer than 2 new tokens
+        ["--model-config", "llama"],  # not a supported MoE architecture
+        ["--perturb", "-1"],  # a negative perturbation
+        ["--perturb", "nan"],  # not a number
+        ["--prompts", "0"],
+    ],
+)
+def test_demo_rejects_bad_options(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_demo_triton_on_cpu_reruns_itself_under_the_interpreter(tmp_path, monkeypatch, capsys):
+    # Triton reads TRITON_INTERPRET at import, so the demo starts a fresh process with it set
+    calls = []
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(demo_mod.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    argv = ["--fast", "--quiet", "--device", "cpu", "--backend", "triton", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    ((cmd, env),) = calls
+    assert cmd[1:4] == ["-m", "replaymoe", "demo"] and cmd[4:] == argv and env["TRITON_INTERPRET"] == "1"
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err

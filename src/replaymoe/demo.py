@@ -1,27 +1,34 @@
 """``replaymoe demo``: rollout with routing capture, then trainer forwards without and with replay.
 
-Runs on a fresh machine with no GPU and no downloads (about 10-30 s on 2 CPU cores):
+Runs on a fresh machine with no download (a few seconds on 2 CPU cores; the Triton kernels on a
+GPU, the torch reference on a CPU, or the Triton kernels in Triton's CPU interpreter with
+``--backend triton``, about 90 s):
 
 1. builds a small MoE model from a config (Qwen3-MoE by default; ``--model-config`` picks another
-   supported architecture) with seeded random weights and a tiny vocabulary — no tokenizer, the
+   supported architecture) with seeded random weights and a tiny vocabulary -- no tokenizer, the
    prompts are token ids;
-2. ``generate``\\ s completions for a few left-padded prompts with capture on
-   (:func:`replaymoe.hf.enable`) and saves one :class:`~replaymoe.trace.RoutingTrace` per sequence
-   and a heatmap of expert load;
+2. ``generate`` samples completions for a few left-padded prompts with capture on
+   (:func:`replaymoe.hf.enable`) and saves one :class:`~replaymoe.trace.RoutingTrace` per sequence;
 3. perturbs the router weights slightly (as one optimizer step would) and runs the "trainer"
    forward over prompt + completion twice: with native routing and with the rollout's routing
    replayed;
-4. prints router agreement per layer between rollout and trainer, the max |Δ log-prob| of the
-   generated tokens, and the router's gradient norm under replay.
+4. prints, for both, router agreement per layer between rollout and trainer and the R3 paper's
+   figures (router decisions that differ, tokens that differ in at least one layer, mean
+   KL(rollout || trainer) over the generated tokens, share of "extreme" tokens whose log-prob moved
+   by more than ln 2), and the router's gradient norm under replay; writes a picture of the
+   rollout's expert load beside per-layer agreement, and ``summary.json``.
 
-``python -m replaymoe.demo --help`` lists the options. :func:`build_model` is reused by the tests
-and the benchmark.
+``python -m replaymoe.demo --help`` lists the options. Exit codes as ``replaymoe.cli``: 0, 1 (the
+router got no gradient under replay), 2 (a bad option or file).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,39 +40,39 @@ from replaymoe.hf.models import ARCHITECTURES, SIZES, build_config, build_model
 
 __all__ = ["ARCHITECTURES", "SIZES", "build_config", "build_model", "main"]
 
+EXIT_USAGE = 2  # replaymoe.cli: bad options or files
+LN2 = math.log(2.0)
+
+
+class _DemoError(Exception):
+    """A bad option or input file: one line on stderr, exit code 2."""
+
+
 # --------------------------------------------------------------------------------------------------
 # the demo
 # --------------------------------------------------------------------------------------------------
 
 
 class _Progress:
-    """A one-line progress bar on stderr, driven as a transformers LogitsProcessor (one call per step)."""
+    """A tqdm bar on stderr driven as a transformers LogitsProcessor (one call per generation step).
 
-    def __init__(self, total: int, label: str, enabled: bool = True):
-        self.total, self.label, self.enabled, self.n = total, label, enabled, 0
-        self.t0 = time.perf_counter()
-        self._draw()
+    tqdm names the unit and, when stderr is not a terminal, prints nothing (no ``\\r`` lines).
+    """
 
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        width = 30
-        done = int(width * self.n / max(self.total, 1))
-        rate = self.n / max(time.perf_counter() - self.t0, 1e-9)
-        sys.stderr.write(
-            f"\r{self.label} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} steps {rate:5.1f}/s"
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        from tqdm.auto import tqdm
+
+        # disable=None: tqdm turns itself off when stderr is not a TTY
+        self.bar = tqdm(
+            total=total, desc=desc, unit="step", file=sys.stderr, disable=None if enabled else True
         )
-        sys.stderr.flush()
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.n += 1
-        self._draw()
+        self.bar.update(1)
         return scores
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self.bar.close()
 
 
 def _prompts(num: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
@@ -93,14 +100,17 @@ def _completion_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int) ->
     return lp.gather(-1, ids[:, start:].unsqueeze(-1)).squeeze(-1)
 
 
-def _fmt_layers(values: np.ndarray, layer_ids: list[int]) -> str:
-    return "  ".join(f"L{n}:{v:6.3f}" for n, v in zip(layer_ids, values))
+def _fmt_layers(values, layer_ids: list[int], spec: str = "6.3f") -> str:
+    return "  ".join(f"L{n}:{format(v, spec)}" for n, v in zip(layer_ids, values))
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="replaymoe demo",
         description="Rollout with routing capture, then trainer forwards with and without routing replay.",
+        epilog="exit codes: 0 success; 1 the router got no gradient under replay; 2 a bad option or file. "
+        "Backends: auto = Triton kernels on a GPU, torch reference on the CPU; --backend triton on the "
+        "CPU runs the kernels in Triton's interpreter (the demo re-runs itself with TRITON_INTERPRET=1).",
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     p.add_argument(
@@ -115,13 +125,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fast", action="store_true", help="smaller model and fewer tokens (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--perturb", type=float, default=0.05, help="relative size of the router perturbation (default 0.05)"
+        "--perturb",
+        type=float,
+        default=0.05,
+        help="router perturbation, relative to the weights' std (default 0.05; >= 0)",
     )
     p.add_argument(
         "--backend",
         choices=("auto", "triton", "torch"),
         default="auto",
-        help="replaymoe backend (default auto)",
+        help="replaymoe backend (default auto: Triton on a GPU, torch reference on the CPU)",
     )
     p.add_argument(
         "--from-vllm",
@@ -133,58 +146,188 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.tokens is not None and args.tokens < 2:
-        p.error("--tokens must be >= 2")
+        p.error(f"--tokens must be >= 2, got {args.tokens}")
     if args.prompts < 1:
-        p.error("--prompts must be >= 1")
+        p.error(f"--prompts must be >= 1, got {args.prompts}")
+    if not (math.isfinite(args.perturb) and args.perturb >= 0):
+        p.error(
+            f"--perturb must be a finite number >= 0 (a fraction of the router weights' std), "
+            f"got {args.perturb}"
+        )
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns 0 on success (see the module docstring)."""
+    """Run the demo; returns the exit code (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("replaymoe demo: error: --device cuda, but torch sees no CUDA GPU", file=sys.stderr)
+        return EXIT_USAGE
+    if args.backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads TRITON_INTERPRET when it is imported: only a fresh process can turn it on
+        print(
+            "replaymoe demo: --backend triton on the CPU runs the Triton kernels in Triton's interpreter, "
+            "which must be on before Triton is imported; re-running as TRITON_INTERPRET=1 replaymoe demo "
+            "(slow: about 90 s)",
+            file=sys.stderr,
+        )
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        return subprocess.call([sys.executable, "-m", "replaymoe", "demo", *argv], env=env)
     threads = torch.get_num_threads()
-    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+    if device == "cpu":
         # a model this small is latency-bound: one intra-op thread avoids OpenMP barrier costs
         # (10-100x per op when the cores are shared, e.g. under pytest -n 2)
         torch.set_num_threads(1)
     try:
-        return _run(args)
+        return _run(args, device)
+    except _DemoError as exc:
+        print(f"replaymoe demo: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _prepare_out(path: str) -> Path:
+    """Create the output directory (and traces/) or raise _DemoError saying why it cannot be."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise _DemoError(f"--out {path}: expected a directory, got an existing file")
+    try:
+        (out / "traces").mkdir(parents=True, exist_ok=True)
+        probe = out / ".replaymoe-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise _DemoError(
+            f"--out {path}: cannot create or write this directory ({exc.strerror or exc})"
+        ) from None
+    return out
+
+
+def _read_vllm(path: str):
+    """(prompt ids, completion ids, RoutingTrace) of a vLLM response file, or raise _DemoError."""
+    from replaymoe.trace import RoutingTrace
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise _DemoError(f"--from-vllm {path}: cannot read it ({exc.strerror or exc})") from None
+    if data[:4] == b"PK\x03\x04":
+        raise _DemoError(
+            f"--from-vllm {path}: this is a replaymoe trace file (RoutingTrace.save), not a vLLM response; "
+            "--from-vllm needs the response JSON (prompt_token_ids, choices[0].token_ids, routed_experts), "
+            "e.g. the vllm_response_seq0.json this demo writes (replaymoe inspect reads trace files)"
+        )
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _DemoError(
+            f"--from-vllm {path}: expected a vLLM response in JSON, got invalid JSON ({exc})"
+        ) from None
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    prompt, completion = (
+        (obj.get("prompt_token_ids") if isinstance(obj, dict) else None),
+        choice.get("token_ids"),
+    )
+    if prompt is None or completion is None:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise _DemoError(
+            f"--from-vllm {path}: expected a response with prompt_token_ids and choices[0].token_ids, "
+            f"got keys {keys} / {sorted(choice)}"
+        )
+    try:
+        trace = RoutingTrace.from_vllm(obj)  # vLLM sends neither E nor layer numbers
+    except ValueError as exc:
+        raise _DemoError(f"--from-vllm {path}: {exc}") from None
+    return list(prompt), list(completion), trace
+
+
+def _backend_words(backend: str, device: str) -> str:
+    if backend == "torch" or (backend == "auto" and device != "cuda"):
+        hint = (
+            " (on the CPU; the Triton kernels run on a GPU, or here with --backend triton in Triton's "
+            "interpreter, about 90 s)"
+            if device != "cuda"
+            else ""
+        )
+        return "torch reference" + hint
+    if device == "cuda":
+        return "Triton kernels (GPU)"
+    return "Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1)"
+
+
+def _r3_figures(agreements, lp_trainer, lp_rollout, logits_trainer, logits_rollout) -> dict[str, float]:
+    """The R3 paper's figures for one trainer forward against the rollout.
+
+    agreements: one AgreementReport per sequence; lp_*: [B, N] log-probs of the generated tokens;
+    logits_*: [B, N, V] the distributions those tokens were sampled from / scored under.
+    """
+    same_dec = sum(float(np.nansum(r.per_layer * r.compared_per_layer)) for r in agreements)
+    n_dec = sum(int(r.compared_per_layer.sum()) for r in agreements)
+    same_tok = sum(float(r.all_layers) * r.compared_tokens for r in agreements if r.compared_tokens)
+    n_tok = sum(r.compared_tokens for r in agreements)
+    logp = torch.log_softmax(logits_rollout.float(), -1)
+    logq = torch.log_softmax(logits_trainer.float(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, N]
+    dlp = (lp_trainer.detach() - lp_rollout).abs()
+    return {
+        "decisions_differ": 1.0 - same_dec / n_dec if n_dec else float("nan"),
+        "tokens_differ_any_layer": 1.0 - same_tok / n_tok if n_tok else float("nan"),
+        "mean_kl_rollout_trainer": float(kl.mean()),
+        "extreme_token_share": float((dlp > LN2).float().mean()),
+        "max_abs_dlogprob": float(dlp.max()),
+    }
+
+
+def _run(args: argparse.Namespace, device: str) -> int:
     t_start = time.perf_counter()
     import replaymoe.hf as rhf
+
+    out_dir = _prepare_out(args.out)  # before any work: a bad --out fails at once
+    vllm = _read_vllm(args.from_vllm) if args.from_vllm else None  # so does a bad --from-vllm
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model(
+        args.model_config, "tiny" if args.fast else "demo", seed=args.seed, dtype=dtype, device=device
+    )
+    moe = rhf.enable(model, capture=True, backend=args.backend)
+    try:
+        return _run_enabled(args, device, out_dir, vllm, model, moe, t_start)
+    finally:
+        moe.disable()
+
+
+def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float) -> int:
+    from replaymoe.replay import ReplaySource
     from replaymoe.stats import agreement, plot_heatmap
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("replaymoe demo: --device cuda requested but CUDA is not available", file=sys.stderr)
-        return 2
-    torch.manual_seed(args.seed)
-    size = "tiny" if args.fast else "demo"
+    cfg, dtype = model.config, next(model.parameters()).dtype
     new_tokens = args.tokens or (8 if args.fast else 24)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    out_dir = Path(args.out)
-    (out_dir / "traces").mkdir(parents=True, exist_ok=True)
-
-    model = build_model(args.model_config, size, seed=args.seed, dtype=dtype, device=device)
-    cfg = model.config
-    moe = rhf.enable(model, capture=True, backend=args.backend)
     L, K, E = len(moe.layers), moe.top_k, moe.num_experts
+    ids_of = moe.layer_ids
+    if vllm is not None:  # the response must fit this model: checked before the run, not after
+        try:
+            ReplaySource(vllm[2]).check_model(L, K, E)
+        except ValueError as exc:
+            raise _DemoError(f"--from-vllm {args.from_vllm}: {exc}") from None
     n_params = sum(p.numel() for p in model.parameters())
+    backend_words = _backend_words(args.backend, device)
     print(
         f"model: {type(model).__name__} ({args.model_config}, random weights, seed {args.seed}), "
-        f"{cfg.num_hidden_layers} layers ({L} MoE: layer_ids {moe.layer_ids}), {E} experts, top-{K}, "
-        f"hidden {cfg.hidden_size}, {n_params / 1e6:.2f}M params, {dtype} on {device}"
+        f"{cfg.num_hidden_layers} layers ({L} MoE: {', '.join(f'L{i}' for i in ids_of)}), {E} experts, "
+        f"top-{K}, hidden {cfg.hidden_size}, {n_params / 1e6:.2f}M params, {dtype} on {device}"
     )
+    print(f"backend: {backend_words}")
 
     # ---------------------------------------------------------------- rollout (generate + capture)
     prompts = _prompts(args.prompts, cfg.vocab_size, (4, 12) if args.fast else (6, 20), args.seed)
     ids, mask = _left_pad(prompts, device)
     progress = _Progress(new_tokens, "rollout: generate", enabled=not args.quiet)
     torch.manual_seed(args.seed)
+    t_gen = time.perf_counter()
     with torch.no_grad():
         gen = model.generate(
             input_ids=ids,
@@ -200,29 +343,22 @@ def _run(args: argparse.Namespace) -> int:
             output_logits=True,
         )
     progress.close()
+    t_gen = time.perf_counter() - t_gen
     seqs = gen.sequences  # [B, P + new]
     P = ids.shape[1]
-    rollout_lp = torch.stack(
-        [
-            torch.log_softmax(lg.float(), -1).gather(-1, seqs[:, P + i, None]).squeeze(-1)
-            for i, lg in enumerate(gen.logits)
-        ],
-        dim=1,
-    )  # [B, new]
+    rollout_logits = torch.stack([lg.float() for lg in gen.logits], dim=1)  # [B, new, V], sampled from
+    rollout_lp = torch.log_softmax(rollout_logits, -1).gather(-1, seqs[:, P:, None]).squeeze(-1)  # [B, new]
     rollout = moe.traces()
     assert len(rollout) == len(prompts), (len(rollout), len(prompts))
-    paths = []
     for i, tr in enumerate(rollout):
-        path = out_dir / "traces" / f"seq{i}.rmtrace"
-        tr.save(path)
-        paths.append(path)
-    heat_path = out_dir / "heatmap.png"
-    # all sequences' tokens stacked into one trace for the expert-load heatmap
-    plot_heatmap(rollout[0].replace(ids=np.concatenate([t.ids for t in rollout])), heat_path)
+        tr.save(out_dir / "traces" / f"seq{i}.rmtrace")
+    lengths = [t.num_tokens for t in rollout]
+    routed = sum(lengths)
     print(
         f"rollout: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens "
-        f"(left-padded to {P}), {new_tokens} new tokens each; captured {len(rollout)} traces, "
-        f"positions {[t.num_tokens for t in rollout]} (prompt + completion - 1)"
+        f"(left-padded to {P}), {new_tokens} new tokens each, in {t_gen:.1f} s; captured {len(rollout)} "
+        f"traces of {', '.join(map(str, lengths))} positions = {routed} routed tokens "
+        "(prompt + completion - 1: the last sampled token is never fed back, so it has no routing)"
     )
 
     # ---------------------------------------------------------------- trainer: one "optimizer step"
@@ -233,7 +369,9 @@ def _run(args: argparse.Namespace) -> int:
             w = info.router.weight
             noise = torch.randn(w.shape, generator=g).to(device=w.device, dtype=torch.float32)
             w.add_((noise * args.perturb * w.float().std()).to(w.dtype))
-    print(f"trainer: router weights perturbed by {args.perturb:.0%} of their std (one optimizer step)")
+    print(
+        f"trainer: router weights perturbed by {args.perturb:.0%} of their std (as one optimizer step would)"
+    )
 
     def trainer_forward(replay, *, grad: bool):
         model.train(grad)
@@ -252,107 +390,148 @@ def _run(args: argparse.Namespace) -> int:
     model.eval()
 
     def agree(trainer_traces):
-        per_layer, all_layers = [], []
-        for a, b in zip(rollout, trainer_traces):
-            b = b.replace(ids=b.ids[: a.num_tokens])
-            r = agreement(a, b)
-            per_layer.append(np.asarray(r.per_layer, dtype=np.float64) * a.num_tokens)
-            all_layers.append(float(r.all_layers) * a.num_tokens)
-        n = sum(t.num_tokens for t in rollout)
-        return np.sum(per_layer, axis=0) / n, sum(all_layers) / n
+        reports = [
+            agreement(a, b.replace(ids=b.ids[: a.num_tokens])) for a, b in zip(rollout, trainer_traces)
+        ]
+        weights = [a.num_tokens for a in rollout]
+        per_layer = np.sum([np.asarray(r.per_layer) * w for r, w in zip(reports, weights)], axis=0) / sum(
+            weights
+        )
+        return reports, per_layer
 
-    a_nat, a_nat_all = agree(native_traces)
-    a_rep, a_rep_all = agree(replay_traces)
-    d_native = (lp_native - rollout_lp).abs().max().item()
-    d_replay = (lp_replay.detach() - rollout_lp).abs().max().item()
+    rep_nat, a_nat = agree(native_traces)
+    rep_rep, a_rep = agree(replay_traces)
+    trainer_span = slice(P - 1, -1)  # the trainer's distributions over the generated tokens
+    r3_nat = _r3_figures(
+        rep_nat, lp_native, rollout_lp, native_logits[:, trainer_span].detach(), rollout_logits
+    )
+    r3_rep = _r3_figures(
+        rep_rep, lp_replay, rollout_lp, replay_logits[:, trainer_span].detach(), rollout_logits
+    )
     gnorms = [
         float(info.router.weight.grad.float().norm()) if info.router.weight.grad is not None else 0.0
         for info in moe.layers
     ]
+    n_gen = rollout_lp.numel()
 
     print()
-    print("router agreement, rollout vs trainer (fraction of tokens with the same expert set)")
-    print(f"  native routing : {_fmt_layers(a_nat, moe.layer_ids)}   all layers: {a_nat_all:.3f}")
-    print(f"  with replay    : {_fmt_layers(a_rep, moe.layer_ids)}   all layers: {a_rep_all:.3f}")
-    print("max |Δ log-prob| of the generated tokens, trainer vs rollout")
-    print(f"  native routing : {d_native:.4g}")
-    print(f"  with replay    : {d_replay:.4g}")
+    print("router agreement per layer, rollout vs trainer (share of tokens with the same expert set)")
+    print(f"  native routing : {_fmt_layers(a_nat, ids_of)}")
+    print(f"  with replay    : {_fmt_layers(a_rep, ids_of)}")
+    print(
+        f"R3 figures, trainer vs rollout ({n_gen} generated tokens, {routed} routed tokens x {L} MoE layers)"
+    )
+    rows = [
+        ("router decisions (token, layer) that differ", "decisions_differ", ".1%"),
+        ("tokens that differ in >= 1 layer", "tokens_differ_any_layer", ".1%"),
+        ("mean KL(rollout || trainer), generated tokens", "mean_kl_rollout_trainer", ".2e"),
+        ("extreme tokens: |Δ log-prob| > ln 2", "extreme_token_share", ".1%"),
+        ("max |Δ log-prob| of the generated tokens", "max_abs_dlogprob", ".3g"),
+    ]
+    w = max(len(r[0]) for r in rows)
+    print(f"  {'':{w}}  {'native routing':>14}  {'with replay':>12}")
+    for label, key, spec in rows:
+        print(f"  {label:{w}}  {format(r3_nat[key], spec):>14}  {format(r3_rep[key], spec):>12}")
+    print(
+        "  (under replay |Δ log-prob| is not 0: the experts are the rollout's, but their gate weights\n"
+        "   are recomputed from the perturbed router's logits, so each token's mix of the same experts\n"
+        "   moves a little)"
+    )
     print(
         "gradients reach the router under replay: ||∂loss/∂W_router|| per layer "
-        + _fmt_layers(np.asarray(gnorms), moe.layer_ids)
+        + _fmt_layers(gnorms, ids_of)
     )
-    print(f"  {report}".replace("\n", "\n  "))
-    print("  (the fallback is each sequence's last token: it was sampled, never fed back, so has no routing)")
+    seen = np.asarray(getattr(report, "tokens_seen_per_layer", []), dtype=np.int64)
+    fb = np.asarray(getattr(report, "fallback_tokens_per_layer", []), dtype=np.int64)
+    if seen.size == L and fb.size == L:
+        if (seen == seen[0]).all() and (fb == fb[0]).all():
+            counts = f"{int(seen[0])} tokens in each MoE layer"
+            fallback = f"{int(fb[0])} tokens per layer"
+        else:
+            counts = "tokens per layer " + _fmt_layers(seen, ids_of, "d")
+            fallback = "per layer " + _fmt_layers(fb, ids_of, "d")
+        print(
+            f"replay: {counts} ({routed} with the rollout's routing); {fallback} had none and were routed "
+            f"natively: each sequence's last sampled token ({len(rollout)} sequences)"
+        )
+    elif report is not None:
+        print(f"  {report}".replace("\n", "\n  "))
     print(
-        f"=> without replay the trainer routes {1 - a_nat_all:.0%} of the tokens differently from the "
-        "rollout in at least one layer;\n   with replay it uses the rollout's experts "
-        f"({a_rep_all:.0%} agreement) and the router still gets gradients (R3, rollout routing replay)."
+        f"=> without replay the trainer routes {r3_nat['tokens_differ_any_layer']:.0%} of the tokens "
+        "differently from the rollout in at least one layer;\n   with replay "
+        f"{r3_rep['tokens_differ_any_layer']:.0%}, and the router still gets gradients "
+        "(R3, rollout routing replay)."
     )
     ok_grad = all(g > 0 and np.isfinite(g) for g in gnorms)
 
+    # ---------------------------------------------------------------- picture: load + agreement
+    heat_path = out_dir / "heatmap.png"
+    all_rollout = rollout[0].replace(ids=np.concatenate([t.ids for t in rollout]))  # sequences stacked
+    plot_heatmap(
+        all_rollout,
+        heat_path,
+        title=f"rollout expert load: {routed} routed tokens, {len(rollout)} sequences, top-{K}",
+        agreement={"native routing": a_nat, "with replay": a_rep},
+        agreement_title="rollout vs trainer",
+    )
+
     # ---------------------------------------------------------------- optional: vLLM response
-    vllm_note = None
-    if args.from_vllm:
-        try:
-            vllm_note = _replay_vllm(args.from_vllm, model, moe, device)
-        except (OSError, ValueError) as exc:  # unreadable file, not a vLLM response, other model shape
-            print(f"replaymoe demo: --from-vllm {args.from_vllm}: {exc}", file=sys.stderr)
-            moe.disable()
-            return 2
-        print(vllm_note)
+    if vllm is not None:
+        print(_replay_vllm(args.from_vllm, vllm, model, moe, device))
 
     # example vLLM-style response of sequence 0 (round trip: --from-vllm this file)
     resp_path = out_dir / "vllm_response_seq0.json"
-    prompt0 = prompts[0]
-    completion0 = seqs[0, P:].tolist()
     resp_path.write_text(
         json.dumps(
             {
                 "model": moe.model_id,
-                "prompt_token_ids": prompt0,
-                "choices": [{"index": 0, "token_ids": completion0, "routed_experts": rollout[0].to_vllm()}],
+                "prompt_token_ids": prompts[0],
+                "choices": [
+                    {"index": 0, "token_ids": seqs[0, P:].tolist(), "routed_experts": rollout[0].to_vllm()}
+                ],
             }
         )
     )
+    seconds = time.perf_counter() - t_start
     summary = {
         "architecture": args.model_config,
-        "layer_ids": moe.layer_ids,
+        "backend": backend_words,
+        "device": device,
+        "layer_ids": ids_of,
+        "generated_tokens": n_gen,
+        "rollout_routed_tokens": routed,
         "agreement_native": a_nat.tolist(),
         "agreement_replay": a_rep.tolist(),
-        "agreement_native_all_layers": a_nat_all,
-        "agreement_replay_all_layers": a_rep_all,
-        "max_abs_dlogprob_native": d_native,
-        "max_abs_dlogprob_replay": d_replay,
+        "agreement_native_all_layers": 1.0 - r3_nat["tokens_differ_any_layer"],
+        "agreement_replay_all_layers": 1.0 - r3_rep["tokens_differ_any_layer"],
+        "r3_native": r3_nat,
+        "r3_replay": r3_rep,
+        "max_abs_dlogprob_native": r3_nat["max_abs_dlogprob"],
+        "max_abs_dlogprob_replay": r3_rep["max_abs_dlogprob"],
+        "replay_tokens_per_layer": seen.tolist(),
+        "replay_fallback_tokens_per_layer": fb.tolist(),
         "router_grad_norm_replay": gnorms,
-        "seconds": time.perf_counter() - t_start,
+        "seconds": seconds,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    moe.disable()
 
     print()
-    print(f"traces     : {out_dir / 'traces'}/seq*.rmtrace ({len(paths)} files; RoutingTrace.load)")
-    print(f"heatmap    : {heat_path}")
+    print(f"traces     : {out_dir / 'traces'}/seq*.rmtrace ({len(rollout)} files; RoutingTrace.load)")
+    print(
+        f"picture    : {heat_path} (rollout expert load per layer, beside agreement with and without replay)"
+    )
     print(f"vLLM-style : {resp_path} (try: replaymoe demo --from-vllm {resp_path})")
-    print(f"summary    : {out_dir / 'summary.json'}  ({summary['seconds']:.1f} s)")
+    print(f"summary    : {out_dir / 'summary.json'} (the figures above)")
+    print(f"time       : {seconds:.1f} s for the demo (model, rollout, trainer forwards, files)")
     return 0 if ok_grad else 1
 
 
-def _replay_vllm(path: str, model, moe, device) -> str:
+def _replay_vllm(path: str, vllm, model, moe, device) -> str:
     """Replay a vLLM response's routed_experts into a trainer forward over its tokens."""
-    from replaymoe.trace import RoutingTrace
-
-    obj = json.loads(Path(path).read_text())
-    choice = (obj.get("choices") or [{}])[0]
-    prompt, completion = obj.get("prompt_token_ids"), choice.get("token_ids")
-    if prompt is None or completion is None:
-        raise ValueError(
-            f"Invalid value of --from-vllm: expected a response with prompt_token_ids and "
-            f"choices[0].token_ids, got keys {sorted(obj)} / {sorted(choice)}"
-        )
-    trace = RoutingTrace.from_vllm(obj)  # vLLM sends neither E nor layer numbers
+    prompt, completion, trace = vllm
     if trace.num_layers == len(moe.layers):
         trace = trace.replace(layer_ids=moe.layer_ids)  # vLLM's layers are the MoE layers, in order
-    seq = torch.tensor([list(prompt) + list(completion)], device=device)
+    seq = torch.tensor([prompt + completion], device=device)
     moe.traces()  # drop anything captured before
     with torch.no_grad(), moe.replaying(trace):
         model(input_ids=seq)
@@ -360,10 +539,12 @@ def _replay_vllm(path: str, model, moe, device) -> str:
     (used,) = moe.traces()
     n = trace.num_tokens
     same = bool(np.array_equal(used.ids[trace.token_offset : trace.token_offset + n], trace.ids))
+    fb = np.asarray(getattr(rep, "fallback_tokens_per_layer", [0]))
     return (
         f"vLLM response {path}: {trace!r}\n"
-        f"  trainer forward over its {seq.shape[1]} tokens: ids identical to the response's: {same}\n"
-        f"  {rep}".replace("\n  most", "\n    most")
+        f"  trainer forward over its {seq.shape[1]} tokens: ids identical to the response's: {same}; "
+        f"{int(fb.max()) if fb.size else 0} token(s) per layer without routing in the response "
+        "(routed natively)"
     )
 
 

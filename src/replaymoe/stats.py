@@ -284,7 +284,7 @@ def plot_heatmap(
     with np.errstate(invalid="ignore", divide="ignore"):
         share = load / load.sum(1, keepdims=True)
     width = min(4 + E * 0.06, 20) + (3.2 if bars else 0.0)
-    fig = Figure(figsize=(width, min(2.2 + L * (0.3 if bars else 0.18), 16)))
+    fig = Figure(figsize=(width, min((2.8 + L * 0.3) if bars else (2 + L * 0.18), 16)))
     FigureCanvasAgg(fig)
     if bars:
         grid = fig.add_gridspec(1, 2, width_ratios=[max(3.0, E * 0.06), 2.4])
@@ -297,6 +297,7 @@ def plot_heatmap(
     ax.set_xlabel(f"expert (E = {E}; even share = {1 / E:.3g})")
     ax.set_ylabel("MoE layer")
     ax.xaxis.set_major_locator(MaxNLocator(nbins=min(E, 16), integer=True))  # experts are integers
+    ax.tick_params(axis="x", labelsize=7 if E > 10 else 9)
     layer_ids = tr[0].model_layer_ids()
     if L <= 64:
         ax.set_yticks(range(L))
@@ -305,7 +306,10 @@ def plot_heatmap(
         )
         ax.tick_params(axis="y", labelsize=6 if L > 16 else 8)
     tokens = sum(t.num_tokens for t in tr)
-    ax.set_title(title or f"{tr[0].model_id or 'routing'}: expert load, {tokens} tokens, top-{tr[0].top_k}")
+    ax.set_title(
+        title or f"{tr[0].model_id or 'routing'}: expert load, {tokens} tokens, top-{tr[0].top_k}",
+        fontsize=9 if bars else None,
+    )
     if bx is not None:
         n = len(bars)
         h = 0.8 / n
@@ -323,7 +327,7 @@ def plot_heatmap(
         bx.tick_params(axis="y", labelleft=False)
         bx.set_xlabel("tokens with the same expert set")
         bx.set_title(agreement_title or "agreement per layer", fontsize=9)
-        bx.legend(loc="lower left", fontsize=7, framealpha=0.9)
+        bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(bars), fontsize=7, frameon=False)
     fig.tight_layout()
     path = os.fspath(path)
     fig.savefig(path, dpi=dpi, format=fmt)
