@@ -41,20 +41,24 @@ def _pick(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
-def _pack_one(
-    src, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
-    dst_rank_stride, dst_base,
-    RB: tl.constexpr, N: tl.constexpr, NB: tl.constexpr, OFF: tl.constexpr, EP: tl.constexpr,
-):  # fmt: skip
-    """Rows ``toks`` of one payload (units [T, N], contiguous), column chunk ``chunk`` of width NB,
-    stored at ``dst_base + r * dst_rank_stride + slot * RB + OFF`` of every rank r with slot >= 0."""
+def _load_rows(src, toks, tmask, chunk, N: tl.constexpr, NB: tl.constexpr):
+    """Tile [TT, NB] of rows ``toks`` of a contiguous [T, N] payload, column chunk ``chunk``."""
     cols = chunk * NB + tl.arange(0, NB)
-    cm = cols < N
-    m = tmask[:, None] & cm[None, :]
-    vals = tl.load(src + toks[:, None] * N + cols[None, :], mask=m)
+    m = tmask[:, None] & (cols < N)[None, :]
+    return tl.load(src + toks[:, None] * N + cols[None, :], mask=m)
+
+
+@triton.jit
+def _store_rows(vals, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
+                dst_rank_stride, dst_base, RB: tl.constexpr, N: tl.constexpr, NB: tl.constexpr,
+                OFF: tl.constexpr, EP: tl.constexpr):  # fmt: skip
+    """Store the tile at ``dst_base + r * dst_rank_stride + slot * RB + OFF`` of every rank r with
+    slot >= 0 (``slots``: [TT, EP_P2] tile of the plan)."""
+    cols = chunk * NB + tl.arange(0, NB)
+    m = tmask[:, None] & (cols < N)[None, :]
     for r in tl.static_range(EP):
         base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-        slot = tl.load(slot_ptr + toks * EP + r, mask=tmask, other=-1).to(tl.int64)
+        slot = tl.sum(tl.where(ranks[None, :] == r, slots, 0), axis=1).to(tl.int64)
         # (r + toks * 0) is an int64 rank index, so the product cannot overflow int32
         off = (toks * 0 + r) * dst_rank_stride + dst_base + slot * RB + OFF
         tl.store(base + off[:, None] + cols[None, :], vals, mask=m & (slot >= 0)[:, None])
@@ -93,34 +97,46 @@ def ep_pack_kernel(
     O3: tl.constexpr,  # unit offset of each payload's region in a row
     NP: tl.constexpr,
     EP: tl.constexpr,
+    EP_P2: tl.constexpr,
     TT: tl.constexpr,  # tokens per iteration
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
-    stores issued from the same program: with ``symm`` every peer is written concurrently). The grid's
-    first axis bounds the number of SMs used (``num_sms``)."""
+    stores issued from the same program: with ``symm`` every peer is written concurrently). Each
+    iteration loads the plan and every payload's tile first and stores after, so one memory latency
+    is paid per iteration. The grid's first axis bounds the number of SMs used (``num_sms``)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     chunk = tl.program_id(1)
+    ranks = tl.arange(0, EP_P2)
     for t0 in range(pid * TT, T, nprog * TT):
         toks = (t0 + tl.arange(0, TT)).to(tl.int64)
         tmask = toks < T
-        _pack_one(s0, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
-                  dst_rank_stride, dst_base, RB, N0, NB0, O0, EP)  # fmt: skip
+        sm = tmask[:, None] & (ranks < EP)[None, :]
+        slots = tl.load(slot_ptr + toks[:, None] * EP + ranks[None, :], mask=sm, other=-1)
+        v0 = _load_rows(s0, toks, tmask, chunk, N0, NB0)
         if NP > 1:
-            _pack_one(s1, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
-                      dst_rank_stride, dst_base, RB, N1, NB1, O1, EP)  # fmt: skip
+            v1 = _load_rows(s1, toks, tmask, chunk, N1, NB1)
         if NP > 2:
-            _pack_one(s2, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
-                      dst_rank_stride, dst_base, RB, N2, NB2, O2, EP)  # fmt: skip
+            v2 = _load_rows(s2, toks, tmask, chunk, N2, NB2)
         if NP > 3:
-            _pack_one(s3, slot_ptr, toks, tmask, chunk, p0, p1, p2, p3, p4, p5, p6, p7,
-                      dst_rank_stride, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
+            v3 = _load_rows(s3, toks, tmask, chunk, N3, NB3)
+        _store_rows(v0, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
+                    dst_rank_stride, dst_base, RB, N0, NB0, O0, EP)  # fmt: skip
+        if NP > 1:
+            _store_rows(v1, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
+                        dst_rank_stride, dst_base, RB, N1, NB1, O1, EP)  # fmt: skip
+        if NP > 2:
+            _store_rows(v2, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
+                        dst_rank_stride, dst_base, RB, N2, NB2, O2, EP)  # fmt: skip
+        if NP > 3:
+            _store_rows(v3, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
+                        dst_rank_stride, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
 
 
 @triton.jit
 def ep_combine_send_kernel(
-    src_ptr,  # combine payload as units [EP, rows, n_cols] with strides (src_block_stride, src_row_stride)
+    src_ptr,  # combine payload [EP, rows, n_cols] with strides (src_block_stride, src_row_stride)
     counts_ptr,  # int32 [EP]: rows received from each source in the dispatch (only these go back)
     p0,
     p1,
@@ -129,33 +145,40 @@ def ep_combine_send_kernel(
     p4,
     p5,
     p6,
-    p7,  # each source rank's combine receive buffer (units)
+    p7,  # each source rank's combine receive buffer
     rows,  # runtime_max_tokens_per_rank
     n_cols,
     src_block_stride,
     src_row_stride,
-    dst_offset,  # units: this rank's block in every source's combine receive buffer
+    dst_offset,  # elements: this rank's block in every source's combine receive buffer
     dst_row_stride,
     EP: tl.constexpr,
     NB: tl.constexpr,  # column chunk (power of 2); program_id(1) is the chunk
     TT: tl.constexpr,  # rows per iteration
 ):
     """Send row ``[s, j]`` (``j < counts[s]``) back to source rank ``s`` at ``[this rank, j]``.
-    Persistent over ``j`` (the grid's first axis bounds the SMs used); rows past a source's count
-    are neither read nor sent."""
+    Persistent over the flattened rows ``s * rows + j`` (the grid's first axis bounds the SMs used):
+    each iteration loads TT rows, whichever sources they belong to, then stores each to its source;
+    rows past a source's count are neither read nor sent."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.program_id(1) * NB + tl.arange(0, NB)
     cm = cols < n_cols
-    for j0 in range(pid * TT, rows, nprog * TT):
-        j = (j0 + tl.arange(0, TT)).to(tl.int64)
-        for s in tl.static_range(EP):
-            live = j < tl.load(counts_ptr + s)
-            m = live[:, None] & cm[None, :]
-            row = src_block_stride.to(tl.int64) * s + j * src_row_stride
-            v = tl.load(src_ptr + row[:, None] + cols[None, :], mask=m)
-            base = _pick(s, p0, p1, p2, p3, p4, p5, p6, p7)
-            tl.store(base + dst_offset + j[:, None] * dst_row_stride + cols[None, :], v, mask=m)
+    total = rows * EP
+    for r0 in range(pid * TT, total, nprog * TT):
+        rr = r0 + tl.arange(0, TT)
+        s = rr // rows
+        j = (rr % rows).to(tl.int64)
+        inr = rr < total
+        cnt = tl.load(counts_ptr + s, mask=inr, other=0)
+        live = inr & (j < cnt)
+        m = live[:, None] & cm[None, :]
+        row = s.to(tl.int64) * src_block_stride + j * src_row_stride
+        v = tl.load(src_ptr + row[:, None] + cols[None, :], mask=m)
+        dst = dst_offset + j * dst_row_stride
+        for r in tl.static_range(EP):
+            base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+            tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r)[:, None])
 
 
 @triton.jit

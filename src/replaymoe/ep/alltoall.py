@@ -639,7 +639,7 @@ class MoeAlltoAll:
             Os = [specs[i].offset // u for i in grp]
             chunks = max(triton.cdiv(n, b) for n, b in zip(Ns, NBs))
             pad = 4 - len(grp)
-            TT = 2 if max(NBs) >= 1024 else 16
+            TT = 4 if max(NBs) >= 2048 else 2 if max(NBs) >= 1024 else 16
             elems = TT * max(NBs)
             warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
             dsts = [d.view(unit) for d in tg.dsts]
@@ -648,7 +648,8 @@ class MoeAlltoAll:
                 _PackGroup(
                     idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
                     consts=(tg.dst_rank_stride // u, tg.dst_base // u, layout.row_bytes // u,
-                            *(Ns + [1] * pad), *(NBs + [1] * pad), *(Os + [0] * pad), len(grp), self.ep, TT),
+                            *(Ns + [1] * pad), *(NBs + [1] * pad), *(Os + [0] * pad), len(grp), self.ep,
+                            ep_p2, TT),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )
             )  # fmt: skip
@@ -844,7 +845,7 @@ def _combine_reduce(
 
             nb = min(_REDUCE_CHUNK, triton.next_power_of_2(H))
             chunks = triton.cdiv(H, nb)
-            tt = 2 if nb >= 1024 else 8
+            tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
             warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
             plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, -(-T // tt) * chunks, nb, tt)
             if cache is not None:

@@ -134,13 +134,13 @@ class SymmTransport:
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
             nb = min(_a._REDUCE_CHUNK, triton.next_power_of_2(H))
             chunks = triton.cdiv(H, nb)
-            tt = 2 if nb >= 1024 else 8
+            tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
             warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
             rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
             c = (Launcher(ep_combine_send_kernel, num_warps=warps), dst, nb, chunks, tt, rows)
             self._ckeys[key] = c
         launch, dst, nb, chunks, tt, rows = c
-        nprog = max(1, a._programs(triton.cdiv(rt, tt) * chunks) // chunks)
+        nprog = max(1, a._programs(triton.cdiv(a.ep * rt, tt) * chunks) // chunks)
         launch(
             (nprog, chunks),
             (payload, a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
