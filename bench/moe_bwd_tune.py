@@ -17,13 +17,16 @@ from replaymoe.bench.train import SHAPES, _inputs, _weights
 
 OUT = os.environ.get("OUT", "/tmp")
 
-# (block_m, A: bn bk warps stages, X: bn bk warps stages, W: bm bn bk warps stages)
+# (block_m, dA: bn bk warps stages, dX: bn bk warps stages, dW: bm bn bk warps stages, group_m, dw_mode)
+C = M.MoEBwdConfig
 VARIANTS = {
-    "v0": M.MoEBwdConfig(128, 64, 64, 8, 3, 128, 64, 8, 3, 128, 128, 64, 8, 3),
-    "v1": M.MoEBwdConfig(128, 128, 64, 8, 3, 256, 64, 8, 3, 128, 256, 64, 8, 3),
-    "v2": M.MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 256, 128, 64, 8, 3),
-    "v3": M.MoEBwdConfig(128, 256, 64, 8, 3, 128, 128, 8, 3, 128, 128, 64, 4, 4),
-    "v4": M.MoEBwdConfig(64, 128, 64, 4, 4, 128, 64, 4, 4, 128, 128, 32, 8, 4),
+    "w0": C(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 64, 8, 3, 8, 0),
+    "w1": C(128, 256, 64, 8, 3, 256, 64, 8, 3, 128, 128, 64, 8, 3, 8, 1),
+    "w2": C(128, 256, 64, 8, 4, 128, 64, 8, 4, 128, 128, 64, 8, 3, 8, 2),
+    "w3": C(128, 128, 64, 8, 3, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 2),
+    "w4": C(128, 128, 64, 4, 4, 256, 64, 8, 4, 128, 128, 64, 8, 4, 8, 2),
+    "w5": C(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1),
+    "w6": C(128, 128, 64, 8, 4, 256, 64, 8, 4, 256, 128, 64, 8, 3, 8, 2),
 }
 
 
@@ -41,16 +44,24 @@ def main(points):
             x, w13, w2, ids, wts, 0, M._config_tuple(c0), False
         )
         S = T * K
-        flops = {"act": 2 * S * H * I, "dx": 4 * S * H * I, "dw": 6 * S * H * I, "rec": 6 * S * H * I}
-        for vname, cfg in list(VARIANTS.items()) + [("default", M.moe_bwd_config(T, K, H, I, E))]:
+        flops = {"da": 2 * S * H * I, "dx": 4 * S * H * I, "dw": 6 * S * H * I, "gemm1": 4 * S * H * I}
+        ref = None
+        for vname, cfg in [("default", M.moe_bwd_config(T, K, H, I, E))] + list(VARIANTS.items()):
             for rec in (False, True) if vname == "default" else (False,):
 
                 def f(cfg=cfg, rec=rec, args=(dout, x, w13, w2, ids, wts, saved)):
                     return M._launch_bwd(*args, 0, rec, [True] * 4, cfg)
 
                 try:
-                    f()
+                    got = f()
                     torch.cuda.synchronize()
+                    if ref is None:
+                        ref = got
+                    err = max(
+                        float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+                        for a, b in zip(got, ref)
+                    )
+                    del got
                 except Exception as exc:  # noqa: BLE001 - a config may not fit
                     lines.append(f"{name} T={T} {vname} FAILED {type(exc).__name__}: {str(exc)[:120]}")
                     print(lines[-1], flush=True)
@@ -70,17 +81,17 @@ def main(points):
                 per = {}
                 for ev in prof.key_averages():
                     key = ev.key
-                    tag = ("act" if "bwd_act" in key else "dx" if "bwd_dx" in key else "dw" if "bwd_dw" in key
-                           else "reduce" if "reduce" in key else "layout" if "layout" in key else "other")  # fmt: skip
+                    tag = "other"
+                    for t in ("bwd_da", "bwd_swiglu", "bwd_dx", "bwd_dw", "gemm1", "reduce", "layout"):
+                        if t in key:
+                            tag = t.replace("bwd_", "")
                     per[tag] = per.get(tag, 0.0) + ev.device_time_total / 3 / 1e3  # ms per backward
                 desc = " ".join(
-                    f"{k}={v:.3f}ms" + (f"({flops[k] / v / 1e9:.0f}TF)" if k in flops and k != "act" else "")
+                    f"{k}={v:.3f}ms" + (f"({flops[k] / v / 1e9:.0f}TF)" if k in flops else "")
                     for k, v in sorted(per.items())
                 )
-                act_fl = flops["act"] + (flops["rec"] * 2 // 3 if rec else 0)
-                act_tf = act_fl / per.get("act", 1e9) / 1e9
                 line = (f"{name} T={T} {vname}{'+rec' if rec else ''} total={statistics.median(times):.3f}ms "
-                        f"act_TF={act_tf:.0f} {desc}")  # fmt: skip
+                        f"err_vs_default={err:.1e} {desc}")  # fmt: skip
                 lines.append(line)
                 print(line, flush=True)
         torch.cuda.empty_cache()

@@ -734,9 +734,11 @@ def _experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset
 class MoEBwdConfig:
     """Kernel configuration of one fused-MoE backward (chosen by :func:`moe_bwd_config`).
 
-    ``block_m``: rows per tile of the backward's layout; ``*_a`` = the dh/aw kernel (N over I, K over
-    H), ``*_x`` = the dX kernel (N over H, K over 2I), ``*_w`` = the weight-gradient kernel (an
-    ``bm_w × bn_w`` block of one expert's dW, K over its rows).
+    ``block_m``: rows per tile of the backward's layout; ``*_a`` = the dA GEMM (``dO @ W2``, N over
+    I, K over H), ``*_x`` = the dX GEMM (N over H, K over 2I), ``*_w`` = the weight-gradient GEMMs
+    (a ``bm_w × bn_w`` block of one expert's dW, K over its rows). ``dw_mode``: 0 = the token rows
+    of x and dO gathered inside the dW loop; 1 = gathered once into layout order first; 2 = gathered
+    once, transposed (K-major A operands).
     """
 
     block_m: int
@@ -754,6 +756,7 @@ class MoEBwdConfig:
     warps_w: int
     stages_w: int
     group_m: int = 8
+    dw_mode: int = 0
 
 
 def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig:  # noqa: E741
@@ -761,21 +764,27 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig
     slots = max(T * K, 1)
     m_avg = slots / min(E_local, slots)
     if m_avg < 12:
-        bm = 16
-    elif m_avg < 40:
-        bm = 32
-    elif m_avg < 96:
-        bm = 64
-    else:
-        bm = 128
-    w = 8 if bm >= 128 else 4
-    return MoEBwdConfig(bm, 64, 64, w, 3, 128, 64, w, 3, 128, 128, 64, 8, 3)
+        return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3)
+    if m_avg < 40:
+        return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3)
+    if m_avg < 96:
+        return MoEBwdConfig(64, 128, 64, 4, 4, 128, 64, 4, 4, 128, 128, 64, 8, 3)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 64, 8, 3)
 
 
 def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig):
-    """Triton backward: ``(dx, dw13, dw2, dtopk_weights)`` (empty where ``need`` is False)."""
-    from ._kernels.moe import _moe_reduce_kernel
-    from ._kernels.moe_bwd import _moe_bwd_act_kernel, _moe_bwd_dw_kernel, _moe_bwd_dx_kernel
+    """Triton backward: ``(dx, dw13, dw2, dtopk_weights)`` (empty where ``need`` is False).
+
+    Launches: layout (2); GEMM1 again when ``recompute``; dA; SwiGLU backward (elementwise); dX +
+    k-ordered reduce; dW13; dW2. Intermediates: dh [rows, 2I] and aw [rows, I] in layout order.
+    """
+    from ._kernels.moe import _moe_gemm1_kernel, _moe_reduce_kernel
+    from ._kernels.moe_bwd import (
+        _moe_bwd_da_kernel,
+        _moe_bwd_dw_kernel,
+        _moe_bwd_dx_kernel,
+        _moe_bwd_swiglu_kernel,
+    )
     from .layout import expert_layout
 
     T, H = x.shape
@@ -784,11 +793,10 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
     I = two_i // 2  # noqa: E741
     dev = x.device
     slots = T * K
-    empty = [t.new_empty((0,)) for t in (x, w13, w2, topk_weights)]
+    src = (x, w13, w2, topk_weights)
+    empty = [t.new_empty((0,)) for t in src]
     if T == 0:
-        return tuple(
-            torch.zeros_like(t) if n else z for t, n, z in zip((x, w13, w2, topk_weights), need, empty)
-        )
+        return tuple(torch.zeros_like(t) if n else z for t, n, z in zip(src, need, empty))
     x = x.contiguous()
     dout = dout.contiguous()
     ids = topk_ids.contiguous()
@@ -799,19 +807,36 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
     lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
     num_pid_m = lay.max_tiles
     rows = max(lay.sorted_slots.shape[0], 1)
+    bm = c.block_m
+    if recompute:  # GEMM1 again, gate/up per slot only
+        saved = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
+        if num_pid_m:
+            bn1, bk1 = (128, 64) if bm >= 64 else (64, 128)
+            _moe_gemm1_kernel[(num_pid_m * triton_cdiv(I, bn1),)](
+                x, x, w13, w13, saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert, lay.num_tiles,
+                num_pid_m, H, I, K, slots, offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), 0, 0,
+                saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ=False, SAVE_H=True,
+                STORE_ACT=False, EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=c.group_m,
+                DOT_PREC=prec, num_warps=8 if bm >= 128 else 4, num_stages=4 if bm >= 64 else 3,
+            )  # fmt: skip
     dh = torch.empty(rows, two_i, dtype=x.dtype, device=dev)
     aw = torch.empty(rows, I, dtype=x.dtype, device=dev)
-    nb = triton_cdiv(I, c.bn_a)
+    bn_e = 128
+    nb = triton_cdiv(I, bn_e)
     dwp = torch.zeros(slots, nb, dtype=torch.float32, device=dev)
-    h = saved if not recompute else dh
     if num_pid_m:
-        _moe_bwd_act_kernel[(num_pid_m * nb,)](
-            dout, x, w13, w2, h, wts, dh, aw, dwp, lay.sorted_slots, lay.tile_expert, lay.num_tiles,
-            num_pid_m, H, I, K, slots, dout.stride(0), x.stride(0), w13.stride(0), w13.stride(1),
-            w2.stride(0), w2.stride(1), h.stride(0), dh.stride(0), aw.stride(0), RECOMPUTE=recompute,
-            EVEN_K=H % c.bk_a == 0, BLOCK_M=c.block_m, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m,
-            DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
+        _moe_bwd_da_kernel[(num_pid_m * triton_cdiv(I, c.bn_a),)](
+            dout, w2, dh, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I, K, slots,
+            dout.stride(0), w2.stride(0), w2.stride(1), dh.stride(0), EVEN_K=H % c.bk_a == 0, BLOCK_M=bm,
+            BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a,
+            num_stages=c.stages_a,
         )  # fmt: skip
+        br = 16
+        _moe_bwd_swiglu_kernel[(triton_cdiv(num_pid_m * bm, br), nb)](
+            dh, saved, wts, aw, dwp, lay.sorted_slots, lay.num_tiles, I, slots, dh.stride(0), saved.stride(0),
+            aw.stride(0), TILE_M=bm, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
+        )  # fmt: skip
+    del saved
     res = list(empty)
     if need[0]:
         dx = torch.zeros(T, H, dtype=x.dtype, device=dev)
@@ -820,28 +845,50 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
             _moe_bwd_dx_kernel[(num_pid_m * triton_cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, two_i, slots,
                 dh.stride(0), w13.stride(0), w13.stride(1), dxs.stride(0), EVEN_K=two_i % c.bk_x == 0,
-                BLOCK_M=c.block_m, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m, DOT_PREC=prec,
+                BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m, DOT_PREC=prec,
                 num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
             bh = min(1024, max(16, 1 << (H - 1).bit_length()))
             _moe_reduce_kernel[(T, triton_cdiv(H, bh))](
                 dxs, ids, dx, H, K, offset, E_local, dxs.stride(0), dx.stride(0), BLOCK_H=bh, num_warps=4
             )
+            del dxs
         res[0] = dx
-    for i, (p, q, pg, qg, m, n, like) in enumerate(
-        ((dh, x, False, True, two_i, H, w13), (dout, aw, True, False, H, I, w2)), start=1
-    ):
-        if not need[i]:
-            continue
-        dw = torch.empty_like(like, memory_format=torch.contiguous_format)
-        grid = (E_local * triton_cdiv(m, c.bm_w) * triton_cdiv(n, c.bn_w),)
-        _moe_bwd_dw_kernel[grid](
-            p, q, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K, p.stride(0),
-            q.stride(0), dw.stride(0), dw.stride(1), P_GATHER=pg, Q_GATHER=qg, BLOCK_M=c.bm_w,
-            BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_w,
-            num_stages=c.stages_w,
-        )  # fmt: skip
-        res[i] = dw
+    if need[1] or need[2]:
+        mode = c.dw_mode
+        if mode:  # token rows of x and dO gathered once into layout order
+            sl = lay.sorted_slots.long()
+            tok = torch.where((sl >= 0) & (sl < slots), sl // K, 0)  # rows past num_tiles: unspecified
+        # (A, B, A_T, A_GATHER, B_GATHER, C_T, M, N) per weight gradient
+        jobs = {}
+        if need[2]:  # dW2 [H, I] = dO_e^T @ aw_e
+            if mode == 0:
+                jobs[2] = (dout, aw, False, True, False, False, H, I)
+            elif mode == 1:
+                jobs[2] = (dout.index_select(0, tok), aw, False, False, False, False, H, I)
+            else:
+                jobs[2] = (dout.index_select(0, tok).t().contiguous(), aw, True, False, False, False, H, I)
+        if need[1]:  # dW13 [2I, H] = dh_e^T @ x_e  (mode 2: dW13^T = x_e^T @ dh_e, stored transposed)
+            if mode == 0:
+                jobs[1] = (dh, x, False, False, True, False, two_i, H)
+            elif mode == 1:
+                jobs[1] = (dh, x.index_select(0, tok), False, False, False, False, two_i, H)
+            else:
+                jobs[1] = (x.index_select(0, tok).t().contiguous(), dh, True, False, False, True, H, two_i)
+        for i in (2, 1):
+            if i not in jobs:
+                continue
+            a, b, a_t, a_g, b_g, c_t, m, n = jobs.pop(i)
+            dw = torch.empty(src[i].shape, dtype=src[i].dtype, device=dev)
+            grid = (E_local * triton_cdiv(m, c.bm_w) * triton_cdiv(n, c.bn_w),)
+            _moe_bwd_dw_kernel[grid](
+                a, b, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K,
+                a.stride(0), b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t,
+                A_GATHER=a_g, B_GATHER=b_g, C_T=c_t, BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w,
+                GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_w, num_stages=c.stages_w,
+            )  # fmt: skip
+            del a, b
+            res[i] = dw
     if need[3]:
         res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
     return tuple(res)
@@ -935,7 +982,7 @@ def _launch(
         xq, xs, w13, s13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I,
         K, slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, SAVE_H=save,
-        EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
+        STORE_ACT=True, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
         GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)

@@ -75,6 +75,7 @@ def _moe_gemm1_kernel(
     FP8: tl.constexpr,
     PREQ: tl.constexpr,
     SAVE_H: tl.constexpr,
+    STORE_ACT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -85,7 +86,8 @@ def _moe_gemm1_kernel(
     """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for one tile × BLOCK_N.
 
     ``SAVE_H`` (training): also store the gate and up accumulators per slot, h[slot, n] and
-    h[slot, I + n], for the backward."""
+    h[slot, I + n], for the backward; without ``STORE_ACT`` (the backward's recomputation) only
+    those."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -151,6 +153,8 @@ def _moe_gemm1_kernel(
         h_ok = row_ok[:, None] & n_ok[None, :]
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=h_ok)
         tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=h_ok)
+    if not STORE_ACT:
+        return
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     o_ptrs = inter_ptr + out_rows[:, None].to(tl.int64) * stride_im + rn[None, :]
     if PREQ:  # quantize the SwiGLU rows (rounded to bf16 first, as the reference) per 1x128 group

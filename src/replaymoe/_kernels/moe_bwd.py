@@ -30,16 +30,10 @@ from .moe import _grouped_pid
 
 
 @triton.jit
-def _moe_bwd_act_kernel(
+def _moe_bwd_da_kernel(
     dout_ptr,
-    x_ptr,
-    w13_ptr,
     w2_ptr,
-    h_ptr,
-    wts_ptr,
-    dh_ptr,
-    aw_ptr,
-    dwp_ptr,
+    da_ptr,
     sorted_ptr,
     tile_expert_ptr,
     num_tiles_ptr,
@@ -49,15 +43,9 @@ def _moe_bwd_act_kernel(
     TOP_K,
     num_slots,
     stride_dm,
-    stride_xm,
-    stride_w13e,
-    stride_w13n,
     stride_w2e,
     stride_w2h,
-    stride_hm,
-    stride_dhm,
-    stride_awm,
-    RECOMPUTE: tl.constexpr,
+    stride_am,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -65,7 +53,7 @@ def _moe_bwd_act_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """dh, aw (layout rows) and the per-slot partial row dots of one tile × BLOCK_N of I."""
+    """da[row, n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I; padding rows 0."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -76,20 +64,13 @@ def _moe_bwd_act_kernel(
     slots = tl.load(sorted_ptr + pid_m * BLOCK_M + rm)
     rows = (pid_m * BLOCK_M + rm).to(tl.int64)
     row_ok = slots < num_slots
-    slot_c = tl.where(row_ok, slots, 0).to(tl.int64)
-    tok = slot_c // TOP_K
+    tok = (tl.where(row_ok, slots, 0) // TOP_K).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
     rk = tl.arange(0, BLOCK_K)
     d_ptrs = dout_ptr + tok[:, None] * stride_dm + rk[None, :]
     b_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2h + rn[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if RECOMPUTE:
-        x_ptrs = x_ptr + tok[:, None] * stride_xm + rk[None, :]
-        g_ptrs = w13_ptr + e * stride_w13e + rn[None, :] * stride_w13n + rk[:, None]
-        u_ptrs = g_ptrs + I * stride_w13n
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             d = tl.load(d_ptrs, mask=row_ok[:, None], other=0.0)
@@ -99,45 +80,61 @@ def _moe_bwd_act_kernel(
             d = tl.load(d_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(d, b, acc, input_precision=DOT_PREC)
-        if RECOMPUTE:
-            if EVEN_K:
-                xa = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_g = tl.dot(xa, bg, acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(xa, bu, acc_u, input_precision=DOT_PREC)
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
         d_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_w2h
+    o_ptrs = da_ptr + rows[:, None] * stride_am + rn[None, :]
+    tl.store(o_ptrs, acc.to(da_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _moe_bwd_swiglu_kernel(
+    dh_ptr,
+    h_ptr,
+    wts_ptr,
+    aw_ptr,
+    dwp_ptr,
+    sorted_ptr,
+    num_tiles_ptr,
+    I,
+    num_slots,
+    stride_dhm,
+    stride_hm,
+    stride_awm,
+    TILE_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Through SwiGLU, for BLOCK_R layout rows × BLOCK_N of I: reads da' from dh's gate half and
+    g, u from h (per slot); writes dh = [w·da'·u·silu'(g), w·da'·silu(g)] in place, aw = w·a and the
+    partial row dot sum_n da'·a of this block per slot."""
+    pid_r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    used = rows < tl.load(num_tiles_ptr) * TILE_M
+    slots = tl.load(sorted_ptr + rows, mask=used, other=num_slots)
+    row_ok = used & (slots < num_slots)
+    slot_c = tl.where(row_ok, slots, 0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < I
     ok2 = row_ok[:, None] & n_ok[None, :]
-    if RECOMPUTE:
-        g = acc_g
-        u = acc_u
-    else:
-        h_ptrs = h_ptr + slot_c[:, None] * stride_hm + rn[None, :]
-        g = tl.load(h_ptrs, mask=ok2, other=0.0).to(tl.float32)
-        u = tl.load(h_ptrs + I, mask=ok2, other=0.0).to(tl.float32)
+    st = used[:, None] & n_ok[None, :]
+    dh_ptrs = dh_ptr + rows[:, None] * stride_dhm + rn[None, :]
+    da = tl.load(dh_ptrs, mask=ok2, other=0.0).to(tl.float32)
+    h_ptrs = h_ptr + slot_c[:, None] * stride_hm + rn[None, :]
+    g = tl.load(h_ptrs, mask=ok2, other=0.0).to(tl.float32)
+    u = tl.load(h_ptrs + I, mask=ok2, other=0.0).to(tl.float32)
+    wt = tl.load(wts_ptr + slot_c, mask=row_ok, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
     sg = g * sig
-    a = (sg * u).to(aw_ptr.dtype.element_ty).to(tl.float32)  # the forward's SwiGLU rows, as rounded
-    wt = tl.load(wts_ptr + slot_c, mask=row_ok, other=0.0).to(tl.float32)
-    part = tl.sum(tl.where(ok2, acc * a, 0.0), axis=1)
-    tl.store(dwp_ptr + slot_c * num_pid_n + pid_n, part, mask=row_ok)
-    da = acc * wt[:, None]
-    dg = da * u * sig * (1.0 + g * (1.0 - sig))
-    du = da * sg
-    dh_ptrs = dh_ptr + rows[:, None] * stride_dhm + rn[None, :]
     dt = dh_ptr.dtype.element_ty
-    tl.store(dh_ptrs, tl.where(ok2, dg, 0.0).to(dt), mask=n_ok[None, :])
-    tl.store(dh_ptrs + I, tl.where(ok2, du, 0.0).to(dt), mask=n_ok[None, :])
-    aw_ptrs = aw_ptr + rows[:, None] * stride_awm + rn[None, :]
-    tl.store(aw_ptrs, tl.where(ok2, a * wt[:, None], 0.0).to(dt), mask=n_ok[None, :])
+    a = (sg * u).to(dt).to(tl.float32)  # the forward's SwiGLU rows, as rounded
+    part = tl.sum(da * a, axis=1)
+    tl.store(dwp_ptr + slot_c * tl.num_programs(1) + pid_n, part, mask=row_ok)
+    tl.store(aw_ptr + rows[:, None] * stride_awm + rn[None, :], (a * wt[:, None]).to(dt), mask=st)
+    da = da * wt[:, None]
+    tl.store(dh_ptrs + I, (da * sg).to(dt), mask=st)
+    tl.store(dh_ptrs, (da * u * sig * (1.0 + g * (1.0 - sig))).to(dt), mask=st)
 
 
 @triton.jit
@@ -197,8 +194,8 @@ def _moe_bwd_dx_kernel(
 
 @triton.jit
 def _moe_bwd_dw_kernel(
-    p_ptr,
-    q_ptr,
+    a_ptr,
+    b_ptr,
     c_ptr,
     sorted_ptr,
     offsets_ptr,
@@ -206,22 +203,25 @@ def _moe_bwd_dw_kernel(
     M,
     N,
     TOP_K,
-    stride_pm,
-    stride_qm,
+    stride_a,
+    stride_b,
     stride_ce,
     stride_cm,
-    P_GATHER: tl.constexpr,
-    Q_GATHER: tl.constexpr,
+    A_T: tl.constexpr,
+    A_GATHER: tl.constexpr,
+    B_GATHER: tl.constexpr,
+    C_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """C[e, m, n] = sum over expert e's real rows r (in row order) of P[r, m] * Q[r, n].
+    """C[e] (M × N; stored transposed with ``C_T``) = sum over expert e's real layout rows r, in row
+    order, of A[m, r] * B[r, n].
 
-    Rows r are layout positions; a ``*_GATHER`` operand is read at token ``sorted[r] // TOP_K``
-    instead (x or dO), the other at row r (dh or aw)."""
+    A is stored [rows, M] (read at row r, or at token ``sorted[r] // TOP_K`` with ``A_GATHER``) or,
+    with ``A_T``, [M, rows] (K-major); B is stored [rows, N] (``B_GATHER`` as A's)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -239,22 +239,31 @@ def _moe_bwd_dw_kernel(
     for r0 in range(0, cnt, BLOCK_K):
         r = start + r0 + rk
         ok = r0 + rk < cnt
-        if P_GATHER or Q_GATHER:
+        if A_GATHER or B_GATHER:
             tok = (tl.load(sorted_ptr + r, mask=ok, other=0) // TOP_K).to(tl.int64)
-        if P_GATHER:
-            prow = tok
+        if A_T:
+            a_ok = m_ok[:, None] & ok[None, :]
+            a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_a + r[None, :], mask=a_ok, other=0.0)
         else:
-            prow = r.to(tl.int64)
-        if Q_GATHER:
-            qrow = tok
+            if A_GATHER:
+                arow = tok
+            else:
+                arow = r.to(tl.int64)
+            p = tl.load(
+                a_ptr + arow[:, None] * stride_a + rm[None, :], mask=ok[:, None] & m_ok[None, :], other=0.0
+            )
+            a = tl.trans(p)
+        if B_GATHER:
+            brow = tok
         else:
-            qrow = r.to(tl.int64)
-        p = tl.load(
-            p_ptr + prow[:, None] * stride_pm + rm[None, :], mask=ok[:, None] & m_ok[None, :], other=0.0
+            brow = r.to(tl.int64)
+        b = tl.load(
+            b_ptr + brow[:, None] * stride_b + rn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0
         )
-        q = tl.load(
-            q_ptr + qrow[:, None] * stride_qm + rn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0
-        )
-        acc = tl.dot(tl.trans(p), q, acc, input_precision=DOT_PREC)
-    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    c_base = c_ptr + e.to(tl.int64) * stride_ce
+    if C_T:
+        c_ptrs = c_base + rn[None, :].to(tl.int64) * stride_cm + rm[:, None]
+    else:
+        c_ptrs = c_base + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
