@@ -4,10 +4,12 @@
 #      (from .peers_ep/, git-ignored and carried: DeepEP-v1.2.1.tar.gz + build_deepep.sh), if present
 #   2. multigpu tests at world = every GPU (and 2): nccl vs symm vs references, steady state, CUDA graph, ep_moe
 #   3. `replaymoe bench ep` on every GPU, DeepSeek-V3 shape, bf16 payload, 128/1024/4096 tokens/rank, eager and
-#      graph, symm at num_sms 24/32/all and nccl, DeepEP side by side (--peer deepep, 24 SMs)
+#      graph, symm at num_sms 24/32/66/132 (persistent kernels) and unset (dense grids), nccl, DeepEP side by
+#      side (--peer deepep, 24 SMs)
 # Each step has its own time limit (`timeout` signals the step's whole process group) and the next one
 # runs whatever happened before. Everything is written under $OUT; a short table is printed last.
-# Usage (repo root):  OUT=/some/dir bash scripts/gpu_ep.sh      (STEPS="test bench" by default)
+#   (profile: where the host time of a steady-state eager call goes, `bench ep --host-profile`)
+# Usage (repo root):  OUT=/some/dir bash scripts/gpu_ep.sh      (STEPS="test profile bench" by default)
 set -u
 cd "$(dirname "$0")/.."
 
@@ -15,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$PWD/gpu_ep_out}"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-test bench}"
+STEPS="${STEPS:-test profile bench}"
 TOKENS="${TOKENS:-128,1024,4096}"
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
@@ -43,7 +45,7 @@ echo "GPUs: $NGPU" | tee -a "$SUMMARY"
 PEER=none
 if [ -f .peers_ep/build_deepep.sh ] && [[ " $STEPS " == *" bench "* ]]; then
   # build while the tests run (CPU-bound nvcc vs GPU tests); no self-test (its tuning run costs minutes)
-  ( DEEPEP_SELFTEST=0 OUT="$OUT" timeout -k 10 300 bash .peers_ep/build_deepep.sh > "$OUT/deepep_build_step.log" 2>&1;
+  ( DEEPEP_SELFTEST=0 OUT=/tmp/deepep_out timeout -k 10 300 bash .peers_ep/build_deepep.sh > "$OUT/deepep_build_step.log" 2>&1;
     echo "rc=$?" >> "$OUT/deepep_build_step.log" ) &
   BUILD_PID=$!
   PEER=deepep
@@ -56,6 +58,10 @@ if [[ " $STEPS " == *" test "* ]]; then
     step "test_${NGPU}gpu" 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[$NGPU]"
   fi
 fi
+if [[ " $STEPS " == *" profile "* ]]; then
+  step profile 90 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe.cli bench ep \
+    --host-profile --impls symm,nccl --tokens 128,4096 --iters 20
+fi
 if [[ " $STEPS " == *" bench "* ]]; then
   if [ "$PEER" = deepep ]; then
     wait "$BUILD_PID"
@@ -64,7 +70,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
   fi
   step bench 200 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe.cli bench ep \
     --out "$OUT/bench" --name ep_x"$NGPU" --impls nccl,symm --payloads bf16 --tokens "$TOKENS" \
-    --num-sms 24,32,0 --peer "$PEER" --peer-sms 24 --no-layer --iters 20 --warmup 3
+    --num-sms "${NUM_SMS:-24,32,66,132,0}" --peer "$PEER" --peer-sms 24 --no-layer --iters 20 --warmup 3
 fi
 
 echo
@@ -73,6 +79,9 @@ cat "$SUMMARY"
 for f in "$OUT"/test_*gpu.log; do
   [ -f "$f" ] && grep -E "^PASS|passed|failed|Error|error" "$f" | tail -n 8
 done
+if [ -f "$OUT/profile.log" ]; then
+  grep -E "^\[host\]" "$OUT/profile.log" | grep -v cProfile
+fi
 if [ -f "$OUT/bench.log" ]; then
   grep -E "^ERROR|Error|capture failed|DeepEP" "$OUT/bench.log" | grep -v "^\[rank [1-9]" | head -n 8
   sed -n '/^# goal 1/,$p' "$OUT/bench.log"

@@ -148,7 +148,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, generator):
     expect = combine_torch([(ref[r][0] * (r + 2)).to(torch.float16) for r in range(ep)], ids, E)
     for s in range(ep):
         out = poison(torch.empty(Ts[s], H, dtype=torch.float16))
-        _combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out)
+        _combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2])
         torch.testing.assert_close(out, expect[s], atol=2e-3, rtol=2e-3)
 
 

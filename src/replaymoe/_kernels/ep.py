@@ -153,21 +153,24 @@ def ep_combine_send_kernel(
     dst_offset,  # elements: this rank's block in every source's combine receive buffer
     dst_row_stride,
     EP: tl.constexpr,
+    SKIP: tl.constexpr,  # a source rank whose rows are not sent (this rank: it reads them in place), -1: none
     NB: tl.constexpr,  # column chunk (power of 2); program_id(1) is the chunk
     TT: tl.constexpr,  # rows per iteration
 ):
     """Send row ``[s, j]`` (``j < counts[s]``) back to source rank ``s`` at ``[this rank, j]``.
-    Persistent over the flattened rows ``s * rows + j`` (the grid's first axis bounds the SMs used):
-    each iteration loads TT rows, whichever sources they belong to, then stores each to its source;
-    rows past a source's count are neither read nor sent."""
+    Persistent over the flattened rows ``s * rows + j`` of the sources other than ``SKIP`` (the
+    grid's first axis bounds the SMs used): each iteration loads TT rows, whichever sources they
+    belong to, then stores each to its source; rows past a source's count are neither read nor sent."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.program_id(1) * NB + tl.arange(0, NB)
     cm = cols < n_cols
-    total = rows * EP
+    total = rows * (EP - 1) if SKIP >= 0 else rows * EP
     for r0 in range(pid * TT, total, nprog * TT):
         rr = r0 + tl.arange(0, TT)
         s = rr // rows
+        if SKIP >= 0:
+            s = s + (s >= SKIP).to(s.dtype)
         j = (rr % rows).to(tl.int64)
         inr = rr < total
         cnt = tl.load(counts_ptr + s, mask=inr, other=0)
@@ -186,11 +189,14 @@ def ep_combine_reduce_kernel(
     recv_ptr,  # returned rows [EP, rows, H] (payload dtype), strides (recv_block_stride, recv_row_stride)
     slot_ptr,  # int32 [T, EP]: slot of token t on rank r, -1 = not sent there
     out_ptr,  # [T, H] contiguous, payload dtype
+    own_ptr,  # rank OWN's rows [rows, H] with row stride own_row_stride (when OWN >= 0)
     T,
     H,
     recv_block_stride,
     recv_row_stride,
+    own_row_stride,
     EP: tl.constexpr,
+    OWN: tl.constexpr,  # rank whose rows are read from own_ptr instead of recv_ptr (-1: none)
     NB: tl.constexpr,  # column chunk (power of 2); program_id(1) is the chunk
     TT: tl.constexpr,  # tokens per iteration
 ):
@@ -207,8 +213,12 @@ def ep_combine_reduce_kernel(
         for r in tl.static_range(EP):
             slot = tl.load(slot_ptr + toks * EP + r, mask=tmask, other=-1).to(tl.int64)
             m = (slot >= 0)[:, None] & cm[None, :]
-            row = recv_block_stride.to(tl.int64) * r + slot * recv_row_stride
-            v = tl.load(recv_ptr + row[:, None] + cols[None, :], mask=m, other=0.0)
+            if r == OWN:
+                row = slot * own_row_stride
+                v = tl.load(own_ptr + row[:, None] + cols[None, :], mask=m, other=0.0)
+            else:
+                row = recv_block_stride.to(tl.int64) * r + slot * recv_row_stride
+                v = tl.load(recv_ptr + row[:, None] + cols[None, :], mask=m, other=0.0)
             acc += v.to(tl.float32)
         om = tmask[:, None] & cm[None, :]
         tl.store(out_ptr + toks[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=om)

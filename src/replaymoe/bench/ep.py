@@ -215,7 +215,8 @@ def run(
 ) -> list[dict]:
     """All points; ``save(rows)`` is called after each one (so a timeout still leaves results).
 
-    ``num_sms``: values of :attr:`MoeAlltoAll.num_sms` to time ours with (0 = every SM).
+    ``num_sms``: values of :attr:`MoeAlltoAll.num_sms` to time symm with (0 = unset: dense grids over
+    every SM; rows report 0 then).
     ``peer="deepep"``: DeepEP's intranode dispatch/combine on the same tokens and routing, with
     ``peer_sms`` SMs (see :class:`DeepEPPeer`).
     """
@@ -237,7 +238,6 @@ def run(
             log(f"[rank {rank}] transport {t} unavailable: {_err(e)}")
             rows.append({"impl": t, "error": _err(e)})
     impls = [t for t in transports if t == "naive" or t in a2as]
-    device_sms = torch.cuda.get_device_properties(dev).multi_processor_count if _cuda() else 0
     naive = NaiveEP(ep, rank)
     deepep = None
     if peer == "deepep":
@@ -293,7 +293,6 @@ def run(
                     log(f"[rank {rank}] {impl} {vname} T={T}: {_err(e)}\n{traceback.format_exc()}")
                     rows.append({"impl": impl, "payload": vname, "tokens": T, "error": _err(e)})
                     continue
-                n_sms = n_sms or (device_sms if impl != "naive" else 0)
                 base = {"impl": impl, "payload": vname, "tokens": T, "num_sms": n_sms}
                 for mode, ((td, tc), host) in results.items():
                     hd, hc = host if host is not None else (None, None)
@@ -656,7 +655,7 @@ def _print_summary(rows: list[dict]) -> None:
         psms = peer[0]["num_sms"]
         print(f"\n# goal 2 (vs DeepEP, {psms} SMs; ours symm with num_sms <= {psms}): µs, ours / DeepEP")
         print(f"{'tokens':>6} {'op':>9} {'mode':>6} {'ours':>8} {'deepep':>8} {'ratio':>6}  deepep cached")
-        cands = [s for i, s in ours if i == "symm" and s <= psms]
+        cands = [s for i, s in ours if i == "symm" and 0 < s <= psms]
         for T in tokens:
             for op in ("dispatch", "combine", "dispatch+combine"):
                 for mode in ("eager", "graph"):
@@ -684,6 +683,122 @@ def _print_summary(rows: list[dict]) -> None:
     print(f"(earlier naive NCCL dispatch alone on this machine: {anchors})")
 
 
+def host_profile(tokens, transports, *, calls: int, log) -> None:
+    """Where the host time of a steady-state eager call goes (rank 0 prints): per call host µs with
+    and without the direct launches, the pieces alone (event record, barrier, a bare launch), and a
+    cProfile of ``calls`` dispatch+combine calls."""
+    from ..ep import MoeAlltoAll
+
+    for t in transports:
+        if t != "naive":
+            a2a = MoeAlltoAll(None, max(tokens), K, E, H, transport=t)
+            for T in tokens:
+                _host_profile_one(a2a, t, T, calls)
+
+
+def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from ..ep import _launch
+
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    dev = _device()
+
+    def say(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    ids, x, wts, *_ = _inputs(T, rank, dev)
+    comb = torch.randn(ep, T + 1, H, device=dev, dtype=torch.bfloat16)[:, :T]
+    pays = [x, ids, wts]
+
+    def one():
+        a2a.dispatch(ids, pays, T, expert_id_payload_index=1)
+        return a2a.combine(comb, T)
+
+    def timed(n):
+        hd = hc = 0.0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            a2a.dispatch(ids, pays, T, expert_id_payload_index=1)
+            t1 = time.perf_counter()
+            a2a.combine(comb, T)
+            hc += time.perf_counter() - t1
+            hd += t1 - t0
+            _sync()
+        return hd / n * 1e6, hc / n * 1e6
+
+    def fresh(n=3):
+        a2a._dcache.clear()
+        a2a._transport.__dict__.get("_ckeys", {}).clear()
+        for _ in range(n):
+            one()
+        _sync()
+        dist.barrier()
+
+    fresh(5)
+    fast = timed(calls)
+    st = next(iter(a2a._dcache.values()))
+    compiled = regs = None
+    if st.triton:
+        compiled = [st.plan_launch.compiled is not None] + [
+            v[False].launch.compiled is not None for v in st.packs
+        ]
+        regs = [st.plan_launch.registers()] + [v[False].launch.registers() for v in st.packs]
+    _launch.ENABLED = False
+    fresh()
+    slow = timed(calls)
+    _launch.ENABLED = True
+    fresh()
+    say(f"[host] {t} T={T}: dispatch/combine host µs per call: direct launches {fast[0]:.1f}/{fast[1]:.1f}, "
+        f"Triton's launch path {slow[0]:.1f}/{slow[1]:.1f}; direct launch active {compiled}; "
+        f"regs {regs}")  # fmt: skip
+    ev = torch.cuda.Event(enable_timing=True) if _cuda() else _HostEvent()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        ev.record()
+    t_ev = (time.perf_counter() - t0) / calls * 1e6
+    t_bar = float("nan")
+    if t == "symm":
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            a2a._transport._barrier()
+        t_bar = (time.perf_counter() - t0) / calls * 1e6
+        _sync()
+    st = next(iter(a2a._dcache.values()))
+    t_plan = float("nan")
+    if st.triton:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            st.plan_launch((1,), (ids, *st.plan_args))
+        t_plan = (time.perf_counter() - t0) / calls * 1e6
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    t_empty = (time.perf_counter() - t0) / calls * 1e6
+    say(f"[host] {t} T={T}: event record {t_ev:.1f} µs, symm barrier {t_bar:.1f} µs, plan launch "
+        f"{t_plan:.1f} µs, torch.empty {t_empty:.1f} µs")  # fmt: skip
+    dist.barrier()
+    prof = cProfile.Profile()
+    if rank == 0:
+        prof.enable()
+    for _ in range(calls):
+        one()
+    if rank == 0:
+        prof.disable()
+    _sync()
+    dist.barrier()
+    if rank != 0:
+        return
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    say(f"[host] {t} T={T}: cProfile of {calls} dispatch+combine calls (rank 0)\n{buf.getvalue()[-4000:]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="replaymoe bench ep", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench_results", help="output directory for ep.csv / ep.json")
@@ -709,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-dry-run", action="store_true", help="run on CPU with gloo (checks the script)")
     p.add_argument("--name", default="ep", help="result file stem (NAME.csv / NAME.json)")
     p.add_argument("--summary-from", metavar="DIR", help="only print the summary of DIR/*.json (no GPU)")
+    p.add_argument("--host-profile", action="store_true", help="only profile the host time of eager calls")
     a = p.parse_args(argv)
     if a.summary_from:
         import json
@@ -742,6 +858,14 @@ def main(argv: list[str] | None = None) -> int:
 
             write_results([{**r, "ep": dist.get_world_size()} for r in rows], a.out, a.name)
 
+    if a.host_profile:
+        try:
+            host_profile([int(t) for t in a.tokens.split(",") if t], [t for t in a.impls.split(",") if t],
+                         calls=max(50, a.iters * 5), log=log)  # fmt: skip
+        finally:
+            if own_pg:
+                dist.destroy_process_group()
+        return 0
     try:
         rows = run(
             [int(t) for t in a.tokens.split(",") if t],

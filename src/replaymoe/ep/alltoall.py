@@ -146,6 +146,7 @@ def _make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
 _PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration
 _REDUCE_CHUNK = 4096  # most columns one reduce / combine-send program handles per iteration
+_DENSE_CHUNK = 1024  # the same without num_sms: one short-lived program per (row, chunk)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -635,24 +636,31 @@ class MoeAlltoAll:
             unit = _unit_dtype(_gcd_all([specs[i].nbytes for i in grp]), *ptrs)
             u = torch.empty((), dtype=unit).element_size()
             Ns = [specs[i].nbytes // u for i in grp]
-            NBs = [min(triton.next_power_of_2(n), _PACK_CHUNK) for n in Ns]
             Os = [specs[i].offset // u for i in grp]
-            chunks = max(triton.cdiv(n, b) for n, b in zip(Ns, NBs))
             pad = 4 - len(grp)
-            TT = 4 if max(NBs) >= 2048 else 2 if max(NBs) >= 1024 else 16
-            elems = TT * max(NBs)
-            warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
             dsts = [d.view(unit) for d in tg.dsts]
             dsts = dsts + [dsts[0]] * (8 - len(dsts))
-            st.packs.append(
-                _PackGroup(
+            variants = {}
+            for persistent in (False, True):
+                # dense (num_sms unset): one program per (token, 1024-unit chunk), many resident per SM;
+                # persistent (num_sms set): at most num_sms programs, 4 tokens x 4096 units per iteration
+                cap = _PACK_CHUNK if persistent else _DENSE_CHUNK
+                NBs = [min(triton.next_power_of_2(n), cap) for n in Ns]
+                chunks = max(triton.cdiv(n, b) for n, b in zip(Ns, NBs))
+                if persistent:
+                    TT = 4 if max(NBs) >= 2048 else 2 if max(NBs) >= 1024 else 16
+                else:
+                    TT = 1 if max(NBs) >= 256 else 16
+                elems = TT * max(NBs)
+                warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
+                variants[persistent] = _PackGroup(
                     idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
                     consts=(tg.dst_rank_stride // u, tg.dst_base // u, layout.row_bytes // u,
                             *(Ns + [1] * pad), *(NBs + [1] * pad), *(Os + [0] * pad), len(grp), self.ep,
                             ep_p2, TT),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
-                )
-            )  # fmt: skip
+                )  # fmt: skip
+            st.packs.append(variants)
         if idx is not None:
             v = views[idx]
             n = self.ep * (rt + 1) - 1
@@ -675,7 +683,9 @@ class MoeAlltoAll:
         st.plan_launch((1,), (ids, *st.plan_args))
         T = st.T
         if T > 0:
-            for g in st.packs:
+            persistent = self._num_sms is not None
+            for variants in st.packs:
+                g = variants[persistent]
                 srcs = []
                 for i in g.idx:
                     p = payloads[i]
@@ -683,7 +693,8 @@ class MoeAlltoAll:
                         p = p.contiguous()
                     srcs.append(p if p.dtype == g.unit else p.view(torch.uint8).view(g.unit))
                 srcs = srcs + [srcs[0]] * (4 - len(srcs))
-                grid = (max(1, self._programs(triton_cdiv(T, g.TT) * g.chunks) // g.chunks), g.chunks)
+                work = triton_cdiv(T, g.TT)
+                grid = (max(1, self._programs(work * g.chunks) // g.chunks) if persistent else work, g.chunks)
                 g.launch(grid, (st.slot, *srcs, *g.dsts, T, *g.consts))
         self._transport.exchange_dispatch(st.targets)
         if st.sanitize is None:
@@ -754,9 +765,9 @@ class MoeAlltoAll:
         assert st is not None
         self._phase = "combining"
         try:
-            rows, block_stride = self._transport.combine(payload, rt)
+            rows, block_stride, own = self._transport.combine(payload, rt)
             out = torch.empty(st.T, self.hidden_size, dtype=payload.dtype, device=self.device)
-            _combine_reduce(self, rows, block_stride, st.slot, out, st.reduce)
+            _combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own)
         except BaseException:
             self._phase = "broken"
             raise
@@ -826,16 +837,20 @@ def _combine_reduce(
     slot: torch.Tensor,
     out: torch.Tensor,
     cache: dict | None = None,
+    own: torch.Tensor | None = None,
 ) -> None:
-    """out[t] = sum_r [slot[t, r] >= 0] rows[r, slot[t, r]] in fp32 (rank order). ``cache`` keeps the
-    launch plan per layout of ``rows`` (the dispatch state's)."""
+    """out[t] = sum_r [slot[t, r] >= 0] rows[r, slot[t, r]] in fp32 (rank order). ``own``: this rank's
+    rows [rt, H] (row stride free) when the transport did not copy them into ``rows`` (symm).
+    ``cache`` keeps the launch plans per layout (the dispatch state's)."""
     T, H = out.shape
     ep = a2a.ep
     if T == 0:
         return
     row_stride = rows.stride(0)
     if a2a.use_triton():
-        key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride)
+        persistent = a2a._num_sms is not None
+        own_key = None if own is None else (own.stride(0), own.data_ptr() & 15)
+        key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride, own_key, persistent)
         plan = None if cache is None else cache.get(key)
         if plan is None:
             import triton
@@ -843,16 +858,21 @@ def _combine_reduce(
             from .._kernels.ep import ep_combine_reduce_kernel
             from ._launch import Launcher
 
-            nb = min(_REDUCE_CHUNK, triton.next_power_of_2(H))
+            nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, triton.next_power_of_2(H))
             chunks = triton.cdiv(H, nb)
-            tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
+            if persistent:
+                tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
+            else:
+                tt = 1 if nb >= 256 else 8
             warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
-            plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, -(-T // tt) * chunks, nb, tt)
+            plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, -(-T // tt), nb, tt)
             if cache is not None:
                 cache[key] = plan
         launch, chunks, work, nb, tt = plan
-        nprog = max(1, a2a._programs(work) // chunks)
-        launch((nprog, chunks), (rows, slot, out, T, H, block_stride, row_stride, ep, nb, tt))
+        nprog = max(1, a2a._programs(work * chunks) // chunks) if persistent else work
+        own_t, own_rs, own_r = (rows, 0, -1) if own is None else (own, own.stride(0), a2a.rank)
+        args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, ep, own_r, nb, tt)
+        launch((nprog, chunks), args)
         return
     nrows = rows.shape[0]  # rows is a 2-D [N, H] view of the buffer; rank r's row j = r*bs/rs + j
     per_rank = block_stride // row_stride

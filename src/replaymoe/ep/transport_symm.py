@@ -105,10 +105,10 @@ class SymmTransport:
     def exchange_dispatch(self, tg: _a._Targets) -> None:
         self._barrier()
 
-    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int]:
-        """Send row ``[s, j]`` (``j < recv_counts[s]``) to source ``s``'s combine buffer at
-        ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]`` and the block
-        stride (elements)."""
+    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Send row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to source ``s``'s combine
+        buffer at ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]``, the
+        block stride (elements) and this rank's own rows ``payload[rank]`` (read in place)."""
         import triton
 
         from .._kernels.ep import ep_combine_send_kernel
@@ -125,26 +125,32 @@ class SymmTransport:
             self.comb = _SymmBuffer(a, nbytes, "combine")
             self._ckeys = {}
         buf = self.comb
-        key = (payload.dtype, rt, payload.stride(), payload.data_ptr() & 15)
+        persistent = a._num_sms is not None
+        key = (payload.dtype, rt, payload.stride(), payload.data_ptr() & 15, persistent)
         c = self._ckeys.get(key)
         if c is None:
             # rows move in the payload's own dtype: strides and offsets are multiples of 16 elements
             # whenever H is, so Triton emits 128-bit accesses without any reinterpreting view
             dst = [p.view(payload.dtype) for p in buf.peers]
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
-            nb = min(_a._REDUCE_CHUNK, triton.next_power_of_2(H))
+            nb = min(_a._REDUCE_CHUNK if persistent else _a._DENSE_CHUNK, triton.next_power_of_2(H))
             chunks = triton.cdiv(H, nb)
-            tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
+            if persistent:
+                tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
+            else:
+                tt = 1 if nb >= 256 else 8
             warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
             rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
-            c = (Launcher(ep_combine_send_kernel, num_warps=warps), dst, nb, chunks, tt, rows)
+            work = triton.cdiv((a.ep - 1) * rt, tt)
+            c = (Launcher(ep_combine_send_kernel, num_warps=warps), dst, nb, chunks, tt, rows, work)
             self._ckeys[key] = c
-        launch, dst, nb, chunks, tt, rows = c
-        nprog = max(1, a._programs(triton.cdiv(a.ep * rt, tt) * chunks) // chunks)
+        launch, dst, nb, chunks, tt, rows, work = c
+        nprog = max(1, a._programs(work * chunks) // chunks) if persistent else work
+        # this rank's own rows are not copied: the reduction reads them in place
         launch(
             (nprog, chunks),
             (payload, a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
-             a.ep, nb, tt),
+             a.ep, a.rank, nb, tt),
         )  # fmt: skip
         self._barrier()
-        return rows, rt * H
+        return rows, rt * H, payload[a.rank]
