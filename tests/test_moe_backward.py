@@ -74,10 +74,17 @@ def test_torch_backend_gradients_match_fp64(T, H, I, E, E_local, offset, K, gene
     _check(got, ref, torch.float32)
 
 
+# every case in fp32 with the forward's saved gate/up; recompute and fp16 on the cases with most edges
+TRITON_CASES = [pytest.param(*c.values, False, torch.float32, id=c.id + "-saved-fp32") for c in CASES] + [
+    pytest.param(*c.values, rec, dt, id=f"{c.id}-{'recompute' if rec else 'saved'}-{str(dt)[6:]}")
+    for c in CASES
+    if c.id in ("empty-experts", "ep-slice", "top8")
+    for rec, dt in ((True, torch.float32), (False, torch.float16), (True, torch.float16))
+]
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-@pytest.mark.parametrize("T,H,I,E,E_local,offset,K", CASES)
+@pytest.mark.parametrize("T,H,I,E,E_local,offset,K,recompute,dtype", TRITON_CASES)
 def test_triton_gradients_match_fp64(T, H, I, E, E_local, offset, K, recompute, dtype, generator):  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, dtype)
     got = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="triton", recompute=recompute)
@@ -85,6 +92,27 @@ def test_triton_gradients_match_fp64(T, H, I, E, E_local, offset, K, recompute, 
     for t, r in zip(got[1:], (x, w13, w2, wts)):
         assert t.dtype == r.dtype and t.shape == r.shape
     _check(got, ref, dtype)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dw_mode", [0, 1, 2], ids=["gather-in-loop", "pre-gathered", "transposed"])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_triton_backward_configs_match_closed_form(dw_mode, block_m, generator):
+    # every weight-gradient mode and two tile heights (padding rows, several tiles per expert) give
+    # the closed-form backward's gradients; EP slice with a -1 row
+    import dataclasses
+
+    import replaymoe.moe as M
+
+    T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
+    ref = M._experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
+    c0 = M._config_tuple(M.moe_config(T, K, H, I, E_local))
+    _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
+    cfg = dataclasses.replace(M.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=block_m)
+    got = M._launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg)
+    for name, a, e in zip(("dx", "dw13", "dw2", "dtopk_weights"), got, ref):
+        assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().max())), name=name)
 
 
 @pytest.mark.interpret

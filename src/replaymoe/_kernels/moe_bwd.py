@@ -5,20 +5,21 @@ Forward, per slot s = (t, k) routed to local expert e (rows of the backward's ow
 
     g, u = x_t W13[e, :I]^T, x_t W13[e, I:]^T     a = silu(g) * u     out_t = sum_k w_s * a W2[e]^T
 
-Backward, given dO [T, H], in three kinds of launch (no float atomics; every reduction in a fixed
-order, so two backward passes are bitwise equal):
+Backward, given dO [T, H] (no float atomics; every reduction in a fixed order, so two backward
+passes are bitwise equal):
 
-* ``_moe_bwd_act_kernel`` (grid: tiles × I-blocks): ``da' = dO[t] @ W2[e]`` gathered through the
-  layout (K loop over H); g, u are loaded from the forward's saved rows (per slot) or recomputed
-  in the same K loop (``RECOMPUTE``: two more accumulators over x and W13). Epilogue:
-  ``dh = [w·da'·u·silu'(g), w·da'·silu(g)]`` and ``aw = w·a`` in layout order, and the partial row
-  dot ``sum_n da'·a`` of this I-block per slot (d topk_weights; summed over blocks by the host in
-  block order).
+* ``_moe_bwd_da_kernel`` (grid: tiles × I-blocks): the grouped GEMM ``da' = dO[t] @ W2[e]``, dO rows
+  gathered through the layout, written into the gate half of dh [rows, 2I].
+* ``_moe_bwd_swiglu_kernel`` (elementwise over layout rows × I-blocks): with g, u from the forward's
+  saved rows (per slot; or from GEMM1 run again, ``recompute``) writes, in place,
+  ``dh = [w·da'·u·silu'(g), w·da'·silu(g)]``, ``aw = w·a`` and the partial row dot
+  ``sum_n da'·a`` of each I-block per slot (d topk_weights, summed over blocks in block order).
 * ``_moe_bwd_dx_kernel`` (grid: tiles × H-blocks): ``dxs[s] = dh[row] @ W13[e]`` (K loop over 2I),
   one row per slot; the forward's ``_moe_reduce_kernel`` then sums each token's K rows in k order.
-* ``_moe_bwd_dw_kernel`` (grid: experts × M-blocks × N-blocks): ``C[e] = P_e^T Q_e`` over the
-  expert's real rows, whole (no split-K): dW13 with P = dh, Q = x (gathered), dW2 with P = dO
-  (gathered), Q = aw. An expert without tokens gets zeros.
+* ``_moe_bwd_dw_kernel`` (grid: experts × M-blocks × N-blocks): ``C[e] = A_e B_e`` over the
+  expert's real rows in row order, whole (no split-K): dW13 = dh^T x and dW2 = dO^T aw, with the
+  token rows of x / dO gathered inside the loop or beforehand (optionally transposed, so that A is
+  K-major). An expert without tokens gets zeros.
 """
 
 from __future__ import annotations
