@@ -276,12 +276,25 @@ def test_gpu_reduce_overhead_replayed_training_forward():
     with torch.no_grad():
         eager_native = model(input_ids=ids, attention_mask=mask).logits.float()
     traces = moe.traces()
-    moe.set_capture(False)
+    moe.set_capture(True)  # capture and replay together: the captured ids must be the forced ones
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     for step in range(3):
         with torch.no_grad(), moe.replaying(traces):
             got = compiled(input_ids=ids, attention_mask=mask).logits.float()
             rep = moe.report()
         assert rep.layers_with_fallback == 0
-        assert torch.allclose(got, eager_native, atol=3e-2, rtol=3e-2), step
+        for a, b in zip(traces, moe.traces()):
+            np.testing.assert_array_equal(a.ids, b.ids)
+        rel = float((got - eager_native).norm() / eager_native.norm())
+        assert rel < 2e-2, (step, rel)  # inductor's bf16 arithmetic differs from eager's in rounding
+    # with a gradient: the replayed training step reaches the routers
+    moe.set_capture(False)
+    model.train()
+    with moe.replaying(traces):
+        loss = compiled(input_ids=ids, attention_mask=mask).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    for info in moe.layers:
+        grad = info.router.weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.float().abs().sum() > 0
+    model.eval()
     moe.disable()

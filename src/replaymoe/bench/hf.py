@@ -130,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
         mask = torch.ones_like(ids)
-        traces = None
+        traces = rollout = None
         if "replaymoe+replay" in impls:  # capture once, outside the timing, eagerly
             moe = rhf.enable(model, capture=True)
-            _generate(model, ids, mask, args.new, "eager")
+            _, rollout = _generate(model, ids, mask, args.new, "eager")
+            rollout = rollout[:, ids.shape[1] :]
             traces = moe.traces()
             moe.disable()
         for mode in modes:
@@ -189,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
                     "same_tokens_as_grouped_mm": (
                         float((toks == ref_tokens).float().mean()) if ref_tokens is not None else float("nan")
                     ),
+                    # replay of the eager rollout: the tokens it generates again (1.0 = all)
+                    "same_tokens_as_rollout": (
+                        float((toks == rollout).float().mean())
+                        if impl == "replaymoe+replay"
+                        else float("nan")
+                    ),
                     "graph_breaks": breaks1 - breaks0,
                     "recompiles": recompiles1 - recompiles0,
                 }
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_vs_grouped_mm",
             "logits_rel_err_vs_fp32",
             "same_tokens_as_grouped_mm",
+            "same_tokens_as_rollout",
             "graph_breaks",
             "recompiles",
         ],
