@@ -838,6 +838,36 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
         )  # fmt: skip
     del saved
     res = list(empty)
+    if need[3]:
+        res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
+    del dwp
+    mode = c.dw_mode
+    if mode and (need[1] or need[2]):  # token rows of x and dO gathered once into layout order
+        sl = lay.sorted_slots.long()
+        tok = torch.where((sl >= 0) & (sl < slots), sl // K, 0)  # rows past num_tiles: unspecified
+        del sl
+
+    def rows_of(t):  # t[tok] in layout order; mode 2: transposed [features, rows]
+        g = t.index_select(0, tok)
+        return g if mode == 1 else g.t().contiguous()
+
+    def dw_gemm(i, a, b, a_t, a_g, b_g, c_t, m, n):
+        dw = torch.empty(src[i].shape, dtype=src[i].dtype, device=dev)
+        _moe_bwd_dw_kernel[(E_local * triton_cdiv(m, c.bm_w) * triton_cdiv(n, c.bn_w),)](
+            a, b, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K, a.stride(0),
+            b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t, A_GATHER=a_g, B_GATHER=b_g, C_T=c_t,
+            BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec,
+            num_warps=c.warps_w, num_stages=c.stages_w,
+        )  # fmt: skip
+        res[i] = dw
+
+    # order: dW2 (then aw is freed), dX (its per-slot rows freed), dW13 (then dh is freed)
+    if need[2]:  # dW2 [H, I] = dO_e^T @ aw_e
+        if mode == 0:
+            dw_gemm(2, dout, aw, False, True, False, False, H, I)
+        else:
+            dw_gemm(2, rows_of(dout), aw, mode == 2, False, False, False, H, I)
+    del aw
     if need[0]:
         dx = torch.zeros(T, H, dtype=x.dtype, device=dev)
         if num_pid_m:
@@ -854,43 +884,13 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
             )
             del dxs
         res[0] = dx
-    if need[1] or need[2]:
-        mode = c.dw_mode
-        if mode:  # token rows of x and dO gathered once into layout order
-            sl = lay.sorted_slots.long()
-            tok = torch.where((sl >= 0) & (sl < slots), sl // K, 0)  # rows past num_tiles: unspecified
-        # (A, B, A_T, A_GATHER, B_GATHER, C_T, M, N) per weight gradient
-        jobs = {}
-        if need[2]:  # dW2 [H, I] = dO_e^T @ aw_e
-            if mode == 0:
-                jobs[2] = (dout, aw, False, True, False, False, H, I)
-            elif mode == 1:
-                jobs[2] = (dout.index_select(0, tok), aw, False, False, False, False, H, I)
-            else:
-                jobs[2] = (dout.index_select(0, tok).t().contiguous(), aw, True, False, False, False, H, I)
-        if need[1]:  # dW13 [2I, H] = dh_e^T @ x_e  (mode 2: dW13^T = x_e^T @ dh_e, stored transposed)
-            if mode == 0:
-                jobs[1] = (dh, x, False, False, True, False, two_i, H)
-            elif mode == 1:
-                jobs[1] = (dh, x.index_select(0, tok), False, False, False, False, two_i, H)
-            else:
-                jobs[1] = (x.index_select(0, tok).t().contiguous(), dh, True, False, False, True, H, two_i)
-        for i in (2, 1):
-            if i not in jobs:
-                continue
-            a, b, a_t, a_g, b_g, c_t, m, n = jobs.pop(i)
-            dw = torch.empty(src[i].shape, dtype=src[i].dtype, device=dev)
-            grid = (E_local * triton_cdiv(m, c.bm_w) * triton_cdiv(n, c.bn_w),)
-            _moe_bwd_dw_kernel[grid](
-                a, b, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K,
-                a.stride(0), b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t,
-                A_GATHER=a_g, B_GATHER=b_g, C_T=c_t, BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w,
-                GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_w, num_stages=c.stages_w,
-            )  # fmt: skip
-            del a, b
-            res[i] = dw
-    if need[3]:
-        res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
+    if need[1]:  # dW13 [2I, H] = dh_e^T @ x_e  (mode 2: dW13^T = x_e^T @ dh_e, stored transposed)
+        if mode == 0:
+            dw_gemm(1, dh, x, False, False, True, False, two_i, H)
+        elif mode == 1:
+            dw_gemm(1, dh, rows_of(x), False, False, False, False, two_i, H)
+        else:
+            dw_gemm(1, rows_of(x), dh, True, False, False, True, H, two_i)
     return tuple(res)
 
 
