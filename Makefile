@@ -11,11 +11,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.replaymoe-installed
 # extra pip arguments for torch on a CPU machine, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
+# reuse the torch python3 already has: auto (a CUDA/ROCm build), 1 (any), 0 (never)
+REUSE_TORCH ?= auto
 
 .PHONY: venv test test-gpu demo lint format clean
 
 $(STAMP): pyproject.toml scripts/install.sh
-	PYTHON="$(PYTHON)" VENV="$(VENV)" TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" bash scripts/install.sh
+	PYTHON="$(PYTHON)" VENV="$(VENV)" TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" REUSE_TORCH="$(REUSE_TORCH)" \
+		bash scripts/install.sh
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create $VENV and install replaymoe in it (what `make test`, `make demo` and CI run first).
 #
-# Two kinds of machine, told apart by whether $PYTHON already imports a CUDA build of torch:
+# Two kinds of machine, told apart by whether $PYTHON already imports a CUDA build of torch
+# (REUSE_TORCH below overrides the choice):
 #
 # * GPU machine (a CUDA torch is there; often offline): REUSE it. The venv is created with
 #   --system-site-packages (and, when $PYTHON itself runs in a venv, that venv's site-packages are
@@ -25,9 +26,19 @@ PIP=("$PY" -m pip install -q)
 
 say() { echo "install: $*"; }
 
-if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+# REUSE_TORCH: auto (default) = reuse a CUDA (or ROCm) build of torch that $PYTHON imports; 1 = reuse
+# any torch it imports (e.g. a CPU build already installed); 0 = never reuse.
+REUSE_TORCH=${REUSE_TORCH:-auto}
+case "$REUSE_TORCH" in
+    auto) reuse_check="import sys, torch; sys.exit(0 if (torch.version.cuda or torch.version.hip) else 1)" ;;
+    1) reuse_check="import torch" ;;
+    0) reuse_check="import sys; sys.exit(1)" ;;
+    *) echo "install: error: REUSE_TORCH must be auto, 1 or 0, got '$REUSE_TORCH'" >&2; exit 2 ;;
+esac
+
+if "$PYTHON" -c "$reuse_check" 2>/dev/null; then
     # ------------------------------------------------------------------ reuse the CUDA torch
-    say "$PYTHON has a CUDA build of torch: reusing it ($("$PYTHON" -c \
+    say "reusing the torch of $PYTHON ($("$PYTHON" -c \
         'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")' 2>/dev/null \
         || echo 'no triton'))"
     test -x "$PY" || "$PYTHON" -m venv --system-site-packages "$VENV"
@@ -36,14 +47,18 @@ if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>
         # $PYTHON is itself a venv: make its site-packages visible too
         "$PYTHON" -c "import site; print('\n'.join(site.getsitepackages()))" >"$purelib/_replaymoe_parent_env.pth"
     fi
-    "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || {
-        say "error: the venv $VENV does not see $PYTHON's CUDA torch (remove $VENV and retry)"
+    "$PY" -c "import torch" || {
+        say "error: the venv $VENV does not see $PYTHON's torch (remove $VENV and retry)"
         exit 1
     }
     if ! "${PIP[@]}" --no-deps --no-build-isolation -e . 2>"$VENV/editable-install.log"; then
-        # e.g. an older setuptools without PEP 639 license strings: put src/ on the path instead
+        # e.g. a setuptools older than 77 (no PEP 639 license strings) and no network to fetch a newer
+        # one: the same result by hand, src/ on the path and the console script
         say "editable install failed (see $VENV/editable-install.log); adding $(pwd)/src through a .pth file"
         echo "$(pwd)/src" >"$purelib/_replaymoe_src.pth"
+        printf '#!%s\nimport sys\n\nfrom replaymoe.cli import main\n\nsys.exit(main())\n' \
+            "$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" >"$VENV/bin/replaymoe"
+        chmod +x "$VENV/bin/replaymoe"
     fi
     # what the tests and the demo need, by import name -> requirement
     missing=$("$PY" - <<'EOF'
