@@ -41,7 +41,12 @@ if "$PYTHON" -c "$reuse_check" 2>/dev/null; then
     say "reusing the torch of $PYTHON ($("$PYTHON" -c \
         'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")' 2>/dev/null \
         || echo 'no triton'))"
-    test -x "$PY" || "$PYTHON" -m venv --system-site-packages "$VENV"
+    if ! test -x "$PY"; then
+        # an interpreter without ensurepip (e.g. Debian's without python3-venv): no pip in the venv;
+        # the parent's pip serves it through the site-packages made visible below
+        "$PYTHON" -m venv --system-site-packages "$VENV" 2>/dev/null \
+            || { rm -rf "$VENV" && "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"; }
+    fi
     purelib=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     if "$PYTHON" -c "import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)"; then
         # $PYTHON is itself a venv: make its site-packages visible too
