@@ -37,6 +37,7 @@ import torch
 
 from replaymoe.bench._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
 from replaymoe.capture import RoutedExpertsCapturer
+from replaymoe.cli import strip_rest  # plain-text --help when run as python -m
 from replaymoe.routing import RoutingMethod, route
 
 
@@ -244,7 +245,9 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="replaymoe bench capture", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="replaymoe bench capture", description=strip_rest(__doc__.split("\n\n")[0])
+    )
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=2048)

@@ -21,6 +21,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from replaymoe.cli import strip_rest  # plain-text --help when run as python -m
+
 from ._timing import (
     BF16_FLOPS_PER_S,
     HBM_BYTES_PER_S,
@@ -196,7 +198,7 @@ def run(shapes, tokens) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="replaymoe bench moe", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="replaymoe bench moe", description=strip_rest(__doc__.split("\n")[0]))
     p.add_argument("--out", default="bench_results", help="output directory for moe.csv / moe.json")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")

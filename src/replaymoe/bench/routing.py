@@ -23,6 +23,7 @@ from replaymoe.bench._timing import (
     time_graph,
     write_results,
 )
+from replaymoe.cli import strip_rest  # plain-text --help when run as python -m
 from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import tie_free_logits
 
@@ -141,7 +142,9 @@ def run_sweep() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="replaymoe bench routing", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="replaymoe bench routing", description=strip_rest(__doc__.split("\n")[0])
+    )
     parser.add_argument("--out", default="./bench_out", help="directory for routing.csv / routing.json")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
