@@ -13,6 +13,8 @@ STAMP  := $(VENV)/.replaymoe-installed
 TORCH_PIP_ARGS ?=
 # reuse the torch python3 already has: auto (a CUDA/ROCm build), 1 (any), 0 (never)
 REUSE_TORCH ?= auto
+# what `make test` / `make test-gpu` run (e.g. TESTS=tests/test_routing_gpu.py)
+TESTS ?= tests
 
 .PHONY: venv test test-gpu demo lint format clean
 
@@ -24,10 +26,10 @@ $(STAMP): pyproject.toml scripts/install.sh
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 $(TESTS)
 
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m "gpu or multigpu" tests
+	$(PY) -m pytest -q -m "gpu or multigpu" $(TESTS)
 
 demo: $(STAMP)
 	$(PY) -m replaymoe demo
