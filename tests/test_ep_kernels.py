@@ -84,14 +84,15 @@ def _fake_buffers(ep, nbytes):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "ep, E, K, Ts, num_sms",
+    "ep, E, K, Ts, num_sms, fused",
     [
-        (2, 8, 2, [3, 4], None),  # two ranks, 4 programs (the CPU default)
-        (3, 10, 4, [5, 0, 2], 1),  # uneven split, a rank with zero tokens; one program loops over all
-        (4, 8, 8, [1, 3, 2, 4], 2),  # top-8 of 8: every token goes to every rank
+        (2, 8, 2, [3, 4], None, True),  # two ranks, dense grids, in-kernel barrier
+        (3, 10, 4, [5, 0, 2], 1, True),  # uneven split, a rank with zero tokens; one program loops over all
+        (4, 8, 8, [1, 3, 2, 4], 2, True),  # top-8 of 8: every token goes to every rank
+        (2, 8, 2, [0, 4], None, False),  # torch's barrier kernel (REPLAYMOE_EP_FUSED_BARRIER=0)
     ],
 )
-def test_symm_transport_kernels(ep, E, K, Ts, num_sms, generator):
+def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, generator):
     from replaymoe.ep.transport_symm import SymmTransport
 
     H, max_tokens, rt = 16, 6, 5
@@ -115,15 +116,25 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, generator):
     trs = [SymmTransport(a) for a in a2as]
     disp = _fake_buffers(ep, ep * (max_tokens + 1) * layout.row_bytes)
     comb = _fake_buffers(ep, ep * max_tokens * H * 2)  # fp16 combine payload
+    pads = [torch.zeros(16, dtype=torch.int32) for _ in range(ep)]  # the ranks' signal pads
     for r in range(ep):
         trs[r].disp, trs[r].row_cap, trs[r].comb = disp[r], layout.row_bytes, comb[r]
+        trs[r].fused = fused
+        if fused:
+            trs[r]._set_sync_args(pads, torch.zeros(8, dtype=torch.int32))
         a2as[r]._transport = trs[r]
-    # dispatch of every rank (each stores into all peers; the barrier is a no-op here), in rank order
+    # dispatch: every rank's plan + pack (each stores into all peers and, fused, signals them), then
+    # every rank's receive side (fused: waits for the signals, which are all there)
     states = []
     for s in range(ep):
         st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, None)
-        a2as[s]._dispatch_triton(st, ids[s], pays[s])
+        a2as[s]._dispatch_send(st, ids[s], pays[s])
         states.append(st)
+    for s in range(ep):
+        a2as[s]._dispatch_recv(states[s])
+        if fused:  # each peer's flag in s's pad holds epoch 1, and s's own dispatch epoch is 1
+            assert [int(pads[s][r]) for r in range(ep) if r != s] == [1] * (ep - 1)
+            assert int(trs[s].state[0]) == 1 and int(trs[s].state[2]) == 0  # arrivals reset
     ref, counts = dispatch_torch(ids, pays, E, rt)
     views = []
     for r in range(ep):
@@ -144,11 +155,14 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, generator):
         for s in range(ep):
             p[s, int(counts[r, s]) :] = float("nan")
         payloads.append(p)
-    rows = [trs[r].combine(payloads[r], rt) for r in range(ep)]
+    rows = [trs[r].combine(payloads[r], rt) for r in range(ep)]  # every rank's send (and signal)
+    if fused:  # the combine flags (slots 8 + source) and epochs
+        assert all(int(pads[s][8 + r]) == 1 for s in range(ep) for r in range(ep) if r != s)
+        assert all(int(trs[s].state[1]) == 1 and int(trs[s].state[3]) == 0 for s in range(ep))
     expect = combine_torch([(ref[r][0] * (r + 2)).to(torch.float16) for r in range(ep)], ids, E)
     for s in range(ep):
         out = poison(torch.empty(Ts[s], H, dtype=torch.float16))
-        _combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2])
+        _combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2], rows[s][3])
         torch.testing.assert_close(out, expect[s], atol=2e-3, rtol=2e-3)
 
 

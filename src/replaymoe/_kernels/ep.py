@@ -40,6 +40,68 @@ def _pick(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
     return p
 
 
+# ----------------------------------------------------------------------------------------------
+# In-kernel barrier of the symm transport (no extra launch): the producing kernel's last program
+# to finish publishes a new epoch into every peer's signal pad (release, system scope, after a
+# CTA barrier and an acq_rel arrival so that every program's stores are covered); every program
+# of the consuming kernel first waits until each peer's flag in its own pad reaches its epoch
+# (acquire, system scope). Epochs count up in device memory, so CUDA-graph replays stay in step.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _globaltimer(x):
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _trap(x):
+    return tl.inline_asm_elementwise(
+        "trap; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off,
+                 EP: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
+    """Called by every program after its stores; the last to arrive bumps this rank's epoch and
+    stores it into slot ``pad_off`` of every peer's signal pad."""
+    total = tl.num_programs(0) * tl.num_programs(1)
+    tl.debug_barrier()
+    old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="sys")
+    if old == total - 1:
+        tl.store(arrive_ptr, 0)
+        e = tl.load(epoch_ptr) + 1
+        tl.store(epoch_ptr, e)
+        for r in tl.static_range(EP):
+            if r != RANK:
+                base = _pick(r, q0, q1, q2, q3, q4, q5, q6, q7)
+                tl.atomic_xchg(base + pad_off, e, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP: tl.constexpr, RANK: tl.constexpr,
+                TIMER: tl.constexpr):  # fmt: skip
+    """Wait until every peer's flag ``pad_ptr[pad_base + r]`` reaches this rank's epoch (which the
+    producing kernel of this phase set). With ``TIMER``, print and trap after ``timeout_ns``."""
+    e = tl.load(epoch_ptr)
+    for r in tl.static_range(EP):
+        if r != RANK:
+            v = tl.atomic_add(pad_ptr + pad_base + r, 0, sem="acquire", scope="sys")
+            if TIMER:
+                t0 = _globaltimer(v)
+                while v < e:
+                    v = tl.atomic_add(pad_ptr + pad_base + r, 0, sem="acquire", scope="sys")
+                    if _globaltimer(v) - t0 > timeout_ns:
+                        tl.device_print("replaymoe MoeAlltoAll(symm): barrier timeout, rank/peer", RANK, r)
+                        v = _trap(v) + e
+            else:
+                while v < e:
+                    v = tl.atomic_add(pad_ptr + pad_base + r, 0, sem="acquire", scope="sys")
+
+
 @triton.jit
 def _load_rows(src, toks, tmask, chunk, N: tl.constexpr, NB: tl.constexpr):
     """Tile [TT, NB] of rows ``toks`` of a contiguous [T, N] payload, column chunk ``chunk``."""
@@ -82,6 +144,17 @@ def ep_pack_kernel(
     T,
     dst_rank_stride,  # units added per destination rank index (nccl: one block; symm: 0)
     dst_base,  # units added to every destination (symm: this source's block)
+    arrive_ptr,  # int32: programs finished (SIGNAL)
+    epoch_ptr,  # int32: this rank's dispatch epoch (SIGNAL)
+    q0,
+    q1,
+    q2,
+    q3,
+    q4,
+    q5,
+    q6,
+    q7,  # int32 signal pad of each rank (SIGNAL)
+    pad_off,  # this rank's dispatch flag in a pad
     RB: tl.constexpr,  # units per received row
     N0: tl.constexpr,
     N1: tl.constexpr,
@@ -99,6 +172,8 @@ def ep_pack_kernel(
     EP: tl.constexpr,
     EP_P2: tl.constexpr,
     TT: tl.constexpr,  # tokens per iteration
+    RANK: tl.constexpr,
+    SIGNAL: tl.constexpr,  # symm: the last program signals the peers (see _signal_done)
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
@@ -132,6 +207,8 @@ def ep_pack_kernel(
         if NP > 3:
             _store_rows(v3, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
                         dst_rank_stride, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
+    if SIGNAL:
+        _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, RANK)
 
 
 @triton.jit
@@ -152,10 +229,22 @@ def ep_combine_send_kernel(
     src_row_stride,
     dst_offset,  # elements: this rank's block in every source's combine receive buffer
     dst_row_stride,
+    arrive_ptr,  # int32: programs finished (SIGNAL)
+    epoch_ptr,  # int32: this rank's combine epoch (SIGNAL)
+    q0,
+    q1,
+    q2,
+    q3,
+    q4,
+    q5,
+    q6,
+    q7,  # int32 signal pad of each rank (SIGNAL)
+    pad_off,  # this rank's combine flag in a pad
     EP: tl.constexpr,
     SKIP: tl.constexpr,  # a source rank whose rows are not sent (this rank: it reads them in place), -1: none
     NB: tl.constexpr,  # column chunk (power of 2); program_id(1) is the chunk
     TT: tl.constexpr,  # rows per iteration
+    SIGNAL: tl.constexpr,  # the last program signals the peers (see _signal_done); SKIP is this rank
 ):
     """Send row ``[s, j]`` (``j < counts[s]``) back to source rank ``s`` at ``[this rank, j]``.
     Persistent over the flattened rows ``s * rows + j`` of the sources other than ``SKIP`` (the
@@ -182,6 +271,8 @@ def ep_combine_send_kernel(
         for r in tl.static_range(EP):
             base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
             tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r)[:, None])
+    if SIGNAL:
+        _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, SKIP)
 
 
 @triton.jit
@@ -195,13 +286,21 @@ def ep_combine_reduce_kernel(
     recv_block_stride,
     recv_row_stride,
     own_row_stride,
+    epoch_ptr,  # int32: this rank's combine epoch (WAIT)
+    pad_ptr,  # int32: this rank's signal pad (WAIT)
+    pad_base,
+    timeout_ns,
     EP: tl.constexpr,
     OWN: tl.constexpr,  # rank whose rows are read from own_ptr instead of recv_ptr (-1: none)
     NB: tl.constexpr,  # column chunk (power of 2); program_id(1) is the chunk
     TT: tl.constexpr,  # tokens per iteration
+    WAIT: tl.constexpr,  # symm: wait for every peer's combine signal first (OWN is this rank)
+    TIMER: tl.constexpr,
 ):
     """out[t] = sum over ranks r that received t of recv[r, slot[t, r]], accumulated in fp32 in rank
     order. Persistent over tokens (the grid's first axis bounds the SMs used)."""
+    if WAIT:
+        _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP, OWN, TIMER)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.program_id(1) * NB + tl.arange(0, NB)
@@ -290,28 +389,39 @@ def ep_sanitize_kernel(
     lo,
     hi,
     invalid,
+    epoch_ptr,  # int32: this rank's dispatch epoch (WAIT)
+    pad_ptr,  # int32: this rank's signal pad (WAIT)
+    pad_base,
+    timeout_ns,
     K: tl.constexpr,
     K_P2: tl.constexpr,
     EP: tl.constexpr,
     EP_P2: tl.constexpr,
     BLOCK: tl.constexpr,
+    RANK: tl.constexpr,
+    HAS_IDS: tl.constexpr,  # False: only wait (WAIT) and copy the counts
+    WAIT: tl.constexpr,  # symm: wait for every peer's dispatch signal first
+    TIMER: tl.constexpr,
 ):
     """Ids of padding rows (slot >= count of its source, header rows included) and of experts outside
     [lo, hi) become ``invalid``; program 0 also copies the counts to ``recv_counts``."""
+    if WAIT:
+        _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP, RANK, TIMER)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ks = tl.arange(0, K_P2)
-    for r0 in range(pid * BLOCK, n_rows, nprog * BLOCK):
-        rows = r0 + tl.arange(0, BLOCK)
-        rmask = rows < n_rows
-        s = rows // rows_per_block
-        j = rows % rows_per_block
-        cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0)
-        m = rmask[:, None] & (ks < K)[None, :]
-        ptrs = ids_ptr + rows.to(tl.int64)[:, None] * row_stride + ks[None, :]
-        v = tl.load(ptrs, mask=m, other=0)
-        drop = (j >= cnt)[:, None] | (v < lo) | (v >= hi)
-        tl.store(ptrs, tl.where(drop, invalid, v), mask=m)
+    if HAS_IDS:
+        for r0 in range(pid * BLOCK, n_rows, nprog * BLOCK):
+            rows = r0 + tl.arange(0, BLOCK)
+            rmask = rows < n_rows
+            s = rows // rows_per_block
+            j = rows % rows_per_block
+            cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0)
+            m = rmask[:, None] & (ks < K)[None, :]
+            ptrs = ids_ptr + rows.to(tl.int64)[:, None] * row_stride + ks[None, :]
+            v = tl.load(ptrs, mask=m, other=0)
+            drop = (j >= cnt)[:, None] | (v < lo) | (v >= hi)
+            tl.store(ptrs, tl.where(drop, invalid, v), mask=m)
     if pid == 0:
         r = tl.arange(0, EP_P2)
         c = tl.load(hdr_ptr + r.to(tl.int64) * hdr_block + hdr_off, mask=r < EP, other=0)

@@ -193,6 +193,8 @@ class _Targets:
     dst_base: int
     send: torch.Tensor | None = None
     recv_out: torch.Tensor | None = None
+    signal: tuple | None = None  # symm fused barrier: (arrive, epoch, q0..q7, pad_off) for the pack
+    wait: tuple | None = None  # symm fused barrier: (epoch, pad, pad_base, timeout_ns, TIMER)
 
 
 @dataclass
@@ -456,10 +458,15 @@ class MoeAlltoAll:
             check_int("num_sms", value, low=1)
         self._num_sms = value
 
-    def _programs(self, work: int) -> int:
-        """Programs of a persistent kernel with ``work`` independent items (at least one)."""
+    def _programs(self, work: int, chunks: int = 1) -> int:
+        """Programs along the first grid axis of a persistent kernel with ``work`` independent items
+        in all and ``chunks`` programs along the second axis (at least one)."""
         n = self._device_sms if self._num_sms is None else self._num_sms
-        return max(1, min(n, work))
+        return max(1, min(n, work) // chunks)
+
+    def _dense_programs(self, work: int, chunks: int = 1) -> int:
+        """The same for the dense grids (num_sms unset): up to 8 programs per SM, then a grid-stride loop."""
+        return max(1, min(work, 8 * self._device_sms // chunks))
 
     def use_triton(self) -> bool:
         """Whether packing/reduction run the Triton kernels (see ``kernel_backend``)."""
@@ -640,6 +647,11 @@ class MoeAlltoAll:
             pad = 4 - len(grp)
             dsts = [d.view(unit) for d in tg.dsts]
             dsts = dsts + [dsts[0]] * (8 - len(dsts))
+            last = g0 + 4 >= len(live)
+            if tg.signal is not None and last:
+                sig, signal = tg.signal, True
+            else:
+                sig, signal = (st.send_counts,) * 10 + (0,), False
             variants = {}
             for persistent in (False, True):
                 # dense (num_sms unset): one program per (token, 1024-unit chunk), many resident per SM;
@@ -655,34 +667,47 @@ class MoeAlltoAll:
                 warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
                 variants[persistent] = _PackGroup(
                     idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
-                    consts=(tg.dst_rank_stride // u, tg.dst_base // u, layout.row_bytes // u,
+                    consts=(tg.dst_rank_stride // u, tg.dst_base // u, *sig, layout.row_bytes // u,
                             *(Ns + [1] * pad), *(NBs + [1] * pad), *(Os + [0] * pad), len(grp), self.ep,
-                            ep_p2, TT),
+                            ep_p2, TT, self.rank, signal),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )  # fmt: skip
             st.packs.append(variants)
-        if idx is not None:
-            v = views[idx]
-            n = self.ep * (rt + 1) - 1
-            flat = torch.as_strided(v, (n, K), v.stride()[1:])
+        if idx is not None or tg.wait is not None:
+            # sanitize the ids (if any) and copy the counts; with the fused barrier, wait for the
+            # peers' dispatch signals first
             hdr = tg.recv.view(torch.int32)
             blk = 128
+            if idx is not None:
+                v = views[idx]
+                n = self.ep * (rt + 1) - 1
+                flat = torch.as_strided(v, (n, K), v.stride()[1:])
+            else:
+                n, flat = 0, self.recv_counts
+            wait = tg.wait if tg.wait is not None else (self.recv_counts, self.recv_counts, 0, 0, False)
             st.sanitize = (
                 Launcher(ep_sanitize_kernel, num_warps=4),
-                triton.cdiv(n, blk),
+                max(1, triton.cdiv(n, blk)),
                 (flat, hdr, self.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
                  counts.storage_offset() - hdr.storage_offset(), self.local_expert_offset,
-                 self.local_expert_offset + self.num_local_experts, invalid, K,
-                 max(2, triton.next_power_of_2(K)), self.ep, ep_p2, blk),
+                 self.local_expert_offset + self.num_local_experts, invalid, *wait[:4], K,
+                 max(2, triton.next_power_of_2(K)), self.ep, ep_p2, blk, self.rank, idx is not None,
+                 tg.wait is not None, wait[4]),
             )  # fmt: skip
         return st
 
     def _dispatch_triton(self, st: _DState, ids: torch.Tensor, payloads) -> None:
+        self._dispatch_send(st, ids, payloads)
+        self._transport.exchange_dispatch(st.targets)
+        self._dispatch_recv(st)
+
+    def _dispatch_send(self, st: _DState, ids: torch.Tensor, payloads) -> None:
+        """Plan + pack (with the fused barrier, the pack's last program signals the peers)."""
         if not ids.is_contiguous():
             ids = ids.contiguous()
         st.plan_launch((1,), (ids, *st.plan_args))
         T = st.T
-        if T > 0:
+        if T > 0 or st.targets.signal is not None:  # (the fused barrier's signal needs the launch)
             persistent = self._num_sms is not None
             for variants in st.packs:
                 g = variants[persistent]
@@ -694,14 +719,19 @@ class MoeAlltoAll:
                     srcs.append(p if p.dtype == g.unit else p.view(torch.uint8).view(g.unit))
                 srcs = srcs + [srcs[0]] * (4 - len(srcs))
                 work = triton_cdiv(T, g.TT)
-                grid = (max(1, self._programs(work * g.chunks) // g.chunks) if persistent else work, g.chunks)
+                if persistent:
+                    grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
+                else:
+                    grid = (self._dense_programs(work, g.chunks), g.chunks)
                 g.launch(grid, (st.slot, *srcs, *g.dsts, T, *g.consts))
-        self._transport.exchange_dispatch(st.targets)
+
+    def _dispatch_recv(self, st: _DState) -> None:
+        """After the exchange: (wait for the peers,) sanitize the ids, copy the counts."""
         if st.sanitize is None:
             self.recv_counts.copy_(st.counts)
         else:
             launch, work, args = st.sanitize
-            launch((self._programs(work),), args)
+            launch((self._programs(work) if self._num_sms is not None else self._dense_programs(work),), args)
 
     def _dispatch_torch(self, st: _DState, ids, payloads, invalid, idx) -> None:
         """The torch-ops path (CPU/gloo): plan, pack by index_copy, exchange, sanitize."""
@@ -765,9 +795,9 @@ class MoeAlltoAll:
         assert st is not None
         self._phase = "combining"
         try:
-            rows, block_stride, own = self._transport.combine(payload, rt)
+            rows, block_stride, own, wait = self._transport.combine(payload, rt)
             out = torch.empty(st.T, self.hidden_size, dtype=payload.dtype, device=self.device)
-            _combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own)
+            _combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own, wait)
         except BaseException:
             self._phase = "broken"
             raise
@@ -820,8 +850,9 @@ def _sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
     block = 128
     ep_sanitize_kernel[(triton.cdiv(n, block),)](
         flat, hdr, a2a.recv_counts, n, flat.stride(0), rt + 1, hdr_block, hdr_off, lo, hi, invalid,
-        K=K, K_P2=max(2, triton.next_power_of_2(K)), EP=a2a.ep,
-        EP_P2=max(2, triton.next_power_of_2(a2a.ep)), BLOCK=block,
+        counts, counts, 0, 0, K=K, K_P2=max(2, triton.next_power_of_2(K)), EP=a2a.ep,
+        EP_P2=max(2, triton.next_power_of_2(a2a.ep)), BLOCK=block, RANK=a2a.rank, HAS_IDS=True, WAIT=False,
+        TIMER=False,
     )  # fmt: skip
 
 
@@ -838,19 +869,20 @@ def _combine_reduce(
     out: torch.Tensor,
     cache: dict | None = None,
     own: torch.Tensor | None = None,
+    wait: tuple | None = None,
 ) -> None:
     """out[t] = sum_r [slot[t, r] >= 0] rows[r, slot[t, r]] in fp32 (rank order). ``own``: this rank's
     rows [rt, H] (row stride free) when the transport did not copy them into ``rows`` (symm).
     ``cache`` keeps the launch plans per layout (the dispatch state's)."""
     T, H = out.shape
     ep = a2a.ep
-    if T == 0:
+    if T == 0 and wait is None:
         return
     row_stride = rows.stride(0)
     if a2a.use_triton():
         persistent = a2a._num_sms is not None
         own_key = None if own is None else (own.stride(0), own.data_ptr() & 15)
-        key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride, own_key, persistent)
+        key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride, own_key, persistent, wait is None)
         plan = None if cache is None else cache.get(key)
         if plan is None:
             import triton
@@ -865,13 +897,15 @@ def _combine_reduce(
             else:
                 tt = 1 if nb >= 256 else 8
             warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
-            plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, -(-T // tt), nb, tt)
+            plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, max(1, -(-T // tt)), nb, tt)
             if cache is not None:
                 cache[key] = plan
         launch, chunks, work, nb, tt = plan
-        nprog = max(1, a2a._programs(work * chunks) // chunks) if persistent else work
+        nprog = a2a._programs(work * chunks, chunks) if persistent else a2a._dense_programs(work, chunks)
         own_t, own_rs, own_r = (rows, 0, -1) if own is None else (own, own.stride(0), a2a.rank)
-        args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, ep, own_r, nb, tt)
+        w = wait if wait is not None else (slot, slot, 0, 0, False)
+        args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, *w[:4], ep, own_r, nb, tt,
+                wait is not None, w[4])  # fmt: skip
         launch((nprog, chunks), args)
         return
     nrows = rows.shape[0]  # rows is a 2-D [N, H] view of the buffer; rank r's row j = r*bs/rs + j

@@ -82,14 +82,14 @@ class NcclTransport:
         cnt.copy_(plan.send_counts)
         self.exchange_dispatch(tg)
 
-    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, None]:
+    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, None, None]:
         """Exchange ``[ep, rt + 1, H]`` blocks (the extra row keeps ``ep_moe``'s output copy-free)."""
         a = self.a2a
         H = a.hidden_size
         es = payload.element_size()
         block = (rt + 1) * H
         if a.ep == 1 and payload.stride(1) == H:
-            return payload[0], payload.stride(0), None
+            return payload[0], payload.stride(0), None, None
         if _spans_blocks(payload, block):
             send = torch.as_strided(payload, (a.ep * block,), (1,))
         else:
@@ -100,7 +100,7 @@ class NcclTransport:
             send = self.csend[: a.ep * block * es].view(payload.dtype)
             send.view(a.ep, rt + 1, H)[:, :rt].copy_(payload)
         if a.ep == 1:
-            return send.view(rt + 1, H), block, None
+            return send.view(rt + 1, H), block, None, None
         if self.crecv is None or self.crecv.numel() < a.ep * block * es:
             a._guard_growth("combine")
             self.crecv = torch.empty(
@@ -108,7 +108,7 @@ class NcclTransport:
             )
         out = self.crecv[: a.ep * block * es]
         self._exchange("combine", out, send.view(torch.uint8))
-        return out.view(payload.dtype).view(a.ep * (rt + 1), H), block, None
+        return out.view(payload.dtype).view(a.ep * (rt + 1), H), block, None, None
 
 
 def _spans_blocks(payload: torch.Tensor, block: int) -> bool:

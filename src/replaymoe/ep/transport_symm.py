@@ -36,6 +36,8 @@ from . import alltoall as _a  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
+# the barrier runs inside the kernels (no extra launch per phase); 0 = torch's signal-pad barrier kernel
+FUSED_BARRIER = os.environ.get("REPLAYMOE_EP_FUSED_BARRIER", "1") != "0"
 
 
 class _SymmBuffer:
@@ -76,12 +78,39 @@ class SymmTransport:
         self.comb: _SymmBuffer | None = None
         self._retired: list[_SymmBuffer] = []  # grown-out buffers stay mapped (peers may be in flight)
         self._ckeys: dict = {}  # combine launch plans per (dtype, rt, payload strides)
+        self.fused = FUSED_BARRIER
+        self.sig: _SymmBuffer | None = None  # signal pads (fused barrier)
+        self.signal_args: tuple = ()
+        self.wait_args: tuple = ()
 
     def _barrier(self) -> None:
         assert self.disp is not None
         self.disp.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
+    def _init_signal(self) -> None:
+        """Signal pads for the fused barrier (collective: every rank's first dispatch): int32 [16] per
+        rank, slot ``s`` = source s's dispatch epoch, ``8 + s`` its combine epoch; and this rank's
+        counters [dispatch epoch, combine epoch, pack arrivals, send arrivals]."""
+        a = self.a2a
+        self.sig = _SymmBuffer(a, 256, "signal")
+        self.sig.local.zero_()
+        self.state = torch.zeros(8, dtype=torch.int32, device=a.device)
+        self.sig.handle.barrier(channel=0, timeout_ms=self.timeout_ms)  # zeroed everywhere before use
+        self._set_sync_args([p.view(torch.int32) for p in self.sig.peers], self.state)
+
+    def _set_sync_args(self, pads: list[torch.Tensor], state: torch.Tensor) -> None:
+        a = self.a2a
+        st = self.state = state
+        pads = pads + [pads[0]] * (_MAX_EP - len(pads))
+        timer = a.device.type == "cuda"
+        tns = self.timeout_ms * 1_000_000
+        # (arrive, epoch, q0..q7, pad_off) for the producers; (epoch, pad, pad_base, timeout_ns) + TIMER
+        self.signal_args = ((st[2:3], st[0:1], *pads, a.rank), (st[3:4], st[1:2], *pads, 8 + a.rank))
+        self.wait_args = ((st[0:1], pads[a.rank], 0, tns, timer), (st[1:2], pads[a.rank], 8, tns, timer))
+
     def ensure_dispatch(self, row_bytes: int) -> None:
+        if self.fused and self.sig is None and not self.signal_args:
+            self._init_signal()
         if row_bytes <= self.row_cap:
             return
         a = self.a2a
@@ -100,12 +129,14 @@ class SymmTransport:
         assert buf is not None
         block = (rt + 1) * layout.row_bytes  # all ranks use the same rt in a round; barriers order rounds
         return _a._Targets(recv=buf.local, block=block, dsts=list(buf.peers), dst_rank_stride=0,
-                           dst_base=a.rank * block)  # fmt: skip
+                           dst_base=a.rank * block, signal=self.signal_args[0] if self.fused else None,
+                           wait=self.wait_args[0] if self.fused else None)  # fmt: skip
 
     def exchange_dispatch(self, tg: _a._Targets) -> None:
-        self._barrier()
+        if not self.fused:
+            self._barrier()
 
-    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, torch.Tensor, tuple | None]:
         """Send row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to source ``s``'s combine
         buffer at ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]``, the
         block stride (elements) and this rank's own rows ``payload[rank]`` (read in place)."""
@@ -145,12 +176,15 @@ class SymmTransport:
             c = (Launcher(ep_combine_send_kernel, num_warps=warps), dst, nb, chunks, tt, rows, work)
             self._ckeys[key] = c
         launch, dst, nb, chunks, tt, rows, work = c
-        nprog = max(1, a._programs(work * chunks) // chunks) if persistent else work
+        nprog = a._programs(work * chunks, chunks) if persistent else a._dense_programs(work, chunks)
+        sig = self.signal_args[1] if self.fused else (a.recv_counts,) * 10 + (0,)
         # this rank's own rows are not copied: the reduction reads them in place
         launch(
             (nprog, chunks),
             (payload, a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
-             a.ep, a.rank, nb, tt),
+             *sig, a.ep, a.rank, nb, tt, self.fused),
         )  # fmt: skip
-        self._barrier()
-        return rows, rt * H, payload[a.rank]
+        if not self.fused:
+            self._barrier()
+            return rows, rt * H, payload[a.rank], None
+        return rows, rt * H, payload[a.rank], self.wait_args[1]
