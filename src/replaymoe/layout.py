@@ -137,6 +137,7 @@ def expert_layout(
     """
     _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster)
     from ._kernels.layout import _layout_hist_kernel, _layout_scatter_kernel
+    from ._launch import fast
 
     T, K = topk_ids.shape
     num_slots = T * K
@@ -171,10 +172,10 @@ def expert_layout(
         cluster=cluster,
         num_slots=num_slots,
     )
-    _layout_hist_kernel[(num_chunks,)](
+    fast(_layout_hist_kernel)[(num_chunks,)](
         topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
     )
-    _layout_scatter_kernel[(grid,)](
+    fast(_layout_scatter_kernel)[(grid,)](
         topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
         out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, num_chunks,
         max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,

@@ -593,10 +593,14 @@ def _experts_triton(
     fp8 = w13_scale is not None
     if out is None:
         out = torch.empty(T, H, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
-    torch.ops.replaymoe.moe_experts(
-        x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
-        _config_tuple(config or moe_config(T, K, H, I, E_local, fp8=fp8)),
-    )  # fmt: skip
+    c = config or moe_config(T, K, H, I, E_local, fp8=fp8)
+    if torch.compiler.is_compiling():
+        torch.ops.replaymoe.moe_experts(
+            x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+            _config_tuple(c),
+        )  # fmt: skip
+    else:  # eager: the same launches without the custom-op dispatch (tens of microseconds per call)
+        _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c)
     return out
 
 
@@ -928,6 +932,7 @@ def _launch(
     """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
     receives GEMM1's gate/up outputs per slot for the backward."""
     from ._kernels.moe import _moe_gemm1_kernel, _moe_gemm2_kernel, _moe_reduce_kernel, _quant_groups_kernel
+    from ._launch import fast
     from .layout import expert_layout
 
     T, H = x.shape
@@ -963,7 +968,7 @@ def _launch(
         xq = torch.empty(T, H, dtype=_FP8, device=dev)
         xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
         g = 8
-        _quant_groups_kernel[(T, triton_cdiv(H // 128, g))](
+        fast(_quant_groups_kernel)[(T, triton_cdiv(H // 128, g))](
             x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4
         )
         inter = torch.empty(rows, I, dtype=_FP8, device=dev)
@@ -978,7 +983,7 @@ def _launch(
     grid1 = (num_pid_m * triton_cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
-    _moe_gemm1_kernel[grid1](
+    fast(_moe_gemm1_kernel)[grid1](
         xq, xs, w13, s13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I,
         K, slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, SAVE_H=save,
@@ -987,7 +992,7 @@ def _launch(
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton_cdiv(H, c.block_n2),)
-    _moe_gemm2_kernel[grid2](
+    fast(_moe_gemm2_kernel)[grid2](
         inter, inter_s, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
         DIRECT=c.direct, FP8=fp8, PREQ=preq, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m,
@@ -995,7 +1000,7 @@ def _launch(
         num_stages=c.stages2,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-    _moe_reduce_kernel[(T, triton_cdiv(H, bh))](
+    fast(_moe_reduce_kernel)[(T, triton_cdiv(H, bh))](
         y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
     )
 

@@ -588,6 +588,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and run the routing kernel once (no validation)."""
     from replaymoe._kernels.routing import route_kernel
+    from replaymoe._launch import fast
 
     num_tokens, num_experts = router_logits.shape
     dev = router_logits.device
@@ -599,7 +600,7 @@ def _launch(
     ngp, gsp = _next_pow2(n_group), _next_pow2(gs)
     block_t, num_warps, algo = _launch_config(ngp * gsp)
     grid = ((num_tokens + block_t - 1) // block_t,)
-    route_kernel[grid](
+    fast(route_kernel)[grid](
         router_logits,
         router_logits.stride(0),
         router_logits if bias is None else bias,

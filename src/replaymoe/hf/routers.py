@@ -55,11 +55,17 @@ class RouterPlan:
             return F.linear(h, router.weight, router.bias)
         return F.linear(h, router.weight)
 
-    def weights(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The weights the model's own router would return for ``ids``, in its dtype."""
+    def weights(
+        self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, fused: bool
+    ) -> torch.Tensor:
+        """The weights the model's own router would return for ``ids``.
+
+        In the router's dtype, except for ``fused`` experts: those take fp32 weights, so the
+        rounding to a bf16 router's dtype (and the cast back) is skipped.
+        """
         if self.sigmoid_scale is not None:
             return torch.sigmoid(logits.float()).gather(1, ids.long()) * self.sigmoid_scale
-        if self.family in ("deepseek", "mixtral"):
+        if fused or self.family in ("deepseek", "mixtral"):
             return weights
         return weights.to(logits.dtype)
 

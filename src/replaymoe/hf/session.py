@@ -403,7 +403,7 @@ def _make_router_forward(state: ReplayMoE, info: MoELayerInfo, fused: bool) -> C
         )
         if out_buf is not staged:
             staged.copy_(out_buf)
-        weights = plan.weights(logits, out.topk_ids, out.topk_weights)
+        weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=fused)
         # the fused experts take int32 ids as they are; transformers' own experts index with int64
         return logits, weights, out.topk_ids if fused else out.topk_ids.long()
 

@@ -1,0 +1,121 @@
+"""Launch Triton kernels with less host work per call than ``kernel[grid](...)``.
+
+At decode sizes a forward is bound by the CPU: Triton's per-call dispatch (current device and
+stream lookups, pre-run hooks, a string-built cache key, launch metadata) costs tens of
+microseconds per launch, more than the kernel runs. :func:`fast` wraps a ``@triton.jit`` function
+so that ``fast(kernel)[grid](*args, **kwargs)`` launches exactly the kernel Triton would pick:
+
+* the specialization comes from Triton's own per-kernel binder (the same values-to-signature
+  mapping: dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16,
+  constexprs), so a call whose arguments specialize differently gets its own compiled kernel;
+* the first call of every specialization goes through Triton (compiling it if needed) and its
+  compiled kernel is kept; later calls launch it directly on the current stream.
+
+The plain Triton path is used when the process runs Triton's interpreter, when CUDA is
+unavailable, when a launch hook (a profiler) is installed, and when ``REPLAYMOE_FAST_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["FastLaunch", "fast"]
+
+ENABLED = os.environ.get("REPLAYMOE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+class FastLaunch:
+    """A ``@triton.jit`` function with a cache of compiled kernels keyed by specialization.
+
+    ``FastLaunch(kernel)[grid](*args, **kwargs)`` takes the same arguments as
+    ``kernel[grid](*args, **kwargs)`` (launch options such as ``num_warps`` included).
+    """
+
+    __slots__ = ("fn", "_compiled")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._compiled: dict[tuple, Any] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        return _Bound(self, grid)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if not ENABLED or not _hooks_off():
+            self.fn[grid](*args, **kwargs)
+            return
+        device = torch._C._cuda_getDevice()
+        caches = self.fn.device_caches.get(device)
+        if caches is None:  # first launch on this device: Triton builds its binder
+            self._compile(grid, args, kwargs, None)
+            return
+        bound, specialization, options = caches[4](*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()))
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            self._compile(grid, args, kwargs, key)
+            return
+        kernel.run(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device),
+            kernel.function,
+            kernel.packed_metadata,
+            None,
+            None,
+            None,
+            *bound.values(),
+        )
+
+    def _compile(self, grid: tuple[int, ...], args: tuple, kwargs: dict, key: tuple | None) -> None:
+        kernel = self.fn[grid](*args, **kwargs)
+        if key is None or kernel is None:
+            return
+        if hasattr(kernel, "result"):  # an asynchronous compile's future
+            kernel = kernel.result()
+        if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
+            self._compiled[key] = kernel
+
+
+class _Bound:
+    __slots__ = ("owner", "grid")
+
+    def __init__(self, owner: FastLaunch, grid: tuple[int, ...]) -> None:
+        self.owner, self.grid = owner, grid
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.owner.launch(self.grid, args, kwargs)
+
+
+_WRAPPED: dict[int, FastLaunch] = {}
+
+
+def fast(fn: Any) -> FastLaunch:
+    """The :class:`FastLaunch` of ``fn`` (one per kernel, kept for the process)."""
+    wrapped = _WRAPPED.get(id(fn))
+    if wrapped is None or wrapped.fn is not fn:
+        wrapped = _WRAPPED[id(fn)] = FastLaunch(fn)
+    return wrapped
+
+
+_RUNTIME_KNOBS = None
+
+
+def _hooks_off() -> bool:
+    """No Triton launch hook is installed (profilers install one; they need the plain path)."""
+    global _RUNTIME_KNOBS
+    if _RUNTIME_KNOBS is None:
+        from triton import knobs
+
+        _RUNTIME_KNOBS = knobs.runtime
+    rt = _RUNTIME_KNOBS
+    return _empty(rt.launch_enter_hook) and _empty(rt.launch_exit_hook)
+
+
+def _empty(hook: Any) -> bool:
+    """``None`` (older Triton) or a hook chain without calls (Triton 3.6)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
