@@ -8,7 +8,8 @@ experts, top-8, expert width 768 — and 8 layers, bf16) generates ``--new`` tok
 * ``replaymoe``         :func:`replaymoe.hf.enable`: routers through the Triton routing kernel,
   experts through the fused Triton MoE kernels;
 * ``replaymoe+capture`` the same with routing capture on (traces collected after each generate);
-* ``replaymoe+replay``  the same replaying traces captured once beforehand (prompt and completion).
+* ``replaymoe+replay``  the same replaying the traces of the capture row in the same cache mode
+  (prompt and completion); ``same_tokens_as_rollout`` tells whether it generated the rollout again.
 
 Cache modes: ``eager`` (the default dynamic cache, no compile) and ``static``
 (``cache_implementation="static"``: transformers compiles the decode step, inductor with CUDA
@@ -17,8 +18,9 @@ graphs).
 Reported per row: median wall time of ``generate`` over ``--repeats`` runs after a warm-up, generated
 tokens/s, the speed-up over ``grouped_mm`` in the same cache mode, graph breaks and recompiles seen
 by dynamo in the timed runs, and the logits error: the logits ``generate`` returned at every step
-against an fp32 forward of the same weights over the same tokens (``‖Δ‖ / ‖ref‖``), so speed and
-correctness are read together.
+against an fp32 forward of the same weights over the same tokens (``‖Δ‖ / ‖ref‖``; for replay rows
+the fp32 forward replays the same traces), so speed and correctness are read together. Static rows
+each start from a reset dynamo, so every row compiles its own graphs.
 
 Usage: ``replaymoe bench hf [--out DIR] [--arch qwen3_moe] [--batch 1,8,32] [--prompt 128] [--new 64]
 [--modes eager,static]`` (or ``python -m replaymoe.bench.hf``). Needs CUDA.
@@ -75,14 +77,25 @@ def _generate(model, ids, mask, new, mode, **kw):
     return time.perf_counter() - t0, out
 
 
-def _logits_error(model, ref_model, ids, mask, new, mode):
-    """‖generate's step logits − fp32 teacher-forced logits‖ / ‖fp32‖ over all generated steps."""
+def _logits_error(model, ref_model, ids, mask, new, mode, traces=None):
+    """‖generate's step logits − fp32 teacher-forced logits‖ / ‖fp32‖ over all generated steps.
+
+    The fp32 forward routes natively, or replays ``traces`` (routers forced, transformers' own fp32
+    experts) when the measured implementation replays them.
+    """
+    import replaymoe.hf as rhf
+
     _, out = _generate(model, ids, mask, new, mode, output_logits=True, return_dict_in_generate=True)
     got = torch.stack(out.logits, dim=1).float()  # [B, new, V]
     seq = out.sequences
     full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1] :])], dim=1)
-    with torch.no_grad():
-        ref = ref_model(input_ids=seq, attention_mask=full_mask).logits.float()
+    ref_moe = None if traces is None else rhf.enable(ref_model, replay=traces, experts=False)
+    try:
+        with torch.no_grad():
+            ref = ref_model(input_ids=seq, attention_mask=full_mask).logits.float()
+    finally:
+        if ref_moe is not None:
+            ref_moe.disable()
     ref = ref[:, ids.shape[1] - 1 : -1]
     return float((got - ref).norm() / ref.norm())
 
@@ -130,16 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
         mask = torch.ones_like(ids)
-        traces = rollout = None
-        if "replaymoe+replay" in impls:  # capture once, outside the timing, eagerly
-            moe = rhf.enable(model, capture=True)
-            _, rollout = _generate(model, ids, mask, args.new, "eager")
-            rollout = rollout[:, ids.shape[1] :]
-            traces = moe.traces()
-            moe.disable()
         for mode in modes:
             ref_tokens, ref_time = None, None
+            traces = rollout = None  # the rollout that replay rows replay: captured in this mode
             for impl in impls:
+                if impl == "replaymoe+replay" and traces is None:  # capture row not asked for
+                    moe = rhf.enable(
+                        model, capture=True, max_batch_size=B, max_positions=args.prompt + args.new
+                    )
+                    _, rollout = _generate(model, ids, mask, args.new, mode)
+                    rollout, traces = rollout[:, ids.shape[1] :], moe.traces()
+                    moe.disable()
+                if mode == "static":
+                    torch._dynamo.reset()  # each row compiles its own graphs (no cache-size limit hit)
                 moe = None
                 if impl.startswith("replaymoe"):
                     moe = rhf.enable(
@@ -162,11 +178,20 @@ def main(argv: list[str] | None = None) -> int:
                         if impl == "replaymoe+capture":
                             got = moe.traces()
                             assert len(got) == B and got[0].num_tokens == args.prompt + args.new - 1
+                            traces, rollout = got, out[:, ids.shape[1] :]
                     breaks1, recompiles1 = _counters()
                     toks = out[:, ids.shape[1] :]
                     err = float("nan")
                     if ref_model is not None:
-                        err = _logits_error(model, ref_model, ids, mask, args.new, mode)
+                        err = _logits_error(
+                            model,
+                            ref_model,
+                            ids,
+                            mask,
+                            args.new,
+                            mode,
+                            traces if impl == "replaymoe+replay" else None,
+                        )
                         if moe is not None:
                             moe.traces()
                 finally:
