@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import statistics
 import sys
 import time
@@ -106,6 +107,25 @@ def _counters():
     return sum(counters["graph_break"].values()), sum(counters["recompiles"].values())
 
 
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+class _SkipLog(logging.Handler):
+    """Keeps inductor's "skipping cudagraphs due to ..." messages (why a compiled step is not graphed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "skipping cudagraphs" in msg:
+            self.messages.append(msg.splitlines()[0][:200])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if no_cuda("replaymoe bench hf"):
@@ -138,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
         flush=True,
     )
+    skip_log = _SkipLog()
+    logging.getLogger("torch._inductor").addHandler(skip_log)
     g = torch.Generator().manual_seed(1)
     rows = []
     for B in batches:
@@ -165,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                         max_batch_size=B,
                         max_positions=args.prompt + args.new,
                     )
+                skips0 = _cudagraph_skips()
+                skip_log.messages.clear()
                 try:
                     _generate(model, ids, mask, min(8, args.new), mode)  # warm-up: compile, autotune
                     _generate(model, ids, mask, args.new, mode)
@@ -222,15 +246,19 @@ def main(argv: list[str] | None = None) -> int:
                         else float("nan")
                     ),
                     "graph_breaks": breaks1 - breaks0,
+                    "cudagraph_skips": _cudagraph_skips() - skips0,
                     "recompiles": recompiles1 - recompiles0,
                 }
                 rows.append(row)
                 print(
                     f"  batch {B:3d} {mode:6s} {impl:18s} {t:7.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
                     f"x{row['speedup_vs_grouped_mm']:.2f}  err {err:.2e}  "
-                    f"breaks {row['graph_breaks']} recompiles {row['recompiles']}",
+                    f"breaks {row['graph_breaks']} recompiles {row['recompiles']} "
+                    f"cudagraph skips {row['cudagraph_skips']}",
                     flush=True,
                 )
+                for msg in sorted(set(skip_log.messages)):
+                    print(f"    inductor: {msg}", flush=True)
     csv_path, json_path = write_results(rows, args.out, "hf_generate")
     print()
     print_table(
@@ -246,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             "same_tokens_as_rollout",
             "graph_breaks",
             "recompiles",
+            "cudagraph_skips",
         ],
     )
     print(f"\nwrote {csv_path} and {json_path}")
