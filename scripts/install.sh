@@ -88,7 +88,7 @@ else
     test -x "$PY" || "$PYTHON" -m venv "$VENV"
     # shellcheck disable=SC2086
     "${PIP[@]}" "torch==$TORCH_VERSION" $TORCH_PIP_ARGS
-    if "$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)"; then
+    if "$PY" -W ignore -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)"; then
         "${PIP[@]}" triton==3.6.0 "numpy<2.3"
     else
         say "note: the index served a CUDA build of torch; triton is left at torch's own pin" \
