@@ -767,13 +767,14 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig
     """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I."""
     slots = max(T * K, 1)
     m_avg = slots / min(E_local, slots)
+    # H200 sweep (bench/moe_bwd_tune.py, bench/results/train_bwd_tune.txt): dW over pre-gathered rows
     if m_avg < 12:
-        return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3)
+        return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
     if m_avg < 40:
-        return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3)
+        return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
     if m_avg < 96:
-        return MoEBwdConfig(64, 128, 64, 4, 4, 128, 64, 4, 4, 128, 128, 64, 8, 3)
-    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 64, 8, 3)
+        return MoEBwdConfig(64, 128, 64, 4, 4, 128, 64, 4, 4, 128, 128, 64, 8, 3, 8, 1)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1)
 
 
 def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig):
