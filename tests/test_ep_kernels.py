@@ -84,15 +84,17 @@ def _fake_buffers(ep, nbytes):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "ep, E, K, Ts, num_sms, fused",
+    "ep, E, K, Ts, num_sms, fused, mixed",
     [
-        (2, 8, 2, [3, 4], None, True),  # two ranks, dense grids, in-kernel barrier
-        (3, 10, 4, [5, 0, 2], 1, True),  # uneven split, a rank with zero tokens; one program loops over all
-        (4, 8, 8, [1, 3, 2, 4], 2, True),  # top-8 of 8: every token goes to every rank
-        (2, 8, 2, [0, 4], None, False),  # torch's barrier kernel (REPLAYMOE_EP_FUSED_BARRIER=0)
+        (2, 8, 2, [3, 4], None, True, True),  # two ranks, dense grids, in-kernel barrier
+        (3, 10, 4, [5, 0, 2], 1, True, True),  # uneven split, a rank with zero tokens; one program loops
+        (4, 8, 8, [1, 3, 2, 4], 2, True, True),  # top-8 of 8: every token goes to every rank
+        (2, 8, 2, [0, 4], None, False, True),  # torch's barrier kernel (REPLAYMOE_EP_FUSED_BARRIER=0)
+        (3, 10, 4, [5, 0, 2], None, True, False),  # int32 units: the pack computes the plan (small T)
+        (2, 8, 2, [0, 4], 1, True, False),  # the same, zero tokens on rank 0 (counts zeroed by the pack)
     ],
 )
-def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, generator):
+def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
     from replaymoe.ep.transport_symm import SymmTransport
 
     H, max_tokens, rt = 16, 6, 5
@@ -111,6 +113,9 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, generator):
         ]
         for s, T in enumerate(Ts)
     ]
+    if not mixed:  # hidden fp32, ids, bf16 pairs: int32 units throughout
+        bf = [torch.randn(p[0].shape[0], 4, generator=generator).to(torch.bfloat16) for p in pays]
+        pays = [[p[0], p[3], b] for p, b in zip(pays, bf)]
     layout = _row_layout(pays[0])
     a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms=num_sms) for r in range(ep)]
     trs = [SymmTransport(a) for a in a2as]
@@ -128,6 +133,9 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, generator):
     states = []
     for s in range(ep):
         st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, None)
+        assert st.fused_plan == (not mixed)
+        poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
+        poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])
         states.append(st)
     for s in range(ep):
@@ -136,6 +144,9 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, generator):
             assert [int(pads[s][r]) for r in range(ep) if r != s] == [1] * (ep - 1)
             assert int(trs[s].state[0]) == 1 and int(trs[s].state[2]) == 0  # arrivals reset
     ref, counts = dispatch_torch(ids, pays, E, rt)
+    for s in range(ep):
+        plan = _make_plan(ids[s], E, ep)
+        assert torch.equal(states[s].slot, plan.slot) and torch.equal(states[s].send_counts, plan.send_counts)
     views = []
     for r in range(ep):
         v, c = states[r].views, states[r].counts

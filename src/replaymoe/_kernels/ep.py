@@ -103,6 +103,30 @@ def _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP: tl.constexpr, RANK
 
 
 @triton.jit
+def _marks(ids_ptr, toks, tmask, ranks, E, base, rem, K: tl.constexpr, BT: tl.constexpr, EP_P2: tl.constexpr):
+    """[BT, EP_P2] int32: 1 where token ``toks[i]`` has an expert on rank ``ranks[j]`` (contiguous split)."""
+    cut = rem * (base + 1)
+    m = tl.zeros([BT, EP_P2], dtype=tl.int32)
+    for k in tl.static_range(K):
+        e = tl.load(ids_ptr + toks * K + k, mask=tmask, other=-1)
+        owner = tl.where(e < cut, e // (base + 1), rem + (e - cut) // base)
+        owner = tl.where((e >= 0) & (e < E), owner, -1)
+        m = m | (owner[:, None] == ranks[None, :]).to(tl.int32)
+    return m
+
+
+@triton.jit
+def _put_counts(tot, ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, dst_rank_stride, dst_base, hdr_off,
+                EP: tl.constexpr):  # fmt: skip
+    """Per-rank totals into ``counts_ptr`` and into each destination's header (int32 units)."""
+    tl.store(counts_ptr + ranks, tot, mask=ranks < EP)
+    for r in tl.static_range(EP):
+        dst = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+        c = tl.sum(tl.where(ranks == r, tot, 0))
+        tl.store(dst + dst_rank_stride.to(tl.int64) * r + dst_base + hdr_off, c)
+
+
+@triton.jit
 def _load_rows(src, toks, tmask, chunk, N: tl.constexpr, NB: tl.constexpr):
     """Tile [TT, NB] of rows ``toks`` of a contiguous [T, N] payload, column chunk ``chunk``."""
     cols = chunk * NB + tl.arange(0, NB)
@@ -155,6 +179,12 @@ def ep_pack_kernel(
     q6,
     q7,  # int32 signal pad of each rank (SIGNAL)
     pad_off,  # this rank's dispatch flag in a pad
+    ids_ptr,  # int32 [T, K] global expert ids (FUSED_PLAN)
+    counts_ptr,  # int32 [EP] out: tokens sent to each rank (FUSED_PLAN)
+    E,
+    base,  # E // EP
+    rem,  # E % EP
+    hdr_off,  # units: the count's place in a destination block (FUSED_PLAN; int32 units)
     RB: tl.constexpr,  # units per received row
     N0: tl.constexpr,
     N1: tl.constexpr,
@@ -174,6 +204,9 @@ def ep_pack_kernel(
     TT: tl.constexpr,  # tokens per iteration
     RANK: tl.constexpr,
     SIGNAL: tl.constexpr,  # symm: the last program signals the peers (see _signal_done)
+    FUSED_PLAN: tl.constexpr,  # compute the plan here (small T): slots from a scan of the earlier ids
+    K: tl.constexpr,
+    BT: tl.constexpr,  # tokens per scan block (FUSED_PLAN)
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
@@ -188,7 +221,25 @@ def ep_pack_kernel(
         toks = (t0 + tl.arange(0, TT)).to(tl.int64)
         tmask = toks < T
         sm = tmask[:, None] & (ranks < EP)[None, :]
-        slots = tl.load(slot_ptr + toks[:, None] * EP + ranks[None, :], mask=sm, other=-1)
+        if FUSED_PLAN:
+            # slot of (token, rank) = tokens before it sent to that rank (+ its own mark)
+            acc = tl.zeros([EP_P2], dtype=tl.int32)
+            for b0 in range(0, t0, BT):
+                bt = (b0 + tl.arange(0, BT)).to(tl.int64)
+                acc += tl.sum(_marks(ids_ptr, bt, bt < t0, ranks, E, base, rem, K, BT, EP_P2), axis=0)
+            mt = _marks(ids_ptr, toks, tmask, ranks, E, base, rem, K, TT, EP_P2)
+            # inclusive prefix over the tile's tokens (a triangular sum: tl.cumsum fails on 1-row tiles)
+            ii = tl.arange(0, TT)
+            tri = (ii[None, :] <= ii[:, None]).to(tl.int32)
+            incl = tl.sum(tri[:, :, None] * mt[None, :, :], axis=1)
+            slots = tl.where(mt > 0, acc[None, :] + incl - 1, -1)
+            tl.store(slot_ptr + toks[:, None] * EP + ranks[None, :], slots, mask=sm)
+            if (t0 + TT >= T) & (chunk == 0):  # the tile with the last token: totals, headers
+                tot = acc + tl.sum(mt, axis=0)
+                _put_counts(tot, ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
+                            dst_rank_stride, dst_base, hdr_off, EP)  # fmt: skip
+        else:
+            slots = tl.load(slot_ptr + toks[:, None] * EP + ranks[None, :], mask=sm, other=-1)
         v0 = _load_rows(s0, toks, tmask, chunk, N0, NB0)
         if NP > 1:
             v1 = _load_rows(s1, toks, tmask, chunk, N1, NB1)
@@ -207,6 +258,10 @@ def ep_pack_kernel(
         if NP > 3:
             _store_rows(v3, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
                         dst_rank_stride, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
+    if FUSED_PLAN:
+        if (T == 0) & (pid == 0) & (chunk == 0):  # no tokens: zero counts everywhere
+            _put_counts(tl.zeros([EP_P2], dtype=tl.int32), ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
+                        dst_rank_stride, dst_base, hdr_off, EP)  # fmt: skip
     if SIGNAL:
         _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, RANK)
 

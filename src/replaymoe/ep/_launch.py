@@ -34,12 +34,21 @@ class Launcher:
         self.compiled = None
         self.device = -1
 
-    def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
+    def ready(self) -> bool:
+        """Whether :meth:`fast` may be used now (compiled here, on the current device, no hooks)."""
+        return self.compiled is not None and _hooks_off() and torch._C._cuda_getDevice() == self.device
+
+    def fast(self, grid: tuple[int, ...], args: tuple) -> None:
+        """Launch the compiled kernel directly (only after :meth:`ready`). Pointer arguments may be
+        given as integer addresses: Triton's launcher then skips its per-pointer driver query."""
         ck = self.compiled
-        if ck is not None and _hooks_off() and torch._C._cuda_getDevice() == self.device:
-            g1 = grid[1] if len(grid) > 1 else 1
-            ck.run(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(self.device), ck.function,
-                   ck.packed_metadata, None, None, None, *args)  # fmt: skip
+        g1 = grid[1] if len(grid) > 1 else 1
+        ck.run(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(self.device), ck.function,
+               ck.packed_metadata, None, None, None, *args)  # fmt: skip
+
+    def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
+        if self.compiled is not None and self.ready():
+            self.fast(grid, args)
             return
         ck = self.fn[grid](*args, num_warps=self.num_warps)
         if ENABLED and ck is not None and self.compiled is None and torch.cuda.is_available():
@@ -58,6 +67,11 @@ class Launcher:
 
 
 _RUNTIME_KNOBS = None
+
+
+def addresses(args: tuple) -> tuple:
+    """``args`` with every tensor replaced by its address (for :meth:`Launcher.fast`)."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _hooks_off() -> bool:

@@ -147,6 +147,8 @@ _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped firs
 _PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration
 _REDUCE_CHUNK = 4096  # most columns one reduce / combine-send program handles per iteration
 _DENSE_CHUNK = 1024  # the same without num_sms: one short-lived program per (row, chunk)
+_FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack kernel computes the plan (one launch less)
+FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -173,7 +175,10 @@ class _PackGroup:
     TT: int
     warps: int
     consts: tuple
+    consts_b: tuple = ()  # after the ids argument
     launch: object = None
+    tail_i: tuple = ()  # (dsts..., T, consts...) with addresses, for direct launches
+    tail_b_i: tuple = ()
 
 
 @dataclass
@@ -211,10 +216,13 @@ class _DState:
     slot: torch.Tensor | None = None
     send_counts: torch.Tensor | None = None
     plan_args: tuple = ()
+    plan_args_i: tuple = ()  # the same with addresses for tensors (direct launches)
     plan_launch: object = None
     packs: list = field(default_factory=list)
     sanitize: tuple | None = None
     reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
+    slot_i: int = 0
+    fused_plan: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,8 +473,8 @@ class MoeAlltoAll:
         return max(1, min(n, work) // chunks)
 
     def _dense_programs(self, work: int, chunks: int = 1) -> int:
-        """The same for the dense grids (num_sms unset): up to 8 programs per SM, then a grid-stride loop."""
-        return max(1, min(work, 8 * self._device_sms // chunks))
+        """The same for the dense grids (num_sms unset): up to 16 programs per SM, then a grid-stride loop."""
+        return max(1, min(work, 16 * self._device_sms // chunks))
 
     def use_triton(self) -> bool:
         """Whether packing/reduction run the Triton kernels (see ``kernel_backend``)."""
@@ -648,6 +656,14 @@ class MoeAlltoAll:
             dsts = [d.view(unit) for d in tg.dsts]
             dsts = dsts + [dsts[0]] * (8 - len(dsts))
             last = g0 + 4 >= len(live)
+            # small T: the first group's pack computes the plan itself (one launch less; int32 units
+            # so that it can store the counts into the headers)
+            fplan = g0 == 0 and unit == torch.int32 and T <= _FUSED_PLAN_MAX_T and FUSED_PLAN
+            st.fused_plan = st.fused_plan or fplan
+            hdr_units = (rt * layout.row_bytes + layout.count_offset) // 4
+            plan_b = (st.send_counts, self.num_experts, base, rem, hdr_units)
+            if not fplan:
+                plan_b = (st.send_counts, 1, 1, 0, 0)
             if tg.signal is not None and last:
                 sig, signal = tg.signal, True
             else:
@@ -667,9 +683,10 @@ class MoeAlltoAll:
                 warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
                 variants[persistent] = _PackGroup(
                     idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
-                    consts=(tg.dst_rank_stride // u, tg.dst_base // u, *sig, layout.row_bytes // u,
-                            *(Ns + [1] * pad), *(NBs + [1] * pad), *(Os + [0] * pad), len(grp), self.ep,
-                            ep_p2, TT, self.rank, signal),
+                    consts=(tg.dst_rank_stride // u, tg.dst_base // u, *sig),
+                    consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
+                              *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
+                              64),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )  # fmt: skip
             st.packs.append(variants)
@@ -694,6 +711,16 @@ class MoeAlltoAll:
                  max(2, triton.next_power_of_2(K)), self.ep, ep_p2, blk, self.rank, idx is not None,
                  tg.wait is not None, wait[4]),
             )  # fmt: skip
+        from ._launch import addresses
+
+        st.plan_args_i = addresses(st.plan_args)
+        for variants in st.packs:
+            for g in variants.values():
+                g.tail_i = addresses((*g.dsts, T, *g.consts))
+                g.tail_b_i = addresses(g.consts_b)
+        if st.sanitize is not None:
+            st.sanitize = (*st.sanitize, addresses(st.sanitize[2]))
+        st.slot_i = st.slot.data_ptr()
         return st
 
     def _dispatch_triton(self, st: _DState, ids: torch.Tensor, payloads) -> None:
@@ -705,12 +732,29 @@ class MoeAlltoAll:
         """Plan + pack (with the fused barrier, the pack's last program signals the peers)."""
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        st.plan_launch((1,), (ids, *st.plan_args))
+        if st.fused_plan:
+            pass  # the first pack computes it
+        elif st.plan_launch.ready():
+            st.plan_launch.fast((1,), (ids.data_ptr(), *st.plan_args_i))
+        else:
+            st.plan_launch((1,), (ids, *st.plan_args))
         T = st.T
-        if T > 0 or st.targets.signal is not None:  # (the fused barrier's signal needs the launch)
+        if T > 0 or st.targets.signal is not None or st.fused_plan:  # (signal / counts need the launch)
             persistent = self._num_sms is not None
             for variants in st.packs:
                 g = variants[persistent]
+                work = triton_cdiv(T, g.TT)
+                if persistent:
+                    grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
+                else:
+                    grid = (self._dense_programs(work, g.chunks), g.chunks)
+                if g.launch.ready():  # addresses only: no views, no per-pointer driver queries
+                    keep = [payloads[i] for i in g.idx]
+                    keep = [p if p.is_contiguous() else p.contiguous() for p in keep]
+                    ptrs = [p.data_ptr() for p in keep]
+                    ptrs = ptrs + [ptrs[0]] * (4 - len(ptrs))
+                    g.launch.fast(grid, (st.slot_i, *ptrs, *g.tail_i, ids.data_ptr(), *g.tail_b_i))
+                    continue
                 srcs = []
                 for i in g.idx:
                     p = payloads[i]
@@ -718,20 +762,19 @@ class MoeAlltoAll:
                         p = p.contiguous()
                     srcs.append(p if p.dtype == g.unit else p.view(torch.uint8).view(g.unit))
                 srcs = srcs + [srcs[0]] * (4 - len(srcs))
-                work = triton_cdiv(T, g.TT)
-                if persistent:
-                    grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
-                else:
-                    grid = (self._dense_programs(work, g.chunks), g.chunks)
-                g.launch(grid, (st.slot, *srcs, *g.dsts, T, *g.consts))
+                g.launch(grid, (st.slot, *srcs, *g.dsts, T, *g.consts, ids, *g.consts_b))
 
     def _dispatch_recv(self, st: _DState) -> None:
         """After the exchange: (wait for the peers,) sanitize the ids, copy the counts."""
         if st.sanitize is None:
             self.recv_counts.copy_(st.counts)
         else:
-            launch, work, args = st.sanitize
-            launch((self._programs(work) if self._num_sms is not None else self._dense_programs(work),), args)
+            launch, work, args, args_i = st.sanitize
+            grid = (self._programs(work) if self._num_sms is not None else self._dense_programs(work),)
+            if launch.ready():
+                launch.fast(grid, args_i)
+            else:
+                launch(grid, args)
 
     def _dispatch_torch(self, st: _DState, ids, payloads, invalid, idx) -> None:
         """The torch-ops path (CPU/gloo): plan, pack by index_copy, exchange, sanitize."""
@@ -906,7 +949,12 @@ def _combine_reduce(
         w = wait if wait is not None else (slot, slot, 0, 0, False)
         args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, *w[:4], ep, own_r, nb, tt,
                 wait is not None, w[4])  # fmt: skip
-        launch((nprog, chunks), args)
+        if launch.ready():
+            from ._launch import addresses
+
+            launch.fast((nprog, chunks), addresses(args))
+        else:
+            launch((nprog, chunks), args)
         return
     nrows = rows.shape[0]  # rows is a 2-D [N, H] view of the buffer; rank r's row j = r*bs/rs + j
     per_rank = block_stride // row_stride

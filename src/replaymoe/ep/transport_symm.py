@@ -143,7 +143,7 @@ class SymmTransport:
         import triton
 
         from .._kernels.ep import ep_combine_send_kernel
-        from ._launch import Launcher
+        from ._launch import Launcher, addresses
 
         a = self.a2a
         H = a.hidden_size
@@ -173,17 +173,18 @@ class SymmTransport:
             warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
             rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
             work = triton.cdiv((a.ep - 1) * rt, tt)
-            c = (Launcher(ep_combine_send_kernel, num_warps=warps), dst, nb, chunks, tt, rows, work)
+            sig = self.signal_args[1] if self.fused else (a.recv_counts,) * 10 + (0,)
+            tail = (a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
+                    *sig, a.ep, a.rank, nb, tt, self.fused)  # fmt: skip
+            c = (Launcher(ep_combine_send_kernel, num_warps=warps), tail, addresses(tail), chunks, rows, work)
             self._ckeys[key] = c
-        launch, dst, nb, chunks, tt, rows, work = c
+        launch, tail, tail_i, chunks, rows, work = c
         nprog = a._programs(work * chunks, chunks) if persistent else a._dense_programs(work, chunks)
-        sig = self.signal_args[1] if self.fused else (a.recv_counts,) * 10 + (0,)
         # this rank's own rows are not copied: the reduction reads them in place
-        launch(
-            (nprog, chunks),
-            (payload, a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
-             *sig, a.ep, a.rank, nb, tt, self.fused),
-        )  # fmt: skip
+        if launch.ready():
+            launch.fast((nprog, chunks), (payload.data_ptr(), *tail_i))
+        else:
+            launch((nprog, chunks), (payload, *tail))
         if not self.fused:
             self._barrier()
             return rows, rt * H, payload[a.rank], None
