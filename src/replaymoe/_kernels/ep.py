@@ -11,6 +11,11 @@ NVLink); with the ``nccl`` transport they are all the same local send buffer.
 
 Units: a payload row is copied in "units" (int32 when its byte width allows, else int16 or
 uint8); every offset and stride passed here is in those units.
+
+Grids: the copy kernels loop over their rows with a grid stride, so any grid is valid. With
+``num_sms`` set the first grid axis has at most that many programs (the SMs the all-to-all may
+occupy) and each iteration moves several rows; without it the grids are dense (one short program per
+row chunk, up to 16 per SM). All loads of an iteration are issued before its stores.
 """
 
 from __future__ import annotations

@@ -36,8 +36,12 @@ Transports (identical results):
   synchronization; CUDA-graph capturable; works across nodes; with a gloo group it runs on CPU
   (used by the CPU tests).
 * ``"symm"``: intra-node; receive buffers in ``torch.distributed._symmetric_memory``; one Triton
-  kernel per payload stores each token straight into every destination rank's receive buffer (only
-  real rows cross NVLink), then a barrier (release/acquire over the signal pads).
+  kernel stores each token straight into every destination rank's receive buffer (only real rows
+  cross NVLink), then a barrier (release/acquire over signal pads, inside the kernels).
+
+Steady state: a call whose signature (token count, runtime_max, payload dtypes/shapes/alignment)
+was seen before skips validation and planning and launches the cached kernels directly (see
+:class:`MoeAlltoAll` Notes); ``num_sms`` bounds the programs (SMs) of every kernel.
 
 Received views alias internal buffers: they are valid until ``combine`` (the next ``dispatch`` on
 any rank may overwrite them). Consume them (or copy them) before calling ``combine``.

@@ -3,13 +3,23 @@
 Every rank allocates its receive buffers with ``torch.distributed._symmetric_memory`` (``empty`` +
 ``rendezvous``) and maps its peers' buffers (``handle.get_buffer(peer, ...)``). Then:
 
-* dispatch: one small kernel stores this rank's send counts into every peer's header rows, and one
-  Triton kernel per payload stores each token row straight into each destination rank's receive
-  buffer (``[source block = this rank, slot]``), all destinations from the same program, so every
-  peer is written concurrently with 128-bit stores and only real rows cross NVLink; then a barrier
-  (torch's signal-pad barrier: release on put, acquire on wait, system scope).
-* combine: one Triton kernel sends row ``[s, j]`` (``j < recv_counts[s]``) to source ``s``'s combine
-  buffer ``[this rank, j]``; barrier; the fp32 per-token sum reads the local buffer.
+* dispatch: the plan (slots and per-rank counts; computed by the pack kernel itself up to 256
+  tokens, else by one small kernel) stores this rank's send counts into every peer's header rows,
+  and one Triton kernel for up to four payloads stores each token row straight into each destination
+  rank's receive buffer (``[source block = this rank, slot]``), all destinations from the same
+  program, so every peer is written concurrently with 128-bit stores and only real rows cross
+  NVLink. Then the barrier, and the receive side (sanitize the ids, copy the counts).
+* combine: one Triton kernel sends row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to
+  source ``s``'s combine buffer ``[this rank, j]``; barrier; the fp32 per-token sum reads the local
+  buffer, and this rank's own rows in place in the payload (they never move).
+
+The barrier runs inside the kernels (``REPLAYMOE_EP_FUSED_BARRIER=1``, the default): the producing
+kernel's last program to finish (an acq_rel arrival counter, after a CTA barrier) bumps a
+device-side epoch and stores it into every peer's signal pad (release, system scope); every program
+of the consuming kernel first waits until each peer's flag in its own pad reaches its epoch
+(acquire, system scope; after ``timeout`` it prints the two ranks and traps). No barrier kernel is
+launched, and the epochs live in device memory, so CUDA-graph replays and eager calls stay in step.
+With ``REPLAYMOE_EP_FUSED_BARRIER=0`` torch's signal-pad barrier kernel runs between the phases.
 
 Buffer reuse is ordered by those two barriers per round (a peer writes into our dispatch buffer only
 after our previous combine barrier, i.e. after we consumed the received views; it writes into our
