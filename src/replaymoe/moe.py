@@ -772,8 +772,8 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig
         return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
     if m_avg < 40:
         return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
-    if m_avg < 96:
-        return MoEBwdConfig(64, 128, 64, 4, 4, 128, 64, 4, 4, 128, 128, 64, 8, 3, 8, 1)
+    if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
+        return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1)
     return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1)
 
 
