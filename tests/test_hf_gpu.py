@@ -298,3 +298,44 @@ def test_gpu_reduce_overhead_replayed_training_forward():
         assert grad is not None and torch.isfinite(grad).all() and grad.float().abs().sum() > 0
     model.eval()
     moe.disable()
+
+
+@pytest.mark.parametrize("mode", ["plain", "capture", "replay"])
+def test_gpu_forward_has_no_host_sync(mode):
+    # a prefill and decode steps with the patched model: CUDA's sync debug mode turns any
+    # device-to-host wait (.item(), .tolist(), nonzero, a blocking copy) into an error
+    from transformers import DynamicCache
+
+    model = _model("qwen3_moe")
+    ids, mask = _batch(model.config.vocab_size, [24, 17], seed=6)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False
+        )
+    traces = moe.traces()
+    moe.set_capture(mode == "capture")
+    if mode == "replay":
+        moe.set_replay(traces)
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        m = mask
+        out = model(input_ids=ids, attention_mask=m, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            m = torch.cat([m, torch.ones_like(tok)], dim=1)
+            out = model(input_ids=tok, attention_mask=m, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+
+    with torch.no_grad():
+        run()  # warm-up: kernels compiled, capture buffer sized
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    if mode == "capture":
+        assert [t.num_tokens for t in moe.traces()][-2:] == [24 + 3, 17 + 3]
+    moe.disable()

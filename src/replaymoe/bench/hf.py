@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import logging
 import statistics
 import sys
@@ -53,7 +54,7 @@ def _parse(argv):
     p.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--new", type=int, default=64, help="generated tokens per sequence")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager, static")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ", ".join(IMPLS))
     p.add_argument("--no-error", action="store_true", help="skip the fp32 logits-error column")
@@ -61,21 +62,28 @@ def _parse(argv):
 
 
 def _generate(model, ids, mask, new, mode, **kw):
+    """(seconds, output) of one ``generate`` call; Python's garbage collector is run before and
+    held off during the call, so that a collection does not land inside a timed run."""
     extra = {"cache_implementation": "static"} if mode == "static" else {}
+    gc.collect()
+    gc.disable()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            **extra,
-            **kw,
-        )
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                **extra,
+                **kw,
+            )
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+    finally:
+        gc.enable()
 
 
 def _logits_error(model, ref_model, ids, mask, new, mode, traces=None):

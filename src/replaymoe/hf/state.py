@@ -211,14 +211,15 @@ class ReplayTable:
         power of two, so that new traces of a similar size reuse the buffer (same shapes, same
         address: no recompile, no CUDA-graph re-record).
     offsets, lengths, bases : torch.Tensor int64 [B]
-        Per trace: ``token_offset``, number of positions and first table row.
+        Per trace: ``token_offset``, number of positions and first table row (``ends`` and
+        ``shift`` are ``offsets + lengths`` and ``bases - offsets``).
     seen, fallback : torch.Tensor int64 [L]
         Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
     """
 
     def __init__(self) -> None:
         self.table = torch.empty(0)
-        self.offsets = self.lengths = self.bases = torch.empty(0)
+        self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
         self.seen = self.fallback = torch.empty(0)
 
     @property
@@ -247,14 +248,16 @@ class ReplayTable:
         self.table.fill_(-1)
         self.table[:, :total].copy_(host_t, non_blocking=False)
         bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        meta = torch.tensor(np.stack([[t.token_offset for t in traces], lengths, bases]), dtype=torch.int64)
+        offsets = np.array([t.token_offset for t in traces], dtype=np.int64)
+        lengths = np.array(lengths, dtype=np.int64)
+        # offsets, lengths, bases; ends = offsets + lengths; shift = bases - offsets
+        meta = torch.from_numpy(np.stack([offsets, lengths, bases, offsets + lengths, bases - offsets]))
         if tuple(self.offsets.shape) != (len(traces),) or self.offsets.device != device:
-            self.offsets, self.lengths, self.bases = (
-                _static(torch.empty(len(traces), dtype=torch.int64, device=device)) for _ in range(3)
+            self.offsets, self.lengths, self.bases, self.ends, self.shift = (
+                _static(torch.empty(len(traces), dtype=torch.int64, device=device)) for _ in range(5)
             )
-        self.offsets.copy_(meta[0])
-        self.lengths.copy_(meta[1])
-        self.bases.copy_(meta[2])
+        for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta):
+            dst.copy_(src)
         if tuple(self.seen.shape) != (L,) or self.seen.device != device:
             self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
@@ -263,14 +266,14 @@ class ReplayTable:
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a
         token with no recorded row gets a row of -1 (routed natively). Counts both per layer."""
-        real = positions >= 0
-        rel = positions - self.offsets[:, None]
-        inside = real & (rel >= 0) & (rel < self.lengths[:, None])
-        row = torch.where(inside, rel + self.bases[:, None], self.table.shape[1] - 1).reshape(-1)
+        # offsets >= 0, so a covered position is never padding
+        inside = (positions >= self.offsets[:, None]) & (positions < self.ends[:, None])
+        row = torch.where(inside, positions + self.shift[:, None], self.table.shape[1] - 1).reshape(-1)
         forced = self.table.index_select(1, row)
-        real = real.reshape(-1)
+        real = (positions >= 0).reshape(-1)
         self.seen.add_(real.sum())
-        self.fallback.add_((real & (forced[:, :, 0] < 0)).sum(dim=1))
+        # a -1 row of a real token: id < 0 where real, id < -1 (never) where padding
+        self.fallback.add_((forced[:, :, 0] < real.to(torch.int32) - 1).sum(dim=1))
         return forced
 
     def report(self) -> ReplayReport:
