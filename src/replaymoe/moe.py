@@ -652,11 +652,15 @@ def _train_setup_context(ctx, inputs, output):
     x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs
     ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, output[1])
     ctx.offset, ctx.recompute = local_expert_offset, recompute
+    # the saved gate/up rows are an output only to be saved: no zero gradient [T*K, 2I] for them
+    ctx.set_materialize_grads(False)
 
 
 def _train_backward(ctx, grad_out, _grad_saved):
     x, w13, w2, topk_ids, topk_weights, saved = ctx.saved_tensors
     need = ctx.needs_input_grad
+    if grad_out is None:  # out unused by the loss
+        grad_out = torch.zeros_like(x)
     dx, dw13, dw2, dwts = torch.ops.replaymoe.moe_experts_bwd(
         grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute,
         [bool(need[0]), bool(need[1]), bool(need[2]), bool(need[4])],
@@ -874,7 +878,7 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
             dw_gemm(2, rows_of(dout), aw, mode == 2, False, False, False, H, I)
     del aw
     if need[0]:
-        dx = torch.zeros(T, H, dtype=x.dtype, device=dev)
+        dx = (torch.empty if num_pid_m else torch.zeros)(T, H, dtype=x.dtype, device=dev)  # reduce writes all
         if num_pid_m:
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
             _moe_bwd_dx_kernel[(num_pid_m * triton_cdiv(H, c.bn_x),)](
