@@ -50,7 +50,8 @@ if [ -f .peers_ep/build_deepep.sh ] && [[ " $STEPS " == *" bench "* ]]; then
   BUILD_PID=$!
   PEER=deepep
 fi
-step env 20 bash -c "nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nvidia-smi topo -m; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version(), torch.cuda.device_count())'"
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nvidia-smi topo -m;
+  $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version(), torch.cuda.device_count())'; } >> "$SUMMARY" 2>&1
 
 if [[ " $STEPS " == *" test "* ]]; then
   step test_2gpu 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
@@ -65,7 +66,7 @@ if [[ " $STEPS " == *" test "* ]]; then
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
   step profile 90 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe.cli bench ep \
-    --host-profile --impls symm,nccl --tokens 128,4096 --iters 20
+    --host-profile --impls symm --tokens 128,4096 --iters 20
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   if [ "$PEER" = deepep ]; then
@@ -76,6 +77,17 @@ if [[ " $STEPS " == *" bench "* ]]; then
   step bench 200 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe.cli bench ep \
     --out "$OUT/bench" --name ep_x"$NGPU" --impls nccl,symm --payloads bf16 --tokens "$TOKENS" \
     --num-sms "${NUM_SMS:-24,32,66,132,0}" --peer "$PEER" --peer-sms 24 --no-layer --iters 20 --warmup 3
+  if [ "${REPLAYMOE_EP_FUSED_BARRIER:-1}" != 0 ] && [ "${VARIANTS:-1}" = 1 ]; then
+    # the same machine, symm without the in-kernel barrier / without the fused plan (for comparison)
+    for v in "0 1 unfused_barrier" "0 0 unfused"; do
+      set -- $v
+      echo "### REPLAYMOE_EP_FUSED_BARRIER=$1 REPLAYMOE_EP_FUSED_PLAN=$2" >> "$OUT/bench.log"
+      REPLAYMOE_EP_FUSED_BARRIER=$1 REPLAYMOE_EP_FUSED_PLAN=$2 timeout -k 10 90 "$PY" -m torch.distributed.run \
+        --nproc-per-node "$NGPU" -m replaymoe.cli bench ep --out "$OUT/bench" --name "ep_x${NGPU}_$3" --impls symm \
+        --payloads bf16 --tokens "$TOKENS" --num-sms 24,0 --no-layer --iters 20 --warmup 3 >> "$OUT/bench.log" 2>&1
+    done
+  fi
+  rm -f "$OUT"/bench/*.json "$OUT/deepep_build_step.log"  # (the CSVs hold the rows; the returned files are few)
 fi
 
 echo
