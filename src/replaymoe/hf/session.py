@@ -191,9 +191,15 @@ class ReplayMoE:
                 if eager and needed is not None:
                     cap.ensure(B, needed)
                 if isinstance(past, torch.Tensor):
-                    cap.restart_rows_if(past == 0)
+                    cap.restart_if(past == 0)
+            if B > cap.batch_cap:  # only inside a compiled forward (eager ones grow the buffer)
+                fail(
+                    "max_batch_size",
+                    f">= {B} (the batch of a compiled forward with capture on; enable(..., max_batch_size=))",
+                    cap.batch_cap,
+                )
             cap.dirty = True
-            slot = cap.slots(positions)
+            slot = cap.slots(positions, check_overflow=not eager or needed is None)
             staged = torch.empty((len(self.layers), B * S, self.top_k), dtype=torch.int16, device=ref.device)
         self._step = _Step(B * S, forced, staged, slot)
 

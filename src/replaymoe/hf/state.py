@@ -42,10 +42,9 @@ class TraceMeta:
 
 @dataclass
 class _Snapshot:
-    """One finished batch, still on the device: ``ids [L, rows*S, K]`` and ``row_len [rows]``."""
+    """One finished batch, still on the device: ``ids [L, rows*S + 1, K]``."""
 
     ids: torch.Tensor
-    row_len: torch.Tensor
     rows: int
     seq_cap: int
 
@@ -56,13 +55,14 @@ class CaptureBuffer:
     Attributes
     ----------
     ids : torch.Tensor int16 [L, B_cap * S_cap + 1, K]
-        Row ``b * S_cap + p`` holds position ``p`` of batch row ``b`` (-1 = not recorded). The
-        last row is a dump that padding tokens and tokens outside the capacity write to.
-    row_len : torch.Tensor int32 [B_cap]
-        Per batch row, 1 + the largest position recorded in the current batch.
+        Row ``b * S_cap + p`` holds position ``p`` of batch row ``b``; -1 = not recorded (every
+        batch start clears it). The last row is a dump that padding tokens and tokens outside the
+        capacity write to. A sequence's length is 1 + its last recorded position.
+    row_base : torch.Tensor int64 [B_cap, 1]
+        ``b * S_cap``: the first row of batch row ``b``.
     overflow : torch.Tensor bool [1]
-        Set when a token fell outside ``(B_cap, S_cap)`` (only possible where the buffer could
-        not grow first: inside a compiled forward); :meth:`harvest` raises then.
+        Set when a token fell outside ``S_cap`` (only possible where the buffer could not grow
+        first: inside a compiled forward); :meth:`harvest` raises then.
     started : torch.Tensor int64 [1]
         Batches started since the last harvest (counted on the device, so that batches begun
         inside compiled forwards are counted too).
@@ -74,8 +74,7 @@ class CaptureBuffer:
         self.meta = meta
         self.device = device
         self.batch_cap, self.seq_cap = 0, 0
-        self.ids = torch.empty(0)
-        self.row_len = _static(torch.zeros(0, dtype=torch.int32, device=device))
+        self.ids = self.row_base = torch.empty(0)
         self.overflow = _static(torch.zeros(1, dtype=torch.bool, device=device))
         self.started = _static(torch.zeros(1, dtype=torch.int64, device=device))
         self.rows = 0  # batch rows of the current batch
@@ -87,12 +86,11 @@ class CaptureBuffer:
     def _grow(self, batch_cap: int, seq_cap: int, *, keep: bool) -> None:
         L, K = self.meta.num_layers, self.meta.top_k
         ids = torch.full((L, batch_cap * seq_cap + 1, K), -1, dtype=torch.int16, device=self.device)
-        row_len = torch.zeros(batch_cap, dtype=torch.int32, device=self.device)
         if keep and self.batch_cap and self.seq_cap:
             old = self.ids[:, :-1].view(L, self.batch_cap, self.seq_cap, K)
             ids[:, :-1].view(L, batch_cap, seq_cap, K)[:, : self.batch_cap, : self.seq_cap] = old
-            row_len[: self.batch_cap] = self.row_len
-        self.ids, self.row_len = _static(ids), _static(row_len)
+        base = torch.arange(batch_cap, dtype=torch.int64, device=self.device).unsqueeze(1) * seq_cap
+        self.ids, self.row_base = _static(ids), _static(base)
         self.batch_cap, self.seq_cap = batch_cap, seq_cap
 
     def ensure(self, rows: int, positions: int) -> None:
@@ -113,37 +111,32 @@ class CaptureBuffer:
         """
         if eager:
             if self.dirty:
-                self._history.append(
-                    _Snapshot(self.ids.clone(), self.row_len.clone(), self.rows, self.seq_cap)
-                )
+                self._history.append(_Snapshot(self.ids.clone(), self.rows, self.seq_cap))
             self.ensure(rows, positions or 0)
             self.dirty = False
         self.ids.fill_(-1)
-        self.row_len.zero_()
         self.started.add_(1)
         self.rows = rows
 
-    def restart_rows_if(self, is_new: torch.Tensor) -> None:
+    def restart_if(self, is_new: torch.Tensor) -> None:
         """Device-side batch start (``is_new``: a 0-dim bool tensor, e.g. a static cache's length
-        is 0): lengths restart; older positions beyond the new lengths are ignored by harvest."""
-        self.row_len.mul_((~is_new).to(torch.int32))
+        is 0, outside ``generate``): the buffer is cleared where it holds (one pass over it)."""
+        self.ids.masked_fill_(is_new, -1)
         self.started.add_(is_new.to(torch.int64))
 
-    def slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """Row of ``ids`` for every token, ``int64 [B*S]``, updating ``row_len`` (and ``overflow``).
+    def slots(self, positions: torch.Tensor, *, check_overflow: bool) -> torch.Tensor:
+        """Row of ``ids`` for every token, ``int64 [B*S]`` (padding and overflow: the dump row).
 
-        ``positions`` is ``int64 [B, S]`` with -1 for padding.
+        ``positions`` is ``int64 [B, S]`` with -1 for padding, ``B <= B_cap``. ``check_overflow``
+        records positions beyond ``S_cap`` in :attr:`overflow` (needed where the buffer could
+        not grow to the forward's positions first).
         """
-        B, S = positions.shape
-        b = torch.arange(B, device=positions.device).unsqueeze(1)
-        inside = (positions >= 0) & (positions < self.seq_cap) & (b < self.batch_cap)
-        dump = self.batch_cap * self.seq_cap
-        slot = torch.where(inside, b * self.seq_cap + positions, dump).reshape(-1)
-        self.overflow.logical_or_(((positions >= 0) & ~inside).any().reshape(1))
-        n = min(B, self.batch_cap)
-        seen = torch.where(inside, positions + 1, 0).amax(dim=1).to(torch.int32)[:n]
-        self.row_len[:n] = torch.maximum(self.row_len[:n], seen)
-        return slot
+        B = positions.shape[0]
+        inside = (positions >= 0) & (positions < self.seq_cap)
+        slot = torch.where(inside, positions + self.row_base[:B], self.batch_cap * self.seq_cap)
+        if check_overflow:
+            self.overflow.logical_or_((positions >= self.seq_cap).any().reshape(1))
+        return slot.reshape(-1)
 
     def commit(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
         """Write one forward's ids (``int16 [L, T, K]``) to their slots (``int64 [T]``)."""
@@ -174,7 +167,7 @@ class CaptureBuffer:
             )
         batches = list(self._history)
         if started > len(batches):
-            batches.append(_Snapshot(self.ids, self.row_len, self.rows, self.seq_cap))
+            batches.append(_Snapshot(self.ids, self.rows, self.seq_cap))
         lost = max(0, started - len(batches))
         out = [t for snap in batches for t in self._traces(snap)]
         self._history.clear()
@@ -184,10 +177,12 @@ class CaptureBuffer:
 
     def _traces(self, snap: _Snapshot) -> list[RoutingTrace]:
         L, K, S = self.meta.num_layers, self.meta.top_k, snap.seq_cap
-        lengths = snap.row_len[: snap.rows].cpu().numpy()
+        ids = snap.ids[:, : snap.rows * S].view(L, snap.rows, S, K)
+        recorded = (ids[:, :, :, 0] >= 0).any(dim=0)  # [rows, S]
+        last = torch.where(recorded, torch.arange(S, device=ids.device), -1).amax(dim=1)
+        lengths = (last + 1).cpu().numpy()
         n = int(lengths.max()) if lengths.size else 0
-        ids = snap.ids[:, : snap.rows * S].view(L, snap.rows, S, K)[:, :, :n]
-        host = ids.permute(1, 2, 0, 3).cpu().numpy()  # [rows, n, L, K]
+        host = ids[:, :, :n].permute(1, 2, 0, 3).cpu().numpy()  # [rows, n, L, K]
         return [
             RoutingTrace(
                 np.ascontiguousarray(host[b, : lengths[b]]),
@@ -270,10 +265,10 @@ class ReplayTable:
         inside = (positions >= self.offsets[:, None]) & (positions < self.ends[:, None])
         row = torch.where(inside, positions + self.shift[:, None], self.table.shape[1] - 1).reshape(-1)
         forced = self.table.index_select(1, row)
-        real = (positions >= 0).reshape(-1)
-        self.seen.add_(real.sum())
-        # a -1 row of a real token: id < 0 where real, id < -1 (never) where padding
-        self.fallback.add_((forced[:, :, 0] < real.to(torch.int32) - 1).sum(dim=1))
+        real = (positions >= 0).sum()
+        self.seen.add_(real)
+        # every padding token reads a -1 row too: take them out of the -1 rows counted
+        self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - (positions.numel() - real))
         return forced
 
     def report(self) -> ReplayReport:
