@@ -53,6 +53,16 @@ class ReplayReport:
     layers_with_fallback: int
     tokens_seen_per_layer: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
+    @classmethod
+    def from_counts(cls, seen: np.ndarray, fallback: np.ndarray) -> ReplayReport:
+        """The report of per-layer counts: tokens looked up and tokens that fell back (int64 [L])."""
+        return cls(
+            tokens_seen=int(seen.max()) if seen.size else 0,
+            fallback_tokens_per_layer=fallback,
+            layers_with_fallback=int((fallback > 0).sum()),
+            tokens_seen_per_layer=seen,
+        )
+
     @property
     def fallback_fraction(self) -> float:
         """Fallback tokens over tokens looked up, all layers together (0.0 when nothing was seen)."""
@@ -245,12 +255,7 @@ class ReplaySource:
         for dev in self._seen:
             seen += self._seen[dev].cpu().numpy()
             fb += self._fallback[dev].cpu().numpy()
-        return ReplayReport(
-            tokens_seen=int(seen.max()) if seen.size else 0,
-            fallback_tokens_per_layer=fb,
-            layers_with_fallback=int((fb > 0).sum()),
-            tokens_seen_per_layer=seen,
-        )
+        return ReplayReport.from_counts(seen, fb)
 
     def reset_report(self) -> None:
         """Zero the counters of :meth:`report`."""

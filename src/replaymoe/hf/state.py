@@ -273,14 +273,7 @@ class ReplayTable:
 
     def report(self) -> ReplayReport:
         """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""
-        seen = self.seen.cpu().numpy()
-        fb = self.fallback.cpu().numpy()
-        return ReplayReport(
-            tokens_seen=int(seen.max()) if seen.size else 0,
-            fallback_tokens_per_layer=fb,
-            layers_with_fallback=int((fb > 0).sum()),
-            tokens_seen_per_layer=seen,
-        )
+        return ReplayReport.from_counts(self.seen.cpu().numpy(), self.fallback.cpu().numpy())
 
     def reset_report(self) -> None:
         self.seen.zero_()
