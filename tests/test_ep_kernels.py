@@ -92,6 +92,7 @@ def _fake_buffers(ep, nbytes):
         (2, 8, 2, [0, 4], None, False, True),  # torch's barrier kernel (REPLAYMOE_EP_FUSED_BARRIER=0)
         (3, 10, 4, [5, 0, 2], None, True, False),  # int32 units: the pack computes the plan (small T)
         (2, 8, 2, [0, 4], 1, True, False),  # the same, zero tokens on rank 0 (counts zeroed by the pack)
+        (3, 10, 4, [5, 0, 2], None, False, False),  # plan in the pack, torch's barrier kernel
     ],
 )
 def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
