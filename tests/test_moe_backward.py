@@ -206,6 +206,8 @@ def test_rejections(generator):
     x, w13, w2, ids, wts, _ = _problem(3, 128, 128, 2, 2, 0, 2, generator, torch.float32)
     with pytest.raises(ValueError, match="recompute"):
         fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, recompute=1)
+    with pytest.raises(ValueError, match="recompute"):
+        MoELayer(16, 8, 4, 2, recompute="yes")
     q13, s13 = quantize_fp8_block(w13)
     q2, s2 = quantize_fp8_block(w2)
     with pytest.raises(ValueError, match="w13_scale.*inference-only"):

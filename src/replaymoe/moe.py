@@ -409,7 +409,8 @@ def fused_moe(
     ValueError
         Naming the argument: shape/dtype/device mismatches between hidden_states, w13, w2 and the
         scales; fp8 dims not multiples of 128; wrong topk dtypes; routing arguments together with
-        topk tensors; missing routing; bad ``activation`` or ``backend``.
+        topk tensors; missing routing; bad ``activation``, ``backend`` or ``recompute``; fp8 weights
+        with an input that requires grad; float64 on the Triton backend.
     """
     check_choice("backend", backend, _BACKENDS)
     if not isinstance(recompute, bool):
@@ -1038,6 +1039,10 @@ def swap_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor | None = None):
 class MoELayer(nn.Module):
     """Router + experts: ``forward(x [..., H]) -> [..., H]`` through :func:`fused_moe`.
 
+    Trainable: gradients reach ``router.weight`` (through the routing weights), ``w13`` and ``w2``
+    on every backend (see :func:`fused_moe`, "Gradients"); ``recompute`` (keyword) trades the saved
+    GEMM1 rows for recomputation in the backward.
+
     Parameters
     ----------
     hidden_size, intermediate_size, num_experts, top_k : int
@@ -1054,6 +1059,8 @@ class MoELayer(nn.Module):
         sum over this slice.
     dtype, device : parameter dtype / device.
     backend : "auto" | "triton" | "torch".
+    recompute : bool
+        Passed to :func:`fused_moe` (training: recompute GEMM1 in the backward instead of saving it).
 
     Attributes
     ----------
@@ -1079,6 +1086,7 @@ class MoELayer(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         backend: str = "auto",
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         H = check_int("hidden_size", hidden_size, low=1)
@@ -1093,6 +1101,9 @@ class MoELayer(nn.Module):
         self.method, self.n_group, self.topk_group = method, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.local_expert_offset, self.num_local_experts, self.backend = local_expert_offset, E_local, backend
+        if not isinstance(recompute, bool):
+            fail("recompute", "a bool", type(recompute).__name__, what="type")
+        self.recompute = recompute
         kw = {"dtype": dtype, "device": device}
         self.router = nn.Linear(H, E, bias=False, **kw)
         self.w13 = nn.Parameter(torch.empty(E_local, 2 * I, H, **kw))
@@ -1140,6 +1151,7 @@ class MoELayer(nn.Module):
             local_expert_offset=self.local_expert_offset,
             num_experts=self.num_experts,
             backend=self.backend,
+            recompute=self.recompute,
         )
         return y.reshape(*lead, self.hidden_size)
 
