@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FastLaunch", "fast"]
+__all__ = ["FastLaunch", "fast", "hooks_off"]
 
 ENABLED = os.environ.get("REPLAYMOE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -44,7 +44,7 @@ class FastLaunch:
         return _Bound(self, grid)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if not ENABLED or not _hooks_off():
+        if not ENABLED or not hooks_off():
             self.fn[grid](*args, **kwargs)
             return
         device = torch._C._cuda_getDevice()
@@ -105,7 +105,7 @@ def fast(fn: Any) -> FastLaunch:
 _RUNTIME_KNOBS = None
 
 
-def _hooks_off() -> bool:
+def hooks_off() -> bool:
     """No Triton launch hook is installed (profilers install one; they need the plain path)."""
     global _RUNTIME_KNOBS
     if _RUNTIME_KNOBS is None:

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from replaymoe._launch import hooks_off as _hooks_off
+
 ENABLED = os.environ.get("REPLAYMOE_EP_FAST_LAUNCH", "1") != "0"
 
 
@@ -66,24 +68,6 @@ class Launcher:
         return getattr(ck, "n_regs", -1), getattr(ck, "n_spills", -1)
 
 
-_RUNTIME_KNOBS = None
-
-
 def addresses(args: tuple) -> tuple:
     """``args`` with every tensor replaced by its address (for :meth:`Launcher.fast`)."""
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def _hooks_off() -> bool:
-    global _RUNTIME_KNOBS
-    if _RUNTIME_KNOBS is None:
-        from triton import knobs
-
-        _RUNTIME_KNOBS = knobs.runtime
-    rt = _RUNTIME_KNOBS
-    return _empty(rt.launch_enter_hook) and _empty(rt.launch_exit_hook)
-
-
-def _empty(hook) -> bool:
-    """No hook installed: ``None`` (older Triton) or a hook chain without calls (Triton 3.6)."""
-    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
