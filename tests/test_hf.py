@@ -99,7 +99,7 @@ def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
     calls = {"route": 0, "fused": 0}
-    import replaymoe.hf.session as rsession
+    import replaymoe.hf.patches as rsession
     import replaymoe.moe as rmoe
 
     real_route, real_fused = rsession.route, rmoe.fused_moe

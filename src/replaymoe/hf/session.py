@@ -12,10 +12,9 @@ host, so the patched model runs eagerly, under ``torch.compile(fullgraph=True)``
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,10 +23,10 @@ import torch
 from torch import nn
 
 from replaymoe._validation import check_choice, check_int, fail
-from replaymoe.routing import route
 
 from .discovery import MoELayerInfo, find_moe_layers
 from .experts import IMPLEMENTATION_NAME, fused_compatible
+from .patches import mark_batch_start, router_forward
 from .positions import cache_length, token_positions
 from .state import CaptureBuffer, ReplayTable, TraceMeta
 
@@ -122,7 +121,7 @@ class ReplayMoE:
         )
         for info in self.layers:
             fused = switch and fused_compatible(info.experts)
-            info.router.forward = types.MethodType(_make_router_forward(self, info, fused), info.router)
+            info.router.forward = types.MethodType(router_forward(self, info, fused), info.router)
             info.experts._replaymoe_backend = self.backend
         if switch:
             self._prev_impl = config._experts_implementation
@@ -133,7 +132,7 @@ class ReplayMoE:
             stack.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         )
         if hasattr(self.model, "generate"):
-            self.model.generate = _mark_batch_start(self, self.model.generate)
+            self.model.generate = mark_batch_start(self, self.model.generate)
 
     def disable(self) -> None:
         """Undo :func:`enable`: original routers and experts implementation, hooks removed."""
@@ -371,49 +370,6 @@ def _positions_bound(cache: Any, past: Any, seq_len: int) -> Optional[int]:
     if isinstance(past, int):
         return past + seq_len
     return None
-
-
-def _mark_batch_start(state: ReplayMoE, generate: Callable) -> Callable:
-    """``model.generate`` that starts a new capture batch (so batches are kept apart on the host
-    even when the cache's length lives on the device)."""
-
-    @functools.wraps(generate)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        state._begin_pending = True
-        return generate(*args, **kwargs)
-
-    return wrapped
-
-
-def _make_router_forward(state: ReplayMoE, info: MoELayerInfo, fused: bool) -> Callable:
-    plan = info.plan
-
-    def forward(router: nn.Module, hidden_states: torch.Tensor):
-        logits = plan.logits(router, hidden_states)
-        replay_ids, staged = state._layer_io(info, logits.shape[0])
-        dev = logits.device
-        out_buf = staged
-        if staged is not None and staged.device != dev:  # device_map: capture here, copy over
-            out_buf = torch.empty(staged.shape, dtype=staged.dtype, device=dev)
-        if replay_ids is not None and replay_ids.device != dev:
-            replay_ids = replay_ids.to(dev)
-        out = route(
-            logits,
-            plan.top_k,
-            plan.method,
-            routing_replay_out=out_buf,
-            replay_ids=replay_ids,
-            backend=state.backend,
-            check_replay=False,  # the table was checked once, in set_replay
-            **plan.route_kwargs,
-        )
-        if out_buf is not staged:
-            staged.copy_(out_buf)
-        weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=fused)
-        # the fused experts take int32 ids as they are; transformers' own experts index with int64
-        return logits, weights, out.topk_ids if fused else out.topk_ids.long()
-
-    return forward
 
 
 def enable(

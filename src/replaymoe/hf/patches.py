@@ -1,0 +1,67 @@
+"""What :func:`replaymoe.hf.enable` patches into a model: each router's forward and ``generate``.
+
+A patched router computes its logits as the model's own router does, takes this forward's replay ids
+and capture slab from the session (:meth:`ReplayMoE._layer_io`), and routes with one
+:func:`replaymoe.routing.route` call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from replaymoe.routing import route
+
+from .discovery import MoELayerInfo
+
+if TYPE_CHECKING:
+    from .session import ReplayMoE
+
+__all__ = ["mark_batch_start", "router_forward"]
+
+
+def mark_batch_start(state: ReplayMoE, generate: Callable) -> Callable:
+    """``model.generate`` that starts a new capture batch (so batches are kept apart on the host
+    even when the cache's length lives on the device)."""
+
+    @functools.wraps(generate)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state._begin_pending = True
+        return generate(*args, **kwargs)
+
+    return wrapped
+
+
+def router_forward(state: ReplayMoE, info: MoELayerInfo, fused: bool) -> Callable:
+    plan = info.plan
+
+    def forward(router: nn.Module, hidden_states: torch.Tensor):
+        logits = plan.logits(router, hidden_states)
+        replay_ids, staged = state._layer_io(info, logits.shape[0])
+        dev = logits.device
+        out_buf = staged
+        if staged is not None and staged.device != dev:  # device_map: capture here, copy over
+            out_buf = torch.empty(staged.shape, dtype=staged.dtype, device=dev)
+        if replay_ids is not None and replay_ids.device != dev:
+            replay_ids = replay_ids.to(dev)
+        out = route(
+            logits,
+            plan.top_k,
+            plan.method,
+            routing_replay_out=out_buf,
+            replay_ids=replay_ids,
+            backend=state.backend,
+            check_replay=False,  # the table was checked once, in set_replay
+            **plan.route_kwargs,
+        )
+        if out_buf is not staged:
+            staged.copy_(out_buf)
+        weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=fused)
+        # the fused experts take int32 ids as they are; transformers' own experts index with int64
+        return logits, weights, out.topk_ids if fused else out.topk_ids.long()
+
+    return forward
