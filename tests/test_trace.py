@@ -129,7 +129,7 @@ def _failing_writer(f, ids, meta, compress):
 
 
 def test_failed_save_leaves_nothing(tmp_path, trace, monkeypatch):
-    import replaymoe.trace as trace_mod
+    import replaymoe.trace.file as trace_mod
 
     monkeypatch.setattr(trace_mod, "_write_payload", _failing_writer)
     with pytest.raises(OSError, match="disk full"):
@@ -138,7 +138,7 @@ def test_failed_save_leaves_nothing(tmp_path, trace, monkeypatch):
 
 
 def test_failed_save_keeps_existing_file(tmp_path, trace, monkeypatch):
-    import replaymoe.trace as trace_mod
+    import replaymoe.trace.file as trace_mod
 
     path = tmp_path / "keep.trace"
     trace.save(path)

@@ -1,82 +1,31 @@
-"""Recorded MoE routing: :class:`RoutingTrace`, its file format, and vLLM/SGLang wire formats.
+"""The routing-trace data model: :class:`RoutingTrace`, its validation, and joining traces.
 
-A trace holds, for one sequence, the expert ids every MoE layer chose for every token::
+This module's one job is the in-memory trace. A trace holds, for one sequence, the expert ids every
+MoE layer chose for every token::
 
     ids : int16 [N, L, K]     N tokens (positions token_offset .. token_offset+N-1),
                               L MoE layers (trace order), K = top_k columns in the
                               router's selection order; -1 = no routing recorded
                               (a whole [K] row is either -1 or K distinct ids in [0, E)).
 
-File format (``RoutingTrace.save`` / ``RoutingTrace.load``), version 1
------------------------------------------------------------------------
-One file, a zip archive in numpy's ``.npz`` layout (readable with ``numpy.load``
-without pickle), holding exactly two members:
-
-``ids.npy``
-    int16 little-endian [N, L, K], C order.
-``meta.npy``
-    uint8 [M]: a UTF-8 JSON object::
-
-        {"format": "replaymoe-routing-trace", "version": 1,
-         "shape": [N, L, K], "dtype": "int16",
-         "num_experts": E or null, "top_k": K, "layer_ids": [..L ints..] or null,
-         "model_id": str or null, "token_offset": int,
-         "sha256": hex SHA-256 of the ids' raw bytes (int16 little-endian, C order)}
-
-Writes are atomic: the archive is written to a temporary file in the target
-directory, fsync'ed and renamed over the target, so a failing save leaves no file
-and never clobbers an existing one. Loading checks the archive, the format name,
-the version (newer versions are refused), the shape/dtype and the checksum; any
-failure raises :class:`TraceFormatError` (a ``ValueError``) naming the file.
-
-Wire formats
-------------
-* vLLM (``--enable-return-routed-experts``): base64 of an ``.npy`` file of shape
-  (tokens, layers, top_k); vLLM 0.33 sends uint8 when E <= 256, else uint16 or int32.
-  A request's routing covers prompt + completion minus the last sampled token (which
-  was never fed through the model): ``num_tokens - 1`` rows. The split form carries
-  ``prompt_routed_experts`` at response level (shared by the n choices) and the
-  completion part in each choice's ``routed_experts``; a request may skip the first
-  ``routed_experts_prompt_start`` prompt tokens. See :meth:`RoutingTrace.from_vllm`.
-* SGLang: ``meta_info.routed_experts`` is base64 of a *flat* array (int32 by default,
-  uint8/uint16 with ``SGLANG_ROUTED_EXPERTS_DTYPE``) of logical shape
-  [seqlen - 1, L, K]. See :meth:`RoutingTrace.from_sglang`.
+Its file-format methods (``save``, ``load``) delegate to :mod:`replaymoe.trace.file` and its wire-format
+methods (``to_vllm``, ``from_vllm``, ``to_sglang``, ``from_sglang``) to :mod:`replaymoe.trace.wire`;
+neither of those imports this module.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import io
-import json
 import os
-import tempfile
-import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._validation import check_choice, check_int, fail
+from .._validation import check_choice, check_int, fail
+from . import file as _file
+from . import wire as _wire
 
-__all__ = ["RoutingTrace", "TraceFormatError", "FORMAT_NAME", "FORMAT_VERSION"]
-
-FORMAT_NAME = "replaymoe-routing-trace"
-FORMAT_VERSION = 1
-
-_WIRE_DTYPES = ("int16", "int32", "int64", "uint8", "uint16")
-
-
-class TraceFormatError(ValueError):
-    """A trace file (or wire payload) is truncated, corrupted, foreign or of an unsupported version.
-
-    ``path`` is the offending file (``None`` for in-memory payloads); it also appears in the message.
-    """
-
-    def __init__(self, message: str, path: str | None = None):
-        super().__init__(message)
-        self.path = path
+__all__ = ["RoutingTrace"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,10 +112,6 @@ def _check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
     return vals
 
 
-def _sha256(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i2").tobytes()).hexdigest()
-
-
 # --------------------------------------------------------------------------------------------
 # the trace
 # --------------------------------------------------------------------------------------------
@@ -204,7 +149,7 @@ class RoutingTrace:
         :data:`FORMAT_VERSION` of the file format this class writes.
     """
 
-    format_version = FORMAT_VERSION
+    format_version = _file.FORMAT_VERSION
 
     def __init__(
         self,
@@ -293,7 +238,7 @@ class RoutingTrace:
 
     # ---------------------------------------------------------------- file format
     def save(self, path: str | os.PathLike, *, compress: bool = True) -> None:
-        """Write the trace to ``path`` atomically (see the module docstring for the format).
+        """Write the trace to ``path`` atomically (the format: :mod:`replaymoe.trace.file`).
 
         Parameters
         ----------
@@ -302,32 +247,7 @@ class RoutingTrace:
         compress : bool
             Deflate the archive members (ids of < 256 experts typically shrink 2-3x).
         """
-        path = os.fspath(path)
-        ids = np.ascontiguousarray(self.ids, dtype="<i2")
-        meta = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "shape": list(ids.shape),
-            "dtype": "int16",
-            **self._meta(),
-            "sha256": _sha256(ids),
-        }
-        meta_bytes = np.frombuffer(json.dumps(meta, sort_keys=True).encode("utf-8"), dtype=np.uint8)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                _write_payload(f, ids, meta_bytes, compress)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        _file.write_trace(path, self.ids, self._meta(), compress=compress)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:
@@ -341,54 +261,7 @@ class RoutingTrace:
             The file is truncated, corrupted (checksum or archive CRC), not a replaymoe trace, or of a
             newer format version. The message names the file.
         """
-        path = os.fspath(path)
-        with open(path, "rb") as f:
-            data = f.read()
-
-        def bad(why: str) -> TraceFormatError:
-            return TraceFormatError(f"{path}: {why}", path)
-
-        if not data.startswith(b"PK\x03\x04"):
-            raise bad("not a replaymoe routing trace (not an .npz/zip archive)")
-        try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                names = set(z.files)
-                if "meta" not in names or "ids" not in names:
-                    raise bad(f"not a replaymoe routing trace (archive members {sorted(names)})")
-                meta_arr = z["meta"]
-                if meta_arr.dtype != np.uint8 or meta_arr.ndim != 1:
-                    raise bad("not a replaymoe routing trace (meta is not a JSON byte string)")
-                meta = json.loads(meta_arr.tobytes().decode("utf-8"))
-                if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-                    raise bad(f"not a replaymoe routing trace (format {meta.get('format')!r})")
-                version = meta.get("version")
-                if not isinstance(version, int) or version < 1:
-                    raise bad(f"invalid format version {version!r}")
-                if version > FORMAT_VERSION:
-                    raise bad(
-                        f"format version {version} is newer than this replaymoe reads "
-                        f"(<= {FORMAT_VERSION}); upgrade replaymoe"
-                    )
-                ids = z["ids"]
-        except TraceFormatError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any decoding failure means a damaged file
-            raise bad(f"truncated or corrupted trace file ({type(e).__name__}: {e})") from e
-        if ids.dtype != np.dtype("<i2") or list(ids.shape) != meta.get("shape"):
-            raise bad(f"ids {ids.dtype} {list(ids.shape)} do not match the metadata {meta.get('shape')}")
-        if _sha256(ids) != meta.get("sha256"):
-            raise bad("checksum mismatch: the ids are corrupted")
-        try:
-            return cls(
-                ids,
-                num_experts=meta["num_experts"],
-                top_k=meta["top_k"],
-                layer_ids=meta["layer_ids"],
-                model_id=meta["model_id"],
-                token_offset=meta["token_offset"],
-            )
-        except (KeyError, ValueError) as e:
-            raise bad(f"invalid metadata ({type(e).__name__}: {e})") from e
+        return _file.read_trace(path, cls)
 
     # ---------------------------------------------------------------- vLLM
     def to_vllm(self, dtype: str = "int32") -> str:
@@ -398,16 +271,7 @@ class RoutingTrace:
         uint8 for <= 256 experts, uint16) cannot hold -1: a trace with missing rows or ids too large for
         the dtype raises ``ValueError``.
         """
-        check_choice("dtype", dtype, _WIRE_DTYPES)
-        arr = self.ids
-        if dtype.startswith("uint"):
-            if (arr < 0).any():
-                fail("dtype", "a signed dtype for a trace with missing (-1) rows", dtype)
-            if arr.size and int(arr.max()) > np.iinfo(dtype).max:
-                fail("dtype", f"a dtype holding expert id {int(arr.max())}", dtype)
-        buf = io.BytesIO()
-        np.save(buf, arr.astype(dtype), allow_pickle=False)
-        return base64.b64encode(buf.getvalue()).decode("ascii")
+        return _wire.encode_vllm(self.ids, dtype)
 
     @classmethod
     def from_vllm(
@@ -447,32 +311,14 @@ class RoutingTrace:
         last sampled token was never fed through the model. Rows of -1 (vLLM's prefix-cache sentinel)
         are kept as missing.
         """
-        check_int("choice", choice, low=0)
-        resp = _parse_vllm_obj(obj)
-        if isinstance(resp, np.ndarray):
-            ids = resp
-            found_start = None
-        else:
-            ids, found_start, found_model = _vllm_dict_ids(resp, choice, prompt_start)
-            if model_id is None:
-                model_id = found_model
-        if prompt_start is None:
-            prompt_start = found_start if found_start is not None else 0
-        check_int("prompt_start", prompt_start, low=0)
-        if ids.ndim != 3:
-            fail(
-                "routed_experts",
-                "an array of shape (tokens, layers, top_k)",
-                f"shape {ids.shape}",
-                what="shape",
-            )
-        return cls(
-            ids.astype(np.int64),
+        return _wire.decode_vllm(
+            cls,
+            obj,
             num_experts=num_experts,
-            top_k=int(ids.shape[2]),
+            choice=choice,
+            prompt_start=prompt_start,
             layer_ids=layer_ids,
             model_id=model_id,
-            token_offset=prompt_start,
         )
 
     # ---------------------------------------------------------------- SGLang
@@ -504,45 +350,21 @@ class RoutingTrace:
         start : int
             ``routed_experts_start_len``: the first position covered (becomes ``token_offset``).
         """
-        check_int("num_layers", num_layers, low=1)
-        check_int("top_k", top_k, low=1)
-        if isinstance(b64, Mapping):
-            meta = b64
-            if "routed_experts" not in meta:
-                raise TraceFormatError(
-                    "SGLang meta_info has no 'routed_experts' (request it with return_routed_experts)"
-                )
-            dtype = str(meta.get("routed_experts_dtype", dtype)).replace("torch.", "")
-            b64 = meta["routed_experts"]
-        check_choice("dtype", dtype, ("int32", "uint8", "uint16", "int16"))
-        raw = _b64decode(b64, "SGLang routed_experts")
-        itemsize = np.dtype(dtype).itemsize
-        row = num_layers * top_k
-        if len(raw) % (itemsize * row):
-            raise TraceFormatError(
-                f"SGLang routed_experts: {len(raw)} bytes is not a whole number of {dtype} "
-                f"[num_layers={num_layers}, top_k={top_k}] rows ({itemsize * row} bytes each)"
-            )
-        flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
-        ids = flat.reshape(-1, num_layers, top_k).astype(np.int64)
-        return cls(
-            ids,
+        return _wire.decode_sglang(
+            cls,
+            b64,
+            num_layers,
+            top_k,
+            dtype=dtype,
             num_experts=num_experts,
-            top_k=top_k,
+            start=start,
             layer_ids=layer_ids,
             model_id=model_id,
-            token_offset=start,
         )
 
     def to_sglang(self, dtype: str = "int32") -> str:
         """Encode as SGLang does: base64 of the flat little-endian array (inverse of :meth:`from_sglang`)."""
-        check_choice("dtype", dtype, ("int32", "uint8", "uint16", "int16"))
-        if dtype.startswith("uint"):
-            if (self.ids < 0).any():
-                fail("dtype", "a signed dtype for a trace with missing (-1) rows", dtype)
-            if self.ids.size and int(self.ids.max()) > np.iinfo(dtype).max:
-                fail("dtype", f"a dtype holding expert id {int(self.ids.max())}", dtype)
-        return base64.b64encode(self.ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()).decode("ascii")
+        return _wire.encode_sglang(self.ids, dtype)
 
     # ---------------------------------------------------------------- combining
     @classmethod
@@ -622,133 +444,3 @@ def _common_meta(traces: Sequence[RoutingTrace]) -> dict[str, Any]:
             fail("traces", f"one {key} across traces", sorted(map(str, known)))
         out[key] = known.pop() if known else None
     return out
-
-
-def _write_payload(f: Any, ids: np.ndarray, meta_bytes: np.ndarray, compress: bool) -> None:
-    """Write the npz archive (a separate function so tests can make it fail midway).
-
-    Same layout as ``numpy.savez[_compressed]`` (so ``numpy.load`` reads it), but deflate level 1:
-    routing ids compress nearly as well and several times faster than at numpy's default level.
-    """
-    mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-    with zipfile.ZipFile(f, "w", compression=mode, compresslevel=1 if compress else None) as zf:
-        for name, arr in (("ids.npy", ids), ("meta.npy", meta_bytes)):
-            with zf.open(name, "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(arr), allow_pickle=False)
-
-
-def _b64decode(b64: Any, what: str) -> bytes:
-    if isinstance(b64, str):
-        if not b64.isascii():
-            raise TraceFormatError(f"{what}: invalid base64 (non-ASCII characters)")
-        b64 = b64.encode("ascii")
-    if not isinstance(b64, (bytes, bytearray)):
-        raise TraceFormatError(f"{what}: expected a base64 string, got {type(b64).__name__}")
-    try:
-        return base64.b64decode(b"".join(bytes(b64).split()), validate=True)  # line breaks allowed
-    except (binascii.Error, ValueError) as e:
-        raise TraceFormatError(f"{what}: invalid base64 ({e})") from e
-
-
-def _decode_npy(raw: bytes, what: str) -> np.ndarray:
-    try:
-        arr = np.load(io.BytesIO(raw), allow_pickle=False)
-    except Exception as e:  # noqa: BLE001
-        raise TraceFormatError(f"{what}: not a valid .npy payload ({type(e).__name__}: {e})") from e
-    if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.integer):
-        raise TraceFormatError(f"{what}: expected an integer array, got {getattr(arr, 'dtype', type(arr))}")
-    return arr
-
-
-def _routes_array(value: Any, what: str) -> np.ndarray:
-    """One vLLM routed-experts field (base64 .npy, raw .npy bytes, array or nested list) -> array."""
-    if isinstance(value, np.ndarray):
-        arr = value
-    elif isinstance(value, (bytes, bytearray)) and bytes(value[:6]) == b"\x93NUMPY":
-        arr = _decode_npy(bytes(value), what)
-    elif isinstance(value, (str, bytes, bytearray)):
-        arr = _decode_npy(_b64decode(value, what), what)
-    elif isinstance(value, list):
-        arr = np.asarray(value)
-        if arr.size == 0:
-            arr = arr.astype(np.int64).reshape(0, 0, 0) if arr.ndim < 3 else arr.astype(np.int64)
-    else:
-        try:
-            import torch
-
-            if isinstance(value, torch.Tensor):
-                return value.detach().cpu().numpy()
-        except ImportError:  # pragma: no cover
-            pass
-        raise TraceFormatError(f"{what}: unsupported payload type {type(value).__name__}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TraceFormatError(f"{what}: expected integer expert ids, got dtype {arr.dtype}")
-    if arr.ndim != 3:
-        raise TraceFormatError(f"{what}: expected shape (tokens, layers, top_k), got {arr.shape}")
-    return arr
-
-
-def _parse_vllm_obj(obj: Any) -> np.ndarray | Mapping[str, Any]:
-    if isinstance(obj, Mapping):
-        return obj
-    if isinstance(obj, str) and obj.lstrip().startswith("{"):
-        try:
-            parsed = json.loads(obj)
-        except json.JSONDecodeError as e:
-            raise TraceFormatError(f"vLLM response: invalid JSON ({e})") from e
-        return parsed
-    return _routes_array(obj, "vLLM routed_experts")
-
-
-def _vllm_dict_ids(
-    d: Mapping[str, Any], choice: int, given_start: int | None = None
-) -> tuple[np.ndarray, int | None, str | None]:
-    """(ids, prompt_start found, model found) from a vLLM response or choice dict.
-
-    ``given_start`` (the caller's ``prompt_start``) takes precedence over the response's own field
-    when the prompt rows are checked against ``prompt_token_ids``.
-    """
-    start_key = "routed_experts_prompt_start"
-    model = d.get("model") if isinstance(d.get("model"), str) else None
-    if "choices" in d:
-        choices = d["choices"]
-        if not isinstance(choices, list) or choice >= len(choices):
-            n = len(choices) if isinstance(choices, list) else 0
-            fail("choice", f"an index below the response's {n} choices", choice)
-        ch = choices[choice]
-        if not isinstance(ch, Mapping):
-            raise TraceFormatError(f"vLLM response: choices[{choice}] is not an object")
-    else:
-        ch, d = d, {}
-    prompt = d.get("prompt_routed_experts", ch.get("prompt_routed_experts"))
-    completion = ch.get("routed_experts", ch.get("completion_routed_experts"))
-    start = ch.get(start_key, d.get(start_key))
-    if prompt is None and completion is None:
-        raise TraceFormatError(
-            "vLLM response carries no routed_experts (start the server with --enable-return-routed-experts "
-            "and request return_routed_experts)"
-        )
-    parts = []
-    if prompt is not None:
-        p = _routes_array(prompt, "vLLM prompt_routed_experts")
-        ptoks = d.get("prompt_token_ids", ch.get("prompt_token_ids"))
-        skip = given_start if given_start is not None else (start or 0)
-        if isinstance(ptoks, list) and isinstance(skip, int) and p.shape[0] != len(ptoks) - skip:
-            raise TraceFormatError(
-                f"vLLM prompt_routed_experts has {p.shape[0]} rows but the prompt has {len(ptoks)} tokens"
-                f" (prompt_start {skip})"
-            )
-        parts.append(p)
-    if completion is not None:
-        c = _routes_array(completion, "vLLM routed_experts")
-        parts.append(c)
-    parts = [p for p in parts if p.shape[0] > 0] or parts[:1]
-    if len(parts) == 2 and parts[0].shape[1:] != parts[1].shape[1:]:
-        raise TraceFormatError(
-            f"vLLM prompt_routed_experts {parts[0].shape} and routed_experts {parts[1].shape} "
-            "differ in (layers, top_k)"
-        )
-    ids = np.concatenate([p.astype(np.int64) for p in parts], axis=0) if len(parts) > 1 else parts[0]
-    if start is not None and (isinstance(start, bool) or not isinstance(start, int)):
-        raise TraceFormatError(f"vLLM {start_key} is not an int: {start!r}")
-    return ids, start, model
