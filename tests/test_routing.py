@@ -9,15 +9,10 @@ import pytest
 import torch
 
 import replaymoe.routing as routing_mod
-from replaymoe.routing import (
-    RoutingMethod,
-    RoutingOutput,
-    _Params,
-    _weights_backward,
-    _weights_torch,
-    route,
-    route_torch,
-)
+from replaymoe.routing import RoutingMethod, RoutingOutput, route, route_torch
+from replaymoe.routing_table import Params as _Params
+from replaymoe.routing_table import weights_torch as _weights_torch
+from replaymoe.routing_triton import weights_backward as _weights_backward
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
 M = RoutingMethod
@@ -410,7 +405,9 @@ def test_rejects_unknown_backend():
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setattr(routing_mod, "_INTERPRET_AT_IMPORT", False)
+    import replaymoe._backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "INTERPRET", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         route(X, 2, backend="triton")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import replaymoe.routing as routing_mod
+import replaymoe.routing_triton as routing_triton
 from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
@@ -29,8 +29,8 @@ def kwargs_for(method, num_experts, generator, top_k=3):
 def algo(request, monkeypatch):
     """Iterative top-k on int64 keys (1), on two int32 reductions (2), on truncated int32 keys
     with verification and fallback (3, the default)."""
-    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "ALGO", request.param)
-    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 4)
+    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "ALGO", request.param)
+    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 4)
     return request.param
 
 
@@ -58,8 +58,8 @@ def test_kernel_matches_reference(method, dtype, algo, generator):
 @pytest.mark.parametrize("method", [M.DEEPSEEK_V3, M.RENORMALIZE, M.SIGMOID])
 def test_bitonic_topk(method, monkeypatch, generator):
     # ALGO 0 (tl.topk on packed keys): slow under the interpreter, so a few cases only
-    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "ALGO", 0)
-    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 8)
+    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "ALGO", 0)
+    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 8)
     kw = kwargs_for(method, 40, generator, top_k=5)
     for dtype in (torch.float32, torch.float16):
         x = tie_free_logits(8, 40, dtype=dtype, generator=generator)
@@ -121,7 +121,7 @@ def test_kernel_replay(method, generator):
 
 def test_kernel_replay_block_without_native_rows_skips_selection(generator, monkeypatch):
     # every row forced: the in-kernel selection branch is not taken, results still exact
-    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 2)
+    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 2)
     x = tie_free_logits(4, 16, generator=generator)
     forced = torch.tensor([[3, 1], [0, 15], [7, 8], [2, 9]], dtype=torch.int64)
     out = route(x, 2, M.RENORMALIZE, replay_ids=forced, backend="triton")
@@ -189,8 +189,8 @@ def test_kernel_exact_when_scores_differ_in_the_last_bits(algo_id, monkeypatch):
     # scores 1 ulp apart, increasing with the index: a key truncated to its top bits cannot order
     # them, so ALGO 3 must detect it and fall back to the exact pass (row 0); row 1 is ordinary,
     # row 2 mixes exact duplicates with 1-ulp neighbours
-    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "ALGO", algo_id)
-    monkeypatch.setitem(routing_mod._CONFIG_OVERRIDE, "BLOCK_T", 4)
+    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "ALGO", algo_id)
+    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 4)
     one = torch.tensor(1.0)
     ulps = torch.arange(48, dtype=torch.int32) + one.view(torch.int32)
     x = torch.stack(

@@ -20,17 +20,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Method numbers (RoutingMethod); kept literal so this module holds only Triton code.
-_DEFAULT = tl.constexpr(0)
-_RENORMALIZE = tl.constexpr(1)
-_DEEPSEEK_V3 = tl.constexpr(2)
-_LLAMA4 = tl.constexpr(3)
-_RENORMALIZE_NAIVE = tl.constexpr(4)
-_TOPK = tl.constexpr(5)
-_SIGMOID_RENORM = tl.constexpr(6)
-_MINIMAX2 = tl.constexpr(7)
-_SIGMOID = tl.constexpr(8)
-_TOPK_SIGMOID = tl.constexpr(9)
+from replaymoe._routing_method import RoutingMethod
+
+# Method numbers, from the enum (a plain int each, as Triton's constexpr globals must be).
+_DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
+_RENORMALIZE = tl.constexpr(int(RoutingMethod.RENORMALIZE))
+_DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
+_LLAMA4 = tl.constexpr(int(RoutingMethod.LLAMA4))
+_RENORMALIZE_NAIVE = tl.constexpr(int(RoutingMethod.RENORMALIZE_NAIVE))
+_TOPK = tl.constexpr(int(RoutingMethod.TOPK))
+_SIGMOID_RENORM = tl.constexpr(int(RoutingMethod.SIGMOID_RENORM))
+_MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
+_SIGMOID = tl.constexpr(int(RoutingMethod.SIGMOID))
+_TOPK_SIGMOID = tl.constexpr(int(RoutingMethod.TOPK_SIGMOID))
 
 _SENTINEL = tl.constexpr(-4611686018427387904)  # -2**62, below every int64 key (>= -2**47)
 _MIN32 = tl.constexpr(-2147483648)  # padding / removed: below every int32 key (-inf is above it)

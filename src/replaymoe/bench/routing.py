@@ -106,7 +106,7 @@ SWEEP_CONFIGS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 4)]
 
 def run_sweep() -> list[dict]:
     """Time launch configurations (ALGO x BLOCK_T x num_warps) at a few shapes (tuning aid)."""
-    import replaymoe.routing as routing_mod
+    import replaymoe.routing_triton as routing_triton
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -117,7 +117,7 @@ def run_sweep() -> list[dict]:
     ):
         for algo in (2, 3) if dtype == torch.float32 else (3,):  # 16-bit: one int32-key path
             for block_t, warps in SWEEP_CONFIGS:
-                routing_mod._CONFIG_OVERRIDE.update(ALGO=algo, BLOCK_T=block_t, num_warps=warps)
+                routing_triton.CONFIG_OVERRIDE.update(ALGO=algo, BLOCK_T=block_t, num_warps=warps)
                 try:
                     for t in (1, 4096, 16384):
                         x, cfg, cap, e = _case(name, dtype, t, gen)
@@ -137,7 +137,7 @@ def run_sweep() -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - a config may not compile; report and go on
                     print(f"config {algo} {block_t} {warps} failed: {exc!r}"[:300], flush=True)
                 finally:
-                    routing_mod._CONFIG_OVERRIDE.clear()
+                    routing_triton.CONFIG_OVERRIDE.clear()
     return rows
 
 

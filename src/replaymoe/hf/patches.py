@@ -1,6 +1,7 @@
 """What :func:`replaymoe.hf.enable` patches into a model: each router's forward and ``generate``.
 
-A patched router computes its logits as the model's own router does, takes this forward's replay ids
+``state`` below is the session (:class:`replaymoe.hf.session.ReplayMoE`; not imported here, so that
+the session can import this module). A patched router computes its logits as the model's own router does, takes this forward's replay ids
 and capture slab from the session (:meth:`ReplayMoE._layer_io`), and routes with one
 :func:`replaymoe.routing.route` call.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,13 +19,10 @@ from replaymoe.routing import route
 
 from .discovery import MoELayerInfo
 
-if TYPE_CHECKING:
-    from .session import ReplayMoE
-
 __all__ = ["mark_batch_start", "router_forward"]
 
 
-def mark_batch_start(state: ReplayMoE, generate: Callable) -> Callable:
+def mark_batch_start(state: Any, generate: Callable) -> Callable:
     """``model.generate`` that starts a new capture batch (so batches are kept apart on the host
     even when the cache's length lives on the device)."""
 
@@ -36,7 +34,7 @@ def mark_batch_start(state: ReplayMoE, generate: Callable) -> Callable:
     return wrapped
 
 
-def router_forward(state: ReplayMoE, info: MoELayerInfo, fused: bool) -> Callable:
+def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
     plan = info.plan
 
     def forward(router: nn.Module, hidden_states: torch.Tensor):

@@ -1,0 +1,138 @@
+"""Per-method routing in one table: how each :class:`RoutingMethod` selects and weighs experts.
+
+:data:`METHODS` maps every method to a :class:`MethodSpec`: whether its selection score is
+``sigmoid(x) + bias`` (and it takes a bias and a ``routed_scaling_factor``), whether it groups experts
+(DeepSeek-V3), whether it needs ``top_k == 1`` (Llama-4), and its weights formula. The torch reference
+(:func:`select_torch`, :func:`weights_torch`), the validation of :func:`replaymoe.routing.route` and
+the Triton backward read this table; the Triton kernel has one branch per formula.
+
+Adding a method: a :class:`~replaymoe._routing_method.RoutingMethod` number, one row here, one
+branch in ``_kernels/routing.py`` (and in the backward's closed form, ``routing_triton``), one row in
+the tests' method table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from replaymoe._routing_method import RoutingMethod
+
+__all__ = ["EPS", "METHODS", "MethodSpec", "Params", "select_torch", "selection_scores", "weights_torch"]
+
+EPS = 1e-20
+
+
+class Params(NamedTuple):
+    """Validated, normalised routing arguments."""
+
+    method: RoutingMethod
+    top_k: int
+    n_group: int
+    topk_group: int
+    scale: float
+
+
+def _softmax_at(x32, ids, p):
+    return torch.softmax(x32, dim=1).gather(1, ids)
+
+
+def _softmax_at_renorm(x32, ids, p):
+    probs = torch.softmax(x32, dim=1).gather(1, ids)
+    return probs / probs.sum(dim=1, keepdim=True)
+
+
+def _softmax_of_selected(x32, ids, p):
+    return torch.softmax(x32.gather(1, ids), dim=1)
+
+
+def _raw_logits(x32, ids, p):
+    return x32.gather(1, ids)
+
+
+def _sigmoid(x32, ids, p):
+    return torch.sigmoid(x32.gather(1, ids))
+
+
+def _sigmoid_renorm(x32, ids, p):
+    s = torch.sigmoid(x32.gather(1, ids))
+    return s / s.sum(dim=1, keepdim=True).clamp_min(EPS)
+
+
+def _sigmoid_scaled(x32, ids, p):
+    s = torch.sigmoid(x32.gather(1, ids))
+    return s / (s.sum(dim=1, keepdim=True) + EPS) * p.scale
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One routing method (see the table in :mod:`replaymoe.routing`'s docstring).
+
+    Attributes
+    ----------
+    biased : bool
+        Selection score ``sigmoid(x) + bias``; takes ``bias`` and ``routed_scaling_factor``.
+    grouped : bool
+        Takes ``n_group`` / ``topk_group`` (group masking before the top-k).
+    single_expert : bool
+        Needs ``top_k == 1``.
+    weights : callable
+        ``(x32 [T, E] fp32, ids [T, K] int64, Params) -> [T, K]`` weights, differentiable in x32.
+    """
+
+    biased: bool
+    grouped: bool
+    single_expert: bool
+    weights: Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]
+
+
+METHODS: dict[RoutingMethod, MethodSpec] = {
+    RoutingMethod.DEFAULT: MethodSpec(False, False, False, _softmax_at),
+    RoutingMethod.RENORMALIZE: MethodSpec(False, False, False, _softmax_of_selected),
+    RoutingMethod.DEEPSEEK_V3: MethodSpec(True, True, False, _sigmoid_scaled),
+    RoutingMethod.LLAMA4: MethodSpec(False, False, True, _sigmoid),
+    RoutingMethod.RENORMALIZE_NAIVE: MethodSpec(False, False, False, _softmax_at_renorm),
+    RoutingMethod.TOPK: MethodSpec(False, False, False, _raw_logits),
+    RoutingMethod.SIGMOID_RENORM: MethodSpec(False, False, False, _sigmoid_renorm),
+    RoutingMethod.MINIMAX2: MethodSpec(True, False, False, _sigmoid_scaled),
+    RoutingMethod.SIGMOID: MethodSpec(False, False, False, _sigmoid),
+    RoutingMethod.TOPK_SIGMOID: MethodSpec(False, False, False, _sigmoid),
+}
+
+
+def selection_scores(x32: torch.Tensor, p: Params, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 [T, E] selection scores (NaN -> -inf, group masking applied). No grad."""
+    spec = METHODS[p.method]
+    if spec.biased:
+        b = torch.sigmoid(x32)
+        if bias is not None:
+            b = b + bias.float()
+    else:
+        b = x32.clone()
+    neg_inf = float("-inf")  # a Python scalar: no host->device copy (CUDA-graph capturable)
+    b = torch.where(torch.isnan(b), neg_inf, b)
+    if spec.grouped and p.n_group > 1:
+        t, e = b.shape
+        grouped = b.view(t, p.n_group, e // p.n_group)
+        top2 = grouped.topk(min(2, e // p.n_group), dim=2).values  # descending
+        gscore = top2[:, :, 0] + top2[:, :, 1] if top2.shape[2] == 2 else top2[:, :, 0]
+        gscore = torch.where(torch.isnan(gscore), neg_inf, gscore)
+        keep_groups = torch.sort(gscore, dim=1, descending=True, stable=True).indices[:, : p.topk_group]
+        keep = torch.zeros(t, p.n_group, dtype=torch.bool, device=b.device)
+        keep.scatter_(1, keep_groups, True)
+        b = torch.where(keep.repeat_interleave(e // p.n_group, dim=1), b, neg_inf)
+    return b
+
+
+def select_torch(x32: torch.Tensor, p: Params, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """int64 [T, K] ids: top-k of the selection score, ties to the smaller index."""
+    b = selection_scores(x32, p, bias)
+    return torch.sort(b, dim=1, descending=True, stable=True).indices[:, : p.top_k]
+
+
+def weights_torch(x32: torch.Tensor, ids: torch.Tensor, p: Params) -> torch.Tensor:
+    """fp32 [T, K] weights of the method at ``ids`` (int64), differentiable w.r.t. ``x32``."""
+    return METHODS[p.method].weights(x32, ids, p)

@@ -1,0 +1,217 @@
+"""The Triton backend of :func:`replaymoe.routing.route`: launch, custom op and backward.
+
+One kernel launch per call (``_kernels/routing.py``): eagerly through :func:`replaymoe._launch.fast`,
+under ``torch.compile`` through the custom op ``replaymoe::route`` (with a fake implementation). With a
+gradient, :class:`RouteFunction` adds the closed-form backward of the weights with respect to the
+logits at the selected ids (:func:`weights_backward`, checked against autograd of
+:func:`replaymoe.routing_table.weights_torch` in the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from replaymoe._routing_method import RoutingMethod
+from replaymoe.routing_table import EPS, METHODS, Params
+
+__all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
+
+
+# Launch-configuration overrides for benchmarks/tuning: keys "BLOCK_T", "num_warps", "ALGO".
+CONFIG_OVERRIDE: dict[str, int] = {}
+
+
+def _launch_config(ep: int) -> tuple[int, int, int]:
+    """(BLOCK_T, num_warps, ALGO) for a padded expert count ``ep``."""
+    block_t = CONFIG_OVERRIDE.get("BLOCK_T", 2)
+    num_warps = CONFIG_OVERRIDE.get("num_warps", 1 if ep <= 512 else 4)
+    algo = CONFIG_OVERRIDE.get("ALGO", 3)
+    return block_t, num_warps, algo
+
+
+def _launch(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
+    routing_replay_out: Optional[torch.Tensor],
+    top_k: int,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the outputs and run the routing kernel once (no validation)."""
+    from replaymoe._kernels.routing import route_kernel
+    from replaymoe._launch import fast
+
+    num_tokens, num_experts = router_logits.shape
+    dev = router_logits.device
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=dev)
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=dev)
+    if num_tokens == 0:
+        return ids, weights
+    gs = num_experts // n_group
+    ngp, gsp = triton.next_power_of_2(n_group), triton.next_power_of_2(gs)
+    block_t, num_warps, algo = _launch_config(ngp * gsp)
+    grid = ((num_tokens + block_t - 1) // block_t,)
+    fast(route_kernel)[grid](
+        router_logits,
+        router_logits.stride(0),
+        router_logits if bias is None else bias,
+        router_logits if replay_ids is None else replay_ids,
+        ids,
+        weights,
+        router_logits if routing_replay_out is None else routing_replay_out,
+        num_tokens,
+        scale,
+        METHOD=int(method),
+        K=top_k,
+        KP=triton.next_power_of_2(top_k),
+        NG=n_group,
+        GS=gs,
+        NGP=ngp,
+        GSP=gsp,
+        TOPK_GROUP=topk_group,
+        HAS_BIAS=bias is not None,
+        HAS_REPLAY=replay_ids is not None,
+        HAS_CAPTURE=routing_replay_out is not None,
+        BLOCK_T=block_t,
+        ALGO=algo,
+        KEY32=router_logits.dtype != torch.float32 and not METHODS[RoutingMethod(method)].biased,
+        LOG_EP=(ngp * gsp).bit_length() - 1,
+        num_warps=num_warps,
+    )
+    return ids, weights
+
+
+@torch.library.custom_op("replaymoe::route", mutates_args=("routing_replay_out",))
+def _route_op(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
+    routing_replay_out: Optional[torch.Tensor],
+    top_k: int,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.replaymoe.route``: the routing kernel as a custom op (for torch.compile)."""
+    return _launch(
+        router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
+    )
+
+
+@_route_op.register_fake
+def _route_op_fake(
+    router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
+):
+    t = router_logits.shape[0]
+    return (
+        router_logits.new_empty((t, top_k), dtype=torch.int32),
+        router_logits.new_empty((t, top_k), dtype=torch.float32),
+    )
+
+
+def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params):
+    args = (
+        router_logits,
+        bias,
+        replay_ids,
+        routing_replay_out,
+        p.top_k,
+        int(p.method),
+        p.n_group,
+        p.topk_group,
+        p.scale,
+    )
+    if torch.compiler.is_compiling():
+        return torch.ops.replaymoe.route(*args)
+    return _launch(*args)  # eager: skip the custom-op dispatch overhead, same code
+
+
+def weights_backward(
+    router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, method: int, scale: float
+) -> torch.Tensor:
+    """Gradient of the weights w.r.t. the logits at fixed ids (closed form of :func:`_weights_torch`)."""
+    acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32  # fp32 or wider
+    x = router_logits.to(acc)
+    idl = ids.long()
+    g = grad_w.to(acc)
+    xs = x.gather(1, idl)
+    m = RoutingMethod(method)
+    extra = None
+    if m == RoutingMethod.DEFAULT:
+        probs = torch.softmax(x, dim=1)
+        gw = g * probs.gather(1, idl)
+        gxs = gw
+        extra = -probs * gw.sum(dim=1, keepdim=True)
+    elif m in (RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE):
+        w = torch.softmax(xs, dim=1)
+        gxs = w * (g - (g * w).sum(dim=1, keepdim=True))
+    elif m == RoutingMethod.TOPK:
+        gxs = g
+    else:
+        s = torch.sigmoid(xs)
+        if m == RoutingMethod.SIGMOID_RENORM:
+            z = s.sum(dim=1, keepdim=True)
+            zc = z.clamp_min(EPS)
+            ds = g / zc - torch.where(z > EPS, (g * s).sum(dim=1, keepdim=True) / (zc * zc), 0.0)
+        elif METHODS[m].biased:
+            z = s.sum(dim=1, keepdim=True) + EPS
+            ds = scale * (g / z - (g * s).sum(dim=1, keepdim=True) / (z * z))
+        else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+            ds = g
+        gxs = ds * s * (1.0 - s)
+    gx = torch.zeros_like(x).scatter_add_(1, idl, gxs)
+    if extra is not None:
+        gx = gx + extra
+    return gx.to(router_logits.dtype)
+
+
+class RouteFunction(torch.autograd.Function):
+    """route() on the Triton backend with a backward w.r.t. the logits (ids are not differentiable)."""
+
+    @staticmethod
+    def forward(
+        ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
+    ):
+        p = Params(RoutingMethod(method), top_k, n_group, topk_group, scale)
+        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
+        ctx.save_for_backward(router_logits, ids)
+        ctx.method, ctx.scale = method, scale
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, grad_ids, grad_w):
+        router_logits, ids = ctx.saved_tensors
+        gx = weights_backward(router_logits, ids, grad_w, ctx.method, ctx.scale)
+        return gx, None, None, None, None, None, None, None, None
+
+
+def route_triton(
+    router_logits: torch.Tensor,
+    p: Params,
+    bias: Optional[torch.Tensor],
+    routing_replay_out: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.is_grad_enabled() and router_logits.requires_grad:
+        ids, weights = RouteFunction.apply(
+            router_logits,
+            bias,
+            replay_ids,
+            routing_replay_out,
+            p.top_k,
+            int(p.method),
+            p.n_group,
+            p.topk_group,
+            p.scale,
+        )
+    else:
+        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
+    return ids, weights
