@@ -1,9 +1,9 @@
 """What :func:`replaymoe.hf.enable` patches into a model: each router's forward and ``generate``.
 
-``state`` below is the session (:class:`replaymoe.hf.session.ReplayMoE`; not imported here, so that
-the session can import this module). A patched router computes its logits as the model's own router does, takes this forward's replay ids
-and capture slab from the session (:meth:`ReplayMoE._layer_io`), and routes with one
-:func:`replaymoe.routing.route` call.
+``state`` below is the session (:class:`replaymoe.hf.session.ReplayMoE`; not imported here, so
+that the session can import this module). A patched router computes its logits as the model's
+own router does, takes this forward's replay ids and capture slab from the session
+(``ReplayMoE._layer_io``), and routes with one :func:`replaymoe.routing.route` call.
 """
 
 from __future__ import annotations
