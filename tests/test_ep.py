@@ -92,7 +92,7 @@ def _dispatch_combine_worker(rank, world):
                         ids = [_make_ids(g, Ts[s], K, E, ep, pattern, s) for s in range(ep)]
                         pays = [_make_payloads(g, Ts[s], K, ids[s]) for s in range(ep)]
                         if rnd == 0:
-                            from replaymoe.ep.alltoall import _row_layout
+                            from replaymoe.ep.packing import _row_layout
 
                             a2a._transport.ensure_dispatch(_row_layout(pays[rank]).row_bytes)
                             poison(a2a._transport.recv)

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from replaymoe.ep import combine_torch, dispatch_torch, expert_owner, expert_partition
-from replaymoe.ep.alltoall import MoeAlltoAll, _combine_reduce, _make_plan, _recv_views, _row_layout
+from replaymoe.ep.alltoall import MoeAlltoAll
+from replaymoe.ep.packing import _recv_views, _row_layout
+from replaymoe.ep.partition import _make_plan
+from replaymoe.ep.receive import _combine_reduce
 from replaymoe.testing import poison
 
 
@@ -234,7 +237,7 @@ def test_plan_kernel_matches_torch(E, ep, T, K, generator):
 def test_sanitize_kernel_matches_torch(generator):
     """The received-id sanitization (padding rows, header rows, remote experts -> invalid) and the
     counts copy, Triton vs torch, on a hand-built receive buffer."""
-    from replaymoe.ep.alltoall import _sanitize_triton
+    from replaymoe.ep.receive import _sanitize_triton
 
     ep, E, K, rt = 3, 10, 4, 5
     ids = [torch.randint(-1, E, (rt, K), generator=generator, dtype=torch.int32) for _ in range(ep)]

@@ -1,15 +1,19 @@
 """Expert parallelism: :class:`MoeAlltoAll` (dispatch / combine over torch.distributed) and :func:`ep_moe`.
 
-See :mod:`replaymoe.ep.alltoall` for the semantics and the transports (``nccl``, ``symm``).
+See :mod:`replaymoe.ep.alltoall` for the semantics and the transports (``nccl``, ``symm``). Modules:
+:mod:`~replaymoe.ep.partition` (expert split, dispatch plan), :mod:`~replaymoe.ep.packing` (row layout,
+packing), :mod:`~replaymoe.ep.alltoall` (the class), :mod:`~replaymoe.ep.receive` (sanitize, combine sum),
+:mod:`~replaymoe.ep.transport_nccl` / :mod:`~replaymoe.ep.transport_symm`, :mod:`~replaymoe.ep.reference`
+(single-process spec) and :mod:`~replaymoe.ep.ep_moe`.
 """
 
 from __future__ import annotations
 
 from .alltoall import MoeAlltoAll as MoeAlltoAll
-from .alltoall import combine_torch as combine_torch
-from .alltoall import dispatch_torch as dispatch_torch
-from .alltoall import expert_owner as expert_owner
-from .alltoall import expert_partition as expert_partition
 from .ep_moe import ep_moe as ep_moe
+from .partition import expert_owner as expert_owner
+from .partition import expert_partition as expert_partition
+from .reference import combine_torch as combine_torch
+from .reference import dispatch_torch as dispatch_torch
 
 __all__ = ["MoeAlltoAll", "ep_moe", "expert_partition", "expert_owner", "dispatch_torch", "combine_torch"]

@@ -45,6 +45,10 @@ was seen before skips validation and planning and launches the cached kernels di
 
 Received views alias internal buffers: they are valid until ``combine`` (the next ``dispatch`` on
 any rank may overwrite them). Consume them (or copy them) before calling ``combine``.
+
+Size: the :class:`MoeAlltoAll` class is one unit (validation, steady-state plan cache, dispatch and
+combine phases); the expert split, row layout and packing, receive-side kernels, transports and the
+reference live in their own modules of this package.
 """
 
 from __future__ import annotations
@@ -57,6 +61,19 @@ import torch
 import torch.distributed as dist
 
 from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
+from .packing import (
+    _DENSE_CHUNK,
+    _PACK_CHUNK,
+    _align,
+    _gcd_all,
+    _recv_views,
+    _row_layout,
+    _RowLayout,
+    _unit_dtype,
+)
+from .partition import _make_plan, expert_owner, expert_partition
+from .receive import _combine_reduce
+from .reference import combine_torch, dispatch_torch
 
 __all__ = [
     "MoeAlltoAll",
@@ -66,106 +83,17 @@ __all__ = [
     "combine_torch",
 ]
 
-_ALIGN = 64  # bytes: payload regions and rows are aligned so Triton sees 16-unit divisibility
 _COMBINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRANSPORTS = ("nccl", "symm")
 _KERNEL_BACKENDS = ("auto", "triton", "torch")
 
-
-def _align(n: int, a: int = _ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-# ----------------------------------------------------------------------------------------------
-# Expert split
-# ----------------------------------------------------------------------------------------------
-
-
-def expert_partition(num_experts: int, ep: int) -> list[tuple[int, int]]:
-    """Contiguous expert split: ``(first expert, number of experts)`` per rank.
-
-    ``base = E // ep``; the first ``E % ep`` ranks own ``base + 1`` experts, the rest ``base``.
-    """
-    check_int("ep", ep, low=1)
-    check_int("num_experts", num_experts, low=ep)
-    base, rem = divmod(num_experts, ep)
-    out = []
-    for r in range(ep):
-        out.append((r * base + min(r, rem), base + (1 if r < rem else 0)))
-    return out
-
-
-def expert_owner(ids: torch.Tensor, num_experts: int, ep: int) -> torch.Tensor:
-    """Rank owning each expert id (int64, same shape); ids outside ``[0, E)`` map to ``ep``."""
-    base, rem = divmod(num_experts, ep)
-    ids64 = ids.long()
-    cut = rem * (base + 1)
-    owner = torch.where(ids64 < cut, ids64 // (base + 1), rem + (ids64 - cut) // base)
-    valid = (ids64 >= 0) & (ids64 < num_experts)
-    return torch.where(valid, owner, torch.full_like(owner, ep))
-
-
-@dataclass
-class _Plan:
-    """Where this rank's tokens go (device tensors, computed without host sync).
-
-    slot : int32 [T, ep] — row of token t in rank r's block of this source, -1 = not sent to r.
-    send_counts : int32 [ep] — rows sent to each rank (= max slot + 1).
-    """
-
-    slot: torch.Tensor
-    send_counts: torch.Tensor
-
-
-def _make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool = False) -> _Plan:
-    T = ids.shape[0]
-    if use_triton:
-        import triton
-
-        from .._kernels.ep import ep_plan_kernel
-
-        ids = ids.contiguous()
-        slot = torch.empty(T, ep, dtype=torch.int32, device=ids.device)
-        counts = torch.empty(ep, dtype=torch.int32, device=ids.device)
-        base, rem = divmod(num_experts, ep)
-        ep_p2 = max(2, triton.next_power_of_2(ep))
-        ep_plan_kernel[(1,)](
-            ids, slot, counts, *([counts] * 8), 0, 0, T, num_experts, base, rem,
-            K=ids.shape[1], EP=ep, EP_P2=ep_p2, BLOCK_T=max(16, min(1024, 4096 // ep_p2)), PUT=False,
-        )  # fmt: skip
-        return _Plan(slot=slot, send_counts=counts)
-    owner = expert_owner(ids, num_experts, ep)  # [T, K] in [0, ep]
-    mask = torch.zeros(T, ep + 1, dtype=torch.int32, device=ids.device)
-    mask.scatter_(1, owner, 1)
-    mask = mask[:, :ep]
-    csum = torch.cumsum(mask, dim=0, dtype=torch.int32)
-    slot = torch.where(mask.bool(), csum - 1, torch.full_like(csum, -1)).contiguous()
-    if T > 0:
-        counts = csum[-1].contiguous()
-    else:
-        counts = torch.zeros(ep, dtype=torch.int32, device=ids.device)
-    return _Plan(slot=slot, send_counts=counts)
-
-
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
-_PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration
-_REDUCE_CHUNK = 4096  # most columns one reduce / combine-send program handles per iteration
-_DENSE_CHUNK = 1024  # the same without num_sms: one short-lived program per (row, chunk)
 _FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack kernel computes the plan (one launch less)
 FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _gcd_all(values: list[int]) -> int:
-    import math
-
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-    return g
 
 
 @dataclass
@@ -183,27 +111,6 @@ class _PackGroup:
     launch: object = None
     tail_i: tuple = ()  # (dsts..., T, consts...) with addresses, for direct launches
     tail_b_i: tuple = ()
-
-
-@dataclass
-class _Targets:
-    """Where a transport wants a dispatch of one (row layout, runtime_max) written (bytes).
-
-    recv : the local receive buffer (uint8); block : bytes per source block in it.
-    dsts : per destination rank, the uint8 buffer the pack writes into; token row ``j`` of rank
-    ``r`` lands at ``dst_base + r * dst_rank_stride + j * row_bytes`` of ``dsts[r]`` (the count in
-    the header row ``rt`` of that block). send / recv_out : the nccl exchange's slices (or None).
-    """
-
-    recv: torch.Tensor
-    block: int
-    dsts: list[torch.Tensor]
-    dst_rank_stride: int
-    dst_base: int
-    send: torch.Tensor | None = None
-    recv_out: torch.Tensor | None = None
-    signal: tuple | None = None  # symm fused barrier: (arrive, epoch, q0..q7, pad_off) for the pack
-    wait: tuple | None = None  # symm fused barrier: (epoch, pad, pad_base, timeout_ns, TIMER)
 
 
 @dataclass
@@ -227,91 +134,6 @@ class _DState:
     reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
     slot_i: int = 0
     fused_plan: bool = False
-
-
-# ----------------------------------------------------------------------------------------------
-# Row layout
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _PayloadSpec:
-    """One payload's place in a packed row.
-
-    dtype, inner : element dtype and per-token shape; nbytes : bytes per token;
-    offset : byte offset of its region in the row (multiple of 64).
-    """
-
-    dtype: torch.dtype
-    inner: tuple[int, ...]
-    nbytes: int
-    offset: int
-
-
-@dataclass(frozen=True)
-class _RowLayout:
-    """Packed row: payload regions, then one 64-byte region no payload covers, where the header row
-    (row ``runtime_max`` of each block) keeps the int32 count, so that sanitizing the id payload over
-    all rows (header rows included) cannot clobber a count.
-
-    row_bytes : multiple of 64; count_offset : byte offset of the count in the header row.
-    """
-
-    specs: tuple[_PayloadSpec, ...]
-    row_bytes: int
-    count_offset: int
-
-
-def _row_layout(payloads: list[torch.Tensor]) -> _RowLayout:
-    specs, off = [], 0
-    for p in payloads:
-        inner = tuple(p.shape[1:])
-        n = 1
-        for d in inner:
-            n *= d
-        nbytes = n * p.element_size()
-        specs.append(_PayloadSpec(p.dtype, inner, nbytes, off))
-        off += _align(max(nbytes, 1))
-    return _RowLayout(tuple(specs), off + _ALIGN, off)
-
-
-def _unit_dtype(nbytes: int, *ptrs: int) -> torch.dtype:
-    """Widest integer unit (int32, int16 or uint8) dividing the row width and the addresses."""
-    for size, dt in ((4, torch.int32), (2, torch.int16)):
-        if nbytes % size == 0 and all(p % size == 0 for p in ptrs):
-            return dt
-    return torch.uint8
-
-
-def _typed_view(buf: torch.Tensor, dtype: torch.dtype, size, stride, offset_bytes: int) -> torch.Tensor:
-    """A strided ``dtype`` view into the uint8 buffer ``buf`` starting ``offset_bytes`` in."""
-    es = torch.empty((), dtype=dtype).element_size()
-    assert offset_bytes % es == 0 and buf.numel() % es == 0
-    return buf.view(dtype).as_strided(size, stride, buf.storage_offset() // es + offset_bytes // es)
-
-
-def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
-
-
-def _recv_views(
-    recv: torch.Tensor, layout: _RowLayout, ep: int, rt: int, block_bytes: int
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Per-payload views [ep, rt, *inner] of a receive buffer (source s's block at ``s * block_bytes``,
-    row j at ``j * row_bytes``) and the int32 [ep] view of the counts (in row ``rt`` of each block)."""
-    views = []
-    for s in layout.specs:
-        es = torch.empty((), dtype=s.dtype).element_size()
-        size = (ep, rt, *s.inner)
-        stride = (block_bytes // es, layout.row_bytes // es, *_contig_strides(s.inner))
-        views.append(_typed_view(recv, s.dtype, size, stride, s.offset))
-    count_at = rt * layout.row_bytes + layout.count_offset
-    counts = _typed_view(recv, torch.int32, (ep,), (block_bytes // 4,), count_at)
-    return views, counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -883,183 +705,3 @@ class MoeAlltoAll:
             f"{dist.get_rank()}) failed in the all-to-all — a peer rank did not arrive within the "
             f"timeout or left the group (all ranks must call {op} in lockstep with valid arguments): {err}"
         )
-
-
-def _sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
-    import triton
-
-    from .._kernels.ep import ep_sanitize_kernel
-
-    n, K = flat.shape
-    hdr = recv.view(torch.int32)
-    hdr_block = counts.stride(0)
-    hdr_off = counts.storage_offset() - hdr.storage_offset()
-    block = 128
-    ep_sanitize_kernel[(triton.cdiv(n, block),)](
-        flat, hdr, a2a.recv_counts, n, flat.stride(0), rt + 1, hdr_block, hdr_off, lo, hi, invalid,
-        counts, counts, 0, 0, K=K, K_P2=max(2, triton.next_power_of_2(K)), EP=a2a.ep,
-        EP_P2=max(2, triton.next_power_of_2(a2a.ep)), BLOCK=block, RANK=a2a.rank, HAS_IDS=True, WAIT=False,
-        TIMER=False,
-    )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------
-# Combine reduction (shared by the transports)
-# ----------------------------------------------------------------------------------------------
-
-
-def _combine_reduce(
-    a2a: MoeAlltoAll,
-    rows: torch.Tensor,
-    block_stride: int,
-    slot: torch.Tensor,
-    out: torch.Tensor,
-    cache: dict | None = None,
-    own: torch.Tensor | None = None,
-    wait: tuple | None = None,
-) -> None:
-    """out[t] = sum_r [slot[t, r] >= 0] rows[r, slot[t, r]] in fp32 (rank order). ``own``: this rank's
-    rows [rt, H] (row stride free) when the transport did not copy them into ``rows`` (symm).
-    ``cache`` keeps the launch plans per layout (the dispatch state's)."""
-    T, H = out.shape
-    ep = a2a.ep
-    if T == 0 and wait is None:
-        return
-    row_stride = rows.stride(0)
-    if a2a.use_triton():
-        persistent = a2a._num_sms is not None
-        own_key = None if own is None else (own.stride(0), own.data_ptr() & 15)
-        key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride, own_key, persistent, wait is None)
-        plan = None if cache is None else cache.get(key)
-        if plan is None:
-            import triton
-
-            from .._kernels.ep import ep_combine_reduce_kernel
-            from ._launch import Launcher
-
-            nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, triton.next_power_of_2(H))
-            chunks = triton.cdiv(H, nb)
-            if persistent:
-                tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
-            else:
-                tt = 1 if nb >= 256 else 8
-            warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
-            plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, max(1, -(-T // tt)), nb, tt)
-            if cache is not None:
-                cache[key] = plan
-        launch, chunks, work, nb, tt = plan
-        nprog = a2a._programs(work * chunks, chunks) if persistent else a2a._dense_programs(work, chunks)
-        own_t, own_rs, own_r = (rows, 0, -1) if own is None else (own, own.stride(0), a2a.rank)
-        w = wait if wait is not None else (slot, slot, 0, 0, False)
-        args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, *w[:4], ep, own_r, nb, tt,
-                wait is not None, w[4])  # fmt: skip
-        if launch.ready():
-            from ._launch import addresses
-
-            launch.fast((nprog, chunks), addresses(args))
-        else:
-            launch((nprog, chunks), args)
-        return
-    nrows = rows.shape[0]  # rows is a 2-D [N, H] view of the buffer; rank r's row j = r*bs/rs + j
-    per_rank = block_stride // row_stride
-    idx = (torch.arange(ep, device=slot.device, dtype=torch.int64)[None, :] * per_rank + slot.long()).clamp(
-        0, nrows - 1
-    )
-    g = rows[idx.reshape(-1)].reshape(T, ep, H).float()
-    g = torch.where((slot >= 0)[:, :, None], g, torch.zeros((), dtype=torch.float32, device=g.device))
-    acc = g[:, 0]
-    for r in range(1, ep):
-        acc = acc + g[:, r]
-    out.copy_(acc)
-
-
-# ----------------------------------------------------------------------------------------------
-# Reference implementation (single process, all ranks simulated)
-# ----------------------------------------------------------------------------------------------
-
-
-def dispatch_torch(
-    token_selected_experts: list[torch.Tensor],
-    payloads: list[list[torch.Tensor]],
-    num_experts: int,
-    runtime_max_tokens_per_rank: int,
-    *,
-    invalid_token_expert_id: int = -1,
-    expert_id_payload_index: int | None = None,
-) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-    """Executable spec of :meth:`MoeAlltoAll.dispatch` for all ``ep`` ranks in one process.
-
-    Parameters
-    ----------
-    token_selected_experts : list of ep tensors int [T_r, K]
-    payloads : list (per rank) of lists of [T_r, *] tensors
-    num_experts, runtime_max_tokens_per_rank, invalid_token_expert_id, expert_id_payload_index
-        As for :meth:`MoeAlltoAll.dispatch`.
-
-    Returns
-    -------
-    (recv, counts)
-        ``recv[r][p]``: [ep, runtime_max, *] what rank ``r`` receives of payload ``p`` (padding rows
-        zero, or ``invalid_token_expert_id`` for the sanitized id payload); ``counts``: int32
-        [ep (receiver), ep (source)].
-    """
-    ep = len(token_selected_experts)
-    parts = expert_partition(num_experts, ep)
-    rt = runtime_max_tokens_per_rank
-    counts = torch.zeros(ep, ep, dtype=torch.int32)
-    recv = []
-    for r in range(ep):
-        lo, n = parts[r]
-        outs = [torch.zeros(ep, rt, *p.shape[1:], dtype=p.dtype) for p in payloads[0]]
-        if expert_id_payload_index is not None:
-            outs[expert_id_payload_index].fill_(invalid_token_expert_id)
-        for s in range(ep):
-            ids = token_selected_experts[s].long().cpu()
-            j = 0
-            for t in range(ids.shape[0]):
-                if any(lo <= int(e) < lo + n for e in ids[t]):
-                    for p, o in zip(payloads[s], outs):
-                        o[s, j] = p[t].cpu()
-                    if expert_id_payload_index is not None:
-                        o = outs[expert_id_payload_index][s, j]
-                        o.copy_(
-                            torch.where(
-                                (o >= lo) & (o < lo + n), o, torch.full_like(o, invalid_token_expert_id)
-                            )
-                        )
-                    j += 1
-            if j > rt:
-                raise ValueError(f"rank {s} has more than runtime_max={rt} tokens")
-            counts[r, s] = j
-        recv.append(outs)
-    return recv, counts
-
-
-def combine_torch(
-    payloads: list[torch.Tensor],
-    token_selected_experts: list[torch.Tensor],
-    num_experts: int,
-) -> list[torch.Tensor]:
-    """Executable spec of :meth:`MoeAlltoAll.combine` for all ranks in one process.
-
-    ``payloads[r]`` is rank r's [ep, runtime_max, H] combine payload laid out as
-    :func:`dispatch_torch` delivered; returns per source rank the [T_s, H] fp32 sum (cast to the
-    payload dtype) over the ranks each token was sent to.
-    """
-    ep = len(token_selected_experts)
-    parts = expert_partition(num_experts, ep)
-    outs = []
-    for s in range(ep):
-        ids = token_selected_experts[s].long().cpu()
-        T = ids.shape[0]
-        H = payloads[0].shape[-1]
-        acc = torch.zeros(T, H, dtype=torch.float32)
-        nxt = [0] * ep
-        for t in range(T):
-            for r in range(ep):
-                lo, n = parts[r]
-                if any(lo <= int(e) < lo + n for e in ids[t]):
-                    acc[t] += payloads[r][s, nxt[r]].float().cpu()
-                    nxt[r] += 1
-        outs.append(acc.to(payloads[0].dtype))
-    return outs

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import alltoall as _a
+from .packing import _pack, _Targets, _typed_view
 
 
 class NcclTransport:
     """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over ``all_to_all_single``."""
 
-    def __init__(self, a2a: _a.MoeAlltoAll) -> None:
+    def __init__(self, a2a) -> None:
         self.a2a = a2a
         self.pg = a2a.group
         if a2a.timeout is not None and a2a.ep > 1:
@@ -58,27 +58,27 @@ class NcclTransport:
             raise self.a2a._collective_error(op, e) from e
 
     # ------------------------------------------------------------------------------------------
-    def dispatch_targets(self, layout, rt: int) -> _a._Targets:
+    def dispatch_targets(self, layout, rt: int) -> _Targets:
         a = self.a2a
         send, recv = self.send, self.recv
         assert send is not None and recv is not None
         block = (rt + 1) * layout.row_bytes
-        return _a._Targets(
+        return _Targets(
             recv=recv, block=block, dsts=[send] * a.ep, dst_rank_stride=block, dst_base=0,
             send=send[: a.ep * block], recv_out=recv[: a.ep * block],
         )  # fmt: skip
 
-    def exchange_dispatch(self, tg: _a._Targets) -> None:
+    def exchange_dispatch(self, tg: _Targets) -> None:
         if self.a2a.ep > 1:
             self._exchange("dispatch", tg.recv_out, tg.send)
 
-    def dispatch_torch(self, plan, payloads, layout, rt: int, tg: _a._Targets) -> None:
+    def dispatch_torch(self, plan, payloads, layout, rt: int, tg: _Targets) -> None:
         """Pack with torch ops (CPU/gloo path), write the counts, exchange."""
         a = self.a2a
         RB = layout.row_bytes
         _pack(a, plan, payloads, layout, tg.dsts[0], block_bytes=tg.block)
         at = rt * RB + layout.count_offset
-        cnt = _a._typed_view(tg.dsts[0], torch.int32, (a.ep,), (tg.block // 4,), at)
+        cnt = _typed_view(tg.dsts[0], torch.int32, (a.ep,), (tg.block // 4,), at)
         cnt.copy_(plan.send_counts)
         self.exchange_dispatch(tg)
 
@@ -119,25 +119,3 @@ def _spans_blocks(payload: torch.Tensor, block: int) -> bool:
         return False
     end = (payload.storage_offset() + ep * block) * payload.element_size()
     return end <= payload.untyped_storage().nbytes()
-
-
-def _pack(a, plan, payloads, layout, dst: torch.Tensor, *, block_bytes) -> None:
-    """Write token rows into the local buffer ``dst`` (uint8) with torch ops: rank r, slot j, payload p
-    lands at ``r * block_bytes + j * row_bytes + offset_p``; rows not sent go to a trash row past the
-    last block."""
-    T = plan.slot.shape[0]
-    if T == 0:
-        return
-    RB = layout.row_bytes
-    ep = a.ep
-    rows_per_block = block_bytes // RB
-    trash = ep * rows_per_block
-    rows = dst[: (trash + 1) * RB].view(trash + 1, RB)
-    r_idx = torch.arange(ep, device=dst.device, dtype=torch.int64)[None, :] * rows_per_block
-    idx = torch.where(plan.slot >= 0, r_idx + plan.slot.long(), torch.full_like(r_idx, trash))
-    idx = idx.reshape(-1)
-    for spec, p in zip(layout.specs, payloads):
-        if spec.nbytes == 0:
-            continue
-        src = p.reshape(T, -1).view(torch.uint8).repeat_interleave(ep, dim=0)
-        rows[:, spec.offset : spec.offset + spec.nbytes].index_copy_(0, idx, src)

@@ -42,7 +42,8 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import torch  # noqa: E402
 
-from . import alltoall as _a  # noqa: E402
+from .._validation import fail  # noqa: E402
+from .packing import _DENSE_CHUNK, _REDUCE_CHUNK, _Targets  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
@@ -53,7 +54,7 @@ FUSED_BARRIER = os.environ.get("REPLAYMOE_EP_FUSED_BARRIER", "1") != "0"
 class _SymmBuffer:
     """One rendezvoused uint8 buffer: ``local`` (this rank's) and ``peers[r]`` (rank r's, mapped)."""
 
-    def __init__(self, a2a: _a.MoeAlltoAll, nbytes: int, what: str) -> None:
+    def __init__(self, a2a, nbytes: int, what: str) -> None:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -77,9 +78,9 @@ class _SymmBuffer:
 class SymmTransport:
     """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over symmetric memory."""
 
-    def __init__(self, a2a: _a.MoeAlltoAll) -> None:
+    def __init__(self, a2a) -> None:
         if a2a.ep > _MAX_EP:
-            _a.fail("group", f"at most {_MAX_EP} ranks for transport='symm' (one node)", f"{a2a.ep} ranks")
+            fail("group", f"at most {_MAX_EP} ranks for transport='symm' (one node)", f"{a2a.ep} ranks")
         self.a2a = a2a
         t = a2a.timeout
         self.timeout_ms = _DEFAULT_TIMEOUT_MS if t is None else max(1, int(t.total_seconds() * 1000))
@@ -132,17 +133,17 @@ class SymmTransport:
         a._dcache.clear()  # cached views alias the old buffers
 
     # ------------------------------------------------------------------------------------------
-    def dispatch_targets(self, layout, rt: int) -> _a._Targets:
+    def dispatch_targets(self, layout, rt: int) -> _Targets:
         """Token rows of this source go to block ``rank`` of every peer's receive buffer."""
         a = self.a2a
         buf = self.disp
         assert buf is not None
         block = (rt + 1) * layout.row_bytes  # all ranks use the same rt in a round; barriers order rounds
-        return _a._Targets(recv=buf.local, block=block, dsts=list(buf.peers), dst_rank_stride=0,
+        return _Targets(recv=buf.local, block=block, dsts=list(buf.peers), dst_rank_stride=0,
                            dst_base=a.rank * block, signal=self.signal_args[0] if self.fused else None,
                            wait=self.wait_args[0] if self.fused else None)  # fmt: skip
 
-    def exchange_dispatch(self, tg: _a._Targets) -> None:
+    def exchange_dispatch(self, tg: _Targets) -> None:
         if not self.fused:
             self._barrier()
 
@@ -174,7 +175,7 @@ class SymmTransport:
             # whenever H is, so Triton emits 128-bit accesses without any reinterpreting view
             dst = [p.view(payload.dtype) for p in buf.peers]
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
-            nb = min(_a._REDUCE_CHUNK if persistent else _a._DENSE_CHUNK, triton.next_power_of_2(H))
+            nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, triton.next_power_of_2(H))
             chunks = triton.cdiv(H, nb)
             if persistent:
                 tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8

@@ -1,0 +1,82 @@
+"""Which rank owns which expert, and where each of this rank's tokens goes.
+
+The contiguous expert split (:func:`expert_partition`, :func:`expert_owner`) and the dispatch plan
+built from it (:func:`_make_plan`: per token and destination rank, the token's row in that rank's
+block, and the rows sent to each rank), in torch ops or one Triton kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._validation import check_int
+
+__all__ = ["expert_partition", "expert_owner"]
+
+
+def expert_partition(num_experts: int, ep: int) -> list[tuple[int, int]]:
+    """Contiguous expert split: ``(first expert, number of experts)`` per rank.
+
+    ``base = E // ep``; the first ``E % ep`` ranks own ``base + 1`` experts, the rest ``base``.
+    """
+    check_int("ep", ep, low=1)
+    check_int("num_experts", num_experts, low=ep)
+    base, rem = divmod(num_experts, ep)
+    out = []
+    for r in range(ep):
+        out.append((r * base + min(r, rem), base + (1 if r < rem else 0)))
+    return out
+
+
+def expert_owner(ids: torch.Tensor, num_experts: int, ep: int) -> torch.Tensor:
+    """Rank owning each expert id (int64, same shape); ids outside ``[0, E)`` map to ``ep``."""
+    base, rem = divmod(num_experts, ep)
+    ids64 = ids.long()
+    cut = rem * (base + 1)
+    owner = torch.where(ids64 < cut, ids64 // (base + 1), rem + (ids64 - cut) // base)
+    valid = (ids64 >= 0) & (ids64 < num_experts)
+    return torch.where(valid, owner, torch.full_like(owner, ep))
+
+
+@dataclass
+class _Plan:
+    """Where this rank's tokens go (device tensors, computed without host sync).
+
+    slot : int32 [T, ep] — row of token t in rank r's block of this source, -1 = not sent to r.
+    send_counts : int32 [ep] — rows sent to each rank (= max slot + 1).
+    """
+
+    slot: torch.Tensor
+    send_counts: torch.Tensor
+
+
+def _make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool = False) -> _Plan:
+    T = ids.shape[0]
+    if use_triton:
+        import triton
+
+        from .._kernels.ep import ep_plan_kernel
+
+        ids = ids.contiguous()
+        slot = torch.empty(T, ep, dtype=torch.int32, device=ids.device)
+        counts = torch.empty(ep, dtype=torch.int32, device=ids.device)
+        base, rem = divmod(num_experts, ep)
+        ep_p2 = max(2, triton.next_power_of_2(ep))
+        ep_plan_kernel[(1,)](
+            ids, slot, counts, *([counts] * 8), 0, 0, T, num_experts, base, rem,
+            K=ids.shape[1], EP=ep, EP_P2=ep_p2, BLOCK_T=max(16, min(1024, 4096 // ep_p2)), PUT=False,
+        )  # fmt: skip
+        return _Plan(slot=slot, send_counts=counts)
+    owner = expert_owner(ids, num_experts, ep)  # [T, K] in [0, ep]
+    mask = torch.zeros(T, ep + 1, dtype=torch.int32, device=ids.device)
+    mask.scatter_(1, owner, 1)
+    mask = mask[:, :ep]
+    csum = torch.cumsum(mask, dim=0, dtype=torch.int32)
+    slot = torch.where(mask.bool(), csum - 1, torch.full_like(csum, -1)).contiguous()
+    if T > 0:
+        counts = csum[-1].contiguous()
+    else:
+        counts = torch.zeros(ep, dtype=torch.int32, device=ids.device)
+    return _Plan(slot=slot, send_counts=counts)
