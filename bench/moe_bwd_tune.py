@@ -12,7 +12,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import replaymoe.moe as M
+import replaymoe.moe_triton as M
 from replaymoe.bench.train import SHAPES, _inputs, _weights
 
 OUT = os.environ.get("OUT", "/tmp")

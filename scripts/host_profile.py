@@ -9,6 +9,7 @@ import time
 import torch
 
 import replaymoe.moe as rmoe
+import replaymoe.moe_triton as rmoe_triton
 import replaymoe.routing as rr
 from replaymoe._kernels.routing import route_kernel
 
@@ -67,11 +68,11 @@ rows.append(("moe_config", host_us(lambda: rmoe.moe_config(1, K, H, I, E))))
 rows.append(
     (
         "moe _launch direct",
-        host_us(lambda: rmoe._launch(x, w13, w2, tid, tw, None, None, 0, out, cfg)),
+        host_us(lambda: rmoe_triton._launch(x, w13, w2, tid, tw, None, None, 0, out, cfg)),
     )
 )
-if hasattr(rmoe, "_config_tuple"):
-    ct = rmoe._config_tuple(cfg)
+if hasattr(rmoe_triton, "_config_tuple"):
+    ct = rmoe_triton._config_tuple(cfg)
     rows.append(
         (
             "torch.ops.replaymoe.moe_experts",

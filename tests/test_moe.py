@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replaymoe.moe import MoEConfig, MoELayer, _experts_triton, fused_moe, fused_moe_torch, swap_gate_up
+from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
+from replaymoe.moe_triton import MoEConfig, _experts_triton
 from replaymoe.quant import quantize_fp8_block
 from replaymoe.routing import RoutingMethod, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits

@@ -1,0 +1,471 @@
+"""Triton launch side of the fused MoE: kernel configurations, launchers and ``torch.library`` ops.
+
+One job: turn an already validated fused-MoE call into Triton launches. It holds the tuning tables
+(:class:`MoEConfig` / :func:`moe_config` for the forward, :class:`MoEBwdConfig` /
+:func:`moe_bwd_config` for the backward), the forward launcher (layout + GEMM1 + GEMM2 + reduce)
+and the backward launcher, the custom ops ``replaymoe::moe_experts``, ``replaymoe::moe_experts_train``
+and ``replaymoe::moe_experts_bwd`` with their fake implementations and autograd registration, and
+the ``_experts_triton*`` entry points that :mod:`replaymoe.moe` calls. No argument checks here
+(:func:`replaymoe.moe.fused_moe` validates); this module never imports :mod:`replaymoe.moe`.
+
+Size: slightly over 450 lines; the forward and backward launchers share the configurations and the
+custom-op plumbing, so splitting them would make every op cross modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Kernel configuration of one fused-MoE call (chosen by :func:`moe_config` from the shape).
+
+    ``direct``: decode mode (one tile per slot, no layout, reduction fused into GEMM2); otherwise
+    tiles of ``block_m`` rows from :func:`replaymoe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
+    + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection).
+    """
+
+    direct: bool
+    block_m: int
+    block_n1: int
+    block_k1: int
+    warps1: int
+    stages1: int
+    block_n2: int
+    block_k2: int
+    warps2: int
+    stages2: int
+    group_m: int = 8
+
+
+# Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
+_TUNED: dict[tuple, MoEConfig] = {
+    (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, 16, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8 decode
+}
+
+
+def _bucket(T: int) -> int:
+    return 1 << max(0, (T - 1).bit_length())
+
+
+def moe_config(T: int, K: int, H: int, I: int, E_local: int, *, fp8: bool = False) -> MoEConfig:  # noqa: E741
+    """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I."""
+    tuned = _TUNED.get((H, I, E_local, K, fp8, _bucket(T)))
+    if tuned is not None:
+        return tuned
+    slots = T * K
+    if T == 1 or slots * 4 <= E_local:
+        # decode: one tile per slot, each active expert's weights streamed once, split along N
+        if fp8:
+            return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
+        return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
+    m_avg = slots / min(E_local, slots)  # rows per active expert
+    if fp8:
+        if m_avg < 48:
+            return MoEConfig(False, 16 if m_avg < 12 else 32, 128, 128, 4, 3, 128, 128, 4, 3)
+        return MoEConfig(False, 64, 128, 128, 8, 3, 128, 128, 8, 3)
+    if m_avg < 12:  # H200 sweep (bench/moe_notes.md): memory-bound, deep K tiles
+        return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
+    if m_avg < 48:
+        return MoEConfig(False, 32, 64, 128, 4, 4, 64, 128, 4, 4)
+    return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)
+
+
+def _experts_triton(
+    x, w13, w2, topk_ids, topk_weights, *, w13_scale, w2_scale, local_expert_offset, out, config=None
+):
+    """Run the Triton experts into ``out`` (allocated when None); returns it."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    fp8 = w13_scale is not None
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
+    c = config or moe_config(T, K, H, I, E_local, fp8=fp8)
+    if torch.compiler.is_compiling():
+        torch.ops.replaymoe.moe_experts(
+            x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+            _config_tuple(c),
+        )  # fmt: skip
+    else:  # eager: the same launches without the custom-op dispatch (tens of microseconds per call)
+        _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c)
+    return out
+
+
+def _experts_triton_train(x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None):
+    """Differentiable Triton experts (``torch.ops.replaymoe.moe_experts_train`` + its backward)."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    c = config or moe_config(T, K, H, two_i // 2, E_local)
+    out, _ = torch.ops.replaymoe.moe_experts_train(
+        x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config_tuple(c), recompute
+    )
+    return out
+
+
+@torch.library.custom_op("replaymoe::moe_experts_train", mutates_args=())
+def _moe_train_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_expert_offset: int,
+    config: list[int],
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of the differentiable experts: ``(out [T, H], saved)``.
+
+    ``saved`` is the GEMM1 output per slot, ``[T*K, 2I]`` (gate pre-activations in columns [0, I),
+    up in [I, 2I)), rows of non-local slots unspecified; empty with ``recompute``. Same kernels and
+    configuration as the inference path, so ``out`` is bitwise the inference output.
+    """
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
+    _launch(x, w13, w2, topk_ids, topk_weights, None, None, local_expert_offset, out,
+            MoEConfig(bool(config[0]), *config[1:]), saved=None if recompute else saved)  # fmt: skip
+    return out, saved
+
+
+@_moe_train_op.register_fake
+def _(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute):
+    T, H = x.shape
+    return x.new_empty((T, H)), x.new_empty((0 if recompute else T * topk_ids.shape[1], w13.shape[1]))
+
+
+def _train_setup_context(ctx, inputs, output):
+    x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs
+    ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, output[1])
+    ctx.offset, ctx.recompute = local_expert_offset, recompute
+    # the saved gate/up rows are an output only to be saved: no zero gradient [T*K, 2I] for them
+    ctx.set_materialize_grads(False)
+
+
+def _train_backward(ctx, grad_out, _grad_saved):
+    x, w13, w2, topk_ids, topk_weights, saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if grad_out is None:  # out unused by the loss
+        grad_out = torch.zeros_like(x)
+    dx, dw13, dw2, dwts = torch.ops.replaymoe.moe_experts_bwd(
+        grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute,
+        [bool(need[0]), bool(need[1]), bool(need[2]), bool(need[4])],
+    )  # fmt: skip
+    return (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
+            dwts if need[4] else None, None, None, None)  # fmt: skip
+
+
+_moe_train_op.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+@torch.library.custom_op("replaymoe::moe_experts_bwd", mutates_args=())
+def _moe_bwd_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    saved: torch.Tensor,
+    local_expert_offset: int,
+    recompute: bool,
+    need: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``moe_experts_train``: ``(dx, dw13, dw2, dtopk_weights)``; a gradient not in
+    ``need`` (x, w13, w2, topk_weights) comes back empty."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    c = moe_bwd_config(T, K, H, two_i // 2, E_local)
+    return _launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute,
+                       need, c)  # fmt: skip
+
+
+@_moe_bwd_op.register_fake
+def _(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute, need):
+    return tuple(t.new_empty(t.shape if n else (0,)) for t, n in zip((x, w13, w2, topk_weights), need))
+
+
+@dataclass(frozen=True)
+class MoEBwdConfig:
+    """Kernel configuration of one fused-MoE backward (chosen by :func:`moe_bwd_config`).
+
+    ``block_m``: rows per tile of the backward's layout; ``*_a`` = the dA GEMM (``dO @ W2``, N over
+    I, K over H), ``*_x`` = the dX GEMM (N over H, K over 2I), ``*_w`` = the weight-gradient GEMMs
+    (a ``bm_w × bn_w`` block of one expert's dW, K over its rows). ``dw_mode``: 0 = the token rows
+    of x and dO gathered inside the dW loop; 1 = gathered once into layout order first; 2 = gathered
+    once, transposed (K-major A operands).
+    """
+
+    block_m: int
+    bn_a: int
+    bk_a: int
+    warps_a: int
+    stages_a: int
+    bn_x: int
+    bk_x: int
+    warps_x: int
+    stages_x: int
+    bm_w: int
+    bn_w: int
+    bk_w: int
+    warps_w: int
+    stages_w: int
+    group_m: int = 8
+    dw_mode: int = 0
+
+
+def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig:  # noqa: E741
+    """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I."""
+    slots = max(T * K, 1)
+    m_avg = slots / min(E_local, slots)
+    # H200 sweep (bench/moe_bwd_tune.py, bench/results/train_bwd_tune.txt): dW over pre-gathered rows
+    if m_avg < 12:
+        return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
+    if m_avg < 40:
+        return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
+    if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
+        return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1)
+
+
+def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig):
+    """Triton backward: ``(dx, dw13, dw2, dtopk_weights)`` (empty where ``need`` is False).
+
+    Launches: layout (2); GEMM1 again when ``recompute``; dA; SwiGLU backward (elementwise); dX +
+    k-ordered reduce; dW13; dW2. Intermediates: dh [rows, 2I] and aw [rows, I] in layout order.
+    """
+    from ._kernels.moe import _moe_gemm1_kernel, _moe_reduce_kernel
+    from ._kernels.moe_bwd import (
+        _moe_bwd_da_kernel,
+        _moe_bwd_dw_kernel,
+        _moe_bwd_dx_kernel,
+        _moe_bwd_swiglu_kernel,
+    )
+    from .layout import expert_layout
+
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    dev = x.device
+    slots = T * K
+    src = (x, w13, w2, topk_weights)
+    empty = [t.new_empty((0,)) for t in src]
+    if T == 0:
+        return tuple(torch.zeros_like(t) if n else z for t, n, z in zip(src, need, empty))
+    x = x.contiguous()
+    dout = dout.contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+    num_pid_m = lay.max_tiles
+    rows = max(lay.sorted_slots.shape[0], 1)
+    bm = c.block_m
+    if recompute:  # GEMM1 again, gate/up per slot only
+        saved = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
+        if num_pid_m:
+            bn1, bk1 = (128, 64) if bm >= 64 else (64, 128)
+            _moe_gemm1_kernel[(num_pid_m * triton_cdiv(I, bn1),)](
+                x, x, w13, w13, saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert, lay.num_tiles,
+                num_pid_m, H, I, K, slots, offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), 0, 0,
+                saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ=False, SAVE_H=True,
+                STORE_ACT=False, EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=c.group_m,
+                DOT_PREC=prec, num_warps=8 if bm >= 128 else 4, num_stages=4 if bm >= 64 else 3,
+            )  # fmt: skip
+    dh = torch.empty(rows, two_i, dtype=x.dtype, device=dev)
+    aw = torch.empty(rows, I, dtype=x.dtype, device=dev)
+    bn_e = 128
+    nb = triton_cdiv(I, bn_e)
+    dwp = torch.zeros(slots, nb, dtype=torch.float32, device=dev)
+    if num_pid_m:
+        _moe_bwd_da_kernel[(num_pid_m * triton_cdiv(I, c.bn_a),)](
+            dout, w2, dh, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I, K, slots,
+            dout.stride(0), w2.stride(0), w2.stride(1), dh.stride(0), EVEN_K=H % c.bk_a == 0, BLOCK_M=bm,
+            BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a,
+            num_stages=c.stages_a,
+        )  # fmt: skip
+        br = 16
+        _moe_bwd_swiglu_kernel[(triton_cdiv(num_pid_m * bm, br), nb)](
+            dh, saved, wts, aw, dwp, lay.sorted_slots, lay.num_tiles, I, slots, dh.stride(0), saved.stride(0),
+            aw.stride(0), TILE_M=bm, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
+        )  # fmt: skip
+    del saved
+    res = list(empty)
+    if need[3]:
+        res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
+    del dwp
+    mode = c.dw_mode
+    if mode and (need[1] or need[2]):  # token rows of x and dO gathered once into layout order
+        sl = lay.sorted_slots.long()
+        tok = torch.where((sl >= 0) & (sl < slots), sl // K, 0)  # rows past num_tiles: unspecified
+        del sl
+
+    def rows_of(t):  # t[tok] in layout order; mode 2: transposed [features, rows]
+        g = t.index_select(0, tok)
+        return g if mode == 1 else g.t().contiguous()
+
+    def dw_gemm(i, a, b, a_t, a_g, b_g, c_t, m, n):
+        dw = torch.empty(src[i].shape, dtype=src[i].dtype, device=dev)
+        _moe_bwd_dw_kernel[(E_local * triton_cdiv(m, c.bm_w) * triton_cdiv(n, c.bn_w),)](
+            a, b, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K, a.stride(0),
+            b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t, A_GATHER=a_g, B_GATHER=b_g, C_T=c_t,
+            BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec,
+            num_warps=c.warps_w, num_stages=c.stages_w,
+        )  # fmt: skip
+        res[i] = dw
+
+    # order: dW2 (then aw is freed), dX (its per-slot rows freed), dW13 (then dh is freed)
+    if need[2]:  # dW2 [H, I] = dO_e^T @ aw_e
+        if mode == 0:
+            dw_gemm(2, dout, aw, False, True, False, False, H, I)
+        else:
+            dw_gemm(2, rows_of(dout), aw, mode == 2, False, False, False, H, I)
+    del aw
+    if need[0]:
+        dx = (torch.empty if num_pid_m else torch.zeros)(T, H, dtype=x.dtype, device=dev)  # reduce writes all
+        if num_pid_m:
+            dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
+            _moe_bwd_dx_kernel[(num_pid_m * triton_cdiv(H, c.bn_x),)](
+                dh, w13, dxs, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, two_i, slots,
+                dh.stride(0), w13.stride(0), w13.stride(1), dxs.stride(0), EVEN_K=two_i % c.bk_x == 0,
+                BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m, DOT_PREC=prec,
+                num_warps=c.warps_x, num_stages=c.stages_x,
+            )  # fmt: skip
+            bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+            _moe_reduce_kernel[(T, triton_cdiv(H, bh))](
+                dxs, ids, dx, H, K, offset, E_local, dxs.stride(0), dx.stride(0), BLOCK_H=bh, num_warps=4
+            )
+            del dxs
+        res[0] = dx
+    if need[1]:  # dW13 [2I, H] = dh_e^T @ x_e  (mode 2: dW13^T = x_e^T @ dh_e, stored transposed)
+        if mode == 0:
+            dw_gemm(1, dh, x, False, False, True, False, two_i, H)
+        elif mode == 1:
+            dw_gemm(1, dh, rows_of(x), False, False, False, False, two_i, H)
+        else:
+            dw_gemm(1, rows_of(x), dh, True, False, False, True, H, two_i)
+    return tuple(res)
+
+
+def _config_tuple(c: MoEConfig) -> list[int]:
+    return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
+            c.warps2, c.stages2, c.group_m]  # fmt: skip
+
+
+@torch.library.custom_op("replaymoe::moe_experts", mutates_args=("out",))
+def _moe_experts_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    local_expert_offset: int,
+    out: torch.Tensor,
+    config: list[int],
+) -> None:
+    """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call)."""
+    _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+            MoEConfig(bool(config[0]), *config[1:]))  # fmt: skip
+
+
+@_moe_experts_op.register_fake
+def _(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, config) -> None:
+    return None
+
+
+def _launch(
+    x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig, saved=None
+) -> None:
+    """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
+    receives GEMM1's gate/up outputs per slot for the backward."""
+    from ._kernels.moe import _moe_gemm1_kernel, _moe_gemm2_kernel, _moe_reduce_kernel, _quant_groups_kernel
+    from ._launch import fast
+    from .layout import expert_layout
+
+    T, H = x.shape
+    if T == 0:
+        return
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    fp8 = w13_scale is not None
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    slots = T * K
+    dev = x.device
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    inter_dt = torch.bfloat16 if fp8 else x.dtype
+    s13 = w13_scale if fp8 else w13
+    s2 = w2_scale if fp8 else w2
+    s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
+    s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
+    if c.direct:
+        rows, num_pid_m = slots, slots
+        sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
+    else:
+        lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+        sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
+        num_pid_m = lay.max_tiles
+        rows = max(lay.sorted_slots.shape[0], 1)
+    preq = fp8 and not c.direct and c.block_n1 == 128
+    if preq:  # quantize x once; GEMM1 writes e4m3 SwiGLU rows + per-128 scales
+        xq = torch.empty(T, H, dtype=_FP8, device=dev)
+        xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
+        g = 8
+        fast(_quant_groups_kernel)[(T, triton_cdiv(H // 128, g))](
+            x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4
+        )
+        inter = torch.empty(rows, I, dtype=_FP8, device=dev)
+        inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev)
+    else:
+        xq, xs = x, x
+        inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
+        inter_s = inter
+    if num_pid_m == 0:
+        out.zero_()
+        return
+    grid1 = (num_pid_m * triton_cdiv(I, c.block_n1),)
+    save = saved is not None and saved.numel() > 0
+    h_buf = saved if save else inter
+    fast(_moe_gemm1_kernel)[grid1](
+        xq, xs, w13, s13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I,
+        K, slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
+        inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, SAVE_H=save,
+        STORE_ACT=True, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
+        GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
+    )  # fmt: skip
+    y = torch.empty(slots, H, dtype=out.dtype, device=dev)
+    grid2 = (num_pid_m * triton_cdiv(H, c.block_n2),)
+    fast(_moe_gemm2_kernel)[grid2](
+        inter, inter_s, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
+        offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
+        DIRECT=c.direct, FP8=fp8, PREQ=preq, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2,
+        num_stages=c.stages2,
+    )  # fmt: skip
+    bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+    fast(_moe_reduce_kernel)[(T, triton_cdiv(H, bh))](
+        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
+    )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
