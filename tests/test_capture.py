@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from replaymoe.capture import CaptureMemoryError, RoutedExpertsCapturer, _SyncTransfer
+from replaymoe.capture import CaptureMemoryError, RoutedExpertsCapturer
+from replaymoe.capture_transfer import SyncTransfer as _SyncTransfer
 from replaymoe.routing import RoutingMethod, route
 from replaymoe.trace import RoutingTrace
 
@@ -322,7 +323,7 @@ def test_all_zero_kernel_output_is_rejected_at_finish():
 
 
 class _FakeCuda:
-    """Just enough of torch.cuda for _CudaTransfer on CPU tensors, logging stream/event calls."""
+    """Just enough of torch.cuda for CudaTransfer on CPU tensors, logging stream/event calls."""
 
     def __init__(self):
         self.log = []
@@ -357,6 +358,7 @@ def _fake_cuda_capturer(monkeypatch, **kw):
     import types
 
     import replaymoe.capture as capmod
+    import replaymoe.capture_transfer as transfer_mod
 
     fake = _FakeCuda()
 
@@ -385,16 +387,17 @@ def _fake_cuda_capturer(monkeypatch, **kw):
     proxy.cuda = cuda
     proxy.empty = lambda *a, pin_memory=False, **k: torch.empty(*a, **k)
     monkeypatch.setattr(capmod, "torch", proxy)
+    monkeypatch.setattr(transfer_mod, "torch", proxy)
     monkeypatch.setattr(
         RoutedExpertsCapturer,
         "_make_transfer",
-        lambda self: capmod._CudaTransfer(self.buffer, self.num_buffers),
+        lambda self: transfer_mod.CudaTransfer(self.buffer, self.num_buffers),
     )
     return make(**kw), fake
 
 
 def test_cuda_transfer_path_on_cpu(generator, monkeypatch):
-    # the real _CudaTransfer (gather on the step's stream, event, side-stream copy, event) with a fake
+    # the real CudaTransfer (gather on the step's stream, event, side-stream copy, event) with a fake
     # torch.cuda: the protocol gives the same traces, and the stream/event calls come in safe order
     cap, fake = _fake_cuda_capturer(monkeypatch, num_buffers=2)
     exp: dict = {}
