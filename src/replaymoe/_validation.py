@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["fail", "check_tensor", "check_int", "check_choice", "is_capturing"]
+__all__ = ["fail", "check_tensor", "check_int", "check_choice", "is_capturing", "tensor_ok"]
 
 
 def fail(name: str, expected: object, got: object, *, what: str = "value") -> None:
@@ -109,3 +109,14 @@ def is_capturing() -> bool:
     skipped then, because a sync would invalidate the capture.
     """
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def tensor_ok(t: object, ndim: int, dtypes: tuple, device: torch.device | None, contiguous: bool) -> bool:
+    """Cheap predicate for the common valid case (:func:`check_tensor` then explains a failure)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dim() == ndim
+        and t.dtype in dtypes
+        and (device is None or t.device == device)
+        and (not contiguous or t.is_contiguous())
+    )

@@ -53,10 +53,11 @@ from replaymoe._backend import resolve_backend
 from replaymoe._routing_method import RoutingMethod
 from replaymoe._validation import fail
 from replaymoe.routing_checks import check_replay_ids, compiled_replay_check, validate
+from replaymoe.routing_config import RoutingConfig, as_config
 from replaymoe.routing_table import Params, select_torch, weights_torch
 from replaymoe.routing_triton import route_triton
 
-__all__ = ["RoutingMethod", "RoutingOutput", "check_replay_ids", "route", "route_torch"]
+__all__ = ["RoutingConfig", "RoutingMethod", "RoutingOutput", "check_replay_ids", "route", "route_torch"]
 
 
 _MAX_KERNEL_EXPERTS = 4096  # the kernel holds a token's experts in registers
@@ -107,9 +108,10 @@ def _route_torch_impl(
 
 def route_torch(
     router_logits: torch.Tensor,
-    top_k: int,
+    top_k: Optional[int] = None,
     method: RoutingMethod = RoutingMethod.RENORMALIZE,
     *,
+    config: Optional[RoutingConfig] = None,
     bias: Optional[torch.Tensor] = None,
     n_group: Optional[int] = None,
     topk_group: Optional[int] = None,
@@ -123,19 +125,10 @@ def route_torch(
     with plain torch ops on any device and is differentiable with respect to
     ``router_logits`` (with and without ``replay_ids``).
     """
-    p = validate(
-        router_logits,
-        top_k,
-        method,
-        bias,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        routing_replay_out,
-        replay_ids,
-    )
+    cfg = as_config(config, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    p = validate(router_logits, cfg, routing_replay_out, replay_ids)
     replay_ids = compiled_replay_check(replay_ids, router_logits.shape[1])
-    return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)
+    return _route_torch_impl(router_logits, p, cfg.bias, routing_replay_out, replay_ids)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,9 +152,10 @@ def _resolve_backend(backend: object, x: torch.Tensor) -> str:
 
 def route(
     router_logits: torch.Tensor,
-    top_k: int,
+    top_k: Optional[int] = None,
     method: RoutingMethod = RoutingMethod.RENORMALIZE,
     *,
+    config: Optional[RoutingConfig] = None,
     bias: Optional[torch.Tensor] = None,
     n_group: Optional[int] = None,
     topk_group: Optional[int] = None,
@@ -179,9 +173,13 @@ def route(
         ``[T, E]`` float32, bfloat16 or float16, unit stride along experts (rows may be strided).
     top_k : int
         Experts per token, ``1 <= top_k <= E`` (LLAMA4: exactly 1; DEEPSEEK_V3: at most
-        ``topk_group * E / n_group``).
+        ``topk_group * E / n_group``). Give either ``top_k`` (with ``method`` and the routing
+        keywords below) or ``config``.
     method : RoutingMethod
         The router (module docstring has the math of every method).
+    config : RoutingConfig, optional
+        ``top_k``, ``method``, ``bias``, ``n_group``, ``topk_group`` and
+        ``routed_scaling_factor`` together, validated once when it was built.
     bias : torch.Tensor, optional
         ``[E]`` float32/bfloat16/float16 selection bias, DEEPSEEK_V3 and MINIMAX2 only
         (None = zero bias). Affects selection only, never the weights.
@@ -221,19 +219,10 @@ def route(
     ValueError
         Naming the argument, for any invalid dtype, shape, device, layout or value.
     """
-    p = validate(
-        router_logits,
-        top_k,
-        method,
-        bias,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        routing_replay_out,
-        replay_ids,
-        check_replay,
-    )
+    cfg = as_config(config, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    p = validate(router_logits, cfg, routing_replay_out, replay_ids, check_replay)
     replay_ids = compiled_replay_check(replay_ids, router_logits.shape[1], check_replay)
+    bias = cfg.bias
     be = _resolve_backend(backend, router_logits)
     if be == "torch":
         return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)

@@ -1,46 +1,40 @@
 """Validation of :func:`replaymoe.routing.route`'s arguments, and the replay-id check.
 
-:func:`validate` checks every argument once at the public boundary (cheap predicates first: it runs
-on every eager call) and returns the normalised :class:`~replaymoe.routing_table.Params`. Replay ids
+:func:`validate` checks the logits and the other per-call arguments at the public boundary
+(cheap predicates first: it runs on every eager call) against an already validated
+:class:`~replaymoe.routing_config.RoutingConfig`, and returns the normalised
+:class:`~replaymoe.routing_table.Params`. Replay ids
 are checked by value where that needs a host sync: eagerly here, and under ``torch.compile`` through
 the custom op ``replaymoe::check_replay_ids``, skipped while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from replaymoe._routing_method import RoutingMethod
-from replaymoe._validation import check_int, check_tensor, fail, is_capturing
-from replaymoe.routing_table import METHODS, Params
+from replaymoe._validation import check_int, check_tensor, fail, is_capturing, tensor_ok
+from replaymoe.routing_config import BIAS_DTYPES, RoutingConfig
+from replaymoe.routing_table import Params
 
 __all__ = ["check_replay_ids", "compiled_replay_check", "validate"]
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
-_MAX_N_GROUP = 32
-_METHOD_VALUES = tuple(int(m) for m in METHODS)
 
 
 def validate(
     router_logits: object,
-    top_k: object,
-    method: object,
-    bias: object,
-    n_group: object,
-    topk_group: object,
-    routed_scaling_factor: object,
+    config: RoutingConfig,
     routing_replay_out: object,
     replay_ids: object,
     check_replay: bool = True,
 ) -> Params:
+    """The per-call checks of ``route``: the logits, and ``config`` against their number of experts."""
     # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
     x = router_logits
-    if not _tensor_ok(x, 2, _LOGIT_DTYPES, None, False):
+    if not tensor_ok(x, 2, _LOGIT_DTYPES, None, False):
         check_tensor("router_logits", router_logits, ndim=2, dtype=_LOGIT_DTYPES)
     if x.shape[1] > 1 and x.stride(1) != 1:
         fail(
@@ -53,58 +47,14 @@ def validate(
     if num_experts < 1:
         fail("router_logits", "at least one expert (shape[1] >= 1)", tuple(x.shape), what="shape")
     dev = x.device
-
-    # membership by ==, not chained <: torch 2.11's dynamo rejects `<` on enum constants
-    if isinstance(method, bool) or not isinstance(method, int) or method not in _METHOD_VALUES:
-        fail("method", "a RoutingMethod (0..9)", repr(method))
-    if not isinstance(method, RoutingMethod):  # torch 2.11's dynamo cannot trace the enum constructor
-        method = RoutingMethod(method)
-
-    if type(top_k) is not int or not 1 <= top_k <= num_experts:
+    top_k, bias, ng, tg = config.top_k, config.bias, config.num_groups, config.groups_kept
+    if top_k > num_experts:
         check_int("top_k", top_k, low=1, high=num_experts)
-    if METHODS[method].single_expert and top_k != 1:
-        fail("top_k", "1 for RoutingMethod.LLAMA4", top_k)
-
-    spec = METHODS[method]
-    if spec.biased:
-        if bias is not None and not (
-            _tensor_ok(bias, 1, _BIAS_DTYPES, dev, True) and bias.shape[0] == num_experts
-        ):
-            check_tensor("bias", bias, shape=(num_experts,), dtype=_BIAS_DTYPES, device=dev, contiguous=True)
-        if routed_scaling_factor is None:
-            scale = 1.0
-        else:
-            if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
-                fail(
-                    "routed_scaling_factor",
-                    "a float or None",
-                    type(routed_scaling_factor).__name__,
-                    what="type",
-                )
-            scale = float(routed_scaling_factor)
-            if not math.isfinite(scale):
-                fail("routed_scaling_factor", "a finite float", scale)
-    else:
-        if bias is not None:
-            fail("bias", f"None for {method.name} (bias applies to DEEPSEEK_V3 and MINIMAX2)", "a tensor")
-        if routed_scaling_factor is not None:
-            fail(
-                "routed_scaling_factor",
-                f"None for {method.name} (it applies to DEEPSEEK_V3 and MINIMAX2)",
-                routed_scaling_factor,
-            )
-        scale = 1.0
-
-    if spec.grouped:
-        ng = 1 if n_group is None else check_int("n_group", n_group, low=1, high=_MAX_N_GROUP)
+    if bias is not None and not (bias.device == dev and bias.shape[0] == num_experts):
+        check_tensor("bias", bias, shape=(num_experts,), dtype=BIAS_DTYPES, device=dev, contiguous=True)
+    if ng > 1 or config.n_group is not None:
         if num_experts % ng != 0:
             fail("n_group", f"a divisor of the number of experts {num_experts}", ng)
-        if topk_group is None:
-            if ng > 1:
-                fail("topk_group", f"an int in [1, {ng}] when n_group > 1", None)
-            tg = 1
-        else:
-            tg = check_int("topk_group", topk_group, low=1, high=ng)
         if top_k > tg * (num_experts // ng):
             fail(
                 "top_k",
@@ -112,15 +62,10 @@ def validate(
                 "(the experts left after group masking)",
                 top_k,
             )
-    else:
-        for name, val in (("n_group", n_group), ("topk_group", topk_group)):
-            if val is not None and val != 1:
-                fail(name, f"None or 1 for {method.name} (grouping applies to DEEPSEEK_V3)", val)
-        ng, tg = 1, 1
 
     if routing_replay_out is not None:
         r = routing_replay_out
-        if not _tensor_ok(r, 2, (torch.int16,), dev, True):
+        if not tensor_ok(r, 2, (torch.int16,), dev, True):
             check_tensor(
                 "routing_replay_out",
                 routing_replay_out,
@@ -143,7 +88,7 @@ def validate(
 
     if replay_ids is not None:
         if not (
-            _tensor_ok(replay_ids, 2, _ID_DTYPES, dev, False)  # any strides: copied when needed
+            tensor_ok(replay_ids, 2, _ID_DTYPES, dev, False)  # any strides: copied when needed
             and tuple(replay_ids.shape) == (num_tokens, top_k)
         ):
             check_tensor("replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev)
@@ -151,18 +96,7 @@ def validate(
             _check_replay_values(replay_ids, num_experts)
         # under torch.compile the check runs inside the graph, in the op from _compiled_replay_check
 
-    return Params(method, top_k, ng, tg, scale)
-
-
-def _tensor_ok(t: object, ndim: int, dtypes: tuple, device: Optional[torch.device], contiguous: bool) -> bool:
-    """Cheap predicate for the common valid case (check_tensor then explains a failure)."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.dim() == ndim
-        and t.dtype in dtypes
-        and (device is None or t.device == device)
-        and (not contiguous or t.is_contiguous())
-    )
+    return Params(config.method, top_k, ng, tg, config.scale)
 
 
 @torch.library.custom_op("replaymoe::check_replay_ids", mutates_args=())

@@ -48,13 +48,11 @@ def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
             replay_ids = replay_ids.to(dev)
         out = route(
             logits,
-            plan.top_k,
-            plan.method,
+            config=plan.routing,
             routing_replay_out=out_buf,
             replay_ids=replay_ids,
             backend=state.backend,
             check_replay=False,  # the table was checked once, in set_replay
-            **plan.route_kwargs,
         )
         if out_buf is not staged:
             staged.copy_(out_buf)

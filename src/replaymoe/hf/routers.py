@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replaymoe.routing import RoutingMethod
+from replaymoe.routing import RoutingConfig, RoutingMethod
 
 __all__ = ["SUPPORTED_ROUTERS", "RouterPlan", "RouterSpec"]
 
@@ -29,22 +29,21 @@ class RouterPlan:
     family : str
         ``"softmax"`` (Qwen3/Qwen2/OLMoE), ``"mixtral"``, ``"deepseek"`` (DeepSeek-V3, GLM4-MoE) or
         ``"gptoss"``.
-    method : RoutingMethod
-        What ``route`` computes for this router.
-    top_k : int
-        Experts per token.
-    route_kwargs : dict
-        Extra keyword arguments of ``route`` (DeepSeek's bias, grouping and scale; empty otherwise).
+    routing : RoutingConfig
+        What ``route`` computes for this router (method, top-k, DeepSeek's bias, grouping and
+        scale), validated once.
     sigmoid_scale : float or None
         DeepSeek/GLM4 with ``norm_topk_prob=False``: weights are ``sigmoid(logits)[ids] * scale``
         instead of route's renormalised ones. None otherwise.
     """
 
     family: str
-    method: RoutingMethod
-    top_k: int
-    route_kwargs: dict
+    routing: RoutingConfig
     sigmoid_scale: float | None
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
 
     def logits(self, router: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[T, E]`` router logits exactly as the model's own router computes them."""
@@ -95,7 +94,7 @@ class RouterSpec:
                 sigmoid_scale = float(router.routed_scaling_factor)
         else:
             method = RoutingMethod.RENORMALIZE
-        return RouterPlan(self.family, method, int(router.top_k), kwargs, sigmoid_scale)
+        return RouterPlan(self.family, RoutingConfig(int(router.top_k), method, **kwargs), sigmoid_scale)
 
 
 SUPPORTED_ROUTERS: dict[str, RouterSpec] = {
