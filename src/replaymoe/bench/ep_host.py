@@ -1,0 +1,131 @@
+"""The host profile of ``replaymoe bench ep --host-profile``: where the host time of a steady-state
+eager dispatch + combine call goes (rank 0 prints): per-call host µs with and without the direct
+launches, the pieces alone (event record, symm barrier, a bare plan launch, ``torch.empty``), and a
+cProfile of many calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .ep_shape import SHAPE, inputs
+from .ep_timing import HostEvent, device, on_cuda, sync
+
+
+def host_profile(tokens, transports, *, calls: int, log) -> None:
+    """Where the host time of a steady-state eager call goes (rank 0 prints): per call host µs with
+    and without the direct launches, the pieces alone (event record, barrier, a bare launch), and a
+    cProfile of ``calls`` dispatch+combine calls."""
+    from ..ep import MoeAlltoAll
+
+    for t in transports:
+        if t != "naive":
+            a2a = MoeAlltoAll(None, max(tokens), SHAPE.K, SHAPE.E, SHAPE.H, transport=t)
+            for T in tokens:
+                _host_profile_one(a2a, t, T, calls)
+
+
+def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from ..ep import _launch
+
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    dev = device()
+
+    def say(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    ids, x, wts, *_ = inputs(T, rank, dev)
+    comb = torch.randn(ep, T + 1, SHAPE.H, device=dev, dtype=torch.bfloat16)[:, :T]
+    pays = [x, ids, wts]
+
+    def one():
+        a2a.dispatch(ids, pays, T, expert_id_payload_index=1)
+        return a2a.combine(comb, T)
+
+    def timed(n):
+        hd = hc = 0.0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            a2a.dispatch(ids, pays, T, expert_id_payload_index=1)
+            t1 = time.perf_counter()
+            a2a.combine(comb, T)
+            hc += time.perf_counter() - t1
+            hd += t1 - t0
+            sync()
+        return hd / n * 1e6, hc / n * 1e6
+
+    def fresh(n=3):
+        a2a._dcache.clear()
+        a2a._transport.__dict__.get("_ckeys", {}).clear()
+        for _ in range(n):
+            one()
+        sync()
+        dist.barrier()
+
+    fresh(5)
+    fast = timed(calls)
+    st = next(iter(a2a._dcache.values()))
+    compiled = regs = None
+    if st.triton:
+        compiled = [st.plan_launch.compiled is not None] + [
+            v[False].launch.compiled is not None for v in st.packs
+        ]
+        regs = [st.plan_launch.registers()] + [v[False].launch.registers() for v in st.packs]
+    _launch.ENABLED = False
+    fresh()
+    slow = timed(calls)
+    _launch.ENABLED = True
+    fresh()
+    say(f"[host] {t} T={T}: dispatch/combine host µs per call: direct launches {fast[0]:.1f}/{fast[1]:.1f}, "
+        f"Triton's launch path {slow[0]:.1f}/{slow[1]:.1f}; direct launch active {compiled}; "
+        f"regs {regs}")  # fmt: skip
+    ev = torch.cuda.Event(enable_timing=True) if on_cuda() else HostEvent()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        ev.record()
+    t_ev = (time.perf_counter() - t0) / calls * 1e6
+    t_bar = float("nan")
+    if t == "symm":
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            a2a._transport._barrier()
+        t_bar = (time.perf_counter() - t0) / calls * 1e6
+        sync()
+    st = next(iter(a2a._dcache.values()))
+    t_plan = float("nan")
+    if st.triton:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            st.plan_launch((1,), (ids, *st.plan_args))
+        t_plan = (time.perf_counter() - t0) / calls * 1e6
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        torch.empty(T, SHAPE.H, dtype=torch.bfloat16, device=dev)
+    t_empty = (time.perf_counter() - t0) / calls * 1e6
+    say(f"[host] {t} T={T}: event record {t_ev:.1f} µs, symm barrier {t_bar:.1f} µs, plan launch "
+        f"{t_plan:.1f} µs, torch.empty {t_empty:.1f} µs")  # fmt: skip
+    dist.barrier()
+    prof = cProfile.Profile()
+    if rank == 0:
+        prof.enable()
+    for _ in range(calls):
+        one()
+    if rank == 0:
+        prof.disable()
+    sync()
+    dist.barrier()
+    if rank != 0:
+        return
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    say(f"[host] {t} T={T}: cProfile of {calls} dispatch+combine calls (rank 0)\n{buf.getvalue()[-4000:]}")

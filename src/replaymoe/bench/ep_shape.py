@@ -1,0 +1,37 @@
+"""The problem the ``replaymoe bench ep`` benchmark times: the layer shape (DeepSeek-V3's by default)
+and the per-rank inputs drawn for it. The shape is one mutable :data:`SHAPE`, set once from the command
+line by :func:`set_shape` and read at call time by every part of the benchmark (driver, naive
+reference, DeepEP peer, host profile), so ``--hidden`` / ``--experts`` / ``--top-k`` / ``--inter``
+reach all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Shape:
+    """Hidden size ``H``, expert count ``E``, top-k ``K`` and expert intermediate size ``INTER``."""
+
+    def __init__(self, H: int = 7168, E: int = 256, K: int = 8, INTER: int = 2048) -> None:
+        self.H, self.E, self.K, self.INTER = H, E, K, INTER
+
+
+SHAPE = Shape()
+
+
+def set_shape(hidden: int, experts: int, top_k: int, inter: int) -> None:
+    SHAPE.H, SHAPE.E, SHAPE.K, SHAPE.INTER = hidden, experts, top_k, inter
+
+
+def inputs(T: int, rank: int, dev):
+    """``(ids, x, wts, x8, s8, logits)`` for ``T`` tokens of ``rank`` (seeded by rank and ``T``)."""
+    H, E, K = SHAPE.H, SHAPE.E, SHAPE.K
+    g = torch.Generator(device=dev).manual_seed(1234 + 17 * rank + T)
+    ids = torch.rand(T, E, generator=g, device=dev).topk(K, dim=1).indices.to(torch.int32)
+    x = torch.randn(T, H, generator=g, device=dev, dtype=torch.bfloat16)
+    wts = torch.rand(T, K, generator=g, device=dev)
+    x8 = (torch.randn(T, H, generator=g, device=dev) * 4).to(torch.float8_e4m3fn)
+    s8 = torch.rand(T, H // 128, generator=g, device=dev)
+    logits = torch.randn(T, E, generator=g, device=dev)
+    return ids, x, wts, x8, s8, logits

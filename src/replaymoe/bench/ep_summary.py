@@ -1,0 +1,87 @@
+"""The summary that ``replaymoe bench ep`` prints on rank 0 (and ``--summary-from DIR`` prints from saved
+rows): the result table, DeepEP's chunk tuning, the errors, then the three goals (eager calls against
+graph replays and a host budget, ours against DeepEP at no more SMs, bandwidth at the largest token
+count), with the naive NCCL anchor measured before.
+"""
+
+from __future__ import annotations
+
+from ._timing import print_table
+
+# naive NCCL dispatch measured on this machine before (reference/toolchain.md), ms
+NAIVE_ANCHOR_MS = {128: 0.43, 4096: 0.94}
+
+
+def print_summary(rows: list[dict]) -> None:
+    """Print the summary of the result rows (errors and DeepEP tuning rows included)."""
+    ok = [r for r in rows if "error" not in r and r.get("impl") != "deepep-tune"]
+    print(
+        "\n# replaymoe bench ep — median over iterations of the max over ranks "
+        "(µs; host_us: host time per call, event records excluded)"
+    )
+    print_table(
+        ok,
+        ["impl", "payload", "tokens", "num_sms", "op", "mode", "us", "host_us", "GBps_per_rank", "pct_floor"],
+    )
+    tune = [r for r in rows if r.get("impl") == "deepep-tune"]
+    if tune:
+        print("\n# DeepEP NVLink chunk tuning (cached mode, largest T)")
+        print_table(tune, ["op", "nvl_chunk", "num_sms", "tokens", "us"])
+    for r in [r for r in rows if "error" in r]:
+        where = f"{r.get('impl')} {r.get('payload', '')} T={r.get('tokens', '')} {r.get('op', '')}"
+        print(f"ERROR {where}: {r['error']}")
+
+    def get(impl, T, op, mode, sms=None, payload="bf16"):
+        want = (impl, T, op, mode, payload)
+        c = [r for r in ok if (r["impl"], r["tokens"], r["op"], r["mode"], r["payload"]) == want
+             and (sms is None or r.get("num_sms") == sms)]  # fmt: skip
+        return min(c, key=lambda r: r["us"]) if c else None
+
+    tokens = sorted({r["tokens"] for r in ok})
+    ours = sorted({(r["impl"], r.get("num_sms", 0)) for r in ok if r["impl"] in ("nccl", "symm")})
+    # goal 1: eager <= 1.3 x graph + 20 µs, host <= 30 µs per call
+    print("\n# goal 1 (eager calls): eager µs / graph µs -> bound 1.3*graph+20; host µs per call (bf16)")
+    print(f"{'impl':>6} {'sms':>4} {'tokens':>6} {'op':>9} {'eager':>8} {'graph':>8} {'bound':>8} "
+          f"{'host':>6} ok")  # fmt: skip
+    for impl, sms in ours:
+        for T in tokens:
+            for op in ("dispatch", "combine"):
+                e, g = get(impl, T, op, "eager", sms), get(impl, T, op, "graph", sms)
+                if e is None or g is None:
+                    continue
+                bound = 1.3 * g["us"] + 20
+                good = e["us"] <= bound and (e.get("host_us") or 0) <= 30
+                print(f"{impl:>6} {sms:>4} {T:>6} {op:>9} {e['us']:>8.1f} {g['us']:>8.1f} {bound:>8.1f} "
+                      f"{e.get('host_us') or 0:>6.1f} {'yes' if good else 'NO'}")  # fmt: skip
+    # goal 2: ours <= DeepEP, no more SMs
+    peer = [r for r in ok if r["impl"] == "deepep"]
+    if peer:
+        psms = peer[0]["num_sms"]
+        print(f"\n# goal 2 (vs DeepEP, {psms} SMs; ours symm with num_sms <= {psms}): µs, ours / DeepEP")
+        print(f"{'tokens':>6} {'op':>9} {'mode':>6} {'ours':>8} {'deepep':>8} {'ratio':>6}  deepep cached")
+        cands = [s for i, s in ours if i == "symm" and 0 < s <= psms]
+        for T in tokens:
+            for op in ("dispatch", "combine", "dispatch+combine"):
+                for mode in ("eager", "graph"):
+                    o = [get("symm", T, op, mode, s) for s in cands]
+                    o = [r for r in o if r is not None]
+                    d = get("deepep", T, op, mode)
+                    if not o or d is None:
+                        continue
+                    b = min(o, key=lambda r: r["us"])
+                    dc = get("deepep", T, op, "cached")
+                    ratio = b["us"] / d["us"]
+                    print(f"{T:>6} {op:>9} {mode:>6} {b['us']:>8.1f} {d['us']:>8.1f} {ratio:>6.2f}  "
+                          f"{dc['us'] if dc else float('nan'):.1f}")  # fmt: skip
+    # goal 3: bandwidth at the largest T
+    T = tokens[-1] if tokens else None
+    if T is not None:
+        print(f"\n# goal 3 (bandwidth at {T} tokens/rank, graph, remote bytes only): GB/s per rank")
+        for impl, sms in ours + sorted({("deepep", r["num_sms"]) for r in peer}):
+            for op in ("dispatch", "combine"):
+                r = get(impl, T, op, "graph", sms) or get(impl, T, op, "cached", sms)
+                if r is not None:
+                    print(f"{impl:>6} {sms:>4} {op:>9} {r['mode']:>6} {r['us']:>8.1f} µs "
+                          f"{r['GBps_per_rank']:>7.1f} GB/s")  # fmt: skip
+    anchors = ", ".join(f"{t} tok: {ms * 1e3:.0f} µs" for t, ms in NAIVE_ANCHOR_MS.items())
+    print(f"(earlier naive NCCL dispatch alone on this machine: {anchors})")

@@ -1,0 +1,81 @@
+"""Distributed timing primitives of ``replaymoe bench ep``: CUDA events (or a host stand-in for the
+gloo CPU dry run), :func:`time_phases` (per phase, the median over iterations of the maximum over
+ranks, for the device and optionally the host time), CUDA-graph capture, and the short error text a
+failed point leaves in its result row.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class HostEvent:
+    """CPU stand-in for ``torch.cuda.Event`` (the gloo dry run of this script)."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return (other.t - self.t) * 1e3
+
+
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def event():
+    return torch.cuda.Event(enable_timing=True) if on_cuda() else HostEvent()
+
+
+def sync():
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if on_cuda() else torch.device("cpu")
+
+
+def time_phases(run_iter, n_phases: int, iters: int, warmup: int):
+    """``run_iter(events)`` records ``n_phases + 1`` events and may return the host seconds of each
+    phase; returns (per phase the median over iterations of the max over ranks of the device time,
+    the same for the host time or None), in microseconds."""
+    for _ in range(warmup):
+        ev = [event() for _ in range(n_phases + 1)]
+        run_iter(ev)
+    sync()
+    times = torch.zeros(iters, 2 * n_phases, dtype=torch.float64, device=device())
+    host = False
+    for i in range(iters):
+        ev = [event() for _ in range(n_phases + 1)]
+        sync()
+        dist.barrier()
+        h = run_iter(ev)
+        ev[-1].synchronize()
+        for p in range(n_phases):
+            times[i, p] = ev[p].elapsed_time(ev[p + 1]) * 1e3
+        if h is not None:
+            host = True
+            for p in range(n_phases):
+                times[i, n_phases + p] = h[p] * 1e6
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    med = [statistics.median(times[:, p].tolist()) for p in range(2 * n_phases)]
+    return med[:n_phases], (med[n_phases:] if host else None)
+
+
+def graph(fn, pool=None):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
+def err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
