@@ -29,6 +29,7 @@ Size: over 450 lines because the public op's full reference documentation (``fus
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ from .moe_triton import _experts_triton, _experts_triton_train
 from .moe_triton import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
 from .moe_triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
+from .routing import RoutingMethod, route
+from .routing_config import RoutingConfig, as_config
 
 __all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up"]
 
@@ -62,6 +65,7 @@ class _Problem:
     E_local: int  # experts held by this rank
     fp8: bool  # fp8 block-scale weights
     out_dtype: torch.dtype
+    routing: RoutingConfig | None = None  # with router_logits: the routing, validated once
 
 
 def _validate(
@@ -76,6 +80,7 @@ def _validate(
     n_group,
     topk_group,
     routed_scaling_factor,
+    routing,
     topk_ids,
     topk_weights,
     routing_replay_out,
@@ -145,6 +150,7 @@ def _validate(
         "n_group": n_group,
         "topk_group": topk_group,
         "routed_scaling_factor": routed_scaling_factor,
+        "routing": routing,
         "routing_replay_out": routing_replay_out,
         "replay_ids": replay_ids,
     }
@@ -161,10 +167,19 @@ def _validate(
         E = router_logits.shape[1]
         if num_experts is not None and check_int("num_experts", num_experts, low=1) != E:
             fail("num_experts", f"router_logits.shape[1] = {E}", num_experts)
-        if top_k is None:
-            fail("top_k", "an int when router_logits is given", None)
-        check_int("top_k", top_k, low=1, high=E)
+        cfg = as_config(
+            routing,
+            top_k,
+            RoutingMethod.RENORMALIZE if method is None else method,
+            bias,
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+        )
+        if cfg.top_k > E:  # the rest against E is checked once more by route(), per call
+            check_int("top_k", cfg.top_k, low=1, high=E)
     else:
+        cfg = None
         if topk_ids is None or topk_weights is None:
             fail(
                 "topk_ids" if topk_ids is None else "topk_weights",
@@ -196,14 +211,11 @@ def _validate(
     out_dtype = torch.bfloat16 if fp8 else hidden_states.dtype
     if out is not None:
         check_tensor("out", out, shape=(T, H), dtype=out_dtype, device=dev, contiguous=True)
-    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype)
+    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=cfg)
 
 
-def _route(router_logits, top_k, method, backend, **kw):
-    from .routing import RoutingMethod, route
-
-    method = RoutingMethod.RENORMALIZE if method is None else method
-    res = route(router_logits, top_k, method, backend=backend, **kw)
+def _route(router_logits, config, backend, **kw):
+    res = route(router_logits, config=config, backend=backend, **kw)
     return res.topk_ids, res.topk_weights
 
 
@@ -275,27 +287,7 @@ def _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dt
 
 
 def fused_moe_torch(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    router_logits: torch.Tensor | None = None,
-    top_k: int | None = None,
-    method=None,
-    bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float | None = None,
-    topk_ids: torch.Tensor | None = None,
-    topk_weights: torch.Tensor | None = None,
-    routing_replay_out: torch.Tensor | None = None,
-    replay_ids: torch.Tensor | None = None,
-    activation: str = "swiglu",
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    local_expert_offset: int = 0,
-    num_experts: int | None = None,
-    out: torch.Tensor | None = None,
+    hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, **kwargs
 ) -> torch.Tensor:
     """Reference fused MoE: routing through ``route(..., backend="torch")``, then a per-expert loop in fp32.
 
@@ -305,29 +297,9 @@ def fused_moe_torch(
     to accumulation order (the SwiGLU rows are rounded to bf16 before their quantization, as in the
     kernels). Runs on any device; host-synchronizing.
     """
-    return fused_moe(
-        hidden_states,
-        w13,
-        w2,
-        router_logits=router_logits,
-        top_k=top_k,
-        method=method,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor,
-        topk_ids=topk_ids,
-        topk_weights=topk_weights,
-        routing_replay_out=routing_replay_out,
-        replay_ids=replay_ids,
-        activation=activation,
-        w13_scale=w13_scale,
-        w2_scale=w2_scale,
-        local_expert_offset=local_expert_offset,
-        num_experts=num_experts,
-        out=out,
-        backend="torch",
-    )
+    if "backend" in kwargs:
+        fail("backend", "not given to fused_moe_torch (it is the torch backend)", kwargs["backend"])
+    return fused_moe(hidden_states, w13, w2, backend="torch", **kwargs)
 
 
 def fused_moe(
@@ -342,6 +314,7 @@ def fused_moe(
     n_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float | None = None,
+    routing: RoutingConfig | None = None,
     topk_ids: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     routing_replay_out: torch.Tensor | None = None,
@@ -370,6 +343,9 @@ def fused_moe(
         ``RoutingMethod.RENORMALIZE``), ``bias``, ``n_group``, ``topk_group``,
         ``routed_scaling_factor``, ``routing_replay_out`` (int16 [>=T, K], capture) and
         ``replay_ids`` ([T, K], forced selection) — all only allowed with ``router_logits``.
+    routing : RoutingConfig, optional
+        The routing arguments above (``top_k`` … ``routed_scaling_factor``) as one object,
+        validated once when it was built; give it or them, not both.
     topk_ids : Tensor [T, K], int32 / int64, optional
         Routing given by the caller: global expert ids. Ids outside
         ``[local_expert_offset, +E_local)`` (also negative padding ids) contribute nothing.
@@ -441,6 +417,7 @@ def fused_moe(
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=routed_scaling_factor,
+        routing=routing,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
         routing_replay_out=routing_replay_out,
@@ -458,13 +435,8 @@ def fused_moe(
     if router_logits is not None:
         topk_ids, topk_weights = _route(
             router_logits,
-            top_k,
-            method,
+            p.routing,
             "triton" if use_triton else "torch",
-            bias=bias,
-            n_group=n_group,
-            topk_group=topk_group,
-            routed_scaling_factor=routed_scaling_factor,
             routing_replay_out=routing_replay_out,
             # any strides (e.g. trace.ids[:, l]): the small [T, K] tensor is copied when needed
             replay_ids=replay_ids.contiguous() if isinstance(replay_ids, torch.Tensor) else replay_ids,
@@ -675,6 +647,15 @@ class MoELayer(nn.Module):
             self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32, device=device))
         else:
             self.router_bias = None
+        # validated once here; rebuilt only when the bias buffer is replaced (.to(), load_state_dict)
+        self.routing = RoutingConfig(
+            top_k,
+            RoutingMethod.RENORMALIZE if method is None else method,
+            self.router_bias,
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -698,17 +679,14 @@ class MoELayer(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
         logits = self.router(x2)
+        if self.routing.bias is not self.router_bias:
+            self.routing = dataclasses.replace(self.routing, bias=self.router_bias)
         y = fused_moe(
             x2,
             self.w13,
             self.w2,
             router_logits=logits,
-            top_k=self.top_k,
-            method=self.method,
-            bias=self.router_bias,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-            routed_scaling_factor=self.routed_scaling_factor,
+            routing=self.routing,
             routing_replay_out=routing_replay_out,
             replay_ids=replay_ids,
             local_expert_offset=self.local_expert_offset,

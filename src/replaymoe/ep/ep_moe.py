@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .._validation import check_int, check_tensor, fail
+from .._validation import check_tensor, fail
 from .alltoall import MoeAlltoAll
+
+if TYPE_CHECKING:
+    from ..routing_config import RoutingConfig
 
 __all__ = ["ep_moe"]
 
@@ -29,12 +34,13 @@ def ep_moe(
     w2_local: torch.Tensor,
     a2a: MoeAlltoAll,
     *,
-    top_k: int,
+    top_k: int | None = None,
     method=None,
     bias: torch.Tensor | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float | None = None,
+    routing: RoutingConfig | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     routing_replay_out: torch.Tensor | None = None,
@@ -63,6 +69,8 @@ def ep_moe(
     a2a : MoeAlltoAll
         Built with the same ``top_k``, ``num_experts = E`` and ``hidden_size = H``.
     top_k, method, bias, n_group, topk_group, routed_scaling_factor, routing_replay_out, replay_ids
+        As in :func:`replaymoe.route` (``top_k``, ``method`` … ``routed_scaling_factor`` may be
+        given as one :class:`~replaymoe.routing.RoutingConfig`, ``routing=``).
         Routing arguments, as for :func:`replaymoe.route`.
     w13_scale, w2_scale : torch.Tensor, optional
         fp8 block scales of the local experts.
@@ -84,6 +92,7 @@ def ep_moe(
     """
     from ..moe import fused_moe
     from ..routing import RoutingMethod, route
+    from ..routing_config import as_config
 
     if not isinstance(a2a, MoeAlltoAll):
         fail("a2a", "a MoeAlltoAll", type(a2a).__name__, what="type")
@@ -97,9 +106,17 @@ def ep_moe(
             what="shape",
         )
     check_tensor("router_logits", router_logits, shape=(T, a2a.num_experts), device=a2a.device)
-    check_int("top_k", top_k, low=1)
-    if top_k != a2a.top_k:
-        fail("top_k", f"a2a.top_k = {a2a.top_k}", top_k)
+    cfg = as_config(
+        routing,
+        top_k,
+        RoutingMethod.RENORMALIZE if method is None else method,
+        bias,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+    )
+    if cfg.top_k != a2a.top_k:
+        fail("top_k", f"a2a.top_k = {a2a.top_k}", cfg.top_k)
     check_tensor("w13_local", w13_local, ndim=3, device=a2a.device)
     if w13_local.shape[0] != a2a.num_local_experts:
         fail(
@@ -109,16 +126,10 @@ def ep_moe(
             what="shape",
         )
     rt = a2a.max_num_tokens if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
-    method = RoutingMethod.RENORMALIZE if method is None else method
 
     r = route(
         router_logits,
-        top_k,
-        method,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor,
+        config=cfg,
         routing_replay_out=routing_replay_out,
         replay_ids=replay_ids,
         backend=backend,
