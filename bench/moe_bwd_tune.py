@@ -59,7 +59,7 @@ def main(points):
                         for a, b in zip(got, ref)
                     )
                     del got
-                except Exception as exc:  # noqa: BLE001 - a config may not fit
+                except Exception as exc:  # a config may not fit
                     lines.append(f"{name} T={T} {vname} FAILED {type(exc).__name__}: {str(exc)[:120]}")
                     print(lines[-1], flush=True)
                     continue

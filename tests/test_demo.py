@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -17,12 +16,8 @@ from replaymoe.trace import RoutingTrace  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are latency-bound; one intra-op thread avoids OpenMP barrier stalls under -n 2."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs with one intra-op thread (conftest's ``one_thread``)."""
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # default; grouped routing + dense layer

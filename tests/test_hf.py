@@ -22,12 +22,8 @@ from replaymoe.trace import RoutingTrace  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are latency-bound; one intra-op thread avoids OpenMP barrier stalls under -n 2."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs with one intra-op thread (conftest's ``one_thread``)."""
 
 
 # the fp32 tolerance for whole-model logits: experts/routing are summed in another order than

@@ -144,9 +144,7 @@ def test_static_cache_generate_capture_replay_no_recompile(arch):
 
     def generate(**kw):
         with torch.no_grad():
-            return model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kw
-            )
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kw)
 
     moe = rhf.enable(model, capture=True)
     dyn_out = generate()

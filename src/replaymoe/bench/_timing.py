@@ -102,7 +102,7 @@ def environment() -> dict[str, str]:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
         ).stdout.strip()
-    except Exception:  # noqa: BLE001 - best effort
+    except Exception:  # best effort
         commit = ""
     import triton
 

@@ -101,7 +101,7 @@ def run(
         try:
             a2as[t] = MoeAlltoAll(None, maxT, K, E, H, transport=t, payload_bytes_per_token=2 * H + 256,
                                   timeout=120 if t == "symm" else None)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - report and go on with the others
+        except Exception as e:  # report and go on with the others
             log(f"[rank {rank}] transport {t} unavailable: {err(e)}")
             rows.append({"impl": t, "error": err(e)})
     impls = [t for t in transports if t == "naive" or t in a2as]
@@ -113,7 +113,7 @@ def run(
             deepep = DeepEPPeer(ep, rank, peer_sms, maxT, log)
             rows += deepep.tune(inputs(maxT, rank, dev), iters=max(5, iters // 2), warmup=warmup)
             save(rows)
-        except Exception as e:  # noqa: BLE001 - report; ours still run
+        except Exception as e:  # report; ours still run
             log(f"[rank {rank}] DeepEP unavailable: {err(e)}\n{traceback.format_exc()}")
             rows.append({"impl": "deepep", "error": err(e)})
             deepep = None
@@ -157,7 +157,7 @@ def run(
                     else:
                         results = _time_ours(a2as[impl], ids, pays, comb, T, iters, warmup, graphs, log,
                                              num_sms=n_sms or None)  # fmt: skip
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     log(f"[rank {rank}] {impl} {vname} T={T}: {err(e)}\n{traceback.format_exc()}")
                     rows.append({"impl": impl, "payload": vname, "tokens": T, "error": err(e)})
                     continue
@@ -191,7 +191,7 @@ def run(
             try:
                 res = _time_layer(impl, naive, a2as.get(impl), x, logits, w13, w2, lo, n, T, route_kw,
                                   iters=iters, warmup=warmup, graphs=graphs, log=log)  # fmt: skip
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log(f"[rank {rank}] layer {impl} T={T}: {err(e)}\n{traceback.format_exc()}")
                 rows.append({**base, "op": "layer", "error": err(e)})
                 continue
@@ -238,7 +238,7 @@ def _time_layer(impl, naive, a2a, x, logits, w13, w2, lo, n, T, route_kw, *, ite
     if graphs and impl != "naive":
         try:
             g, _ = graph(fn)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log(f"layer graph capture failed for {impl} T={T}: {err(e)}")
             return res
 
@@ -299,7 +299,7 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
     try:
         gd, _ = graph(d)
         gc, _ = graph(c, pool=gd.pool())
-    except Exception as e:  # noqa: BLE001 - eager figures stand; say why there is no graph row
+    except Exception as e:  # eager figures stand; say why there is no graph row
         log(f"graph capture failed ({a2a.transport}): {err(e)}")
         a2a._phase, a2a._st = "idle", None
         return res

@@ -134,7 +134,7 @@ def run_sweep() -> list[dict]:
                             }
                         )
                         print(rows[-1], flush=True)
-                except Exception as exc:  # noqa: BLE001 - a config may not compile; report and go on
+                except Exception as exc:  # a config may not compile; report and go on
                     print(f"config {algo} {block_t} {warps} failed: {exc!r}"[:300], flush=True)
                 finally:
                     routing_triton.CONFIG_OVERRIDE.clear()

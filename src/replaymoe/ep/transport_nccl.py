@@ -54,7 +54,7 @@ class NcclTransport:
     def _exchange(self, op: str, out: torch.Tensor, inp: torch.Tensor) -> None:
         try:
             dist.all_to_all_single(out, inp, group=self.pg)
-        except Exception as e:  # noqa: BLE001 - re-raised with the rank named
+        except Exception as e:  # re-raised with the rank named
             raise self.a2a._collective_error(op, e) from e
 
     # ------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class _SymmBuffer:
                 self.local if r == a2a.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
                 for r in range(a2a.ep)
             ]
-        except Exception as e:  # noqa: BLE001 - re-raised with context, no fallback
+        except Exception as e:  # re-raised with context, no fallback
             raise RuntimeError(
                 f"MoeAlltoAll(transport='symm') on rank {a2a.rank}: could not set up the {what} buffer "
                 f"({nbytes} bytes) in torch.distributed._symmetric_memory: {type(e).__name__}: {e}. "

@@ -126,7 +126,7 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
             ids = z["ids"]
     except TraceFormatError:
         raise
-    except Exception as e:  # noqa: BLE001 - any decoding failure means a damaged file
+    except Exception as e:  # any decoding failure means a damaged file
         raise bad(f"truncated or corrupted trace file ({type(e).__name__}: {e})") from e
     if ids.dtype != np.dtype("<i2") or list(ids.shape) != meta.get("shape"):
         raise bad(f"ids {ids.dtype} {list(ids.shape)} do not match the metadata {meta.get('shape')}")

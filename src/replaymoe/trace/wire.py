@@ -164,7 +164,7 @@ def _b64decode(b64: Any, what: str) -> bytes:
 def _decode_npy(raw: bytes, what: str) -> np.ndarray:
     try:
         arr = np.load(io.BytesIO(raw), allow_pickle=False)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TraceFormatError(f"{what}: not a valid .npy payload ({type(e).__name__}: {e})") from e
     if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.integer):
         raise TraceFormatError(f"{what}: expected an integer array, got {getattr(arr, 'dtype', type(arr))}")
