@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._backend import BACKENDS, resolve_backend
 from ._validation import check_choice, check_int, check_tensor, fail
 from .moe_triton import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
 from .moe_triton import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
@@ -52,7 +53,6 @@ _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REF_DTYPES = _ACT_DTYPES + (torch.float64,)  # torch backend only: fp64 is the gradient reference
 _ID_DTYPES = (torch.int32, torch.int64)
 _FP8 = torch.float8_e4m3fn
-_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -401,7 +401,7 @@ def fused_moe(
         topk tensors; missing routing; bad ``activation``, ``backend`` or ``recompute``; fp8 weights
         with an input that requires grad; float64 on the Triton backend.
     """
-    check_choice("backend", backend, _BACKENDS)
+    check_choice("backend", backend, BACKENDS)
     if not isinstance(recompute, bool):
         fail("recompute", "a bool", type(recompute).__name__, what="type")
     on_cuda = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda
@@ -431,7 +431,7 @@ def fused_moe(
         act_dtypes=_ACT_DTYPES if use_triton else _REF_DTYPES,
     )
     if use_triton:
-        _check_triton_available(hidden_states)
+        resolve_backend(backend, hidden_states)  # 'triton' on CPU needs the interpreter
     if router_logits is not None:
         topk_ids, topk_weights = _route(
             router_logits,
@@ -498,18 +498,6 @@ def fused_moe(
         out.copy_(res)
         return out
     return res
-
-
-def _check_triton_available(x: torch.Tensor) -> None:
-    import os
-
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        fail(
-            "backend",
-            "'triton' with CUDA tensors, or a process started with TRITON_INTERPRET=1 for CPU "
-            "tensors (Triton reads it at import)",
-            "'triton' with CPU tensors and no TRITON_INTERPRET=1",
-        )
 
 
 def _experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset, need):
@@ -631,7 +619,7 @@ class MoELayer(nn.Module):
         check_int("local_expert_offset", local_expert_offset, low=0, high=E - 1)
         E_local = E - local_expert_offset if num_local_experts is None else num_local_experts
         check_int("num_local_experts", E_local, low=1, high=E - local_expert_offset)
-        check_choice("backend", backend, _BACKENDS)
+        check_choice("backend", backend, BACKENDS)
         self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, I, E, top_k
         self.method, self.n_group, self.topk_group = method, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor

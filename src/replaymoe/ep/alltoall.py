@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .._backend import resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
 from .packing import (
     _DENSE_CHUNK,
@@ -304,18 +305,15 @@ class MoeAlltoAll:
 
     def use_triton(self) -> bool:
         """Whether packing/reduction run the Triton kernels (see ``kernel_backend``)."""
-        if self.transport == "symm":
-            return True
-        if self.kernel_backend == "auto":
-            return self.device.type == "cuda"
-        if self.kernel_backend == "triton" and self.device.type == "cpu":
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                fail(
-                    "kernel_backend",
-                    "'torch' or 'auto' on CPU unless the process was started with TRITON_INTERPRET=1",
-                    "'triton'",
-                )
-        return self.kernel_backend == "triton"
+        cached = self.__dict__.get("_use_triton")  # fixed at construction; asked on every combine
+        if cached is None:
+            probe = torch.empty(0, device=self.device)  # resolve_backend reads the device off a tensor
+            cached = (
+                self.transport == "symm"
+                or resolve_backend(self.kernel_backend, probe, name="kernel_backend") == "triton"
+            )
+            self._use_triton = cached
+        return cached
 
     def __repr__(self) -> str:
         return (
