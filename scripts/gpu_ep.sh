@@ -65,7 +65,7 @@ if [[ " $STEPS " == *" test "* ]]; then
   fi
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
-  step profile 90 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe.cli bench ep \
+  step profile 90 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe bench ep \
     --host-profile --impls symm --tokens 128,4096 --iters 20
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
@@ -74,7 +74,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
     cat "$OUT/deepep_build_step.log"
     grep -q "DeepEP built" "$OUT/deepep_build_step.log" || PEER=none
   fi
-  step bench 200 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe.cli bench ep \
+  step bench 200 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe bench ep \
     --out "$OUT/bench" --name ep_x"$NGPU" --impls nccl,symm --payloads bf16 --tokens "$TOKENS" \
     --num-sms "${NUM_SMS:-24,32,66,132,0}" --peer "$PEER" --peer-sms 24 --no-layer --iters 20 --warmup 3
   if [ "${REPLAYMOE_EP_FUSED_BARRIER:-1}" != 0 ] && [ "${VARIANTS:-1}" = 1 ]; then
@@ -83,7 +83,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
       set -- $v
       echo "### REPLAYMOE_EP_FUSED_BARRIER=$1 REPLAYMOE_EP_FUSED_PLAN=$2" >> "$OUT/bench.log"
       REPLAYMOE_EP_FUSED_BARRIER=$1 REPLAYMOE_EP_FUSED_PLAN=$2 timeout -k 10 90 "$PY" -m torch.distributed.run \
-        --nproc-per-node "$NGPU" -m replaymoe.cli bench ep --out "$OUT/bench" --name "ep_x${NGPU}_$3" --impls symm \
+        --nproc-per-node "$NGPU" -m replaymoe bench ep --out "$OUT/bench" --name "ep_x${NGPU}_$3" --impls symm \
         --payloads bf16 --tokens "$TOKENS" --num-sms 24,0 --no-layer --iters 20 --warmup 3 >> "$OUT/bench.log" 2>&1
     done
   fi

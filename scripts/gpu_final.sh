@@ -15,14 +15,14 @@ step() { local name=$1 limit=$2; shift 2; local s=$(date +%s)
 nvidia-smi topo -m > "$OUT/topo.log" 2>&1
 ( export CUDA_VISIBLE_DEVICES=3
   step routing_gpu 120 python3 -m pytest -q -x -m gpu tests/test_routing_gpu.py
-  step bench_routing 60 python3 -m replaymoe.cli bench routing --out "$OUT" ) &
+  step bench_routing 60 python3 -m replaymoe bench routing --out "$OUT" ) &
 RPID=$!
 step ep_2gpu 110 python3 -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
 wait $RPID
 step ep_4gpu 80 python3 -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[4]"
-step bench_ep_nccl 95 python3 -m torch.distributed.run --nproc-per-node 4 -m replaymoe.cli bench ep \
+step bench_ep_nccl 95 python3 -m torch.distributed.run --nproc-per-node 4 -m replaymoe bench ep \
   --out "$OUT" --name ep_nccl_naive --impls nccl,naive --iters 10 --warmup 2
-step bench_ep_symm 60 python3 -m torch.distributed.run --nproc-per-node 4 -m replaymoe.cli bench ep \
+step bench_ep_symm 60 python3 -m torch.distributed.run --nproc-per-node 4 -m replaymoe bench ep \
   --out "$OUT" --name ep_symm --impls symm --iters 10 --warmup 2
 echo "######## total $(( $(date +%s) - T0 ))s"; cat "$SUM"
 for f in routing_gpu ep_2gpu ep_4gpu; do echo "--- $f"; grep -E "passed|failed|Error" "$OUT/$f.log" | tail -4; done

@@ -61,7 +61,7 @@ if "$PYTHON" -c "$reuse_check" 2>/dev/null; then
         # one: the same result by hand, src/ on the path and the console script
         say "editable install failed (see $VENV/editable-install.log); adding $(pwd)/src through a .pth file"
         echo "$(pwd)/src" >"$purelib/_replaymoe_src.pth"
-        printf '#!%s\nimport sys\n\nfrom replaymoe.cli import main\n\nsys.exit(main())\n' \
+        printf '#!%s\nimport sys\n\nfrom replaymoe.apps.cli import main\n\nsys.exit(main())\n' \
             "$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" >"$VENV/bin/replaymoe"
         chmod +x "$VENV/bin/replaymoe"
     fi

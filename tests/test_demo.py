@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-import replaymoe.demo as demo_mod  # noqa: E402
-from replaymoe.demo import main  # noqa: E402
+import replaymoe.apps.demo as demo_mod  # noqa: E402
+from replaymoe.apps.demo import main  # noqa: E402
 from replaymoe.trace import RoutingTrace  # noqa: E402
 
 

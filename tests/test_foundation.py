@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import replaymoe
-import replaymoe.cli as cli_mod
+import replaymoe.apps.cli as cli_mod
 from replaymoe._validation import check_choice, check_int, check_tensor
-from replaymoe.cli import main
+from replaymoe.apps.cli import main
 from replaymoe.testing import assert_close, poison, tie_free_logits
 
 

@@ -221,7 +221,7 @@ def test_gpu_minus_one_rows_fall_back():
 
 
 def test_gpu_demo_runs(tmp_path):
-    from replaymoe.demo import main
+    from replaymoe.apps.demo import main
 
     assert main(["--device", "cuda", "--fast", "--quiet", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "heatmap.png").exists() and len(list((tmp_path / "traces").glob("*.rmtrace"))) == 4

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from replaymoe import cli
-from replaymoe.inspect_cli import main
+from replaymoe.apps import cli
+from replaymoe.apps.inspect import main
 from replaymoe.trace import RoutingTrace
 
 

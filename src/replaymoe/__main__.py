@@ -1,5 +1,5 @@
 import sys
 
-from replaymoe.cli import main
+from replaymoe.apps.cli import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-NO_CUDA_EXIT = 2  # the documented exit code of a benchmark started without a GPU (replaymoe.cli)
+NO_CUDA_EXIT = 2  # the documented exit code of a benchmark started without a GPU (replaymoe.apps.cli)
 
 HBM_BYTES_PER_S = 4.27e12  # measured device-to-device copy on the H200 (read + write)
 BF16_FLOPS_PER_S = 700e12  # measured dense bf16 matmul on the H200

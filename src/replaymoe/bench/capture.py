@@ -35,9 +35,9 @@ import time
 import numpy as np
 import torch
 
+from replaymoe.apps.cli import strip_rest  # plain-text --help when run as python -m
 from replaymoe.bench._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
 from replaymoe.capture import RoutedExpertsCapturer
-from replaymoe.cli import strip_rest  # plain-text --help when run as python -m
 from replaymoe.routing import RoutingMethod, route
 
 
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{sm['host_bytes_per_1k_tokens_at_1000_positions'] / 1e6:.2f} MB per 1k tokens "
         f"(ideal {sm['ideal_bytes_per_1k_tokens'] / 1e6:.2f} MB)."
     )
-    return 0 if summary["trace_matches_routed_ids"] else 1  # a failed check (replaymoe.cli exit codes)
+    return 0 if summary["trace_matches_routed_ids"] else 1  # a failed check (replaymoe.apps.cli exit codes)
 
 
 if __name__ == "__main__":  # pragma: no cover

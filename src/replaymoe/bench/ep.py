@@ -3,7 +3,7 @@
 Run under torchrun, one process per GPU (NVLink multicast off)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    torchrun --nproc-per-node 4 -m replaymoe.cli bench ep --out DIR
+    torchrun --nproc-per-node 4 -m replaymoe bench ep --out DIR
 
 DeepSeek-V3 shapes: hidden 7168, 256 experts, top-8 (uniform random routing), I = 2048 for the
 layer. Payloads: ``bf16`` = hidden bf16 + ids int32 + weights fp32 (14400 B/token); ``fp8`` = hidden

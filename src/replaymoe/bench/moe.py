@@ -21,7 +21,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from replaymoe.cli import strip_rest  # plain-text --help when run as python -m
+from replaymoe.apps.cli import strip_rest  # plain-text --help when run as python -m
 
 from ._timing import (
     BF16_FLOPS_PER_S,

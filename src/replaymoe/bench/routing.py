@@ -14,6 +14,7 @@ import argparse
 
 import torch
 
+from replaymoe.apps.cli import strip_rest  # plain-text --help when run as python -m
 from replaymoe.bench._timing import (
     HBM_BYTES_PER_S,
     NO_CUDA_EXIT,
@@ -23,7 +24,6 @@ from replaymoe.bench._timing import (
     time_graph,
     write_results,
 )
-from replaymoe.cli import strip_rest  # plain-text --help when run as python -m
 from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import tie_free_logits
 

@@ -4,9 +4,9 @@ Subcommands live in their own modules and are imported only when run, so that
 ``replaymoe --help`` is fast and an optional dependency missing for one command
 does not break the others:
 
-``replaymoe demo``                  -> ``replaymoe.demo:main``
+``replaymoe demo``                  -> ``replaymoe.apps.demo:main``
 ``replaymoe bench {routing,moe,ep,capture,hf,...}`` -> ``replaymoe.bench.<name>:main``
-``replaymoe inspect TRACE``         -> ``replaymoe.inspect_cli:main``
+``replaymoe inspect TRACE``         -> ``replaymoe.apps.inspect:main``
 
 Exit codes (every subcommand; errors are one line on stderr, no traceback):
 
@@ -30,8 +30,8 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
 # name -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("replaymoe.demo", "rollout with capture, then trainer forwards with and without replay"),
-    "inspect": ("replaymoe.inspect_cli", "summarise a routing trace or a vLLM response"),
+    "demo": ("replaymoe.apps.demo", "rollout with capture, then trainer forwards with and without replay"),
+    "inspect": ("replaymoe.apps.inspect", "summarise a routing trace or a vLLM response"),
 }
 _BENCHES: dict[str, str] = {
     "routing": "route() against torch ops (and FlashInfer's figures)",

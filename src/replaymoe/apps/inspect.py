@@ -24,12 +24,12 @@ import sys
 
 import numpy as np
 
-from .stats import agreement, balance, expert_load, plot_heatmap
-from .trace import RoutingTrace, TraceFormatError
+from replaymoe.stats import agreement, balance, expert_load, plot_heatmap
+from replaymoe.trace import RoutingTrace, TraceFormatError
 
 __all__ = ["main", "load_any"]
 
-EXIT_USAGE = 2  # replaymoe.cli's exit code for bad options and bad input/output files
+EXIT_USAGE = 2  # replaymoe.apps.cli's exit code for bad options and bad input/output files
 
 _ACCEPTED = (
     "expected a replaymoe trace file (RoutingTrace.save), a vLLM response or choice JSON, "
@@ -218,7 +218,7 @@ def summarize(trace: RoutingTrace, other: RoutingTrace | None = None, *, name: s
 
 def _check_output(path: str) -> None:
     """Raise ValueError naming --heatmap for a suffix that is no image format or a place not writable."""
-    from .stats import heatmap_format
+    from replaymoe.stats import heatmap_format
 
     try:
         heatmap_format(path)

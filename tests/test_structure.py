@@ -1,0 +1,187 @@
+"""The package's shape, checked by parsing its imports (no module is imported).
+
+* no import cycle among the modules of ``src/replaymoe`` (function-local imports included: a
+  lazy import hides a cycle from Python, not from the reader);
+* one-way layering, kernels ← ops ← capture/trace/replay ← hf ← apps: no module imports from a
+  layer above its own;
+* no source module over ``MAX_LINES`` lines unless its docstring says why (a line starting
+  ``Size:``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "replaymoe"
+MAX_LINES = 450
+
+# layer of a module by its first name below the package; higher layers may import lower ones
+LAYERS = {
+    # Triton code and the helpers every op uses
+    0: {"_kernels", "_launch", "_validation", "_backend", "_routing_method"},
+    # ops
+    1: {
+        "routing",
+        "routing_checks",
+        "routing_config",
+        "routing_table",
+        "routing_triton",
+        "layout",
+        "moe",
+        "moe_triton",
+        "quant",
+        "ep",
+        "testing",
+    },
+    2: {"capture", "capture_transfer", "trace", "replay", "stats"},
+    3: {"hf"},
+    4: {"apps", "bench", "__main__"},  # applications
+}
+ROOT_LAYER = 4  # ``replaymoe/__init__.py``: the lazy facade, importable by applications only
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, Path()).name == "__init__.py"
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> list[str]:
+    """Modules of the package that one ``from ... import ...`` statement reads."""
+    if node.level:
+        base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if not target.startswith(PACKAGE):
+        return []
+    found = []
+    for alias in node.names:  # `from pkg import submodule` reads the submodule
+        sub = f"{target}.{alias.name}"
+        found.append(sub if sub in MODULES else target)
+    return found
+
+
+def _imports(module: str) -> set[str]:
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    deps = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names if a.name.startswith(PACKAGE))
+        elif isinstance(node, ast.ImportFrom):
+            deps.update(_resolve(module, node))
+    deps = {d if d in MODULES else d.rsplit(".", 1)[0] for d in deps}
+    deps.discard(module)
+    return {d for d in deps if d in MODULES}
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return ROOT_LAYER
+    for layer, names in LAYERS.items():
+        if parts[1] in names:
+            return layer
+    raise AssertionError(f"{module}: no layer assigned; add its name to LAYERS in {__file__}")
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _is_package_parent(module: str, dep: str) -> bool:
+    """A package's own ``__init__`` importing its submodules (re-exports) is not a cycle."""
+    return _is_package(module) and dep.startswith(module + ".")
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        _layer(m)
+
+
+def test_no_import_cycle():
+    # a package __init__ re-exporting its submodules is the one allowed back edge
+    global GRAPH
+    saved = GRAPH
+    GRAPH = {m: {d for d in deps if not _is_package_parent(d, m)} for m, deps in saved.items()}
+    try:
+        assert _cycles() == []
+    finally:
+        GRAPH = saved
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_the_layers(module):
+    up = sorted(d for d in GRAPH[module] if _layer(d) > _layer(module))
+    assert up == [], f"{module} (layer {_layer(module)}) imports from a higher layer: {up}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_size(module):
+    path = MODULES[module]
+    lines = len(path.read_text().splitlines())
+    if lines <= MAX_LINES:
+        return
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert any(line.strip().startswith("Size:") for line in doc.splitlines()), (
+        f"{path.relative_to(SRC)} has {lines} lines (> {MAX_LINES}) and no 'Size:' reason in its docstring"
+    )
+
+
+def test_checker_sees_a_cycle_and_an_upward_import():
+    # the checker itself: a made-up graph with a cycle and an ops module importing hf
+    global GRAPH
+    saved = GRAPH
+    GRAPH = {"replaymoe.a": {"replaymoe.b"}, "replaymoe.b": {"replaymoe.a"}, "replaymoe.c": set()}
+    try:
+        assert _cycles() == [["replaymoe.a", "replaymoe.b"]]
+    finally:
+        GRAPH = saved
+    assert _layer("replaymoe.routing") < _layer("replaymoe.hf.session")
