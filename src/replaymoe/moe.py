@@ -167,15 +167,7 @@ def _validate(
         E = router_logits.shape[1]
         if num_experts is not None and check_int("num_experts", num_experts, low=1) != E:
             fail("num_experts", f"router_logits.shape[1] = {E}", num_experts)
-        cfg = as_config(
-            routing,
-            top_k,
-            RoutingMethod.RENORMALIZE if method is None else method,
-            bias,
-            n_group,
-            topk_group,
-            routed_scaling_factor,
-        )
+        cfg = as_config(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
         if cfg.top_k > E:  # the rest against E is checked once more by route(), per call
             check_int("top_k", cfg.top_k, low=1, high=E)
     else:

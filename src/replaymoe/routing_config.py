@@ -146,7 +146,8 @@ def as_config(
     topk_group: object,
     routed_scaling_factor: object,
 ) -> RoutingConfig:
-    """``config``, or a :class:`RoutingConfig` built from the keyword arguments (exactly one of the two).
+    """``config``, or a :class:`RoutingConfig` built from the keyword arguments (exactly one of the two;
+    ``method`` None means RENORMALIZE).
 
     Raises
     ------
@@ -156,6 +157,7 @@ def as_config(
     if config is None:
         if top_k is None:
             fail("top_k", "an int (or config=RoutingConfig(...))", None)
+        method = RoutingMethod.RENORMALIZE if method is None else method
         return RoutingConfig(top_k, method, bias, n_group, topk_group, routed_scaling_factor)
     if not isinstance(config, RoutingConfig):
         fail("config", "a RoutingConfig", type(config).__name__, what="type")

@@ -91,7 +91,7 @@ def ep_moe(
     receiving rank per 1x128 group exactly as single-device ``fused_moe`` would.
     """
     from ..moe import fused_moe
-    from ..routing import RoutingMethod, route
+    from ..routing import route
     from ..routing_config import as_config
 
     if not isinstance(a2a, MoeAlltoAll):
@@ -106,15 +106,7 @@ def ep_moe(
             what="shape",
         )
     check_tensor("router_logits", router_logits, shape=(T, a2a.num_experts), device=a2a.device)
-    cfg = as_config(
-        routing,
-        top_k,
-        RoutingMethod.RENORMALIZE if method is None else method,
-        bias,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-    )
+    cfg = as_config(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
     if cfg.top_k != a2a.top_k:
         fail("top_k", f"a2a.top_k = {a2a.top_k}", cfg.top_k)
     check_tensor("w13_local", w13_local, ndim=3, device=a2a.device)
