@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ._validation import check_int, check_tensor, fail
 
@@ -101,10 +102,6 @@ def _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster):
     check_int("cluster", cluster, low=1)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def expert_layout(
     topk_ids: torch.Tensor,
     num_local_experts: int,
@@ -143,9 +140,9 @@ def expert_layout(
     num_slots = T * K
     max_padded, max_tiles = layout_sizes(num_slots, num_local_experts, block_m, cluster)
     dev = topk_ids.device
-    e_pad = _pow2(max(num_local_experts, 2))
+    e_pad = triton.next_power_of_2(max(num_local_experts, 2))
     nc_max = max(1, 8192 // e_pad)
-    ch = max(64, _pow2(-(-num_slots // nc_max)))
+    ch = max(64, triton.next_power_of_2(-(-num_slots // nc_max)))
     if (e_pad + 1) * ch >= 2**31:  # the kernel's int32 sort key (expert * CH + slot) would wrap
         fail(
             "topk_ids",
@@ -155,8 +152,8 @@ def expert_layout(
             what="shape",
         )
     num_chunks = max(1, -(-num_slots // ch))
-    nc_pad = _pow2(max(num_chunks, 2))
-    tile_block = max(1, min(64, 4096 // e_pad, _pow2(max(max_tiles, 1))))
+    nc_pad = triton.next_power_of_2(max(num_chunks, 2))
+    tile_block = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(max(max_tiles, 1))))
     grid = max(num_chunks, -(-max_tiles // tile_block))
     i32 = torch.int32
     hist = torch.empty(num_chunks, e_pad, dtype=i32, device=dev)

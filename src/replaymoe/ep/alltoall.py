@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import triton
 
 from .._backend import resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
@@ -91,10 +92,6 @@ _KERNEL_BACKENDS = ("auto", "triton", "torch")
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
 _FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack kernel computes the plan (one launch less)
 FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -567,7 +564,7 @@ class MoeAlltoAll:
             persistent = self._num_sms is not None
             for variants in st.packs:
                 g = variants[persistent]
-                work = triton_cdiv(T, g.TT)
+                work = triton.cdiv(T, g.TT)
                 if persistent:
                     grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
                 else:

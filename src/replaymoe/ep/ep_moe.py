@@ -10,6 +10,7 @@ from .._validation import check_tensor, fail
 from .alltoall import MoeAlltoAll
 
 if TYPE_CHECKING:
+    from .._routing_method import RoutingMethod
     from ..routing_config import RoutingConfig
 
 __all__ = ["ep_moe"]
@@ -35,7 +36,7 @@ def ep_moe(
     a2a: MoeAlltoAll,
     *,
     top_k: int | None = None,
-    method=None,
+    method: RoutingMethod | None = None,
     bias: torch.Tensor | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,

@@ -9,6 +9,7 @@ packing used on CPU (:func:`_pack`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -110,11 +111,7 @@ def _typed_view(buf: torch.Tensor, dtype: torch.dtype, size, stride, offset_byte
 
 
 def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def _recv_views(
