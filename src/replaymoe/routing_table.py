@@ -7,8 +7,8 @@
 the Triton backward read this table; the Triton kernel has one branch per formula.
 
 Adding a method: a :class:`~replaymoe._routing_method.RoutingMethod` number, one row here, one
-branch in ``_kernels/routing.py`` (and in the backward's closed form, ``routing_triton``), one row in
-the tests' method table.
+branch in ``_kernels/routing.py``, one row in the tests' method table (the Triton op's backward is
+autograd of the row's formula).
 """
 
 from __future__ import annotations

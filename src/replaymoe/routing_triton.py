@@ -2,9 +2,9 @@
 
 One kernel launch per call (``_kernels/routing.py``): eagerly through :func:`replaymoe._launch.fast`,
 under ``torch.compile`` through the custom op ``replaymoe::route`` (with a fake implementation). With a
-gradient, :class:`RouteFunction` adds the closed-form backward of the weights with respect to the
-logits at the selected ids (:func:`weights_backward`, checked against autograd of
-:func:`replaymoe.routing_table.weights_torch` in the tests).
+gradient, :class:`RouteFunction` adds the backward of the weights with respect to the logits at the selected
+ids: autograd of the per-method formula in :mod:`replaymoe.routing_table` (:func:`weights_backward`),
+so a new method needs no hand-derived gradient.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 
 from replaymoe._routing_method import RoutingMethod
-from replaymoe.routing_table import EPS, METHODS, Params
+from replaymoe.routing_table import METHODS, Params, weights_torch
 
 __all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
 
@@ -136,39 +136,14 @@ def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params):
 def weights_backward(
     router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, method: int, scale: float
 ) -> torch.Tensor:
-    """Gradient of the weights w.r.t. the logits at fixed ids (closed form of :func:`_weights_torch`)."""
-    acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32  # fp32 or wider
-    x = router_logits.to(acc)
+    """Gradient of the method's weights w.r.t. the logits at fixed ``ids``: autograd of the table's
+    formula (:func:`replaymoe.routing_table.weights_torch`, through ``torch.func.vjp``, which
+    ``torch.compile`` traces) in fp32 (fp64 for fp64 logits)."""
+    acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    p = Params(RoutingMethod(method), ids.shape[1], 1, 1, scale)
     idl = ids.long()
-    g = grad_w.to(acc)
-    xs = x.gather(1, idl)
-    m = RoutingMethod(method)
-    extra = None
-    if m == RoutingMethod.DEFAULT:
-        probs = torch.softmax(x, dim=1)
-        gw = g * probs.gather(1, idl)
-        gxs = gw
-        extra = -probs * gw.sum(dim=1, keepdim=True)
-    elif m in (RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE):
-        w = torch.softmax(xs, dim=1)
-        gxs = w * (g - (g * w).sum(dim=1, keepdim=True))
-    elif m == RoutingMethod.TOPK:
-        gxs = g
-    else:
-        s = torch.sigmoid(xs)
-        if m == RoutingMethod.SIGMOID_RENORM:
-            z = s.sum(dim=1, keepdim=True)
-            zc = z.clamp_min(EPS)
-            ds = g / zc - torch.where(z > EPS, (g * s).sum(dim=1, keepdim=True) / (zc * zc), 0.0)
-        elif METHODS[m].biased:
-            z = s.sum(dim=1, keepdim=True) + EPS
-            ds = scale * (g / z - (g * s).sum(dim=1, keepdim=True) / (z * z))
-        else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
-            ds = g
-        gxs = ds * s * (1.0 - s)
-    gx = torch.zeros_like(x).scatter_add_(1, idl, gxs)
-    if extra is not None:
-        gx = gx + extra
+    _, vjp = torch.func.vjp(lambda x: weights_torch(x, idl, p), router_logits.detach().to(acc))
+    (gx,) = vjp(grad_w.to(acc))
     return gx.to(router_logits.dtype)
 
 
