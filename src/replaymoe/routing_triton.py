@@ -87,22 +87,8 @@ def _launch(
     return ids, weights
 
 
-@torch.library.custom_op("replaymoe::route", mutates_args=("routing_replay_out",))
-def _route_op(
-    router_logits: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    replay_ids: Optional[torch.Tensor],
-    routing_replay_out: Optional[torch.Tensor],
-    top_k: int,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.replaymoe.route``: the routing kernel as a custom op (for torch.compile)."""
-    return _launch(
-        router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
-    )
+# the same function as torch.ops.replaymoe.route, for torch.compile; eager calls use _launch directly
+_route_op = torch.library.custom_op("replaymoe::route", mutates_args=("routing_replay_out",))(_launch)
 
 
 @_route_op.register_fake
