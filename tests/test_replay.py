@@ -72,7 +72,7 @@ def test_ids_for_matches_spec_and_report(rng):
     assert rep.layers_with_fallback == 3
     assert rep.fallback_fraction == pytest.approx(10 / 36)
     text = str(rep)
-    assert "12 tokens" in text and "layer 2: 4" in text
+    assert "12 tokens" in text and "index: 2: 4" in text
     src.reset_report()
     assert src.report().tokens_seen == 0 and src.report().layers_with_fallback == 0
 
@@ -94,7 +94,7 @@ def test_no_fallback_when_fully_covered(rng):
         src.ids_for(layer, torch.arange(5).reshape(1, 5))
     rep = src.report()
     assert rep.layers_with_fallback == 0 and rep.fallback_tokens_per_layer.sum() == 0
-    assert "0 layer(s)" in str(rep)
+    assert "in 0 of the 2 layers" in str(rep)
 
 
 def test_rejections(rng):

@@ -71,17 +71,18 @@ class ReplayReport:
 
     def __str__(self) -> str:
         L = len(self.fallback_tokens_per_layer)
+        fallback = int(self.fallback_tokens_per_layer.sum())
         lines = [
-            f"replay: {self.tokens_seen} tokens per layer, {L} layers; "
-            f"{self.layers_with_fallback} layer(s) with native-routing fallback "
-            f"({100 * self.fallback_fraction:.2f}% of token-layer lookups)"
+            f"replay: {self.tokens_seen} tokens looked up per MoE layer, {L} layers; {fallback} "
+            f"token-layer lookups routed natively (no recorded row: "
+            f"{100 * self.fallback_fraction:.2f}%), in {self.layers_with_fallback} of the {L} layers"
         ]
         worst = np.argsort(-self.fallback_tokens_per_layer, kind="stable")[: min(5, L)]
         worst = [int(i) for i in worst if self.fallback_tokens_per_layer[i] > 0]
         if worst:
             lines.append(
-                "  most fallback: "
-                + ", ".join(f"layer {i}: {int(self.fallback_tokens_per_layer[i])}" for i in worst)
+                "  tokens routed natively, by MoE-layer index: "
+                + ", ".join(f"{i}: {int(self.fallback_tokens_per_layer[i])}" for i in worst)
             )
         return "\n".join(lines)
 
