@@ -102,18 +102,14 @@ def _route_op_fake(
     )
 
 
+def _op_args(router_logits, bias, replay_ids, routing_replay_out, p: Params) -> tuple:
+    """The arguments of :func:`_launch` / ``replaymoe::route`` / :class:`RouteFunction`, in order."""
+    return (router_logits, bias, replay_ids, routing_replay_out, p.top_k, int(p.method), p.n_group,
+            p.topk_group, p.scale)  # fmt: skip
+
+
 def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params):
-    args = (
-        router_logits,
-        bias,
-        replay_ids,
-        routing_replay_out,
-        p.top_k,
-        int(p.method),
-        p.n_group,
-        p.topk_group,
-        p.scale,
-    )
+    args = _op_args(router_logits, bias, replay_ids, routing_replay_out, p)
     if torch.compiler.is_compiling():
         return torch.ops.replaymoe.route(*args)
     return _launch(*args)  # eager: skip the custom-op dispatch overhead, same code
@@ -162,17 +158,7 @@ def route_triton(
     replay_ids: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.is_grad_enabled() and router_logits.requires_grad:
-        ids, weights = RouteFunction.apply(
-            router_logits,
-            bias,
-            replay_ids,
-            routing_replay_out,
-            p.top_k,
-            int(p.method),
-            p.n_group,
-            p.topk_group,
-            p.scale,
-        )
+        ids, weights = RouteFunction.apply(*_op_args(router_logits, bias, replay_ids, routing_replay_out, p))
     else:
         ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
     return ids, weights
