@@ -15,13 +15,19 @@ Cache modes: ``eager`` (the default dynamic cache, no compile) and ``static``
 (``cache_implementation="static"``: transformers compiles the decode step, inductor with CUDA
 graphs).
 
-Reported per row: median wall time of ``generate`` over ``--repeats`` runs after a warm-up, generated
-tokens/s, the speed-up over ``grouped_mm`` in the same cache mode (medians, and best run against best
-run), graph breaks and recompiles seen
-by dynamo in the timed runs, and the logits error: the logits ``generate`` returned at every step
-against an fp32 forward of the same weights over the same tokens (``‖Δ‖ / ‖ref‖``; for replay rows
-the fp32 forward replays the same traces), so speed and correctness are read together. Static rows
-each start from a reset dynamo, so every row compiles its own graphs.
+Timing: each implementation runs on its own copy of the model (modules copied, weights shared),
+and after a warm-up the copies are timed in interleaved rounds: round ``r`` runs one ``generate``
+of each implementation in turn, ``--repeats`` rounds. A drift of the host's speed (the eager rows
+are bound by Python launch cost) then falls on every implementation alike, and the speed-up is
+the median over rounds of the paired ratio (grouped_mm's time / this time, same round), with the
+smallest and largest round beside it.
+
+Reported per row: median wall time of ``generate``, generated tokens/s, the paired speed-up over
+``grouped_mm``, graph breaks, recompiles and CUDA-graph skips seen by dynamo/inductor during the
+cell's timed rounds, and the logits error: the logits ``generate`` returned at every step against
+an fp32 forward of the same weights over the same tokens (``‖Δ‖ / ‖ref‖``; for replay rows the
+fp32 forward replays the same traces), so speed and correctness are read together. Static cells
+start from a reset dynamo, so every cell compiles its own graphs.
 
 Usage: ``replaymoe bench hf [--out DIR] [--arch qwen3_moe] [--batch 1,8,32] [--prompt 128] [--new 64]
 [--modes eager,static]`` (or ``python -m replaymoe.bench.hf``). Needs CUDA.
@@ -135,11 +141,137 @@ class _SkipLog(logging.Handler):
             self.messages.append(msg.splitlines()[0][:200])
 
 
+def _raise_recompile_limit(n_copies: int) -> None:
+    """One compiled decode step per model copy shares the model class's code objects: let dynamo
+    keep them all (its default limit is 8 entries per code object)."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), 4 * n_copies))
+
+
+def _shared_copy(model):
+    """A copy of ``model`` whose modules are its own but whose parameters and buffers are the
+    original's (so each implementation gets its own patched routers, experts implementation,
+    caches and compiled graphs, at no extra weight memory)."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _bench_cell(model, ref_model, impls, ids, mask, mode, args, skip_log) -> list[dict]:
+    """Rows of one (batch, cache mode) cell: every implementation on its own shared-weight copy of
+    the model, timed in interleaved rounds (round r times each implementation once, in turn), so
+    that drifts of the host's speed fall on all of them alike."""
+    import replaymoe.hf as rhf
+
+    B = ids.shape[0]
+    cap = {"max_batch_size": B, "max_positions": args.prompt + args.new}
+    if mode == "static":
+        torch._dynamo.reset()  # the cell compiles its own graphs
+    copies = {impl: (model if impl == "grouped_mm" else _shared_copy(model)) for impl in impls}
+    sessions: dict = {}
+    traces = rollout = None
+    try:
+        if "replaymoe+replay" in impls:  # the rollout to replay: captured in this mode
+            moe = rhf.enable(copies["replaymoe+replay"], capture=True, **cap)
+            _generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
+            _, rollout = _generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
+            rollout, traces = rollout[:, ids.shape[1] :], moe.traces()[-B:]
+            moe.disable()
+            if mode == "static":
+                torch._dynamo.reset()
+        for impl in impls:
+            if impl.startswith("replaymoe"):
+                sessions[impl] = rhf.enable(
+                    copies[impl],
+                    capture=impl == "replaymoe+capture",
+                    replay=traces if impl == "replaymoe+replay" else None,
+                    **cap,
+                )
+        skips0 = _cudagraph_skips()
+        skip_log.messages.clear()
+        for impl in impls:  # warm-up: compile, autotune, allocator
+            _generate(copies[impl], ids, mask, min(8, args.new), mode)
+            _generate(copies[impl], ids, mask, args.new, mode)
+            if impl in sessions:
+                sessions[impl].traces()
+        breaks0, recompiles0 = _counters()
+        times: dict = {impl: [] for impl in impls}
+        outs: dict = {}
+        for _ in range(args.repeats):
+            for impl in impls:
+                dt, out = _generate(copies[impl], ids, mask, args.new, mode)
+                times[impl].append(dt)
+                outs[impl] = out[:, ids.shape[1] :]
+                if impl == "replaymoe+capture":
+                    got = sessions[impl].traces()
+                    assert len(got) == B and got[0].num_tokens == args.prompt + args.new - 1
+        breaks1, recompiles1 = _counters()
+        skips = _cudagraph_skips() - skips0
+        errors = {}
+        for impl in impls:
+            errors[impl] = float("nan")
+            if ref_model is not None:
+                errors[impl] = _logits_error(
+                    copies[impl], ref_model, ids, mask, args.new, mode,
+                    traces if impl == "replaymoe+replay" else None,
+                )  # fmt: skip
+                if impl in sessions:
+                    sessions[impl].traces()
+    finally:
+        for moe in sessions.values():
+            moe.disable()
+    rows = []
+    base = times.get("grouped_mm")
+    for impl in impls:
+        t, t_best = statistics.median(times[impl]), min(times[impl])
+        paired = [b / x for b, x in zip(base, times[impl])] if base else [float("nan")]
+        toks = outs[impl]
+        row = {
+            "arch": args.arch,
+            "size": args.size,
+            "mode": mode,
+            "impl": impl,
+            "batch": B,
+            "prompt": args.prompt,
+            "new_tokens": args.new,
+            "generate_s": t,
+            "tokens_per_s": B * args.new / t,
+            # median over rounds of (grouped_mm time / this time) in the same round
+            "speedup_vs_grouped_mm": statistics.median(paired),
+            "speedup_min_round": min(paired),
+            "speedup_max_round": max(paired),
+            "generate_s_best": t_best,
+            "speedup_best_vs_best": (min(base) / t_best) if base else float("nan"),
+            "logits_rel_err_vs_fp32": errors[impl],
+            "same_tokens_as_grouped_mm": (
+                float((toks == outs["grouped_mm"]).float().mean()) if "grouped_mm" in outs else float("nan")
+            ),
+            # replay of the rollout: the tokens it generates again (1.0 = all)
+            "same_tokens_as_rollout": (
+                float((toks == rollout).float().mean()) if impl == "replaymoe+replay" else float("nan")
+            ),
+            # counted over the whole cell's timed rounds (all implementations)
+            "graph_breaks": breaks1 - breaks0,
+            "cudagraph_skips": skips,
+            "recompiles": recompiles1 - recompiles0,
+        }
+        rows.append(row)
+        print(
+            f"  batch {B:3d} {mode:6s} {impl:18s} {t:7.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
+            f"x{row['speedup_vs_grouped_mm']:.2f} (rounds {row['speedup_min_round']:.2f}-"
+            f"{row['speedup_max_round']:.2f})  err {errors[impl]:.2e}  "
+            f"breaks {row['graph_breaks']} recompiles {row['recompiles']} cudagraph skips {skips}",
+            flush=True,
+        )
+    for msg in sorted(set(skip_log.messages)):
+        print(f"    inductor: {msg}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if no_cuda("replaymoe bench hf"):
         return NO_CUDA_EXIT
-    import replaymoe.hf as rhf
     from replaymoe.hf.models import build_model
 
     batches = [int(b) for b in args.batch.split(",") if b]
@@ -169,108 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     skip_log = _SkipLog()
     logging.getLogger("torch._inductor").addHandler(skip_log)
+    _raise_recompile_limit(len(impls))
     g = torch.Generator().manual_seed(1)
     rows = []
     for B in batches:
         ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
         mask = torch.ones_like(ids)
         for mode in modes:
-            ref_tokens, ref_time, ref_best = None, None, None
-            traces = rollout = None  # the rollout that replay rows replay: captured in this mode
-            for impl in impls:
-                if impl == "replaymoe+replay" and traces is None:  # capture row not asked for
-                    moe = rhf.enable(
-                        model, capture=True, max_batch_size=B, max_positions=args.prompt + args.new
-                    )
-                    _, rollout = _generate(model, ids, mask, args.new, mode)
-                    rollout, traces = rollout[:, ids.shape[1] :], moe.traces()
-                    moe.disable()
-                if mode == "static":
-                    torch._dynamo.reset()  # each row compiles its own graphs (no cache-size limit hit)
-                moe = None
-                if impl.startswith("replaymoe"):
-                    moe = rhf.enable(
-                        model,
-                        capture=impl == "replaymoe+capture",
-                        replay=traces if impl == "replaymoe+replay" else None,
-                        max_batch_size=B,
-                        max_positions=args.prompt + args.new,
-                    )
-                skips0 = _cudagraph_skips()
-                skip_log.messages.clear()
-                try:
-                    _generate(model, ids, mask, min(8, args.new), mode)  # warm-up: compile, autotune
-                    _generate(model, ids, mask, args.new, mode)
-                    if moe is not None:
-                        moe.traces()
-                    breaks0, recompiles0 = _counters()
-                    times = []
-                    for _ in range(args.repeats):
-                        dt, out = _generate(model, ids, mask, args.new, mode)
-                        times.append(dt)
-                        if impl == "replaymoe+capture":
-                            got = moe.traces()
-                            assert len(got) == B and got[0].num_tokens == args.prompt + args.new - 1
-                            traces, rollout = got, out[:, ids.shape[1] :]
-                    breaks1, recompiles1 = _counters()
-                    toks = out[:, ids.shape[1] :]
-                    err = float("nan")
-                    if ref_model is not None:
-                        err = _logits_error(
-                            model,
-                            ref_model,
-                            ids,
-                            mask,
-                            args.new,
-                            mode,
-                            traces if impl == "replaymoe+replay" else None,
-                        )
-                        if moe is not None:
-                            moe.traces()
-                finally:
-                    if moe is not None:
-                        moe.disable()
-                t, t_best = statistics.median(times), min(times)
-                if impl == "grouped_mm":
-                    ref_tokens, ref_time, ref_best = toks, t, t_best
-                row = {
-                    "arch": args.arch,
-                    "size": args.size,
-                    "mode": mode,
-                    "impl": impl,
-                    "batch": B,
-                    "prompt": args.prompt,
-                    "new_tokens": args.new,
-                    "generate_s": t,
-                    "tokens_per_s": B * args.new / t,
-                    "speedup_vs_grouped_mm": (ref_time / t) if ref_time else float("nan"),
-                    # the fastest of the repeats on each side: less sensitive to host interference
-                    "generate_s_best": t_best,
-                    "speedup_best_vs_best": (ref_best / t_best) if ref_time else float("nan"),
-                    "logits_rel_err_vs_fp32": err,
-                    "same_tokens_as_grouped_mm": (
-                        float((toks == ref_tokens).float().mean()) if ref_tokens is not None else float("nan")
-                    ),
-                    # replay of the eager rollout: the tokens it generates again (1.0 = all)
-                    "same_tokens_as_rollout": (
-                        float((toks == rollout).float().mean())
-                        if impl == "replaymoe+replay"
-                        else float("nan")
-                    ),
-                    "graph_breaks": breaks1 - breaks0,
-                    "cudagraph_skips": _cudagraph_skips() - skips0,
-                    "recompiles": recompiles1 - recompiles0,
-                }
-                rows.append(row)
-                print(
-                    f"  batch {B:3d} {mode:6s} {impl:18s} {t:7.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
-                    f"x{row['speedup_vs_grouped_mm']:.2f}  err {err:.2e}  "
-                    f"breaks {row['graph_breaks']} recompiles {row['recompiles']} "
-                    f"cudagraph skips {row['cudagraph_skips']}",
-                    flush=True,
-                )
-                for msg in sorted(set(skip_log.messages)):
-                    print(f"    inductor: {msg}", flush=True)
+            rows += _bench_cell(model, ref_model, impls, ids, mask, mode, args, skip_log)
     csv_path, json_path = write_results(rows, args.out, "hf_generate")
     print()
     print_table(
@@ -281,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch",
             "tokens_per_s",
             "speedup_vs_grouped_mm",
-            "speedup_best_vs_best",
+            "speedup_min_round",
+            "speedup_max_round",
             "logits_rel_err_vs_fp32",
             "same_tokens_as_grouped_mm",
             "same_tokens_as_rollout",
