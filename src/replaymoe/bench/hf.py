@@ -157,17 +157,16 @@ def _shared_copy(model):
     return copy.deepcopy(model, memo)
 
 
-def _bench_cell(model, ref_model, impls, ids, mask, mode, args, skip_log) -> list[dict]:
+def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> list[dict]:
     """Rows of one (batch, cache mode) cell: every implementation on its own shared-weight copy of
-    the model, timed in interleaved rounds (round r times each implementation once, in turn), so
-    that drifts of the host's speed fall on all of them alike."""
+    the model (``copies``: implementation -> model), timed in interleaved rounds (round r times
+    each implementation once, in turn), so that drifts of the host's speed fall on all alike."""
     import replaymoe.hf as rhf
 
     B = ids.shape[0]
     cap = {"max_batch_size": B, "max_positions": args.prompt + args.new}
     if mode == "static":
         torch._dynamo.reset()  # the cell compiles its own graphs
-    copies = {impl: (model if impl == "grouped_mm" else _shared_copy(model)) for impl in impls}
     sessions: dict = {}
     traces = rollout = None
     try:
@@ -302,13 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     skip_log = _SkipLog()
     logging.getLogger("torch._inductor").addHandler(skip_log)
     _raise_recompile_limit(len(impls))
+    # made before any generate: a copy must not inherit another copy's compiled call or cache
+    copies = {impl: (model if impl == "grouped_mm" else _shared_copy(model)) for impl in impls}
     g = torch.Generator().manual_seed(1)
     rows = []
     for B in batches:
         ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
         mask = torch.ones_like(ids)
         for mode in modes:
-            rows += _bench_cell(model, ref_model, impls, ids, mask, mode, args, skip_log)
+            rows += _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log)
     csv_path, json_path = write_results(rows, args.out, "hf_generate")
     print()
     print_table(
