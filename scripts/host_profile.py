@@ -1,83 +1,93 @@
-"""Host time of the pieces of one eager decode-size call of route() and fused_moe() (GPU; diagnostic).
+"""Host (CPU) time of one eager MoE block at decode size: transformers' grouped_mm vs replaymoe.
 
-A loop of calls without synchronising measures the CPU side per call. Usage:
-PYTHONPATH=src python3 scripts/host_profile.py
+Diagnostic (GPU). The bench-size Qwen3-MoE model; one MoE block of layer 0 fed ``[B, 1, H]``. For
+each piece, the host time of one call is the wall time from its start to its return with an empty
+launch queue (synchronised before, not after), median of many calls; then a cProfile of the
+patched block's forward lists the Python functions with the most own time.
+
+Usage: PYTHONPATH=src python3 scripts/host_profile.py [--batch 8] [--calls 300] [--top 25]
 """
 
+import argparse
+import cProfile
+import pstats
+import statistics
 import time
 
 import torch
 
-import replaymoe.moe as rmoe
-import replaymoe.moe_triton as rmoe_triton
-import replaymoe.routing as rr
-from replaymoe._kernels.routing import route_kernel
+import replaymoe.hf as rhf
+from replaymoe.bench.hf import _shared_copy
+from replaymoe.hf.models import build_model
+from replaymoe.moe import fused_moe
+from replaymoe.routing import route
+
+p = argparse.ArgumentParser()
+p.add_argument("--batch", type=int, default=8)
+p.add_argument("--calls", type=int, default=300)
+p.add_argument("--top", type=int, default=25)
+a = p.parse_args()
 
 
-def host_us(fn, n=400):
-    for _ in range(30):
+def host_us(fn, n=a.calls):
+    for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    out = []
     for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
-    t1 = time.perf_counter()
+        out.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return statistics.median(out) * 1e6
 
 
-H, I, E, K = 2048, 768, 128, 8
-dev = "cuda"
-x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
-w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.02
-w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.02
-logits = torch.randn(1, E, device=dev, dtype=torch.bfloat16)
-tid = torch.randperm(E, device=dev)[:K].int().reshape(1, K)
-tw = torch.rand(1, K, device=dev)
-out = torch.empty(1, H, device=dev, dtype=torch.bfloat16)
-ids = torch.empty(1, K, dtype=torch.int32, device=dev)
-wts = torch.empty(1, K, dtype=torch.float32, device=dev)
-M = rr.RoutingMethod.RENORMALIZE
-
+torch.manual_seed(0)
+model = build_model("qwen3_moe", "bench", dtype=torch.bfloat16, device="cuda")
+model.set_experts_implementation("grouped_mm")
+ours = _shared_copy(model)
+session = rhf.enable(ours, max_batch_size=a.batch, max_positions=64)
+blk0, blk1 = model.model.layers[0].mlp, ours.model.layers[0].mlp
+H = model.config.hidden_size
+x = torch.randn(a.batch, 1, H, device="cuda", dtype=torch.bfloat16)
+x2 = x.reshape(-1, H)
+plan = session.layers[0].plan
 rows = []
-rows.append(("route() total", host_us(lambda: rr.route(logits, K, M))))
-rows.append(
-    ("route _validate", host_us(lambda: rr._validate(logits, K, M, None, None, None, None, None, None)))
-)
-rows.append(
-    (
-        "route _launch (2 empty + kernel[grid])",
-        host_us(lambda: rr._launch(logits, None, None, None, K, 1, 1, 1, 1.0)),
-    )
-)
-
-
-def raw_route():
-    route_kernel[(1,)](
-        logits, logits.stride(0), logits, logits, ids, wts, logits, 1, 1.0, METHOD=1, K=K, KP=8, NG=1, GS=E,
-        NGP=1, GSP=E, TOPK_GROUP=1, HAS_BIAS=False, HAS_REPLAY=False, HAS_CAPTURE=False, BLOCK_T=2, ALGO=3,
-        KEY32=True, LOG_EP=7, num_warps=1,
-    )  # fmt: skip
-
-
-rows.append(("route_kernel[grid] alone", host_us(raw_route)))
-rows.append(("torch.empty", host_us(lambda: torch.empty(1, K, dtype=torch.int32, device=dev))))
-rows.append(("fused_moe() total", host_us(lambda: rmoe.fused_moe(x, w13, w2, topk_ids=tid, topk_weights=tw))))
-cfg = rmoe.moe_config(1, K, H, I, E)
-rows.append(("moe_config", host_us(lambda: rmoe.moe_config(1, K, H, I, E))))
-rows.append(
-    (
-        "moe _launch direct",
-        host_us(lambda: rmoe_triton._launch(x, w13, w2, tid, tw, None, None, 0, out, cfg)),
-    )
-)
-if hasattr(rmoe_triton, "_config_tuple"):
-    ct = rmoe_triton._config_tuple(cfg)
-    rows.append(
+with torch.no_grad():
+    logits, w, ids = blk0.gate(x2)
+    r = route(plan.logits(blk1.gate, x2), config=plan.routing)
+    rows += [
+        ("block forward: grouped_mm", host_us(lambda: blk0(x))),
+        ("block forward: replaymoe", host_us(lambda: blk1(x))),
+        ("router: transformers", host_us(lambda: blk0.gate(x2))),
+        ("router: replaymoe (patched)", host_us(lambda: blk1.gate(x2))),
+        ("  plan.logits (F.linear)", host_us(lambda: plan.logits(blk1.gate, x2))),
+        ("  route(config=)", host_us(lambda: route(logits, config=plan.routing))),
+        ("experts: grouped_mm", host_us(lambda: blk0.experts(x2, ids, w))),
+        ("experts: replaymoe", host_us(lambda: blk1.experts(x2, r.topk_ids, r.topk_weights))),
         (
-            "torch.ops.replaymoe.moe_experts",
-            host_us(lambda: torch.ops.replaymoe.moe_experts(x, w13, w2, tid, tw, None, None, 0, out, ct)),
-        )
-    )
-for name, v in rows:
-    print(f"  {name:45s} {v:8.1f} us")
+            "  fused_moe(topk given)",
+            host_us(
+                lambda: fused_moe(
+                    x2,
+                    blk1.experts.gate_up_proj,
+                    blk1.experts.down_proj,
+                    topk_ids=r.topk_ids,
+                    topk_weights=r.topk_weights,
+                )
+            ),
+        ),
+        ("torch.empty (reference point)", host_us(lambda: torch.empty(8, 8, device="cuda"))),
+    ]
+    print(f"host time of one call, B={a.batch} decode tokens (us, median of {a.calls}):")
+    for name, v in rows:
+        print(f"  {name:40s} {v:8.1f}")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.calls):
+        blk1(x)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"\ncProfile of {a.calls} patched block forwards (own time):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+session.disable()
