@@ -60,6 +60,20 @@ def gen(mod, n):
     )
 
 
+def timed(acc: dict, kind: str):
+    """Forward pre/post hooks adding each call's host time to ``acc[kind] = [seconds, calls]``."""
+
+    def pre(mod, args):
+        mod._t0 = time.perf_counter()
+
+    def post(mod, args, out):
+        d = acc.setdefault(kind, [0.0, 0])
+        d[0] += time.perf_counter() - mod._t0
+        d[1] += 1
+
+    return pre, post
+
+
 CUDA = torch.autograd.DeviceType.CUDA
 CPU = torch.autograd.DeviceType.CPU
 with torch.no_grad():
@@ -83,6 +97,28 @@ with torch.no_grad():
     for i in impls:
         t = statistics.median(times[i])
         print(f"  {i:18s} {t:8.2f} ms  x{base / t:.2f}  rounds {' '.join(f'{x:.1f}' for x in times[i])}")
+    print("\nin-situ host time per module call (forward hooks, us; mean over one generate):")
+    for i in impls:
+        acc: dict = {}
+        hooks = []
+        for layer in copies[i].model.layers:
+            for kind in ("self_attn", "mlp", "input_layernorm"):
+                pre, post = timed(acc, kind)
+                mod = getattr(layer, kind)
+                hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        pre, post = timed(acc, "model")
+        hooks += [copies[i].model.register_forward_pre_hook(pre), copies[i].model.register_forward_hook(post)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen(copies[i], a.steps)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        for h in hooks:
+            h.remove()
+        if i.endswith("capture"):
+            sessions[i].traces()
+        parts = "  ".join(f"{k} {v[0] / v[1] * 1e6:7.1f}" for k, v in acc.items())
+        print(f"  {i:18s} generate {wall:7.1f} ms  {parts}")
     for i in impls:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
