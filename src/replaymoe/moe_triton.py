@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ._validation import is_capturing
+
 _FP8 = torch.float8_e4m3fn
 
 
@@ -55,13 +57,45 @@ def _bucket(T: int) -> int:
     return 1 << max(0, (T - 1).bit_length())
 
 
-def moe_config(T: int, K: int, H: int, I: int, E_local: int, *, fp8: bool = False) -> MoEConfig:  # noqa: E741
-    """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I."""
+# Eager calls: the host time that the direct mode saves (layout launches, their buffers, the reduce
+# launch), measured on the H200 host at decode sizes (scripts/host_profile.py).
+EAGER_LAUNCH_SAVING_S = 40e-6
+_HBM_BYTES_PER_S = 4.27e12
+
+
+def _direct_pays_off_eagerly(slots: int, H: int, I: int, E_local: int, fp8: bool) -> bool:  # noqa: E741
+    """Eager decode: the direct mode reads an expert once per slot instead of once per expert; take
+    it when the expected extra weight reads cost less GPU time than the launches it saves on the host
+    (an eager decode step is bound by the host)."""
+    if slots > 256:
+        return False
+    distinct = E_local * (1.0 - (1.0 - 1.0 / E_local) ** slots)  # expected experts hit, random routing
+    expert_bytes = 3 * H * I * (1 if fp8 else 2)
+    return (slots - distinct) * expert_bytes / _HBM_BYTES_PER_S < EAGER_LAUNCH_SAVING_S
+
+
+def moe_config(
+    T: int,
+    K: int,
+    H: int,
+    I: int,  # noqa: E741
+    E_local: int,
+    *,
+    fp8: bool = False,
+    eager: bool = False,
+) -> MoEConfig:
+    """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I.
+
+    ``eager``: the call launches its kernels one by one from Python (not inside a CUDA graph or a
+    compiled graph), so host time counts too: small batches may take the direct (decode) mode,
+    which launches 2 kernels instead of 5, where its extra weight reads cost less. Every mode
+    gives a token the same bits (batch invariance), so this changes time, never results.
+    """
     tuned = _TUNED.get((H, I, E_local, K, fp8, _bucket(T)))
     if tuned is not None:
         return tuned
     slots = T * K
-    if T == 1 or slots * 4 <= E_local:
+    if T == 1 or slots * 4 <= E_local or (eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)):
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8:
             return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
@@ -89,8 +123,10 @@ def _experts_triton(
     fp8 = w13_scale is not None
     if out is None:
         out = torch.empty(T, H, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
-    c = config or moe_config(T, K, H, I, E_local, fp8=fp8)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    eager = not compiling and not is_capturing()
+    c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager)
+    if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
             _config_tuple(c),

@@ -1,0 +1,78 @@
+"""Fused MoE batch invariance: a token's output does not depend on T, on the other tokens, or on the
+kernel mode the configuration picks (direct decode mode vs layout tiles, eager vs CUDA graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replaymoe.moe import fused_moe
+from replaymoe.moe_triton import moe_config
+from replaymoe.testing import poison
+
+# (H, I, E, K)
+QWEN3 = (2048, 768, 128, 8)
+MIXTRAL = (4096, 14336, 8, 2)
+DSV3 = (7168, 2048, 256, 8)
+SMALL = (1024, 512, 64, 8)
+
+
+@pytest.mark.parametrize(
+    "shape,T,eager,direct",
+    [
+        (QWEN3, 1, False, True),  # one token: always direct
+        (QWEN3, 8, False, False),  # graph/compiled: the layout reads each expert once
+        (QWEN3, 8, True, True),  # eager: 14 extra expert reads (~31 us) < the launches saved
+        (QWEN3, 16, True, False),  # eager, but ~47 extra expert reads cost more than they save
+        (MIXTRAL, 2, True, False),  # 8 experts of 176 MB: a repeat read is never worth it
+        (DSV3, 8, False, True),  # tuned decode entry (bucket 8) wins over the heuristic
+        (SMALL, 4, True, True),  # small experts: direct up to 8 tokens eagerly
+        (SMALL, 64, True, False),  # beyond 256 slots: never direct
+    ],
+)
+def test_eager_direct_mode_choice(shape, T, eager, direct):
+    H, I, E, K = shape  # noqa: E741
+    assert moe_config(T, K, H, I, E, eager=eager).direct is direct
+
+
+def _weights(shape, seed=0):
+    H, I, E, K = shape  # noqa: E741
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g, dtype=torch.bfloat16) * H**-0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=g, dtype=torch.bfloat16) * I**-0.5
+    return w13, w2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3, SMALL], ids=["qwen3", "small"])
+def test_gpu_token_output_independent_of_batch_and_mode(shape):
+    H, I, E, K = shape  # noqa: E741
+    w13, w2 = _weights(shape)
+    T_max = 256
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T_max, H, device="cuda", generator=g, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T_max)]).int()
+    wts = torch.rand(T_max, K, device="cuda", generator=g)
+    probe = 4  # the first tokens, each computed alone (T=1: direct mode)
+    alone = torch.cat([fused_moe(x[t : t + 1], w13, w2, topk_ids=ids[t : t + 1], topk_weights=wts[t : t + 1])
+                       for t in range(probe)])  # fmt: skip
+    for T in (2, 4, 8, 16, 64, 256):  # eager: direct up to the heuristic's limit, layout tiles beyond
+        out = fused_moe(x[:T], w13, w2, topk_ids=ids[:T], topk_weights=wts[:T])
+        n = min(T, probe)
+        assert torch.equal(out[:n], alone[:n]), T
+    # in a CUDA graph the configuration is the non-eager one (layout tiles at T=8)
+    T = 8
+    out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe(x[:T], w13, w2, topk_ids=ids[:T], topk_weights=wts[:T], out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x[:T], w13, w2, topk_ids=ids[:T], topk_weights=wts[:T], out=out)
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:probe], alone)
+    assert torch.equal(out, fused_moe(x[:T], w13, w2, topk_ids=ids[:T], topk_weights=wts[:T]))
