@@ -113,7 +113,7 @@ def timeit(name, T, fp8, cfg=None, tag="default"):
     _, _, _, _, ids, wts = _routing(name, T)
     c = cfg or moe_config(T, K, H, I, E, fp8=fp8)
     try:
-        us = time_graph(lambda: call(x, w, ids, wts, cfg=c), iters=30)
+        us = time_graph(lambda: call(x, w, ids, wts, cfg=c), rep_ms=30)
     except Exception as ex:
         print("FAIL", name, T, tag, repr(ex)[:200])
         return None

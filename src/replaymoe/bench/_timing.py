@@ -1,8 +1,9 @@
 """Timing helpers shared by the benchmarks (GPU only).
 
 Serving runs under CUDA graphs, so the headline figure is the median of CUDA-graph
-replays with the L2 flushed before each replay; eager medians are reported too
-(at small sizes they measure Python launch cost).
+replays with the L2 flushed before each replay (:func:`time_graph`); eager medians are reported
+too (:func:`time_eager`). Both time the device with ``triton.testing.do_bench``; :func:`host_us`
+times the host side of a call, which ``do_bench`` cannot.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
 
 NO_CUDA_EXIT = 2  # the documented exit code of a benchmark started without a GPU (replaymoe.apps.cli)
 
 HBM_BYTES_PER_S = 4.27e12  # measured device-to-device copy on the H200 (read + write)
 BF16_FLOPS_PER_S = 700e12  # measured dense bf16 matmul on the H200
-
-_L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 
 def no_cuda(prog: str) -> bool:
@@ -39,61 +41,112 @@ def no_cuda(prog: str) -> bool:
     return True
 
 
-def _flush_buffer() -> torch.Tensor:
-    buf = getattr(_flush_buffer, "_buf", None)
-    if buf is None:
-        buf = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-        _flush_buffer._buf = buf  # type: ignore[attr-defined]
-    return buf
+def time_eager(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median device time of one eager ``fn()`` call, in microseconds.
+
+    A thin use of :func:`triton.testing.do_bench` (``return_mode="median"``, its milliseconds turned
+    into µs). ``do_bench`` flushes the L2 before every timed call itself: it zeroes a 256 MiB buffer
+    (``triton.runtime.driver.active.get_empty_cache_for_benchmark()``, ``clear_cache()`` =
+    ``buffer.zero_()`` on NVIDIA; the H200's L2 is 60 MiB) between the end event of one call and the
+    start event of the next, so the flush is not timed and every call starts with a cold L2. It
+    sizes its loops by time, after timing 5 calls: about ``warmup_ms`` of warm-up calls, then about
+    ``rep_ms`` of timed calls (at least one of each).
+
+    Parameters
+    ----------
+    fn : callable
+        The call to time (its result is dropped).
+    warmup_ms, rep_ms : float
+        Warm-up and measurement budgets in milliseconds (``do_bench``'s ``warmup`` and ``rep``).
+
+    Returns
+    -------
+    float
+        The median over the timed calls of the CUDA-event time from just before ``fn()`` is
+        launched to just after, in µs. ``do_bench`` does not wait for the GPU between calls, so the
+        host launches the next call while the GPU still flushes: the figure holds the host's launch
+        time only where launching takes longer than the flush and the previous call's device work.
+    """
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
-def time_eager(fn: Callable[[], object], *, iters: int = 50, warmup: int = 5, flush_l2: bool = True) -> float:
-    """Median wall time of ``fn()`` in microseconds, measured with CUDA events."""
-    flush = _flush_buffer()
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if flush_l2:
-            flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+def time_graph(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median time of one CUDA-graph replay of ``fn()`` in microseconds, the L2 flushed before each.
 
+    ``fn`` runs 3 times on a side stream (compilation, allocator warm-up), is captured into a CUDA
+    graph, and the replay is timed by :func:`time_eager` (``do_bench``: L2 flushed before every
+    replay, ``warmup_ms`` / ``rep_ms`` as there). ``triton.testing.do_bench_cudagraph`` is not used:
+    it captures many calls into one graph and flushes nothing between them, so every call but the
+    first would find its weights in the L2, which serving (one replay per step, other layers' weights
+    in between) does not.
 
-def time_graph(fn: Callable[[], object], *, iters: int = 50, warmup: int = 3, flush_l2: bool = True) -> float:
-    """Median time of one CUDA-graph replay of ``fn()`` in microseconds (L2 flushed before each)."""
-    flush = _flush_buffer()
+    Parameters
+    ----------
+    fn : callable
+        The call to capture; it must be CUDA-graph capturable (no host synchronisation).
+    warmup_ms, rep_ms : float
+        As in :func:`time_eager`.
+
+    Returns
+    -------
+    float
+        The median replay time in µs.
+    """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(warmup):
+        for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    try:
+        return time_eager(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    finally:
+        del graph
+
+
+def host_us(
+    fn: Callable[[], object], *, calls: int = 100, warmup: int = 1, before: Callable[[], object] | None = None
+) -> float:
+    """Median host time of one ``fn()`` call in microseconds (``time.perf_counter`` around each call).
+
+    This is not :func:`time_eager` on purpose: ``do_bench`` and CUDA events time the GPU, while this
+    times the CPU thread that makes the call (Python, argument checks, kernel launches), which is
+    what bounds an eager decode step and what a host profile asks for. Nothing here waits for the
+    GPU unless ``before`` does.
+
+    Parameters
+    ----------
+    fn : callable
+        The call to time (its result is dropped).
+    calls : int
+        Timed calls.
+    warmup : int
+        Untimed calls first.
+    before : callable, optional
+        Run before every call (warm-up and timed) outside the timed span, e.g. a
+        ``torch.cuda.synchronize`` so that each call starts with the GPU idle.
+
+    Returns
+    -------
+    float
+        The median over the timed calls, in µs.
+    """
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
     times = []
-    for _ in range(iters):
-        if flush_l2:
-            flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times)
+    for _ in range(calls):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
 
 
 def environment() -> dict[str, str]:
@@ -104,8 +157,6 @@ def environment() -> dict[str, str]:
         ).stdout.strip()
     except Exception:  # best effort
         commit = ""
-    import triton
-
     from replaymoe import __version__
 
     return {

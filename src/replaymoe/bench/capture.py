@@ -20,7 +20,8 @@ Modes (interleaved over repetitions; medians reported):
                    design, for comparison)
 
 Also measured: the gather kernel alone (the only work end_step adds to the step's stream), the
-device->pinned copy alone on the side stream, end_step's host cost with the GPU idle, and host
+device->pinned copy alone on the side stream (both by ``triton.testing.do_bench``, L2 cold),
+end_step's host cost with the GPU idle, and host
 memory per 1k captured tokens. The ``on`` trace is checked against the graph's own route()
 outputs. Writes capture.csv / capture.json under --out.
 """
@@ -36,28 +37,15 @@ import numpy as np
 import torch
 
 from replaymoe.apps.cli import strip_rest  # plain-text --help when run as python -m
-from replaymoe.bench._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
+from replaymoe.bench._timing import NO_CUDA_EXIT, host_us, no_cuda, print_table, time_eager, write_results
 from replaymoe.capture import RoutedExpertsCapturer
 from replaymoe.routing import RoutingMethod, route
 
 
-def _event_us(fn, *, stream=None, iters: int = 200, warmup: int = 10) -> float:
-    """Median µs of ``fn()`` on ``stream`` measured with CUDA events (eager)."""
-    stream = stream or torch.cuda.current_stream()
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            a.record(stream)
-            fn()
-            b.record(stream)
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+def _device_us(fn, *, stream=None) -> float:
+    """Median device µs of ``fn()`` issued on ``stream`` (:func:`time_eager`: L2 flushed before each)."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        return time_eager(fn)
 
 
 class _Model:
@@ -102,7 +90,12 @@ class _Model:
 
 
 def _loop(graph, steps: int, per_step=None) -> tuple[float, float]:
-    """(GPU µs per step over the whole loop, host µs per step) for ``steps`` back-to-back steps."""
+    """(GPU µs per step over the whole loop, host µs per step) for ``steps`` back-to-back steps.
+
+    Written out rather than ``do_bench``: what is measured is a serving loop, with the host's
+    per-step work (``end_step``, a blocking copy) between replays and no L2 flush or wait between
+    steps, so that a stall the host work causes shows in the GPU time; one pair of events spans it.
+    """
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -180,19 +173,20 @@ def run(
     # pieces
     n = T * L * K
     tr = cap._transfer
-    gather_us = _event_us(lambda: tr.dev_stage[0][:n].view(T, L, K).copy_(cap.buffer[:, :T].transpose(0, 1)))
-    d2h_us = _event_us(
+    gather_us = _device_us(lambda: tr.dev_stage[0][:n].view(T, L, K).copy_(cap.buffer[:, :T].transpose(0, 1)))
+    d2h_us = _device_us(
         lambda: tr.pinned[0][:n].copy_(tr.dev_stage[0][:n], non_blocking=True), stream=tr.stream
     )
     # end_step host cost with the GPU idle and nothing in flight
-    torch.cuda.synchronize()
-    es = []
-    for s in range(100):
+    step = iter(range(1 << 30))
+
+    def idle() -> None:
         torch.cuda.synchronize()
         cap.poll()
-        t0 = time.perf_counter()
-        cap.end_step(requests, [s] * T)
-        es.append((time.perf_counter() - t0) * 1e6)
+
+    end_step_host_us = host_us(
+        lambda: cap.end_step(requests, [next(step)] * T), calls=100, warmup=0, before=idle
+    )
     finish_all()
 
     # host memory at longer sequences: 64 requests x 1000 positions through the same host
@@ -226,7 +220,7 @@ def run(
     summary = {
         "gather_us": gather_us,
         "d2h_side_stream_us": d2h_us,
-        "end_step_host_us_median": statistics.median(es),
+        "end_step_host_us_median": end_step_host_us,
         "end_step_cost_on_step_us": med["on"] - med["kernel_only"],
         "kernel_write_cost_us": med["kernel_only"] - med["off"],
         "host_bytes_per_1k_tokens_at_1000_positions": mem_long,

@@ -1,7 +1,8 @@
 """The host profile of ``replaymoe bench ep --host-profile``: where the host time of a steady-state
 eager dispatch + combine call goes (rank 0 prints): per-call host µs with and without the direct
-launches, the pieces alone (event record, symm barrier, a bare plan launch, ``torch.empty``), and a
-cProfile of many calls.
+launches (mean over calls), the pieces alone (event record, symm barrier, a bare plan launch,
+``torch.empty``: median per call, :func:`replaymoe.bench._timing.host_us`), and a cProfile of many
+calls.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ._timing import host_us
 from .ep_shape import SHAPE, inputs
 from .ep_timing import HostEvent, device, on_cuda, sync
 
@@ -50,7 +52,7 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
         a2a.dispatch(ids, pays, T, expert_id_payload_index=1)
         return a2a.combine(comb, T)
 
-    def timed(n):
+    def timed(n):  # two phases per call and a sync after each: not host_us's one span
         hd = hc = 0.0
         for _ in range(n):
             t0 = time.perf_counter()
@@ -88,30 +90,18 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
         f"Triton's launch path {slow[0]:.1f}/{slow[1]:.1f}; direct launch active {compiled}; "
         f"regs {regs}")  # fmt: skip
     ev = torch.cuda.Event(enable_timing=True) if on_cuda() else HostEvent()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        ev.record()
-    t_ev = (time.perf_counter() - t0) / calls * 1e6
+    t_ev = host_us(ev.record, calls=calls)
     t_bar = float("nan")
     if t == "symm":
         dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            a2a._transport._barrier()
-        t_bar = (time.perf_counter() - t0) / calls * 1e6
+        t_bar = host_us(a2a._transport._barrier, calls=calls)  # every rank makes the same calls
         sync()
     st = next(iter(a2a._dcache.values()))
     t_plan = float("nan")
     if st.triton:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            st.plan_launch((1,), (ids, *st.plan_args))
-        t_plan = (time.perf_counter() - t0) / calls * 1e6
+        t_plan = host_us(lambda: st.plan_launch((1,), (ids, *st.plan_args)), calls=calls)
     sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        torch.empty(T, SHAPE.H, dtype=torch.bfloat16, device=dev)
-    t_empty = (time.perf_counter() - t0) / calls * 1e6
+    t_empty = host_us(lambda: torch.empty(T, SHAPE.H, dtype=torch.bfloat16, device=dev), calls=calls)
     say(f"[host] {t} T={T}: event record {t_ev:.1f} µs, symm barrier {t_bar:.1f} µs, plan launch "
         f"{t_plan:.1f} µs, torch.empty {t_empty:.1f} µs")  # fmt: skip
     dist.barrier()

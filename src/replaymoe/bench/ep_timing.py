@@ -46,7 +46,13 @@ def device() -> torch.device:
 def time_phases(run_iter, n_phases: int, iters: int, warmup: int):
     """``run_iter(events)`` records ``n_phases + 1`` events and may return the host seconds of each
     phase; returns (per phase the median over iterations of the max over ranks of the device time,
-    the same for the host time or None), in microseconds."""
+    the same for the host time or None), in microseconds.
+
+    Not ``triton.testing.do_bench`` (which the one-GPU benchmarks use, ``bench._timing``): every
+    rank must run the same number of iterations, start each one after a barrier and time several
+    phases of it, and the figure is the max over ranks per iteration; ``do_bench`` picks its
+    iteration count from a local estimate (ranks would disagree and hang in a collective), times
+    one span, and flushes the L2 between calls (a peer's flush would overlap this rank's call)."""
     for _ in range(warmup):
         ev = [event() for _ in range(n_phases + 1)]
         run_iter(ev)

@@ -169,7 +169,7 @@ def _point(name: str, T: int, bf16w, fp8w) -> dict:
     row["rmoe_fp8_eager_ms"] = time_eager(f8) / 1e3
     row["grouped_mm_ms"] = time_graph(fg) / 1e3
     if T in NAIVE_TOKENS.get(name, ()):
-        row["naive_ms"] = time_eager(lambda: naive_layer(x, w13, w2, ids, wts), iters=5, warmup=1) / 1e3
+        row["naive_ms"] = time_eager(lambda: naive_layer(x, w13, w2, ids, wts), warmup_ms=1, rep_ms=50) / 1e3
     row["frac_floor_bf16"] = floor_ms / row["rmoe_bf16_ms"]
     row["frac_floor_fp8"] = floor8 / row["rmoe_fp8_ms"] if bound == "hbm" else float("nan")
     row["tflops_bf16"] = 2 * T * K * 3 * H * inter / (row["rmoe_bf16_ms"] * 1e-3) / 1e12

@@ -1,11 +1,13 @@
 """``replaymoe bench routing``: route() against the same routing as plain torch ops.
 
-Median microseconds of CUDA-graph replays with L2 flushed (the serving case) and eager calls
-(host cost included), for DeepSeek-V3 routing (E=256, 8 groups / 4 kept, top-8, scale 2.5, fp32
-bias) and RENORMALIZE (E=128, top-8), fp32 and bf16 logits, capture (``routing_replay_out``)
-on and off, T in {1, 16, 128, 1024, 4096, 16384}. The HBM floor is the bytes of logits read
-plus outputs written over 4.27 TB/s; FlashInfer's ``fused_topk_deepseek`` measured on the same
-H200 (reference/toolchain.md) is shown for the DeepSeek-V3 rows.
+Median microseconds of CUDA-graph replays with L2 flushed (the serving case) and of eager calls
+(``triton.testing.do_bench``: device time; host launch cost shows only where it outlasts the L2
+flush before each call, see ``bench._timing.time_eager``), for DeepSeek-V3 routing (E=256, 8
+groups / 4 kept, top-8, scale 2.5, fp32 bias) and RENORMALIZE (E=128, top-8), fp32 and bf16
+logits, capture (``routing_replay_out``) on and off, T in {1, 16, 128, 1024, 4096, 16384}. The
+HBM floor is the bytes of logits read plus outputs written over 4.27 TB/s; FlashInfer's
+``fused_topk_deepseek`` measured on the same H200 (reference/toolchain.md) is shown for the
+DeepSeek-V3 rows.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def run_sweep() -> list[dict]:
                 try:
                     for t in (1, 4096, 16384):
                         x, cfg, cap, e = _case(name, dtype, t, gen)
-                        us = time_graph(lambda x=x, cfg=cfg: route(x, **cfg), iters=30)
+                        us = time_graph(lambda x=x, cfg=cfg: route(x, **cfg), rep_ms=30)
                         rows.append(
                             {
                                 "model": name,

@@ -1,8 +1,8 @@
 """``replaymoe bench train``: training an MoE layer (forward and forward+backward) on the GPU.
 
 Layer rows (routing given: ids from random logits' top-k, weights a softmax over them, bf16 weights
-and activations, one expert block), per shape and T, each timed as the median of CUDA-event-timed
-eager calls with the L2 flushed (``replaymoe.bench._timing.time_eager``):
+and activations, one expert block), per shape and T, each timed as the median of eager calls with
+the L2 flushed (``replaymoe.bench._timing.time_eager``, i.e. ``triton.testing.do_bench``):
 
 * ``grouped_mm``      transformers' ``grouped_mm`` experts function (``transformers.integrations.moe
   .grouped_mm_experts_forward``) on an experts module holding the same weights, as transformers runs
@@ -20,7 +20,9 @@ those tensors' bytes). ``err_*`` is the relative norm error of each gradient aga
 HF rows: one training step (forward with labels, backward; no optimizer) of
 ``replaymoe.hf.models.build_model(arch, "bench")`` in bf16 at ``--batch`` × ``--seq`` tokens, with
 transformers' ``grouped_mm`` experts, with :func:`replaymoe.hf.enable` (``replaymoe``) and with
-``enable(model, replay=traces)`` replaying traces captured in one forward (``replaymoe+replay``).
+``enable(model, replay=traces)`` replaying traces captured in one forward (``replaymoe+replay``),
+timed by the same ``time_eager`` (the L2 flush before each step is ``do_bench``'s own and cannot be
+turned off; next to a step of many milliseconds a cold 60 MiB L2 costs little).
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
 [--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf]``. Needs CUDA.
@@ -127,9 +129,8 @@ def _layer_point(name: str, T: int, w13, w2, impls) -> list[dict]:
         torch.cuda.synchronize()
         # peak of one forward+backward over what was allocated before it, plus the resident layer
         peak = (torch.cuda.max_memory_allocated() - before + resident) / GIB
-        iters = 10 if T * K * H * I > 2e11 else 30
-        t_f = time_eager(fwd, iters=iters, warmup=2) / 1e3
-        t_fb = time_eager(fwdbwd, iters=iters, warmup=2) / 1e3
+        t_f = time_eager(fwd, warmup_ms=10, rep_ms=300) / 1e3
+        t_fb = time_eager(fwdbwd, warmup_ms=10, rep_ms=300) / 1e3
         same = all(torch.equal(a, b) for a, b in zip(grads, fwdbwd()))
         row = {"shape": name, "T": T, "impl": impl, "fwd_ms": t_f, "fwdbwd_ms": t_fb,
                "fwd_tflops": flops / t_f / 1e9, "fwdbwd_tflops": 3 * flops / t_fb / 1e9,
@@ -190,7 +191,7 @@ def _hf_rows(arch: str, B: int, S: int) -> list[dict]:
             moe = rhf.enable(model, replay=traces, max_batch_size=B, max_positions=S)
         try:
             loss = step()
-            t = time_eager(step, iters=10, warmup=3, flush_l2=False) / 1e3
+            t = time_eager(step, warmup_ms=1, rep_ms=1000) / 1e3
         finally:
             if moe is not None:
                 moe.disable()
