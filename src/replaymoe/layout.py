@@ -133,7 +133,7 @@ def expert_layout(
         process runs with ``TRITON_INTERPRET=1``), no host synchronization.
     """
     _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster)
-    from ._kernels.layout import _layout_hist_kernel, _layout_scatter_kernel
+    from ._kernels.layout import layout_hist_kernel, layout_scatter_kernel
     from ._launch import fast
 
     T, K = topk_ids.shape
@@ -169,10 +169,10 @@ def expert_layout(
         cluster=cluster,
         num_slots=num_slots,
     )
-    fast(_layout_hist_kernel)[(num_chunks,)](
+    fast(layout_hist_kernel)[(num_chunks,)](
         topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
     )
-    fast(_layout_scatter_kernel)[(grid,)](
+    fast(layout_scatter_kernel)[(grid,)](
         topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
         out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, num_chunks,
         max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,

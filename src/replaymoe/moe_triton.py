@@ -281,12 +281,12 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
     Launches: layout (2); GEMM1 again when ``recompute``; dA; SwiGLU backward (elementwise); dX +
     k-ordered reduce; dW13; dW2. Intermediates: dh [rows, 2I] and aw [rows, I] in layout order.
     """
-    from ._kernels.moe import _moe_gemm1_kernel, _moe_reduce_kernel
+    from ._kernels.moe import moe_gemm1_kernel, moe_reduce_kernel
     from ._kernels.moe_bwd import (
-        _moe_bwd_da_kernel,
-        _moe_bwd_dw_kernel,
-        _moe_bwd_dx_kernel,
-        _moe_bwd_swiglu_kernel,
+        moe_bwd_da_kernel,
+        moe_bwd_dw_kernel,
+        moe_bwd_dx_kernel,
+        moe_bwd_swiglu_kernel,
     )
     from .layout import expert_layout
 
@@ -315,7 +315,7 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
         saved = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
         if num_pid_m:
             bn1, bk1 = (128, 64) if bm >= 64 else (64, 128)
-            _moe_gemm1_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
+            moe_gemm1_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
                 x, x, w13, w13, saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert, lay.num_tiles,
                 num_pid_m, H, I, K, slots, offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), 0, 0,
                 saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ=False, SAVE_H=True,
@@ -328,14 +328,14 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
     nb = triton.cdiv(I, bn_e)
     dwp = torch.zeros(slots, nb, dtype=torch.float32, device=dev)
     if num_pid_m:
-        _moe_bwd_da_kernel[(num_pid_m * triton.cdiv(I, c.bn_a),)](
+        moe_bwd_da_kernel[(num_pid_m * triton.cdiv(I, c.bn_a),)](
             dout, w2, dh, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I, K, slots,
             dout.stride(0), w2.stride(0), w2.stride(1), dh.stride(0), EVEN_K=H % c.bk_a == 0, BLOCK_M=bm,
             BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a,
             num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
-        _moe_bwd_swiglu_kernel[(triton.cdiv(num_pid_m * bm, br), nb)](
+        moe_bwd_swiglu_kernel[(triton.cdiv(num_pid_m * bm, br), nb)](
             dh, saved, wts, aw, dwp, lay.sorted_slots, lay.num_tiles, I, slots, dh.stride(0), saved.stride(0),
             aw.stride(0), TILE_M=bm, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
         )  # fmt: skip
@@ -356,7 +356,7 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
 
     def dw_gemm(i, a, b, a_t, a_g, b_g, c_t, m, n):
         dw = torch.empty(src[i].shape, dtype=src[i].dtype, device=dev)
-        _moe_bwd_dw_kernel[(E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w),)](
+        moe_bwd_dw_kernel[(E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w),)](
             a, b, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K, a.stride(0),
             b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t, A_GATHER=a_g, B_GATHER=b_g, C_T=c_t,
             BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec,
@@ -375,14 +375,14 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
         dx = (torch.empty if num_pid_m else torch.zeros)(T, H, dtype=x.dtype, device=dev)  # reduce writes all
         if num_pid_m:
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
-            _moe_bwd_dx_kernel[(num_pid_m * triton.cdiv(H, c.bn_x),)](
+            moe_bwd_dx_kernel[(num_pid_m * triton.cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, two_i, slots,
                 dh.stride(0), w13.stride(0), w13.stride(1), dxs.stride(0), EVEN_K=two_i % c.bk_x == 0,
                 BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m, DOT_PREC=prec,
                 num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
             bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-            _moe_reduce_kernel[(T, triton.cdiv(H, bh))](
+            moe_reduce_kernel[(T, triton.cdiv(H, bh))](
                 dxs, ids, dx, H, K, offset, E_local, dxs.stride(0), dx.stride(0), BLOCK_H=bh, num_warps=4
             )
             del dxs
@@ -430,7 +430,7 @@ def _launch(
 ) -> None:
     """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
     receives GEMM1's gate/up outputs per slot for the backward."""
-    from ._kernels.moe import _moe_gemm1_kernel, _moe_gemm2_kernel, _moe_reduce_kernel, _quant_groups_kernel
+    from ._kernels.moe import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
     from ._launch import fast
     from .layout import expert_layout
 
@@ -467,7 +467,7 @@ def _launch(
         xq = torch.empty(T, H, dtype=_FP8, device=dev)
         xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
         g = 8
-        fast(_quant_groups_kernel)[(T, triton.cdiv(H // 128, g))](
+        fast(quant_groups_kernel)[(T, triton.cdiv(H // 128, g))](
             x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4
         )
         inter = torch.empty(rows, I, dtype=_FP8, device=dev)
@@ -482,7 +482,7 @@ def _launch(
     grid1 = (num_pid_m * triton.cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
-    fast(_moe_gemm1_kernel)[grid1](
+    fast(moe_gemm1_kernel)[grid1](
         xq, xs, w13, s13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I,
         K, slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, SAVE_H=save,
@@ -491,7 +491,7 @@ def _launch(
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton.cdiv(H, c.block_n2),)
-    fast(_moe_gemm2_kernel)[grid2](
+    fast(moe_gemm2_kernel)[grid2](
         inter, inter_s, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
         DIRECT=c.direct, FP8=fp8, PREQ=preq, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m,
@@ -499,6 +499,6 @@ def _launch(
         num_stages=c.stages2,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-    fast(_moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
+    fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
         y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
     )

@@ -109,7 +109,7 @@ def _route_torch_impl(
 def route_torch(
     router_logits: torch.Tensor,
     top_k: Optional[int] = None,
-    method: RoutingMethod = RoutingMethod.RENORMALIZE,
+    method: Optional[RoutingMethod] = None,
     *,
     config: Optional[RoutingConfig] = None,
     bias: Optional[torch.Tensor] = None,
@@ -153,7 +153,7 @@ def _resolve_backend(backend: object, x: torch.Tensor) -> str:
 def route(
     router_logits: torch.Tensor,
     top_k: Optional[int] = None,
-    method: RoutingMethod = RoutingMethod.RENORMALIZE,
+    method: Optional[RoutingMethod] = None,
     *,
     config: Optional[RoutingConfig] = None,
     bias: Optional[torch.Tensor] = None,
@@ -175,8 +175,9 @@ def route(
         Experts per token, ``1 <= top_k <= E`` (LLAMA4: exactly 1; DEEPSEEK_V3: at most
         ``topk_group * E / n_group``). Give either ``top_k`` (with ``method`` and the routing
         keywords below) or ``config``.
-    method : RoutingMethod
-        The router (module docstring has the math of every method).
+    method : RoutingMethod, optional
+        The router (module docstring has the math of every method); None (the default) means
+        ``RENORMALIZE``, as in :func:`replaymoe.fused_moe`, :func:`replaymoe.ep_moe` and ``MoELayer``.
     config : RoutingConfig, optional
         ``top_k``, ``method``, ``bias``, ``n_group``, ``topk_group`` and
         ``routed_scaling_factor`` together, validated once when it was built.

@@ -124,14 +124,14 @@ def _marks(ids_ptr, toks, tmask, ranks, E, base, rem, K: tl.constexpr, BT: tl.co
 
 
 @triton.jit
-def _put_counts(tot, ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, dst_rank_stride, dst_base, hdr_off,
+def _put_counts(tot, ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, stride_dst_rank, dst_base, hdr_off,
                 EP: tl.constexpr):  # fmt: skip
     """Per-rank totals into ``counts_ptr`` and into each destination's header (int32 units)."""
     tl.store(counts_ptr + ranks, tot, mask=ranks < EP)
     for r in tl.static_range(EP):
         dst = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
         c = tl.sum(tl.where(ranks == r, tot, 0))
-        tl.store(dst + dst_rank_stride.to(tl.int64) * r + dst_base + hdr_off, c)
+        tl.store(dst + stride_dst_rank.to(tl.int64) * r + dst_base + hdr_off, c)
 
 
 @triton.jit
@@ -144,9 +144,9 @@ def _load_rows(src, toks, tmask, chunk, N: tl.constexpr, NB: tl.constexpr):
 
 @triton.jit
 def _store_rows(vals, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                dst_rank_stride, dst_base, RB: tl.constexpr, N: tl.constexpr, NB: tl.constexpr,
+                stride_dst_rank, dst_base, RB: tl.constexpr, N: tl.constexpr, NB: tl.constexpr,
                 OFF: tl.constexpr, EP: tl.constexpr):  # fmt: skip
-    """Store the tile at ``dst_base + r * dst_rank_stride + slot * RB + OFF`` of every rank r with
+    """Store the tile at ``dst_base + r * stride_dst_rank + slot * RB + OFF`` of every rank r with
     slot >= 0 (``slots``: [TT, EP_P2] tile of the plan)."""
     cols = chunk * NB + tl.arange(0, NB)
     m = tmask[:, None] & (cols < N)[None, :]
@@ -154,7 +154,7 @@ def _store_rows(vals, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, 
         base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
         slot = tl.sum(tl.where(ranks[None, :] == r, slots, 0), axis=1).to(tl.int64)
         # (r + toks * 0) is an int64 rank index, so the product cannot overflow int32
-        off = (toks * 0 + r) * dst_rank_stride + dst_base + slot * RB + OFF
+        off = (toks * 0 + r) * stride_dst_rank + dst_base + slot * RB + OFF
         tl.store(base + off[:, None] + cols[None, :], vals, mask=m & (slot >= 0)[:, None])
 
 
@@ -174,7 +174,7 @@ def ep_pack_kernel(
     p6,
     p7,  # destination base per rank (units)
     T,
-    dst_rank_stride,  # units added per destination rank index (nccl: one block; symm: 0)
+    stride_dst_rank,  # units added per destination rank index (nccl: one block; symm: 0)
     dst_base,  # units added to every destination (symm: this source's block)
     arrive_ptr,  # int32: programs finished (SIGNAL)
     epoch_ptr,  # int32: this rank's dispatch epoch (SIGNAL)
@@ -245,7 +245,7 @@ def ep_pack_kernel(
             if (t0 + TT >= T) & (chunk == 0):  # the tile with the last token: totals, headers
                 tot = acc + tl.sum(mt, axis=0)
                 _put_counts(tot, ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
-                            dst_rank_stride, dst_base, hdr_off, EP)  # fmt: skip
+                            stride_dst_rank, dst_base, hdr_off, EP)  # fmt: skip
         else:
             slots = tl.load(slot_ptr + toks[:, None] * EP + ranks[None, :], mask=sm, other=-1)
         v0 = _load_rows(s0, toks, tmask, chunk, N0, NB0)
@@ -256,27 +256,27 @@ def ep_pack_kernel(
         if NP > 3:
             v3 = _load_rows(s3, toks, tmask, chunk, N3, NB3)
         _store_rows(v0, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                    dst_rank_stride, dst_base, RB, N0, NB0, O0, EP)  # fmt: skip
+                    stride_dst_rank, dst_base, RB, N0, NB0, O0, EP)  # fmt: skip
         if NP > 1:
             _store_rows(v1, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                        dst_rank_stride, dst_base, RB, N1, NB1, O1, EP)  # fmt: skip
+                        stride_dst_rank, dst_base, RB, N1, NB1, O1, EP)  # fmt: skip
         if NP > 2:
             _store_rows(v2, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                        dst_rank_stride, dst_base, RB, N2, NB2, O2, EP)  # fmt: skip
+                        stride_dst_rank, dst_base, RB, N2, NB2, O2, EP)  # fmt: skip
         if NP > 3:
             _store_rows(v3, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                        dst_rank_stride, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
+                        stride_dst_rank, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
     if FUSED_PLAN:
         if (T == 0) & (pid == 0) & (chunk == 0):  # no tokens: zero counts everywhere
             _put_counts(tl.zeros([EP_P2], dtype=tl.int32), ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
-                        dst_rank_stride, dst_base, hdr_off, EP)  # fmt: skip
+                        stride_dst_rank, dst_base, hdr_off, EP)  # fmt: skip
     if SIGNAL:
         _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, RANK)
 
 
 @triton.jit
 def ep_combine_send_kernel(
-    src_ptr,  # combine payload [EP, rows, n_cols] with strides (src_block_stride, src_row_stride)
+    src_ptr,  # combine payload [EP, rows, n_cols] with strides (stride_src_block, stride_src_row)
     counts_ptr,  # int32 [EP]: rows received from each source in the dispatch (only these go back)
     p0,
     p1,
@@ -288,10 +288,10 @@ def ep_combine_send_kernel(
     p7,  # each source rank's combine receive buffer
     rows,  # runtime_max_tokens_per_rank
     n_cols,
-    src_block_stride,
-    src_row_stride,
+    stride_src_block,
+    stride_src_row,
     dst_offset,  # elements: this rank's block in every source's combine receive buffer
-    dst_row_stride,
+    stride_dst_row,
     arrive_ptr,  # int32: programs finished (SIGNAL)
     epoch_ptr,  # int32: this rank's combine epoch (SIGNAL)
     q0,
@@ -328,9 +328,9 @@ def ep_combine_send_kernel(
         cnt = tl.load(counts_ptr + s, mask=inr, other=0)
         live = inr & (j < cnt)
         m = live[:, None] & cm[None, :]
-        row = s.to(tl.int64) * src_block_stride + j * src_row_stride
+        row = s.to(tl.int64) * stride_src_block + j * stride_src_row
         v = tl.load(src_ptr + row[:, None] + cols[None, :], mask=m)
-        dst = dst_offset + j * dst_row_stride
+        dst = dst_offset + j * stride_dst_row
         for r in tl.static_range(EP):
             base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
             tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r)[:, None])
@@ -340,15 +340,15 @@ def ep_combine_send_kernel(
 
 @triton.jit
 def ep_combine_reduce_kernel(
-    recv_ptr,  # returned rows [EP, rows, H] (payload dtype), strides (recv_block_stride, recv_row_stride)
+    recv_ptr,  # returned rows [EP, rows, H] (payload dtype), strides (stride_recv_block, stride_recv_row)
     slot_ptr,  # int32 [T, EP]: slot of token t on rank r, -1 = not sent there
     out_ptr,  # [T, H] contiguous, payload dtype
-    own_ptr,  # rank OWN's rows [rows, H] with row stride own_row_stride (when OWN >= 0)
+    own_ptr,  # rank OWN's rows [rows, H] with row stride stride_own_row (when OWN >= 0)
     T,
     H,
-    recv_block_stride,
-    recv_row_stride,
-    own_row_stride,
+    stride_recv_block,
+    stride_recv_row,
+    stride_own_row,
     epoch_ptr,  # int32: this rank's combine epoch (WAIT)
     pad_ptr,  # int32: this rank's signal pad (WAIT)
     pad_base,
@@ -376,10 +376,10 @@ def ep_combine_reduce_kernel(
             slot = tl.load(slot_ptr + toks * EP + r, mask=tmask, other=-1).to(tl.int64)
             m = (slot >= 0)[:, None] & cm[None, :]
             if r == OWN:
-                row = slot * own_row_stride
+                row = slot * stride_own_row
                 v = tl.load(own_ptr + row[:, None] + cols[None, :], mask=m, other=0.0)
             else:
-                row = recv_block_stride.to(tl.int64) * r + slot * recv_row_stride
+                row = stride_recv_block.to(tl.int64) * r + slot * stride_recv_row
                 v = tl.load(recv_ptr + row[:, None] + cols[None, :], mask=m, other=0.0)
             acc += v.to(tl.float32)
         om = tmask[:, None] & cm[None, :]
@@ -398,8 +398,8 @@ def ep_plan_kernel(
     h4,
     h5,
     h6,
-    h7,  # int32 views where count r also goes: h_r + r * hdr_rank_stride + hdr_offset (if PUT)
-    hdr_rank_stride,
+    h7,  # int32 views where count r also goes: h_r + r * stride_hdr_rank + hdr_offset (if PUT)
+    stride_hdr_rank,
     hdr_offset,
     T,
     E,
@@ -436,16 +436,16 @@ def ep_plan_kernel(
         for r in tl.static_range(EP):
             base = _pick(r, h0, h1, h2, h3, h4, h5, h6, h7)
             c = tl.sum(tl.where(ranks == r, carry, 0))
-            tl.store(base + r * hdr_rank_stride + hdr_offset, c)
+            tl.store(base + r * stride_hdr_rank + hdr_offset, c)
 
 
 @triton.jit
 def ep_sanitize_kernel(
-    ids_ptr,  # int32 received ids, rows [n_rows, K] with row stride row_stride (a run over all blocks)
+    ids_ptr,  # int32 received ids, rows [n_rows, K] with row stride stride_ids_row (a run over all blocks)
     hdr_ptr,  # int32 view of the receive buffer: count of source s at s * hdr_block + hdr_off
     recv_counts_ptr,  # int32 [EP] out (written by program 0)
     n_rows,
-    row_stride,
+    stride_ids_row,
     rows_per_block,  # runtime_max + 1 (row rt of a block is its header)
     hdr_block,
     hdr_off,
@@ -481,7 +481,7 @@ def ep_sanitize_kernel(
             j = rows % rows_per_block
             cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0)
             m = rmask[:, None] & (ks < K)[None, :]
-            ptrs = ids_ptr + rows.to(tl.int64)[:, None] * row_stride + ks[None, :]
+            ptrs = ids_ptr + rows.to(tl.int64)[:, None] * stride_ids_row + ks[None, :]
             v = tl.load(ptrs, mask=m, other=0)
             drop = (j >= cnt)[:, None] | (v < lo) | (v >= hi)
             tl.store(ptrs, tl.where(drop, invalid, v), mask=m)

@@ -2,8 +2,8 @@
 
 Two launches, no host synchronization:
 
-1. ``_layout_hist_kernel`` (grid = chunks): per-chunk histogram of local expert ids.
-2. ``_layout_scatter_kernel`` (grid = max(chunks, tile blocks)): every program re-derives the
+1. ``layout_hist_kernel`` (grid = chunks): per-chunk histogram of local expert ids.
+2. ``layout_scatter_kernel`` (grid = max(chunks, tile blocks)): every program re-derives the
    per-expert totals and padded offsets from the (small) histogram table, then
    * scatters its chunk's slots to their sorted positions (stable: slot order inside an expert),
    * writes the tile metadata and the padding markers of its block of tiles,
@@ -26,7 +26,7 @@ def _local_expert(ids_ptr, offs, num_slots, expert_offset, num_local):
 
 
 @triton.jit
-def _layout_hist_kernel(
+def layout_hist_kernel(
     ids_ptr, hist_ptr, num_slots, expert_offset, num_local, CH: tl.constexpr, E_PAD: tl.constexpr
 ):
     c = tl.program_id(0)
@@ -37,7 +37,7 @@ def _layout_hist_kernel(
 
 
 @triton.jit
-def _layout_scatter_kernel(
+def layout_scatter_kernel(
     ids_ptr,
     hist_ptr,
     base_ptr,

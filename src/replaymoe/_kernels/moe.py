@@ -5,13 +5,13 @@ Two modes, chosen by the wrapper from the shape:
 * LAYOUT (prefill, mid-size batches): tiles of ``BLOCK_M`` rows from :mod:`replaymoe.layout`;
   GEMM1 gathers token rows through ``sorted_slots`` and writes ``silu(gate)*up`` rows in layout
   order; GEMM2 reads them contiguously, applies the routing weight and writes one row per slot;
-  ``_moe_reduce_kernel`` sums each token's K rows in k order (deterministic, no atomics).
+  ``moe_reduce_kernel`` sums each token's K rows in k order (deterministic, no atomics).
 * DIRECT (decode): one tile per slot (row 0 real), no layout; GEMM2 writes one row per slot and
   the same reduction kernel sums them.
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
 quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ`` (tile mode): x is
-quantized once by ``_quant_groups_kernel`` and GEMM1's epilogue quantizes its 128-column block of
+quantized once by ``quant_groups_kernel`` and GEMM1's epilogue quantizes its 128-column block of
 SwiGLU rows, so the GEMMs read e4m3 activations plus scales; without it (decode) each GEMM quantizes
 its activation tiles in registers as it loads them. ``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so
 each dot sees one weight scale.
@@ -45,7 +45,7 @@ def _quant_rows(a):
 
 
 @triton.jit
-def _moe_gemm1_kernel(
+def moe_gemm1_kernel(
     x_ptr,
     xs_ptr,
     w_ptr,
@@ -167,7 +167,7 @@ def _moe_gemm1_kernel(
 
 
 @triton.jit
-def _moe_gemm2_kernel(
+def moe_gemm2_kernel(
     inter_ptr,
     inter_s_ptr,
     w_ptr,
@@ -253,7 +253,7 @@ def _moe_gemm2_kernel(
 
 
 @triton.jit
-def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, G: tl.constexpr):
+def quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, G: tl.constexpr):
     """Per 1x128 group of each row: q = e4m3(x / s), s = amax / 448 (activations of the fp8 path)."""
     t = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1) * G + tl.arange(0, G)
@@ -266,7 +266,7 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, G: tl.constex
 
 
 @triton.jit
-def _moe_reduce_kernel(
+def moe_reduce_kernel(
     y_ptr,
     ids_ptr,
     out_ptr,

@@ -8,15 +8,15 @@ Forward, per slot s = (t, k) routed to local expert e (rows of the backward's ow
 Backward, given dO [T, H] (no float atomics; every reduction in a fixed order, so two backward
 passes are bitwise equal):
 
-* ``_moe_bwd_da_kernel`` (grid: tiles × I-blocks): the grouped GEMM ``da' = dO[t] @ W2[e]``, dO rows
+* ``moe_bwd_da_kernel`` (grid: tiles × I-blocks): the grouped GEMM ``da' = dO[t] @ W2[e]``, dO rows
   gathered through the layout, written into the gate half of dh [rows, 2I].
-* ``_moe_bwd_swiglu_kernel`` (elementwise over layout rows × I-blocks): with g, u from the forward's
+* ``moe_bwd_swiglu_kernel`` (elementwise over layout rows × I-blocks): with g, u from the forward's
   saved rows (per slot; or from GEMM1 run again, ``recompute``) writes, in place,
   ``dh = [w·da'·u·silu'(g), w·da'·silu(g)]``, ``aw = w·a`` and the partial row dot
   ``sum_n da'·a`` of each I-block per slot (d topk_weights, summed over blocks in block order).
-* ``_moe_bwd_dx_kernel`` (grid: tiles × H-blocks): ``dxs[s] = dh[row] @ W13[e]`` (K loop over 2I),
-  one row per slot; the forward's ``_moe_reduce_kernel`` then sums each token's K rows in k order.
-* ``_moe_bwd_dw_kernel`` (grid: experts × M-blocks × N-blocks): ``C[e] = A_e B_e`` over the
+* ``moe_bwd_dx_kernel`` (grid: tiles × H-blocks): ``dxs[s] = dh[row] @ W13[e]`` (K loop over 2I),
+  one row per slot; the forward's ``moe_reduce_kernel`` then sums each token's K rows in k order.
+* ``moe_bwd_dw_kernel`` (grid: experts × M-blocks × N-blocks): ``C[e] = A_e B_e`` over the
   expert's real rows in row order, whole (no split-K): dW13 = dh^T x and dW2 = dO^T aw, with the
   token rows of x / dO gathered inside the loop or beforehand (optionally transposed, so that A is
   K-major). An expert without tokens gets zeros.
@@ -31,7 +31,7 @@ from .moe import _grouped_pid
 
 
 @triton.jit
-def _moe_bwd_da_kernel(
+def moe_bwd_da_kernel(
     dout_ptr,
     w2_ptr,
     da_ptr,
@@ -88,7 +88,7 @@ def _moe_bwd_da_kernel(
 
 
 @triton.jit
-def _moe_bwd_swiglu_kernel(
+def moe_bwd_swiglu_kernel(
     dh_ptr,
     h_ptr,
     wts_ptr,
@@ -139,7 +139,7 @@ def _moe_bwd_swiglu_kernel(
 
 
 @triton.jit
-def _moe_bwd_dx_kernel(
+def moe_bwd_dx_kernel(
     dh_ptr,
     w13_ptr,
     dxs_ptr,
@@ -194,7 +194,7 @@ def _moe_bwd_dx_kernel(
 
 
 @triton.jit
-def _moe_bwd_dw_kernel(
+def moe_bwd_dw_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
@@ -204,8 +204,8 @@ def _moe_bwd_dw_kernel(
     M,
     N,
     TOP_K,
-    stride_a,
-    stride_b,
+    stride_a0,  # A's dim-0 stride: per row, or per M index with A_T
+    stride_b0,  # B's row stride
     stride_ce,
     stride_cm,
     A_T: tl.constexpr,
@@ -244,14 +244,14 @@ def _moe_bwd_dw_kernel(
             tok = (tl.load(sorted_ptr + r, mask=ok, other=0) // TOP_K).to(tl.int64)
         if A_T:
             a_ok = m_ok[:, None] & ok[None, :]
-            a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_a + r[None, :], mask=a_ok, other=0.0)
+            a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_a0 + r[None, :], mask=a_ok, other=0.0)
         else:
             if A_GATHER:
                 arow = tok
             else:
                 arow = r.to(tl.int64)
             p = tl.load(
-                a_ptr + arow[:, None] * stride_a + rm[None, :], mask=ok[:, None] & m_ok[None, :], other=0.0
+                a_ptr + arow[:, None] * stride_a0 + rm[None, :], mask=ok[:, None] & m_ok[None, :], other=0.0
             )
             a = tl.trans(p)
         if B_GATHER:
@@ -259,7 +259,7 @@ def _moe_bwd_dw_kernel(
         else:
             brow = r.to(tl.int64)
         b = tl.load(
-            b_ptr + brow[:, None] * stride_b + rn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0
+            b_ptr + brow[:, None] * stride_b0 + rn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0
         )
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     c_base = c_ptr + e.to(tl.int64) * stride_ce

@@ -460,7 +460,7 @@ class MoeAlltoAll:
         hdrs = hdrs + [hdrs[0]] * (8 - len(hdrs))
         hdr_off = tg.dst_base + rt * layout.row_bytes + layout.count_offset
         st.plan_args = (
-            st.slot, st.send_counts, *hdrs, tg.dst_rank_stride // 4, hdr_off // 4, T, self.num_experts,
+            st.slot, st.send_counts, *hdrs, tg.stride_dst_rank // 4, hdr_off // 4, T, self.num_experts,
             base, rem, K, self.ep, ep_p2, max(16, min(1024, 4096 // ep_p2)), True,
         )  # fmt: skip
         # pack kernel: payloads in groups of four, each group in one unit dtype
@@ -504,7 +504,7 @@ class MoeAlltoAll:
                 warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
                 variants[persistent] = _PackGroup(
                     idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
-                    consts=(tg.dst_rank_stride // u, tg.dst_base // u, *sig),
+                    consts=(tg.stride_dst_rank // u, tg.dst_base // u, *sig),
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
                               *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
                               64),

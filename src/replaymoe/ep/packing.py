@@ -39,14 +39,14 @@ class _Targets:
 
     recv : the local receive buffer (uint8); block : bytes per source block in it.
     dsts : per destination rank, the uint8 buffer the pack writes into; token row ``j`` of rank
-    ``r`` lands at ``dst_base + r * dst_rank_stride + j * row_bytes`` of ``dsts[r]`` (the count in
+    ``r`` lands at ``dst_base + r * stride_dst_rank + j * row_bytes`` of ``dsts[r]`` (the count in
     the header row ``rt`` of that block). send / recv_out : the nccl exchange's slices (or None).
     """
 
     recv: torch.Tensor
     block: int
     dsts: list[torch.Tensor]
-    dst_rank_stride: int
+    stride_dst_rank: int
     dst_base: int
     send: torch.Tensor | None = None
     recv_out: torch.Tensor | None = None

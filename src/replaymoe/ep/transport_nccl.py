@@ -64,7 +64,7 @@ class NcclTransport:
         assert send is not None and recv is not None
         block = (rt + 1) * layout.row_bytes
         return _Targets(
-            recv=recv, block=block, dsts=[send] * a.ep, dst_rank_stride=block, dst_base=0,
+            recv=recv, block=block, dsts=[send] * a.ep, stride_dst_rank=block, dst_base=0,
             send=send[: a.ep * block], recv_out=recv[: a.ep * block],
         )  # fmt: skip
 

@@ -139,7 +139,7 @@ class SymmTransport:
         buf = self.disp
         assert buf is not None
         block = (rt + 1) * layout.row_bytes  # all ranks use the same rt in a round; barriers order rounds
-        return _Targets(recv=buf.local, block=block, dsts=list(buf.peers), dst_rank_stride=0,
+        return _Targets(recv=buf.local, block=block, dsts=list(buf.peers), stride_dst_rank=0,
                            dst_base=a.rank * block, signal=self.signal_args[0] if self.fused else None,
                            wait=self.wait_args[0] if self.fused else None)  # fmt: skip
 
