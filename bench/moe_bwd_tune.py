@@ -37,9 +37,7 @@ def main(points):
         x, ids, wts, dout = _inputs(T, H, E, K)
         w13, w2, x, wts = (t.detach() for t in (w13, w2, x, wts))
         c0 = M.moe_config(T, K, H, I, E)
-        out, saved = torch.ops.replaymoe.moe_experts_train(
-            x, w13, w2, ids, wts, 0, M._config_tuple(c0), False
-        )
+        out, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, M.config_tuple(c0), False)
         S = T * K
         flops = {"da": 2 * S * H * I, "dx": 4 * S * H * I, "dw": 6 * S * H * I, "gemm1": 4 * S * H * I}
         ref = None
@@ -47,7 +45,7 @@ def main(points):
             for rec in (False, True) if vname == "default" else (False,):
 
                 def f(cfg=cfg, rec=rec, args=(dout, x, w13, w2, ids, wts, saved)):
-                    return M._launch_bwd(*args, 0, rec, [True] * 4, cfg)
+                    return M.launch_bwd(*args, 0, rec, [True] * 4, cfg)
 
                 try:
                     got = f()

@@ -14,7 +14,7 @@ import torch
 from replaymoe.bench._timing import time_graph
 from replaymoe.bench.moe import SHAPES, VLLM_KERNELS_MS, _floor_ms, _routing, make_weights
 from replaymoe.moe import fused_moe_torch
-from replaymoe.moe_triton import _experts_triton, moe_config
+from replaymoe.moe_triton import experts_triton, moe_config
 
 OUT = os.environ.get("OUT", "/tmp")
 what = set(sys.argv[1:]) or {"check", "time"}
@@ -36,7 +36,7 @@ def weights(name, fp8):
 
 def call(x, w, ids, wts, cfg=None, out=None):
     w13, w2, s13, s2 = w
-    return _experts_triton(
+    return experts_triton(
         x, w13, w2, ids, wts, w13_scale=s13, w2_scale=s2, local_expert_offset=0, out=out, config=cfg
     )
 

@@ -186,13 +186,14 @@ class _ManualTransfer(_SyncTransfer):
 
 
 class _ManualCapturer(RoutedExpertsCapturer):
+    # private hook on purpose: the copy's completion is what these tests control (no public seam)
     def _make_transfer(self):
         return _ManualTransfer(self.buffer, self.num_buffers)
 
 
 def test_scatter_waits_for_copy_events(generator):
     cap = _ManualCapturer(L, N, K, device="cpu", num_experts=E, page_size=4, slab_pages=8)
-    tr = cap._transfer
+    tr = cap._transfer  # private: the test's own _ManualTransfer, read back to see who waited
     exp: dict = {}
     run_step(cap, generator, ["a", "b"], [0, 0], exp)  # step 0
     run_step(cap, generator, ["b"], [1], exp)  # step 1
@@ -219,7 +220,7 @@ def test_scatter_waits_for_copy_events(generator):
 
 def test_abort_with_copy_in_flight_keeps_pages_until_it_lands(generator):
     cap = _ManualCapturer(L, N, K, device="cpu", num_experts=E, page_size=4, slab_pages=8)
-    tr = cap._transfer
+    tr = cap._transfer  # private: the test's own _ManualTransfer, read back to see who waited
     exp: dict = {}
     run_step(cap, generator, ["a"] * 4, [0, 1, 2, 3], exp)  # step 0, in flight
     used = cap.memory_stats()["used_page_bytes"]

@@ -92,9 +92,11 @@ def _dispatch_combine_worker(rank, world):
                         ids = [_make_ids(g, Ts[s], K, E, ep, pattern, s) for s in range(ep)]
                         pays = [_make_payloads(g, Ts[s], K, ids[s]) for s in range(ep)]
                         if rnd == 0:
-                            from replaymoe.ep.packing import _row_layout
+                            from replaymoe.ep.packing import row_layout
 
-                            a2a._transport.ensure_dispatch(_row_layout(pays[rank]).row_bytes)
+                            # private: the receive buffer has no public handle; poisoned so that
+                            # rows the dispatch does not write show
+                            a2a._transport.ensure_dispatch(row_layout(pays[rank]).row_bytes)
                             poison(a2a._transport.recv)
                         views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=2)
                         ref, counts = dispatch_torch(ids, pays, E, rt, expert_id_payload_index=2)

@@ -13,9 +13,9 @@ import torch
 
 from replaymoe.ep import combine_torch, dispatch_torch, expert_owner, expert_partition
 from replaymoe.ep.alltoall import MoeAlltoAll
-from replaymoe.ep.packing import _recv_views, _row_layout
-from replaymoe.ep.partition import _make_plan
-from replaymoe.ep.receive import _combine_reduce
+from replaymoe.ep.packing import recv_views, row_layout
+from replaymoe.ep.partition import make_plan
+from replaymoe.ep.receive import combine_reduce
 from replaymoe.testing import poison
 
 
@@ -50,7 +50,7 @@ def test_plan_invariants(generator):
     ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).to(torch.int32)
     ids[5] = -1  # a token sent nowhere
     ids[6, 1:] = -1
-    plan = _make_plan(ids, E, ep)
+    plan = make_plan(ids, E, ep)
     owner = expert_owner(ids, E, ep)
     for r in range(ep):
         sent = [t for t in range(T) if (owner[t] == r).any()]
@@ -59,7 +59,7 @@ def test_plan_invariants(generator):
         assert (plan.slot[others, r] == -1).all()
         assert int(plan.send_counts[r]) == len(sent)
     assert (plan.slot[5] == -1).all()
-    empty = _make_plan(torch.zeros(0, K, dtype=torch.int32), E, ep)
+    empty = make_plan(torch.zeros(0, K, dtype=torch.int32), E, ep)
     assert empty.slot.shape == (0, ep) and empty.send_counts.tolist() == [0] * ep
 
 
@@ -70,6 +70,8 @@ def test_plan_invariants(generator):
 
 def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None):
     """A MoeAlltoAll of rank ``rank`` without a process group (fields only)."""
+    # private fields and phases (here and in the symm tests below): ranks simulated in one process
+    # drive dispatch phase by phase, which no public API does
     a = MoeAlltoAll.__new__(MoeAlltoAll)
     a._num_sms, a._device_sms, a._dcache = num_sms, 4, {}
     a.ep, a.rank, a.max_num_tokens, a.top_k, a.num_experts, a.hidden_size = ep, rank, max_tokens, K, E, H
@@ -120,7 +122,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
     if not mixed:  # hidden fp32, ids, bf16 pairs: int32 units throughout
         bf = [torch.randn(p[0].shape[0], 4, generator=generator).to(torch.bfloat16) for p in pays]
         pays = [[p[0], p[3], b] for p, b in zip(pays, bf)]
-    layout = _row_layout(pays[0])
+    layout = row_layout(pays[0])
     a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms=num_sms) for r in range(ep)]
     trs = [SymmTransport(a) for a in a2as]
     disp = _fake_buffers(ep, ep * (max_tokens + 1) * layout.row_bytes)
@@ -149,7 +151,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
             assert int(trs[s].state[0]) == 1 and int(trs[s].state[2]) == 0  # arrivals reset
     ref, counts = dispatch_torch(ids, pays, E, rt)
     for s in range(ep):
-        plan = _make_plan(ids[s], E, ep)
+        plan = make_plan(ids[s], E, ep)
         assert torch.equal(states[s].slot, plan.slot) and torch.equal(states[s].send_counts, plan.send_counts)
     views = []
     for r in range(ep):
@@ -177,7 +179,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
     expect = combine_torch([(ref[r][0] * (r + 2)).to(torch.float16) for r in range(ep)], ids, E)
     for s in range(ep):
         out = poison(torch.empty(Ts[s], H, dtype=torch.float16))
-        _combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2], rows[s][3])
+        combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2], rows[s][3])
         torch.testing.assert_close(out, expect[s], atol=2e-3, rtol=2e-3)
 
 
@@ -196,10 +198,10 @@ def test_combine_reduce_kernel_matches_torch(generator):
         rows[r * (rt + 1) + nxt[r] : (r + 1) * (rt + 1)] = float("nan")  # padding: never read
     a = _fake_a2a(0, ep, rt, 1, ep, H)
     out_t = poison(torch.empty(T, H))
-    _combine_reduce(a, rows, (rt + 1) * H, slot, out_t)  # symm -> Triton
+    combine_reduce(a, rows, (rt + 1) * H, slot, out_t)  # symm -> Triton
     a.transport, a.kernel_backend = "nccl", "torch"
     out_r = poison(torch.empty(T, H))
-    _combine_reduce(a, rows, (rt + 1) * H, slot, out_r)
+    combine_reduce(a, rows, (rt + 1) * H, slot, out_r)
     torch.testing.assert_close(out_t, out_r, atol=1e-6, rtol=1e-6)
     expect = torch.zeros(T, H)
     for t in range(T):
@@ -227,8 +229,8 @@ def test_plan_kernel_matches_torch(E, ep, T, K, generator):
     if T > 3:
         ids[1] = -1  # a token sent nowhere
         ids[2, 0] = E  # an out-of-range id is ignored
-    ref = _make_plan(ids, E, ep)
-    got = _make_plan(ids, E, ep, use_triton=True)
+    ref = make_plan(ids, E, ep)
+    got = make_plan(ids, E, ep, use_triton=True)
     assert torch.equal(got.slot, ref.slot)
     assert torch.equal(got.send_counts, ref.send_counts)
 
@@ -237,14 +239,14 @@ def test_plan_kernel_matches_torch(E, ep, T, K, generator):
 def test_sanitize_kernel_matches_torch(generator):
     """The received-id sanitization (padding rows, header rows, remote experts -> invalid) and the
     counts copy, Triton vs torch, on a hand-built receive buffer."""
-    from replaymoe.ep.receive import _sanitize_triton
+    from replaymoe.ep.receive import sanitize_triton
 
     ep, E, K, rt = 3, 10, 4, 5
     ids = [torch.randint(-1, E, (rt, K), generator=generator, dtype=torch.int32) for _ in range(ep)]
-    layout = _row_layout([ids[0]])
+    layout = row_layout([ids[0]])
     block = (rt + 1) * layout.row_bytes
     recv = torch.zeros(ep * block + layout.row_bytes, dtype=torch.uint8)
-    views, counts = _recv_views(recv, layout, ep, rt, block)
+    views, counts = recv_views(recv, layout, ep, rt, block)
     for s in range(ep):
         views[0][s] = ids[s]
     counts.copy_(torch.tensor([5, 0, 2], dtype=torch.int32))
@@ -252,11 +254,11 @@ def test_sanitize_kernel_matches_torch(generator):
     outs = []
     for r, buf in enumerate((recv, recv2)):
         a = _fake_a2a(1, ep, rt, K, E, 16)
-        v, c = _recv_views(buf, layout, ep, rt, block)
+        v, c = recv_views(buf, layout, ep, rt, block)
         n = ep * (rt + 1) - 1
         flat = torch.as_strided(v[0], (n, K), v[0].stride()[1:])
         if r == 0:
-            _sanitize_triton(a, flat, buf, c, rt, 4, 7, -9)
+            sanitize_triton(a, flat, buf, c, rt, 4, 7, -9)
         else:
             i = torch.arange(n)
             pad = (i % (rt + 1)) >= c[i // (rt + 1)]

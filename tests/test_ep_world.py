@@ -62,6 +62,7 @@ def _world_worker(rank, world):
     for backend in ("torch", "triton"):
         a2a = MoeAlltoAll(None, max_tokens, K, E, H, kernel_backend=backend)
         calls = {"validate": 0}
+        # private: validation and the plan cache are what this test counts (the steady state)
         validate = a2a._validate_dispatch
 
         def counting(*args, _v=validate, _c=calls):

@@ -7,7 +7,7 @@ import torch
 
 import replaymoe
 import replaymoe.apps.cli as cli_mod
-from replaymoe._validation import check_choice, check_int, check_tensor
+from replaymoe._validation import check_choice, check_int, check_tensor  # private module: under test here
 from replaymoe.apps.cli import main
 from replaymoe.testing import assert_close, poison, tie_free_logits
 
@@ -106,7 +106,7 @@ def test_cli_bench_usage_errors_exit_2(argv, capsys):
     assert "usage: replaymoe bench" in capsys.readouterr().err
 
 
-BENCHES = sorted(cli_mod._BENCHES)
+BENCHES = sorted(cli_mod._BENCHES)  # private: the CLI's table of benchmarks, one case per entry
 
 
 @pytest.mark.parametrize("name", BENCHES)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
-from replaymoe.moe_triton import MoEConfig, _experts_triton
+from replaymoe.moe_triton import MoEConfig, experts_triton
 from replaymoe.quant import quantize_fp8_block
 from replaymoe.routing import RoutingMethod, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits
@@ -317,7 +317,7 @@ def test_triton_interpreter_matches_reference(T, H, I, E, K, dtype, cfg, generat
     if cfg is None:
         res = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, out=out, backend="triton")
     else:
-        res = _experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0,
+        res = experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0,
                               out=out, config=cfg)  # fmt: skip
     assert res is out
     assert_close(out, ref, dtype=dtype)
@@ -333,7 +333,7 @@ def test_triton_interpreter_ep_partial_sums(direct, generator):
     full = fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts)
     kw = dict(w13_scale=None, w2_scale=None, out=None, config=cfg)
     parts = [
-        _experts_triton(x, w13[a:b], w2[a:b], ids, wts, local_expert_offset=a, **kw)
+        experts_triton(x, w13[a:b], w2[a:b], ids, wts, local_expert_offset=a, **kw)
         for a, b in ((0, 4), (4, 6))
     ]
     assert_close(parts[0] + parts[1], full, dtype=torch.float32)

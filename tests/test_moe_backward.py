@@ -107,11 +107,11 @@ def test_triton_backward_configs_match_closed_form(dw_mode, block_m, generator):
 
     T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
-    ref = M._experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
-    c0 = MT._config_tuple(MT.moe_config(T, K, H, I, E_local))
+    ref = M.experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
+    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
     _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
     cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=block_m)
-    got = MT._launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg)
+    got = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg)
     for name, a, e in zip(("dx", "dw13", "dw2", "dtopk_weights"), got, ref):
         assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().max())), name=name)
 

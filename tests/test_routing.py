@@ -11,8 +11,8 @@ import torch
 import replaymoe.routing as routing_mod
 from replaymoe.routing import RoutingMethod, RoutingOutput, route, route_torch
 from replaymoe.routing_table import Params as _Params
-from replaymoe.routing_table import weights_torch as _weights_torch
-from replaymoe.routing_triton import weights_backward as _weights_backward
+from replaymoe.routing_table import weights_torch
+from replaymoe.routing_triton import weights_backward
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
 M = RoutingMethod
@@ -231,10 +231,10 @@ def test_weights_gradcheck_float64(method, generator):
     p = _Params(method, k, 1, 1, 2.5)
     x = torch.randn(5, 12, dtype=torch.float64, generator=generator, requires_grad=True)
     ids = torch.stack([torch.randperm(12, generator=generator)[:k] for _ in range(5)])
-    assert torch.autograd.gradcheck(lambda t: _weights_torch(t, ids, p), (x,))
+    assert torch.autograd.gradcheck(lambda t: weights_torch(t, ids, p), (x,))
     g = torch.randn(5, k, dtype=torch.float64, generator=generator)
-    (auto,) = torch.autograd.grad(_weights_torch(x, ids, p), x, g)
-    via_vjp = _weights_backward(x.detach(), ids.int(), g, int(method), 2.5)
+    (auto,) = torch.autograd.grad(weights_torch(x, ids, p), x, g)
+    via_vjp = weights_backward(x.detach(), ids.int(), g, int(method), 2.5)
     torch.testing.assert_close(via_vjp, auto, rtol=1e-10, atol=1e-12)
 
 
@@ -252,7 +252,7 @@ def test_route_torch_gradient_with_and_without_replay(method, generator):
         (out.topk_weights * coef).sum().backward()
         xd = x0.double().requires_grad_()
         p = _Params(method, k, 1, 1, kw.get("routed_scaling_factor") or 1.0)
-        (_weights_torch(xd, out.topk_ids.long(), p) * coef.double()).sum().backward()
+        (weights_torch(xd, out.topk_ids.long(), p) * coef.double()).sum().backward()
         assert x.grad is not None and bool(x.grad.abs().sum() > 0)
         assert_close(x.grad, xd.grad, dtype=torch.float32)
         # only the logits of the used experts get gradient (except the full-softmax DEFAULT)
@@ -405,7 +405,7 @@ def test_rejects_unknown_backend():
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
-    import replaymoe._backend as backend_mod
+    import replaymoe._backend as backend_mod  # private: the resolver's interpreter flag, faked off
 
     monkeypatch.setattr(backend_mod, "INTERPRET", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

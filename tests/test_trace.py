@@ -123,6 +123,7 @@ def test_save_overwrites_atomically(tmp_path, trace):
     assert os.listdir(tmp_path) == ["t.trace"]
 
 
+# patched over the private _write_payload: a writer failing half-way is the case under test
 def _failing_writer(f, ids, meta, compress):
     f.write(b"PK\x03\x04 partial")
     raise OSError("disk full (simulated)")

@@ -40,7 +40,7 @@ from ._backend import BACKENDS, resolve_backend
 from ._validation import check_choice, check_int, check_tensor, fail
 from .moe_triton import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
 from .moe_triton import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
-from .moe_triton import _experts_triton, _experts_triton_train
+from .moe_triton import experts_triton, experts_triton_train
 from .moe_triton import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
 from .moe_triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
@@ -449,7 +449,7 @@ def fused_moe(
                             for t in (hidden_states, w13, w2, topk_weights) if t.requires_grad)  # fmt: skip
         return out.copy_(res) if out is not None else res
     if use_triton and needs_grad:
-        res = _experts_triton_train(
+        res = experts_triton_train(
             hidden_states,
             w13,
             w2,
@@ -463,7 +463,7 @@ def fused_moe(
             return out
         return res
     if use_triton:
-        res = _experts_triton(
+        res = experts_triton(
             hidden_states,
             w13,
             w2,
@@ -492,7 +492,7 @@ def fused_moe(
     return res
 
 
-def _experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset, need):
+def experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset, need):
     """Closed-form backward of :func:`_experts_torch` in fp32 (fp64 for fp64 inputs), per expert.
 
     Host-synchronizing (a loop over experts); the spec of the Triton backward kernels. Returns

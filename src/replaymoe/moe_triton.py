@@ -5,7 +5,7 @@ One job: turn an already validated fused-MoE call into Triton launches. It holds
 :func:`moe_bwd_config` for the backward), the forward launcher (layout + GEMM1 + GEMM2 + reduce)
 and the backward launcher, the custom ops ``replaymoe::moe_experts``, ``replaymoe::moe_experts_train``
 and ``replaymoe::moe_experts_bwd`` with their fake implementations and autograd registration, and
-the ``_experts_triton*`` entry points that :mod:`replaymoe.moe` calls. No argument checks here
+the ``experts_triton*`` entry points that :mod:`replaymoe.moe` calls. No argument checks here
 (:func:`replaymoe.moe.fused_moe` validates); this module never imports :mod:`replaymoe.moe`.
 
 Size: slightly over 450 lines; the forward and backward launchers share the configurations and the
@@ -112,7 +112,7 @@ def moe_config(
     return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)
 
 
-def _experts_triton(
+def experts_triton(
     x, w13, w2, topk_ids, topk_weights, *, w13_scale, w2_scale, local_expert_offset, out, config=None
 ):
     """Run the Triton experts into ``out`` (allocated when None); returns it."""
@@ -129,21 +129,21 @@ def _experts_triton(
     if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
-            _config_tuple(c),
+            config_tuple(c),
         )  # fmt: skip
     else:  # eager: the same launches without the custom-op dispatch (tens of microseconds per call)
         _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c)
     return out
 
 
-def _experts_triton_train(x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None):
+def experts_triton_train(x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None):
     """Differentiable Triton experts (``torch.ops.replaymoe.moe_experts_train`` + its backward)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     c = config or moe_config(T, K, H, two_i // 2, E_local)
     out, _ = torch.ops.replaymoe.moe_experts_train(
-        x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config_tuple(c), recompute
+        x, w13, w2, topk_ids, topk_weights, local_expert_offset, config_tuple(c), recompute
     )
     return out
 
@@ -223,7 +223,7 @@ def _moe_bwd_op(
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     c = moe_bwd_config(T, K, H, two_i // 2, E_local)
-    return _launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute,
+    return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute,
                        need, c)  # fmt: skip
 
 
@@ -275,7 +275,7 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig
     return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1)
 
 
-def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig):
+def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig):
     """Triton backward: ``(dx, dw13, dw2, dtopk_weights)`` (empty where ``need`` is False).
 
     Launches: layout (2); GEMM1 again when ``recompute``; dA; SwiGLU backward (elementwise); dX +
@@ -397,7 +397,9 @@ def _launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompu
     return tuple(res)
 
 
-def _config_tuple(c: MoEConfig) -> list[int]:
+def config_tuple(c: MoEConfig) -> list[int]:
+    """``c`` as the int list the ``replaymoe::moe_experts*`` custom ops take (a dataclass cannot
+    cross the op boundary)."""
     return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
             c.warps2, c.stages2, c.group_m]  # fmt: skip
 

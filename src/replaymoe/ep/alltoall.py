@@ -68,13 +68,13 @@ from .packing import (
     _PACK_CHUNK,
     _align,
     _gcd_all,
-    _recv_views,
-    _row_layout,
     _RowLayout,
     _unit_dtype,
+    recv_views,
+    row_layout,
 )
-from .partition import _make_plan, expert_owner, expert_partition
-from .receive import _combine_reduce
+from .partition import expert_owner, expert_partition, make_plan
+from .receive import combine_reduce
 from .reference import combine_torch, dispatch_torch
 
 __all__ = [
@@ -437,11 +437,11 @@ class MoeAlltoAll:
         """Validate a call with a new signature and build its launch plan (buffers, views, kernel
         arguments); every later call with the same signature reuses it."""
         T, K = self._validate_dispatch(ids, payloads, rt, invalid, idx)
-        layout = _row_layout(list(payloads))
+        layout = row_layout(list(payloads))
         use_triton = self.use_triton()
         self._transport.ensure_dispatch(layout.row_bytes)
         tg = self._transport.dispatch_targets(layout, rt)
-        views, counts = _recv_views(tg.recv, layout, self.ep, rt, tg.block)
+        views, counts = recv_views(tg.recv, layout, self.ep, rt, tg.block)
         st = _DState(T=T, rt=rt, layout=layout, triton=use_triton, targets=tg, views=views, counts=counts)
         st.slot = torch.empty(T, self.ep, dtype=torch.int32, device=self.device)
         st.send_counts = torch.empty(self.ep, dtype=torch.int32, device=self.device)
@@ -599,7 +599,7 @@ class MoeAlltoAll:
 
     def _dispatch_torch(self, st: _DState, ids, payloads, invalid, idx) -> None:
         """The torch-ops path (CPU/gloo): plan, pack by index_copy, exchange, sanitize."""
-        plan = _make_plan(ids, self.num_experts, self.ep)
+        plan = make_plan(ids, self.num_experts, self.ep)
         st.slot, st.send_counts = plan.slot, plan.send_counts
         payloads = [p.contiguous() for p in payloads]
         self._transport.dispatch_torch(plan, payloads, st.layout, st.rt, st.targets)
@@ -661,7 +661,7 @@ class MoeAlltoAll:
         try:
             rows, block_stride, own, wait = self._transport.combine(payload, rt)
             out = torch.empty(st.T, self.hidden_size, dtype=payload.dtype, device=self.device)
-            _combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own, wait)
+            combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own, wait)
         except BaseException:
             self._phase = "broken"
             raise

@@ -1,8 +1,8 @@
 """Row layout and packing shared by the all-to-all and its transports.
 
 A dispatch sends each token as one packed row of bytes: every payload in its own 64-byte aligned
-region, then a region for the per-block count (:func:`_row_layout`). This module holds that layout,
-the typed views of a receive buffer (:func:`_recv_views`), where a transport wants rows written
+region, then a region for the per-block count (:func:`row_layout`). This module holds that layout,
+the typed views of a receive buffer (:func:`recv_views`), where a transport wants rows written
 (:class:`_Targets`), the copy-unit and tile-size choices of the Triton copies, and the torch-ops
 packing used on CPU (:func:`_pack`).
 """
@@ -82,14 +82,14 @@ class _RowLayout:
     count_offset: int
 
 
-def _row_layout(payloads: list[torch.Tensor]) -> _RowLayout:
+def row_layout(payloads: list[torch.Tensor]) -> _RowLayout:
+    """The packed row of ``payloads`` (each ``[T, *inner]``): one 64-byte-aligned region per payload
+    in order, then the count region (:class:`_RowLayout`). Used by the all-to-all and by the tests
+    that build receive buffers by hand."""
     specs, off = [], 0
     for p in payloads:
         inner = tuple(p.shape[1:])
-        n = 1
-        for d in inner:
-            n *= d
-        nbytes = n * p.element_size()
+        nbytes = math.prod(inner) * p.element_size()
         specs.append(_PayloadSpec(p.dtype, inner, nbytes, off))
         off += _align(max(nbytes, 1))
     return _RowLayout(tuple(specs), off + _ALIGN, off)
@@ -114,7 +114,7 @@ def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
-def _recv_views(
+def recv_views(
     recv: torch.Tensor, layout: _RowLayout, ep: int, rt: int, block_bytes: int
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per-payload views [ep, rt, *inner] of a receive buffer (source s's block at ``s * block_bytes``,

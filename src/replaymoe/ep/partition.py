@@ -1,7 +1,7 @@
 """Which rank owns which expert, and where each of this rank's tokens goes.
 
 The contiguous expert split (:func:`expert_partition`, :func:`expert_owner`) and the dispatch plan
-built from it (:func:`_make_plan`: per token and destination rank, the token's row in that rank's
+built from it (:func:`make_plan`: per token and destination rank, the token's row in that rank's
 block, and the rows sent to each rank), in torch ops or one Triton kernel.
 """
 
@@ -52,7 +52,10 @@ class _Plan:
     send_counts: torch.Tensor
 
 
-def _make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool = False) -> _Plan:
+def make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool = False) -> _Plan:
+    """The dispatch plan of this rank's ``ids`` (int32 ``[T, K]``, global expert ids; ids outside
+    ``[0, num_experts)`` go nowhere) over ``ep`` ranks: torch ops, or with ``use_triton`` the
+    ``ep_plan_kernel`` alone (the all-to-all fuses it with its header writes)."""
     T = ids.shape[0]
     if use_triton:
         import triton

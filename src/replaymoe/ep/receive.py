@@ -1,7 +1,7 @@
 """The receive side of the all-to-all: sanitize dispatched expert ids, sum combined rows per token.
 
-:func:`_combine_reduce` is the per-token fp32 sum that ends every ``combine`` (Triton or torch ops,
-both transports); :func:`_sanitize_triton` launches the received-id sanitization on its own (the
+:func:`combine_reduce` is the per-token fp32 sum that ends every ``combine`` (Triton or torch ops,
+both transports); :func:`sanitize_triton` launches the received-id sanitization on its own (the
 all-to-all launches the same kernel from its cached plan).
 """
 
@@ -12,7 +12,10 @@ import torch
 from .packing import _DENSE_CHUNK, _REDUCE_CHUNK
 
 
-def _sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
+def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
+    """Launch ``ep_sanitize_kernel`` alone on the received id rows ``flat`` (``[n, K]`` int32 over
+    all blocks of ``recv``): ids outside ``[lo, hi)`` and rows past each source's count (read from
+    ``counts``) become ``invalid``. The all-to-all fuses this into its receive; tests call it."""
     import triton
 
     from .._kernels.ep import ep_sanitize_kernel
@@ -30,7 +33,7 @@ def _sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
     )  # fmt: skip
 
 
-def _combine_reduce(
+def combine_reduce(
     a2a,
     rows: torch.Tensor,
     block_stride: int,
