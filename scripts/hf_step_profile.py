@@ -15,6 +15,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import replaymoe._launch as launch
 import replaymoe.hf as rhf
 from replaymoe.bench.hf import _shared_copy
 from replaymoe.hf.models import build_model
@@ -25,6 +26,8 @@ p.add_argument("--prompt", type=int, default=128)
 p.add_argument("--steps", type=int, default=32, help="new tokens per generate")
 p.add_argument("--rounds", type=int, default=5)
 p.add_argument("--top", type=int, default=12)
+p.add_argument("--variants", default="grouped_mm,replaymoe,replaymoe+capture,replaymoe+replay")
+p.add_argument("--no-profile", action="store_true")
 a = p.parse_args()
 
 torch.manual_seed(0)
@@ -32,25 +35,38 @@ model = build_model("qwen3_moe", "bench", dtype=torch.bfloat16, device="cuda")
 model.set_experts_implementation("grouped_mm")
 B, P = a.batch, a.prompt
 ids = torch.randint(3, model.config.vocab_size, (B, P), device="cuda")
-impls = ["grouped_mm", "replaymoe", "replaymoe+capture", "replaymoe+replay"]
+# variants: the bench's four, and isolating ones (--variants): a second grouped_mm copy (the original vs a
+# copy), routers only (experts on grouped_mm), experts only (transformers' routers), plain Triton launches
+impls = [v for v in a.variants.split(",") if v]
 copies = {i: model if i == "grouped_mm" else _shared_copy(model) for i in impls}
 cap = dict(max_batch_size=B, max_positions=P + a.steps)
-m = rhf.enable(copies["replaymoe+replay"], capture=True, **cap)
-with torch.no_grad():
-    copies["replaymoe+replay"].generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=a.steps,
-        min_new_tokens=a.steps,
-        do_sample=False,
-    )
-traces = m.traces()
-m.disable()
-sessions = {i: rhf.enable(copies[i], capture=i.endswith("capture"), **cap) for i in impls[1:]}
-sessions["replaymoe+replay"].set_replay(traces)
+sessions = {}
+traces = None
+if "replaymoe+replay" in impls:
+    m = rhf.enable(copies["replaymoe+replay"], capture=True, **cap)
+    with torch.no_grad():
+        copies["replaymoe+replay"].generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=a.steps,
+            min_new_tokens=a.steps,
+            do_sample=False,
+        )
+    traces = m.traces()
+    m.disable()
+for i in impls:
+    if i in ("replaymoe", "replaymoe+capture", "replaymoe+replay", "replaymoe/plain-launch"):
+        sessions[i] = rhf.enable(
+            copies[i], capture=i.endswith("capture"), replay=traces if i.endswith("replay") else None, **cap
+        )
+    elif i == "replaymoe/routers-only":
+        sessions[i] = rhf.enable(copies[i], experts=False, **cap)
+    elif i == "replaymoe/experts-only":
+        copies[i].set_experts_implementation("replaymoe")
 
 
 def gen(mod, n):
+    launch.ENABLED = mod is not copies.get("replaymoe/plain-launch")
     return mod.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
@@ -119,7 +135,7 @@ with torch.no_grad():
             sessions[i].traces()
         parts = "  ".join(f"{k} {v[0] / v[1] * 1e6:7.1f}" for k, v in acc.items())
         print(f"  {i:18s} generate {wall:7.1f} ms  {parts}")
-    for i in impls:
+    for i in [] if a.no_profile else impls:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
