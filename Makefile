@@ -35,12 +35,12 @@ demo: $(STAMP)
 	$(PY) -m replaymoe demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
 
 format: $(STAMP)
-	$(PY) -m ruff format src tests
-	$(PY) -m ruff check --fix src tests
+	$(PY) -m ruff format src tests bench
+	$(PY) -m ruff check --fix src tests bench
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import replaymoe.moe_triton as M
-from replaymoe.bench.train import SHAPES, _inputs, _weights
+from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 
 OUT = os.environ.get("OUT", "/tmp")
 
@@ -33,8 +33,8 @@ def main(points):
         name, T = pt.split(":")
         T = int(T)
         H, I, E, K = SHAPES[name]  # noqa: E741
-        w13, w2 = _weights(H, I, E)
-        x, ids, wts, dout = _inputs(T, H, E, K)
+        w13, w2 = layer_weights(H, I, E)
+        x, ids, wts, dout = layer_inputs(T, H, E, K)
         w13, w2, x, wts = (t.detach() for t in (w13, w2, x, wts))
         c0 = M.moe_config(T, K, H, I, E)
         out, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, M.config_tuple(c0), False)

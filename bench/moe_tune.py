@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from replaymoe.bench._timing import time_graph
-from replaymoe.bench.moe import SHAPES, VLLM_KERNELS_MS, _floor_ms, _routing, make_weights
+from replaymoe.bench.moe import SHAPES, VLLM_KERNELS_MS, layer_floor_ms, make_weights, routing_inputs
 from replaymoe.moe import fused_moe_torch
 from replaymoe.moe_triton import experts_triton, moe_config
 
@@ -55,7 +55,7 @@ if "check" in what:
                 if fp8 and T not in (1, 64, 4096):
                     continue
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-                _, _, _, _, ids, wts = _routing(name, T)
+                _, _, _, _, ids, wts = routing_inputs(name, T)
                 try:
                     y = call(x, w, ids, wts)
                 except Exception as ex:
@@ -110,14 +110,14 @@ def timeit(name, T, fp8, cfg=None, tag="default"):
     H, I, E, K, _ = SHAPES[name]  # noqa: E741
     w = weights(name, fp8)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    _, _, _, _, ids, wts = _routing(name, T)
+    _, _, _, _, ids, wts = routing_inputs(name, T)
     c = cfg or moe_config(T, K, H, I, E, fp8=fp8)
     try:
         us = time_graph(lambda: call(x, w, ids, wts, cfg=c), rep_ms=30)
     except Exception as ex:
         print("FAIL", name, T, tag, repr(ex)[:200])
         return None
-    fl, bound = _floor_ms(name, T, ids, 1 if fp8 else 2)
+    fl, bound = layer_floor_ms(name, T, ids, 1 if fp8 else 2)
     r = dict(
         kind="time",
         shape=name,
@@ -259,7 +259,7 @@ if "profile" in what:
         H, I, E, K, _ = SHAPES[name]  # noqa: E741
         w = weights(name, fp8)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        _, _, _, _, ids, wts = _routing(name, T)
+        _, _, _, _, ids, wts = routing_inputs(name, T)
         for _ in range(3):
             call(x, w, ids, wts)
         torch.cuda.synchronize()

@@ -14,10 +14,7 @@ import replaymoe.apps.demo as demo_mod  # noqa: E402
 from replaymoe.apps.demo import main  # noqa: E402
 from replaymoe.trace import RoutingTrace  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """Every test here runs with one intra-op thread (conftest's ``one_thread``)."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # every test here: one intra-op thread (conftest)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # default; grouped routing + dense layer

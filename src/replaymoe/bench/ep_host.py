@@ -2,7 +2,8 @@
 eager dispatch + combine call goes (rank 0 prints): per-call host µs with and without the direct
 launches (mean over calls), the pieces alone (event record, symm barrier, a bare plan launch,
 ``torch.empty``: median per call, :func:`replaymoe.bench._timing.host_us`), and a cProfile of many
-calls.
+calls. It reaches into the all-to-all's internals on purpose (its plan cache, transport barrier,
+direct launches): they are what is profiled.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def naive_layer(x, w13, w2, ids, wts):
     return out
 
 
-def _floor_ms(name: str, T: int, ids: torch.Tensor, bytes_per_weight: float) -> tuple[float, str]:
+def layer_floor_ms(name: str, T: int, ids: torch.Tensor, bytes_per_weight: float) -> tuple[float, str]:
     """Roofline floor (ms) of one layer and which term bounds it ("hbm" or "flops")."""
     H, inter, E, K, _ = SHAPES[name]
     distinct = int(torch.unique(ids).numel())
@@ -125,7 +125,7 @@ def _floor_ms(name: str, T: int, ids: torch.Tensor, bytes_per_weight: float) -> 
     return (mem, "hbm") if mem >= flops else (flops, "flops")
 
 
-def _routing(name: str, T: int, device="cuda", seed: int = 1):
+def routing_inputs(name: str, T: int, device="cuda", seed: int = 1):
     """Router logits (and the model's routing args) plus the resulting (ids, weights)."""
     from ..routing import RoutingMethod, route
 
@@ -148,10 +148,10 @@ def _point(name: str, T: int, bf16w, fp8w) -> dict:
     w13, w2, _, _ = bf16w
     q13, q2, s13, s2 = fp8w
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    logits, method, bias, kw, ids, wts = _routing(name, T)
+    logits, method, bias, kw, ids, wts = routing_inputs(name, T)
     rkw = dict(router_logits=logits, top_k=K, method=method, bias=bias, **kw)
-    floor_ms, bound = _floor_ms(name, T, ids, 2)
-    floor8, _ = _floor_ms(name, T, ids, 1)
+    floor_ms, bound = layer_floor_ms(name, T, ids, 2)
+    floor8, _ = layer_floor_ms(name, T, ids, 1)
     row = {"shape": name, "T": T, "floor_ms": floor_ms, "bound": bound}
 
     def fb():

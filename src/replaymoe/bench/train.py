@@ -82,7 +82,9 @@ def _rmoe_fn(recompute: bool):
     return f
 
 
-def _weights(H, I, E, seed=0):  # noqa: E741
+def layer_weights(H, I, E, seed=0):  # noqa: E741
+    """bf16 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` on the GPU (leaves requiring grad); also used by
+    ``bench/moe_bwd_tune.py``."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
     w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")
@@ -92,7 +94,9 @@ def _weights(H, I, E, seed=0):  # noqa: E741
     return w13.requires_grad_(), w2.requires_grad_()
 
 
-def _inputs(T, H, E, K, seed=1):
+def layer_inputs(T, H, E, K, seed=1):
+    """``(x [T, H] bf16, topk_ids [T, K], topk_weights [T, K] fp32, dout [T, H] bf16)`` on the GPU:
+    ids from random logits' top-k, weights their softmax; x and the weights require grad."""
     g = torch.Generator(device="cuda").manual_seed(seed + T)
     x = torch.randn(T, H, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
     vals, ids = torch.randn(T, E, generator=g, device="cuda").topk(K, dim=1)
@@ -107,7 +111,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _layer_point(name: str, T: int, w13, w2, impls) -> list[dict]:
     H, I, E, K = SHAPES[name]  # noqa: E741
-    x, ids, wts, dout = _inputs(T, H, E, K)
+    x, ids, wts, dout = layer_inputs(T, H, E, K)
     leaves = (x, w13, w2, wts)
     flops = 6.0 * T * K * H * I
     resident = sum(t.numel() * t.element_size() for t in (x, w13, w2, ids, wts, dout))
@@ -151,7 +155,7 @@ def _layer_point(name: str, T: int, w13, w2, impls) -> list[dict]:
 
 def _layer_rows(name: str, tokens, impls) -> list[dict]:
     H, I, E, K = SHAPES[name]  # noqa: E741
-    w13, w2 = _weights(H, I, E)
+    w13, w2 = layer_weights(H, I, E)
     rows = []
     for T in tokens:
         rows += _layer_point(name, T, w13, w2, impls)
