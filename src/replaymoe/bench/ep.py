@@ -44,7 +44,7 @@ from .ep_host import host_profile  # noqa: E402
 from .ep_naive import NaiveEP, naive_layer, time_naive  # noqa: E402
 from .ep_shape import SHAPE, inputs, set_shape  # noqa: E402
 from .ep_summary import NAIVE_ANCHOR_MS, print_summary  # noqa: E402
-from .ep_timing import device, err, graph, on_cuda, sync, time_phases  # noqa: E402
+from .ep_timing import device, err, graph, on_cuda, sync, time_phases, time_replays  # noqa: E402
 
 __all__ = ["NAIVE_ANCHOR_MS", "DeepEPPeer", "NaiveEP", "host_profile", "main", "run"]
 
@@ -242,12 +242,7 @@ def _time_layer(impl, naive, a2a, x, logits, w13, w2, lo, n, T, route_kw, *, ite
             log(f"layer graph capture failed for {impl} T={T}: {err(e)}")
             return res
 
-        def itg(ev):
-            ev[0].record()
-            g.replay()
-            ev[1].record()
-
-        res["graph"] = time_phases(itg, 1, iters, warmup)[0][0]
+        res["graph"] = time_replays([g], iters, warmup)[0]
     return res
 
 
@@ -304,14 +299,7 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
         a2a._phase, a2a._st = "idle", None  # private: a capture that failed mid-dispatch left them set
         return res
 
-    def itg(ev):
-        ev[0].record()
-        gd.replay()
-        ev[1].record()
-        gc.replay()
-        ev[2].record()
-
-    res["graph"] = (tuple(time_phases(itg, 2, iters, warmup)[0]), None)
+    res["graph"] = (time_replays([gd, gc], iters, warmup), None)
     return res
 
 

@@ -13,7 +13,7 @@ import time
 import torch.distributed as dist
 
 from .ep_shape import SHAPE
-from .ep_timing import err, graph, sync, time_phases
+from .ep_timing import err, graph, sync, time_phases, time_replays
 
 
 def import_deepep():
@@ -151,12 +151,5 @@ class DeepEPPeer:
             self.log(f"[rank {self.rank}] DeepEP graph capture failed: {err(e)}")
             return res
 
-        def itg(ev):
-            ev[0].record()
-            gd.replay()
-            ev[1].record()
-            gc.replay()
-            ev[2].record()
-
-        res["graph"] = (tuple(time_phases(itg, 2, iters, warmup)[0]), None)
+        res["graph"] = (time_replays([gd, gc], iters, warmup), None)
         return res

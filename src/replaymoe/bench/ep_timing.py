@@ -1,6 +1,7 @@
 """Distributed timing primitives of ``replaymoe bench ep``: CUDA events (or a host stand-in for the
 gloo CPU dry run), :func:`time_phases` (per phase, the median over iterations of the maximum over
-ranks, for the device and optionally the host time), CUDA-graph capture, and the short error text a
+ranks, for the device and optionally the host time), :func:`time_replays` (the same for CUDA-graph
+replays), CUDA-graph capture, and the short error text a
 failed point leaves in its result row.
 """
 
@@ -74,6 +75,19 @@ def time_phases(run_iter, n_phases: int, iters: int, warmup: int):
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     med = [statistics.median(times[:, p].tolist()) for p in range(2 * n_phases)]
     return med[:n_phases], (med[n_phases:] if host else None)
+
+
+def time_replays(graphs, iters: int, warmup: int) -> tuple[float, ...]:
+    """Per CUDA graph, the median over iterations of the max over ranks of its replay time (µs): the
+    graphs replay back to back, an event before the first and after each (:func:`time_phases`)."""
+
+    def run_iter(ev):
+        ev[0].record()
+        for i, g in enumerate(graphs):
+            g.replay()
+            ev[i + 1].record()
+
+    return tuple(time_phases(run_iter, len(graphs), iters, warmup)[0])
 
 
 def graph(fn, pool=None):

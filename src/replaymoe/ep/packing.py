@@ -13,11 +13,27 @@ import math
 from dataclasses import dataclass
 
 import torch
+import triton
 
 _ALIGN = 64  # bytes: payload regions and rows are aligned so Triton sees 16-unit divisibility
 _PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration
 _REDUCE_CHUNK = 4096  # most columns one reduce / combine-send program handles per iteration
 _DENSE_CHUNK = 1024  # the same without num_sms: one short-lived program per (row, chunk)
+
+
+def row_tiling(H: int, persistent: bool) -> tuple[int, int, int, int]:
+    """``(nb, chunks, tt, warps)`` of the row-copying combine kernels (``ep_combine_send_kernel``,
+    ``ep_combine_reduce_kernel``) for rows of ``H`` elements: ``nb`` columns per chunk (a power of
+    two), ``chunks`` of them per row, ``tt`` rows per program, ``num_warps``. ``persistent`` (a
+    ``num_sms`` cap): longer chunks and programs that loop."""
+    nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, triton.next_power_of_2(H))
+    chunks = triton.cdiv(H, nb)
+    if persistent:
+        tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
+    else:
+        tt = 1 if nb >= 256 else 8
+    warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
+    return nb, chunks, tt, warps
 
 
 def _align(n: int, a: int = _ALIGN) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .packing import _DENSE_CHUNK, _REDUCE_CHUNK
+from .packing import row_tiling
 
 
 def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
@@ -57,18 +57,10 @@ def combine_reduce(
         key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride, own_key, persistent, wait is None)
         plan = None if cache is None else cache.get(key)
         if plan is None:
-            import triton
-
             from .._kernels.ep import ep_combine_reduce_kernel
             from ._launch import Launcher
 
-            nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, triton.next_power_of_2(H))
-            chunks = triton.cdiv(H, nb)
-            if persistent:
-                tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
-            else:
-                tt = 1 if nb >= 256 else 8
-            warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
+            nb, chunks, tt, warps = row_tiling(H, persistent)
             plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, max(1, -(-T // tt)), nb, tt)
             if cache is not None:
                 cache[key] = plan

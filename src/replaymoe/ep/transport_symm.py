@@ -43,7 +43,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 
 from .._validation import fail  # noqa: E402
-from .packing import _DENSE_CHUNK, _REDUCE_CHUNK, _Targets  # noqa: E402
+from .packing import _Targets, row_tiling  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
@@ -175,13 +175,7 @@ class SymmTransport:
             # whenever H is, so Triton emits 128-bit accesses without any reinterpreting view
             dst = [p.view(payload.dtype) for p in buf.peers]
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
-            nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, triton.next_power_of_2(H))
-            chunks = triton.cdiv(H, nb)
-            if persistent:
-                tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
-            else:
-                tt = 1 if nb >= 256 else 8
-            warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
+            nb, chunks, tt, warps = row_tiling(H, persistent)
             rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
             work = triton.cdiv((a.ep - 1) * rt, tt)
             sig = self.signal_args[1] if self.fused else (a.recv_counts,) * 10 + (0,)
