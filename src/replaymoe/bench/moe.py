@@ -1,7 +1,9 @@
 """``replaymoe bench moe``: whole fused-MoE layers on the GPU against their peers.
 
 Each point times one whole layer (routing inside where the call does it, layout, both GEMMs,
-activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed, plus eager:
+activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed, plus eager
+(``*_eager_ms``: ``triton.testing.do_bench``, device time) and the host time of an eager bf16 call
+(``rmoe_bf16_eager_host_ms``, ``bench._timing.host_us``):
 
 * ``rmoe_bf16`` / ``rmoe_fp8`` — :func:`replaymoe.fused_moe` with ``router_logits`` (fp8: block-scale
   weights, activations quantized inside);
@@ -27,6 +29,7 @@ from ._timing import (
     BF16_FLOPS_PER_S,
     HBM_BYTES_PER_S,
     NO_CUDA_EXIT,
+    host_us,
     no_cuda,
     print_table,
     time_eager,
@@ -165,6 +168,7 @@ def _point(name: str, T: int, bf16w, fp8w) -> dict:
 
     row["rmoe_bf16_ms"] = time_graph(fb) / 1e3
     row["rmoe_bf16_eager_ms"] = time_eager(fb) / 1e3
+    row["rmoe_bf16_eager_host_ms"] = host_us(fb, calls=20) / 1e3
     row["rmoe_fp8_ms"] = time_graph(f8) / 1e3
     row["rmoe_fp8_eager_ms"] = time_eager(f8) / 1e3
     row["grouped_mm_ms"] = time_graph(fg) / 1e3
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(rows, a.out, "moe")
     cols = ["shape", "T", "floor_ms", "rmoe_bf16_ms", "rmoe_fp8_ms", "grouped_mm_ms", "naive_ms",
             "vllm_kernels_ms", "vs_vllm", "frac_floor_bf16", "tflops_bf16", "fp8_speedup",
-            "rmoe_bf16_eager_ms"]  # fmt: skip
+            "rmoe_bf16_eager_ms", "rmoe_bf16_eager_host_ms"]  # fmt: skip
     print_table(rows, cols)
     return 0
 

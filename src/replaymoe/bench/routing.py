@@ -2,7 +2,8 @@
 
 Median microseconds of CUDA-graph replays with L2 flushed (the serving case) and of eager calls
 (``triton.testing.do_bench``: device time; host launch cost shows only where it outlasts the L2
-flush before each call, see ``bench._timing.time_eager``), for DeepSeek-V3 routing (E=256, 8
+flush before each call, see ``bench._timing.time_eager``) and the host time of an eager call
+(``eager_host_us``, ``bench._timing.host_us``), for DeepSeek-V3 routing (E=256, 8
 groups / 4 kept, top-8, scale 2.5, fp32 bias) and RENORMALIZE (E=128, top-8), fp32 and bf16
 logits, capture (``routing_replay_out``) on and off, T in {1, 16, 128, 1024, 4096, 16384}. The
 HBM floor is the bytes of logits read plus outputs written over 4.27 TB/s; FlashInfer's
@@ -20,6 +21,7 @@ from replaymoe.apps.cli import strip_rest  # plain-text --help when run as pytho
 from replaymoe.bench._timing import (
     HBM_BYTES_PER_S,
     NO_CUDA_EXIT,
+    host_us,
     no_cuda,
     print_table,
     time_eager,
@@ -76,6 +78,7 @@ def run_table(tokens=TOKENS, models=tuple(MODELS), dtypes=(torch.float32, torch.
                 kern_cap = time_graph(lambda x=x, cfg=cfg, cap=cap: route(x, routing_replay_out=cap, **cfg))
                 eager = time_eager(lambda x=x, cfg=cfg: route(x, **cfg))
                 eager_cap = time_eager(lambda x=x, cfg=cfg, cap=cap: route(x, routing_replay_out=cap, **cfg))
+                eager_host = host_us(lambda x=x, cfg=cfg: route(x, **cfg), calls=200)
                 ref = time_graph(lambda x=x, cfg=cfg: route_torch(x, **cfg))
                 floor = _floor_us(t, e, k, x.element_size(), False)
                 fi = FLASHINFER_DSV3_US.get(dtype, {}).get(t) if name == "deepseek_v3" else None
@@ -88,6 +91,7 @@ def run_table(tokens=TOKENS, models=tuple(MODELS), dtypes=(torch.float32, torch.
                         "graph_cap_us": kern_cap,
                         "eager_us": eager,
                         "eager_cap_us": eager_cap,
+                        "eager_host_us": eager_host,
                         "torch_ops_us": ref,
                         "speedup_vs_torch": ref / kern,
                         "flashinfer_us": fi if fi is not None else "",
@@ -169,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             "graph_cap_us",
             "eager_us",
             "eager_cap_us",
+            "eager_host_us",
             "torch_ops_us",
             "flashinfer_us",
             "hbm_floor_us",
