@@ -128,6 +128,24 @@ def test_triton_forward_unchanged_by_training_and_backward_deterministic(generat
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("recompute", [False, True])
+def test_triton_backward_twice_through_one_graph(recompute, generator):
+    # eager backward frees the forward's saved gate/up rows once read (lower peak memory): a second
+    # backward through the same graph (retain_graph) raises a clear error, unless recompute=True
+    x, w13, w2, ids, wts, dout = _problem(9, 32, 16, 4, 4, 0, 2, generator, torch.float32)
+    w13.requires_grad_()
+    out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, backend="triton", recompute=recompute)
+    out.backward(dout, retain_graph=True)
+    first = w13.grad.clone()
+    if not recompute:
+        with pytest.raises(RuntimeError, match="backward ran twice through the same graph"):
+            out.backward(dout)
+        return
+    out.backward(dout)
+    assert torch.equal(w13.grad, 2 * first)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_replay_gradients_reach_the_router(backend, generator):
     # replay: ids forced from a (non-contiguous) slice of a recorded trace, weights recomputed from

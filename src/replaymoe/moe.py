@@ -364,7 +364,10 @@ def fused_moe(
         Training only (some input requires grad, Triton backend): ``False`` saves the GEMM1 outputs
         (gate and up pre-activations, ``[T*K, 2I]`` in the activation dtype) for the backward;
         ``True`` saves nothing but the inputs and recomputes GEMM1 inside the backward's first
-        kernel (less memory, more time). No effect on the forward's values.
+        kernel (less memory, more time). No effect on the forward's values. Eagerly, the backward
+        frees the saved rows as soon as it has read them, so a graph through ``fused_moe`` can be
+        differentiated once (a second ``backward`` with ``retain_graph=True`` raises
+        RuntimeError); ``True`` allows any number.
 
     Returns
     -------

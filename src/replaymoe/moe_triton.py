@@ -182,21 +182,44 @@ def _(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute
 
 def _train_setup_context(ctx, inputs, output):
     x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs
-    ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, output[1])
+    saved = output[1]
     ctx.offset, ctx.recompute = local_expert_offset, recompute
     # the saved gate/up rows are an output only to be saved: no zero gradient [T*K, 2I] for them
     ctx.set_materialize_grads(False)
+    if type(saved) is torch.Tensor and not recompute:
+        # eager: the rows are handed to the backward, which frees them once the SwiGLU backward has
+        # read them (before the weight gradients are allocated) instead of holding them to the end
+        ctx.consumable = [saved]
+        ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights)
+    else:  # traced (torch.compile) or recompute: an ordinary saved tensor
+        ctx.consumable = None
+        ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, saved)
 
 
 def _train_backward(ctx, grad_out, _grad_saved):
-    x, w13, w2, topk_ids, topk_weights, saved = ctx.saved_tensors
     need = ctx.needs_input_grad
-    if grad_out is None:  # out unused by the loss
-        grad_out = torch.zeros_like(x)
-    dx, dw13, dw2, dwts = torch.ops.replaymoe.moe_experts_bwd(
-        grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute,
-        [bool(need[0]), bool(need[1]), bool(need[2]), bool(need[4])],
-    )  # fmt: skip
+    flags = [bool(need[0]), bool(need[1]), bool(need[2]), bool(need[4])]
+    if ctx.consumable is None:
+        x, w13, w2, topk_ids, topk_weights, saved = ctx.saved_tensors
+        if grad_out is None:  # out unused by the loss
+            grad_out = torch.zeros_like(x)
+        dx, dw13, dw2, dwts = torch.ops.replaymoe.moe_experts_bwd(
+            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute, flags
+        )
+    else:
+        x, w13, w2, topk_ids, topk_weights = ctx.saved_tensors
+        if not ctx.consumable:
+            raise RuntimeError(
+                "fused_moe: backward ran twice through the same graph (retain_graph=True); the Triton "
+                "backward frees the forward's saved gate/up rows as it goes. Use fused_moe(..., "
+                "recompute=True) for graphs that are differentiated more than once."
+            )
+        holder = [ctx.consumable.pop()]  # the only reference left: launch_bwd drops it when done
+        if grad_out is None:
+            grad_out = torch.zeros_like(x)
+        dx, dw13, dw2, dwts = launch_bwd_config(
+            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, holder, ctx.offset, False, flags
+        )
     return (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
             dwts if need[4] else None, None, None, None)  # fmt: skip
 
@@ -219,12 +242,16 @@ def _moe_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``moe_experts_train``: ``(dx, dw13, dw2, dtopk_weights)``; a gradient not in
     ``need`` (x, w13, w2, topk_weights) comes back empty."""
+    return launch_bwd_config(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset,
+                             recompute, need)  # fmt: skip
+
+
+def launch_bwd_config(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need):
+    """:func:`launch_bwd` with the configuration :func:`moe_bwd_config` picks for the shape."""
     T, H = x.shape
-    K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
-    c = moe_bwd_config(T, K, H, two_i // 2, E_local)
-    return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute,
-                       need, c)  # fmt: skip
+    c = moe_bwd_config(T, topk_ids.shape[1], H, two_i // 2, E_local)
+    return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c)
 
 
 @_moe_bwd_op.register_fake
@@ -280,7 +307,12 @@ def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recomput
 
     Launches: layout (2); GEMM1 again when ``recompute``; dA; SwiGLU backward (elementwise); dX +
     k-ordered reduce; dW13; dW2. Intermediates: dh [rows, 2I] and aw [rows, I] in layout order.
+    ``saved`` may be a one-element list holding the only reference to the forward's gate/up rows:
+    they are then freed right after the SwiGLU backward has read them (eager autograd hands them over
+    so, see ``_train_setup_context``), before dX and the weight gradients are allocated.
     """
+    if isinstance(saved, list):
+        saved = saved.pop()
     from ._kernels.moe import moe_gemm1_kernel, moe_reduce_kernel
     from ._kernels.moe_bwd import (
         moe_bwd_da_kernel,
