@@ -66,9 +66,11 @@ def token_positions(
         ``int64 [B, S]`` on ``device``.
     """
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= seq_len:
-        m = attention_mask.to(device=device) != 0
-        offset = past_length + seq_len - m.shape[1]
-        pos = m.long().cumsum(1)[:, -seq_len:] - 1 + offset
+        m = attention_mask if attention_mask.device == torch.device(device) else attention_mask.to(device)
+        m = m != 0
+        # kept tokens up to and including each column (cumsum of bool counts in int64), made a
+        # position: -1 for the token itself, + the cache columns missing at the mask's left
+        pos = m.cumsum(1)[:, -seq_len:] + (past_length + seq_len - m.shape[1] - 1)
         return torch.where(m[:, -seq_len:], pos, -1)
     if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[1] == seq_len:
         pos = position_ids.to(device=device, dtype=torch.int64).expand(batch_size, seq_len)

@@ -128,14 +128,17 @@ class CaptureBuffer:
         """Row of ``ids`` for every token, ``int64 [B*S]`` (padding and overflow: the dump row).
 
         ``positions`` is ``int64 [B, S]`` with -1 for padding, ``B <= B_cap``. ``check_overflow``
-        records positions beyond ``S_cap`` in :attr:`overflow` (needed where the buffer could
-        not grow to the forward's positions first).
+        sends positions beyond ``S_cap`` to the dump row and records them in :attr:`overflow`
+        (needed where the buffer could not grow to the forward's positions first); without it every
+        position must be below ``S_cap``.
         """
         B = positions.shape[0]
+        dump = self.batch_cap * self.seq_cap
+        if not check_overflow:  # every position is below S_cap (the buffer grew to them first)
+            return torch.where(positions >= 0, positions + self.row_base[:B], dump).reshape(-1)
         inside = (positions >= 0) & (positions < self.seq_cap)
-        slot = torch.where(inside, positions + self.row_base[:B], self.batch_cap * self.seq_cap)
-        if check_overflow:
-            self.overflow.logical_or_((positions >= self.seq_cap).any().reshape(1))
+        slot = torch.where(inside, positions + self.row_base[:B], dump)
+        self.overflow.logical_or_((positions >= self.seq_cap).any().reshape(1))
         return slot.reshape(-1)
 
     def commit(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
