@@ -46,10 +46,15 @@ class MoEConfig:
     group_m: int = 8
 
 
+# Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
+# fewer rows (the mma.sync path, through fp16) round differently, so one tile height for every T is
+# what keeps the fp8 path batch-invariant (a token's bits do not depend on T); see DESIGN.
+FP8_BLOCK_M = 64
+
 # Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
 _TUNED: dict[tuple, MoEConfig] = {
     (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
-    (2048, 768, 128, 8, True, 1): MoEConfig(True, 16, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8 decode
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8
 }
 
 
@@ -98,13 +103,11 @@ def moe_config(
     if T == 1 or slots * 4 <= E_local or (eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)):
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8:
-            return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
+            return MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 3, 64, 128, 4, 3)
         return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
     m_avg = slots / min(E_local, slots)  # rows per active expert
     if fp8:
-        if m_avg < 48:
-            return MoEConfig(False, 16 if m_avg < 12 else 32, 128, 128, 4, 3, 128, 128, 4, 3)
-        return MoEConfig(False, 64, 128, 128, 8, 3, 128, 128, 8, 3)
+        return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 3, 128, 128, 8, 3)
     if m_avg < 12:  # H200 sweep (bench/moe_notes.md): memory-bound, deep K tiles
         return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
     if m_avg < 48:
