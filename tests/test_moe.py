@@ -220,6 +220,7 @@ REJECT = [
     (lambda a: a.update(out=torch.zeros(3, 128, dtype=torch.float16)), "dtype of out"),
     (lambda a: a.update(backend="cuda"), "backend"),
     (lambda a: a.update(w13_scale=torch.ones(4, 2, 1)), "w2_scale"),  # one scale only
+    (lambda a: a.update(batch_invariant=1), "batch_invariant"),  # a bool, not a truthy int
 ]
 
 

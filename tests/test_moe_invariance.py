@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replaymoe.moe import fused_moe
-from replaymoe.moe_triton import moe_config
+from replaymoe.moe_triton import FP8_BLOCK_M, moe_config
 from replaymoe.testing import poison
 
 # (H, I, E, K)
@@ -33,6 +33,18 @@ SMALL = (1024, 512, 64, 8)
 def test_eager_direct_mode_choice(shape, T, eager, direct):
     H, I, E, K = shape  # noqa: E741
     assert moe_config(T, K, H, I, E, eager=eager).direct is direct
+
+
+@pytest.mark.parametrize("shape", [QWEN3, MIXTRAL, DSV3, SMALL], ids=["qwen3", "mixtral", "dsv3", "small"])
+@pytest.mark.parametrize("T", [1, 8, 64, 256, 1024, 16384])
+@pytest.mark.parametrize("eager", [False, True])
+def test_fp8_configs_share_one_tile_height(shape, T, eager):
+    # fp8 batch invariance rests on every configuration using the same tile height (one MMA kind);
+    # batch_invariant=False may leave it at decode sizes (tuned decode entry included)
+    H, I, E, K = shape  # noqa: E741
+    assert moe_config(T, K, H, I, E, fp8=True, eager=eager).block_m == FP8_BLOCK_M
+    fast = moe_config(T, K, H, I, E, fp8=True, eager=eager, batch_invariant=False)
+    assert fast.block_m == FP8_BLOCK_M or T * K / min(E, T * K) < 48
 
 
 def _weights(shape, seed=0):
@@ -76,3 +88,29 @@ def test_gpu_token_output_independent_of_batch_and_mode(shape):
     torch.cuda.synchronize()
     assert torch.equal(out[:probe], alone)
     assert torch.equal(out, fused_moe(x[:T], w13, w2, topk_ids=ids[:T], topk_weights=wts[:T]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3, SMALL], ids=["qwen3", "small"])
+def test_gpu_fp8_token_output_independent_of_batch(shape):
+    from replaymoe.quant import quantize_fp8_block
+
+    H, I, E, K = shape  # noqa: E741
+    w13, w2 = _weights(shape)
+    q13, s13 = quantize_fp8_block(w13)
+    q2, s2 = quantize_fp8_block(w2)
+    T_max = 2048  # past the 64-row prefill tiles' sizes
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(T_max, H, device="cuda", generator=g, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T_max)]).int()
+    wts = torch.rand(T_max, K, device="cuda", generator=g)
+
+    def run(T, t0=0):
+        sl = slice(t0, t0 + T)
+        return fused_moe(x[sl], q13, q2, topk_ids=ids[sl], topk_weights=wts[sl], w13_scale=s13, w2_scale=s2)
+
+    probe = 4
+    alone = torch.cat([run(1, t) for t in range(probe)])
+    for T in (2, 8, 64, 256, 1024, 2048):  # direct decode mode, mid and prefill configurations
+        n = min(T, probe)
+        assert torch.equal(run(T)[:n], alone[:n]), T

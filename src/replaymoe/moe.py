@@ -319,6 +319,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     recompute: bool = False,
+    batch_invariant: bool = True,
 ) -> torch.Tensor:
     """Mixture-of-Experts layer: ``out[t] = Σ_k w[t,k] · w2[e] @ swiglu(w13[e] @ x_t)`` over local experts.
 
@@ -368,6 +369,11 @@ def fused_moe(
         frees the saved rows as soon as it has read them, so a graph through ``fused_moe`` can be
         differentiated once (a second ``backward`` with ``retain_graph=True`` raises
         RuntimeError); ``True`` allows any number.
+    batch_invariant : bool, keyword-only
+        fp8 only (bf16 and fp16 outputs are batch-invariant in every configuration): ``True`` keeps
+        a token's output bitwise the same whatever T is and whichever tokens share the batch (every
+        fp8 configuration uses 64-row tiles); ``False`` lets decode-size batches use 16/32-row
+        tiles, faster there (bench/moe_notes.md) but rounding differently from larger batches.
 
     Returns
     -------
@@ -393,12 +399,15 @@ def fused_moe(
     ValueError
         Naming the argument: shape/dtype/device mismatches between hidden_states, w13, w2 and the
         scales; fp8 dims not multiples of 128; wrong topk dtypes; routing arguments together with
-        topk tensors; missing routing; bad ``activation``, ``backend`` or ``recompute``; fp8 weights
+        topk tensors; missing routing; bad ``activation``, ``backend``, ``recompute`` or
+        ``batch_invariant``; fp8 weights
         with an input that requires grad; float64 on the Triton backend.
     """
     check_choice("backend", backend, BACKENDS)
     if not isinstance(recompute, bool):
         fail("recompute", "a bool", type(recompute).__name__, what="type")
+    if not isinstance(batch_invariant, bool):
+        fail("batch_invariant", "a bool", type(batch_invariant).__name__, what="type")
     on_cuda = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda
     use_triton = backend == "triton" or (backend == "auto" and on_cuda)
     p = _validate(
@@ -476,6 +485,7 @@ def fused_moe(
             w2_scale=w2_scale,
             local_expert_offset=local_expert_offset,
             out=out,
+            batch_invariant=batch_invariant,
         )
         return res
     res = _experts_torch(

@@ -56,6 +56,10 @@ _TUNED: dict[tuple, MoEConfig] = {
     (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
     (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8
 }
+# fp8 entries for batch_invariant=False (16-row tiles)
+_TUNED_FP8_FAST: dict[tuple, MoEConfig] = {
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, 16, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8 decode
+}
 
 
 def _bucket(T: int) -> int:
@@ -88,6 +92,7 @@ def moe_config(
     *,
     fp8: bool = False,
     eager: bool = False,
+    batch_invariant: bool = True,
 ) -> MoEConfig:
     """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I.
 
@@ -95,19 +100,29 @@ def moe_config(
     compiled graph), so host time counts too: small batches may take the direct (decode) mode,
     which launches 2 kernels instead of 5, where its extra weight reads cost less. Every mode
     gives a token the same bits (batch invariance), so this changes time, never results.
+
+    ``batch_invariant`` (fp8 only; bf16/fp16 are invariant in every configuration): every fp8
+    configuration uses :data:`FP8_BLOCK_M`-row tiles, so a token's output does not depend on T.
+    ``False`` lets small batches take 16/32-row tiles (Hopper's mma.sync path), faster at decode
+    (e.g. DeepSeek-V3 T=8) but rounding differently from the prefill tiles.
     """
-    tuned = _TUNED.get((H, I, E_local, K, fp8, _bucket(T)))
+    table = _TUNED if not fp8 or batch_invariant else _TUNED_FP8_FAST
+    tuned = table.get((H, I, E_local, K, fp8, _bucket(T)))
     if tuned is not None:
         return tuned
     slots = T * K
     if T == 1 or slots * 4 <= E_local or (eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)):
         # decode: one tile per slot, each active expert's weights streamed once, split along N
-        if fp8:
+        if fp8 and batch_invariant:
             return MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 3, 64, 128, 4, 3)
+        if fp8:
+            return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
         return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
     m_avg = slots / min(E_local, slots)  # rows per active expert
-    if fp8:
+    if fp8 and (batch_invariant or m_avg >= 48):
         return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 3, 128, 128, 8, 3)
+    if fp8:
+        return MoEConfig(False, 16 if m_avg < 12 else 32, 128, 128, 4, 3, 128, 128, 4, 3)
     if m_avg < 12:  # H200 sweep (bench/moe_notes.md): memory-bound, deep K tiles
         return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
     if m_avg < 48:
@@ -116,7 +131,18 @@ def moe_config(
 
 
 def experts_triton(
-    x, w13, w2, topk_ids, topk_weights, *, w13_scale, w2_scale, local_expert_offset, out, config=None
+    x,
+    w13,
+    w2,
+    topk_ids,
+    topk_weights,
+    *,
+    w13_scale,
+    w2_scale,
+    local_expert_offset,
+    out,
+    config=None,
+    batch_invariant=True,
 ):
     """Run the Triton experts into ``out`` (allocated when None); returns it."""
     T, H = x.shape
@@ -128,7 +154,7 @@ def experts_triton(
         out = torch.empty(T, H, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
     compiling = torch.compiler.is_compiling()
     eager = not compiling and not is_capturing()
-    c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager)
+    c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager, batch_invariant=batch_invariant)
     if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
