@@ -62,6 +62,7 @@ for i in impls:
     elif i == "replaymoe/routers-only":
         sessions[i] = rhf.enable(copies[i], experts=False, **cap)
     elif i == "replaymoe/experts-only":
+        rhf.register()
         copies[i].set_experts_implementation("replaymoe")
 
 

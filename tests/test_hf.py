@@ -20,10 +20,7 @@ from replaymoe.hf.models import ARCHITECTURES, build_model  # noqa: E402
 from replaymoe.testing import assert_close  # noqa: E402
 from replaymoe.trace import RoutingTrace  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """Every test here runs with one intra-op thread (conftest's ``one_thread``)."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # every test here: one intra-op thread (conftest)
 
 
 # the fp32 tolerance for whole-model logits: experts/routing are summed in another order than
@@ -132,6 +129,7 @@ def test_experts_implementation_switch(generator):
 
     from replaymoe.hf.models import build_config
 
+    rhf.register()  # importing replaymoe.hf registers nothing; enable() registers by itself
     cfg = build_config("qwen3_moe", "tiny")
     torch.manual_seed(0)
     native = transformers.AutoModelForCausalLM.from_config(cfg).eval()

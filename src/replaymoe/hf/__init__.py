@@ -3,10 +3,11 @@
 Two entry points:
 
 ``experts_implementation="replaymoe"``
-    Importing this module registers :func:`replaymoe_experts_forward` in transformers' experts
-    registry (``transformers.integrations.moe.ExpertsInterface``), so the usual switch works::
+    :func:`register` adds :func:`replaymoe_experts_forward` to transformers' experts registry
+    (``transformers.integrations.moe.ExpertsInterface``; :func:`enable` does it too), so the usual
+    switch works::
 
-        import replaymoe.hf  # registers "replaymoe"
+        replaymoe.hf.register()  # once per process; importing the module registers nothing
         model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="replaymoe")
         model.set_experts_implementation("replaymoe")          # or switch a loaded model
 
@@ -118,5 +119,3 @@ __all__ = [
     "replaymoe_experts_forward",
     "token_positions",
 ]
-
-register()

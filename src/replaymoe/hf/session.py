@@ -25,7 +25,7 @@ from torch import nn
 from replaymoe._validation import check_choice, check_int, fail
 
 from .discovery import MoELayerInfo, find_moe_layers
-from .experts import IMPLEMENTATION_NAME, fused_compatible
+from .experts import IMPLEMENTATION_NAME, fused_compatible, register
 from .patches import mark_batch_start, router_forward
 from .positions import cache_length, token_positions
 from .state import CaptureBuffer, ReplayTable, TraceMeta
@@ -124,6 +124,7 @@ class ReplayMoE:
             info.router.forward = types.MethodType(router_forward(self, info, fused), info.router)
             info.experts._replaymoe_backend = self.backend
         if switch:
+            register()  # idempotent: "replaymoe" in transformers' experts registry
             self._prev_impl = config._experts_implementation
             self.model.set_experts_implementation(IMPLEMENTATION_NAME)
         stack = getattr(self.model, "base_model", self.model)
