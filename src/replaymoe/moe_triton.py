@@ -379,8 +379,9 @@ def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recomput
             moe_gemm1_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
                 x, x, w13, w13, saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert, lay.num_tiles,
                 num_pid_m, H, I, K, slots, offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), 0, 0,
-                saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ=False, SAVE_H=True,
-                STORE_ACT=False, EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=c.group_m,
+                saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ_X=False, PREQ=False,
+                SAVE_H=True, STORE_ACT=False, EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1,
+                GROUP_M=c.group_m,
                 DOT_PREC=prec, num_warps=8 if bm >= 128 else 4, num_stages=4 if bm >= 64 else 3,
             )  # fmt: skip
     dh = torch.empty(rows, two_i, dtype=x.dtype, device=dev)
@@ -525,18 +526,20 @@ def _launch(
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
-    preq = fp8 and not c.direct and c.block_n1 == 128
-    if preq:  # quantize x once; GEMM1 writes e4m3 SwiGLU rows + per-128 scales
+    preq = fp8 and not c.direct and c.block_n1 == 128  # GEMM1 writes e4m3 SwiGLU rows + per-128 scales
+    if fp8:  # x quantized once per 1x128 group (every fp8 mode: the same bits as in-tile quantization)
         xq = torch.empty(T, H, dtype=_FP8, device=dev)
         xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
         g = 8
         fast(quant_groups_kernel)[(T, triton.cdiv(H // 128, g))](
             x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4
         )
+    else:
+        xq, xs = x, x
+    if preq:
         inter = torch.empty(rows, I, dtype=_FP8, device=dev)
         inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev)
     else:
-        xq, xs = x, x
         inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
         inter_s = inter
     if num_pid_m == 0:
@@ -548,7 +551,7 @@ def _launch(
     fast(moe_gemm1_kernel)[grid1](
         xq, xs, w13, s13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I,
         K, slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, SAVE_H=save,
+        inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save,
         STORE_ACT=True, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
         GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
     )  # fmt: skip

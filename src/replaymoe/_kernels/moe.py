@@ -10,10 +10,11 @@ Two modes, chosen by the wrapper from the shape:
   the same reduction kernel sums them.
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
-quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ`` (tile mode): x is
-quantized once by ``quant_groups_kernel`` and GEMM1's epilogue quantizes its 128-column block of
-SwiGLU rows, so the GEMMs read e4m3 activations plus scales; without it (decode) each GEMM quantizes
-its activation tiles in registers as it loads them. ``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so
+quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ_X``: x is quantized once
+by ``quant_groups_kernel`` and GEMM1 reads e4m3 rows plus scales. ``PREQ`` (tile mode): also GEMM1's
+epilogue quantizes its 128-column block of SwiGLU rows, so GEMM2 reads e4m3 too; without it (decode)
+GEMM2 quantizes its activation tiles in registers as it loads them (the same arithmetic, so the same
+bits). ``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so
 each dot sees one weight scale.
 """
 
@@ -73,6 +74,7 @@ def moe_gemm1_kernel(
     stride_hm,
     DIRECT: tl.constexpr,
     FP8: tl.constexpr,
+    PREQ_X: tl.constexpr,
     PREQ: tl.constexpr,
     SAVE_H: tl.constexpr,
     STORE_ACT: tl.constexpr,
@@ -130,7 +132,7 @@ def moe_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if PREQ:
+        if PREQ_X:
             sa = tl.load(xs_ptr + tok * (H // 128) + k, mask=row_ok, other=0.0)
             sg = tl.load(sg_ptr + k)
             su = tl.load(su_ptr + k)
