@@ -9,7 +9,8 @@ so that ``fast(kernel)[grid](*args, **kwargs)`` launches exactly the kernel Trit
   mapping: dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16,
   constexprs), so a call whose arguments specialize differently gets its own compiled kernel;
 * the first call of every specialization goes through Triton (compiling it if needed) and its
-  compiled kernel is kept; later calls launch it directly on the current stream.
+  compiled kernel is kept; later calls launch it directly on the current stream, with tensors passed
+  as their addresses (Triton's launcher would otherwise query the driver about every pointer).
 
 The plain Triton path is used when the process runs Triton's interpreter, when CUDA is
 unavailable, when a launch hook (a profiler) is installed, and when ``REPLAYMOE_FAST_LAUNCH=0``.
@@ -68,7 +69,8 @@ class FastLaunch:
             None,
             None,
             None,
-            *bound.values(),
+            # tensors as their addresses: Triton's launcher then skips a driver query per pointer
+            *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()],
         )
 
     def _compile(self, grid: tuple[int, ...], args: tuple, kwargs: dict, key: tuple | None) -> None:
