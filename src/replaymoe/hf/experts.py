@@ -80,8 +80,7 @@ def replaymoe_experts_forward(
 
     Fused-compatible experts run :func:`replaymoe.moe.fused_moe` (backend from
     ``self._replaymoe_backend``, default ``"auto"``; fp32 weights on CUDA take the torch
-    reference, the kernels being bf16/fp16), with or without a gradient; inference on CUDA calls
-    its Triton experts directly (the model's tensors need no per-call validation). Other layouts (biased,
+    reference, the kernels being bf16/fp16), with or without a gradient. Other layouts (biased,
     transposed, interleaved, non-SiLU: gpt-oss) run transformers' ``grouped_mm`` implementation.
     """
     if not fused_compatible(self):
@@ -95,21 +94,8 @@ def replaymoe_experts_forward(
     ids = top_k_index if top_k_index.dtype == torch.int32 else top_k_index.to(torch.int32)
     weights = top_k_weights if top_k_weights.dtype == torch.float32 else top_k_weights.float()
     x = hidden_states if hidden_states.dtype == w13.dtype else hidden_states.to(w13.dtype)
-    if backend != "torch" and w13.is_cuda and x.shape[0] > 0 and not _needs_grad(x, w13, w2, weights):
-        # inference on the kernels: the model's own tensors have the layout fused_moe checks for, so
-        # its per-call validation (host time at decode sizes) is skipped; the same launches follow
-        from replaymoe.moe_triton import experts_triton
-
-        ids, weights = ids.contiguous(), weights.contiguous()
-        out = experts_triton(x, w13, w2, ids, weights, w13_scale=None, w2_scale=None, local_expert_offset=0,
-                             out=None)  # fmt: skip
-    else:
-        out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend)
+    out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
-
-
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def register() -> None:
