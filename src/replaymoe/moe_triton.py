@@ -66,8 +66,8 @@ def _bucket(T: int) -> int:
     return 1 << max(0, (T - 1).bit_length())
 
 
-# Eager calls: the host time that the direct mode saves (layout launches, their buffers, the reduce
-# launch), measured on the H200 host at decode sizes (scripts/host_profile.py).
+# Eager calls: the host time that the direct mode saves (the 2 layout launches and their buffers),
+# measured on the H200 host at decode sizes (scripts/host_profile.py).
 EAGER_LAUNCH_SAVING_S = 40e-6
 _HBM_BYTES_PER_S = 4.27e12
 
@@ -98,7 +98,7 @@ def moe_config(
 
     ``eager``: the call launches its kernels one by one from Python (not inside a CUDA graph or a
     compiled graph), so host time counts too: small batches may take the direct (decode) mode,
-    which launches 2 kernels instead of 5, where its extra weight reads cost less. Every mode
+    which launches 3 kernels instead of 5 (no layout), where its extra weight reads cost less. Every mode
     gives a token the same bits (batch invariance), so this changes time, never results.
 
     ``batch_invariant`` (fp8 only; bf16/fp16 are invariant in every configuration): every fp8
