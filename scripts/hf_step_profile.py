@@ -28,7 +28,14 @@ p.add_argument("--rounds", type=int, default=5)
 p.add_argument("--top", type=int, default=12)
 p.add_argument("--variants", default="grouped_mm,replaymoe,replaymoe+capture,replaymoe+replay")
 p.add_argument("--no-profile", action="store_true")
+p.add_argument(
+    "--mode", default="eager", choices=["eager", "static"], help="static: cache_implementation='static'"
+)
 a = p.parse_args()
+if a.mode == "static":
+    from replaymoe.bench.hf import _raise_recompile_limit
+
+    _raise_recompile_limit(8)
 
 torch.manual_seed(0)
 model = build_model("qwen3_moe", "bench", dtype=torch.bfloat16, device="cuda")
@@ -68,12 +75,14 @@ for i in impls:
 
 def gen(mod, n):
     launch.ENABLED = mod is not copies.get("replaymoe/plain-launch")
+    extra = {"cache_implementation": "static"} if a.mode == "static" else {}
     return mod.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,
+        **extra,
     )
 
 
@@ -109,13 +118,13 @@ with torch.no_grad():
             times[i].append((time.perf_counter() - t0) * 1e3)
             if i.endswith("capture"):
                 sessions[i].traces()
-    print(f"B={B} generate of {a.steps} tokens (ms, median of {a.rounds} interleaved rounds):")
+    print(f"{a.mode}: B={B} generate of {a.steps} tokens (ms, median of {a.rounds} interleaved rounds):")
     base = statistics.median(times["grouped_mm"])
     for i in impls:
         t = statistics.median(times[i])
         print(f"  {i:18s} {t:8.2f} ms  x{base / t:.2f}  rounds {' '.join(f'{x:.1f}' for x in times[i])}")
     print("\nin-situ host time per module call (forward hooks, us; mean over one generate):")
-    for i in impls:
+    for i in [] if a.mode == "static" else impls:
         acc: dict = {}
         hooks = []
         for layer in copies[i].model.layers:
@@ -136,6 +145,7 @@ with torch.no_grad():
             sessions[i].traces()
         parts = "  ".join(f"{k} {v[0] / v[1] * 1e6:7.1f}" for k, v in acc.items())
         print(f"  {i:18s} generate {wall:7.1f} ms  {parts}")
+    kernels_of = {}
     for i in [] if a.no_profile else impls:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -162,8 +172,18 @@ with torch.no_grad():
         print("   top GPU kernels:")
         for e in sorted(kern, key=lambda e: -e.self_device_time_total)[: a.top]:
             print(f"     {e.key[:70]:70s} n={e.count:5d} {e.self_device_time_total / 1e3:7.2f} ms")
+        kernels_of[i] = {e.key: (e.count, e.self_device_time_total / 1e3) for e in kern}
         print("   top host self time:")
         for e in sorted(cpu_ops, key=lambda e: -e.self_cpu_time_total)[: a.top]:
             print(f"     {e.key[:70]:70s} n={e.count:5d} {e.self_cpu_time_total / 1e3:7.2f} ms")
+    base_k = kernels_of.get("replaymoe", {})
+    for i in kernels_of:
+        if not i.startswith("replaymoe+"):
+            continue
+        print(f"\n== kernels of {i} beyond replaymoe (count, GPU ms):")
+        for k, (n, ms) in sorted(kernels_of[i].items(), key=lambda kv: -kv[1][1]):
+            n0, ms0 = base_k.get(k, (0, 0.0))
+            if n != n0 or ms - ms0 > 0.05:
+                print(f"     {k[:70]:70s} n {n0:5d} -> {n:5d}   {ms0:7.2f} -> {ms:7.2f} ms")
 for s in sessions.values():
     s.disable()
