@@ -618,49 +618,54 @@ class MoeAlltoAll:
         flat.copy_(torch.where(drop, torch.full_like(flat, invalid), flat))
 
     # ------------------------------------------------------------------------------------------
-    def combine(self, payload: torch.Tensor, runtime_max_tokens_per_rank: int) -> torch.Tensor:
+    def combine(
+        self, payload: torch.Tensor, runtime_max_tokens_per_rank: int, *, width: int | None = None
+    ) -> torch.Tensor:
         """Return each rank's rows to their source and sum them per token.
 
         Parameters
         ----------
         payload : torch.Tensor
-            [ep, runtime_max, hidden_size], fp32/bf16/fp16: row ``[s, j]`` (``j < recv_counts[s]``)
-            is this rank's (weighted) result for the j-th token received from ``s``. Other rows are
-            ignored (they may hold anything, NaN included).
+            [ep, runtime_max, W], fp32/bf16/fp16 (``W = hidden_size`` unless ``width`` says
+            otherwise): row ``[s, j]`` (``j < recv_counts[s]``) is this rank's (weighted) result for
+            the j-th token received from ``s``. Other rows are ignored (they may hold anything, NaN
+            included).
         runtime_max_tokens_per_rank : int
             The value given to the matching ``dispatch``.
+        width : int, optional
+            Row width ``W`` of the payload when it is not ``hidden_size`` (the same on every rank;
+            ``ep_moe``'s backward combines ``[H + K]``-wide fp32 rows: the hidden-state gradient and
+            the top-k weight gradient side by side). Buffers grow to the widest row seen (refused
+            during CUDA-graph capture, collective with ``symm``, like every growth).
 
         Returns
         -------
         torch.Tensor
-            [T_local, hidden_size] in the payload's dtype: per token, the fp32 sum of the rows that
-            came back from every rank it was sent to (zeros for a token sent nowhere).
+            [T_local, W] in the payload's dtype: per token, the fp32 sum of the rows that came back
+            from every rank it was sent to (zeros for a token sent nowhere).
         """
         if self._phase != "dispatched":
             self._phase_error("combine")
         rt = runtime_max_tokens_per_rank
+        W = self.hidden_size if width is None else width
         try:
-            key = (payload.shape, payload.dtype, payload.stride(), payload.get_device(), rt)
+            key = (payload.shape, payload.dtype, payload.stride(), payload.get_device(), rt, W)
         except (AttributeError, TypeError):
             key = None
         if key is None or key not in self._ccache or rt != self._runtime_max:
-            self._validate_combine(payload, rt)
+            self._validate_combine(payload, rt, W)
             if key is not None:
                 if len(self._ccache) >= _CACHE_SIZE:
                     self._ccache.pop(next(iter(self._ccache)))
                 self._ccache[key] = True
-        if (
-            payload.stride(2) != 1
-            or payload.stride(0) < rt * payload.stride(1)
-            or payload.stride(1) < self.hidden_size
-        ):
+        if payload.stride(2) != 1 or payload.stride(0) < rt * payload.stride(1) or payload.stride(1) < W:
             payload = payload.contiguous()
         st = self._st
         assert st is not None
         self._phase = "combining"
         try:
             rows, block_stride, own, wait = self._transport.combine(payload, rt)
-            out = torch.empty(st.T, self.hidden_size, dtype=payload.dtype, device=self.device)
+            out = torch.empty(st.T, W, dtype=payload.dtype, device=self.device)
             combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own, wait)
         except BaseException:
             self._phase = "broken"
@@ -669,8 +674,9 @@ class MoeAlltoAll:
         self._st = None
         return out
 
-    def _validate_combine(self, payload, rt) -> None:
+    def _validate_combine(self, payload, rt, W) -> None:
         check_int("runtime_max_tokens_per_rank", rt, low=1, high=self.max_num_tokens)
+        check_int("width", W, low=1)
         if rt != self._runtime_max:
             fail(
                 "runtime_max_tokens_per_rank",
@@ -680,7 +686,7 @@ class MoeAlltoAll:
         check_tensor(
             "payload",
             payload,
-            shape=(self.ep, rt, self.hidden_size),
+            shape=(self.ep, rt, W),
             dtype=_COMBINE_DTYPES,
             device=self.device,
         )

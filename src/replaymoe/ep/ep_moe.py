@@ -1,10 +1,15 @@
-"""``ep_moe``: one expert-parallel MoE layer = route -> dispatch -> local fused_moe -> combine."""
+"""``ep_moe``: one expert-parallel MoE layer = route -> dispatch -> local fused_moe -> combine.
+
+Differentiable (eager): :class:`_EpExperts` is the autograd node of dispatch -> fused_moe -> combine
+(see :func:`ep_moe`, "Gradients", for the backward's data flow); ``route`` keeps its own backward.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._validation import check_tensor, fail
 from .alltoall import MoeAlltoAll
@@ -48,6 +53,7 @@ def ep_moe(
     replay_ids: torch.Tensor | None = None,
     runtime_max_tokens_per_rank: int | None = None,
     backend: str = "auto",
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Expert-parallel MoE layer; equals single-device ``fused_moe`` on the full weights.
 
@@ -80,6 +86,10 @@ def ep_moe(
         T_local.
     backend : {"auto", "triton", "torch"}
         Backend of ``route`` and ``fused_moe``.
+    recompute : bool, keyword-only
+        Training only: passed to the backward's local ``fused_moe`` (``True``: its GEMM1 rows
+        ``[ep * (runtime_max + 1) * top_k, 2I]`` are recomputed instead of held for the duration of
+        the local backward; less peak memory, more time).
 
     Returns
     -------
@@ -90,8 +100,46 @@ def ep_moe(
     ----
     Hidden states travel in their own dtype; with fp8 weights ``fused_moe`` quantizes them on the
     receiving rank per 1x128 group exactly as single-device ``fused_moe`` would.
+
+    Gradients
+    ---------
+    Differentiable (eager; bf16/fp16/fp32, not fp8) with respect to ``hidden_states``,
+    ``w13_local``, ``w2_local`` and ``router_logits`` (through :func:`replaymoe.route`'s backward on
+    the top-k weights, with ``replay_ids`` too). When nothing requires grad (or grad mode is off)
+    the call is the inference path itself; otherwise the forward runs the same code inside an
+    autograd node and saves only its ``[T_local, *]`` inputs (hidden states, top-k ids and weights;
+    the weights). The backward is **collective**: every rank must run it for every differentiated
+    ``ep_moe`` call, in the same order (as for the forward); a rank whose loss does not use the
+    output still has to (e.g. ``out.sum() * 0``), else its peers wait until the timeout.
+
+    Data flow of the backward (all exchanges on ``a2a``, each rank):
+
+    1. ``dispatch`` of ``[dOut, hidden_states, topk_ids, topk_weights]`` with the forward's routing:
+       the adjoint of ``combine`` (``d partial_r[t] = dOut[t]`` on every rank ``r`` the token went
+       to), and the forward's received rows again, in the same slots (the plan depends only on the
+       ids). The received rows are *re-dispatched* rather than kept from the forward: keeping them
+       would hold ``ep * (runtime_max + 1)`` padded rows of ``H`` per call (``ep`` times the
+       layer's own input, whatever the skew) plus the local ``fused_moe``'s saved GEMM1 rows
+       (``top_k * 2I`` per padded row) until the backward; re-sending costs one more ``H``-wide
+       payload in the backward's dispatch and a local forward recompute.
+    2. The local ``fused_moe``'s own backward (its forward re-run on the received rows under
+       autograd; the output is discarded) gives the received rows' ``dX`` and ``d topk_weights``
+       (zero at slots of other ranks' experts: their ids were sanitized to ``-1``) and this rank's
+       ``d w13_local``, ``d w2_local`` (every source's tokens of the local experts).
+    3. ``combine`` (the adjoint of ``dispatch``) of ``[dX | d topk_weights]`` rows, fp32,
+       ``_grad_width(H, K)`` wide (``combine(..., width=W)``): per token, the fp32 sum over the
+       ranks it was sent to in rank order — ``dX`` is the sum of the partials, each
+       ``d topk_weights[t, k]`` the one non-zero value from the owner of expert ``ids[t, k]``.
+       Then ``route``'s backward takes ``d topk_weights`` to ``d router_logits``.
+
+    No float atomics; every sum in a fixed order: two backward passes are bitwise equal.
+    Buffer reuse: the forward's output is a fresh tensor (``combine`` allocates it) and the
+    backward's received views are consumed (the local backward) before its ``combine``, so the
+    backward's exchanges clobber nothing that is still in use; the received rows are passed to the
+    local ``fused_moe`` as they are, without copies. The backward's dispatch rows are wider than
+    the forward's: the buffers grow once on its first call (pass ``payload_bytes_per_token`` to
+    :class:`MoeAlltoAll` to size them up front).
     """
-    from ..moe import fused_moe
     from ..routing import route
     from ..routing_config import as_config
 
@@ -118,6 +166,8 @@ def ep_moe(
             tuple(w13_local.shape),
             what="shape",
         )
+    if not isinstance(recompute, bool):
+        fail("recompute", "a bool", type(recompute).__name__, what="type")
     rt = a2a.max_num_tokens if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
 
     r = route(
@@ -127,8 +177,47 @@ def ep_moe(
         replay_ids=replay_ids,
         backend=backend,
     )
+    needs_grad = torch.is_grad_enabled() and (
+        hidden_states.requires_grad
+        or w13_local.requires_grad
+        or w2_local.requires_grad
+        or r.topk_weights.requires_grad
+    )
+    if not needs_grad:  # inference: exactly the path without autograd
+        return _ep_experts(
+            hidden_states, r.topk_ids, r.topk_weights, w13_local, w2_local, a2a, rt,
+            w13_scale=w13_scale, w2_scale=w2_scale, backend=backend,
+        )  # fmt: skip
+    if w13_scale is not None or w2_scale is not None:
+        fail(
+            "w13_scale",
+            "None when gradients are required (the fp8 block-scale path is inference-only)",
+            "fp8 weights with an input that requires grad",
+        )
+    return _EpExperts.apply(
+        hidden_states, r.topk_weights, w13_local, w2_local, r.topk_ids, a2a, rt, backend, recompute
+    )
+
+
+def _ep_experts(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_local: torch.Tensor,
+    w2_local: torch.Tensor,
+    a2a: MoeAlltoAll,
+    rt: int,
+    *,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """dispatch -> local ``fused_moe`` on the received rows -> combine: ``[T_local, H]``."""
+    from ..moe import fused_moe
+
+    H = a2a.hidden_size
     hid, ids, wts = a2a.dispatch(
-        r.topk_ids, [hidden_states, r.topk_ids, r.topk_weights], rt, expert_id_payload_index=1
+        topk_ids, [hidden_states, topk_ids, topk_weights], rt, expert_id_payload_index=1
     )
     out_dtype = torch.bfloat16 if w13_scale is not None else hidden_states.dtype
     out_rows = torch.empty(a2a.ep * (rt + 1), H, dtype=out_dtype, device=a2a.device)
@@ -148,3 +237,70 @@ def ep_moe(
     )
     payload = out_rows.view(a2a.ep, rt + 1, H)[:, :rt]
     return a2a.combine(payload, rt)
+
+
+def _grad_width(H: int, K: int) -> int:
+    """Row width of the backward's combine: ``[dX (H) | d topk_weights (K) | pad]`` fp32, rounded up to
+    16 elements (64 bytes) so that the rows stay aligned for the Triton copies."""
+    return (H + K + 15) // 16 * 16
+
+
+class _EpExperts(torch.autograd.Function):
+    """Autograd node of dispatch -> local fused_moe -> combine (``route`` stays outside, with its own
+    backward). Forward: :func:`_ep_experts`, unchanged. Backward: see :func:`ep_moe`, "Gradients"."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, topk_weights, w13_local, w2_local, topk_ids, a2a, rt, backend, recompute):
+        out = _ep_experts(
+            hidden_states, topk_ids, topk_weights, w13_local, w2_local, a2a, rt,
+            w13_scale=None, w2_scale=None, backend=backend,
+        )  # fmt: skip
+        # only [T_local, *] tensors (the inputs): the received rows are re-dispatched by the backward
+        ctx.save_for_backward(hidden_states, topk_ids, topk_weights, w13_local, w2_local)
+        ctx.a2a, ctx.rt, ctx.backend, ctx.recompute = a2a, rt, backend, recompute
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        from ..moe import fused_moe
+
+        x, ids, wts, w13, w2 = ctx.saved_tensors
+        a2a, rt = ctx.a2a, ctx.rt
+        need_x, need_wts, need_w13, need_w2 = ctx.needs_input_grad[:4]
+        ep, H, K = a2a.ep, a2a.hidden_size, a2a.top_k
+        n = ep * (rt + 1) - 1
+        W = _grad_width(H, K)
+        # 1. dOut rows to the ranks that computed them, with what the local backward needs (the same
+        #    routing, so the same slots as the forward's dispatch; ids sanitized the same way)
+        views = a2a.dispatch(ids, [grad_out, x, ids, wts], rt, expert_id_payload_index=2)
+        d_rows, x_rows, id_rows, w_rows = (_flat_rows(v, rt) for v in views)
+        # 2. the local fused_moe's backward (its forward re-run on the received rows, the output unused).
+        #    dX and d topk_weights rows are computed whatever this rank needs: they belong to the
+        #    sources; the weight gradients only where this rank's weights need them.
+        pay = torch.empty(ep * (rt + 1), W, dtype=torch.float32, device=a2a.device)
+        with torch.enable_grad():
+            xr = x_rows.detach().requires_grad_()
+            wr = w_rows.detach().requires_grad_()
+            w13l = w13.detach().requires_grad_(need_w13)
+            w2l = w2.detach().requires_grad_(need_w2)
+            y = fused_moe(
+                xr, w13l, w2l, topk_ids=id_rows, topk_weights=wr,
+                local_expert_offset=a2a.local_expert_offset, num_experts=a2a.num_experts,
+                backend=ctx.backend, recompute=ctx.recompute,
+            )  # fmt: skip
+            leaves = [xr, wr] + [t for t in (w13l, w2l) if t.requires_grad]
+            grads = list(torch.autograd.grad(y, leaves, d_rows))
+        dx_rows, dw_rows = grads[0], grads[1]
+        dw13 = grads.pop(2) if need_w13 else None
+        dw2 = grads.pop(2) if need_w2 else None
+        # 3. back to the sources: [dX | d topk_weights] rows, summed over ranks in fp32 (rank order).
+        #    A slot of another rank's expert gets exactly 0 here (its id was sanitized to -1), so the
+        #    sum is that slot's owner's value.
+        pay[:n, :H].copy_(dx_rows)
+        pay[:n, H : H + K].copy_(dw_rows.masked_fill(id_rows < 0, 0))
+        pay[:, H + K :].zero_()
+        res = a2a.combine(pay.view(ep, rt + 1, W)[:, :rt], rt, width=W)
+        dx = res[:, :H].to(x.dtype) if need_x else None
+        dwts = res[:, H : H + K].to(wts.dtype) if need_wts else None
+        return dx, dwts, dw13, dw2, None, None, None, None, None

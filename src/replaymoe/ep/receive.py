@@ -54,7 +54,8 @@ def combine_reduce(
     if a2a.use_triton():
         persistent = a2a._num_sms is not None
         own_key = None if own is None else (own.stride(0), own.data_ptr() & 15)
-        key = (rows.dtype, rows.data_ptr() & 15, block_stride, row_stride, own_key, persistent, wait is None)
+        key = (rows.dtype, rows.data_ptr() & 15, H, block_stride, row_stride, own_key, persistent)
+        key = (*key, wait is None)
         plan = None if cache is None else cache.get(key)
         if plan is None:
             from .._kernels.ep import ep_combine_reduce_kernel

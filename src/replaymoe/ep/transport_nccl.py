@@ -83,9 +83,10 @@ class NcclTransport:
         self.exchange_dispatch(tg)
 
     def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, None, None]:
-        """Exchange ``[ep, rt + 1, H]`` blocks (the extra row keeps ``ep_moe``'s output copy-free)."""
+        """Exchange ``[ep, rt + 1, W]`` blocks (the extra row keeps ``ep_moe``'s output copy-free;
+        ``W`` is the payload's row width, ``hidden_size`` unless ``combine(width=...)``)."""
         a = self.a2a
-        H = a.hidden_size
+        H = payload.shape[2]
         es = payload.element_size()
         block = (rt + 1) * H
         if a.ep == 1 and payload.stride(1) == H:

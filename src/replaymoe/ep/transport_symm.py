@@ -157,7 +157,7 @@ class SymmTransport:
         from ._launch import Launcher, addresses
 
         a = self.a2a
-        H = a.hidden_size
+        H = payload.shape[2]  # hidden_size, or combine(width=...)
         es = payload.element_size()
         nbytes = a.ep * a.max_num_tokens * H * es
         if self.comb is None or self.comb.nbytes < nbytes:
@@ -168,7 +168,7 @@ class SymmTransport:
             self._ckeys = {}
         buf = self.comb
         persistent = a._num_sms is not None
-        key = (payload.dtype, rt, payload.stride(), payload.data_ptr() & 15, persistent)
+        key = (payload.dtype, rt, H, payload.stride(), payload.data_ptr() & 15, persistent)
         c = self._ckeys.get(key)
         if c is None:
             # rows move in the payload's own dtype: strides and offsets are multiples of 16 elements
