@@ -7,12 +7,17 @@ Public entry points
 * :class:`MoELayer` — router ``Linear(H, E)`` + experts, for users who build models.
 * :func:`swap_gate_up` — convert w13 between our order (gate rows first) and
   FlashInfer TRT-LLM's order (up rows first).
+* :class:`ClampedSwiGLU` — gpt-oss's activation, ``activation=ClampedSwiGLU(alpha, limit)``.
 
 Semantics (DESIGN.md, "Fused MoE")::
 
     out[t] = sum over k with  local_expert_offset <= topk_ids[t, k] < local_expert_offset + E_local  of
              topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
              e = topk_ids[t, k] - local_expert_offset
+
+With the keyword options, ``w13[e] @ x_t`` gains ``w13_bias[e]``, ``w2[e] @ a`` gains ``w2_bias[e]``
+(inside the routing weight), the gate and up rows may be interleaved (``gate_up_layout``) and the
+activation may be :class:`ClampedSwiGLU` (gpt-oss experts).
 
 Routing is always over all ``num_experts`` experts with global ids; a rank holding only the slice
 ``[local_expert_offset, +E_local)`` produces a partial sum (expert parallelism). Ids outside the
@@ -30,6 +35,7 @@ Size: over 450 lines because the public op's full reference documentation (``fus
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,21 +44,83 @@ from torch import nn
 
 from ._backend import BACKENDS, resolve_backend
 from ._validation import check_choice, check_int, check_tensor, fail
+from .moe_triton import STANDARD, ExpertsVariant, experts_triton, experts_triton_train
 from .moe_triton import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
 from .moe_triton import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
-from .moe_triton import experts_triton, experts_triton_train
 from .moe_triton import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
 from .moe_triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
 from .routing import RoutingMethod, route
 from .routing_config import RoutingConfig, as_config
 
-__all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up"]
+__all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up", "ClampedSwiGLU"]
 
 _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REF_DTYPES = _ACT_DTYPES + (torch.float64,)  # torch backend only: fp64 is the gradient reference
 _ID_DTYPES = (torch.int32, torch.int64)
 _FP8 = torch.float8_e4m3fn
+GATE_UP_LAYOUTS = ("halves", "interleaved")
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's clamped SwiGLU, for ``fused_moe(..., activation=ClampedSwiGLU())``.
+
+    With ``g' = min(gate, limit)`` and ``u' = clamp(up, -limit, limit)`` (gate and up including
+    w13's bias): ``act = (u' + 1) * g' * sigmoid(alpha * g')`` (transformers' ``GptOssExperts``).
+    Its derivative is zero where a clamp is active.
+
+    Parameters
+    ----------
+    alpha : float
+        Slope inside the sigmoid (gpt-oss: 1.702).
+    limit : float
+        Clamp bound, > 0 (gpt-oss: 7.0).
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "limit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                fail(name, "a finite float", repr(v))
+            object.__setattr__(self, name, float(v))
+        if self.limit <= 0:
+            fail("limit", "a float > 0", self.limit)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The activation of ``gate`` and ``up`` (same shape) in their dtype: the reference math."""
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+def _variant(w13_bias, w2_bias, activation, gate_up_layout) -> ExpertsVariant:
+    """The Triton side's description of a validated call's expert options."""
+    clamped = isinstance(activation, ClampedSwiGLU)
+    if w13_bias is None and w2_bias is None and not clamped and gate_up_layout == "halves":
+        return STANDARD
+    return ExpertsVariant(
+        w13_bias,
+        w2_bias,
+        1 if clamped else 0,
+        activation.alpha if clamped else 0.0,
+        activation.limit if clamped else 0.0,
+        gate_up_layout == "interleaved",
+    )
+
+
+def _gate_up_act(h: torch.Tensor, activation, interleaved: bool) -> torch.Tensor:
+    """The activation of GEMM1's output rows ``h [n, 2I]`` (gate and up rows as laid out in w13)."""
+    if interleaved:
+        g, u = h[:, 0::2], h[:, 1::2]
+    else:
+        g, u = h.chunk(2, dim=1)
+    if isinstance(activation, ClampedSwiGLU):
+        return activation(g, u)
+    return F.silu(g) * u
 
 
 @dataclass(frozen=True)
@@ -91,9 +159,15 @@ def _validate(
     local_expert_offset,
     num_experts,
     out,
+    w13_bias=None,
+    w2_bias=None,
+    gate_up_layout="halves",
     act_dtypes=_ACT_DTYPES,
 ) -> _Problem:
-    check_choice("activation", activation, ("swiglu",))
+    if not isinstance(activation, ClampedSwiGLU):
+        if not isinstance(activation, str) or activation != "swiglu":
+            fail("activation", "'swiglu' or a ClampedSwiGLU", repr(activation))
+    check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
     check_tensor("hidden_states", hidden_states, ndim=2, dtype=act_dtypes)
     dev = hidden_states.device
     T, H = hidden_states.shape
@@ -121,7 +195,20 @@ def _validate(
     if E_local < 1:
         fail("w13", "at least one local expert", tuple(w13.shape), what="shape")
     check_tensor("w2", w2, shape=(E_local, H, I), dtype=wdt, device=dev)
-    if fp8:
+    bias_dt = (torch.float32, w13.dtype)
+    if w13_bias is not None:
+        check_tensor("w13_bias", w13_bias, shape=(E_local, two_i), dtype=bias_dt, device=dev)
+    if w2_bias is not None:
+        check_tensor("w2_bias", w2_bias, shape=(E_local, H), dtype=bias_dt, device=dev)
+    if fp8:  # the block-scale kernels take the standard experts only
+        for name, other, std in (
+            ("w13_bias", w13_bias is not None, "None"),
+            ("w2_bias", w2_bias is not None, "None"),
+            ("gate_up_layout", gate_up_layout != "halves", "'halves'"),
+            ("activation", not isinstance(activation, str), "'swiglu'"),
+        ):
+            if other:
+                fail(name, f"{std} with fp8 block-scale weights (w13_scale given)", "another value")
         if H % 128 or I % 128:
             fail("w13", "H and I multiples of 128 for fp8 block-scale", f"H={H}, I={I}", what="shape")
         # contiguous: the kernels step through the scale blocks with unit stride along the last dim
@@ -222,13 +309,17 @@ def _experts_torch(
     w2_scale,
     local_expert_offset: int,
     out_dtype: torch.dtype,
+    w13_bias=None,
+    w2_bias=None,
+    activation="swiglu",
+    gate_up_layout="halves",
 ) -> torch.Tensor:
     """Naive per-expert loop in fp32 (fp64 for fp64 inputs; the executable spec; host-synchronizing,
-    not for speed). Differentiable by plain autograd with respect to ``x``, ``w13``, ``w2`` and
-    ``topk_weights``."""
+    not for speed). Differentiable by plain autograd with respect to ``x``, ``w13``, ``w2``,
+    ``topk_weights`` and the biases."""
     T, H = x.shape
-    E_local, two_i, _ = w13.shape
-    I = two_i // 2  # noqa: E741
+    E_local = w13.shape[0]
+    opts = (w13_bias, w2_bias, activation, gate_up_layout == "interleaved")
     fp8 = w13_scale is not None
     acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     acc = torch.zeros(T, H, dtype=acc_dt, device=x.device)
@@ -236,7 +327,7 @@ def _experts_torch(
     ids = topk_ids.long() - local_expert_offset
     wts = topk_weights.to(acc_dt)
     if torch.compiler.is_compiling():
-        return _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype)
+        return _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype, opts)
     for e in range(E_local):
         tok, kk = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
@@ -247,20 +338,32 @@ def _experts_torch(
             g2 = dequantize_fp8_block(w2[e], w2_scale[e])
         else:
             a, g13, g2 = xf[tok], w13[e].to(acc_dt), w2[e].to(acc_dt)
-        h = a @ g13.T
-        act = F.silu(h[:, :I]) * h[:, I:]
+        act = _expert_act(a @ g13.T, e, opts)
         if fp8:  # the kernels keep silu(gate)*up in bf16, then quantize it per 1x128 group
             act = fake_quant_fp8_per_token_group(act.to(torch.bfloat16))
-        y = act @ g2.T
+        y = _expert_down(act, g2, e, opts)
         acc.index_add_(0, tok, y * wts[tok, kk].unsqueeze(1))
     return acc.to(out_dtype)
 
 
-def _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype):
+def _expert_act(h, e, opts):
+    """Expert ``e``'s activation of its GEMM1 rows ``h`` (w13's bias added first, if any)."""
+    w13_bias, _, activation, interleaved = opts
+    if w13_bias is not None:
+        h = h + w13_bias[e].to(h.dtype)
+    return _gate_up_act(h, activation, interleaved)
+
+
+def _expert_down(act, g2, e, opts):
+    """Expert ``e``'s down projection ``act @ w2[e]^T`` (+ w2's bias, if any)."""
+    y = act @ g2.T
+    return y if opts[1] is None else y + opts[1][e].to(y.dtype)
+
+
+def _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype, opts):
     """:func:`_experts_torch` with fixed shapes, for ``torch.compile(fullgraph=True)``: every local
     expert runs over every token and its output is weighted by the token's gate for it (0 when not
     selected), accumulated in the same expert order. E_local times the compute of the sparse loop."""
-    I = w13.shape[1] // 2  # noqa: E741
     acc_dt = acc.dtype
     for e in range(w13.shape[0]):
         gate = (wts * (ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
@@ -270,11 +373,10 @@ def _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dt
             g2 = dequantize_fp8_block(w2[e], w2_scale[e])
         else:
             a, g13, g2 = xf, w13[e].to(acc_dt), w2[e].to(acc_dt)
-        h = a @ g13.T
-        act = F.silu(h[:, :I]) * h[:, I:]
+        act = _expert_act(a @ g13.T, e, opts)
         if w13_scale is not None:
             act = fake_quant_fp8_per_token_group(act.to(torch.bfloat16))
-        acc = acc + (act @ g2.T) * gate
+        acc = acc + _expert_down(act, g2, e, opts) * gate
     return acc.to(out_dtype)
 
 
@@ -311,7 +413,10 @@ def fused_moe(
     topk_weights: torch.Tensor | None = None,
     routing_replay_out: torch.Tensor | None = None,
     replay_ids: torch.Tensor | None = None,
-    activation: str = "swiglu",
+    activation: str | ClampedSwiGLU = "swiglu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    gate_up_layout: str = "halves",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     local_expert_offset: int = 0,
@@ -328,9 +433,11 @@ def fused_moe(
     hidden_states : Tensor [T, H], bfloat16 / float16 (float32 on the torch/CPU path)
     w13 : Tensor [E_local, 2I, H]
         Rows [0, I) are the gate half, [I, 2I) the up half (vLLM / transformers order; see
-        :func:`swap_gate_up` for FlashInfer TRT-LLM's order). Same dtype as ``hidden_states``, or
-        float8_e4m3fn with ``w13_scale``.
-    w2 : Tensor [E_local, H, I], same dtype as ``w13``.
+        :func:`swap_gate_up` for FlashInfer TRT-LLM's order; ``gate_up_layout="interleaved"``:
+        gate row j is row 2j, up row j is row 2j + 1). Same dtype as ``hidden_states``, or
+        float8_e4m3fn with ``w13_scale``. Any strides (bf16 / fp16 / fp32): a transposed view such
+        as gpt-oss's ``gate_up_proj.transpose(1, 2)`` is read in place, not copied.
+    w2 : Tensor [E_local, H, I], same dtype as ``w13``; any strides (e.g. ``down_proj.transpose(1, 2)``).
     router_logits : Tensor [T, E], optional
         Route inside, exactly as :func:`replaymoe.routing.route` with ``top_k``, ``method`` (default
         ``RoutingMethod.RENORMALIZE``), ``bias``, ``n_group``, ``topk_group``,
@@ -343,13 +450,23 @@ def fused_moe(
         Routing given by the caller: global expert ids. Ids outside
         ``[local_expert_offset, +E_local)`` (also negative padding ids) contribute nothing.
     topk_weights : Tensor [T, K], float32 / bfloat16 / float16 — required with ``topk_ids``.
-    activation : "swiglu"
-        ``silu(gate) * up``.
+    activation : "swiglu" or ClampedSwiGLU
+        ``"swiglu"``: ``silu(gate) * up``; :class:`ClampedSwiGLU` ``(alpha, limit)``: gpt-oss's
+        ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
+    w13_bias : Tensor [E_local, 2I], optional
+        Added to GEMM1's output before the activation; rows in w13's row order (so interleaved
+        with ``gate_up_layout="interleaved"``). float32 or w13's dtype; any strides.
+    w2_bias : Tensor [E_local, H], optional
+        Added to GEMM2's output, inside the routing weight: ``w[t,k] * (w2[e] @ a + w2_bias[e])``.
+        float32 or w2's dtype; any strides.
+    gate_up_layout : "halves" | "interleaved"
+        How w13's rows hold gate and up: ``"halves"`` (default) gate rows [0, I), up rows [I, 2I);
+        ``"interleaved"`` (gpt-oss) gate row j at 2j, up row j at 2j + 1.
     w13_scale : Tensor [E_local, 2I/128, H/128], float32, optional
     w2_scale : Tensor [E_local, H/128, I/128], float32, optional
         fp8 block-scale (DeepSeek style) when given: weights are ``fp8 × scale`` per 128×128 block,
         activations are quantized on the fly per 1×128 group; H and I must be multiples of 128;
-        the output is bfloat16.
+        the output is bfloat16. The standard experts only: no biases, ``"halves"``, ``"swiglu"``.
     local_expert_offset : int
         Global id of this rank's first expert (expert parallelism).
     num_experts : int, optional
@@ -382,26 +499,26 @@ def fused_moe(
 
     Gradients
     ---------
-    Differentiable (bf16/fp16/fp32, every backend) with respect to ``hidden_states``, ``w13``, ``w2``
-    and ``topk_weights``; with routing inside (``router_logits``, also with ``replay_ids``), the
-    weights' gradient flows on to ``router_logits`` through :func:`replaymoe.routing.route`'s
-    backward (``bias`` and the ids get none). The torch backend differentiates the reference by
-    autograd; the Triton backend registers a backward on its custom op
-    (``torch.ops.replaymoe.moe_experts_train``, so it works under ``torch.compile``) that runs
-    Triton kernels: deterministic (no float atomics, every reduction in a fixed order), bitwise
-    equal from run to run. Tokens routed to non-local experts get zero gradient from this rank;
-    experts without tokens get zero weight gradients. The fp8 block-scale path is inference-only
-    (a ValueError is raised when an input requires grad). The forward's values are the same with
-    and without gradients.
+    Differentiable (bf16/fp16/fp32, every backend) with respect to ``hidden_states``, ``w13``, ``w2``,
+    ``topk_weights``, ``w13_bias`` and ``w2_bias`` (gradients of strided views reach their bases; the
+    clamped activation passes none where a clamp is active); with routing inside (``router_logits``, also
+    with ``replay_ids``), the weights' gradient flows on to ``router_logits`` through
+    :func:`replaymoe.routing.route`'s backward (``bias`` and the ids get none). The torch backend
+    differentiates the reference by autograd; the Triton backend registers a backward on its custom op
+    (``torch.ops.replaymoe.moe_experts_train``, so it works under ``torch.compile``) that runs Triton
+    kernels: deterministic (no float atomics, every reduction in a fixed order), bitwise equal from run to
+    run. Tokens routed to non-local experts get zero gradient from this rank; experts without tokens get
+    zero weight gradients. The fp8 block-scale path is inference-only (a ValueError is raised when an
+    input requires grad). The forward's values are the same with and without gradients.
 
     Raises
     ------
     ValueError
-        Naming the argument: shape/dtype/device mismatches between hidden_states, w13, w2 and the
-        scales; fp8 dims not multiples of 128; wrong topk dtypes; routing arguments together with
-        topk tensors; missing routing; bad ``activation``, ``backend``, ``recompute`` or
-        ``batch_invariant``; fp8 weights
-        with an input that requires grad; float64 on the Triton backend.
+        Naming the argument: shape/dtype/device mismatches between hidden_states, w13, w2 and the scales
+        and biases; fp8 dims not multiples of 128; fp8 with biases, interleaved rows or the clamped
+        activation; wrong topk dtypes; bad ``gate_up_layout``; routing arguments together with topk
+        tensors; missing routing; bad ``activation``, ``backend``, ``recompute`` or ``batch_invariant``;
+        fp8 weights with an input that requires grad; float64 on the Triton backend.
     """
     check_choice("backend", backend, BACKENDS)
     if not isinstance(recompute, bool):
@@ -432,6 +549,9 @@ def fused_moe(
         local_expert_offset=local_expert_offset,
         num_experts=num_experts,
         out=out,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        gate_up_layout=gate_up_layout,
         act_dtypes=_ACT_DTYPES if use_triton else _REF_DTYPES,
     )
     if use_triton:
@@ -445,9 +565,8 @@ def fused_moe(
             # any strides (e.g. trace.ids[:, l]): the small [T, K] tensor is copied when needed
             replay_ids=replay_ids.contiguous() if isinstance(replay_ids, torch.Tensor) else replay_ids,
         )
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (hidden_states, w13, w2, topk_weights)
-    )
+    grad_inputs = [t for t in (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias) if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs)
     if needs_grad and p.fp8:
         fail(
             "w13_scale",
@@ -458,7 +577,7 @@ def fused_moe(
         res = hidden_states.new_empty((0, p.H), dtype=p.out_dtype)
         if needs_grad:  # connected to the inputs, so that their gradients are zeros (not None)
             res = res + sum(t.reshape(-1)[:0].sum().to(p.out_dtype)
-                            for t in (hidden_states, w13, w2, topk_weights) if t.requires_grad)  # fmt: skip
+                            for t in grad_inputs if t.requires_grad)  # fmt: skip
         return out.copy_(res) if out is not None else res
     if use_triton and needs_grad:
         res = experts_triton_train(
@@ -469,6 +588,7 @@ def fused_moe(
             topk_weights,
             local_expert_offset=local_expert_offset,
             recompute=recompute,
+            variant=_variant(w13_bias, w2_bias, activation, gate_up_layout),
         )
         if out is not None:
             out.copy_(res)
@@ -486,6 +606,7 @@ def fused_moe(
             local_expert_offset=local_expert_offset,
             out=out,
             batch_invariant=batch_invariant,
+            variant=_variant(w13_bias, w2_bias, activation, gate_up_layout),
         )
         return res
     res = _experts_torch(
@@ -498,6 +619,10 @@ def fused_moe(
         w2_scale=w2_scale,
         local_expert_offset=local_expert_offset,
         out_dtype=p.out_dtype,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        activation=activation,
+        gate_up_layout=gate_up_layout,
     )
     if out is not None:
         out.copy_(res)

@@ -24,6 +24,35 @@ from ._validation import is_capturing
 _FP8 = torch.float8_e4m3fn
 
 
+@dataclass(frozen=True, eq=False)
+class ExpertsVariant:
+    """What the experts compute beyond the standard SwiGLU experts (validated by ``fused_moe``).
+
+    ``w13_bias`` [E_local, 2I] (rows as w13's) and ``w2_bias`` [E_local, H]: added in the GEMM
+    epilogues; ``act`` 0 = SwiGLU, 1 = clamped SwiGLU with ``alpha`` and ``limit`` (gpt-oss);
+    ``interleaved``: w13's gate row j is row 2j, its up row 2j + 1 (otherwise j and I + j).
+    """
+
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    act: int = 0
+    alpha: float = 0.0
+    limit: float = 0.0
+    interleaved: bool = False
+
+    def op_args(self) -> tuple:
+        """The trailing arguments of the ``replaymoe::moe_experts*`` custom ops."""
+        return (self.w13_bias, self.w2_bias, self.act, self.alpha, self.limit, self.interleaved)
+
+
+STANDARD = ExpertsVariant()
+
+
+def _bias_args(b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """(pointer, stride_be, stride_bn) of an optional bias (a dummy pointer and zero strides)."""
+    return (dummy, 0, 0) if b is None else (b, b.stride(0), b.stride(1))
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Kernel configuration of one fused-MoE call (chosen by :func:`moe_config` from the shape).
@@ -143,6 +172,7 @@ def experts_triton(
     out,
     config=None,
     batch_invariant=True,
+    variant=STANDARD,
 ):
     """Run the Triton experts into ``out`` (allocated when None); returns it."""
     T, H = x.shape
@@ -158,21 +188,32 @@ def experts_triton(
     if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
-            config_tuple(c),
+            config_tuple(c), *variant.op_args(),
         )  # fmt: skip
     else:  # eager: the same launches without the custom-op dispatch (tens of microseconds per call)
-        _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c)
+        _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c,
+                v=variant)  # fmt: skip
     return out
 
 
-def experts_triton_train(x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None):
+def experts_triton_train(
+    x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None, variant=STANDARD
+):
     """Differentiable Triton experts (``torch.ops.replaymoe.moe_experts_train`` + its backward)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     c = config or moe_config(T, K, H, two_i // 2, E_local)
     out, _ = torch.ops.replaymoe.moe_experts_train(
-        x, w13, w2, topk_ids, topk_weights, local_expert_offset, config_tuple(c), recompute
+        x,
+        w13,
+        w2,
+        topk_ids,
+        topk_weights,
+        local_expert_offset,
+        config_tuple(c),
+        recompute,
+        *variant.op_args(),
     )
     return out
 
@@ -187,56 +228,70 @@ def _moe_train_op(
     local_expert_offset: int,
     config: list[int],
     recompute: bool,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act: int = 0,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of the differentiable experts: ``(out [T, H], saved)``.
 
-    ``saved`` is the GEMM1 output per slot, ``[T*K, 2I]`` (gate pre-activations in columns [0, I),
-    up in [I, 2I)), rows of non-local slots unspecified; empty with ``recompute``. Same kernels and
-    configuration as the inference path, so ``out`` is bitwise the inference output.
+    ``saved`` is the GEMM1 output per slot, ``[T*K, 2I]`` (gate pre-activations, bias included, in
+    columns [0, I), up in [I, 2I), whatever w13's layout), rows of non-local slots unspecified;
+    empty with ``recompute``. Same kernels and configuration as the inference path, so ``out`` is
+    bitwise the inference output. The trailing arguments are :class:`ExpertsVariant`'s.
     """
     T, H = x.shape
     K = topk_ids.shape[1]
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
+    v = ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved)
     _launch(x, w13, w2, topk_ids, topk_weights, None, None, local_expert_offset, out,
-            MoEConfig(bool(config[0]), *config[1:]), saved=None if recompute else saved)  # fmt: skip
+            MoEConfig(bool(config[0]), *config[1:]), saved=None if recompute else saved, v=v)  # fmt: skip
     return out, saved
 
 
 @_moe_train_op.register_fake
-def _(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute):
+def _(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute, *variant):
     T, H = x.shape
     return x.new_empty((T, H)), x.new_empty((0 if recompute else T * topk_ids.shape[1], w13.shape[1]))
 
 
 def _train_setup_context(ctx, inputs, output):
-    x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs
+    x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs[:8]
+    b13, b2, act, alpha, limit, interleaved = (
+        tuple(inputs[8:]) + (None, None, 0, 0.0, 0.0, False)[len(inputs) - 8 :]
+    )
     saved = output[1]
     ctx.offset, ctx.recompute = local_expert_offset, recompute
+    ctx.variant = (act, alpha, limit, interleaved)
     # the saved gate/up rows are an output only to be saved: no zero gradient [T*K, 2I] for them
     ctx.set_materialize_grads(False)
     if type(saved) is torch.Tensor and not recompute:
         # eager: the rows are handed to the backward, which frees them once the SwiGLU backward has
         # read them (before the weight gradients are allocated) instead of holding them to the end
         ctx.consumable = [saved]
-        ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights)
+        ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, b13, b2)
     else:  # traced (torch.compile) or recompute: an ordinary saved tensor
         ctx.consumable = None
-        ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, saved)
+        ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, b13, b2, saved)
 
 
 def _train_backward(ctx, grad_out, _grad_saved):
     need = ctx.needs_input_grad
     flags = [bool(need[0]), bool(need[1]), bool(need[2]), bool(need[4])]
+    flags += [bool(need[8]), bool(need[9])] if len(need) > 8 else [False, False]
     if ctx.consumable is None:
-        x, w13, w2, topk_ids, topk_weights, saved = ctx.saved_tensors
+        x, w13, w2, topk_ids, topk_weights, b13, b2, saved = ctx.saved_tensors
         if grad_out is None:  # out unused by the loss
             grad_out = torch.zeros_like(x)
-        dx, dw13, dw2, dwts = torch.ops.replaymoe.moe_experts_bwd(
-            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute, flags
-        )
+        dx, dw13, dw2, dwts, db13, db2 = torch.ops.replaymoe.moe_experts_bwd(
+            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute,
+            flags, b13, b2, *ctx.variant,
+        )  # fmt: skip
     else:
-        x, w13, w2, topk_ids, topk_weights = ctx.saved_tensors
+        x, w13, w2, topk_ids, topk_weights, b13, b2 = ctx.saved_tensors
         if not ctx.consumable:
             raise RuntimeError(
                 "fused_moe: backward ran twice through the same graph (retain_graph=True); the Triton "
@@ -246,11 +301,15 @@ def _train_backward(ctx, grad_out, _grad_saved):
         holder = [ctx.consumable.pop()]  # the only reference left: launch_bwd drops it when done
         if grad_out is None:
             grad_out = torch.zeros_like(x)
-        dx, dw13, dw2, dwts = launch_bwd_config(
-            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, holder, ctx.offset, False, flags
+        v = ExpertsVariant(b13, b2, *ctx.variant)
+        dx, dw13, dw2, dwts, db13, db2 = launch_bwd_config(
+            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, holder, ctx.offset, False, flags, v=v
         )
-    return (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
-            dwts if need[4] else None, None, None, None)  # fmt: skip
+    grads = (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
+             dwts if need[4] else None, None, None, None)  # fmt: skip
+    if len(need) > 8:
+        grads += (db13 if need[8] else None, db2 if need[9] else None) + (None,) * (len(need) - 10)
+    return grads
 
 
 _moe_train_op.register_autograd(_train_backward, setup_context=_train_setup_context)
@@ -268,24 +327,39 @@ def _moe_bwd_op(
     local_expert_offset: int,
     recompute: bool,
     need: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``moe_experts_train``: ``(dx, dw13, dw2, dtopk_weights)``; a gradient not in
-    ``need`` (x, w13, w2, topk_weights) comes back empty."""
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act: int = 0,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``moe_experts_train``: ``(dx, dw13, dw2, dtopk_weights, dw13_bias, dw2_bias)``;
+    a gradient not in ``need`` (x, w13, w2, topk_weights[, w13_bias, w2_bias]) comes back empty."""
+    v = ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved)
+    need6 = list(need) + [False] * (6 - len(need))
     return launch_bwd_config(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset,
-                             recompute, need)  # fmt: skip
+                             recompute, need6, v=v)  # fmt: skip
 
 
-def launch_bwd_config(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need):
+def launch_bwd_config(
+    grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, v=STANDARD
+):
     """:func:`launch_bwd` with the configuration :func:`moe_bwd_config` picks for the shape."""
     T, H = x.shape
     E_local, two_i, _ = w13.shape
     c = moe_bwd_config(T, topk_ids.shape[1], H, two_i // 2, E_local)
-    return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c)
+    return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c, v=v)
 
 
 @_moe_bwd_op.register_fake
-def _(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute, need):
-    return tuple(t.new_empty(t.shape if n else (0,)) for t, n in zip((x, w13, w2, topk_weights), need))
+def _(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, recompute, need, b13=None,
+      b2=None, *variant):  # fmt: skip
+    need6 = list(need) + [False] * (6 - len(need))
+    src = (x, w13, w2, topk_weights, b13, b2)
+    return tuple(
+        x.new_empty((0,)) if t is None or not n else t.new_empty(t.shape) for t, n in zip(src, need6)
+    )
 
 
 @dataclass(frozen=True)
@@ -331,11 +405,17 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig
     return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1)
 
 
-def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig):
-    """Triton backward: ``(dx, dw13, dw2, dtopk_weights)`` (empty where ``need`` is False).
+def launch_bwd(
+    dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig, v=STANDARD
+):
+    """Triton backward: ``(dx, dw13, dw2, dtopk_weights)``, plus ``(dw13_bias, dw2_bias)`` when
+    ``need`` has 6 entries (empty where ``need`` is False; a bias gradient in fp32).
 
     Launches: layout (2); GEMM1 again when ``recompute``; dA; SwiGLU backward (elementwise); dX +
-    k-ordered reduce; dW13; dW2. Intermediates: dh [rows, 2I] and aw [rows, I] in layout order.
+    k-ordered reduce; dW13; dW2; the bias gradients (per-expert row sums in row order). ``v``: the
+    experts variant (biases, clamped activation, interleaved gate/up rows; weights with any
+    strides). Intermediates: dh [rows, 2I] (columns in w13's row order) and aw [rows, I] in layout
+    order.
     ``saved`` may be a one-element list holding the only reference to the forward's gate/up rows:
     they are then freed right after the SwiGLU backward has read them (eager autograd hands them over
     so, see ``_train_setup_context``), before dX and the weight gradients are allocated.
@@ -344,6 +424,7 @@ def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recomput
         saved = saved.pop()
     from ._kernels.moe import moe_gemm1_kernel, moe_reduce_kernel
     from ._kernels.moe_bwd import (
+        moe_bwd_bias_kernel,
         moe_bwd_da_kernel,
         moe_bwd_dw_kernel,
         moe_bwd_dx_kernel,
@@ -357,16 +438,18 @@ def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recomput
     I = two_i // 2  # noqa: E741
     dev = x.device
     slots = T * K
-    src = (x, w13, w2, topk_weights)
-    empty = [t.new_empty((0,)) for t in src]
+    n_out = len(need)
+    need = list(need) + [False] * (6 - n_out)
+    b13, b2 = v.w13_bias, v.w2_bias
+    src = (x, w13, w2, topk_weights, b13, b2)
+    empty = [x.new_empty((0,)) if t is None else t.new_empty((0,)) for t in src]
     if T == 0:
-        return tuple(torch.zeros_like(t) if n else z for t, n, z in zip(src, need, empty))
+        return tuple(torch.zeros_like(t) if n else z for t, n, z in zip(src, need, empty))[:n_out]
     x = x.contiguous()
     dout = dout.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.contiguous()
-    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    b13_args = _bias_args(b13, w13)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
     num_pid_m = lay.max_tiles
@@ -377,35 +460,43 @@ def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recomput
         if num_pid_m:
             bn1, bk1 = (128, 64) if bm >= 64 else (64, 128)
             moe_gemm1_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
-                x, x, w13, w13, saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert, lay.num_tiles,
-                num_pid_m, H, I, K, slots, offset, E_local, x.stride(0), w13.stride(0), w13.stride(1), 0, 0,
+                x, x, w13, w13, b13_args[0], saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert,
+                lay.num_tiles, num_pid_m, H, I, K, slots, offset, E_local, float(v.alpha), float(v.limit),
+                x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), 0, 0, *b13_args[1:],
                 saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ_X=False, PREQ=False,
-                SAVE_H=True, STORE_ACT=False, EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1,
-                GROUP_M=c.group_m,
+                SAVE_H=True, STORE_ACT=False, HAS_BIAS=b13 is not None, INTERLEAVED=v.interleaved, ACT=v.act,
+                EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=c.group_m,
                 DOT_PREC=prec, num_warps=8 if bm >= 128 else 4, num_stages=4 if bm >= 64 else 3,
             )  # fmt: skip
     dh = torch.empty(rows, two_i, dtype=x.dtype, device=dev)
     aw = torch.empty(rows, I, dtype=x.dtype, device=dev)
     bn_e = 128
     nb = triton.cdiv(I, bn_e)
-    dwp = torch.zeros(slots, nb, dtype=torch.float32, device=dev)
+    # per slot: the d topk_weights partials of each I-block (+ dO·b2 in a last column with a w2 bias)
+    dwp = torch.zeros(slots, nb + (b2 is not None), dtype=torch.float32, device=dev)
     if num_pid_m:
+        b2_args = _bias_args(b2, w2)
         moe_bwd_da_kernel[(num_pid_m * triton.cdiv(I, c.bn_a),)](
-            dout, w2, dh, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I, K, slots,
-            dout.stride(0), w2.stride(0), w2.stride(1), dh.stride(0), EVEN_K=H % c.bk_a == 0, BLOCK_M=bm,
-            BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a,
-            num_stages=c.stages_a,
+            dout, w2, dh, b2_args[0], dwp, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I,
+            K, slots, nb, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
+            *b2_args[1:], dwp.stride(0), INTERLEAVED=v.interleaved, HAS_B2=b2 is not None,
+            EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m,
+            DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
         moe_bwd_swiglu_kernel[(triton.cdiv(num_pid_m * bm, br), nb)](
-            dh, saved, wts, aw, dwp, lay.sorted_slots, lay.num_tiles, I, slots, dh.stride(0), saved.stride(0),
-            aw.stride(0), TILE_M=bm, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
+            dh, saved, wts, aw, dwp, lay.sorted_slots, lay.num_tiles, I, slots, float(v.alpha),
+            float(v.limit), dh.stride(0), saved.stride(0), aw.stride(0), dwp.stride(0),
+            INTERLEAVED=v.interleaved, ACT=v.act,
+            TILE_M=bm, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
         )  # fmt: skip
     del saved
     res = list(empty)
     if need[3]:
         res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
     del dwp
+    if need[5]:  # dB2 [H] = sum over the expert's rows of w·dO[t]
+        res[5] = _bias_grad(moe_bwd_bias_kernel, dout, wts, lay, b2, K, gather=True)
     mode = c.dw_mode
     if mode and (need[1] or need[2]):  # token rows of x and dO gathered once into layout order
         sl = lay.sorted_slots.long()
@@ -439,8 +530,9 @@ def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recomput
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
             moe_bwd_dx_kernel[(num_pid_m * triton.cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, two_i, slots,
-                dh.stride(0), w13.stride(0), w13.stride(1), dxs.stride(0), EVEN_K=two_i % c.bk_x == 0,
-                BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m, DOT_PREC=prec,
+                dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),
+                EVEN_K=two_i % c.bk_x == 0, BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m,
+                DOT_PREC=prec,
                 num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
             bh = min(1024, max(16, 1 << (H - 1).bit_length()))
@@ -456,7 +548,22 @@ def launch_bwd(dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recomput
             dw_gemm(1, dh, rows_of(x), False, False, False, False, two_i, H)
         else:
             dw_gemm(1, rows_of(x), dh, True, False, False, True, H, two_i)
-    return tuple(res)
+    if need[4]:  # dB13 [2I] = sum over the expert's rows of dh (columns in w13's row order)
+        res[4] = _bias_grad(moe_bwd_bias_kernel, dh, wts, lay, b13, K, gather=False)
+    return tuple(res[:n_out])
+
+
+def _bias_grad(kernel, src, wts, lay, bias, K, *, gather):
+    """Per-expert fp32 sum of ``src`` rows (layout rows, or token rows weighted by the slot's routing
+    weight with ``gather``) in row order, as ``bias``'s dtype and shape [E_local, N]."""
+    E_local, N = bias.shape
+    db = torch.empty(E_local, N, dtype=torch.float32, device=src.device)
+    bn = min(256, max(16, 1 << (N - 1).bit_length()))
+    kernel[(E_local, triton.cdiv(N, bn))](
+        src, wts, db, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, N, K, src.stride(0),
+        db.stride(0), GATHER=gather, BLOCK_R=16, BLOCK_N=bn, num_warps=4,
+    )  # fmt: skip
+    return db.to(bias.dtype)
 
 
 def config_tuple(c: MoEConfig) -> list[int]:
@@ -478,22 +585,33 @@ def _moe_experts_op(
     local_expert_offset: int,
     out: torch.Tensor,
     config: list[int],
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act: int = 0,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+    interleaved: bool = False,
 ) -> None:
-    """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call)."""
+    """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call);
+    the trailing arguments are :class:`ExpertsVariant`'s."""
     _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
-            MoEConfig(bool(config[0]), *config[1:]))  # fmt: skip
+            MoEConfig(bool(config[0]), *config[1:]),
+            v=ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved))  # fmt: skip
 
 
 @_moe_experts_op.register_fake
-def _(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, config) -> None:
+def _(
+    x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, config, *variant
+) -> None:
     return None
 
 
 def _launch(
-    x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig, saved=None
+    x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig, saved=None, v=STANDARD
 ) -> None:
     """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
-    receives GEMM1's gate/up outputs per slot for the backward."""
+    receives GEMM1's gate/up outputs per slot for the backward; ``v``: the experts variant (bf16 /
+    fp16 / fp32 weights of any strides; fp8 takes the standard variant only)."""
     from ._kernels.moe import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
     from ._launch import fast
     from .layout import expert_layout
@@ -508,8 +626,9 @@ def _launch(
     x = x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.contiguous()
-    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if fp8:  # the fp8 kernels step through the weights with unit stride along K
+        w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+        w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     slots = T * K
     dev = x.device
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -548,20 +667,25 @@ def _launch(
     grid1 = (num_pid_m * triton.cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
+    b13, b13_se, b13_sn = _bias_args(v.w13_bias, w13)
     fast(moe_gemm1_kernel)[grid1](
-        xq, xs, w13, s13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I,
-        K, slots, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        inter.stride(0), h_buf.stride(0), DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save,
-        STORE_ACT=True, EVEN_K=H % c.block_k1 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
-        GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps1, num_stages=c.stages1,
+        xq, xs, w13, s13, b13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H,
+        I, K, slots, offset, E_local, float(v.alpha), float(v.limit), xq.stride(0), w13.stride(0),
+        w13.stride(1), w13.stride(2), *s13_strides, b13_se, b13_sn, inter.stride(0), h_buf.stride(0),
+        DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save, STORE_ACT=True,
+        HAS_BIAS=v.w13_bias is not None, INTERLEAVED=v.interleaved, ACT=v.act, EVEN_K=H % c.block_k1 == 0,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
+        num_warps=c.warps1, num_stages=c.stages1,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton.cdiv(H, c.block_n2),)
+    b2, b2_se, b2_sn = _bias_args(v.w2_bias, w2)
     fast(moe_gemm2_kernel)[grid2](
-        inter, inter_s, w2, s2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
-        offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-        DIRECT=c.direct, FP8=fp8, PREQ=preq, EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m,
-        BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2,
+        inter, inter_s, w2, s2, b2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
+        offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *s2_strides, b2_se,
+        b2_sn, y.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, HAS_BIAS=v.w2_bias is not None,
+        EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k2,
+        GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2,
         num_stages=c.stages2,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))

@@ -16,6 +16,14 @@ epilogue quantizes its 128-column block of SwiGLU rows, so GEMM2 reads e4m3 too;
 GEMM2 quantizes its activation tiles in registers as it loads them (the same arithmetic, so the same
 bits). ``BLOCK_K == 128`` and ``BLOCK_N`` divides 128 so
 each dot sees one weight scale.
+
+Expert variants (bf16 / fp16 / fp32 only): weights with any strides (``stride_wk``: the stride
+along the reduction dimension, 1 for contiguous weights, which Triton specializes, so the standard
+layout compiles as before; gpt-oss passes transposed views); ``INTERLEAVED``: gate row j of w13 at
+row 2j and up row j at 2j + 1 (otherwise j and I + j); ``HAS_BIAS``: biases added in the GEMM
+epilogues (w13's before the activation, w2's before the routing weight); ``ACT``: 0 = SwiGLU
+``silu(g) * u``, 1 = gpt-oss's clamped SwiGLU ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g')``
+with ``g' = min(g, limit)``.
 """
 
 from __future__ import annotations
@@ -46,11 +54,23 @@ def _quant_rows(a):
 
 
 @triton.jit
+def _act(g, u, alpha, limit, ACT: tl.constexpr):
+    """The activation of fp32 gate / up accumulators (see the module docstring)."""
+    if ACT == 1:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    else:
+        return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     xs_ptr,
     w_ptr,
     ws_ptr,
+    b_ptr,
     inter_ptr,
     inter_s_ptr,
     h_ptr,
@@ -65,11 +85,16 @@ def moe_gemm1_kernel(
     num_slots,
     expert_offset,
     num_local,
+    alpha,
+    limit,
     stride_xm,
     stride_we,
     stride_wn,
+    stride_wk,
     stride_se,
     stride_sn,
+    stride_be,
+    stride_bn,
     stride_im,
     stride_hm,
     DIRECT: tl.constexpr,
@@ -78,6 +103,9 @@ def moe_gemm1_kernel(
     PREQ: tl.constexpr,
     SAVE_H: tl.constexpr,
     STORE_ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -85,11 +113,11 @@ def moe_gemm1_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for one tile × BLOCK_N.
+    """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
-    ``SAVE_H`` (training): also store the gate and up accumulators per slot, h[slot, n] and
-    h[slot, I + n], for the backward; without ``STORE_ACT`` (the backward's recomputation) only
-    those."""
+    ``SAVE_H`` (training): also store the gate and up pre-activations (bias included) per slot,
+    h[slot, n] and h[slot, I + n] (in this order whatever w13's layout), for the backward; without
+    ``STORE_ACT`` (the backward's recomputation) only those."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -114,8 +142,16 @@ def moe_gemm1_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + rk[None, :]
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    g_ptrs = w_base + rn[None, :] * stride_wn + rk[:, None]
-    u_ptrs = g_ptrs + I * stride_wn
+    if INTERLEAVED:
+        g_rows = 2 * rn
+        u_rows = g_rows + 1
+        g_ptrs = w_base + g_rows[None, :] * stride_wn + rk[:, None] * stride_wk
+        u_ptrs = g_ptrs + stride_wn
+    else:
+        g_rows = rn
+        u_rows = rn + I
+        g_ptrs = w_base + rn[None, :] * stride_wn + rk[:, None] * stride_wk
+        u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8:
@@ -148,8 +184,12 @@ def moe_gemm1_kernel(
             acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
             acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + g_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_base + u_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SAVE_H:
         h_ptrs = h_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_hm + rn[None, :]
         h_ok = row_ok[:, None] & n_ok[None, :]
@@ -157,7 +197,7 @@ def moe_gemm1_kernel(
         tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=h_ok)
     if not STORE_ACT:
         return
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = _act(acc_g, acc_u, alpha, limit, ACT)
     o_ptrs = inter_ptr + out_rows[:, None].to(tl.int64) * stride_im + rn[None, :]
     if PREQ:  # quantize the SwiGLU rows (rounded to bf16 first, as the reference) per 1x128 group
         tl.static_assert(BLOCK_N == 128)
@@ -174,6 +214,7 @@ def moe_gemm2_kernel(
     inter_s_ptr,
     w_ptr,
     ws_ptr,
+    b_ptr,
     y_ptr,
     ids_ptr,
     wts_ptr,
@@ -189,12 +230,16 @@ def moe_gemm2_kernel(
     stride_im,
     stride_we,
     stride_wn,
+    stride_wk,
     stride_se,
     stride_sn,
+    stride_be,
+    stride_bn,
     stride_ym,
     DIRECT: tl.constexpr,
     FP8: tl.constexpr,
     PREQ: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -202,7 +247,8 @@ def moe_gemm2_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """y[slot, n] = w[slot] * inter[row] @ w2[e, n]^T for each real row of a tile (DIRECT: tile = slot)."""
+    """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
+    tile = slot; the bias only with ``HAS_BIAS``)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -224,7 +270,7 @@ def moe_gemm2_kernel(
     n_ok = rn < H
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + rk[None, :]
-    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
     if FP8:
         bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -247,7 +293,10 @@ def moe_gemm2_kernel(
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        b2 = tl.load(b_ptr + e.to(tl.int64) * stride_be + rn * stride_bn, mask=n_ok, other=0.0)
+        acc += b2.to(tl.float32)[None, :]
     wt = tl.load(wts_ptr + slots, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     o_ptrs = y_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]

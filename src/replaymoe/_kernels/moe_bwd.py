@@ -20,6 +20,14 @@ passes are bitwise equal):
   expert's real rows in row order, whole (no split-K): dW13 = dh^T x and dW2 = dO^T aw, with the
   token rows of x / dO gathered inside the loop or beforehand (optionally transposed, so that A is
   K-major). An expert without tokens gets zeros.
+* ``moe_bwd_bias_kernel`` (grid: experts × N-blocks): the bias gradients, per expert a sum over its
+  real layout rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
+
+Expert variants (see :mod:`replaymoe._kernels.moe`): with ``INTERLEAVED`` w13's gate row j is row
+2j and up row j is 2j + 1, and dh's columns follow w13's rows (so that dX = dh @ W13 and dW13 =
+dh^T x need no mapping); ``ACT`` 1 is gpt-oss's clamped SwiGLU, whose derivative is zero where a
+clamp is active; with a w2 bias, ``HAS_B2`` adds dO[t]·b2[e] to the topk_weights gradient (out =
+sum_k w_k (a W2^T + b2)). Weights may have any strides.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ def moe_bwd_da_kernel(
     dout_ptr,
     w2_ptr,
     da_ptr,
+    b2_ptr,
+    dwp_ptr,
     sorted_ptr,
     tile_expert_ptr,
     num_tiles_ptr,
@@ -43,10 +53,17 @@ def moe_bwd_da_kernel(
     I,
     TOP_K,
     num_slots,
+    dwp_col,
     stride_dm,
     stride_w2e,
     stride_w2h,
+    stride_w2i,
     stride_am,
+    stride_b2e,
+    stride_b2h,
+    stride_dwp,
+    INTERLEAVED: tl.constexpr,
+    HAS_B2: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -54,7 +71,8 @@ def moe_bwd_da_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """da[row, n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I; padding rows 0."""
+    """da[row, gate column of n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I;
+    padding rows 0. ``HAS_B2``: the first N-block also writes dO[tok]·b2[e] to dwp[slot, dwp_col]."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -70,21 +88,38 @@ def moe_bwd_da_kernel(
     n_ok = rn < I
     rk = tl.arange(0, BLOCK_K)
     d_ptrs = dout_ptr + tok[:, None] * stride_dm + rk[None, :]
-    b_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2h + rn[None, :]
+    b_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2h + rn[None, :] * stride_w2i
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_B2:
+        bdot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        b2_ptrs = b2_ptr + e * stride_b2e + rk * stride_b2h
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             d = tl.load(d_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            if HAS_B2:
+                bb = tl.load(b2_ptrs)
         else:
             k_ok = rk < H - k * BLOCK_K
             d = tl.load(d_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if HAS_B2:
+                bb = tl.load(b2_ptrs, mask=k_ok, other=0.0)
         acc = tl.dot(d, b, acc, input_precision=DOT_PREC)
+        if HAS_B2:
+            bdot += tl.sum(d.to(tl.float32) * bb.to(tl.float32)[None, :], axis=1)
+            b2_ptrs += BLOCK_K * stride_b2h
         d_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_w2h
-    o_ptrs = da_ptr + rows[:, None] * stride_am + rn[None, :]
+    if INTERLEAVED:
+        cols = 2 * rn
+    else:
+        cols = rn
+    o_ptrs = da_ptr + rows[:, None] * stride_am + cols[None, :]
     tl.store(o_ptrs, acc.to(da_ptr.dtype.element_ty), mask=n_ok[None, :])
+    if HAS_B2:
+        slot_c = tl.where(row_ok, slots, 0).to(tl.int64)
+        tl.store(dwp_ptr + slot_c * stride_dwp + dwp_col, bdot, mask=row_ok & (pid_n == 0))
 
 
 @triton.jit
@@ -98,16 +133,22 @@ def moe_bwd_swiglu_kernel(
     num_tiles_ptr,
     I,
     num_slots,
+    alpha,
+    limit,
     stride_dhm,
     stride_hm,
     stride_awm,
+    stride_dwp,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
     TILE_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Through SwiGLU, for BLOCK_R layout rows × BLOCK_N of I: reads da' from dh's gate half and
-    g, u from h (per slot); writes dh = [w·da'·u·silu'(g), w·da'·silu(g)] in place, aw = w·a and the
-    partial row dot sum_n da'·a of this block per slot."""
+    """Through the activation, for BLOCK_R layout rows × BLOCK_N of I: reads da' from dh's gate
+    columns and g, u from h (per slot); writes dh's gate and up columns in place (SwiGLU:
+    [w·da'·u·silu'(g), w·da'·silu(g)]; clamped: the same through the clamps, zero where one is
+    active), aw = w·a and the partial row dot sum_n da'·a of this block per slot."""
     pid_r = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -120,22 +161,38 @@ def moe_bwd_swiglu_kernel(
     n_ok = rn < I
     ok2 = row_ok[:, None] & n_ok[None, :]
     st = used[:, None] & n_ok[None, :]
-    dh_ptrs = dh_ptr + rows[:, None] * stride_dhm + rn[None, :]
+    if INTERLEAVED:
+        dh_ptrs = dh_ptr + rows[:, None] * stride_dhm + 2 * rn[None, :]
+        du_ptrs = dh_ptrs + 1
+    else:
+        dh_ptrs = dh_ptr + rows[:, None] * stride_dhm + rn[None, :]
+        du_ptrs = dh_ptrs + I
     da = tl.load(dh_ptrs, mask=ok2, other=0.0).to(tl.float32)
     h_ptrs = h_ptr + slot_c[:, None] * stride_hm + rn[None, :]
     g = tl.load(h_ptrs, mask=ok2, other=0.0).to(tl.float32)
     u = tl.load(h_ptrs + I, mask=ok2, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + slot_c, mask=row_ok, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    sg = g * sig
     dt = dh_ptr.dtype.element_ty
-    a = (sg * u).to(dt).to(tl.float32)  # the forward's SwiGLU rows, as rounded
+    if ACT == 1:  # g' = min(g, limit), u' = clamp(u, -limit, limit), a = (u' + 1) g' sigmoid(alpha g')
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
+        glu = gc * sig
+        a = (glu * (uc + 1.0)).to(dt).to(tl.float32)  # the forward's rows, as rounded
+        d_gate = tl.where(g <= limit, (uc + 1.0) * sig * (1.0 + alpha * gc * (1.0 - sig)), 0.0)
+        d_up = tl.where((u >= -limit) & (u <= limit), glu, 0.0)
+    else:
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        sg = g * sig
+        a = (sg * u).to(dt).to(tl.float32)  # the forward's SwiGLU rows, as rounded
+        d_gate = u * sig * (1.0 + g * (1.0 - sig))
+        d_up = sg
     part = tl.sum(da * a, axis=1)
-    tl.store(dwp_ptr + slot_c * tl.num_programs(1) + pid_n, part, mask=row_ok)
+    tl.store(dwp_ptr + slot_c * stride_dwp + pid_n, part, mask=row_ok)
     tl.store(aw_ptr + rows[:, None] * stride_awm + rn[None, :], (a * wt[:, None]).to(dt), mask=st)
     da = da * wt[:, None]
-    tl.store(dh_ptrs + I, (da * sg).to(dt), mask=st)
-    tl.store(dh_ptrs, (da * u * sig * (1.0 + g * (1.0 - sig))).to(dt), mask=st)
+    tl.store(du_ptrs, (da * d_up).to(dt), mask=st)
+    tl.store(dh_ptrs, (da * d_gate).to(dt), mask=st)
 
 
 @triton.jit
@@ -153,6 +210,7 @@ def moe_bwd_dx_kernel(
     stride_dhm,
     stride_we,
     stride_wn,
+    stride_wk,
     stride_xm,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -176,7 +234,7 @@ def moe_bwd_dx_kernel(
     n_ok = rn < H
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = dh_ptr + rows[:, None] * stride_dhm + rk[None, :]
-    b_ptrs = w13_ptr + e * stride_we + rk[:, None] * stride_wn + rn[None, :]
+    b_ptrs = w13_ptr + e * stride_we + rk[:, None] * stride_wn + rn[None, :] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(I2, BLOCK_K)):
         if EVEN_K:
@@ -268,3 +326,47 @@ def moe_bwd_dw_kernel(
     else:
         c_ptrs = c_base + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_bwd_bias_kernel(
+    src_ptr,
+    wts_ptr,
+    out_ptr,
+    sorted_ptr,
+    offsets_ptr,
+    counts_ptr,
+    N,
+    TOP_K,
+    stride_sm,
+    stride_oe,
+    GATHER: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[e, n] = sum over expert e's real layout rows r, in row order, of src[r, n] or, with
+    ``GATHER``, of wts[slot] * src[token, n] (slot = sorted[r], token = slot // TOP_K); fp32."""
+    e = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    start = tl.load(offsets_ptr + e)
+    cnt = tl.load(counts_ptr + e)
+    rr = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, cnt, BLOCK_R):
+        r = start + r0 + rr
+        ok = r0 + rr < cnt
+        if GATHER:
+            slot = tl.load(sorted_ptr + r, mask=ok, other=0)
+            row = (slot // TOP_K).to(tl.int64)
+            w = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+        else:
+            row = r.to(tl.int64)
+        v = tl.load(
+            src_ptr + row[:, None] * stride_sm + rn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0
+        )
+        v = v.to(tl.float32)
+        if GATHER:
+            v = v * w[:, None]
+        acc += tl.sum(v, axis=0)
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + rn, acc, mask=n_ok)
