@@ -69,7 +69,7 @@ def _ep_grads(a2a, rank, xs, logits, w13, w2, dout, rids, K, kw, backend, twice=
     return [out.detach()] + grads
 
 
-def _check(got, ref, rank, Ts, lo, n, name):
+def _check(got, ref, rank, Ts, lo, n, name, skip=()):
     from replaymoe.testing import assert_close
 
     s0, T = sum(Ts[:rank]), Ts[rank]
@@ -80,7 +80,9 @@ def _check(got, ref, rank, Ts, lo, n, name):
         ref[3][lo : lo + n],
         ref[4][lo : lo + n],
     ]
-    for what, a, e in zip(("out", "d hidden", "d logits", "d w13", "d w2"), got, want):
+    for i, (what, a, e) in enumerate(zip(("out", "d hidden", "d logits", "d w13", "d w2"), got, want)):
+        if i in skip:
+            continue
         # gradients are sums over tokens and features: tolerance at the reference's scale
         scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
         assert_close(a.float(), e.float(), atol=2e-5 * scale, rtol=2e-5, name=f"{name} rank {rank}: {what}")
@@ -119,6 +121,30 @@ def _cases(rank, world, group, cases, triton_case):
     return a2as
 
 
+def _mixed_needs(rank, group):
+    """Ranks that need different gradients (rank 0: only its experts, frozen inputs; rank 1: only its
+    hidden states, frozen experts and router) still exchange alike: each gets what it asked for."""
+    from replaymoe.ep import MoeAlltoAll, ep_moe, expert_partition
+
+    K, Ts = 2, [4, 3]
+    lo, n = expert_partition(E, 2)[rank]
+    prob = _problem(7, 2, K, Ts, False)
+    ref = _reference(*prob, K, {})
+    xs, logits, w13, w2, dout, _ = prob
+    a2a = MoeAlltoAll(group, 8, K, E, H)
+    x, lg = xs[rank].clone(), logits[rank].clone()
+    a, b = w13[lo : lo + n].clone(), w2[lo : lo + n].clone()
+    for t in (a, b) if rank == 0 else (x,):
+        t.requires_grad_()
+    ep_moe(x, lg, a, b, a2a, top_k=K).backward(dout[rank])
+    got = [None, x.grad, lg.grad, a.grad, b.grad]
+    _check(got, ref, rank, Ts, lo, n, "mixed needs", skip=(0, 1, 2) if rank == 0 else (0, 2, 3, 4))
+    assert all(got[i] is None for i in ((1, 2) if rank == 0 else (2, 3, 4)))
+    with torch.no_grad():  # grad mode off: the inference path, no autograd node
+        x.requires_grad_()
+        assert ep_moe(x, lg, a, b, a2a, top_k=K).grad_fn is None
+
+
 def _worker(rank, world):
     import torch.distributed as dist
 
@@ -128,6 +154,7 @@ def _worker(rank, world):
     pair = dist.new_group([0, 1])
     if rank < 2:
         _cases(rank, 2, pair, CASES_2, True)
+        _mixed_needs(rank, pair)
     dist.barrier()
     a2as = _cases(rank, world, None, CASES_4, False)
     lo, n = expert_partition(E, world)[rank]
