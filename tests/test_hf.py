@@ -112,10 +112,9 @@ def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
         out = model(input_ids=ids, attention_mask=mask).logits
     n_moe = len(moe.layers)
     assert calls["route"] == n_moe
-    if arch == "gpt_oss":  # interleaved, biased, clamped experts: stay on grouped_mm
-        assert calls["fused"] == 0 and model.config._experts_implementation != "replaymoe"
-    else:
-        assert calls["fused"] == n_moe and model.config._experts_implementation == "replaymoe"
+    # every architecture's experts run fused_moe (gpt-oss's transposed, interleaved, biased,
+    # clamped experts through views, biases, gate_up_layout and ClampedSwiGLU)
+    assert calls["fused"] == n_moe and model.config._experts_implementation == "replaymoe"
     assert_close(out, ref, **LOGIT_TOL, name=f"{arch} logits")
     moe.disable()
     with torch.no_grad():

@@ -111,7 +111,7 @@ def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
         out = model(input_ids=ids, attention_mask=mask).logits.float()
     own.remove()
     traces = moe.traces()
-    assert calls["fused"] == (0 if arch == "gpt_oss" else len(moe.layers))
+    assert calls["fused"] == len(moe.layers)  # gpt-oss included (its own layout, biases, clamps)
     # whole-model logits: bf16 expert sums in another order; later layers may flip near-tie tokens
     keep = mask.bool()
 

@@ -61,8 +61,10 @@ Experts compute (:func:`replaymoe_experts_forward`)
   the torch reference elsewhere (``backend="auto"``; override with ``enable(..., backend=...)``).
   fp32 weights on CUDA use the torch reference (the kernels take bf16/fp16). Gradients reach the
   activations, the expert weights and the routing weights (hence the router).
-* Experts whose layout fused_moe does not take (biased, transposed, interleaved, non-SiLU: gpt-oss)
-  run through transformers' ``grouped_mm``.
+* gpt-oss's experts (transposed, gate/up interleaved, biased, clamped SwiGLU) run fused_moe too:
+  transposed views of its weights (no copy), its biases, ``gate_up_layout="interleaved"`` and
+  ``ClampedSwiGLU(alpha, limit)``. Experts of any other layout fused_moe does not take (other
+  biased or transposed layouts, non-SiLU) run through transformers' ``grouped_mm``.
 
 Positions, capture and replay
 -----------------------------

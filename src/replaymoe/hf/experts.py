@@ -1,4 +1,12 @@
-"""The ``"replaymoe"`` experts implementation for transformers' ``ExpertsInterface``."""
+"""The ``"replaymoe"`` experts implementation for transformers' ``ExpertsInterface``.
+
+Two layouts run :func:`replaymoe.moe.fused_moe`: the standard one (gate-first ``gate_up_proj
+[E, 2I, H]``, ``down_proj [E, H, I]``, SiLU, no bias: Qwen3/Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3,
+GLM4-MoE) and gpt-oss's (``GptOssExperts``: transposed ``gate_up_proj [E, H, 2I]`` with gate and up
+columns interleaved, ``down_proj [E, I, H]``, biases on both, clamped SwiGLU), which is passed as
+transposed views (no copy), its biases, ``gate_up_layout="interleaved"`` and
+``ClampedSwiGLU(alpha, limit)``. Other layouts run transformers' ``grouped_mm``.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +24,42 @@ def _default_apply_gate() -> Callable:
     from transformers.integrations import moe as hf_moe
 
     return hf_moe._default_apply_gate
+
+
+def _gptoss_apply_gate() -> Callable | None:
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:  # pragma: no cover - a transformers without gpt-oss
+        return None
+    return GptOssExperts._apply_gate
+
+
+def _gptoss_activation(experts: nn.Module):
+    """``ClampedSwiGLU(alpha, limit)`` when ``experts`` is laid out as transformers' GptOssExperts
+    (transposed, interleaved, biased, GptOss's ``_apply_gate``, the expected shapes); else None."""
+    from replaymoe.moe import ClampedSwiGLU
+
+    if not getattr(experts, "has_gate", True) or not getattr(experts, "has_bias", False):
+        return None
+    if not getattr(experts, "is_transposed", False) or getattr(experts, "is_concatenated", True):
+        return None
+    gate = _gptoss_apply_gate()
+    if gate is None or type(experts)._apply_gate is not gate:
+        return None
+    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    b13, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+    if not all(isinstance(t, torch.Tensor) for t in (w13, w2, b13, b2)) or w13.dim() != 3:
+        return None
+    E, H, two_i = w13.shape
+    if two_i % 2 or tuple(w2.shape) != (E, two_i // 2, H):
+        return None
+    if tuple(b13.shape) != (E, two_i) or tuple(b2.shape) != (E, H):
+        return None
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    try:
+        return ClampedSwiGLU(alpha, limit)
+    except ValueError:
+        return None
 
 
 def _check_fused_compatible(experts: nn.Module) -> bool:
@@ -36,14 +80,18 @@ def _check_fused_compatible(experts: nn.Module) -> bool:
 
 
 def fused_compatible(experts: nn.Module) -> bool:
-    """True when ``experts`` holds gate-first ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` + SiLU.
+    """True when ``experts`` holds gate-first ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` +
+    SiLU, or is laid out as transformers' ``GptOssExperts`` (see the module docstring).
 
-    The answer is cached on the module (``_replaymoe_fused``): the layout of a module's weights
-    does not change while it is in use, and a forward should not pay for the check.
+    The answer is cached on the module (``_replaymoe_fused``, and gpt-oss's activation in
+    ``_replaymoe_gptoss``): the layout of a module's weights does not change while it is in use,
+    and a forward should not pay for the check.
     """
     cached = experts.__dict__.get("_replaymoe_fused")
     if cached is None:
-        cached = _check_fused_compatible(experts)
+        act = _gptoss_activation(experts)
+        cached = act is not None or _check_fused_compatible(experts)
+        experts.__dict__["_replaymoe_gptoss"] = act
         experts.__dict__["_replaymoe_fused"] = cached
     return cached
 
@@ -65,7 +113,8 @@ def replaymoe_experts_forward(
     Parameters
     ----------
     self : nn.Module
-        A transformers experts module (``gate_up_proj [E, 2I, H]`` gate-first, ``down_proj [E, H, I]``).
+        A transformers experts module (``gate_up_proj [E, 2I, H]`` gate-first, ``down_proj [E, H, I]``;
+        or gpt-oss's ``gate_up_proj [E, H, 2I]`` interleaved, ``down_proj [E, I, H]`` and biases).
     hidden_states : torch.Tensor
         ``[T, H]`` activations.
     top_k_index : torch.Tensor
@@ -76,25 +125,39 @@ def replaymoe_experts_forward(
     Returns
     -------
     torch.Tensor
-        ``[T, H]`` in ``hidden_states.dtype``: ``Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))``.
+        ``[T, H]`` in ``hidden_states.dtype``: ``Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))``
+        (gpt-oss: ``Σ_k w_k · (down_e(act(gate_up_e(x) + b)) + b_down)`` with its clamped SwiGLU).
 
     Fused-compatible experts run :func:`replaymoe.moe.fused_moe` (backend from
     ``self._replaymoe_backend``, default ``"auto"``; fp32 weights on CUDA take the torch
-    reference, the kernels being bf16/fp16), with or without a gradient. Other layouts (biased,
-    transposed, interleaved, non-SiLU: gpt-oss) run transformers' ``grouped_mm`` implementation.
+    reference, the kernels being bf16/fp16), with or without a gradient; gpt-oss's experts too,
+    with its transposed weights as views, its biases, ``gate_up_layout="interleaved"`` and
+    ``ClampedSwiGLU(self.alpha, self.limit)``. Other layouts (biased or transposed other than
+    gpt-oss's, non-SiLU) run transformers' ``grouped_mm`` implementation.
     """
     if not fused_compatible(self):
         return _grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)
     from replaymoe.moe import fused_moe
 
-    w13, w2 = self.gate_up_proj, self.down_proj
+    gptoss = self.__dict__.get("_replaymoe_gptoss")
+    if gptoss is not None:  # [E, H, 2I] / [E, I, H] stored transposed: read through views, no copy
+        w13, w2 = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        extra = dict(
+            w13_bias=self.gate_up_proj_bias,
+            w2_bias=self.down_proj_bias,
+            activation=gptoss,
+            gate_up_layout="interleaved",
+        )
+    else:
+        w13, w2 = self.gate_up_proj, self.down_proj
+        extra = {}
     backend = self.__dict__.get("_replaymoe_backend", "auto")
     if backend == "auto" and w13.is_cuda and w13.dtype == torch.float32:
         backend = "torch"  # the kernels take bf16/fp16
     ids = top_k_index if top_k_index.dtype == torch.int32 else top_k_index.to(torch.int32)
     weights = top_k_weights if top_k_weights.dtype == torch.float32 else top_k_weights.float()
     x = hidden_states if hidden_states.dtype == w13.dtype else hidden_states.to(w13.dtype)
-    out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend)
+    out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend, **extra)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 
