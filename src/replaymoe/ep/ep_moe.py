@@ -107,10 +107,11 @@ def ep_moe(
     ``w13_local``, ``w2_local`` and ``router_logits`` (through :func:`replaymoe.route`'s backward on
     the top-k weights, with ``replay_ids`` too). When nothing requires grad (or grad mode is off)
     the call is the inference path itself; otherwise the forward runs the same code inside an
-    autograd node and saves only its ``[T_local, *]`` inputs (hidden states, top-k ids and weights;
-    the weights). The backward is **collective**: every rank must run it for every differentiated
-    ``ep_moe`` call, in the same order (as for the forward); a rank whose loss does not use the
-    output still has to (e.g. ``out.sum() * 0``), else its peers wait until the timeout.
+    autograd node and saves only its inputs (the ``[T_local, *]`` hidden states, top-k ids and
+    weights, and the expert weights by reference). The backward is **collective**: every rank must
+    run it for every differentiated ``ep_moe`` call, in the same order (as for the forward); a rank
+    whose loss does not use the output still has to (e.g. ``out.sum() * 0``), else its peers wait
+    until the timeout.
 
     Data flow of the backward (all exchanges on ``a2a``, each rank):
 
