@@ -1,0 +1,137 @@
+"""Compare the sm_90 PTX of the fused-MoE GEMM kernels on the standard path with a git revision's.
+
+The gpt-oss options (weight strides along K, biases, interleaved gate/up rows, clamped SwiGLU) are
+constexprs or Triton-specialized arguments (``stride_wk == 1``); this checks, without a GPU, that the
+standard experts (contiguous weights, gate/up halves, no bias, SwiGLU) compile to the same instructions
+as before: it compiles both versions for ``GPUTarget("cuda", 90, 32)`` with bf16 / fp8 inputs in the
+wrapper's configurations and diffs the instructions (debug locations, parameter loads and register
+numbering aside).
+
+Usage: .venv/bin/python scripts/moe_ptx_diff.py [REV]   (REV default: aa1f5ce, before the options)
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+import replaymoe._kernels.moe as new  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+P16, P32, PI, P8 = ("*bf16", 16), ("*fp32", 16), ("*i32", 16), ("*fp8e4nv", 16)
+I16, I32, F, ONE = ("i32", 16), ("i32", 0), ("fp32", 0), ("one", 0)
+
+
+def _old_module(rev: str):
+    src = subprocess.run(["git", "show", f"{rev}:src/replaymoe/_kernels/moe.py"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / "old_moe.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("old_moe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _ptx(fn, args: dict, consts: dict, warps: int, stages: int) -> list[str]:
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+        elif args[name] is ONE:  # an integer argument equal to 1: Triton specializes it
+            sig[name], constexprs[(i,)] = "constexpr", 1
+        else:
+            sig[name] = args[name][0]
+            if args[name][1]:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    body = ptx[ptx.index(".entry") :]
+    body = body[: body.index("\n}\n")]
+    out = []
+    for line in body.split("\n"):
+        t = line.strip()
+        if not t or t.startswith((".loc", "//", "$L__tmp")) or ".param" in t:
+            continue
+        out.append(re.sub(r"%(r|rd|p|f|rs|hs|h|fd)\d+", r"%\1", re.sub(r"\s+//.*", "", t)))
+    return out
+
+
+def main(rev: str) -> int:
+    old = _old_module(rev)
+    g1 = dict(x_ptr=P16, xs_ptr=P16, w_ptr=P16, ws_ptr=P16, inter_ptr=P16, inter_s_ptr=P16, h_ptr=P16,
+              ids_ptr=PI, sorted_ptr=PI, tile_expert_ptr=PI, num_tiles_ptr=PI, num_pid_m=I32, H=I16, I=I16,
+              TOP_K=I32, num_slots=I16, expert_offset=I32, num_local=I16, stride_xm=I16, stride_we=I16,
+              stride_wn=I16, stride_se=I32, stride_sn=I32, stride_im=I16, stride_hm=I16)  # fmt: skip
+    g1_new = dict(g1, b_ptr=P16, alpha=F, limit=F, stride_wk=ONE, stride_be=I32, stride_bn=I32)
+    g1_fp8 = dict(x_ptr=P8, w_ptr=P8, xs_ptr=P32, ws_ptr=P32, inter_ptr=P8, inter_s_ptr=P32)
+    g2 = dict(inter_ptr=P16, inter_s_ptr=P16, w_ptr=P16, ws_ptr=P16, y_ptr=P16, ids_ptr=PI, wts_ptr=P32,
+              sorted_ptr=PI, tile_expert_ptr=PI, num_tiles_ptr=PI, num_pid_m=I32, H=I16, I=I16, num_slots=I16,
+              expert_offset=I32, num_local=I16, stride_im=I16, stride_we=I16, stride_wn=I16, stride_se=I32,
+              stride_sn=I32, stride_ym=I16)  # fmt: skip
+    g2_new = dict(g2, b_ptr=P16, stride_wk=ONE, stride_be=I32, stride_bn=I32)
+    base1 = dict(DIRECT=False, FP8=False, PREQ_X=False, PREQ=False, SAVE_H=False, STORE_ACT=True, EVEN_K=True,
+                 BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PREC="tf32")  # fmt: skip
+    std1 = dict(HAS_BIAS=False, INTERLEAVED=False, ACT=0)
+    std2 = dict(HAS_BIAS=False)
+    base2 = dict(DIRECT=False, FP8=False, PREQ=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                 GROUP_M=8, DOT_PREC="tf32")  # fmt: skip
+    cases = [  # (name, kernel, old args, new args, constexprs, new constexprs, warps, stages)
+        ("gemm1 tiles", "moe_gemm1_kernel", g1, g1_new, base1, std1, 8, 4),
+        (
+            "gemm1 direct",
+            "moe_gemm1_kernel",
+            g1,
+            g1_new,
+            dict(base1, DIRECT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128),
+            std1,
+            4,
+            4,
+        ),  # fmt: skip
+        ("gemm1 training", "moe_gemm1_kernel", g1, g1_new, dict(base1, SAVE_H=True), std1, 8, 4),
+        (
+            "gemm1 fp8",
+            "moe_gemm1_kernel",
+            dict(g1, **g1_fp8),
+            dict(g1_new, **g1_fp8),
+            dict(base1, FP8=True, PREQ_X=True, PREQ=True, BLOCK_M=64, BLOCK_K=128),
+            std1,
+            8,
+            3,
+        ),  # fmt: skip
+        ("gemm2 tiles", "moe_gemm2_kernel", g2, g2_new, base2, std2, 8, 4),
+        (
+            "gemm2 direct",
+            "moe_gemm2_kernel",
+            g2,
+            g2_new,
+            dict(base2, DIRECT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128),
+            std2,
+            4,
+            4,
+        ),  # fmt: skip
+    ]
+    bad = 0
+    for name, kname, a_old, a_new, cst, extra, warps, stages in cases:
+        a = _ptx(getattr(old, kname), a_old, cst, warps, stages)
+        b = _ptx(getattr(new, kname), a_new, {**cst, **extra}, warps, stages)
+        diff = difflib.unified_diff(a, b, lineterm="", n=0)
+        diff = [d for d in diff if not d.startswith(("@@", "---", "+++"))]
+        print(f"{name:15s} instructions {rev}: {len(a):5d}  now: {len(b):5d}  differing: {len(diff)}")
+        bad += bool(diff)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "aa1f5ce"))
