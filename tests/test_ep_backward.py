@@ -136,13 +136,16 @@ def _mixed_needs(rank, group):
     a, b = w13[lo : lo + n].clone(), w2[lo : lo + n].clone()
     for t in (a, b) if rank == 0 else (x,):
         t.requires_grad_()
-    ep_moe(x, lg, a, b, a2a, top_k=K).backward(dout[rank])
+    out = ep_moe(x, lg, a, b, a2a, top_k=K)
+    out.backward(dout[rank])
     got = [None, x.grad, lg.grad, a.grad, b.grad]
     _check(got, ref, rank, Ts, lo, n, "mixed needs", skip=(0, 1, 2) if rank == 0 else (0, 2, 3, 4))
     assert all(got[i] is None for i in ((1, 2) if rank == 0 else (2, 3, 4)))
-    with torch.no_grad():  # grad mode off: the inference path, no autograd node
+    with torch.no_grad():  # grad mode off: the inference path, no autograd node, the same output
         x.requires_grad_()
-        assert ep_moe(x, lg, a, b, a2a, top_k=K).grad_fn is None
+        plain = ep_moe(x, lg, a, b, a2a, top_k=K)
+    assert plain.grad_fn is None and out.grad_fn is not None
+    assert torch.equal(plain, out)
 
 
 def _worker(rank, world):

@@ -68,7 +68,7 @@ def _ep(a2a, rank, xs, logits, w13, w2, dout, rids, K, lo, n, recompute):
 def _worker(rank, world):
     import torch.distributed as dist
 
-    from replaymoe.ep import MoeAlltoAll, expert_partition
+    from replaymoe.ep import MoeAlltoAll, ep_moe, expert_partition
 
     dev = torch.device("cuda", rank)
     lo, n = expert_partition(E, world)[rank]
@@ -98,6 +98,10 @@ def _worker(rank, world):
                 )
             a2a = a2as[key]
             got = _ep(a2a, rank, *prob, K, lo, n, recompute)
+            with torch.no_grad():  # the inference path gives the training forward's output bitwise
+                plain = ep_moe(prob[0][rank], prob[1][rank], prob[2][lo : lo + n], prob[3][lo : lo + n], a2a,
+                               top_k=K, replay_ids=prob[5][rank] if replay else None)  # fmt: skip
+            assert torch.equal(plain, got[0]), f"{t} case {seed} rank {rank}: forward differs with grad"
             again = _ep(a2a, rank, *prob, K, lo, n, recompute)
             for what, a, b in zip(("out", "d hidden", "d logits", "d w13", "d w2"), got, again):
                 assert torch.equal(a, b), f"{t} case {seed} rank {rank}: two backward passes differ in {what}"
