@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.moe import ClampedSwiGLU, fused_moe, fused_moe_torch
+from replaymoe.moe import ClampedSwiGLU, MoELayer, fused_moe, fused_moe_torch
 from replaymoe.moe_triton import ExpertsVariant, MoEConfig, experts_triton
 from replaymoe.quant import quantize_fp8_block
 from replaymoe.testing import assert_close, poison
@@ -245,6 +245,30 @@ def test_torch_backend_gradients_match_fp64(generator):
     ref = _grads(x, gu, gub, dn, dnb, ids, wts, dout, backend="torch", dtype=torch.float64)
     for a, e in zip(got, ref):
         assert_close(a.float(), e.float(), atol=1e-5 * max(1.0, float(e.abs().max())), rtol=1e-5)
+
+
+def test_moelayer_with_expert_bias_and_clamped_activation(generator):
+    # MoELayer(activation=ClampedSwiGLU(), expert_bias=True): fused_moe with its parameters; the
+    # biases are trainable parameters (zeros at init) that get gradients
+    torch.manual_seed(0)
+    layer = MoELayer(32, 16, 4, 2, activation=ACT, expert_bias=True, backend="torch")
+    assert not layer.w13_bias.detach().any() and not layer.w2_bias.detach().any()
+    with torch.no_grad():
+        layer.w13.mul_(5.0)  # pre-activations past the clamps
+        layer.w13_bias.normal_(generator=generator)
+        layer.w2_bias.normal_(generator=generator)
+    x = torch.randn(2, 3, 32, generator=generator)
+    y = layer(x)
+    logits = layer.router(x.reshape(-1, 32))
+    ref = fused_moe_torch(x.reshape(-1, 32), layer.w13, layer.w2, router_logits=logits, top_k=2,
+                          activation=ACT, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)  # fmt: skip
+    assert torch.equal(y.reshape(-1, 32), ref)
+    y.square().sum().backward()
+    assert layer.w13_bias.grad.abs().sum() > 0 and layer.w2_bias.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="activation"):
+        MoELayer(32, 16, 4, 2, activation="relu")
+    with pytest.raises(ValueError, match="expert_bias"):
+        MoELayer(32, 16, 4, 2, expert_bias=1)
 
 
 # ---------------------------------------------------------------- the transformers experts module

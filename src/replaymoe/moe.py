@@ -97,6 +97,12 @@ class ClampedSwiGLU:
         return (u + 1) * (g * torch.sigmoid(g * self.alpha))
 
 
+def _check_activation(activation) -> None:
+    if not isinstance(activation, ClampedSwiGLU):
+        if not isinstance(activation, str) or activation != "swiglu":
+            fail("activation", "'swiglu' or a ClampedSwiGLU", repr(activation))
+
+
 def _variant(w13_bias, w2_bias, activation, gate_up_layout) -> ExpertsVariant:
     """The Triton side's description of a validated call's expert options."""
     clamped = isinstance(activation, ClampedSwiGLU)
@@ -164,9 +170,7 @@ def _validate(
     gate_up_layout="halves",
     act_dtypes=_ACT_DTYPES,
 ) -> _Problem:
-    if not isinstance(activation, ClampedSwiGLU):
-        if not isinstance(activation, str) or activation != "swiglu":
-            fail("activation", "'swiglu' or a ClampedSwiGLU", repr(activation))
+    _check_activation(activation)
     check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
     check_tensor("hidden_states", hidden_states, ndim=2, dtype=act_dtypes)
     dev = hidden_states.device
@@ -714,12 +718,17 @@ class MoELayer(nn.Module):
     backend : "auto" | "triton" | "torch".
     recompute : bool
         Passed to :func:`fused_moe` (training: recompute GEMM1 in the backward instead of saving it).
+    activation : "swiglu" or ClampedSwiGLU
+        The experts' activation (see :func:`fused_moe`).
+    expert_bias : bool
+        Give the experts biases on both projections (``w13_bias``, ``w2_bias``; zeros at init).
 
     Attributes
     ----------
     router : nn.Linear(H, E, bias=False)
     w13 : Parameter [E_local, 2I, H] (gate rows first)
     w2 : Parameter [E_local, H, I]
+    w13_bias, w2_bias : Parameter [E_local, 2I] / [E_local, H], or None without ``expert_bias``
     """
 
     def __init__(
@@ -740,8 +749,14 @@ class MoELayer(nn.Module):
         device: torch.device | str | None = None,
         backend: str = "auto",
         recompute: bool = False,
+        activation: str | ClampedSwiGLU = "swiglu",
+        expert_bias: bool = False,
     ) -> None:
         super().__init__()
+        _check_activation(activation)
+        if not isinstance(expert_bias, bool):
+            fail("expert_bias", "a bool", type(expert_bias).__name__, what="type")
+        self.activation = activation
         H = check_int("hidden_size", hidden_size, low=1)
         I = check_int("intermediate_size", intermediate_size, low=1)  # noqa: E741
         E = check_int("num_experts", num_experts, low=1)
@@ -761,6 +776,8 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(H, E, bias=False, **kw)
         self.w13 = nn.Parameter(torch.empty(E_local, 2 * I, H, **kw))
         self.w2 = nn.Parameter(torch.empty(E_local, H, I, **kw))
+        self.w13_bias = nn.Parameter(torch.empty(E_local, 2 * I, **kw)) if expert_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(E_local, H, **kw)) if expert_bias else None
         if router_bias:
             self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32, device=device))
         else:
@@ -777,11 +794,14 @@ class MoELayer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal init with std 1/sqrt(fan_in) for the experts (router: nn.Linear's default)."""
+        """Normal init with std 1/sqrt(fan_in) for the experts, zero biases (router: nn.Linear's default)."""
         self.router.reset_parameters()
         with torch.no_grad():
             self.w13.normal_(0.0, self.hidden_size**-0.5)
             self.w2.normal_(0.0, self.intermediate_size**-0.5)
+            for b in (self.w13_bias, self.w2_bias):
+                if b is not None:
+                    b.zero_()
 
     def forward(
         self,
@@ -811,6 +831,9 @@ class MoELayer(nn.Module):
             num_experts=self.num_experts,
             backend=self.backend,
             recompute=self.recompute,
+            activation=self.activation,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
         )
         return y.reshape(*lead, self.hidden_size)
 
