@@ -237,6 +237,31 @@ def test_triton_gradients_match_fp64(T, E, K, recompute, dtype, generator):
         assert_close(a.float(), e.float(), atol=tol * scale, rtol=tol, name=name)
 
 
+@pytest.mark.interpret
+def test_torch_compile_training_step_matches_eager(generator):
+    # the custom ops with the variant's arguments (optional bias tensors, floats, flags), their fakes
+    # and the registered autograd traced by dynamo / AOTAutograd (aot_eager: no C++ compiler on CPU)
+    x, gu, gub, dn, dnb, ids, wts = _gptoss(5, 32, 16, 4, 4, 2, generator)
+    leaves = [t.clone().requires_grad_() for t in (x, gu, dn, wts, gub, dnb)]
+
+    def step(xl, gul, dnl, wl, gubl, dnbl):
+        out = fused_moe(
+            xl, gul.transpose(1, 2), dnl.transpose(1, 2), backend="triton", **_kw(gubl, dnbl, ids, wl)
+        )
+        loss = out.square().sum()
+        loss.backward()
+        return loss.detach()
+
+    eager_loss = step(*leaves)
+    eager = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    compiled_loss = torch.compile(step, fullgraph=False, backend="aot_eager")(*leaves)
+    assert torch.equal(eager_loss, compiled_loss)
+    for a, t in zip(eager, leaves):
+        assert torch.equal(a, t.grad)
+
+
 def test_torch_backend_gradients_match_fp64(generator):
     # the torch backend in fp32 (autograd of the reference through the clamps) vs fp64
     x, gu, gub, dn, dnb, ids, wts = _gptoss(7, 32, 16, 4, 4, 2, generator)
