@@ -62,9 +62,19 @@ if "replaymoe+replay" in impls:
     traces = m.traces()
     m.disable()
 for i in impls:
-    if i in ("replaymoe", "replaymoe+capture", "replaymoe+replay", "replaymoe/plain-launch"):
+    if i in (
+        "replaymoe",
+        "replaymoe+capture",
+        "replaymoe+replay",
+        "replaymoe/plain-launch",
+        "replaymoe/no-graphs",
+    ):
         sessions[i] = rhf.enable(
-            copies[i], capture=i.endswith("capture"), replay=traces if i.endswith("replay") else None, **cap
+            copies[i],
+            capture=i.endswith("capture"),
+            replay=traces if i.endswith("replay") else None,
+            graphs=i != "replaymoe/no-graphs",
+            **cap,
         )
     elif i == "replaymoe/routers-only":
         sessions[i] = rhf.enable(copies[i], experts=False, **cap)

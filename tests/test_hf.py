@@ -435,6 +435,25 @@ def test_replay_batch_mismatch_and_other_errors(generator):
         rhf.enable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="capture"):
         rhf.enable(model, capture="yes")
+    with pytest.raises(ValueError, match="graphs"):
+        rhf.enable(model, graphs=1)
+    assert getattr(model, "_replaymoe", None) is None  # a rejected enable leaves the model as it was
+
+
+def test_block_graphs_patched_and_restored():
+    model = _model("qwen3_moe")
+    moe = rhf.enable(model)
+    # fused experts: each MoE block's forward goes through its graphs wrapper (eager on the CPU)
+    assert len(moe._block_graphs) == len(moe.layers)
+    assert all("forward" in info.block.__dict__ for info in moe.layers)
+    assert not any(g.captured() for g in moe._block_graphs)
+    moe.disable()
+    assert not any("forward" in info.block.__dict__ for info in moe.layers)
+    # graphs=False, or the torch backend (no kernels worth graphing): blocks stay unpatched
+    for kw in ({"graphs": False}, {"backend": "torch"}):
+        moe = rhf.enable(model, **kw)
+        assert not moe._block_graphs and not any("forward" in i.block.__dict__ for i in moe.layers)
+        moe.disable()
 
 
 # --------------------------------------------------------------------------------------------------

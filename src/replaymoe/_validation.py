@@ -94,6 +94,13 @@ def check_int(name: str, value: object, *, low: int | None = None, high: int | N
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` itself when it is a bool; a ValueError naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        fail(name, "a bool", type(value).__name__, what="type")
+    return value
+
+
 def check_choice(name: str, value: object, choices: Iterable[object]) -> object:
     """Check ``value`` is one of ``choices`` and return it."""
     choices = tuple(choices)

@@ -9,7 +9,10 @@ experts, top-8, expert width 768 — and 8 layers, bf16) generates ``--new`` tok
   experts through the fused Triton MoE kernels;
 * ``replaymoe+capture`` the same with routing capture on (traces collected after each generate);
 * ``replaymoe+replay``  the same replaying the traces of the capture row in the same cache mode
-  (prompt and completion); ``same_tokens_as_rollout`` tells whether it generated the rollout again.
+  (prompt and completion); ``same_tokens_as_rollout`` tells whether it generated the rollout again;
+* ``replaymoe/no-graphs`` (only when named in ``--impls``) plain replaymoe with ``enable(...,
+  graphs=False)``: every MoE block eager (by default eager decode-size forwards replay each block
+  as a CUDA graph, :mod:`replaymoe.hf.graphs`).
 
 Cache modes: ``eager`` (the default dynamic cache, no compile) and ``static``
 (``cache_implementation="static"``: transformers compiles the decode step, inductor with CUDA
@@ -20,7 +23,8 @@ and after a warm-up the copies are timed in interleaved rounds: round ``r`` runs
 of each implementation in turn, ``--repeats`` rounds. A drift of the host's speed (the eager rows
 are bound by Python launch cost) then falls on every implementation alike, and the speed-up is
 the median over rounds of the paired ratio (grouped_mm's time / this time, same round), with the
-smallest and largest round beside it.
+smallest and largest round beside it. ``vs_replaymoe`` is the same paired ratio against plain
+``replaymoe`` (what capture and replay cost: 0.97 = 3 % slower).
 
 Reported per row: median wall time of ``generate``, generated tokens/s, the paired speed-up over
 ``grouped_mm``, graph breaks, recompiles and CUDA-graph skips seen by dynamo/inductor during the
@@ -48,6 +52,7 @@ import torch
 from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
 
 IMPLS = ("grouped_mm", "replaymoe", "replaymoe+capture", "replaymoe+replay")
+OPTIONAL_IMPLS = ("replaymoe/no-graphs",)
 MODES = ("eager", "static")
 
 
@@ -63,7 +68,9 @@ def _parse(argv):
     p.add_argument("--new", type=int, default=64, help="generated tokens per sequence")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager, static")
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ", ".join(IMPLS))
+    p.add_argument(
+        "--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS + OPTIONAL_IMPLS)
+    )
     p.add_argument("--no-error", action="store_true", help="skip the fp32 logits-error column")
     return p.parse_args(argv)
 
@@ -184,6 +191,7 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
                     copies[impl],
                     capture=impl == "replaymoe+capture",
                     replay=traces if impl == "replaymoe+replay" else None,
+                    graphs=impl != "replaymoe/no-graphs",
                     **cap,
                 )
         skips0 = _cudagraph_skips()
@@ -221,9 +229,11 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             moe.disable()
     rows = []
     base = times.get("grouped_mm")
+    plain = times.get("replaymoe")
     for impl in impls:
         t, t_best = statistics.median(times[impl]), min(times[impl])
         paired = [b / x for b, x in zip(base, times[impl])] if base else [float("nan")]
+        vs_plain = [p / x for p, x in zip(plain, times[impl])] if plain else [float("nan")]
         toks = outs[impl]
         row = {
             "arch": args.arch,
@@ -239,6 +249,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             "speedup_vs_grouped_mm": statistics.median(paired),
             "speedup_min_round": min(paired),
             "speedup_max_round": max(paired),
+            # median over rounds of (plain replaymoe's time / this time) in the same round
+            "vs_replaymoe": statistics.median(vs_plain),
             "generate_s_best": t_best,
             "speedup_best_vs_best": (min(base) / t_best) if base else float("nan"),
             "logits_rel_err_vs_fp32": errors[impl],
@@ -258,7 +270,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         print(
             f"  batch {B:3d} {mode:6s} {impl:18s} {t:7.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
             f"x{row['speedup_vs_grouped_mm']:.2f} (rounds {row['speedup_min_round']:.2f}-"
-            f"{row['speedup_max_round']:.2f})  err {errors[impl]:.2e}  "
+            f"{row['speedup_max_round']:.2f})  vs replaymoe x{row['vs_replaymoe']:.3f}  "
+            f"err {errors[impl]:.2e}  "
             f"breaks {row['graph_breaks']} recompiles {row['recompiles']} cudagraph skips {skips}",
             flush=True,
         )
@@ -276,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batch.split(",") if b]
     impls = [s for s in args.impls.split(",") if s]
     modes = [s for s in args.modes.split(",") if s]
-    for name, got, allowed in (("--impls", impls, IMPLS), ("--modes", modes, MODES)):
+    for name, got, allowed in (("--impls", impls, IMPLS + OPTIONAL_IMPLS), ("--modes", modes, MODES)):
         bad = [x for x in got if x not in allowed]
         if bad:
             print(f"replaymoe bench hf: error: {name}: unknown {bad}; choose from {allowed}", file=sys.stderr)
@@ -322,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_vs_grouped_mm",
             "speedup_min_round",
             "speedup_max_round",
+            "vs_replaymoe",
             "logits_rel_err_vs_fp32",
             "same_tokens_as_grouped_mm",
             "same_tokens_as_rollout",

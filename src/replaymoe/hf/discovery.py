@@ -30,6 +30,8 @@ class MoELayerInfo:
         The block's router (gate) and experts modules.
     plan : RouterPlan
         How the router maps onto :func:`replaymoe.routing.route`.
+    block : nn.Module
+        The MoE block itself (the module holding ``router`` and ``experts``).
     """
 
     index: int
@@ -38,6 +40,7 @@ class MoELayerInfo:
     router: nn.Module
     experts: nn.Module
     plan: RouterPlan = field(repr=False)
+    block: nn.Module = field(default=None, repr=False)
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -60,7 +63,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerInfo]:
                 continue
             m = _LAYER_RE.search(name + ".")
             number = int(m.group(1)) if m else len(found)
-            found.append((number, name, router, experts, SUPPORTED_ROUTERS[type(router).__name__]))
+            found.append((number, name, module, router, experts, SUPPORTED_ROUTERS[type(router).__name__]))
     if not found:
         routers = sorted({type(m).__name__ for m in model.modules() if "Router" in type(m).__name__})
         fail(
@@ -70,4 +73,6 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerInfo]:
             what="architecture",
         )
     found.sort(key=lambda x: x[0])
-    return [MoELayerInfo(i, n, name, r, e, s.plan(r)) for i, (n, name, r, e, s) in enumerate(found)]
+    return [
+        MoELayerInfo(i, n, name, r, e, s.plan(r), block) for i, (n, name, block, r, e, s) in enumerate(found)
+    ]

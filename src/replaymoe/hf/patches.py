@@ -19,7 +19,7 @@ from replaymoe.routing import route
 
 from .discovery import MoELayerInfo
 
-__all__ = ["mark_batch_start", "router_forward"]
+__all__ = ["block_forward", "mark_batch_start", "router_forward"]
 
 
 def mark_batch_start(state: Any, generate: Callable) -> Callable:
@@ -32,6 +32,23 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
         return generate(*args, **kwargs)
 
     return wrapped
+
+
+def block_forward(state: Any, graphs: Any) -> Callable:
+    """The MoE block's forward, through its CUDA graphs (``graphs``: a
+    :class:`~replaymoe.hf.graphs.BlockGraphs`) when this forward allows them (``state._step``
+    says so, and the block does) and through its own forward otherwise."""
+    own = graphs.forward
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or args or kwargs:
+            return own(hidden_states, *args, **kwargs)
+        step = state._step
+        if step is None or not step.graphable or not graphs.usable():
+            return own(hidden_states)
+        return graphs(hidden_states, (step.forced, step.staged))
+
+    return forward
 
 
 def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:

@@ -15,34 +15,25 @@ import contextlib
 import types
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from replaymoe._validation import check_choice, check_int, fail
+from replaymoe._validation import check_bool, check_choice, check_int, fail
 
 from .discovery import MoELayerInfo, find_moe_layers
 from .experts import IMPLEMENTATION_NAME, fused_compatible, register
-from .patches import mark_batch_start, router_forward
+from .graphs import BlockGraphs, graphable
+from .patches import block_forward, mark_batch_start, router_forward
 from .positions import cache_length, token_positions
 from .state import CaptureBuffer, ReplayTable, TraceMeta
+from .step import Step, StepBuffers, positions_bound
 
 __all__ = ["ReplayMoE", "enable"]
 
 _BACKENDS = ("auto", "triton", "torch")
-
-
-@dataclass
-class _Step:
-    """One forward of the decoder stack, as the routers see it."""
-
-    num_tokens: int  # B * S
-    forced: Optional[torch.Tensor]  # int32 [L, T, K] replay ids (-1 rows: route natively), or None
-    staged: Optional[torch.Tensor]  # int16 [L, T, K] capture slab, or None
-    slot: Optional[torch.Tensor]  # int64 [T] capture-buffer row of each token, or None
 
 
 class ReplayMoE:
@@ -58,6 +49,8 @@ class ReplayMoE:
         Shared by all MoE layers.
     backend : str
         ``"auto"`` | ``"triton"`` | ``"torch"`` for routing and fused experts.
+    graphs : bool
+        Eager decode-size forwards run the fused MoE blocks as CUDA graphs (:mod:`replaymoe.hf.graphs`).
     """
 
     def __init__(
@@ -68,14 +61,17 @@ class ReplayMoE:
         experts: bool = True,
         max_batch_size: int = 1,
         max_positions: int = 256,
+        graphs: bool = True,
     ) -> None:
         check_choice("backend", backend, _BACKENDS)
+        check_bool("graphs", graphs)
         check_int("max_batch_size", max_batch_size, low=1)
         check_int("max_positions", max_positions, low=1)
         if getattr(model, "_replaymoe", None) is not None:
             fail("model", "a model without replaymoe enabled (call .disable() first)", "already enabled")
         self.model = model
         self.backend = backend
+        self.graphs = graphs
         self.layers = find_moe_layers(model)
         ks = {info.plan.top_k for info in self.layers}
         es = {int(info.router.num_experts) for info in self.layers}
@@ -91,7 +87,7 @@ class ReplayMoE:
             len(self.layers), self.top_k, self.num_experts, tuple(self.layer_ids), self.model_id
         )
         self._capacity = (max_batch_size, max_positions)
-        self._step: Optional[_Step] = None
+        self._step: Optional[Step] = None
         self._capture: Optional[CaptureBuffer] = None  # allocated by set_capture(True)
         self._capturing = False
         self._begin_pending = False  # generate() was called: its first forward starts a batch
@@ -100,6 +96,9 @@ class ReplayMoE:
         self._tables: list[ReplayTable] = []  # pool (see _spare_table)
         self._last_forced: Optional[torch.Tensor] = None  # for gradient-checkpointing recomputes
         self._prev_impl: Optional[str] = None
+        self._block_graphs: list[BlockGraphs] = []
+        self._graphs_on = False  # some block runs through BlockGraphs
+        self._step_buffers = StepBuffers(len(self.layers), self.top_k)
         self._hooks: list[Any] = []
         self._patch(experts)
         model._replaymoe = self
@@ -119,10 +118,16 @@ class ReplayMoE:
             and hasattr(self.model, "set_experts_implementation")
             and any(fused_compatible(info.experts) for info in self.layers)
         )
+        pool: list = []  # one CUDA-graph memory pool for all blocks, made at the first capture
         for info in self.layers:
             fused = switch and fused_compatible(info.experts)
             info.router.forward = types.MethodType(router_forward(self, info, fused), info.router)
             info.experts._replaymoe_backend = self.backend
+            if self.graphs and fused and self.backend != "torch" and info.block is not None:
+                graphs = BlockGraphs(info.block, info.block.forward, pool)
+                self._block_graphs.append(graphs)
+                info.block.forward = block_forward(self, graphs)
+        self._graphs_on = bool(self._block_graphs)
         if switch:
             register()  # idempotent: "replaymoe" in transformers' experts registry
             self._prev_impl = config._experts_implementation
@@ -143,6 +148,13 @@ class ReplayMoE:
         for info in self.layers:
             info.router.__dict__.pop("forward", None)
             info.experts.__dict__.pop("_replaymoe_backend", None)
+            if info.block is not None:
+                info.block.__dict__.pop("forward", None)
+        for graphs in self._block_graphs:
+            graphs.clear()
+        self._block_graphs.clear()
+        self._graphs_on = False
+        self._step_buffers.clear()
         self.model.__dict__.pop("generate", None)
         if self._prev_impl is not None:
             self.model.set_experts_implementation(self._prev_impl)
@@ -157,8 +169,9 @@ class ReplayMoE:
             self._step = None
             return
         B, S = ref.shape[0], ref.shape[1]
+        graphed = not torch.compiler.is_compiling() and self._graphs_on and graphable(B * S, ref.device)
         if self._replay is None and not self._capturing:
-            self._step = _Step(B * S, None, None, None)
+            self._step = Step(B * S, None, None, None, graphed)
             return
         past = cache_length(kwargs.get("past_key_values"))
         positions = token_positions(
@@ -177,13 +190,14 @@ class ReplayMoE:
                     f"one trace per batch row ({B} rows in this forward)",
                     f"{self._replay.batch_size} trace(s)",
                 )
-            forced = self._replay.gather(positions)
+            out = self._step_buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
+            forced = self._replay.gather(positions, out=out)
             self._last_forced = forced
         staged = slot = None
         if self._capturing:
             cap = self._capture
             eager = not torch.compiler.is_compiling()
-            needed = _positions_bound(kwargs.get("past_key_values"), past, S) if eager else None
+            needed = positions_bound(kwargs.get("past_key_values"), past, S) if eager else None
             if self._begin_pending or (isinstance(past, int) and past == 0) or cap.rows == 0:
                 self._begin_pending = False
                 cap.begin_batch(B, needed, eager=eager)
@@ -200,8 +214,13 @@ class ReplayMoE:
                 )
             cap.dirty = True
             slot = cap.slots(positions, check_overflow=not eager or needed is None)
-            staged = torch.empty((len(self.layers), B * S, self.top_k), dtype=torch.int16, device=ref.device)
-        self._step = _Step(B * S, forced, staged, slot)
+            if graphed:
+                staged = self._step_buffers.get("staged", B * S, torch.int16, ref.device)
+            else:
+                staged = torch.empty(
+                    (len(self.layers), B * S, self.top_k), dtype=torch.int16, device=ref.device
+                )
+        self._step = Step(B * S, forced, staged, slot, graphed)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         step, self._step = self._step, None
@@ -215,8 +234,7 @@ class ReplayMoE:
         Turning it on allocates the device buffer (``enable``'s ``max_batch_size`` x
         ``max_positions``; it grows at eager forwards as needed).
         """
-        if not isinstance(enabled, bool):
-            fail("enabled", "a bool", type(enabled).__name__, what="type")
+        check_bool("enabled", enabled)
         if enabled and self._capture is None:
             self._capture = CaptureBuffer(self._meta, self._device(), *self._capacity)
         if not enabled and self._capture is not None:
@@ -362,17 +380,6 @@ class ReplayMoE:
         return forced, staged
 
 
-def _positions_bound(cache: Any, past: Any, seq_len: int) -> Optional[int]:
-    """An upper bound of 1 + any position of this forward known on the host, or None."""
-    get_max = getattr(cache, "get_max_length", None)
-    max_len = get_max() if callable(get_max) else None
-    if isinstance(max_len, int) and max_len > 0:
-        return max_len
-    if isinstance(past, int):
-        return past + seq_len
-    return None
-
-
 def enable(
     model: nn.Module,
     *,
@@ -382,6 +389,7 @@ def enable(
     experts: bool = True,
     max_batch_size: int = 1,
     max_positions: int = 256,
+    graphs: bool = True,
 ) -> ReplayMoE:
     """Route a transformers MoE model through replaymoe, with optional capture and replay.
 
@@ -404,6 +412,12 @@ def enable(
         Initial capacity of the capture buffer (batch rows x positions per sequence). It grows at
         eager forwards (a static cache's ``max_cache_len`` at its prefill); a forward traced by
         ``torch.compile`` cannot grow it, so give the capacity of compiled forwards here.
+    graphs : bool
+        Run each MoE block with fused experts as a CUDA graph in eager forwards of decode size
+        (no gradient, at most ``replaymoe.hf.graphs.GRAPH_MAX_TOKENS`` tokens, CUDA): a block's
+        graph is captured the second time an input shape is seen and replayed after, which takes
+        its Python and launch overhead off the host. Same kernels, same results. ``False`` keeps
+        every forward eager.
 
     Returns
     -------
@@ -416,10 +430,14 @@ def enable(
         Unsupported architecture, bad backend, replay trace not matching the model (layers, top_k,
         num_experts).
     """
-    if not isinstance(capture, bool):
-        fail("capture", "a bool", type(capture).__name__, what="type")
+    check_bool("capture", capture)
     state = ReplayMoE(
-        model, backend=backend, experts=experts, max_batch_size=max_batch_size, max_positions=max_positions
+        model,
+        backend=backend,
+        experts=experts,
+        max_batch_size=max_batch_size,
+        max_positions=max_positions,
+        graphs=graphs,
     )
     try:
         state.set_capture(capture)

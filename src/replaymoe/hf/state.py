@@ -261,13 +261,18 @@ class ReplayTable:
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
         self.reset_report()
 
-    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+    def gather(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a
-        token with no recorded row gets a row of -1 (routed natively). Counts both per layer."""
+        token with no recorded row gets a row of -1 (routed natively). Counts both per layer.
+        ``out``: a contiguous ``int32 [L, B*S, K]`` to write them to (returned)."""
         # offsets >= 0, so a covered position is never padding
         inside = (positions >= self.offsets[:, None]) & (positions < self.ends[:, None])
         row = torch.where(inside, positions + self.shift[:, None], self.table.shape[1] - 1).reshape(-1)
-        forced = self.table.index_select(1, row)
+        forced = (
+            self.table.index_select(1, row)
+            if out is None
+            else torch.index_select(self.table, 1, row, out=out)
+        )
         real = (positions >= 0).sum()
         self.seen.add_(real)
         # every padding token reads a -1 row too: take them out of the -1 rows counted

@@ -1,0 +1,172 @@
+"""CUDA graphs of MoE blocks for eager forwards of decode size.
+
+An eager ``generate`` at small batch is bound by the CPU: a MoE block (router linear, routing,
+the experts' kernels, shared experts) costs a few hundred microseconds of Python and kernel
+launches per call while its kernels run for tens. :class:`BlockGraphs` runs such a block as one
+CUDA graph instead: the block's own forward (with the patched router and experts inside) is
+captured the second time an eligible input shape is seen, and later calls copy the input into the
+graph's static input, replay it and return a copy of its output (about three launches).
+
+Eligible calls (:func:`graphable`): eager (not traced by ``torch.compile``, not inside someone
+else's CUDA-graph capture), no gradient, no autocast, at most :data:`GRAPH_MAX_TOKENS` tokens, on
+CUDA, block in eval mode, no hooks on the block's submodules (they would fire at capture only).
+Everything a replayed graph reads or writes has a fixed address: the block's parameters and
+buffers (checked on every call: a parameter replaced or moved drops the graph), and the session's
+per-shape replay-ids and capture-slab buffers (part of the graph's key). A block whose capture fails
+runs eagerly from then on, with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+__all__ = ["GRAPH_MAX_TOKENS", "BlockGraphs", "graphable"]
+
+GRAPH_MAX_TOKENS = 64  # decode sizes: beyond this, the kernels outrun the host anyway
+_MAX_SHAPES = 8  # graphs kept per block (least recently used dropped first)
+_SEEN = object()  # a key seen once: the next call captures
+
+
+def graphable(num_tokens: int, device: torch.device) -> bool:
+    """Whether a forward of ``num_tokens`` tokens on ``device`` may replay block graphs (module
+    docstring); the per-block conditions are checked by :meth:`BlockGraphs.usable`."""
+    return (
+        not torch.compiler.is_compiling()  # first: nothing below is traced by dynamo
+        and num_tokens <= GRAPH_MAX_TOKENS
+        and device.type == "cuda"
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cuda")
+        and not torch.cuda.is_current_stream_capturing()
+        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
+    )
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    static_in: torch.Tensor
+    static_out: Any  # a tensor or a tuple of tensors (gpt-oss returns the router scores too)
+    weights: tuple[int, ...]  # addresses of the block's parameters and buffers at capture
+
+
+def _copy_out(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+class BlockGraphs:
+    """The CUDA graphs of one MoE block, keyed by input shape and the session buffers it uses.
+
+    Parameters
+    ----------
+    block : nn.Module
+        The transformers MoE block (its forward is ``forward``; its router and experts are patched).
+    forward : callable
+        The block's own forward, bound (``type(block).forward.__get__(block)``).
+    pool : list
+        Holder of the memory pool shared by the session's graphs (empty until the first capture
+        puts ``torch.cuda.graph_pool_handle()`` in it): graphs replay one at a time on one stream
+        and their outputs are copied out, so their intermediates may share memory.
+    """
+
+    def __init__(self, block: nn.Module, forward: Callable, pool: list) -> None:
+        self.block = block
+        self.forward = forward
+        self.pool = pool
+        self.graphs: OrderedDict[tuple, Any] = OrderedDict()
+        self.failed = False
+        self.submodules = [m for m in block.modules() if m is not block]
+        # (module, name) of every parameter and buffer: read again at each call, so that a
+        # parameter replaced (not just updated in place) or moved is noticed
+        self.tensor_slots = [
+            (m, n)
+            for m in block.modules()
+            for n, t in (*m._parameters.items(), *m._buffers.items())
+            if t is not None
+        ]
+
+    def _weights(self) -> tuple[int, ...]:
+        return tuple(getattr(m, n).data_ptr() for m, n in self.tensor_slots)
+
+    def usable(self) -> bool:
+        """The per-block conditions: not failed, eval mode, no hooks inside the block."""
+        return not self.failed and not self.block.training and not any(_hooked(m) for m in self.submodules)
+
+    def __call__(self, hidden_states: torch.Tensor, buffers: tuple[Optional[torch.Tensor], ...]) -> Any:
+        """The block's output for ``hidden_states``, through a graph when one is (or can be) made.
+
+        ``buffers``: the session tensors this forward's routers read or write (replay ids, capture
+        slab; None where unused); their addresses are part of the key.
+        """
+        key = (
+            tuple(hidden_states.shape),
+            hidden_states.dtype,
+            hidden_states.device,
+            torch.is_inference_mode_enabled(),
+            *(None if b is None else b.data_ptr() for b in buffers),
+        )
+        entry = self.graphs.get(key)
+        if entry is None:  # first sighting: eager (it also compiles and autotunes what it needs)
+            self.graphs[key] = _SEEN
+            if len(self.graphs) > _MAX_SHAPES:
+                self.graphs.popitem(last=False)
+            return self.forward(hidden_states)
+        self.graphs.move_to_end(key)
+        if entry is _SEEN or entry.weights != self._weights():
+            entry = self._capture(key, hidden_states)
+            if entry is None:
+                return self.forward(hidden_states)
+        entry.static_in.copy_(hidden_states)
+        entry.graph.replay()
+        return _copy_out(entry.static_out)
+
+    def _capture(self, key: tuple, hidden_states: torch.Tensor) -> Optional[_Graph]:
+        static_in = hidden_states.clone()
+        if not self.pool:
+            self.pool.append(torch.cuda.graph_pool_handle())
+        error = None
+        for _ in range(2):  # a first capture may load kernels it has not run yet: try once more
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool[0]):
+                    static_out = self.forward(static_in)
+            except Exception as exc:  # noqa: BLE001 - any capture failure means: stay eager
+                error = exc
+                continue
+            entry = _Graph(graph, static_in, static_out, self._weights())
+            self.graphs[key] = entry
+            return entry
+        self.failed = True
+        self.graphs.clear()
+        warnings.warn(
+            f"replaymoe: the MoE block {type(self.block).__name__} could not be captured in a CUDA "
+            f"graph ({type(error).__name__}: {error}); it runs eagerly from now on",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+
+    def captured(self) -> int:
+        """How many graphs (input shapes) this block holds."""
+        return sum(isinstance(e, _Graph) for e in self.graphs.values())
+
+    def clear(self) -> None:
+        self.graphs.clear()
