@@ -162,9 +162,10 @@ def test_triton_public_wrapper_fp16(bias_dtype, generator):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("cfg", MODES)
-def test_layouts_and_strides_give_identical_bits(cfg, generator):
-    # the same experts as transposed views (gpt-oss), as contiguous interleaved copies and rearranged
-    # into gate/up halves: the same arithmetic, so bitwise the same output
+def test_layouts_and_strides_agree(cfg, generator):
+    # the same experts as transposed views (gpt-oss), as contiguous interleaved copies (the same
+    # arithmetic on other addresses: bitwise the same output) and rearranged into gate/up halves (two
+    # dots instead of one wide one: the same values within fp32 rounding)
     x, gu, gub, dn, dnb, ids, wts = _gptoss(6, 32, 16, 4, 4, 2, generator)
     I = 16  # noqa: E741
     views = (gu.transpose(1, 2), dn.transpose(1, 2))
@@ -182,7 +183,7 @@ def test_layouts_and_strides_give_identical_bits(cfg, generator):
 
     a = run(views, gub, True)
     assert torch.equal(a, run(copies, gub, True))
-    assert torch.equal(a, run(halves, gub[:, perm], False))
+    assert_close(run(halves, gub[:, perm], False), a, atol=1e-5 * float(a.abs().max()), rtol=1e-5)
 
 
 @pytest.mark.interpret

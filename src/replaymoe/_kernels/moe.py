@@ -142,50 +142,65 @@ def moe_gemm1_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + rk[None, :]
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    if INTERLEAVED:
+    if INTERLEAVED:  # gate, up columns side by side: one contiguous [BLOCK_K, 2 BLOCK_N] tile, one dot
+        tl.static_assert(not FP8)
         g_rows = 2 * rn
         u_rows = g_rows + 1
-        g_ptrs = w_base + g_rows[None, :] * stride_wn + rk[:, None] * stride_wk
-        u_ptrs = g_ptrs + stride_wn
+        rn2 = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        n2_ok = rn2 < 2 * I
+        b_ptrs = w_base + rn2[None, :] * stride_wn + rk[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n2_ok[None, :], other=0.0)
+            else:
+                k_ok = rk < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n2_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wk
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
         g_rows = rn
         u_rows = rn + I
         g_ptrs = w_base + rn[None, :] * stride_wn + rk[:, None] * stride_wk
         u_ptrs = g_ptrs + I * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8:
-        s_base = ws_ptr + e.to(tl.int64) * stride_se
-        sg_ptr = s_base + (pid_n * BLOCK_N // 128) * stride_sn
-        su_ptr = sg_ptr + (I // 128) * stride_sn
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = rk < H - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if PREQ_X:
-            sa = tl.load(xs_ptr + tok * (H // 128) + k, mask=row_ok, other=0.0)
-            sg = tl.load(sg_ptr + k)
-            su = tl.load(su_ptr + k)
-            acc_g += tl.dot(a, bg) * (sa[:, None] * sg)
-            acc_u += tl.dot(a, bu) * (sa[:, None] * su)
-        elif FP8:
-            aq, sa = _quant_rows(a.to(tl.float32))
-            sg = tl.load(sg_ptr + k)
-            su = tl.load(su_ptr + k)
-            acc_g += tl.dot(aq, bg) * (sa[:, None] * sg)
-            acc_u += tl.dot(aq, bu) * (sa[:, None] * su)
-        else:
-            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FP8:
+            s_base = ws_ptr + e.to(tl.int64) * stride_se
+            sg_ptr = s_base + (pid_n * BLOCK_N // 128) * stride_sn
+            su_ptr = sg_ptr + (I // 128) * stride_sn
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = rk < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if PREQ_X:
+                sa = tl.load(xs_ptr + tok * (H // 128) + k, mask=row_ok, other=0.0)
+                sg = tl.load(sg_ptr + k)
+                su = tl.load(su_ptr + k)
+                acc_g += tl.dot(a, bg) * (sa[:, None] * sg)
+                acc_u += tl.dot(a, bu) * (sa[:, None] * su)
+            elif FP8:
+                aq, sa = _quant_rows(a.to(tl.float32))
+                sg = tl.load(sg_ptr + k)
+                su = tl.load(su_ptr + k)
+                acc_g += tl.dot(aq, bg) * (sa[:, None] * sg)
+                acc_u += tl.dot(aq, bu) * (sa[:, None] * su)
+            else:
+                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         b_base = b_ptr + e.to(tl.int64) * stride_be
         acc_g += tl.load(b_base + g_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
