@@ -20,8 +20,9 @@ each dot sees one weight scale.
 Expert variants (bf16 / fp16 / fp32 only): weights with any strides (``stride_wk``: the stride
 along the reduction dimension, 1 for contiguous weights, which Triton specializes, so the standard
 layout compiles as before; gpt-oss passes transposed views); ``INTERLEAVED``: gate row j of w13 at
-row 2j and up row j at 2j + 1 (otherwise j and I + j); ``HAS_BIAS``: biases added in the GEMM
-epilogues (w13's before the activation, w2's before the routing weight); ``ACT``: 0 = SwiGLU
+row 2j and up row j at 2j + 1 (otherwise j and I + j; interleaved, GEMM1 loads both as one contiguous
+tile, runs one dot of twice the width and splits the accumulator's columns); ``HAS_BIAS``: biases
+added in the GEMM epilogues (w13's before the activation, w2's before the routing weight); ``ACT``: 0 = SwiGLU
 ``silu(g) * u``, 1 = gpt-oss's clamped SwiGLU ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g')``
 with ``g' = min(g, limit)``.
 """
