@@ -239,6 +239,39 @@ def test_triton_gradients_match_fp64(T, E, K, recompute, dtype, generator):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize(
+    "dw_mode,block_m",
+    [(0, 32), (1, 16), (2, 32)],
+    ids=["gather-in-loop", "pre-gathered", "transposed"],  # every weight-gradient mode, two tile heights
+)
+def test_triton_backward_configs_match_fp64(dw_mode, block_m, generator):
+    # the backward launcher with each configuration on the gpt-oss variant, EP slice with a -1 row:
+    # the gradients of fp64 autograd of the reference (dW13 comes in w13's [E, 2I, H] order)
+    import dataclasses
+
+    import replaymoe.moe_triton as MT
+
+    T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
+    x, gu, gub, dn, dnb, ids, wts = _gptoss(T, H, I, E_local, E, K, generator)
+    ids[1] = -1
+    dout = torch.randn(T, H, generator=generator)
+    v = ExpertsVariant(gub, dnb, 1, ALPHA, LIMIT, True)
+    w13, w2 = gu.transpose(1, 2), dn.transpose(1, 2)
+    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
+    _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False, *v.op_args())
+    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=block_m)
+    got = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 6, cfg, v=v)
+    leaves = [t.double().requires_grad_() for t in (x, gu, dn, wts, gub, dnb)]
+    out = fused_moe_torch(leaves[0], leaves[1].transpose(1, 2), leaves[2].transpose(1, 2),
+                          **_kw(leaves[4], leaves[5], ids, leaves[3], offset, E))  # fmt: skip
+    out.backward(dout.double())
+    ref = [leaves[0].grad, leaves[1].grad.transpose(1, 2), leaves[2].grad.transpose(1, 2), leaves[3].grad,
+           leaves[4].grad, leaves[5].grad]  # fmt: skip
+    for name, a, e in zip(("dx", "dw13", "dw2", "dtopk_weights", "dw13_bias", "dw2_bias"), got, ref):
+        assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().max())), rtol=1e-5, name=name)
+
+
+@pytest.mark.interpret
 def test_torch_compile_training_step_matches_eager(generator):
     # the custom ops with the variant's arguments (optional bias tensors, floats, flags), their fakes
     # and the registered autograd traced by dynamo / AOTAutograd (aot_eager: no C++ compiler on CPU)
