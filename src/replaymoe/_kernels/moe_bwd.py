@@ -178,21 +178,23 @@ def moe_bwd_swiglu_kernel(
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         sig = 1.0 / (1.0 + tl.exp(-alpha * gc))
         glu = gc * sig
-        a = (glu * (uc + 1.0)).to(dt).to(tl.float32)  # the forward's rows, as rounded
-        d_gate = tl.where(g <= limit, (uc + 1.0) * sig * (1.0 + alpha * gc * (1.0 - sig)), 0.0)
-        d_up = tl.where((u >= -limit) & (u <= limit), glu, 0.0)
+        a = (gc / (1.0 + tl.exp(-alpha * gc)) * (uc + 1.0)).to(dt).to(tl.float32)  # as the forward's rows
     else:
         sig = 1.0 / (1.0 + tl.exp(-g))
         sg = g * sig
         a = (sg * u).to(dt).to(tl.float32)  # the forward's SwiGLU rows, as rounded
-        d_gate = u * sig * (1.0 + g * (1.0 - sig))
-        d_up = sg
     part = tl.sum(da * a, axis=1)
     tl.store(dwp_ptr + slot_c * stride_dwp + pid_n, part, mask=row_ok)
     tl.store(aw_ptr + rows[:, None] * stride_awm + rn[None, :], (a * wt[:, None]).to(dt), mask=st)
     da = da * wt[:, None]
-    tl.store(du_ptrs, (da * d_up).to(dt), mask=st)
-    tl.store(dh_ptrs, (da * d_gate).to(dt), mask=st)
+    if ACT == 1:  # zero where a clamp is active
+        d_up = tl.where((u >= -limit) & (u <= limit), da * glu, 0.0)
+        d_gate = tl.where(g <= limit, da * (uc + 1.0) * sig * (1.0 + alpha * gc * (1.0 - sig)), 0.0)
+    else:
+        d_up = da * sg
+        d_gate = da * u * sig * (1.0 + g * (1.0 - sig))
+    tl.store(du_ptrs, d_up.to(dt), mask=st)
+    tl.store(dh_ptrs, d_gate.to(dt), mask=st)
 
 
 @triton.jit
