@@ -29,7 +29,7 @@ from .graphs import BlockGraphs, graphable
 from .patches import block_forward, mark_batch_start, router_forward
 from .positions import cache_length, token_positions
 from .state import CaptureBuffer, ReplayTable, TraceMeta
-from .step import Step, StepBuffers, positions_bound
+from .step import Step, StepBuffers, fused_rows_ok, positions_bound, step_rows
 
 __all__ = ["ReplayMoE", "enable"]
 
@@ -174,15 +174,19 @@ class ReplayMoE:
             self._step = Step(B * S, None, None, None, graphed)
             return
         past = cache_length(kwargs.get("past_key_values"))
-        positions = token_positions(
-            B,
-            S,
-            attention_mask=kwargs.get("attention_mask"),
-            past_length=past,
-            device=ref.device,
-            position_ids=kwargs.get("position_ids"),
-        )
-        forced = None
+        mask, eager = kwargs.get("attention_mask"), not torch.compiler.is_compiling()
+        # eagerly, with a 2-D mask: positions, capture rows and replay ids in one kernel launch
+        fused = eager and fused_rows_ok(mask, S, past, ref.device, self.backend)
+        if not fused:
+            positions = token_positions(
+                B,
+                S,
+                attention_mask=mask,
+                past_length=past,
+                device=ref.device,
+                position_ids=kwargs.get("position_ids"),
+            )
+        forced = forced_out = staged = slot = None
         if self._replay is not None:
             if self._replay.batch_size != B:
                 fail(
@@ -190,36 +194,27 @@ class ReplayMoE:
                     f"one trace per batch row ({B} rows in this forward)",
                     f"{self._replay.batch_size} trace(s)",
                 )
-            out = self._step_buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
-            forced = self._replay.gather(positions, out=out)
-            self._last_forced = forced
-        staged = slot = None
+            forced_out = self._step_buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
+            if not fused:
+                forced = self._replay.gather(positions, out=forced_out)
         if self._capturing:
             cap = self._capture
-            eager = not torch.compiler.is_compiling()
             needed = positions_bound(kwargs.get("past_key_values"), past, S) if eager else None
-            if self._begin_pending or (isinstance(past, int) and past == 0) or cap.rows == 0:
-                self._begin_pending = False
-                cap.begin_batch(B, needed, eager=eager)
-            else:
-                if eager and needed is not None:
-                    cap.ensure(B, needed)
-                if isinstance(past, torch.Tensor):
-                    cap.restart_if(past == 0)
-            if B > cap.batch_cap:  # only inside a compiled forward (eager ones grow the buffer)
-                fail(
-                    "max_batch_size",
-                    f">= {B} (the batch of a compiled forward with capture on; enable(..., max_batch_size=))",
-                    cap.batch_cap,
-                )
-            cap.dirty = True
-            slot = cap.slots(positions, check_overflow=not eager or needed is None)
+            cap.prepare(B, past, needed, new_batch=self._begin_pending, eager=eager)
+            self._begin_pending = False
+            if not fused:
+                slot = cap.slots(positions, check_overflow=not eager or needed is None)
             if graphed:
                 staged = self._step_buffers.get("staged", B * S, torch.int16, ref.device)
             else:
                 staged = torch.empty(
                     (len(self.layers), B * S, self.top_k), dtype=torch.int16, device=ref.device
                 )
+        if fused:
+            cap = self._capture if self._capturing else None
+            slot, forced = step_rows(mask, S, past, capture=cap, replay=self._replay, forced_out=forced_out)
+        if forced is not None:
+            self._last_forced = forced
         self._step = Step(B * S, forced, staged, slot, graphed)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import triton
 
+from replaymoe._validation import fail
 from replaymoe.replay import ReplayReport
 from replaymoe.routing import check_replay_ids
 from replaymoe.trace import RoutingTrace
@@ -118,6 +119,33 @@ class CaptureBuffer:
         self.started.add_(1)
         self.rows = rows
 
+    def prepare(
+        self, rows: int, past: int | torch.Tensor, needed: int | None, *, new_batch: bool, eager: bool
+    ) -> None:
+        """Before a forward of ``rows`` sequences with ``past`` tokens cached: start a batch (on
+        ``new_batch`` — ``generate`` was called — or an empty cache), else grow eagerly to ``needed``
+        positions, or restart on the device where the cache length lives there.
+
+        Raises
+        ------
+        ValueError
+            ``rows`` beyond the capacity (only inside a compiled forward: eager ones grow it).
+        """
+        if new_batch or (isinstance(past, int) and past == 0) or self.rows == 0:
+            self.begin_batch(rows, needed, eager=eager)
+        else:
+            if eager and needed is not None:
+                self.ensure(rows, needed)
+            if isinstance(past, torch.Tensor):
+                self.restart_if(past == 0)
+        if rows > self.batch_cap:
+            fail(
+                "max_batch_size",
+                f">= {rows} (the batch of a compiled forward with capture on; enable(..., max_batch_size=))",
+                self.batch_cap,
+            )
+        self.dirty = True
+
     def restart_if(self, is_new: torch.Tensor) -> None:
         """Device-side batch start (``is_new``: a 0-dim bool tensor, e.g. a static cache's length
         is 0, outside ``generate``): the buffer is cleared where it holds (one pass over it)."""
@@ -159,8 +187,6 @@ class CaptureBuffer:
         started = int(self.started.item())
         if bool(self.overflow.item()):
             self.overflow.zero_()
-            from replaymoe._validation import fail
-
             fail(
                 "max_positions",
                 f"a capture capacity of at least the batch and length of every compiled forward "

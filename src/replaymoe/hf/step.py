@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import triton
 
-__all__ = ["Step", "StepBuffers", "positions_bound"]
+__all__ = ["Step", "StepBuffers", "fused_rows_ok", "positions_bound", "step_rows"]
 
 
 @dataclass
@@ -52,3 +53,105 @@ def positions_bound(cache: Any, past: Any, seq_len: int) -> Optional[int]:
     if isinstance(past, int):
         return past + seq_len
     return None
+
+
+def fused_rows_ok(attention_mask: Any, seq_len: int, past: Any, device: torch.device, backend: str) -> bool:
+    """Whether :func:`step_rows` serves this eager forward: the Triton backend on ``device`` (CUDA,
+    or the interpreter with ``backend="triton"``), a 2-D mask there covering the forward's tokens with
+    unit column stride, and a host-side cache length."""
+    from replaymoe._backend import INTERPRET
+
+    kernels = (
+        device.type == "cuda"
+        if backend == "auto"
+        else backend == "triton" and (device.type == "cuda" or INTERPRET)
+    )
+    return (
+        kernels
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 2
+        and attention_mask.shape[1] >= seq_len
+        and attention_mask.device == device
+        and attention_mask.stride(1) == 1
+        and isinstance(past, int)
+    )
+
+
+def step_rows(
+    attention_mask: torch.Tensor,
+    seq_len: int,
+    past: int,
+    capture: Any = None,
+    replay: Any = None,
+    forced_out: Optional[torch.Tensor] = None,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """One forward's capture rows and replay ids in one kernel launch (``_kernels/step_rows.py``).
+
+    The same values as :func:`~replaymoe.hf.positions.token_positions` followed by
+    :meth:`CaptureBuffer.slots` (with the overflow check) and :meth:`ReplayTable.gather`, which are
+    its reference (and the path under ``torch.compile``).
+
+    Parameters
+    ----------
+    attention_mask : torch.Tensor
+        ``[B, P]`` (any dtype; nonzero = kept) covering the cached and the forward's ``seq_len``
+        tokens (:func:`fused_rows_ok`).
+    seq_len, past : int
+        ``S`` and the tokens already in the cache.
+    capture : CaptureBuffer, optional
+        Gives the capture rows ``int64 [B*S]`` (and its ``overflow`` flag).
+    replay : ReplayTable, optional
+        Gives the forced ids ``int32 [L, B*S, K]`` (into ``forced_out`` when given) and counts
+        ``seen`` / ``fallback``.
+
+    Returns
+    -------
+    (slot or None, forced or None)
+    """
+    from replaymoe._kernels.step_rows import step_rows_kernel
+    from replaymoe._launch import fast
+
+    B, P = attention_mask.shape
+    T = B * seq_len
+    dev = attention_mask.device
+    slot = forced = None
+    if capture is not None:
+        slot = torch.empty(T, dtype=torch.int64, device=dev)
+    if replay is not None:
+        L, R, K = replay.table.shape
+        forced = (
+            forced_out if forced_out is not None else torch.empty((L, T, K), dtype=torch.int32, device=dev)
+        )
+    else:
+        L, R, K = 0, 1, 1
+    if T == 0:
+        return slot, forced
+    dummy = attention_mask
+    fast(step_rows_kernel)[(B,)](
+        attention_mask,
+        attention_mask.stride(0),
+        P,
+        seq_len,
+        past + seq_len - P,
+        dummy if slot is None else slot,
+        capture.seq_cap if capture is not None else 1,
+        capture.batch_cap * capture.seq_cap if capture is not None else 0,
+        dummy if capture is None else capture.overflow.view(torch.int8),
+        dummy if replay is None else replay.table,
+        R * K,
+        R - 1,
+        dummy if replay is None else replay.offsets,
+        dummy if replay is None else replay.ends,
+        dummy if replay is None else replay.shift,
+        dummy if forced is None else forced,
+        T * K,
+        dummy if replay is None else replay.seen,
+        dummy if replay is None else replay.fallback,
+        L,
+        K=K,
+        KP=triton.next_power_of_2(K),
+        CAPTURE=capture is not None,
+        REPLAY=replay is not None,
+        BLOCK=128,
+    )
+    return slot, forced

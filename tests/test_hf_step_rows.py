@@ -1,0 +1,107 @@
+"""One forward's capture rows and replay ids in one kernel (``replaymoe.hf.step.step_rows``) against
+their reference: ``token_positions`` then ``CaptureBuffer.slots`` and ``ReplayTable.gather``.
+
+Runs the kernel in Triton's interpreter on the CPU (integer-only arithmetic, so exact there) and
+natively on the GPU. Every output is poisoned first; integers compare exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replaymoe.hf.positions import token_positions
+from replaymoe.hf.state import CaptureBuffer, ReplayTable, TraceMeta
+from replaymoe.hf.step import fused_rows_ok, step_rows
+from replaymoe.trace import RoutingTrace
+
+L, K, E = 3, 4, 16
+
+CASES = [
+    # (kept-token pattern per row as (left pad, kept, right pad), S, past, seq_cap, trace lengths/offsets)
+    pytest.param([(3, 9, 0), (0, 12, 0)], 12, 0, 16, [(12, 0), (12, 0)], id="prefill-left-padding"),
+    pytest.param([(0, 7, 5), (0, 12, 0)], 12, 0, 16, [(7, 0), (10, 0)], id="trainer-right-padding"),
+    pytest.param([(2, 19, 0), (0, 21, 0)], 1, 20, 32, [(20, 0), (21, 0)], id="decode-step"),
+    pytest.param([(0, 5, 0), (5, 0, 0)], 5, 0, 8, [(5, 0), (0, 0)], id="all-padding-row"),
+    pytest.param([(0, 200, 0), (0, 200, 0)], 200, 0, 64, [(150, 30), (250, 0)], id="overflow-and-offsets"),
+    # mask narrower than cache + new tokens: the missing left columns count as kept
+    pytest.param([(0, 6, 0), (1, 5, 0)], 2, 10, 32, [(9, 4), (20, 0)], id="missing-left-columns"),
+]
+
+
+def _mask(pattern):
+    rows = [[0] * a + [1] * b + [0] * c for a, b, c in pattern]
+    assert len({len(r) for r in rows}) == 1
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _tables(rng, traces_spec, device):
+    traces = []
+    for n, off in traces_spec:
+        ids = np.array([rng.permutation(E)[:K] for _ in range(n * L)], dtype=np.int16).reshape(n, L, K)
+        traces.append(RoutingTrace(ids.astype(np.int16), num_experts=E, top_k=K, token_offset=off))
+    table = ReplayTable()
+    table.load(traces, list(range(L)), E, torch.device(device))
+    return table
+
+
+@pytest.mark.parametrize("capture,replay", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("pattern,S,past,seq_cap,traces_spec", CASES)
+def test_step_rows_matches_reference(device, pattern, S, past, seq_cap, traces_spec, capture, replay):
+    from replaymoe._backend import INTERPRET
+
+    if device.type == "cpu" and not INTERPRET:
+        pytest.skip("the kernel needs CUDA or TRITON_INTERPRET=1")
+    rng = np.random.default_rng(len(pattern) * 1000 + S + past)
+    mask = _mask(pattern).to(device)
+    B = mask.shape[0]
+    assert fused_rows_ok(mask, S, past, mask.device, "triton")
+    meta = TraceMeta(L, K, E, tuple(range(L)), "test")
+    cap = CaptureBuffer(meta, mask.device, B, seq_cap) if capture else None
+    table = _tables(rng, traces_spec, device) if replay else None
+
+    positions = token_positions(B, S, attention_mask=mask, past_length=past, device=mask.device)
+    slot_ref = cap.slots(positions, check_overflow=True) if capture else None
+    overflow_ref = bool(cap.overflow.item()) if capture else None
+    if capture:
+        cap.overflow.zero_()
+    forced_ref = seen_ref = fallback_ref = None
+    if replay:
+        forced_ref = table.gather(positions)
+        seen_ref, fallback_ref = table.seen.clone(), table.fallback.clone()
+        table.reset_report()
+
+    poison = torch.full((L, B * S, K), 12345, dtype=torch.int32, device=device) if replay else None
+    slot, forced = step_rows(mask, S, past, capture=cap, replay=table, forced_out=poison)
+    if capture:
+        torch.testing.assert_close(slot, slot_ref, rtol=0, atol=0)
+        assert bool(cap.overflow.item()) == overflow_ref
+    else:
+        assert slot is None
+    if replay:
+        assert forced is poison  # written in place
+        torch.testing.assert_close(forced, forced_ref, rtol=0, atol=0)
+        torch.testing.assert_close(table.seen, seen_ref, rtol=0, atol=0)
+        torch.testing.assert_close(table.fallback, fallback_ref, rtol=0, atol=0)
+    else:
+        assert forced is None
+
+
+@pytest.mark.parametrize(
+    "mask,S,past,backend,ok",
+    [
+        (torch.ones(2, 5, dtype=torch.int64), 5, 0, "triton", True),  # the eager 2-D case
+        (torch.ones(2, 5, dtype=torch.int64), 5, 0, "torch", False),  # torch backend: the reference path
+        (torch.ones(2, 4, dtype=torch.int64), 5, 0, "triton", False),  # mask shorter than the tokens
+        (torch.ones(2, 1, 5, 5, dtype=torch.bool), 5, 0, "triton", False),  # 4-D static-cache mask
+        (torch.ones(5, 2, dtype=torch.int64).t(), 5, 0, "triton", False),  # columns not unit-stride
+        (torch.ones(2, 5, dtype=torch.int64), 5, torch.tensor(0), "triton", False),  # cache length on device
+        (None, 5, 0, "triton", False),  # no mask
+    ],
+)
+def test_fused_rows_ok(mask, S, past, backend, ok):
+    from replaymoe._backend import INTERPRET
+
+    got = fused_rows_ok(mask, S, past, torch.device("cpu"), backend)
+    assert got == (ok and INTERPRET)
