@@ -296,6 +296,35 @@ def test_torch_compile_training_step_matches_eager(generator):
         assert torch.equal(a, t.grad)
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "halves"])
+def test_closed_form_backward_matches_autograd(layout, generator):
+    # experts_backward_torch (the Triton backward's spec) with biases and the clamped activation, in
+    # both gate/up layouts, EP slice with a -1 row: fp64 autograd of the reference
+    from replaymoe.moe import experts_backward_torch
+
+    T, H, I, E, E_local, offset, K = 9, 32, 16, 8, 3, 2, 3  # noqa: E741
+    x, gu, gub, dn, dnb, ids, wts = _gptoss(T, H, I, E_local, E, K, generator, torch.float64)
+    ids[1] = -1
+    w13 = gu.transpose(1, 2)
+    if layout == "halves":
+        perm = torch.cat([torch.arange(0, 2 * I, 2), torch.arange(1, 2 * I, 2)])
+        w13, gub = w13[:, perm], gub[:, perm]
+    dout = torch.randn(T, H, generator=generator, dtype=torch.float64)
+    kw = dict(w13_bias=gub, w2_bias=dnb, activation=ACT, gate_up_layout=layout)
+    got = experts_backward_torch(
+        dout, x, w13, dn.transpose(1, 2), ids, wts.double(), offset, [True] * 6, **kw
+    )
+    leaves = [
+        t.detach().clone().requires_grad_() for t in (x, w13, dn.transpose(1, 2), wts.double(), gub, dnb)
+    ]
+    out = fused_moe_torch(leaves[0], leaves[1], leaves[2], topk_ids=ids, topk_weights=leaves[3],
+                          local_expert_offset=offset, num_experts=E, **{**kw, "w13_bias": leaves[4],
+                                                                        "w2_bias": leaves[5]})  # fmt: skip
+    out.backward(dout)
+    for name, a, t in zip(("dx", "dw13", "dw2", "dtopk_weights", "dw13_bias", "dw2_bias"), got, leaves):
+        assert_close(a, t.grad, atol=1e-10 * max(1.0, float(t.grad.abs().max())), rtol=1e-10, name=name)
+
+
 def test_torch_backend_gradients_match_fp64(generator):
     # the torch backend in fp32 (autograd of the reference through the clamps) vs fp64
     x, gu, gub, dn, dnb, ids, wts = _gptoss(7, 32, 16, 4, 4, 2, generator)

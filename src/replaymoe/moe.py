@@ -634,20 +634,30 @@ def fused_moe(
     return res
 
 
-def experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset, need):
+def experts_backward_torch(
+    grad_out, x, w13, w2, topk_ids, topk_weights, offset, need, *, w13_bias=None, w2_bias=None,
+    activation="swiglu", gate_up_layout="halves",
+):  # fmt: skip
     """Closed-form backward of :func:`_experts_torch` in fp32 (fp64 for fp64 inputs), per expert.
 
     Host-synchronizing (a loop over experts); the spec of the Triton backward kernels. Returns
-    ``(dx, dw13, dw2, dtopk_weights)`` in the inputs' dtypes, empty where ``need`` is False.
+    ``(dx, dw13, dw2, dtopk_weights)`` in the inputs' dtypes, plus ``(dw13_bias, dw2_bias)`` when
+    ``need`` has 6 entries, empty where ``need`` is False. The keyword options are
+    :func:`fused_moe`'s (the clamped activation's derivative is zero where a clamp is active).
     """
     acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     E_local, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741
+    gate_cols = slice(0, two_i, 2) if gate_up_layout == "interleaved" else slice(0, I)
+    up_cols = slice(1, two_i, 2) if gate_up_layout == "interleaved" else slice(I, two_i)
+    clamped = isinstance(activation, ClampedSwiGLU)
     xf, do = x.to(acc_dt), grad_out.to(acc_dt)
     dx = torch.zeros_like(xf)
     dw13 = torch.zeros(w13.shape, dtype=acc_dt, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=acc_dt, device=x.device)
     dwts = torch.zeros(topk_weights.shape, dtype=acc_dt, device=x.device)
+    db13 = torch.zeros(E_local, two_i, dtype=acc_dt, device=x.device)
+    db2 = torch.zeros(E_local, w2.shape[1], dtype=acc_dt, device=x.device)
     ids = topk_ids.long() - offset
     wts = topk_weights.to(acc_dt)
     for e in range(E_local):
@@ -656,20 +666,39 @@ def experts_backward_torch(grad_out, x, w13, w2, topk_ids, topk_weights, offset,
             continue
         xe, w13e, w2e, doe = xf[tok], w13[e].to(acc_dt), w2[e].to(acc_dt), do[tok]
         h = xe @ w13e.T
-        g, u = h[:, :I], h[:, I:]
-        sig = torch.sigmoid(g)
-        a = g * sig * u
+        if w13_bias is not None:
+            h = h + w13_bias[e].to(acc_dt)
+        g, u = h[:, gate_cols], h[:, up_cols]
+        if clamped:
+            lim, alpha = activation.limit, activation.alpha
+            gc, uc = g.clamp(max=lim), u.clamp(-lim, lim)
+            sig = torch.sigmoid(alpha * gc)
+            a = (uc + 1) * gc * sig
+            d_gate = ((uc + 1) * sig * (1 + alpha * gc * (1 - sig))) * (g <= lim)
+            d_up = gc * sig * ((u >= -lim) & (u <= lim))
+        else:
+            sig = torch.sigmoid(g)
+            a = g * sig * u
+            d_gate, d_up = u * sig * (1 + g * (1 - sig)), g * sig
         w = wts[tok, kk].unsqueeze(1)
         da_unweighted = doe @ w2e  # [n, I]
         dwts[tok, kk] = (da_unweighted * a).sum(1)
+        if w2_bias is not None:
+            dwts[tok, kk] += doe @ w2_bias[e].to(acc_dt)
         da = w * da_unweighted
-        dh = torch.cat([da * u * sig * (1 + g * (1 - sig)), da * g * sig], dim=1)
+        dh = torch.empty_like(h)
+        dh[:, gate_cols], dh[:, up_cols] = da * d_gate, da * d_up
         dx.index_add_(0, tok, dh @ w13e)
         dw13[e] = dh.T @ xe
         dw2[e] = doe.T @ (w * a)
-    res = (dx, dw13, dw2, dwts)
-    src = (x, w13, w2, topk_weights)
-    return tuple(r.to(t.dtype) if n else t.new_empty((0,)) for r, t, n in zip(res, src, need))
+        db13[e] = dh.sum(0)
+        db2[e] = (w * doe).sum(0)
+    res = (dx, dw13, dw2, dwts, db13, db2)
+    src = (x, w13, w2, topk_weights, w13_bias, w2_bias)
+    return tuple(
+        (r.to(t.dtype) if t is not None else r) if n else (x if t is None else t).new_empty((0,))
+        for r, t, n in zip(res, src, need)
+    )
 
 
 def swap_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor | None = None):
