@@ -132,8 +132,7 @@ def main(rev: str) -> int:
     da = dict(dout_ptr=P16, w2_ptr=P16, da_ptr=P16, sorted_ptr=PI, tile_expert_ptr=PI, num_tiles_ptr=PI,
               num_pid_m=I32, H=I16, I=I16, TOP_K=I32, num_slots=I16, stride_dm=I16, stride_w2e=I16,
               stride_w2h=I16, stride_am=I16)  # fmt: skip
-    da_new = dict(da, b2_ptr=P16, dwp_ptr=P32, dwp_col=I32, stride_w2i=ONE, stride_b2e=I32, stride_b2h=I32,
-                  stride_dwp=I32)  # fmt: skip
+    da_new = dict(da, stride_w2i=ONE)
     gemm_cst = dict(EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PREC="tf32")
     sw = dict(dh_ptr=P16, h_ptr=P16, wts_ptr=P32, aw_ptr=P16, dwp_ptr=P32, sorted_ptr=PI, num_tiles_ptr=PI,
               I=I16, num_slots=I16, stride_dhm=I16, stride_hm=I16, stride_awm=I16)  # fmt: skip
@@ -142,7 +141,7 @@ def main(rev: str) -> int:
               num_pid_m=I32, H=I16, I2=I16, num_slots=I16, stride_dhm=I16, stride_we=I16, stride_wn=I16,
               stride_xm=I16)  # fmt: skip
     bwd_cases = [
-        ("bwd dA", "moe_bwd_da_kernel", da, da_new, gemm_cst, dict(INTERLEAVED=False, HAS_B2=False), 8, 4),
+        ("bwd dA", "moe_bwd_da_kernel", da, da_new, gemm_cst, dict(INTERLEAVED=False), 8, 4),
         (
             "bwd swiglu",
             "moe_bwd_swiglu_kernel",

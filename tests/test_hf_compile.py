@@ -52,7 +52,7 @@ def _same_traces(got, want):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_fullgraph_forward_matches_eager(arch, mode):
-    # every router family (softmax, mixtral, deepseek grouping+bias, gpt-oss grouped_mm experts) and
+    # every router family (softmax, mixtral, deepseek grouping+bias, gpt-oss biased clamped experts) and
     # every state the hook can be in; fullgraph=True turns any graph break into an error
     model = build_model(arch, "tiny", seed=3)
     ids, mask = _padded_batch(4, model.config.vocab_size)

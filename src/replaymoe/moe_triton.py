@@ -474,14 +474,16 @@ def launch_bwd(
     nb = triton.cdiv(I, bn_e)
     # per slot: the d topk_weights partials of each I-block (+ dO·b2 in a last column with a w2 bias)
     dwp = torch.zeros(slots, nb + (b2 is not None), dtype=torch.float32, device=dev)
+    if b2 is not None:  # dO[t]·b2[e] of each local slot (0 elsewhere), one [T, E_local] matmul
+        local = (ids >= offset) & (ids < offset + E_local)
+        dob2 = (dout.float() @ b2.float().t()).gather(1, torch.where(local, ids - offset, 0).long())
+        dwp[:, nb] = torch.where(local, dob2, 0.0).reshape(-1)
     if num_pid_m:
-        b2_args = _bias_args(b2, w2)
         moe_bwd_da_kernel[(num_pid_m * triton.cdiv(I, c.bn_a),)](
-            dout, w2, dh, b2_args[0], dwp, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I,
-            K, slots, nb, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
-            *b2_args[1:], dwp.stride(0), INTERLEAVED=v.interleaved, HAS_B2=b2 is not None,
-            EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a, GROUP_M=c.group_m,
-            DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
+            dout, w2, dh, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I,
+            K, slots, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
+            INTERLEAVED=v.interleaved, EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a,
+            GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
         moe_bwd_swiglu_kernel[(triton.cdiv(num_pid_m * bm, br), nb)](

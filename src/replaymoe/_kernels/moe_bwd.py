@@ -26,8 +26,8 @@ passes are bitwise equal):
 Expert variants (see :mod:`replaymoe._kernels.moe`): with ``INTERLEAVED`` w13's gate row j is row
 2j and up row j is 2j + 1, and dh's columns follow w13's rows (so that dX = dh @ W13 and dW13 =
 dh^T x need no mapping); ``ACT`` 1 is gpt-oss's clamped SwiGLU, whose derivative is zero where a
-clamp is active; with a w2 bias, ``HAS_B2`` adds dO[t]·b2[e] to the topk_weights gradient (out =
-sum_k w_k (a W2^T + b2)). Weights may have any strides.
+clamp is active (a w2 bias adds dO[t]·b2[e] to the topk_weights gradient, out = sum_k w_k (a W2^T +
+b2): the launcher computes that term with one matmul). Weights may have any strides.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ def moe_bwd_da_kernel(
     dout_ptr,
     w2_ptr,
     da_ptr,
-    b2_ptr,
-    dwp_ptr,
     sorted_ptr,
     tile_expert_ptr,
     num_tiles_ptr,
@@ -53,17 +51,12 @@ def moe_bwd_da_kernel(
     I,
     TOP_K,
     num_slots,
-    dwp_col,
     stride_dm,
     stride_w2e,
     stride_w2h,
     stride_w2i,
     stride_am,
-    stride_b2e,
-    stride_b2h,
-    stride_dwp,
     INTERLEAVED: tl.constexpr,
-    HAS_B2: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -72,7 +65,7 @@ def moe_bwd_da_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """da[row, gate column of n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I;
-    padding rows 0. ``HAS_B2``: the first N-block also writes dO[tok]·b2[e] to dwp[slot, dwp_col]."""
+    padding rows 0."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -90,25 +83,15 @@ def moe_bwd_da_kernel(
     d_ptrs = dout_ptr + tok[:, None] * stride_dm + rk[None, :]
     b_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2h + rn[None, :] * stride_w2i
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_B2:
-        bdot = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        b2_ptrs = b2_ptr + e * stride_b2e + rk * stride_b2h
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             d = tl.load(d_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            if HAS_B2:
-                bb = tl.load(b2_ptrs)
         else:
             k_ok = rk < H - k * BLOCK_K
             d = tl.load(d_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if HAS_B2:
-                bb = tl.load(b2_ptrs, mask=k_ok, other=0.0)
         acc = tl.dot(d, b, acc, input_precision=DOT_PREC)
-        if HAS_B2:
-            bdot += tl.sum(d.to(tl.float32) * bb.to(tl.float32)[None, :], axis=1)
-            b2_ptrs += BLOCK_K * stride_b2h
         d_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_w2h
     if INTERLEAVED:
@@ -117,9 +100,6 @@ def moe_bwd_da_kernel(
         cols = rn
     o_ptrs = da_ptr + rows[:, None] * stride_am + cols[None, :]
     tl.store(o_ptrs, acc.to(da_ptr.dtype.element_ty), mask=n_ok[None, :])
-    if HAS_B2:
-        slot_c = tl.where(row_ok, slots, 0).to(tl.int64)
-        tl.store(dwp_ptr + slot_c * stride_dwp + dwp_col, bdot, mask=row_ok & (pid_n == 0))
 
 
 @triton.jit
