@@ -7,6 +7,8 @@ give the same bits), same captured ids, same replay, and a weight replaced after
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -148,6 +150,17 @@ def test_no_graphs_with_grad_or_training():
         for _ in range(2):
             model(input_ids=ids)
     assert _captured(moe) == len(moe.layers)
+    # fp32 experts on CUDA run the torch reference: never graphed (and no capture attempt warns)
+    model32 = build_model("qwen3_moe", "medium", dtype=torch.float32, device="cuda")
+    moe32 = rhf.enable(model32, max_batch_size=2, max_positions=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            for _ in range(3):
+                model32(input_ids=ids)
+    assert _captured(moe32) == 0
+    assert not [w for w in caught if "CUDA graph" in str(w.message)]
+    moe32.disable()
     assert all(isinstance(g, BlockGraphs) for g in moe._block_graphs)
     moe.disable()
     assert "forward" not in moe.layers[0].block.__dict__

@@ -9,7 +9,8 @@ graph's static input, replay it and return a copy of its output (about three lau
 
 Eligible calls (:func:`graphable`): eager (not traced by ``torch.compile``, not inside someone
 else's CUDA-graph capture), no gradient, no autocast, at most :data:`GRAPH_MAX_TOKENS` tokens, on
-CUDA, block in eval mode, no hooks on the block's submodules (they would fire at capture only).
+CUDA, bf16/fp16 activations (the fused kernels'), block in eval mode, no hooks on the block's
+submodules (they would fire at capture only).
 Everything a replayed graph reads or writes has a fixed address: the block's parameters and
 buffers (checked on every call: a parameter replaced or moved drops the graph), and the session's
 per-shape replay-ids and capture-slab buffers (part of the graph's key). A block whose capture fails

@@ -34,6 +34,9 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
     return wrapped
 
 
+_HALF = (torch.bfloat16, torch.float16)  # the activations the fused kernels take
+
+
 def block_forward(state: Any, graphs: Any) -> Callable:
     """The MoE block's forward, through its CUDA graphs (``graphs``: a
     :class:`~replaymoe.hf.graphs.BlockGraphs`) when this forward allows them (``state._step``
@@ -44,8 +47,8 @@ def block_forward(state: Any, graphs: Any) -> Callable:
         if torch.compiler.is_compiling() or args or kwargs:
             return own(hidden_states, *args, **kwargs)
         step = state._step
-        if step is None or not step.graphable or not graphs.usable():
-            return own(hidden_states)
+        if step is None or not step.graphable or hidden_states.dtype not in _HALF or not graphs.usable():
+            return own(hidden_states)  # (fp32 experts take the torch reference on CUDA: not graphed)
         return graphs(hidden_states, (step.forced, step.staged))
 
     return forward
