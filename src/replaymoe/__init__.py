@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     # routing
     "RoutingMethod": "routing",
     "RoutingOutput": "routing",
+    "RoutingConfig": "routing",
     "route": "routing",
     "route_torch": "routing",
     # token layout
@@ -27,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "fused_moe": "moe",
     "fused_moe_torch": "moe",
     "MoELayer": "moe",
+    "ClampedSwiGLU": "moe",
     # fp8 helpers
     "quantize_fp8_block": "quant",
     "dequantize_fp8_block": "quant",
