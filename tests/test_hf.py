@@ -440,6 +440,39 @@ def test_replay_batch_mismatch_and_other_errors(generator):
     assert getattr(model, "_replaymoe", None) is None  # a rejected enable leaves the model as it was
 
 
+def test_block_graphs_usable_tracks_hooks_and_structure():
+    # the per-block conditions of replaying a captured graph (checked on the CPU: capture is GPU-only)
+    model = _model("deepseek_v3").eval()
+    moe = rhf.enable(model)
+    g = moe._block_graphs[0]
+    block = g.block
+    assert g.usable()
+    g.graphs["shape"] = "a captured graph"
+    h = block.gate.register_forward_hook(lambda *a: None)  # a hook would fire at capture only
+    assert not g.usable() and g.graphs
+    h.remove()
+    assert g.usable() and g.graphs
+    model.train()  # training mode: eager
+    assert not g.usable()
+    model.eval()
+    w0 = g._weights()
+    block.experts.down_proj = torch.nn.Parameter(block.experts.down_proj.detach().clone())
+    assert g.usable() and g._weights() != w0  # a replaced parameter: same structure, new address
+    # structure changes drop the graphs once, then the new structure is the reference
+    for change in (
+        lambda: setattr(block.shared_experts, "extra", torch.nn.Identity()),  # a module added
+        lambda: setattr(block.shared_experts, "up_proj", torch.nn.Linear(2, 2)),  # a module replaced
+        lambda: setattr(block.shared_experts.down_proj, "forward", lambda x: x),  # a forward overridden
+        lambda: block.shared_experts.down_proj.__dict__.pop("forward"),  # and restored
+        lambda: block.experts.register_buffer("scale", torch.ones(1)),  # a buffer added
+    ):
+        g.graphs["shape"] = "a captured graph"
+        change()
+        assert not g.usable() and not g.graphs
+        assert g.usable()
+    moe.disable()
+
+
 def test_block_graphs_patched_and_restored():
     model = _model("qwen3_moe")
     moe = rhf.enable(model)

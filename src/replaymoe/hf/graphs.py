@@ -64,6 +64,13 @@ def _copy_out(out: Any) -> Any:
     return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
 
 
+def _shape_of(module: nn.Module, block: bool) -> tuple:
+    """(children, forward override or None, parameter and buffer names) of one module (the block's
+    own forward is the graphs wrapper itself: not part of it)."""
+    forward = None if block else module.__dict__.get("forward")
+    return tuple(module._modules.values()), forward, (*module._parameters, *module._buffers)
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(
         module._forward_hooks
@@ -94,22 +101,38 @@ class BlockGraphs:
         self.pool = pool
         self.graphs: OrderedDict[tuple, Any] = OrderedDict()
         self.failed = False
-        self.submodules = [m for m in block.modules() if m is not block]
-        # (module, name) of every parameter and buffer: read again at each call, so that a
-        # parameter replaced (not just updated in place) or moved is noticed
+        self._survey()
+
+    def _survey(self) -> None:
+        """Record the block's structure: every module with its children, forward override and
+        parameter / buffer names (a change drops the graphs: see :meth:`usable`), and the (module,
+        name) of every parameter and buffer, whose addresses are read again at each call so that a
+        parameter replaced (not just updated in place) or moved is noticed."""
+        self.tree = [(m, _shape_of(m, m is self.block)) for m in self.block.modules()]
         self.tensor_slots = [
             (m, n)
-            for m in block.modules()
+            for m in self.block.modules()
             for n, t in (*m._parameters.items(), *m._buffers.items())
             if t is not None
         ]
 
     def _weights(self) -> tuple[int, ...]:
-        return tuple(getattr(m, n).data_ptr() for m, n in self.tensor_slots)
+        return tuple(getattr(getattr(m, n), "data_ptr", int)() for m, n in self.tensor_slots)  # None: 0
 
     def usable(self) -> bool:
-        """The per-block conditions: not failed, eval mode, no hooks inside the block."""
-        return not self.failed and not self.block.training and not any(_hooked(m) for m in self.submodules)
+        """The per-block conditions: not failed, eval mode, no hooks inside the block, and the
+        structure seen at capture (a module added, removed or replaced, a forward overridden or a
+        parameter added: the graphs are dropped, this call runs eagerly, later ones re-capture)."""
+        if self.failed or self.block.training:
+            return False
+        for m, shape in self.tree:
+            if m is not self.block and _hooked(m):
+                return False
+            if _shape_of(m, m is self.block) != shape:
+                self.graphs.clear()
+                self._survey()
+                return False
+        return True
 
     def __call__(self, hidden_states: torch.Tensor, buffers: tuple[Optional[torch.Tensor], ...]) -> Any:
         """The block's output for ``hidden_states``, through a graph when one is (or can be) made.
