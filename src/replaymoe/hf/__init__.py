@@ -65,6 +65,9 @@ Experts compute (:func:`replaymoe_experts_forward`)
   transposed views of its weights (no copy), its biases, ``gate_up_layout="interleaved"`` and
   ``ClampedSwiGLU(alpha, limit)``. Experts of any other layout fused_moe does not take (other
   biased or transposed layouts, non-SiLU) run through transformers' ``grouped_mm``.
+* Eager decode-size forwards on CUDA (no gradient, bf16/fp16, at most 64 tokens) replay each MoE
+  block with fused experts as a CUDA graph, captured the second time an input shape is seen
+  (:mod:`replaymoe.hf.graphs`; ``enable(..., graphs=False)`` keeps every block eager).
 
 Positions, capture and replay
 -----------------------------
