@@ -20,8 +20,9 @@ graphs).
 
 Timing: each implementation runs on its own copy of the model (modules copied, weights shared),
 and after a warm-up the copies are timed in interleaved rounds: round ``r`` runs one ``generate``
-of each implementation in turn, ``--repeats`` rounds. A drift of the host's speed (the eager rows
-are bound by Python launch cost) then falls on every implementation alike, and the speed-up is
+of each implementation in turn (the order rotated by one each round), ``--repeats`` rounds. A
+drift of the host's speed (the eager rows are bound by Python launch cost) then falls on every
+implementation alike, and the speed-up is
 the median over rounds of the paired ratio (grouped_mm's time / this time, same round), with the
 smallest and largest round beside it. ``vs_replaymoe`` is the same paired ratio against plain
 ``replaymoe`` (what capture and replay cost: 0.97 = 3 % slower).
@@ -204,8 +205,9 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         breaks0, recompiles0 = _counters()
         times: dict = {impl: [] for impl in impls}
         outs: dict = {}
-        for _ in range(args.repeats):
-            for impl in impls:
+        for r in range(args.repeats):
+            # rotated order: no implementation always runs right after the same other one
+            for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
                 dt, out = _generate(copies[impl], ids, mask, args.new, mode)
                 times[impl].append(dt)
                 outs[impl] = out[:, ids.shape[1] :]
