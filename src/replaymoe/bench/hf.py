@@ -101,6 +101,11 @@ def _generate(model, ids, mask, new, mode, **kw):
         gc.enable()
 
 
+def _block_captures(session) -> int:
+    """MoE-block CUDA graphs a session has captured so far (:mod:`replaymoe.hf.graphs`)."""
+    return sum(g.captures for g in session._block_graphs)
+
+
 def _logits_error(model, ref_model, ids, mask, new, mode, traces=None):
     """‖generate's step logits − fp32 teacher-forced logits‖ / ‖fp32‖ over all generated steps.
 
@@ -203,6 +208,7 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             if impl in sessions:
                 sessions[impl].traces()
         breaks0, recompiles0 = _counters()
+        captures0 = {impl: _block_captures(s) for impl, s in sessions.items()}
         times: dict = {impl: [] for impl in impls}
         outs: dict = {}
         for r in range(args.repeats):
@@ -215,6 +221,7 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
                     got = sessions[impl].traces()
                     assert len(got) == B and got[0].num_tokens == args.prompt + args.new - 1
         breaks1, recompiles1 = _counters()
+        captures = {impl: _block_captures(s) - captures0[impl] for impl, s in sessions.items()}
         skips = _cudagraph_skips() - skips0
         errors = {}
         for impl in impls:
@@ -254,6 +261,9 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             # median over rounds of (plain replaymoe's time / this time) in the same round
             "vs_replaymoe": statistics.median(vs_plain),
             "generate_s_best": t_best,
+            "round_s": [round(x, 5) for x in times[impl]],  # this row's time in each round, in order
+            # MoE-block CUDA graphs captured during the timed rounds (0 in a steady state)
+            "block_graph_captures": captures.get(impl, 0),
             "speedup_best_vs_best": (min(base) / t_best) if base else float("nan"),
             "logits_rel_err_vs_fp32": errors[impl],
             "same_tokens_as_grouped_mm": (
@@ -274,7 +284,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             f"x{row['speedup_vs_grouped_mm']:.2f} (rounds {row['speedup_min_round']:.2f}-"
             f"{row['speedup_max_round']:.2f})  vs replaymoe x{row['vs_replaymoe']:.3f}  "
             f"err {errors[impl]:.2e}  "
-            f"breaks {row['graph_breaks']} recompiles {row['recompiles']} cudagraph skips {skips}",
+            f"breaks {row['graph_breaks']} recompiles {row['recompiles']} cudagraph skips {skips}  "
+            f"block graphs captured {row['block_graph_captures']}",
             flush=True,
         )
     for msg in sorted(set(skip_log.messages)):

@@ -101,6 +101,7 @@ class BlockGraphs:
         self.pool = pool
         self.graphs: OrderedDict[tuple, Any] = OrderedDict()
         self.failed = False
+        self.captures = 0  # graphs captured so far (a steady state captures none)
         self._survey()
 
     def _survey(self) -> None:
@@ -177,6 +178,7 @@ class BlockGraphs:
                 continue
             entry = _Graph(graph, static_in, static_out, self._weights())
             self.graphs[key] = entry
+            self.captures += 1
             return entry
         self.failed = True
         self.graphs.clear()
