@@ -22,13 +22,13 @@ Timing: each implementation runs on its own copy of the model (modules copied, w
 and after a warm-up the copies are timed in interleaved rounds: round ``r`` runs one ``generate``
 of each implementation in turn (the order rotated by one each round), ``--repeats`` rounds. A
 drift of the host's speed (the eager rows are bound by Python launch cost) then falls on every
-implementation alike, and the speed-up is
-the median over rounds of the paired ratio (grouped_mm's time / this time, same round), with the
-smallest and largest round beside it. ``vs_replaymoe`` is the same paired ratio against plain
-``replaymoe`` (what capture and replay cost: 0.97 = 3 % slower), and ``vs_replaymoe_best`` the
-ratio of the best rounds. An eager row is bound by the host, whose speed changes in episodes of
-about a second (every decode step of a ``generate`` then slower alike: ``scripts/hf_step_times.py``);
-an episode only adds time, so the best round is the estimate least disturbed by them.
+implementation alike, and the speed-up is the median over rounds of the paired ratio (grouped_mm's
+time / this time, same round), with the smallest and largest round beside it. ``vs_replaymoe`` is
+the same paired ratio against plain ``replaymoe`` (what capture and replay cost: 0.97 = 3 %
+slower), and ``vs_replaymoe_best`` the ratio of the best rounds. An eager row is bound by the
+host, whose speed changes in episodes of about a second (every decode step of a ``generate`` then
+slower alike: ``scripts/hf_step_times.py``); an episode only adds time, so the best round is the
+estimate least disturbed by them.
 
 Reported per row: median wall time of ``generate``, generated tokens/s, the paired speed-up over
 ``grouped_mm``, graph breaks, recompiles and CUDA-graph skips seen by dynamo/inductor during the
