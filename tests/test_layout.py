@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.layout import ExpertLayout, expert_layout, layout_sizes, layout_torch
+from replaymoe.layout import (
+    ExpertLayout,
+    compact_layout,
+    compact_layout_torch,
+    expert_layout,
+    layout_sizes,
+    layout_torch,
+)
 
 
 def _random_ids(T, K, E, g, *, dtype=torch.int32):
@@ -154,6 +161,64 @@ def test_layout_rejects(fn, kwargs, match):
         fn(ids, E, **args)
 
 
+def check_compact(cl, lay: ExpertLayout) -> None:
+    """The compact layout from its definition: the padded layout's real rows in order, then the
+    marker T*K; exact_start the exclusive cumsum of the counts; shift = padded - compact start."""
+    n = lay.num_slots
+    rows = int(lay.num_tiles[0]) * lay.block_m
+    slots = lay.sorted_slots[:rows].long().cpu()
+    real = slots[slots != n]  # padding removed, layout order kept
+    got = cl.compact_slots.long().cpu()
+    assert got.shape == (n,) and cl.compact_slots.dtype == torch.int32
+    assert torch.equal(got[: real.numel()], real)
+    assert (got[real.numel() :] == n).all()  # slots of non-local experts
+    counts = lay.expert_counts.long().cpu()
+    start = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
+    assert torch.equal(cl.exact_start.long().cpu(), start)
+    assert torch.equal(cl.expert_shift.long().cpu(), lay.expert_offsets.long().cpu()[:-1] - start[:-1])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("T,K,E,E_local,offset,block_m,cluster", CASES)
+def test_compact_layout_triton_matches_reference(T, K, E, E_local, offset, block_m, cluster, generator,
+                                                  monkeypatch):  # fmt: skip
+    # outputs poisoned with a valid slot id (0): every entry must be written, the EP tail included
+    ids = _random_ids(T, K, E, generator)
+    lay = expert_layout(ids, E_local, block_m=block_m, local_expert_offset=offset, cluster=cluster)
+    ref = compact_layout_torch(layout_torch(ids, E_local, block_m=block_m, local_expert_offset=offset,
+                                            cluster=cluster))  # fmt: skip
+    check_compact(ref, lay)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(0))
+    cl = compact_layout(lay)
+    monkeypatch.undo()
+    check_compact(cl, lay)
+    for f in ("compact_slots", "exact_start", "expert_shift"):
+        assert torch.equal(getattr(cl, f), getattr(ref, f)), f
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_compact_layout_padding_heavy_and_full_segment(block_m, generator):
+    # 1 slot on each of 16 experts (the padded layout is block_m times the slots), one expert with
+    # exactly block_m slots (no padding row), experts without slots, one slot not local (id 30)
+    ids = torch.full((block_m + 17, 1), 30, dtype=torch.int32)
+    ids[:block_m, 0] = 3
+    ids[block_m : block_m + 16, 0] = torch.randperm(16, generator=generator).to(torch.int32) + 4
+    lay = expert_layout(ids, 24, block_m=block_m)
+    cl = compact_layout(lay)
+    check_compact(cl, lay)
+    assert cl.exact_start[3:6].tolist() == [0, block_m, block_m + 1]
+    assert cl.exact_start[-1] == block_m + 16 and cl.compact_slots[-1] == block_m + 17
+
+
+def test_compact_layout_rejects_other_types():
+    with pytest.raises(ValueError, match="type of layout: expected an ExpertLayout"):
+        compact_layout(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="type of layout"):
+        compact_layout_torch(None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "T,K,E,E_local,offset,block_m",
@@ -172,3 +237,6 @@ def test_layout_gpu_matches_reference(T, K, E, E_local, offset, block_m, generat
     assert torch.equal(lay.sorted_slots[:rows], ref.sorted_slots[:rows])
     for f in ("tile_expert", "tile_row_end", "expert_offsets", "expert_counts", "num_tiles"):
         assert torch.equal(getattr(lay, f), getattr(ref, f)), f
+    cl, cl_ref = compact_layout(lay), compact_layout_torch(ref)
+    for f in ("compact_slots", "exact_start", "expert_shift"):
+        assert torch.equal(getattr(cl, f), getattr(cl_ref, f)), f

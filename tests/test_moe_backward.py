@@ -94,19 +94,60 @@ def test_triton_gradients_match_fp64(T, H, I, E, E_local, offset, K, recompute, 
     _check(got, ref, dtype)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` that fills floating buffers with NaN and integer ones with 0 (a valid slot id),
+    so that a kernel reading a row nobody wrote (padding, another expert's rows, the rows of
+    non-local slots) shows in the gradients."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else 0)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _ids_sparse(T, K, E, block_m, g):
+    # every expert gets at most one slot: T*K = 8 slots over E = 8 experts (a permutation), so the
+    # padded layout is block_m times the slots
+    return torch.randperm(E, generator=g)[: T * K].reshape(T, K).to(torch.int32)
+
+
+def _ids_full_tile(T, K, E, block_m, g):
+    # expert 0 (k = 0) of exactly block_m tokens: a segment with no padding row, followed by experts
+    # with ragged counts; the last tokens skip expert 0
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] + 1 for _ in range(T)])
+    ids[:block_m, 0] = 0
+    return ids.to(torch.int32)
+
+
+# (T, H, I, E, E_local, offset, K, ids) -- edge each hits
+BWD_LAYOUTS = [
+    pytest.param((13, 40, 24, 8, 3, 2, 3, None), id="ep-slice"),  # ids outside [2, 5), a -1 row, EP tail
+    pytest.param((4, 32, 16, 8, 8, 0, 2, _ids_sparse), id="padding-heavy"),  # 1 slot per expert
+    pytest.param((40, 32, 16, 4, 4, 0, 2, _ids_full_tile), id="full-tile"),  # a segment of exactly block_m
+]
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("dw_mode", [0, 1, 2], ids=["gather-in-loop", "pre-gathered", "transposed"])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_triton_backward_configs_match_closed_form(dw_mode, block_m, generator):
+@pytest.mark.parametrize("case", BWD_LAYOUTS)
+@pytest.mark.usefixtures("poisoned_empty")
+def test_triton_backward_configs_match_closed_form(case, dw_mode, block_m, generator):
     # every weight-gradient mode and two tile heights (padding rows, several tiles per expert) give
-    # the closed-form backward's gradients; EP slice with a -1 row
+    # the closed-form backward's gradients; intermediates are compact (one row per slot) and every
+    # buffer is poisoned, so a row read at a wrong (padded) position or never written fails
     import dataclasses
 
     import replaymoe.moe as M
     import replaymoe.moe_triton as MT
 
-    T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
+    T, H, I, E, E_local, offset, K, make_ids = case  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
+    if make_ids is not None:
+        ids = make_ids(T, K, E, block_m, generator)
     ref = M.experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
     c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
     _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
@@ -114,6 +155,35 @@ def test_triton_backward_configs_match_closed_form(dw_mode, block_m, generator):
     got = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg)
     for name, a, e in zip(("dx", "dw13", "dw2", "dtopk_weights"), got, ref):
         assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().max())), name=name)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dw_mode", [0, 1, 2], ids=["gather-in-loop", "pre-gathered", "transposed"])
+@pytest.mark.usefixtures("poisoned_empty")
+def test_triton_backward_need_subsets_bitwise_equal(dw_mode, generator):
+    # each gradient asked for alone equals (bitwise) the same gradient from the full backward: the
+    # order of the steps and the freeing of dh / aw never change a value; not asked for: empty
+    import dataclasses
+
+    import replaymoe.moe_triton as MT
+
+    T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
+    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
+    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=16)
+
+    def run(need):
+        _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
+        return MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, cfg)
+
+    full = run([True] * 4)
+    for i in range(4):
+        got = run([j == i for j in range(4)])
+        for j in range(4):
+            if j == i:
+                assert torch.equal(got[j], full[j]), j
+            else:
+                assert got[j].numel() == 0, j
 
 
 @pytest.mark.interpret

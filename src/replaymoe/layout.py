@@ -8,6 +8,8 @@ CUDA-graph capturable; the device tells how much of them is used (``num_tiles``)
 
 * :func:`expert_layout` — Triton, two launches.
 * :func:`layout_torch` — the reference (host-synchronizing), same outputs.
+* :func:`compact_layout` / :func:`compact_layout_torch` — the same order without padding (one
+  launch), for buffers with exactly one row per slot (the fused-MoE backward's intermediates).
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ import triton
 
 from ._validation import check_int, check_tensor, fail
 
-__all__ = ["ExpertLayout", "expert_layout", "layout_torch", "layout_sizes"]
+__all__ = [
+    "CompactLayout",
+    "ExpertLayout",
+    "compact_layout",
+    "compact_layout_torch",
+    "expert_layout",
+    "layout_torch",
+    "layout_sizes",
+]
 
 _INT32_MAX = 2**31 - 1
 
@@ -226,4 +236,96 @@ def layout_torch(
         block_m=block_m,
         cluster=cluster,
         num_slots=num_slots,
+    )
+
+
+@dataclass
+class CompactLayout:
+    """A layout's expert-sorted order without padding: exactly one row per local slot.
+
+    Compact row ``exact_start[e] + j`` holds expert ``e``'s ``j``-th real slot, the slot at padded
+    row ``expert_offsets[e] + j`` of the :class:`ExpertLayout`; so a tile kernel walking padded
+    rows maps a real row ``r`` of a tile of expert ``e`` to compact row ``r - expert_shift[e]``.
+
+    Attributes
+    ----------
+    compact_slots : int32 [T*K]
+        ``sorted_slots`` without the padding: the local slots in layout order, then (rows
+        ``>= exact_start[E_local]``, the slots routed to non-local experts) the marker ``T*K``.
+        Every entry is defined.
+    exact_start : int32 [E_local + 1]
+        Exclusive cumulative sum of ``expert_counts``; ``exact_start[E_local]`` = local slots.
+    expert_shift : int32 [E_local]
+        ``expert_offsets[:-1] - exact_start[:-1]`` (padded minus compact start of each expert).
+    """
+
+    compact_slots: torch.Tensor
+    exact_start: torch.Tensor
+    expert_shift: torch.Tensor
+
+
+def _check_layout(layout):
+    if not isinstance(layout, ExpertLayout):
+        fail("layout", "an ExpertLayout (from expert_layout or layout_torch)", type(layout).__name__,
+             what="type")  # fmt: skip
+
+
+def compact_layout(layout: ExpertLayout) -> CompactLayout:
+    """Compact (unpadded) row order of ``layout``, on its device: one Triton launch, no host
+    synchronization (CUDA-graph capturable).
+
+    Parameters
+    ----------
+    layout : ExpertLayout
+        From :func:`expert_layout` (or :func:`layout_torch`).
+
+    Returns
+    -------
+    CompactLayout
+        ``compact_slots`` [T*K], ``exact_start`` [E_local + 1], ``expert_shift`` [E_local], int32.
+    """
+    _check_layout(layout)
+    from ._kernels.layout import layout_compact_kernel
+    from ._launch import fast
+
+    num_local = layout.expert_counts.shape[0]
+    n = layout.num_slots
+    bm = layout.block_m
+    dev = layout.sorted_slots.device
+    i32 = torch.int32
+    compact = torch.empty(max(n, 1), dtype=i32, device=dev)
+    out = CompactLayout(
+        compact_slots=compact[:n],
+        exact_start=torch.empty(num_local + 1, dtype=i32, device=dev),
+        expert_shift=torch.empty(num_local, dtype=i32, device=dev),
+    )
+    e_pad = triton.next_power_of_2(max(num_local, 2))
+    tile_block = max(1, min(4096 // e_pad, 4096 // bm))
+    max_tiles = layout.max_tiles
+    fast(layout_compact_kernel)[(max(1, triton.cdiv(max_tiles, tile_block)),)](
+        layout.sorted_slots, layout.tile_expert, layout.expert_offsets, layout.expert_counts, compact,
+        out.exact_start, out.expert_shift, n, num_local, max_tiles, E_PAD=e_pad, BLOCK_M=bm,
+        TILE_BLOCK=tile_block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def compact_layout_torch(layout: ExpertLayout) -> CompactLayout:
+    """Reference of :func:`compact_layout` in plain torch (host-synchronizing), identical outputs."""
+    _check_layout(layout)
+    n = layout.num_slots
+    counts = layout.expert_counts.long().cpu()
+    offsets = layout.expert_offsets.long().cpu()
+    sorted_slots = layout.sorted_slots.cpu()
+    start = torch.zeros(counts.numel() + 1, dtype=torch.long)
+    start[1:] = torch.cumsum(counts, 0)
+    compact = torch.full((n,), n, dtype=torch.int32)
+    for e, c in enumerate(counts.tolist()):
+        s = int(offsets[e])
+        compact[int(start[e]) : int(start[e]) + c] = sorted_slots[s : s + c]
+    dev = layout.sorted_slots.device
+    return CompactLayout(
+        compact_slots=compact.to(dev),
+        exact_start=start.to(torch.int32).to(dev),
+        expert_shift=(offsets[:-1] - start[:-1]).to(torch.int32).to(dev),
     )

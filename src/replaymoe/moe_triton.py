@@ -411,11 +411,14 @@ def launch_bwd(
     """Triton backward: ``(dx, dw13, dw2, dtopk_weights)``, plus ``(dw13_bias, dw2_bias)`` when
     ``need`` has 6 entries (empty where ``need`` is False; a bias gradient in fp32).
 
-    Launches: layout (2); GEMM1 again when ``recompute``; dA; SwiGLU backward (elementwise); dX +
-    k-ordered reduce; dW13; dW2; the bias gradients (per-expert row sums in row order). ``v``: the
-    experts variant (biases, clamped activation, interleaved gate/up rows; weights with any
-    strides). Intermediates: dh [rows, 2I] (columns in w13's row order) and aw [rows, I] in layout
-    order.
+    Launches: layout (2) and its compact rows (1); GEMM1 again when ``recompute``; dA; SwiGLU
+    backward (elementwise); dX + k-ordered reduce; dW13; dW2; the bias gradients (per-expert row
+    sums in row order). ``v``: the experts variant (biases, clamped activation, interleaved gate/up
+    rows; weights with any strides). Intermediates, exactly one row per slot in the layout's compact
+    order (:func:`replaymoe.layout.compact_layout`, no padding rows): dh [T*K, 2I] (columns in
+    w13's row order), aw [T*K, I] and, with ``dw_mode`` 1/2, the token rows of x / dO [T*K, H].
+    Order (lowest peak: both weight gradients are alive only at the end): dX (then its per-slot rows
+    are freed), dW13 and dB13 (then dh is freed), dW2 (next to aw and, dw_mode 1/2, the dO rows).
     ``saved`` may be a one-element list holding the only reference to the forward's gate/up rows:
     they are then freed right after the SwiGLU backward has read them (eager autograd hands them over
     so, see ``_train_setup_context``), before dX and the weight gradients are allocated.
@@ -430,7 +433,7 @@ def launch_bwd(
         moe_bwd_dx_kernel,
         moe_bwd_swiglu_kernel,
     )
-    from .layout import expert_layout
+    from .layout import compact_layout, expert_layout
 
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -452,8 +455,8 @@ def launch_bwd(
     b13_args = _bias_args(b13, w13)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+    cl = compact_layout(lay)  # rows of the intermediates: one per slot, no padding
     num_pid_m = lay.max_tiles
-    rows = max(lay.sorted_slots.shape[0], 1)
     bm = c.block_m
     if recompute:  # GEMM1 again, gate/up per slot only
         saved = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
@@ -468,8 +471,8 @@ def launch_bwd(
                 EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=c.group_m,
                 DOT_PREC=prec, num_warps=8 if bm >= 128 else 4, num_stages=4 if bm >= 64 else 3,
             )  # fmt: skip
-    dh = torch.empty(rows, two_i, dtype=x.dtype, device=dev)
-    aw = torch.empty(rows, I, dtype=x.dtype, device=dev)
+    dh = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
+    aw = torch.empty(slots, I, dtype=x.dtype, device=dev)
     bn_e = 128
     nb = triton.cdiv(I, bn_e)
     # per slot: the d topk_weights partials of each I-block (+ dO·b2 in a last column with a w2 bias)
@@ -480,17 +483,16 @@ def launch_bwd(
         dwp[:, nb] = torch.where(local, dob2, 0.0).reshape(-1)
     if num_pid_m:
         moe_bwd_da_kernel[(num_pid_m * triton.cdiv(I, c.bn_a),)](
-            dout, w2, dh, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, I,
+            dout, w2, dh, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m, H, I,
             K, slots, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
             INTERLEAVED=v.interleaved, EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a,
             GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
-        moe_bwd_swiglu_kernel[(triton.cdiv(num_pid_m * bm, br), nb)](
-            dh, saved, wts, aw, dwp, lay.sorted_slots, lay.num_tiles, I, slots, float(v.alpha),
-            float(v.limit), dh.stride(0), saved.stride(0), aw.stride(0), dwp.stride(0),
-            INTERLEAVED=v.interleaved, ACT=v.act,
-            TILE_M=bm, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
+        moe_bwd_swiglu_kernel[(triton.cdiv(slots, br), nb)](
+            dh, saved, wts, aw, dwp, cl.compact_slots, I, slots, float(v.alpha), float(v.limit),
+            dh.stride(0), saved.stride(0), aw.stride(0), dwp.stride(0), INTERLEAVED=v.interleaved,
+            ACT=v.act, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
         )  # fmt: skip
     del saved
     res = list(empty)
@@ -498,44 +500,38 @@ def launch_bwd(
         res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
     del dwp
     if need[5]:  # dB2 [H] = sum over the expert's rows of w·dO[t]
-        res[5] = _bias_grad(moe_bwd_bias_kernel, dout, wts, lay, b2, K, gather=True)
+        res[5] = _bias_grad(moe_bwd_bias_kernel, dout, wts, lay, cl, b2, K, gather=True)
     mode = c.dw_mode
-    if mode and (need[1] or need[2]):  # token rows of x and dO gathered once into layout order
-        sl = lay.sorted_slots.long()
-        tok = torch.where((sl >= 0) & (sl < slots), sl // K, 0)  # rows past num_tiles: unspecified
+    if mode and (need[1] or need[2]):  # token rows of x and dO gathered once into compact order
+        sl = cl.compact_slots.long()
+        tok = torch.where(sl < slots, sl // K, 0)  # rows of non-local slots (never read): token 0
         del sl
 
-    def rows_of(t):  # t[tok] in layout order; mode 2: transposed [features, rows]
+    def rows_of(t):  # t[tok] [T*K, features] in compact order; mode 2: transposed [features, T*K]
         g = t.index_select(0, tok)
         return g if mode == 1 else g.t().contiguous()
 
     def dw_gemm(i, a, b, a_t, a_g, b_g, c_t, m, n):
         dw = torch.empty(src[i].shape, dtype=src[i].dtype, device=dev)
         moe_bwd_dw_kernel[(E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w),)](
-            a, b, dw, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, m, n, K, a.stride(0),
+            a, b, dw, cl.compact_slots, cl.exact_start, lay.expert_counts, m, n, K, a.stride(0),
             b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t, A_GATHER=a_g, B_GATHER=b_g, C_T=c_t,
             BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec,
             num_warps=c.warps_w, num_stages=c.stages_w,
         )  # fmt: skip
         res[i] = dw
 
-    # order: dW2 (then aw is freed), dX (its per-slot rows freed), dW13 (then dh is freed)
-    if need[2]:  # dW2 [H, I] = dO_e^T @ aw_e
-        if mode == 0:
-            dw_gemm(2, dout, aw, False, True, False, False, H, I)
-        else:
-            dw_gemm(2, rows_of(dout), aw, mode == 2, False, False, False, H, I)
-    del aw
+    # order (lowest peak): dX (its per-slot rows freed), dW13 + dB13 (then dh is freed), dW2 last, so
+    # that only aw [T*K, I] and the dO rows sit next to both weight gradients
     if need[0]:
         dx = (torch.empty if num_pid_m else torch.zeros)(T, H, dtype=x.dtype, device=dev)  # reduce writes all
         if num_pid_m:
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
             moe_bwd_dx_kernel[(num_pid_m * triton.cdiv(H, c.bn_x),)](
-                dh, w13, dxs, lay.sorted_slots, lay.tile_expert, lay.num_tiles, num_pid_m, H, two_i, slots,
-                dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),
+                dh, w13, dxs, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m,
+                H, two_i, slots, dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),
                 EVEN_K=two_i % c.bk_x == 0, BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m,
-                DOT_PREC=prec,
-                num_warps=c.warps_x, num_stages=c.stages_x,
+                DOT_PREC=prec, num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
             bh = min(1024, max(16, 1 << (H - 1).bit_length()))
             moe_reduce_kernel[(T, triton.cdiv(H, bh))](
@@ -551,18 +547,24 @@ def launch_bwd(
         else:
             dw_gemm(1, rows_of(x), dh, True, False, False, True, H, two_i)
     if need[4]:  # dB13 [2I] = sum over the expert's rows of dh (columns in w13's row order)
-        res[4] = _bias_grad(moe_bwd_bias_kernel, dh, wts, lay, b13, K, gather=False)
+        res[4] = _bias_grad(moe_bwd_bias_kernel, dh, wts, lay, cl, b13, K, gather=False)
+    del dh
+    if need[2]:  # dW2 [H, I] = dO_e^T @ aw_e
+        if mode == 0:
+            dw_gemm(2, dout, aw, False, True, False, False, H, I)
+        else:
+            dw_gemm(2, rows_of(dout), aw, mode == 2, False, False, False, H, I)
     return tuple(res[:n_out])
 
 
-def _bias_grad(kernel, src, wts, lay, bias, K, *, gather):
-    """Per-expert fp32 sum of ``src`` rows (layout rows, or token rows weighted by the slot's routing
+def _bias_grad(kernel, src, wts, lay, cl, bias, K, *, gather):
+    """Per-expert fp32 sum of ``src`` rows (compact rows, or token rows weighted by the slot's routing
     weight with ``gather``) in row order, as ``bias``'s dtype and shape [E_local, N]."""
     E_local, N = bias.shape
     db = torch.empty(E_local, N, dtype=torch.float32, device=src.device)
     bn = min(256, max(16, 1 << (N - 1).bit_length()))
     kernel[(E_local, triton.cdiv(N, bn))](
-        src, wts, db, lay.sorted_slots, lay.expert_offsets, lay.expert_counts, N, K, src.stride(0),
+        src, wts, db, cl.compact_slots, cl.exact_start, lay.expert_counts, N, K, src.stride(0),
         db.stride(0), GATHER=gather, BLOCK_R=16, BLOCK_N=bn, num_warps=4,
     )  # fmt: skip
     return db.to(bias.dtype)

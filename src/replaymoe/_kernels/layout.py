@@ -8,6 +8,9 @@ Two launches, no host synchronization:
    * scatters its chunk's slots to their sorted positions (stable: slot order inside an expert),
    * writes the tile metadata and the padding markers of its block of tiles,
    * program 0 writes ``expert_offsets``, ``expert_counts`` and ``num_tiles``.
+
+``layout_compact_kernel`` (grid = tile blocks) derives the layout's compact (unpadded) row order
+from an existing layout: see :func:`replaymoe.layout.compact_layout`.
 """
 
 from __future__ import annotations
@@ -105,3 +108,45 @@ def layout_scatter_kernel(
         tl.store(expert_offsets_ptr + 1 + ev, padded_end, mask=ev < num_local)
         tl.store(expert_counts_ptr + ev, total, mask=ev < num_local)
         tl.store(num_tiles_ptr, n_tiles)
+
+
+@triton.jit
+def layout_compact_kernel(
+    sorted_ptr,
+    tile_expert_ptr,
+    expert_offsets_ptr,
+    expert_counts_ptr,
+    compact_ptr,
+    exact_start_ptr,
+    shift_ptr,
+    num_slots,
+    num_local,
+    max_tiles,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
+):
+    """Compact rows of a layout for one block of tiles: every real padded row r of a tile of expert
+    e goes to compact row ``r - shift[e]`` (``shift = expert_offsets - exact_start``); compact rows
+    past the local slot count, inside this block's row range, get the marker ``num_slots``; program
+    0 writes ``exact_start`` [E_local + 1] and ``shift`` [E_local]."""
+    pid = tl.program_id(0)
+    ev = tl.arange(0, E_PAD)
+    e_ok = ev < num_local
+    cnt = tl.load(expert_counts_ptr + ev, mask=e_ok, other=0)
+    start = tl.cumsum(cnt, axis=0) - cnt  # exclusive: exact_start
+    shift = tl.load(expert_offsets_ptr + ev, mask=e_ok, other=0) - start
+    total = tl.sum(cnt, axis=0)
+    if pid == 0:
+        tl.store(exact_start_ptr + ev, start, mask=e_ok)
+        tl.store(exact_start_ptr + num_local, total)
+        tl.store(shift_ptr + ev, shift, mask=e_ok)
+    t = pid * TILE_BLOCK + tl.arange(0, TILE_BLOCK)
+    te = tl.load(tile_expert_ptr + t, mask=t < max_tiles, other=-1)  # -1: tile not in use
+    sh = tl.sum(tl.where(ev[None, :] == te[:, None], shift[None, :], 0), axis=1)
+    r = t[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    used = (te >= 0)[:, None]
+    slot = tl.load(sorted_ptr + r, mask=used, other=num_slots)
+    tl.store(compact_ptr + (r - sh[:, None]), slot, mask=used & (slot < num_slots))
+    tail = (r >= total) & (r < num_slots)  # compact rows of non-local slots (EP): the marker
+    tl.store(compact_ptr + r, tl.full(r.shape, 0, tl.int32) + num_slots, mask=tail)

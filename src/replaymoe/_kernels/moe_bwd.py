@@ -5,23 +5,29 @@ Forward, per slot s = (t, k) routed to local expert e (rows of the backward's ow
 
     g, u = x_t W13[e, :I]^T, x_t W13[e, I:]^T     a = silu(g) * u     out_t = sum_k w_s * a W2[e]^T
 
+Buffers: the intermediates (dh [T*K, 2I], aw [T*K, I], pre-gathered token rows) have exactly one
+row per slot, in the layout's compact order (:func:`replaymoe.layout.compact_layout`): compact row
+``exact_start[e] + j`` is expert e's j-th real slot. Tile kernels walk the padded layout and map a
+real row r of a tile of expert e to compact row ``r - shift[e]``; padding rows are neither stored
+nor used. Rows of non-local slots (EP) hold the marker ``T*K`` in ``compact_slots`` and are skipped.
+
 Backward, given dO [T, H] (no float atomics; every reduction in a fixed order, so two backward
 passes are bitwise equal):
 
 * ``moe_bwd_da_kernel`` (grid: tiles × I-blocks): the grouped GEMM ``da' = dO[t] @ W2[e]``, dO rows
-  gathered through the layout, written into the gate half of dh [rows, 2I].
-* ``moe_bwd_swiglu_kernel`` (elementwise over layout rows × I-blocks): with g, u from the forward's
+  gathered through the layout, written into the gate half of dh at compact rows.
+* ``moe_bwd_swiglu_kernel`` (elementwise over compact rows × I-blocks): with g, u from the forward's
   saved rows (per slot; or from GEMM1 run again, ``recompute``) writes, in place,
   ``dh = [w·da'·u·silu'(g), w·da'·silu(g)]``, ``aw = w·a`` and the partial row dot
   ``sum_n da'·a`` of each I-block per slot (d topk_weights, summed over blocks in block order).
 * ``moe_bwd_dx_kernel`` (grid: tiles × H-blocks): ``dxs[s] = dh[row] @ W13[e]`` (K loop over 2I),
   one row per slot; the forward's ``moe_reduce_kernel`` then sums each token's K rows in k order.
 * ``moe_bwd_dw_kernel`` (grid: experts × M-blocks × N-blocks): ``C[e] = A_e B_e`` over the
-  expert's real rows in row order, whole (no split-K): dW13 = dh^T x and dW2 = dO^T aw, with the
-  token rows of x / dO gathered inside the loop or beforehand (optionally transposed, so that A is
-  K-major). An expert without tokens gets zeros.
+  expert's compact rows in row order, whole (no split-K): dW13 = dh^T x and dW2 = dO^T aw, with
+  the token rows of x / dO gathered inside the loop or beforehand (optionally transposed, so that A
+  is K-major). An expert without tokens gets zeros.
 * ``moe_bwd_bias_kernel`` (grid: experts × N-blocks): the bias gradients, per expert a sum over its
-  real layout rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
+  compact rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
 
 Expert variants (see :mod:`replaymoe._kernels.moe`): with ``INTERLEAVED`` w13's gate row j is row
 2j and up row j is 2j + 1, and dh's columns follow w13's rows (so that dX = dh @ W13 and dW13 =
@@ -45,6 +51,7 @@ def moe_bwd_da_kernel(
     da_ptr,
     sorted_ptr,
     tile_expert_ptr,
+    shift_ptr,
     num_tiles_ptr,
     num_pid_m,
     H,
@@ -64,8 +71,8 @@ def moe_bwd_da_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """da[row, gate column of n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I;
-    padding rows 0."""
+    """da[row, gate column of n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I,
+    stored at the real rows' compact rows (padded row - shift[e]); padding rows are not stored."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -74,8 +81,8 @@ def moe_bwd_da_kernel(
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     rm = tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_ptr + pid_m * BLOCK_M + rm)
-    rows = (pid_m * BLOCK_M + rm).to(tl.int64)
     row_ok = slots < num_slots
+    rows = tl.where(row_ok, pid_m * BLOCK_M + rm - tl.load(shift_ptr + e), 0).to(tl.int64)  # compact
     tok = (tl.where(row_ok, slots, 0) // TOP_K).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
@@ -99,7 +106,7 @@ def moe_bwd_da_kernel(
     else:
         cols = rn
     o_ptrs = da_ptr + rows[:, None] * stride_am + cols[None, :]
-    tl.store(o_ptrs, acc.to(da_ptr.dtype.element_ty), mask=n_ok[None, :])
+    tl.store(o_ptrs, acc.to(da_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -109,8 +116,7 @@ def moe_bwd_swiglu_kernel(
     wts_ptr,
     aw_ptr,
     dwp_ptr,
-    sorted_ptr,
-    num_tiles_ptr,
+    compact_ptr,
     I,
     num_slots,
     alpha,
@@ -121,26 +127,23 @@ def moe_bwd_swiglu_kernel(
     stride_dwp,
     INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr,
-    TILE_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Through the activation, for BLOCK_R layout rows × BLOCK_N of I: reads da' from dh's gate
+    """Through the activation, for BLOCK_R compact rows × BLOCK_N of I: reads da' from dh's gate
     columns and g, u from h (per slot); writes dh's gate and up columns in place (SwiGLU:
     [w·da'·u·silu'(g), w·da'·silu(g)]; clamped: the same through the clamps, zero where one is
     active), aw = w·a and the partial row dot sum_n da'·a of this block per slot."""
     pid_r = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    used = rows < tl.load(num_tiles_ptr) * TILE_M
-    slots = tl.load(sorted_ptr + rows, mask=used, other=num_slots)
-    row_ok = used & (slots < num_slots)
+    slots = tl.load(compact_ptr + rows, mask=rows < num_slots, other=num_slots)
+    row_ok = slots < num_slots  # rows of non-local slots (the marker): nothing to do
     slot_c = tl.where(row_ok, slots, 0).to(tl.int64)
     rows = rows.to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
     ok2 = row_ok[:, None] & n_ok[None, :]
-    st = used[:, None] & n_ok[None, :]
     if INTERLEAVED:
         dh_ptrs = dh_ptr + rows[:, None] * stride_dhm + 2 * rn[None, :]
         du_ptrs = dh_ptrs + 1
@@ -165,7 +168,7 @@ def moe_bwd_swiglu_kernel(
         a = (sg * u).to(dt).to(tl.float32)  # the forward's SwiGLU rows, as rounded
     part = tl.sum(da * a, axis=1)
     tl.store(dwp_ptr + slot_c * stride_dwp + pid_n, part, mask=row_ok)
-    tl.store(aw_ptr + rows[:, None] * stride_awm + rn[None, :], (a * wt[:, None]).to(dt), mask=st)
+    tl.store(aw_ptr + rows[:, None] * stride_awm + rn[None, :], (a * wt[:, None]).to(dt), mask=ok2)
     da = da * wt[:, None]
     if ACT == 1:  # zero where a clamp is active
         d_up = tl.where((u >= -limit) & (u <= limit), da * glu, 0.0)
@@ -173,8 +176,8 @@ def moe_bwd_swiglu_kernel(
     else:
         d_up = da * sg
         d_gate = da * u * sig * (1.0 + g * (1.0 - sig))
-    tl.store(du_ptrs, d_up.to(dt), mask=st)
-    tl.store(dh_ptrs, d_gate.to(dt), mask=st)
+    tl.store(du_ptrs, d_up.to(dt), mask=ok2)
+    tl.store(dh_ptrs, d_gate.to(dt), mask=ok2)
 
 
 @triton.jit
@@ -184,6 +187,7 @@ def moe_bwd_dx_kernel(
     dxs_ptr,
     sorted_ptr,
     tile_expert_ptr,
+    shift_ptr,
     num_tiles_ptr,
     num_pid_m,
     H,
@@ -201,7 +205,8 @@ def moe_bwd_dx_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """dxs[slot, n] = dh[row] @ W13[e][:, n] for the real rows of one tile × BLOCK_N of H."""
+    """dxs[slot, n] = dh[row] @ W13[e][:, n] for the real rows of one tile × BLOCK_N of H (dh at
+    compact rows: padded row - shift[e]; padding rows read row 0, their results are not stored)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -210,8 +215,8 @@ def moe_bwd_dx_kernel(
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     rm = tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_ptr + pid_m * BLOCK_M + rm)
-    rows = (pid_m * BLOCK_M + rm).to(tl.int64)
     row_ok = slots < num_slots
+    rows = tl.where(row_ok, pid_m * BLOCK_M + rm - tl.load(shift_ptr + e), 0).to(tl.int64)  # compact
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < H
     rk = tl.arange(0, BLOCK_K)
@@ -238,8 +243,8 @@ def moe_bwd_dw_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
-    sorted_ptr,
-    offsets_ptr,
+    compact_ptr,
+    starts_ptr,
     counts_ptr,
     M,
     N,
@@ -258,18 +263,18 @@ def moe_bwd_dw_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """C[e] (M × N; stored transposed with ``C_T``) = sum over expert e's real layout rows r, in row
-    order, of A[m, r] * B[r, n].
+    """C[e] (M × N; stored transposed with ``C_T``) = sum over expert e's compact rows r
+    (``[starts[e], +counts[e])``), in row order, of A[m, r] * B[r, n].
 
-    A is stored [rows, M] (read at row r, or at token ``sorted[r] // TOP_K`` with ``A_GATHER``) or,
-    with ``A_T``, [M, rows] (K-major); B is stored [rows, N] (``B_GATHER`` as A's)."""
+    A is stored [T*K, M] (read at row r, or at token ``compact[r] // TOP_K`` with ``A_GATHER``) or,
+    with ``A_T``, [M, T*K] (K-major); B is stored [T*K, N] (``B_GATHER`` as A's)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_e = num_m * num_n
     e = pid // per_e
     pid_m, pid_n = _grouped_pid(pid % per_e, num_m, num_n, GROUP_M)
-    start = tl.load(offsets_ptr + e)
+    start = tl.load(starts_ptr + e)
     cnt = tl.load(counts_ptr + e)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -281,7 +286,7 @@ def moe_bwd_dw_kernel(
         r = start + r0 + rk
         ok = r0 + rk < cnt
         if A_GATHER or B_GATHER:
-            tok = (tl.load(sorted_ptr + r, mask=ok, other=0) // TOP_K).to(tl.int64)
+            tok = (tl.load(compact_ptr + r, mask=ok, other=0) // TOP_K).to(tl.int64)
         if A_T:
             a_ok = m_ok[:, None] & ok[None, :]
             a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_a0 + r[None, :], mask=a_ok, other=0.0)
@@ -315,8 +320,8 @@ def moe_bwd_bias_kernel(
     src_ptr,
     wts_ptr,
     out_ptr,
-    sorted_ptr,
-    offsets_ptr,
+    compact_ptr,
+    starts_ptr,
     counts_ptr,
     N,
     TOP_K,
@@ -326,12 +331,13 @@ def moe_bwd_bias_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[e, n] = sum over expert e's real layout rows r, in row order, of src[r, n] or, with
-    ``GATHER``, of wts[slot] * src[token, n] (slot = sorted[r], token = slot // TOP_K); fp32."""
+    """out[e, n] = sum over expert e's compact rows r (``[starts[e], +counts[e])``), in row order, of
+    src[r, n] or, with ``GATHER``, of wts[slot] * src[token, n] (slot = compact[r], token = slot //
+    TOP_K); fp32."""
     e = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    start = tl.load(offsets_ptr + e)
+    start = tl.load(starts_ptr + e)
     cnt = tl.load(counts_ptr + e)
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -339,7 +345,7 @@ def moe_bwd_bias_kernel(
         r = start + r0 + rr
         ok = r0 + rr < cnt
         if GATHER:
-            slot = tl.load(sorted_ptr + r, mask=ok, other=0)
+            slot = tl.load(compact_ptr + r, mask=ok, other=0)
             row = (slot // TOP_K).to(tl.int64)
             w = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
         else:
