@@ -26,6 +26,14 @@ passes are bitwise equal):
   expert's compact rows in row order, whole (no split-K): dW13 = dh^T x and dW2 = dO^T aw, with
   the token rows of x / dO gathered inside the loop or beforehand (optionally transposed, so that A
   is K-major). An expert without tokens gets zeros.
+* ``moe_bwd_dw_tma_kernel`` (same grid, or a persistent one): the pre-gathered case (A [T*K, M], B
+  [T*K, N] row-major, an expert's rows one contiguous segment) through TMA tensor descriptors built
+  on the host: [BLOCK_K, BLOCK_M] blocks of A (transposed in shared memory for the dot) and
+  [BLOCK_K, BLOCK_N] blocks of B; full row chunks go straight from the descriptors to the dot, the
+  expert's last partial chunk is zeroed past its end in both operands (the next expert's rows may be
+  anything, NaN included); C is stored through a descriptor over dW viewed [E*M, N] when BLOCK_M
+  divides M, else by pointer stores. Same chunks, same order, same operand values: the pointer
+  kernel's bits (NOT yet measured on a GPU; scripts/dw_tma_check.py, scripts/dw_tma_ptx_check.py).
 * ``moe_bwd_bias_kernel`` (grid: experts × N-blocks): the bias gradients, per expert a sum over its
   compact rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
 
