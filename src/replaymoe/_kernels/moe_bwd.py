@@ -42,6 +42,9 @@ Expert variants (see :mod:`replaymoe._kernels.moe`): with ``INTERLEAVED`` w13's 
 dh^T x need no mapping); ``ACT`` 1 is gpt-oss's clamped SwiGLU, whose derivative is zero where a
 clamp is active (a w2 bias adds dO[t]·b2[e] to the topk_weights gradient, out = sum_k w_k (a W2^T +
 b2): the launcher computes that term with one matmul). Weights may have any strides.
+
+Size: slightly over 450 lines; the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
+chunk order, tested bitwise against it), so the two stay side by side.
 """
 
 from __future__ import annotations
