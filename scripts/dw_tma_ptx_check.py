@@ -28,13 +28,16 @@ import replaymoe.moe_triton as MT
 
 SMEM_MAX = 232448  # bytes of shared memory one block may use on sm_90
 
-# (label, bm, bn, bk, warps, stages, persistent): what moe_bwd_config picks, then variants to time
+# (bm, bn, bk, warps, stages) of the dW GEMMs: what moe_bwd_config picks over the bench shapes (Qwen3,
+# Mixtral, DSv3-like; E, K) and token counts from decode to T=16384, then variants scripts/dw_tma_check.py
+# times (deeper pipelines)
 PICKED = sorted(
     {
         (c.bm_w, c.bn_w, c.bk_w, c.warps_w, c.stages_w)
-        for c in (MT.moe_bwd_config(T, 8, 2048, 768, 128, tma=True) for T in (1, 64, 512, 4096, 16384))
+        for E, K in ((128, 8), (8, 2), (64, 8))
+        for T in (1, 64, 512, 4096, 16384)
+        for c in [MT.moe_bwd_config(T, K, 2048, 768, E, tma=True)]
     }
-    | {(MT.moe_bwd_config(16384, 2, 4096, 14336, 8, tma=True).bm_w, 256, 64, 8, 3)}
 )
 VARIANTS = [(128, 256, 64, 8, 4), (128, 256, 64, 8, 5), (128, 128, 64, 8, 5), (128, 128, 32, 4, 5)]
 
