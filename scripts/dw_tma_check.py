@@ -3,11 +3,12 @@
 For each bench shape (qwen3, mixtral, dsv3) × T in {4096, 16384} (routing given, bf16, as
 ``replaymoe bench train``), the configuration :func:`replaymoe.moe_triton.moe_bwd_config` picks, in
 variants: ``ptr`` (pointer dW kernel, ``dw_tma=False``), ``tma`` (the default on Hopper), ``tma+pers``
-(a persistent grid of one or two programs per SM) and ``tma+stage`` (one more pipeline stage where it fits
-shared memory). Rounds alternate the variants (ptr, tma, ... ptr, tma, ...); per variant: the dW
-kernels' device time per backward (torch.profiler, both dW launches, median over rounds) and its
-TFLOP/s (6·T·K·H·I flops), the whole backward's CUDA-event time (median), and whether dW13 / dW2 are
-bitwise equal to ``ptr``'s. Prints a table and writes it to $OUT/dw_tma_check.txt.
+(a persistent grid of one or two programs per SM), ``tma+ptrC`` (C by pointer stores: fewer registers)
+and ``tma+stage`` (one more pipeline stage where it fits shared memory). Rounds alternate the
+variants (ptr, tma, ... ptr, tma, ...); per variant: the dW kernels' device time per backward
+(torch.profiler, both dW launches, median over rounds) and its TFLOP/s (6·T·K·H·I flops), the whole
+backward's CUDA-event time (median), and whether dW13 / dW2 are bitwise equal to ``ptr``'s. Prints
+a table and writes it to $OUT/dw_tma_check.txt.
 
 Usage: PYTHONPATH=src python3 scripts/dw_tma_check.py [shape:T ...] [--rounds N]
 """
@@ -38,6 +39,7 @@ def variants(c, sms: int) -> dict:
     v = {"ptr": dataclasses.replace(c, dw_tma=False), "tma": dataclasses.replace(c, dw_tma=True)}
     per_sm = 2 if 2 * _smem(c) <= SMEM_MAX - 2048 else 1  # small tiles: two resident programs per SM
     v["tma+pers"] = dataclasses.replace(c, dw_tma=True, dw_progs=per_sm * sms)
+    v["tma+ptrC"] = dataclasses.replace(c, dw_tma=True, dw_c_desc=False)  # fewer registers (sm_90 compile)
     deeper = dataclasses.replace(c, dw_tma=True, stages_w=c.stages_w + 1)
     if _smem(deeper) <= SMEM_MAX - 1024:  # the epilogue reuses the pipeline's buffers (sm_90 compile)
         v["tma+stage"] = deeper
@@ -100,6 +102,7 @@ def measure(name: str, T: int, sms: int, rounds: int) -> list[str]:
     for vn, cfg in vs.items():
         m = statistics.median(dw[vn])
         desc = f"{cfg.bm_w}x{cfg.bn_w}x{cfg.bk_w} w{cfg.warps_w} s{cfg.stages_w} progs={cfg.dw_progs}"
+        desc += "" if cfg.dw_c_desc else " C-ptr"
         rows.append(f"{name:8s} {T:6d} {vn:10s} {m:8.3f} {flops / m / 1e9:6.0f} {base / m:6.3f}x "
                     f"{statistics.median(bwd[vn]):8.3f}  {str(same[vn]):7s}  {desc}")  # fmt: skip
         print(rows[-1], flush=True)

@@ -75,6 +75,27 @@ def compile_dw(bm, bn, bk, warps, stages, c_desc, progs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_ptr(bm, bn, bk, warps, stages):
+    """The pointer dW kernel (pre-gathered rows, ``dw_mode`` 1) at the same configuration, for comparison."""
+    fn = kb.moe_bwd_dw_kernel
+    consts = dict(A_T=False, A_GATHER=False, B_GATHER=False, C_T=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  GROUP_M=8, DOT_PREC="tf32")  # fmt: skip
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+        else:
+            sig[name] = (
+                "*bf16" if name in ("a_ptr", "b_ptr", "c_ptr") else "*i32" if name.endswith("_ptr") else "i32"
+            )
+            if name != "TOP_K":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+
+
 def resources(cubin: bytes) -> tuple:
     """(registers, stack bytes, local bytes) from Triton's bundled ``cuobjdump -res-usage``; Nones
     where it cannot run (stack / local memory > 0 = spills)."""
@@ -122,6 +143,11 @@ def main(argv: list[str]) -> int:
             f"{'' if picked else ' [variant]'} -> {'ok' if ok else 'FAILED'}"
         )
         bad += not ok
+    for cfg in PICKED:  # for comparison (registers decide how many programs share an SM)
+        k = compile_ptr(*cfg)
+        regs, stack, local = resources(k.asm["cubin"])
+        print(f"pointer kernel {cfg[0]}x{cfg[1]}x{cfg[2]} w{cfg[3]} s{cfg[4]}: shared {k.metadata.shared} B, "
+              f"regs {regs}, stack {stack} B, local {local} B")  # fmt: skip
     return 1 if bad else 0
 
 

@@ -330,18 +330,18 @@ def _ids_counts(counts, E, offset, K, g):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "dtype,progs",
-    [(torch.float32, 0), (torch.float16, 0), (torch.float16, 3)],
-    ids=["fp32-tile-grid", "fp16-tile-grid", "fp16-persistent-3"],
+    "dtype,progs,c_desc",
+    [(torch.float32, 0, True), (torch.float16, 0, True), (torch.float16, 3, False)],
+    ids=["fp32-tile-grid", "fp16-tile-grid", "fp16-persistent-3-ptr-stores"],
 )
 @pytest.mark.usefixtures("poisoned_empty")
-def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, generator):
+def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, generator):
     # the TMA dW kernel against the pointer kernel (same config, pre-gathered rows): bitwise equal
     # over local experts of 0 rows, 1 row, exactly BLOCK_K rows, 21 and 5 rows (a partial last chunk,
     # the next expert's rows, NaN-poisoned rows of non-local slots and the buffer's end after it), an
     # EP slice with a -1 row; dW13's M = 2I = 48 is a multiple of BLOCK_M (descriptor stores), dW2's M
     # = H = 40 is not (pointer stores); N (H = 40, I = 24) not a multiple of BLOCK_N (zero fill);
-    # persistent-3: 3 programs walk the tiles
+    # persistent-3: 3 programs walk the tiles; ptr-stores: no C descriptor (dw_c_desc=False)
     import dataclasses
 
     import replaymoe.moe_triton as MT
@@ -361,7 +361,7 @@ def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, generator):
         return MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, cfg)
 
     ptr = run(base)
-    tma = run(dataclasses.replace(base, dw_tma=True, dw_progs=progs))
+    tma = run(dataclasses.replace(base, dw_tma=True, dw_progs=progs, dw_c_desc=c_desc))
     assert not base.dw_tma
     for name, a, b in zip(("dw13", "dw2"), tma[1:3], ptr[1:3]):
         assert torch.isfinite(b).all(), name
