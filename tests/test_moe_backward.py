@@ -130,8 +130,13 @@ BWD_LAYOUTS = [
 ]
 
 
+# (dw_mode, dw_tma): the weight-gradient variants
+DW_MODES = [(0, False), (1, False), (2, False), (1, True)]
+DW_IDS = ["gather-in-loop", "pre-gathered", "transposed", "pre-gathered-tma"]
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("dw_mode", [0, 1, 2], ids=["gather-in-loop", "pre-gathered", "transposed"])
+@pytest.mark.parametrize("dw_mode", DW_MODES, ids=DW_IDS)
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("case", BWD_LAYOUTS)
 @pytest.mark.usefixtures("poisoned_empty")
@@ -151,14 +156,15 @@ def test_triton_backward_configs_match_closed_form(case, dw_mode, block_m, gener
     ref = M.experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
     c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
     _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
-    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=block_m)
+    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode[0], dw_tma=dw_mode[1],
+                              block_m=block_m)  # fmt: skip
     got = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg)
     for name, a, e in zip(("dx", "dw13", "dw2", "dtopk_weights"), got, ref):
         assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().max())), name=name)
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dw_mode", [0, 1, 2], ids=["gather-in-loop", "pre-gathered", "transposed"])
+@pytest.mark.parametrize("dw_mode", DW_MODES, ids=DW_IDS)
 @pytest.mark.usefixtures("poisoned_empty")
 def test_triton_backward_need_subsets_bitwise_equal(dw_mode, generator):
     # each gradient asked for alone equals (bitwise) the same gradient from the full backward: the
@@ -170,7 +176,8 @@ def test_triton_backward_need_subsets_bitwise_equal(dw_mode, generator):
     T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
     c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
-    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=16)
+    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode[0], dw_tma=dw_mode[1],
+                              block_m=16)  # fmt: skip
 
     def run(need):
         _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
@@ -304,3 +311,103 @@ def test_rejections(generator):
                   w2_scale=s2)  # fmt: skip
     with pytest.raises(ValueError, match="hidden_states"):  # fp64 is for the torch reference only
         fused_moe(x.double(), w13.double(), w2.double(), topk_ids=ids, topk_weights=wts, backend="triton")
+
+
+def _ids_counts(counts, E, offset, K, g):
+    """Top-K ids whose local experts ``offset + j`` get exactly ``counts[j]`` slots (all in column 0),
+    the other columns non-local experts, and a last all -1 row (EP dispatch padding)."""
+    E_local = len(counts)
+    col0 = torch.cat([torch.full((c,), offset + j) for j, c in enumerate(counts)])
+    col0 = col0[torch.randperm(col0.numel(), generator=g)]  # slots of one expert spread over tokens
+    T = col0.numel() + 1
+    nonlocal_ids = [e for e in range(E) if not offset <= e < offset + E_local]
+    ids = torch.full((T, K), -1, dtype=torch.int32)
+    ids[:-1, 0] = col0
+    for t in range(T - 1):
+        ids[t, 1:] = torch.tensor(nonlocal_ids)[torch.randperm(len(nonlocal_ids), generator=g)[: K - 1]]
+    return ids
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "dtype,progs,c_desc",
+    [(torch.float32, 0, True), (torch.float16, 0, True), (torch.float16, 3, False)],
+    ids=["fp32-tile-grid", "fp16-tile-grid", "fp16-persistent-3-ptr-stores"],
+)
+@pytest.mark.usefixtures("poisoned_empty")
+def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, generator):
+    # the TMA dW kernel against the pointer kernel (same config, pre-gathered rows): bitwise equal
+    # over local experts of 0 rows, 1 row, exactly BLOCK_K rows, 21 and 5 rows (a partial last chunk,
+    # the next expert's rows, NaN-poisoned rows of non-local slots and the buffer's end after it), an
+    # EP slice with a -1 row; dW13's M = 2I = 48 is a multiple of BLOCK_M (descriptor stores), dW2's M
+    # = H = 40 is not (pointer stores); N (H = 40, I = 24) not a multiple of BLOCK_N (zero fill);
+    # persistent-3: 3 programs walk the tiles; ptr-stores: no C descriptor (dw_c_desc=False)
+    import dataclasses
+
+    import replaymoe.moe_triton as MT
+
+    H, I, E, offset, K = 40, 24, 8, 2, 2  # noqa: E741
+    counts = [0, 1, 16, 21, 5]  # local experts 2..6; BLOCK_K = 16
+    ids = _ids_counts(counts, E, offset, K, generator)
+    T, E_local = ids.shape[0], len(counts)
+    x, w13, w2, _, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, dtype)
+    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
+    base = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), block_m=16, dw_mode=1, bm_w=16,
+                               bn_w=16, bk_w=16)  # fmt: skip
+    need = [False, True, True, False]
+
+    def run(cfg):
+        _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
+        return MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, cfg)
+
+    ptr = run(base)
+    tma = run(dataclasses.replace(base, dw_tma=True, dw_progs=progs, dw_c_desc=c_desc))
+    assert not base.dw_tma
+    for name, a, b in zip(("dw13", "dw2"), tma[1:3], ptr[1:3]):
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+    assert (tma[1][0] == 0).all() and (tma[2][0] == 0).all()  # the expert without rows: zeros
+    assert (tma[1][1:] != 0).any(dim=(1, 2)).all()  # every other expert got its rows
+
+
+def test_dw_tma_selection_and_descriptor_checks(monkeypatch):
+    # moe_bwd_config sets dw_tma only when asked; dw_tma_ok never on CPU / in the interpreter, never for
+    # fp32, never with the module switch off; _dw_desc refuses what TMA cannot address
+    import replaymoe.moe_triton as MT
+
+    assert MT.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True).dw_tma
+    assert not MT.moe_bwd_config(4096, 8, 2048, 768, 128).dw_tma
+    assert not MT.dw_tma_ok(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setitem(MT._DW_TMA_DEVICES, torch.device("cuda", 7), True)  # as a Hopper GPU would
+    assert MT.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
+    assert not MT.dw_tma_ok(torch.device("cuda", 7), torch.float32)
+    monkeypatch.setattr(MT, "DW_TMA_ENABLED", False)
+    assert not MT.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
+    buf = torch.zeros(64, 72, dtype=torch.float16)
+    assert MT._dw_desc(buf, 64, [16, 64]) is not None  # rows of 144 bytes
+    assert MT._dw_desc(buf[:, :36], 64, [16, 32]) is not None  # a column slice: same row stride
+    assert MT._dw_desc(buf[:, 1:], 64, [16, 64]) is None  # base 2 bytes past 16-byte alignment
+    assert MT._dw_desc(torch.zeros(64, 36, dtype=torch.float16), 64, [16, 32]) is None  # 72-byte rows
+    assert MT._dw_desc(buf, 64, [16, 512]) is None  # block over TMA's 256 elements
+    w = torch.zeros(4, 48, 40, dtype=torch.float16)
+    assert MT._dw_desc(w, 4 * 48, [16, 16]) is not None  # [E, M, N] viewed [E*M, N]
+    assert MT._dw_desc(w.transpose(1, 2), 4 * 40, [16, 16]) is None  # not unit-stride along N
+
+
+def test_dw_tma_kernel_compiles_for_sm90():
+    # CPU CI cannot run the TMA dW kernel as Hopper would: compile it for sm_90 at
+    # the configurations moe_bwd_config picks (no GPU needed) and check that it loads through TMA, uses
+    # wgmma, fits shared memory and does not spill; a separate process, since this one runs the kernels
+    # in Triton's interpreter
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(root / "scripts" / "dw_tma_ptx_check.py"), "--quick"], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("-> ok") == 6, run.stdout

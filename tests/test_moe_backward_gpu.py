@@ -106,3 +106,102 @@ def test_torch_compile_training_step():
     torch.compile(loss_fn, fullgraph=True)(x).backward()
     for a, p in zip(eager, layer.parameters()):
         assert_close(p.grad, a, atol=2e-2 * float(a.abs().max()), name="compiled grad")
+
+
+# --- the dW GEMMs through TMA descriptors (MoEBwdConfig.dw_tma; Hopper and newer) -------------------
+
+
+def _needs_tma():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need compute capability >= 9.0")
+
+
+def _dw_pair(x, w13, w2, ids, wts, dout, offset, cfg, **extra):
+    """(dw13, dw2) with ``cfg``'s dW kernel and with the same config through the other dW kernel."""
+    import dataclasses
+
+    import replaymoe.moe_triton as MT
+
+    T, H = x.shape
+    E_local, two_i, _ = w13.shape
+    K = ids.shape[1]
+    c0 = MT.config_tuple(MT.moe_config(T, K, H, two_i // 2, E_local))
+    _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
+    need = [False, True, True, False]
+    ptr = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need,
+                        dataclasses.replace(cfg, dw_tma=False))  # fmt: skip
+    tma = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need,
+                        dataclasses.replace(cfg, dw_tma=True, **extra))  # fmt: skip
+    return ptr[1:3], tma[1:3]
+
+
+@pytest.mark.parametrize("T,H,I,E,E_local,offset,K", CASES)
+def test_dw_tma_bitwise_equal_pointer_kernel(T, H, I, E, E_local, offset, K):  # noqa: E741
+    # bf16 (wgmma from TMA-filled shared memory vs pointer loads): the same bits, on every layout edge
+    # of CASES (EP slice, experts without rows, H / I not tile multiples: pointer stores)
+    import replaymoe.moe_triton as MT
+
+    _needs_tma()
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, seed=T + K)
+    cfg = MT.moe_bwd_config(T, K, H, I, E_local, tma=True)
+    ptr, tma = _dw_pair(x, w13, w2, ids, wts, dout, offset, cfg)
+    for name, a, b in zip(("dw13", "dw2"), tma, ptr):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "mixtral", "dsv3"])
+def test_dw_tma_bitwise_equal_pointer_kernel_bench_shapes(shape):
+    # the bench shapes at T=4096 with the configuration this device picks (TMA on), tile grid and a
+    # persistent grid of one program per SM
+    import replaymoe.moe_triton as MT
+    from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
+
+    _needs_tma()
+    H, I, E, K = SHAPES[shape]  # noqa: E741
+    T = 4096
+    w13, w2 = (t.detach() for t in layer_weights(H, I, E))
+    x, ids, wts, dout = (t.detach() for t in layer_inputs(T, H, E, K))
+    cfg = MT.moe_bwd_config(T, K, H, I, E, tma=MT.dw_tma_ok(x.device, x.dtype))
+    assert cfg.dw_tma  # bf16 on Hopper: the default picks TMA
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for extra in ({}, {"dw_progs": sms}):
+        ptr, tma = _dw_pair(x, w13, w2, ids, wts, dout, 0, cfg, **extra)
+        for name, a, b in zip(("dw13", "dw2"), tma, ptr):
+            assert torch.equal(a, b), (name, extra)
+        del ptr, tma
+    torch.cuda.empty_cache()
+
+
+def test_cuda_graph_forward_and_backward_dw_tma(monkeypatch):
+    # forward + backward captured in a CUDA graph with the TMA dW kernel picked (host descriptors built
+    # at capture): the replay equals eager, and eager equals the pointer kernel's backward
+    import replaymoe.moe_triton as MT
+
+    _needs_tma()
+    x, w13, w2, ids, wts, dout = _problem(2048, 512, 256, 16, 16, 0, 4, seed=11)
+    assert MT.moe_bwd_config(2048, 4, 512, 256, 16, tma=MT.dw_tma_ok(x.device, x.dtype)).dw_tma
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2, wts)]
+
+    def step():
+        out = fused_moe(leaves[0], leaves[1], leaves[2], topk_ids=ids, topk_weights=leaves[3])
+        return torch.autograd.grad(out, leaves, dout)
+
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for st in static:
+        st.fill_(float("nan"))  # poisoned: the replay must rewrite every element
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, eager):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(MT, "DW_TMA_ENABLED", False)
+    assert not MT.dw_tma_ok(x.device, x.dtype)
+    for a, b in zip(step(), eager):
+        assert torch.equal(a, b)

@@ -14,6 +14,7 @@ custom-op plumbing, so splitting them would make every op cross modules.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -348,7 +349,7 @@ def launch_bwd_config(
     """:func:`launch_bwd` with the configuration :func:`moe_bwd_config` picks for the shape."""
     T, H = x.shape
     E_local, two_i, _ = w13.shape
-    c = moe_bwd_config(T, topk_ids.shape[1], H, two_i // 2, E_local)
+    c = moe_bwd_config(T, topk_ids.shape[1], H, two_i // 2, E_local, tma=dw_tma_ok(x.device, x.dtype))
     return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c, v=v)
 
 
@@ -370,7 +371,13 @@ class MoEBwdConfig:
     I, K over H), ``*_x`` = the dX GEMM (N over H, K over 2I), ``*_w`` = the weight-gradient GEMMs
     (a ``bm_w × bn_w`` block of one expert's dW, K over its rows). ``dw_mode``: 0 = the token rows
     of x and dO gathered inside the dW loop; 1 = gathered once into layout order first; 2 = gathered
-    once, transposed (K-major A operands).
+    once, transposed (K-major A operands). ``dw_tma`` (``dw_mode`` 1, bf16 / fp16 / fp32): the dW
+    GEMMs read their operands through TMA tensor descriptors (``moe_bwd_dw_tma_kernel``; the same
+    bits as the pointer kernel); where a buffer does not meet TMA's alignment the pointer kernel runs.
+    ``dw_progs`` (with ``dw_tma``): 0 = one program per (expert, block) tile; n > 0 = a persistent
+    grid of at most n programs walking the tiles in expert-major order. ``dw_c_desc`` (with
+    ``dw_tma``): store C through a descriptor where BLOCK_M divides M (else pointer stores; on sm_90
+    the descriptor store takes more registers: 199 vs 172 at 128×128×32, 4 warps).
     """
 
     block_m: int
@@ -389,20 +396,72 @@ class MoEBwdConfig:
     stages_w: int
     group_m: int = 8
     dw_mode: int = 0
+    dw_tma: bool = False
+    dw_progs: int = 0
+    dw_c_desc: bool = True
 
 
-def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int) -> MoEBwdConfig:  # noqa: E741
-    """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I."""
+def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = False) -> MoEBwdConfig:  # noqa: E741
+    """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I.
+
+    ``tma``: the device and dtype allow TMA descriptors (:func:`dw_tma_ok`); sets
+    :attr:`MoEBwdConfig.dw_tma` (NOT yet measured on a GPU: scripts/dw_tma_check.py is the A/B).
+    """
     slots = max(T * K, 1)
     m_avg = slots / min(E_local, slots)
     # H200 sweep (bench/moe_bwd_tune.py, bench/results/train_bwd_tune.txt): dW over pre-gathered rows
     if m_avg < 12:
-        return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
+        return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
     if m_avg < 40:
-        return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1)
+        return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
     if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
-        return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1)
-    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1)
+        return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma)
+
+
+# The weight-gradient GEMMs through TMA tensor descriptors on Hopper and newer (MoEBwdConfig.dw_tma,
+# set by moe_bwd_config where dw_tma_ok); False (or the environment variable REPLAYMOE_DW_TMA=0) keeps
+# the pointer kernel. The bits are the same either way. NOT yet measured on a GPU: the A/B is
+# scripts/dw_tma_check.py.
+DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
+_DW_TMA_DEVICES: dict = {}
+
+
+def dw_tma_ok(dev: torch.device, dtype: torch.dtype) -> bool:
+    """The backward's dW GEMMs may use TMA descriptors: :data:`DW_TMA_ENABLED`, bf16 / fp16, a CUDA
+    device of compute capability 9.0 or newer, and not Triton's interpreter (tests that want the TMA
+    kernel there pass a configuration with ``dw_tma=True``)."""
+    if not DW_TMA_ENABLED or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    ok = _DW_TMA_DEVICES.get(dev)
+    if ok is None:
+        from ._backend import INTERPRET
+
+        ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
+        _DW_TMA_DEVICES[dev] = ok
+    return ok
+
+
+def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
+    """A TMA descriptor of the row-major 2-D view ``[rows, t.shape[-1]]`` of ``t`` with blocks
+    ``block``, or None where TMA cannot address it: the last dimension not unit-stride, the rows not one
+    uniform stride, the base or the row stride not a multiple of 16 bytes, a block dimension over 256
+    elements or an innermost block under 16 bytes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    item = t.element_size()
+    row_stride = t.stride(-2)
+    if t.dim() == 3 and t.stride(0) != t.shape[1] * row_stride:
+        return None
+    if (
+        t.stride(-1) != 1
+        or (row_stride * item) % 16
+        or t.data_ptr() % 16
+        or max(block) > 256
+        or block[-1] * item < 16
+    ):
+        return None
+    return TensorDescriptor(t, [rows, t.shape[-1]], [row_stride, 1], block)
 
 
 def launch_bwd(
@@ -430,6 +489,7 @@ def launch_bwd(
         moe_bwd_bias_kernel,
         moe_bwd_da_kernel,
         moe_bwd_dw_kernel,
+        moe_bwd_dw_tma_kernel,
         moe_bwd_dx_kernel,
         moe_bwd_swiglu_kernel,
     )
@@ -513,6 +573,9 @@ def launch_bwd(
 
     def dw_gemm(i, a, b, a_t, a_g, b_g, c_t, m, n):
         dw = torch.empty(src[i].shape, dtype=src[i].dtype, device=dev)
+        if c.dw_tma and not (a_t or a_g or b_g or c_t) and dw_tma_gemm(a, b, dw, m, n):
+            res[i] = dw
+            return
         moe_bwd_dw_kernel[(E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w),)](
             a, b, dw, cl.compact_slots, cl.exact_start, lay.expert_counts, m, n, K, a.stride(0),
             b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t, A_GATHER=a_g, B_GATHER=b_g, C_T=c_t,
@@ -520,6 +583,22 @@ def launch_bwd(
             num_warps=c.warps_w, num_stages=c.stages_w,
         )  # fmt: skip
         res[i] = dw
+
+    def dw_tma_gemm(a, b, dw, m, n):  # False (nothing launched) where a buffer does not suit TMA
+        a_desc = _dw_desc(a, slots, [c.bk_w, c.bm_w])
+        b_desc = _dw_desc(b, slots, [c.bk_w, c.bn_w])
+        c_desc = _dw_desc(dw, E_local * m, [c.bm_w, c.bn_w]) if c.dw_c_desc and m % c.bm_w == 0 else None
+        if a_desc is None or b_desc is None:
+            return False
+        tiles = E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w)
+        progs = min(c.dw_progs, tiles) if c.dw_progs > 0 else 0
+        moe_bwd_dw_tma_kernel[(progs or tiles,)](
+            a_desc, b_desc, c_desc, dw, cl.exact_start, lay.expert_counts, m,
+            n, tiles, dw.stride(0), dw.stride(1), C_DESC=c_desc is not None, BLOCK_M=c.bm_w, BLOCK_N=c.bn_w,
+            BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec, NUM_PROGS=progs, num_warps=c.warps_w,
+            num_stages=c.stages_w,
+        )  # fmt: skip
+        return True
 
     # order (lowest peak): dX (its per-slot rows freed), dW13 + dB13 (then dh is freed), dW2 last, so
     # that only aw [T*K, I] and the dO rows sit next to both weight gradients

@@ -26,6 +26,14 @@ passes are bitwise equal):
   expert's compact rows in row order, whole (no split-K): dW13 = dh^T x and dW2 = dO^T aw, with
   the token rows of x / dO gathered inside the loop or beforehand (optionally transposed, so that A
   is K-major). An expert without tokens gets zeros.
+* ``moe_bwd_dw_tma_kernel`` (same grid, or a persistent one): the pre-gathered case (A [T*K, M], B
+  [T*K, N] row-major, an expert's rows one contiguous segment) through TMA tensor descriptors built
+  on the host: [BLOCK_K, BLOCK_M] blocks of A (transposed in shared memory for the dot) and
+  [BLOCK_K, BLOCK_N] blocks of B; full row chunks go straight from the descriptors to the dot, the
+  expert's last partial chunk is zeroed past its end in both operands (the next expert's rows may be
+  anything, NaN included); C is stored through a descriptor over dW viewed [E*M, N] when BLOCK_M
+  divides M, else by pointer stores. Same chunks, same order, same operand values: the pointer
+  kernel's bits (NOT yet measured on a GPU; scripts/dw_tma_check.py, scripts/dw_tma_ptx_check.py).
 * ``moe_bwd_bias_kernel`` (grid: experts × N-blocks): the bias gradients, per expert a sum over its
   compact rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
 
@@ -34,6 +42,9 @@ Expert variants (see :mod:`replaymoe._kernels.moe`): with ``INTERLEAVED`` w13's 
 dh^T x need no mapping); ``ACT`` 1 is gpt-oss's clamped SwiGLU, whose derivative is zero where a
 clamp is active (a w2 bias adds dO[t]·b2[e] to the topk_weights gradient, out = sum_k w_k (a W2^T +
 b2): the launcher computes that term with one matmul). Weights may have any strides.
+
+Size: slightly over 450 lines; the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
+chunk order, tested bitwise against it), so the two stay side by side.
 """
 
 from __future__ import annotations
@@ -358,3 +369,102 @@ def moe_bwd_bias_kernel(
             v = v * w[:, None]
         acc += tl.sum(v, axis=0)
     tl.store(out_ptr + e.to(tl.int64) * stride_oe + rn, acc, mask=n_ok)
+
+
+@triton.jit
+def _dw_tma_tile(
+    tile,
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    starts_ptr,
+    counts_ptr,
+    M,
+    N,
+    stride_ce,
+    stride_cm,
+    C_DESC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One ``BLOCK_M × BLOCK_N`` block of C[e] (tile = e * per_e + grouped block index, as
+    ``moe_bwd_dw_kernel``'s program id): the expert's full BLOCK_K row chunks straight from the
+    descriptors, then its last partial chunk with the rows past the expert's end zeroed in both
+    operands (they are the next expert's rows or, past the buffer, zero fill)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_e = num_m * num_n
+    e = tile // per_e
+    pid_m, pid_n = _grouped_pid(tile % per_e, num_m, num_n, GROUP_M)
+    start = tl.load(starts_ptr + e)
+    cnt = tl.load(counts_ptr + e)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    n_full = cnt // BLOCK_K
+    for i in range(0, n_full):
+        r = start + i * BLOCK_K
+        a = a_desc.load([r, m0])  # [BLOCK_K, BLOCK_M]; columns past M: zero fill
+        b = b_desc.load([r, n0])  # [BLOCK_K, BLOCK_N]; columns past N: zero fill
+        acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
+    tail = cnt - n_full * BLOCK_K
+    if tail > 0:
+        r = start + n_full * BLOCK_K
+        ok = tl.arange(0, BLOCK_K) < tail
+        a = tl.where(ok[:, None], a_desc.load([r, m0]), 0.0)
+        b = tl.where(ok[:, None], b_desc.load([r, n0]), 0.0)
+        acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
+    out = acc.to(c_ptr.dtype.element_ty)
+    if C_DESC:  # C viewed [E*M, N] with M % BLOCK_M == 0: the block never crosses into expert e + 1
+        c_desc.store([e * M + m0, n0], out)
+    else:
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+        tl.store(c_ptrs, out, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def moe_bwd_dw_tma_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    starts_ptr,
+    counts_ptr,
+    M,
+    N,
+    num_tiles,
+    stride_ce,
+    stride_cm,
+    C_DESC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    NUM_PROGS: tl.constexpr = 0,
+):
+    """``moe_bwd_dw_kernel`` for pre-gathered rows (A [T*K, M] and B [T*K, N] row-major, C not
+    transposed) through TMA tensor descriptors: ``a_desc`` over A with blocks ``[BLOCK_K, BLOCK_M]``
+    (transposed in shared memory for the dot), ``b_desc`` over B with blocks ``[BLOCK_K, BLOCK_N]``,
+    and, with ``C_DESC``, ``c_desc`` over C viewed ``[E*M, N]`` with blocks ``[BLOCK_M, BLOCK_N]``
+    (pointer stores otherwise). The same BLOCK_K row chunks in the same order with the same operand
+    values (masked rows and columns are zeros either way), so the same bits as the pointer kernel.
+
+    ``NUM_PROGS`` 0: one program per (expert, block) tile (grid ``num_tiles``); otherwise a
+    persistent grid of ``NUM_PROGS`` programs, program p computing tiles p, p + NUM_PROGS, ... in
+    expert-major order (programs running together share an expert's rows in L2). Every tile is still
+    computed whole by one program, its K loop in row order: deterministic."""
+    pid = tl.program_id(0)
+    if NUM_PROGS == 0:
+        _dw_tma_tile(pid, a_desc, b_desc, c_desc, c_ptr, starts_ptr, counts_ptr, M, N, stride_ce,
+                     stride_cm, C_DESC, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC)  # fmt: skip
+    else:
+        for tile in range(pid, num_tiles, NUM_PROGS):
+            _dw_tma_tile(tile, a_desc, b_desc, c_desc, c_ptr, starts_ptr, counts_ptr, M, N, stride_ce,
+                         stride_cm, C_DESC, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC)  # fmt: skip
