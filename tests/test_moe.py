@@ -470,3 +470,62 @@ def test_gpu_ep_partial_sums():
     parts = sum(fused_moe(x, w13[a : a + 32], w2[a : a + 32], topk_ids=ids, topk_weights=wts,
                           local_expert_offset=a, num_experts=E).float() for a in range(0, E, 32))  # fmt: skip
     assert ((parts - full).norm() / full.norm()).item() < 6e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: some slots skip
+@pytest.mark.parametrize("T", [1, 2])  # the decode (direct) mode: routing inside, eager and graph
+def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
+    import replaymoe.moe_triton as mt
+
+    H, I, E, K = MODELS["qwen3"]  # noqa: E741
+    w13, w2, _, _ = _gpu_weights("qwen3", False)
+    w13, w2 = w13[offset : offset + 96], w2[offset : offset + 96]
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    logits, _, _ = _gpu_routing(T, E, K, 11)
+    kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
+
+    def run(pdl):
+        monkeypatch.setattr(mt, "PDL_ENABLED", pdl)
+        eager = fused_moe(x, w13, w2, **kw)
+        out = poison(torch.empty_like(eager))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused_moe(x, w13, w2, out=out, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fused_moe(x, w13, w2, out=out, **kw)
+        poison(out)
+        g.replay()
+        torch.cuda.synchronize()
+        return eager, out
+
+    plain_eager, plain_graph = run(False)
+    pdl_eager, pdl_graph = run(True)
+    assert torch.equal(plain_eager, plain_graph)
+    assert torch.equal(pdl_eager, plain_eager)  # PDL changes launches, never bits
+    assert torch.equal(pdl_graph, plain_eager)
+    r = route_torch(logits, K)
+    ref = fused_moe_torch(x, w13, w2, topk_ids=r.topk_ids, topk_weights=r.topk_weights,
+                          local_expert_offset=offset, num_experts=E)  # fmt: skip
+    rel = ((pdl_graph.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    assert rel < 6e-3, rel
+
+
+@pytest.mark.parametrize("kernel", ["gemm1", "gemm2", "reduce"])
+def test_decode_pdl_kernels_compile_for_sm90(kernel):
+    # the PDL path never runs in the interpreter: compile it for Hopper (no GPU needed) and check the
+    # instructions; a separate process, since this one runs the kernels in Triton's interpreter
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(root / "scripts" / "pdl_ptx_check.py"), kernel], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr

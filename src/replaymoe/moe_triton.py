@@ -14,6 +14,7 @@ custom-op plumbing, so splitting them would make every op cross modules.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -610,6 +611,26 @@ def _(
     return None
 
 
+# Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer; False (or the
+# environment variable REPLAYMOE_PDL=0) launches them plainly. Results are the same either way.
+PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "1") != "0"
+_PDL_DEVICES: dict = {}
+
+
+def _pdl_ok(dev: torch.device) -> bool:
+    """Programmatic dependent launch is used on ``dev``: :data:`PDL_ENABLED`, a CUDA device of
+    compute capability 9.0 or newer, and not Triton's interpreter."""
+    if not PDL_ENABLED:
+        return False
+    ok = _PDL_DEVICES.get(dev)
+    if ok is None:
+        from ._backend import INTERPRET
+
+        ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
+        _PDL_DEVICES[dev] = ok
+    return ok
+
+
 def _launch(
     x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig, saved=None, v=STANDARD
 ) -> None:
@@ -668,6 +689,9 @@ def _launch(
     if num_pid_m == 0:
         out.zero_()
         return
+    # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper), so that GEMM2
+    # prefetches its weights while GEMM1 finishes and no launch gap separates the three
+    pdl = c.direct and not fp8 and _pdl_ok(dev)
     grid1 = (num_pid_m * triton.cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
@@ -679,7 +703,7 @@ def _launch(
         DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save, STORE_ACT=True,
         HAS_BIAS=v.w13_bias is not None, INTERLEAVED=v.interleaved, ACT=v.act, EVEN_K=H % c.block_k1 == 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
-        num_warps=c.warps1, num_stages=c.stages1,
+        PDL=pdl, num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton.cdiv(H, c.block_n2),)
@@ -689,10 +713,11 @@ def _launch(
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *s2_strides, b2_se,
         b2_sn, y.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, HAS_BIAS=v.w2_bias is not None,
         EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k2,
-        GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2,
-        num_stages=c.stages2,
+        GROUP_M=c.group_m, DOT_PREC=prec, PDL=pdl, num_warps=c.warps2,
+        num_stages=c.stages2, launch_pdl=pdl,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
-        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
-    )
+        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
+    )  # fmt: skip

@@ -7,7 +7,10 @@ Two modes, chosen by the wrapper from the shape:
   order; GEMM2 reads them contiguously, applies the routing weight and writes one row per slot;
   ``moe_reduce_kernel`` sums each token's K rows in k order (deterministic, no atomics).
 * DIRECT (decode): one tile per slot (row 0 real), no layout; GEMM2 writes one row per slot and
-  the same reduction kernel sums them.
+  the same reduction kernel sums them. On Hopper the three kernels are programmatic dependent
+  launches (``PDL``): GEMM1 waits for its inputs' producer and lets GEMM2 start at once; GEMM2 reads
+  its slot's expert, prefetches its weight rows into L2 and waits for GEMM1's rows; the reduction
+  waits for GEMM2's. Same arithmetic, so the same bits.
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
 quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ_X``: x is quantized once
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -113,12 +117,19 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
     ``SAVE_H`` (training): also store the gate and up pre-activations (bias included) per slot,
     h[slot, n] and h[slot, I + n] (in this order whatever w13's layout), for the backward; without
-    ``STORE_ACT`` (the backward's recomputation) only those."""
+    ``STORE_ACT`` (the backward's recomputation) only those.
+
+    ``PDL`` (launched as a programmatic dependent launch): wait for the previous kernel's results
+    first, then let the next kernel (GEMM2) start its prologue while this one runs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -262,15 +273,37 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
-    tile = slot; the bias only with ``HAS_BIAS``)."""
+    tile = slot; the bias only with ``HAS_BIAS``).
+
+    ``PDL`` (DIRECT only; launched as a programmatic dependent launch of GEMM1, whose programs waited
+    for the ids' producer before letting this kernel start): read the slot's expert and prefetch this
+    program's weight rows into L2 while GEMM1 finishes, then wait for GEMM1's rows."""
+    tl.static_assert(DIRECT or not PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     rm = tl.arange(0, BLOCK_M)
     if DIRECT:
         e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
+        if PDL:
+            tl.static_assert(not FP8)
+            tl.static_assert(BLOCK_K >= 64)
+            if (e >= 0) & (e < num_local):
+                rn_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                rn_p = tl.where(rn_p < H, rn_p, 0)
+                row_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn_p[:, None] * stride_wn
+                line = tl.arange(0, BLOCK_K // 64) * 64  # one 128-byte line per 64 bf16/fp16 columns
+                for k in range(0, tl.cdiv(I, BLOCK_K)):
+                    kk = tl.minimum(k * BLOCK_K + line, I - 1)
+                    p_ptrs = row_ptrs + kk[None, :] * stride_wk
+                    tl.inline_asm_elementwise(
+                        "prefetch.global.L2 [$1];", "=r,l", [p_ptrs], dtype=tl.int32, is_pure=False, pack=1
+                    )
+            gdc_wait()
+            gdc_launch_dependents()
         if (e < 0) | (e >= num_local):
             return
         slots = tl.where(rm == 0, pid_m, num_slots)
@@ -344,8 +377,12 @@ def moe_reduce_kernel(
     stride_ym,
     stride_om,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """out[t] = sum over k (in k order) of y[t*K + k] for the token's local experts."""
+    """out[t] = sum over k (in k order) of y[t*K + k] for the token's local experts (``PDL``: launched
+    as a programmatic dependent launch; waits for GEMM2's rows first)."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = rh < H
