@@ -10,6 +10,7 @@ Usage: PYTHONPATH=src python3 scripts/pdl_ptx_check.py [gemm1|gemm2|reduce ...]
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import triton
@@ -51,9 +52,10 @@ CASES = {  # kernel: (function, argument types, constexprs, expected instruction
 
 def ptx(fn, args: dict, consts: dict) -> str:
     sig, constexprs, attrs = {}, {}, {}
+    defaults = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}
     for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+        if name in consts or (name not in args and name in defaults):  # options left at their defaults
+            sig[name], constexprs[(i,)] = "constexpr", consts.get(name, defaults.get(name))
         else:
             sig[name] = args[name][0]
             if args[name][1]:

@@ -366,6 +366,149 @@ def test_custom_op_fake_tensor():
         assert out.shape == (4, 64)
 
 
+# ---------------------------------------------------------------- TMA descriptors (tile mode)
+
+TMA_CASES = [
+    # (T, H, I, E, K, dtype, config without tma) -- edge each hits
+    pytest.param(1, 64, 32, 4, 2, torch.float32, MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2),
+                 id="T1-tile"),  # one token in tile mode: one tile, 15 padding rows read by TMA
+    pytest.param(13, 64, 48, 3, 2, torch.float16, MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2),
+                 id="I-ragged"),  # I not /BN1 (gate tile reads up rows), GEMM2's last K chunk zero-filled
+    pytest.param(10, 80, 40, 4, 3, torch.float32, MoEConfig(False, 32, 16, 32, 4, 2, 32, 32, 4, 2),
+                 id="H-ragged"),  # GEMM1's K ragged (zero fill past H), w2 tile rows past H: next expert
+    pytest.param(200, 64, 32, 8, 2, torch.float16, MoEConfig(False, 64, 32, 32, 4, 2, 64, 32, 4, 2),
+                 id="T200-empty-experts"),  # several tiles per expert; experts 3, 4, 6, 7 get no token
+    pytest.param(40, 320, 192, 4, 2, torch.float16, MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4),
+                 id="prefill-blocks"),  # the wrapper's prefill tiles; H not /BN2, I not /BN1
+]  # fmt: skip
+
+
+# The TMA kernels read the padding rows of GEMM2's input (never written: torch.empty garbage, NaN at
+# times); they only feed output rows that are not stored, but numpy warns about them in the interpreter.
+_GARBAGE_ROWS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def _count_descs(monkeypatch):
+    """Record the TMA descriptors ``_launch`` makes (None where it falls back to pointer loads)."""
+    import replaymoe.moe_triton as mt
+
+    made = []
+    real = mt._rows_desc
+
+    def spy(*a):
+        d = real(*a)
+        made.append(d)
+        return d
+
+    monkeypatch.setattr(mt, "_rows_desc", spy)
+    return made
+
+
+def _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, *, offset=0, variant=None):
+    """Outputs (pointer loads, TMA) of the same configuration, and the TMA run's descriptors."""
+    from dataclasses import replace
+
+    from replaymoe.moe_triton import STANDARD
+
+    outs = []
+    for tma in (False, True):
+        made = _count_descs(monkeypatch)
+        out = poison(torch.empty(x.shape[0], x.shape[1], dtype=x.dtype))
+        experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=offset,
+                       out=out, config=replace(cfg, tma=tma), variant=variant or STANDARD)  # fmt: skip
+        outs.append(out)
+    return outs[0], outs[1], made
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+@pytest.mark.parametrize("T,H,I,E,K,dtype,cfg", TMA_CASES)
+def test_tma_tile_mode_bitwise_equals_pointer_loads(T, H, I, E, K, dtype, cfg, generator, monkeypatch):  # noqa: E741
+    x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, dtype)
+    if E == 8:  # skewed: only experts 0, 1, 2, 5 are routed to
+        pick = torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+        ids = torch.stack([pick[torch.randperm(4, generator=generator)[:K]] for _ in range(T)])
+    plain, tma, made = _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch)
+    assert len(made) == 3 and all(d is not None for d in made)  # w13, w2 and inter through TMA
+    assert torch.equal(tma, plain)
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), topk_ids=ids, topk_weights=wts)
+    assert_close(tma, ref, dtype=dtype)
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+def test_tma_ep_slice_bitwise(generator, monkeypatch):
+    # EP: local experts 2..5 of 8 (weights are slices at an offset: descriptors over views), ids
+    # outside the local range and -1 padding ids skipped
+    T, H, I, E, K = 21, 64, 32, 8, 3  # noqa: E741
+    x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, torch.float16)
+    ids[3] = -1
+    cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    plain, tma, made = _tma_pair(x, w13[2:6], w2[2:6], ids, wts, cfg, monkeypatch, offset=2)
+    assert len(made) == 3 and all(d is not None for d in made)
+    assert torch.equal(tma, plain)
+    ref = fused_moe_torch(x.float(), w13[2:6].float(), w2[2:6].float(), topk_ids=ids, topk_weights=wts,
+                          local_expert_offset=2, num_experts=E)  # fmt: skip
+    assert_close(tma, ref, dtype=torch.float16)
+    assert (tma[3] == 0).all()
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+def test_tma_interleaved_bias_and_strided_fallback(generator, monkeypatch):
+    # gpt-oss variant with contiguous interleaved weights: one [2 BN, BK] descriptor block for gate+up;
+    # transformers' transposed views (stride along K != 1) must fall back to pointer loads
+    from replaymoe.moe_triton import ExpertsVariant
+
+    T, H, I, E, K = 11, 64, 48, 4, 2  # noqa: E741
+    x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, torch.float16)
+    b13 = torch.randn(E, 2 * I, generator=generator).to(torch.float16)
+    b2 = torch.randn(E, H, generator=generator).to(torch.float16)
+    v = ExpertsVariant(b13, b2, act=1, alpha=1.702, limit=7.0, interleaved=True)
+    cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    plain, tma, made = _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, variant=v)
+    assert [tuple(d.block_shape) for d in made] == [(64, 32), (32, 32), (16, 32)]
+    assert torch.equal(tma, plain)
+    w13_t, w2_t = (
+        w13.transpose(1, 2).contiguous().transpose(1, 2),
+        w2.transpose(1, 2).contiguous().transpose(1, 2),
+    )
+    plain_t, tma_t, made = _tma_pair(x, w13_t, w2_t, ids, wts, cfg, monkeypatch, variant=v)
+    assert made == [None, None]  # no descriptor for strided weights (nor for inter without w2's)
+    assert torch.equal(tma_t, plain) and torch.equal(plain_t, plain)
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+def test_tma_training_forward_bitwise(generator):
+    # the training forward (GEMM1 also stores the gate/up rows per slot) with and without TMA
+    from dataclasses import replace
+
+    from replaymoe.moe_triton import config_tuple
+
+    x, w13, w2, ids, wts = _problem(9, 64, 32, 4, 2, generator, torch.float32)
+    cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    res = [torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, config_tuple(replace(cfg, tma=t)),
+                                                 False) for t in (False, True)]  # fmt: skip
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def test_tma_config_selection_and_config_lists():
+    from replaymoe.moe_triton import config_from_list, config_tuple, moe_config, tma_ok
+
+    qwen = (4096, 8, 2048, 768, 128)
+    assert moe_config(*qwen, tma=True).tma  # prefill tiles on a TMA device
+    assert not moe_config(*qwen).tma  # the default: pointer loads
+    assert not moe_config(*qwen, fp8=True, tma=True).tma  # fp8 keeps pointer loads
+    assert not moe_config(1, 8, 2048, 768, 128, tma=True).tma  # decode (direct mode)
+    assert not moe_config(64, 8, 2048, 768, 128, tma=True).tma  # mid-size 16/32-row tiles: unchanged
+    c = moe_config(*qwen, tma=True)
+    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[-1] == 1
+    old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
+    assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
+    assert not tma_ok(torch.device("cpu"))  # never chosen on CPU / in the interpreter
+
+
 # ---------------------------------------------------------------- GPU
 
 MODELS = {

@@ -118,6 +118,8 @@ def moe_gemm1_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
+    TMA: tl.constexpr = False,
+    w_desc=None,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
@@ -126,7 +128,13 @@ def moe_gemm1_kernel(
     ``STORE_ACT`` (the backward's recomputation) only those.
 
     ``PDL`` (launched as a programmatic dependent launch): wait for the previous kernel's results
-    first, then let the next kernel (GEMM2) start its prologue while this one runs."""
+    first, then let the next kernel (GEMM2) start its prologue while this one runs.
+
+    ``TMA`` (tile mode, not fp8, weights with unit stride along K): the weight tiles come through
+    ``w_desc``, a host-side tensor descriptor of w13 viewed as ``[E_local * 2I, H]`` with blocks
+    ``[BLOCK_N, BLOCK_K]`` (``[2 BLOCK_N, BLOCK_K]`` interleaved); the gathered x rows stay pointer
+    loads. Same K chunks in the same order, so the same bits."""
+    tl.static_assert(not TMA or (not DIRECT and not FP8))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -161,14 +169,19 @@ def moe_gemm1_kernel(
         rn2 = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
         n2_ok = rn2 < 2 * I
         b_ptrs = w_base + rn2[None, :] * stride_wn + rk[:, None] * stride_wk
+        w_row = e * (2 * I) + pid_n * (2 * BLOCK_N)  # TMA: the tile's first row in the [E*2I, H] view
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n2_ok[None, :], other=0.0)
             else:
                 k_ok = rk < H - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:  # rows past 2I (the next expert's, or zeros past the last) only feed masked columns
+                b = w_desc.load([w_row, k * BLOCK_K]).T
+            elif EVEN_K:
+                b = tl.load(b_ptrs, mask=n2_ok[None, :], other=0.0)
+            else:
                 b = tl.load(b_ptrs, mask=n2_ok[None, :] & k_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K
@@ -185,14 +198,20 @@ def moe_gemm1_kernel(
             s_base = ws_ptr + e.to(tl.int64) * stride_se
             sg_ptr = s_base + (pid_n * BLOCK_N // 128) * stride_sn
             su_ptr = sg_ptr + (I // 128) * stride_sn
+        w_row = e * (2 * I) + pid_n * BLOCK_N  # TMA: the gate tile's first row in the [E*2I, H] view
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = rk < H - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:  # rows past the half (up rows, the next expert's) only feed masked columns
+                bg = w_desc.load([w_row, k * BLOCK_K]).T
+                bu = w_desc.load([w_row + I, k * BLOCK_K]).T
+            elif EVEN_K:
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
                 bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if PREQ_X:
@@ -274,14 +293,26 @@ def moe_gemm2_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
+    TMA: tl.constexpr = False,
+    a_desc=None,
+    w_desc=None,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
     tile = slot; the bias only with ``HAS_BIAS``).
 
     ``PDL`` (DIRECT only; launched as a programmatic dependent launch of GEMM1, whose programs waited
     for the ids' producer before letting this kernel start): read the slot's expert and prefetch this
-    program's weight rows into L2 while GEMM1 finishes, then wait for GEMM1's rows."""
+    program's weight rows into L2 while GEMM1 finishes, then wait for GEMM1's rows.
+
+    ``TMA`` (tile mode, not fp8, weights with unit stride along K): both operands come through
+    host-side tensor descriptors, ``a_desc`` over the SwiGLU rows ``inter [rows, I]`` (blocks
+    ``[BLOCK_M, BLOCK_K]``: a tile's rows are contiguous) and ``w_desc`` over w2 viewed as
+    ``[E_local * H, I]`` (blocks ``[BLOCK_N, BLOCK_K]``). Padding rows of ``inter`` (never written)
+    and weight rows past H (the next expert's) are read but only feed rows / columns that are not
+    stored; past I the descriptors fill zeros, as the masks do. Same K chunks in the same order, so
+    the same bits."""
     tl.static_assert(DIRECT or not PDL)
+    tl.static_assert(not TMA or (not DIRECT and not FP8))
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -322,9 +353,14 @@ def moe_gemm2_kernel(
     b_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
     if FP8:
         bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
+    a_row = pid_m * BLOCK_M  # TMA: the tile's first row of inter and of the [E*H, I] view of w2
+    w_row = e * H + pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(I, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            a = a_desc.load([a_row, k * BLOCK_K])
+            b = w_desc.load([w_row, k * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
