@@ -672,3 +672,23 @@ def test_decode_pdl_kernels_compile_for_sm90(kernel):
     run = subprocess.run([sys.executable, str(root / "scripts" / "pdl_ptx_check.py"), kernel], env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("kernel", ["gemm1", "gemm2"])
+def test_tile_tma_kernels_compile_for_sm90(kernel):
+    # the TMA kernels compiled for Hopper (no GPU needed): TMA copies emitted (GEMM2: no other async
+    # copies), none without TMA, no spills in the prefill configuration; a separate process, since this
+    # one runs the kernels in Triton's interpreter
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(root / "scripts" / "fwd_tma_ptx_check.py"), kernel], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = run.stdout.splitlines()[1:]  # after the header: one row per case and TMA setting
+    assert len(rows) == (8 if kernel == "gemm1" else 4) and all(r.endswith(" ok") for r in rows), run.stdout
