@@ -657,6 +657,76 @@ def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
     assert rel < 6e-3, rel
 
 
+PREFILL = MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)  # moe_config's bf16 prefill tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_gpu_tma_prefill_bitwise_equals_pointer_loads(name, T, monkeypatch):
+    # the prefill configuration with and without TMA descriptors at the bench shapes: same bits
+    from dataclasses import replace
+
+    H, I, E, K = MODELS[name]  # noqa: E741
+    w13, w2, _, _ = _gpu_weights(name, False)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, ids, wts = _gpu_routing(T, E, K, 5)
+    outs = []
+    for tma in (False, True):
+        made = _count_descs(monkeypatch)
+        out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+        experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
+                       config=replace(PREFILL, tma=tma))  # fmt: skip
+        outs.append(out)
+    assert len(made) == 3 and all(d is not None for d in made)
+    assert torch.equal(outs[0], outs[1])
+    ref = fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts)
+    rel = ((outs[1].float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 6e-3, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: weights at an offset
+def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
+    # the wrapper's own choice (TMA on a Hopper GPU for prefill) eager and in a CUDA graph, against
+    # moe_triton.TMA_ENABLED = False: the same bits
+    import replaymoe.moe_triton as mt
+
+    T = 4096
+    H, I, E, K = MODELS["qwen3"]  # noqa: E741
+    w13, w2, _, _ = _gpu_weights("qwen3", False)
+    w13, w2 = w13[offset : offset + 96], w2[offset : offset + 96]
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    logits, _, _ = _gpu_routing(T, E, K, 13)
+    kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
+    assert mt.moe_config(T, K, H, I, 96, tma=mt.tma_ok(x.device)).tma == mt.TMA_ENABLED
+
+    def run(tma):
+        monkeypatch.setattr(mt, "TMA_ENABLED", tma)
+        made = _count_descs(monkeypatch)
+        eager = fused_moe(x, w13, w2, **kw)
+        assert len(made) == (3 if tma else 0)
+        out = poison(torch.empty_like(eager))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused_moe(x, w13, w2, out=out, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fused_moe(x, w13, w2, out=out, **kw)
+        poison(out)
+        g.replay()
+        torch.cuda.synchronize()
+        return eager, out
+
+    plain_eager, plain_graph = run(False)
+    tma_eager, tma_graph = run(True)
+    assert torch.equal(plain_eager, plain_graph)
+    assert torch.equal(tma_eager, plain_eager)  # TMA changes how data moves, never bits
+    assert torch.equal(tma_graph, plain_eager)
+
+
 @pytest.mark.parametrize("kernel", ["gemm1", "gemm2", "reduce"])
 def test_decode_pdl_kernels_compile_for_sm90(kernel):
     # the PDL path never runs in the interpreter: compile it for Hopper (no GPU needed) and check the
