@@ -1,21 +1,23 @@
 """Prefill experts with and without TMA descriptors (GPU timing check for the tile-mode TMA change).
 
-For the bench shapes (Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3; bf16, topk given) at T in {1024, 4096,
-16384}, the experts are timed with ``moe_triton.TMA_ENABLED`` off and on, in alternation (off, on, off,
-on; the better median of each kept, so that clock or host drift falls on both alike), under CUDA-graph
-replay with the L2 flushed (``replaymoe.bench._timing.time_graph``). The configuration is the
-wrapper's own choice (``moe_config``: TMA only for the 128-row prefill tiles, so points that take the
-mid-size tiles time the same kernels twice and say so). Prints one row per point: the configuration,
-both times, the ratio, TFLOP/s and % of the 700 TFLOP/s bf16 peak, and whether the outputs are
-bitwise equal. ``--kernels`` adds an eager profile (torch.profiler) of GEMM1 and GEMM2 alone.
+For the bench shapes (Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3; bf16, topk given) at T in {1024,
+4096, 16384}, the experts are timed with ``moe_triton.TMA_ENABLED`` off and on, in alternation (off,
+on, off, on; the better median of each kept, so that clock or host drift falls on both alike), under
+CUDA-graph replay with the L2 flushed (``replaymoe.bench._timing.time_graph``). The configuration is
+the wrapper's own choice (``moe_config``: TMA only for the 128-row prefill tiles, so points that take
+the mid-size tiles time the same kernels twice and say so; ``--all-tiles`` gives those tiles TMA
+too). Prints one row per point: the configuration, both times, the ratio, TFLOP/s and % of the
+700 TFLOP/s bf16 peak, and whether the outputs are bitwise equal. ``--kernels`` adds an eager profile
+(torch.profiler) of GEMM1 and GEMM2 alone.
 
 Usage: PYTHONPATH=src python3 scripts/fwd_tma_check.py [--shapes qwen3,mixtral,deepseek]
-       [--tokens 1024,4096,16384] [--kernels]
+       [--tokens 1024,4096,16384] [--kernels] [--all-tiles]
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -47,6 +49,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="qwen3,mixtral,deepseek")
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--kernels", action="store_true", help="also profile GEMM1 / GEMM2 alone (eager)")
+    tiles = "TMA for every tile configuration (16/32-row mid-size tiles too), not only the prefill tiles"
+    ap.add_argument("--all-tiles", action="store_true", help=tiles)
     a = ap.parse_args()
     if no_cuda("fwd_tma_check.py"):
         return NO_CUDA_EXIT
@@ -62,9 +66,22 @@ def main() -> int:
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             _, _, _, _, ids, wts = routing_inputs(name, T)
 
-            def f(x=x, ids=ids, wts=wts, w13=w13, w2=w2):
+            c0 = mt.moe_config(T, K, H, I, E, tma=True)  # --all-tiles: this shape's tiles, TMA as switched
+
+            def f(x=x, ids=ids, wts=wts, w13=w13, w2=w2, c0=c0):
+                # None: the wrapper's choice, which reads mt.TMA_ENABLED
+                c = replace(c0, tma=mt.tma_ok(dev) and not c0.direct) if a.all_tiles else None
                 return mt.experts_triton(
-                    x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=None
+                    x,
+                    w13,
+                    w2,
+                    ids,
+                    wts,
+                    w13_scale=None,
+                    w2_scale=None,
+                    local_expert_offset=0,
+                    out=None,
+                    config=c,
                 )
 
             res = {}
@@ -77,6 +94,8 @@ def main() -> int:
                     res[tma] = (y, min(us, prev[1]) if prev else us)
             mt.TMA_ENABLED = True
             c = mt.moe_config(T, K, H, I, E, tma=mt.tma_ok(dev))
+            if a.all_tiles:
+                c = replace(c, tma=mt.tma_ok(dev) and not c.direct)
             flops = 2 * T * K * 3 * H * I
             off, on = res[False][1], res[True][1]
             tf_off, tf_on = flops / off / 1e6, flops / on / 1e6

@@ -7,6 +7,8 @@ GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages) and the variants
 
 * ``TMA=True`` emits ``cp.async.bulk.tensor`` (TMA copies); GEMM2 then has no other asynchronous copy
   (``cp.async.cg``), GEMM1 keeps them for its gathered x rows only; ``TMA=False`` emits none;
+* the TMA kernels need no global scratch (Triton's in-kernel descriptors would: ``triton.set_allocator``)
+  and carry one launcher-side descriptor encoding (``tensordesc_meta``) per descriptor argument;
 * spills: ``ptxas -v -arch=sm_90a`` (Triton's bundled ptxas) on the PTX reports registers and spill
   bytes; the inference kernels must not spill. The training forward's GEMM1 (``SAVE_H``: gate and up
   pre-activations stored too) sits at 255 registers and already spills 4 bytes with pointer loads
@@ -104,8 +106,9 @@ def main(names: list[str]) -> int:
             bulk, cp, mma = (ptx.count(s) for s in ("cp.async.bulk.tensor", "cp.async.cg", "wgmma.mma_async"))
             u = ptxas_usage(ptx)
             ok = u["spill_st"] <= MAX_SPILL.get(name, 0) and mma > 0
-            if tma:
+            if tma:  # host-side descriptors: encoded by the launcher, no device scratch (allocator) needed
                 ok &= bulk > 0 and (cp == 0 if fn is km.moe_gemm2_kernel else cp > 0)
+                ok &= k.metadata.global_scratch_size == 0 and len(k.metadata.tensordesc_meta) == len(descs)
             else:
                 ok &= bulk == 0 and cp > 0
             spill = f"{u['spill_st']}/{u['spill_ld']}"
