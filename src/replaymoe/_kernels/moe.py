@@ -11,6 +11,16 @@ Two modes, chosen by the wrapper from the shape:
   launches (``PDL``): GEMM1 waits for its inputs' producer and lets GEMM2 start at once; GEMM2 reads
   its slot's expert, prefetches its weight rows into L2 and waits for GEMM1's rows; the reduction
   waits for GEMM2's. Same arithmetic, so the same bits.
+* ``TMA`` (tile mode, bf16 / fp16 / fp32 weights with unit stride along K; Hopper): the operands that
+  are plain 2-D tiles come through host-side tensor descriptors (``TensorDescriptor`` arguments, no
+  ``triton.set_allocator``): GEMM2's SwiGLU rows (``inter`` [rows, I]: a tile's rows are contiguous)
+  and w2 viewed as [E*H, I]; GEMM1's w13 viewed as [E*2I, H] (gate and up tiles at rows e*2I + n and
+  e*2I + I + n, or one [2 BLOCK_N, BLOCK_K] tile interleaved). GEMM1's x rows stay pointer loads
+  (gathered through ``sorted_slots``; Hopper's TMA has no gather). The descriptors fill zeros past
+  the K edge as the masks do; rows a tile reads past its expert (the next expert's weights) or past
+  the real rows (never-written padding rows of ``inter``) feed only output columns / rows that are
+  not stored. Same BLOCK_K chunks in the same order, fp32 accumulation, same epilogue: the same bits
+  as the pointer loads (interpreter tests; ``scripts/fwd_tma_ptx_check.py`` for the sm_90 code).
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
 quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ_X``: x is quantized once
