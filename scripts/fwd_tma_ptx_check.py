@@ -15,6 +15,10 @@ GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages) and the variants
   (8 with TMA): allowed up to 8 bytes, and printed. Triton 3.6 fills ``n_regs`` / ``n_spills`` only
   when it loads a kernel onto a GPU, so they are not available from a compile-only run.
 
+Not chosen, hence not checked here: fp32 activations. Their ``ieee`` dot (no tensor cores) with TMA
+tiles compiled for sm_90 at 64-row tiles spilled 370–630 bytes per thread (255 registers; 128–160
+without TMA, no spill), so ``moe_triton.tma_ok`` leaves fp32 on pointer loads.
+
 Exit status 1 on a mismatch (tests/test_moe.py runs it in a subprocess).
 
 Usage: PYTHONPATH=src python3 scripts/fwd_tma_ptx_check.py [gemm1|gemm2 ...]

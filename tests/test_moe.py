@@ -507,6 +507,7 @@ def test_tma_config_selection_and_config_lists():
     old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
     assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
     assert not tma_ok(torch.device("cpu"))  # never chosen on CPU / in the interpreter
+    assert not tma_ok(torch.device("cuda"), torch.float32)  # fp32: pointer loads (TMA tiles spill)
 
 
 # ---------------------------------------------------------------- GPU

@@ -200,7 +200,7 @@ def experts_triton(
     compiling = torch.compiler.is_compiling()
     eager = not compiling and not is_capturing()
     c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager, batch_invariant=batch_invariant,
-                             tma=tma_ok(x.device))  # fmt: skip
+                             tma=tma_ok(x.device, x.dtype))  # fmt: skip
     if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
@@ -219,7 +219,7 @@ def experts_triton_train(
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
-    c = config or moe_config(T, K, H, two_i // 2, E_local, tma=tma_ok(x.device))
+    c = config or moe_config(T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype))
     out, _ = torch.ops.replaymoe.moe_experts_train(
         x,
         w13,
@@ -655,11 +655,13 @@ _TMA_DEVICES: dict = {}
 _TMA_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a block
 
 
-def tma_ok(dev: torch.device) -> bool:
+def tma_ok(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Tile mode may read its operands through TMA descriptors on ``dev``: :data:`TMA_ENABLED`, a
-    CUDA device of compute capability 9.0 or newer, and not Triton's interpreter (tests that want the
-    TMA kernels there pass a configuration with ``tma=True``)."""
-    if not TMA_ENABLED:
+    CUDA device of compute capability 9.0 or newer, not Triton's interpreter (tests that want the TMA
+    kernels there pass a configuration with ``tma=True``), and bf16 / fp16 activations (fp32's
+    ``ieee`` dot, no tensor cores, spills hundreds of bytes once its tiles come from TMA:
+    ``scripts/fwd_tma_ptx_check.py``'s notes)."""
+    if not TMA_ENABLED or dtype not in (torch.bfloat16, torch.float16):
         return False
     ok = _TMA_DEVICES.get(dev)
     if ok is None:
