@@ -55,7 +55,7 @@ G1 = dict(TILE, PREQ_X=False, PREQ=False, SAVE_H=False, STORE_ACT=True, HAS_BIAS
 G2 = dict(TILE, PREQ=False, HAS_BIAS=False, BLOCK_N=256)
 D2 = dict(a_desc=(128, 64), w_desc=(256, 64))
 MAX_SPILL = {"gemm1-training": 8}  # bytes of spill stores allowed (0 elsewhere); see the docstring
-CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA only))
+CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA only)[, warps, stages])
     "gemm1": (km.moe_gemm1_kernel, G1_ARGS, G1, dict(w_desc=(128, 64))),
     "gemm1-training": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True), dict(w_desc=(128, 64))),
     "gemm1-interleaved-bias": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, INTERLEAVED=True, HAS_BIAS=True, ACT=1),
@@ -63,11 +63,17 @@ CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA 
     "gemm1-ragged-H": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, EVEN_K=False), dict(w_desc=(128, 64))),
     "gemm2": (km.moe_gemm2_kernel, G2_ARGS, G2, D2),
     "gemm2-bias": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HAS_BIAS=True), D2),
+    # the mid-size tiles (16/32 rows, 4 warps), which moe_config does not give TMA yet but
+    # scripts/fwd_tma_check.py --all-tiles times with it
+    "gemm1-mid32": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128),
+                    dict(w_desc=(64, 128)), 4, 4),
+    "gemm2-mid16": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256),
+                    dict(a_desc=(16, 256), w_desc=(64, 256)), 4, 3),
 }  # fmt: skip
 
 
-def compile_sm90(fn, args: dict, consts: dict, descs: dict, tma: bool):
-    """The kernel compiled for sm_90 (8 warps, 4 stages, as the prefill configuration)."""
+def compile_sm90(fn, args: dict, consts: dict, descs: dict, tma: bool, warps: int = 8, stages: int = 4):
+    """The kernel compiled for sm_90 (default: 8 warps, 4 stages, as the prefill configuration)."""
     sig, constexprs, attrs = {}, {}, {}
     consts = dict(consts, TMA=tma)
     defaults = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}
@@ -83,7 +89,9 @@ def compile_sm90(fn, args: dict, consts: dict, descs: dict, tma: bool):
             if args[name][1]:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 4})
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
@@ -100,23 +108,24 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
 
 def main(names: list[str]) -> int:
     bad = 0
-    print(f"{'kernel':24s} {'TMA':5s} {'bulk.tensor':>11s} {'cp.async':>8s} {'wgmma':>5s} {'regs':>4s} "
+    print(f"{'kernel':24s} {'TMA':5s} {'bulk.tensor':>11s} {'cp.async':>8s} {'wgmma/mma':>9s} {'regs':>4s} "
           f"{'spill st/ld B':>13s} {'smem KB':>7s}  ok")  # fmt: skip
     for name in [n for n in CASES if not names or n.split("-")[0] in names or n in names]:
-        fn, args, consts, descs = CASES[name]
+        fn, args, consts, descs, *launch = CASES[name]
         for tma in (False, True):
-            k = compile_sm90(fn, args, consts, descs, tma)
+            k = compile_sm90(fn, args, consts, descs, tma, *launch)
             ptx = k.asm["ptx"]
-            bulk, cp, mma = (ptx.count(s) for s in ("cp.async.bulk.tensor", "cp.async.cg", "wgmma.mma_async"))
+            bulk, cp = ptx.count("cp.async.bulk.tensor"), ptx.count("cp.async.cg")
+            mma = f"{ptx.count('wgmma.mma_async')}/{ptx.count('mma.sync')}"  # wgmma (>= 64 rows) / mma.sync
             u = ptxas_usage(ptx)
-            ok = u["spill_st"] <= MAX_SPILL.get(name, 0) and mma > 0
+            ok = u["spill_st"] <= MAX_SPILL.get(name, 0) and mma != "0/0"
             if tma:  # host-side descriptors: encoded by the launcher, no device scratch (allocator) needed
                 ok &= bulk > 0 and (cp == 0 if fn is km.moe_gemm2_kernel else cp > 0)
                 ok &= k.metadata.global_scratch_size == 0 and len(k.metadata.tensordesc_meta) == len(descs)
             else:
                 ok &= bulk == 0 and cp > 0
             spill = f"{u['spill_st']}/{u['spill_ld']}"
-            print(f"{name:24s} {str(tma):5s} {bulk:11d} {cp:8d} {mma:5d} {u['regs']:4d} {spill:>13s} "
+            print(f"{name:24s} {str(tma):5s} {bulk:11d} {cp:8d} {mma:>9s} {u['regs']:4d} {spill:>13s} "
                   f"{k.metadata.shared / 1024:7.1f}  {'ok' if ok else 'MISMATCH'}")  # fmt: skip
             bad += not ok
     return 1 if bad else 0

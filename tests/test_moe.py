@@ -762,4 +762,4 @@ def test_tile_tma_kernels_compile_for_sm90(kernel):
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     rows = run.stdout.splitlines()[1:]  # after the header: one row per case and TMA setting
-    assert len(rows) == (8 if kernel == "gemm1" else 4) and all(r.endswith(" ok") for r in rows), run.stdout
+    assert len(rows) == (10 if kernel == "gemm1" else 6) and all(r.endswith(" ok") for r in rows), run.stdout
