@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
 import re
 import subprocess
 import sys
@@ -52,9 +53,10 @@ def _old_modules(rev: str):
 
 def _ptx(fn, args: dict, consts: dict, warps: int, stages: int) -> list[str]:
     sig, constexprs, attrs = {}, {}, {}
+    defaults = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}
     for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+        if name in consts or (name not in args and name in defaults):  # options left at their defaults
+            sig[name], constexprs[(i,)] = "constexpr", consts.get(name, defaults.get(name))
         elif args[name] is ONE:  # an integer argument equal to 1: Triton specializes it
             sig[name], constexprs[(i,)] = "constexpr", 1
         else:

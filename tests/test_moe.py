@@ -366,6 +366,150 @@ def test_custom_op_fake_tensor():
         assert out.shape == (4, 64)
 
 
+# ---------------------------------------------------------------- TMA descriptors (tile mode)
+
+TMA_CASES = [
+    # (T, H, I, E, K, dtype, config without tma) -- edge each hits
+    pytest.param(1, 64, 32, 4, 2, torch.float32, MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2),
+                 id="T1-tile"),  # one token in tile mode: one tile, 15 padding rows read by TMA
+    pytest.param(13, 64, 48, 3, 2, torch.float16, MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2),
+                 id="I-ragged"),  # I not /BN1 (gate tile reads up rows), GEMM2's last K chunk zero-filled
+    pytest.param(10, 80, 40, 4, 3, torch.float32, MoEConfig(False, 32, 16, 32, 4, 2, 32, 32, 4, 2),
+                 id="H-ragged"),  # GEMM1's K ragged (zero fill past H), w2 tile rows past H: next expert
+    pytest.param(200, 64, 32, 8, 2, torch.float16, MoEConfig(False, 64, 32, 32, 4, 2, 64, 32, 4, 2),
+                 id="T200-empty-experts"),  # several tiles per expert; experts 3, 4, 6, 7 get no token
+    pytest.param(40, 320, 192, 4, 2, torch.float16, MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4),
+                 id="prefill-blocks"),  # the wrapper's prefill tiles; H not /BN2, I not /BN1
+]  # fmt: skip
+
+
+# The TMA kernels read the padding rows of GEMM2's input (never written: torch.empty garbage, NaN at
+# times); they only feed output rows that are not stored, but numpy warns about them in the interpreter.
+_GARBAGE_ROWS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def _count_descs(monkeypatch):
+    """Record the TMA descriptors ``_launch`` makes (None where it falls back to pointer loads)."""
+    import replaymoe.moe_triton as mt
+
+    made = []
+    real = mt._rows_desc
+
+    def spy(*a):
+        d = real(*a)
+        made.append(d)
+        return d
+
+    monkeypatch.setattr(mt, "_rows_desc", spy)
+    return made
+
+
+def _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, *, offset=0, variant=None):
+    """Outputs (pointer loads, TMA) of the same configuration, and the TMA run's descriptors."""
+    from dataclasses import replace
+
+    from replaymoe.moe_triton import STANDARD
+
+    outs = []
+    for tma in (False, True):
+        made = _count_descs(monkeypatch)
+        out = poison(torch.empty(x.shape[0], x.shape[1], dtype=x.dtype))
+        experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=offset,
+                       out=out, config=replace(cfg, tma=tma), variant=variant or STANDARD)  # fmt: skip
+        outs.append(out)
+    return outs[0], outs[1], made
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+@pytest.mark.parametrize("T,H,I,E,K,dtype,cfg", TMA_CASES)
+def test_tma_tile_mode_bitwise_equals_pointer_loads(T, H, I, E, K, dtype, cfg, generator, monkeypatch):  # noqa: E741
+    x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, dtype)
+    if E == 8:  # skewed: only experts 0, 1, 2, 5 are routed to
+        pick = torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+        ids = torch.stack([pick[torch.randperm(4, generator=generator)[:K]] for _ in range(T)])
+    plain, tma, made = _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch)
+    assert len(made) == 3 and all(d is not None for d in made)  # w13, w2 and inter through TMA
+    assert torch.equal(tma, plain)
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), topk_ids=ids, topk_weights=wts)
+    assert_close(tma, ref, dtype=dtype)
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+def test_tma_ep_slice_bitwise(generator, monkeypatch):
+    # EP: local experts 2..5 of 8 (weights are slices at an offset: descriptors over views), ids
+    # outside the local range and -1 padding ids skipped
+    T, H, I, E, K = 21, 64, 32, 8, 3  # noqa: E741
+    x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, torch.float16)
+    ids[3] = -1
+    cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    plain, tma, made = _tma_pair(x, w13[2:6], w2[2:6], ids, wts, cfg, monkeypatch, offset=2)
+    assert len(made) == 3 and all(d is not None for d in made)
+    assert torch.equal(tma, plain)
+    ref = fused_moe_torch(x.float(), w13[2:6].float(), w2[2:6].float(), topk_ids=ids, topk_weights=wts,
+                          local_expert_offset=2, num_experts=E)  # fmt: skip
+    assert_close(tma, ref, dtype=torch.float16)
+    assert (tma[3] == 0).all()
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+def test_tma_interleaved_bias_and_strided_fallback(generator, monkeypatch):
+    # gpt-oss variant with contiguous interleaved weights: one [2 BN, BK] descriptor block for gate+up;
+    # transformers' transposed views (stride along K != 1) must fall back to pointer loads
+    from replaymoe.moe_triton import ExpertsVariant
+
+    T, H, I, E, K = 11, 64, 48, 4, 2  # noqa: E741
+    x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, torch.float16)
+    b13 = torch.randn(E, 2 * I, generator=generator).to(torch.float16)
+    b2 = torch.randn(E, H, generator=generator).to(torch.float16)
+    v = ExpertsVariant(b13, b2, act=1, alpha=1.702, limit=7.0, interleaved=True)
+    cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    plain, tma, made = _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, variant=v)
+    assert [tuple(d.block_shape) for d in made] == [(64, 32), (32, 32), (16, 32)]
+    assert torch.equal(tma, plain)
+    w13_t, w2_t = (
+        w13.transpose(1, 2).contiguous().transpose(1, 2),
+        w2.transpose(1, 2).contiguous().transpose(1, 2),
+    )
+    plain_t, tma_t, made = _tma_pair(x, w13_t, w2_t, ids, wts, cfg, monkeypatch, variant=v)
+    assert made == [None, None]  # no descriptor for strided weights (nor for inter without w2's)
+    assert torch.equal(tma_t, plain) and torch.equal(plain_t, plain)
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+def test_tma_training_forward_bitwise(generator):
+    # the training forward (GEMM1 also stores the gate/up rows per slot) with and without TMA
+    from dataclasses import replace
+
+    from replaymoe.moe_triton import config_tuple
+
+    x, w13, w2, ids, wts = _problem(9, 64, 32, 4, 2, generator, torch.float32)
+    cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    res = [torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, config_tuple(replace(cfg, tma=t)),
+                                                 False) for t in (False, True)]  # fmt: skip
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def test_tma_config_selection_and_config_lists():
+    from replaymoe.moe_triton import config_from_list, config_tuple, moe_config, tma_ok
+
+    qwen = (4096, 8, 2048, 768, 128)
+    assert moe_config(*qwen, tma=True).tma  # prefill tiles on a TMA device
+    assert not moe_config(*qwen).tma  # the default: pointer loads
+    assert not moe_config(*qwen, fp8=True, tma=True).tma  # fp8 keeps pointer loads
+    assert not moe_config(1, 8, 2048, 768, 128, tma=True).tma  # decode (direct mode)
+    assert not moe_config(64, 8, 2048, 768, 128, tma=True).tma  # mid-size 16/32-row tiles: unchanged
+    c = moe_config(*qwen, tma=True)
+    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[-1] == 1
+    old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
+    assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
+    assert not tma_ok(torch.device("cpu"))  # never chosen on CPU / in the interpreter
+    assert not tma_ok(torch.device("cuda"), torch.float32)  # fp32: pointer loads (TMA tiles spill)
+
+
 # ---------------------------------------------------------------- GPU
 
 MODELS = {
@@ -470,3 +614,152 @@ def test_gpu_ep_partial_sums():
     parts = sum(fused_moe(x, w13[a : a + 32], w2[a : a + 32], topk_ids=ids, topk_weights=wts,
                           local_expert_offset=a, num_experts=E).float() for a in range(0, E, 32))  # fmt: skip
     assert ((parts - full).norm() / full.norm()).item() < 6e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: some slots skip
+@pytest.mark.parametrize("T", [1, 2])  # the decode (direct) mode: routing inside, eager and graph
+def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
+    import replaymoe.moe_triton as mt
+
+    H, I, E, K = MODELS["qwen3"]  # noqa: E741
+    w13, w2, _, _ = _gpu_weights("qwen3", False)
+    w13, w2 = w13[offset : offset + 96], w2[offset : offset + 96]
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    logits, _, _ = _gpu_routing(T, E, K, 11)
+    kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
+
+    def run(pdl):
+        monkeypatch.setattr(mt, "PDL_ENABLED", pdl)
+        eager = fused_moe(x, w13, w2, **kw)
+        out = poison(torch.empty_like(eager))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused_moe(x, w13, w2, out=out, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fused_moe(x, w13, w2, out=out, **kw)
+        poison(out)
+        g.replay()
+        torch.cuda.synchronize()
+        return eager, out
+
+    plain_eager, plain_graph = run(False)
+    pdl_eager, pdl_graph = run(True)
+    assert torch.equal(plain_eager, plain_graph)
+    assert torch.equal(pdl_eager, plain_eager)  # PDL changes launches, never bits
+    assert torch.equal(pdl_graph, plain_eager)
+    r = route_torch(logits, K)
+    ref = fused_moe_torch(x, w13, w2, topk_ids=r.topk_ids, topk_weights=r.topk_weights,
+                          local_expert_offset=offset, num_experts=E)  # fmt: skip
+    rel = ((pdl_graph.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    assert rel < 6e-3, rel
+
+
+PREFILL = MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)  # moe_config's bf16 prefill tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_gpu_tma_prefill_bitwise_equals_pointer_loads(name, T, monkeypatch):
+    # the prefill configuration with and without TMA descriptors at the bench shapes: same bits
+    from dataclasses import replace
+
+    H, I, E, K = MODELS[name]  # noqa: E741
+    w13, w2, _, _ = _gpu_weights(name, False)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, ids, wts = _gpu_routing(T, E, K, 5)
+    outs = []
+    for tma in (False, True):
+        made = _count_descs(monkeypatch)
+        out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+        experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
+                       config=replace(PREFILL, tma=tma))  # fmt: skip
+        outs.append(out)
+    assert len(made) == 3 and all(d is not None for d in made)
+    assert torch.equal(outs[0], outs[1])
+    ref = fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts)
+    rel = ((outs[1].float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 6e-3, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: weights at an offset
+def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
+    # the wrapper's own choice (TMA on a Hopper GPU for prefill) eager and in a CUDA graph, against
+    # moe_triton.TMA_ENABLED = False: the same bits
+    import replaymoe.moe_triton as mt
+
+    T = 4096
+    H, I, E, K = MODELS["qwen3"]  # noqa: E741
+    w13, w2, _, _ = _gpu_weights("qwen3", False)
+    w13, w2 = w13[offset : offset + 96], w2[offset : offset + 96]
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    logits, _, _ = _gpu_routing(T, E, K, 13)
+    kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
+    assert mt.moe_config(T, K, H, I, 96, tma=mt.tma_ok(x.device)).tma == mt.TMA_ENABLED
+
+    def run(tma):
+        monkeypatch.setattr(mt, "TMA_ENABLED", tma)
+        made = _count_descs(monkeypatch)
+        eager = fused_moe(x, w13, w2, **kw)
+        assert len(made) == (3 if tma else 0)
+        out = poison(torch.empty_like(eager))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused_moe(x, w13, w2, out=out, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fused_moe(x, w13, w2, out=out, **kw)
+        poison(out)
+        g.replay()
+        torch.cuda.synchronize()
+        return eager, out
+
+    plain_eager, plain_graph = run(False)
+    tma_eager, tma_graph = run(True)
+    assert torch.equal(plain_eager, plain_graph)
+    assert torch.equal(tma_eager, plain_eager)  # TMA changes how data moves, never bits
+    assert torch.equal(tma_graph, plain_eager)
+
+
+@pytest.mark.parametrize("kernel", ["gemm1", "gemm2", "reduce"])
+def test_decode_pdl_kernels_compile_for_sm90(kernel):
+    # the PDL path never runs in the interpreter: compile it for Hopper (no GPU needed) and check the
+    # instructions; a separate process, since this one runs the kernels in Triton's interpreter
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(root / "scripts" / "pdl_ptx_check.py"), kernel], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("kernel", ["gemm1", "gemm2"])
+def test_tile_tma_kernels_compile_for_sm90(kernel):
+    # the TMA kernels compiled for Hopper (no GPU needed): TMA copies emitted (GEMM2: no other async
+    # copies), none without TMA, no spills in the prefill configuration; a separate process, since this
+    # one runs the kernels in Triton's interpreter
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(root / "scripts" / "fwd_tma_ptx_check.py"), kernel], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = run.stdout.splitlines()[1:]  # after the header: one row per case and TMA setting
+    assert len(rows) == (10 if kernel == "gemm1" else 6) and all(r.endswith(" ok") for r in rows), run.stdout

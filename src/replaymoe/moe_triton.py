@@ -60,7 +60,10 @@ class MoEConfig:
 
     ``direct``: decode mode (one tile per slot, no layout, reduction fused into GEMM2); otherwise
     tiles of ``block_m`` rows from :func:`replaymoe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
-    + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection).
+    + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection). ``tma`` (tile mode):
+    read the weights (both GEMMs) and GEMM2's SwiGLU rows through TMA tensor descriptors where the
+    operands allow it (bf16 / fp16 / fp32, unit stride along K, 16-byte aligned rows; otherwise,
+    and for fp8, pointer loads); the same bits either way.
     """
 
     direct: bool
@@ -74,6 +77,12 @@ class MoEConfig:
     warps2: int
     stages2: int
     group_m: int = 8
+    tma: bool = False
+
+
+def config_from_list(config: list[int]) -> MoEConfig:
+    """The inverse of :func:`config_tuple` (11 entries, without ``tma``, are accepted too)."""
+    return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]))
 
 
 # Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
@@ -123,6 +132,7 @@ def moe_config(
     fp8: bool = False,
     eager: bool = False,
     batch_invariant: bool = True,
+    tma: bool = False,
 ) -> MoEConfig:
     """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I.
 
@@ -135,6 +145,10 @@ def moe_config(
     configuration uses :data:`FP8_BLOCK_M`-row tiles, so a token's output does not depend on T.
     ``False`` lets small batches take 16/32-row tiles (Hopper's mma.sync path), faster at decode
     (e.g. DeepSeek-V3 T=8) but rounding differently from the prefill tiles.
+
+    ``tma``: the device can use TMA tensor descriptors (``experts_triton`` passes :func:`tma_ok`):
+    the bf16/fp16 prefill configuration (128-row tiles) then sets :attr:`MoEConfig.tma`. Not yet
+    measured on a GPU (bench/moe_notes.md); the bits are the same either way.
     """
     table = _TUNED if not fp8 or batch_invariant else _TUNED_FP8_FAST
     tuned = table.get((H, I, E_local, K, fp8, _bucket(T)))
@@ -157,7 +171,7 @@ def moe_config(
         return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
     if m_avg < 48:
         return MoEConfig(False, 32, 64, 128, 4, 4, 64, 128, 4, 4)
-    return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)
+    return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4, tma=tma)
 
 
 def experts_triton(
@@ -185,7 +199,8 @@ def experts_triton(
         out = torch.empty(T, H, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
     compiling = torch.compiler.is_compiling()
     eager = not compiling and not is_capturing()
-    c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager, batch_invariant=batch_invariant)
+    c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager, batch_invariant=batch_invariant,
+                             tma=tma_ok(x.device, x.dtype))  # fmt: skip
     if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
@@ -204,7 +219,7 @@ def experts_triton_train(
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
-    c = config or moe_config(T, K, H, two_i // 2, E_local)
+    c = config or moe_config(T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype))
     out, _ = torch.ops.replaymoe.moe_experts_train(
         x,
         w13,
@@ -249,7 +264,7 @@ def _moe_train_op(
     saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
     v = ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved)
     _launch(x, w13, w2, topk_ids, topk_weights, None, None, local_expert_offset, out,
-            MoEConfig(bool(config[0]), *config[1:]), saved=None if recompute else saved, v=v)  # fmt: skip
+            config_from_list(config), saved=None if recompute else saved, v=v)  # fmt: skip
     return out, saved
 
 
@@ -653,7 +668,7 @@ def config_tuple(c: MoEConfig) -> list[int]:
     """``c`` as the int list the ``replaymoe::moe_experts*`` custom ops take (a dataclass cannot
     cross the op boundary)."""
     return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
-            c.warps2, c.stages2, c.group_m]  # fmt: skip
+            c.warps2, c.stages2, c.group_m, int(c.tma)]  # fmt: skip
 
 
 @torch.library.custom_op("replaymoe::moe_experts", mutates_args=("out",))
@@ -678,7 +693,7 @@ def _moe_experts_op(
     """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call);
     the trailing arguments are :class:`ExpertsVariant`'s."""
     _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
-            MoEConfig(bool(config[0]), *config[1:]),
+            config_from_list(config),
             v=ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved))  # fmt: skip
 
 
@@ -687,6 +702,78 @@ def _(
     x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, config, *variant
 ) -> None:
     return None
+
+
+# Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer; False (or the
+# environment variable REPLAYMOE_PDL=0) launches them plainly. Results are the same either way.
+PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "1") != "0"
+_PDL_DEVICES: dict = {}
+
+
+def _pdl_ok(dev: torch.device) -> bool:
+    """Programmatic dependent launch is used on ``dev``: :data:`PDL_ENABLED`, a CUDA device of
+    compute capability 9.0 or newer, and not Triton's interpreter."""
+    if not PDL_ENABLED:
+        return False
+    ok = _PDL_DEVICES.get(dev)
+    if ok is None:
+        from ._backend import INTERPRET
+
+        ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
+        _PDL_DEVICES[dev] = ok
+    return ok
+
+
+# Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
+# (:attr:`MoEConfig.tma`, chosen by :func:`moe_config` where :func:`tma_ok`); False (or the environment
+# variable REPLAYMOE_TMA=0) keeps pointer loads. Results are the same either way. NOT yet measured on
+# a GPU: the timing A/B is scripts/fwd_tma_check.py.
+TMA_ENABLED = os.environ.get("REPLAYMOE_TMA", "1") != "0"
+_TMA_DEVICES: dict = {}
+_TMA_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a block
+
+
+def tma_ok(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Tile mode may read its operands through TMA descriptors on ``dev``: :data:`TMA_ENABLED`, a
+    CUDA device of compute capability 9.0 or newer, not Triton's interpreter (tests that want the TMA
+    kernels there pass a configuration with ``tma=True``), and bf16 / fp16 activations (fp32's
+    ``ieee`` dot, no tensor cores, spills hundreds of bytes once its tiles come from TMA:
+    ``scripts/fwd_tma_ptx_check.py``'s notes)."""
+    if not TMA_ENABLED or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    ok = _TMA_DEVICES.get(dev)
+    if ok is None:
+        from ._backend import INTERPRET
+
+        ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
+        _TMA_DEVICES[dev] = ok
+    return ok
+
+
+def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
+    """A TMA descriptor of ``t`` ([E, N, K] viewed as [E*N, K], or [R, K]) with blocks
+    [block_rows, block_k], or None where TMA cannot read it: not bf16/fp16/fp32, K not unit-stride, the
+    rows not one uniform stride, rows or base not 16-byte aligned, or a block over TMA's limits."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or t.numel() == 0:
+        return None
+    if t.dim() == 3:
+        if t.stride(0) != t.shape[1] * t.stride(1):
+            return None
+        rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
+    else:
+        rows, row_stride = t.shape[0], t.stride(0)
+    item = t.element_size()
+    if (
+        t.stride(-1) != 1
+        or (row_stride * item) % 16
+        or t.data_ptr() % 16
+        or max(block_rows, block_k) > _TMA_MAX_BOX
+        or (block_k * item) % 16
+    ):
+        return None
+    return TensorDescriptor(t, [rows, t.shape[-1]], [row_stride, 1], [block_rows, block_k])
 
 
 def _launch(
@@ -747,10 +834,15 @@ def _launch(
     if num_pid_m == 0:
         out.zero_()
         return
+    # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper), so that GEMM2
+    # prefetches its weights while GEMM1 finishes and no launch gap separates the three
+    pdl = c.direct and not fp8 and _pdl_ok(dev)
     grid1 = (num_pid_m * triton.cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
     b13, b13_se, b13_sn = _bias_args(v.w13_bias, w13)
+    tma = c.tma and not c.direct and not fp8
+    w13_desc = _rows_desc(w13, c.block_n1 * (2 if v.interleaved else 1), c.block_k1) if tma else None
     fast(moe_gemm1_kernel)[grid1](
         xq, xs, w13, s13, b13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H,
         I, K, slots, offset, E_local, float(v.alpha), float(v.limit), xq.stride(0), w13.stride(0),
@@ -758,20 +850,25 @@ def _launch(
         DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save, STORE_ACT=True,
         HAS_BIAS=v.w13_bias is not None, INTERLEAVED=v.interleaved, ACT=v.act, EVEN_K=H % c.block_k1 == 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
-        num_warps=c.warps1, num_stages=c.stages1,
+        PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, num_warps=c.warps1, num_stages=c.stages1,
+        launch_pdl=pdl,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton.cdiv(H, c.block_n2),)
     b2, b2_se, b2_sn = _bias_args(v.w2_bias, w2)
+    w2_desc = _rows_desc(w2, c.block_n2, c.block_k2) if tma else None
+    inter_desc = _rows_desc(inter, c.block_m, c.block_k2) if w2_desc is not None else None
     fast(moe_gemm2_kernel)[grid2](
         inter, inter_s, w2, s2, b2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *s2_strides, b2_se,
         b2_sn, y.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, HAS_BIAS=v.w2_bias is not None,
         EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k2,
-        GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps2,
-        num_stages=c.stages2,
+        GROUP_M=c.group_m, DOT_PREC=prec, PDL=pdl, TMA=inter_desc is not None, a_desc=inter_desc,
+        w_desc=w2_desc if inter_desc is not None else None, num_warps=c.warps2, num_stages=c.stages2,
+        launch_pdl=pdl,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
-        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
-    )
+        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
+    )  # fmt: skip

@@ -7,7 +7,20 @@ Two modes, chosen by the wrapper from the shape:
   order; GEMM2 reads them contiguously, applies the routing weight and writes one row per slot;
   ``moe_reduce_kernel`` sums each token's K rows in k order (deterministic, no atomics).
 * DIRECT (decode): one tile per slot (row 0 real), no layout; GEMM2 writes one row per slot and
-  the same reduction kernel sums them.
+  the same reduction kernel sums them. On Hopper the three kernels are programmatic dependent
+  launches (``PDL``): GEMM1 waits for its inputs' producer and lets GEMM2 start at once; GEMM2 reads
+  its slot's expert, prefetches its weight rows into L2 and waits for GEMM1's rows; the reduction
+  waits for GEMM2's. Same arithmetic, so the same bits.
+* ``TMA`` (tile mode, bf16 / fp16 / fp32 weights with unit stride along K; Hopper): the operands that
+  are plain 2-D tiles come through host-side tensor descriptors (``TensorDescriptor`` arguments, no
+  ``triton.set_allocator``): GEMM2's SwiGLU rows (``inter`` [rows, I]: a tile's rows are contiguous)
+  and w2 viewed as [E*H, I]; GEMM1's w13 viewed as [E*2I, H] (gate and up tiles at rows e*2I + n and
+  e*2I + I + n, or one [2 BLOCK_N, BLOCK_K] tile interleaved). GEMM1's x rows stay pointer loads
+  (gathered through ``sorted_slots``; Hopper's TMA has no gather). The descriptors fill zeros past
+  the K edge as the masks do; rows a tile reads past its expert (the next expert's weights) or past
+  the real rows (never-written padding rows of ``inter``) feed only output columns / rows that are
+  not stored. Same BLOCK_K chunks in the same order, fp32 accumulation, same epilogue: the same bits
+  as the pointer loads (interpreter tests; ``scripts/fwd_tma_ptx_check.py`` for the sm_90 code).
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
 quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ_X``: x is quantized once
@@ -31,6 +44,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -113,12 +127,27 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
+    TMA: tl.constexpr = False,
+    w_desc=None,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
     ``SAVE_H`` (training): also store the gate and up pre-activations (bias included) per slot,
     h[slot, n] and h[slot, I + n] (in this order whatever w13's layout), for the backward; without
-    ``STORE_ACT`` (the backward's recomputation) only those."""
+    ``STORE_ACT`` (the backward's recomputation) only those.
+
+    ``PDL`` (launched as a programmatic dependent launch): wait for the previous kernel's results
+    first, then let the next kernel (GEMM2) start its prologue while this one runs.
+
+    ``TMA`` (tile mode, not fp8, weights with unit stride along K): the weight tiles come through
+    ``w_desc``, a host-side tensor descriptor of w13 viewed as ``[E_local * 2I, H]`` with blocks
+    ``[BLOCK_N, BLOCK_K]`` (``[2 BLOCK_N, BLOCK_K]`` interleaved); the gathered x rows stay pointer
+    loads. Same K chunks in the same order, so the same bits."""
+    tl.static_assert(not TMA or (not DIRECT and not FP8))
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -150,14 +179,19 @@ def moe_gemm1_kernel(
         rn2 = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
         n2_ok = rn2 < 2 * I
         b_ptrs = w_base + rn2[None, :] * stride_wn + rk[:, None] * stride_wk
+        w_row = e * (2 * I) + pid_n * (2 * BLOCK_N)  # TMA: the tile's first row in the [E*2I, H] view
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n2_ok[None, :], other=0.0)
             else:
                 k_ok = rk < H - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:  # rows past 2I (the next expert's, or zeros past the last) only feed masked columns
+                b = w_desc.load([w_row, k * BLOCK_K]).T
+            elif EVEN_K:
+                b = tl.load(b_ptrs, mask=n2_ok[None, :], other=0.0)
+            else:
                 b = tl.load(b_ptrs, mask=n2_ok[None, :] & k_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K
@@ -174,14 +208,20 @@ def moe_gemm1_kernel(
             s_base = ws_ptr + e.to(tl.int64) * stride_se
             sg_ptr = s_base + (pid_n * BLOCK_N // 128) * stride_sn
             su_ptr = sg_ptr + (I // 128) * stride_sn
+        w_row = e * (2 * I) + pid_n * BLOCK_N  # TMA: the gate tile's first row in the [E*2I, H] view
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = rk < H - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:  # rows past the half (up rows, the next expert's) only feed masked columns
+                bg = w_desc.load([w_row, k * BLOCK_K]).T
+                bu = w_desc.load([w_row + I, k * BLOCK_K]).T
+            elif EVEN_K:
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
                 bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if PREQ_X:
@@ -262,15 +302,49 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
+    TMA: tl.constexpr = False,
+    a_desc=None,
+    w_desc=None,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
-    tile = slot; the bias only with ``HAS_BIAS``)."""
+    tile = slot; the bias only with ``HAS_BIAS``).
+
+    ``PDL`` (DIRECT only; launched as a programmatic dependent launch of GEMM1, whose programs waited
+    for the ids' producer before letting this kernel start): read the slot's expert and prefetch this
+    program's weight rows into L2 while GEMM1 finishes, then wait for GEMM1's rows.
+
+    ``TMA`` (tile mode, not fp8, weights with unit stride along K): both operands come through
+    host-side tensor descriptors, ``a_desc`` over the SwiGLU rows ``inter [rows, I]`` (blocks
+    ``[BLOCK_M, BLOCK_K]``: a tile's rows are contiguous) and ``w_desc`` over w2 viewed as
+    ``[E_local * H, I]`` (blocks ``[BLOCK_N, BLOCK_K]``). Padding rows of ``inter`` (never written)
+    and weight rows past H (the next expert's) are read but only feed rows / columns that are not
+    stored; past I the descriptors fill zeros, as the masks do. Same K chunks in the same order, so
+    the same bits."""
+    tl.static_assert(DIRECT or not PDL)
+    tl.static_assert(not TMA or (not DIRECT and not FP8))
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     rm = tl.arange(0, BLOCK_M)
     if DIRECT:
         e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
+        if PDL:
+            tl.static_assert(not FP8)
+            tl.static_assert(BLOCK_K >= 64)
+            if (e >= 0) & (e < num_local):
+                rn_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                rn_p = tl.where(rn_p < H, rn_p, 0)
+                row_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn_p[:, None] * stride_wn
+                line = tl.arange(0, BLOCK_K // 64) * 64  # one 128-byte line per 64 bf16/fp16 columns
+                for k in range(0, tl.cdiv(I, BLOCK_K)):
+                    kk = tl.minimum(k * BLOCK_K + line, I - 1)
+                    p_ptrs = row_ptrs + kk[None, :] * stride_wk
+                    tl.inline_asm_elementwise(
+                        "prefetch.global.L2 [$1];", "=r,l", [p_ptrs], dtype=tl.int32, is_pure=False, pack=1
+                    )
+            gdc_wait()
+            gdc_launch_dependents()
         if (e < 0) | (e >= num_local):
             return
         slots = tl.where(rm == 0, pid_m, num_slots)
@@ -289,9 +363,14 @@ def moe_gemm2_kernel(
     b_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
     if FP8:
         bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
+    a_row = pid_m * BLOCK_M  # TMA: the tile's first row of inter and of the [E*H, I] view of w2
+    w_row = e * H + pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(I, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            a = a_desc.load([a_row, k * BLOCK_K])
+            b = w_desc.load([w_row, k * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -344,8 +423,12 @@ def moe_reduce_kernel(
     stride_ym,
     stride_om,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """out[t] = sum over k (in k order) of y[t*K + k] for the token's local experts."""
+    """out[t] = sum over k (in k order) of y[t*K + k] for the token's local experts (``PDL``: launched
+    as a programmatic dependent launch; waits for GEMM2's rows first)."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = rh < H
