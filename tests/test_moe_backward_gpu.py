@@ -164,7 +164,7 @@ def test_dw_tma_bitwise_equal_pointer_kernel_bench_shapes(shape):
     cfg = MT.moe_bwd_config(T, K, H, I, E, tma=MT.dw_tma_ok(x.device, x.dtype))
     assert cfg.dw_tma  # bf16 on Hopper: the default picks TMA
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for extra in ({}, {"dw_progs": sms}):
+    for extra in ({"dw_progs": 0}, {"dw_progs": sms}, {"dw_progs": -1}):  # tile grid, persistent, per-SM
         ptr, tma = _dw_pair(x, w13, w2, ids, wts, dout, 0, cfg, **extra)
         for name, a, b in zip(("dw13", "dw2"), tma, ptr):
             assert torch.equal(a, b), (name, extra)

@@ -390,9 +390,11 @@ class MoEBwdConfig:
     GEMMs read their operands through TMA tensor descriptors (``moe_bwd_dw_tma_kernel``; the same
     bits as the pointer kernel); where a buffer does not meet TMA's alignment the pointer kernel runs.
     ``dw_progs`` (with ``dw_tma``): 0 = one program per (expert, block) tile; n > 0 = a persistent
-    grid of at most n programs walking the tiles in expert-major order. ``dw_c_desc`` (with
-    ``dw_tma``): store C through a descriptor where BLOCK_M divides M (else pointer stores; on sm_90
-    the descriptor store takes more registers: 199 vs 172 at 128×128×32, 4 warps).
+    grid of at most n programs walking the tiles in expert-major order; -1 = that grid with one
+    program per SM of the device (every tile is still one program's K loop in row order: same
+    bits). ``dw_c_desc`` (with ``dw_tma``): store C through a descriptor where BLOCK_M divides M
+    (else pointer stores; on sm_90 the descriptor store takes more registers: 199 vs 172 at
+    128×128×32, 4 warps).
     """
 
     block_m: int
@@ -420,7 +422,10 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = Fal
     """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I.
 
     ``tma``: the device and dtype allow TMA descriptors (:func:`dw_tma_ok`); sets
-    :attr:`MoEBwdConfig.dw_tma` (NOT yet measured on a GPU: scripts/dw_tma_check.py is the A/B).
+    :attr:`MoEBwdConfig.dw_tma`, and for the large-expert tiles a persistent dW grid (one program
+    per SM). H200, scripts/dw_tma_check.py: dW kernels 1.08-1.42x the pointer kernel's speed
+    (Qwen3 T=16384 2.56 -> 2.16 ms, Mixtral 25.2 -> 17.8, DSv3 26.7 -> 19.9), the persistent grid a
+    further 1-4 %.
     """
     slots = max(T * K, 1)
     m_avg = slots / min(E_local, slots)
@@ -431,15 +436,24 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = Fal
         return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
     if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
         return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma)
-    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, -1 if tma else 0)
 
 
 # The weight-gradient GEMMs through TMA tensor descriptors on Hopper and newer (MoEBwdConfig.dw_tma,
 # set by moe_bwd_config where dw_tma_ok); False (or the environment variable REPLAYMOE_DW_TMA=0) keeps
-# the pointer kernel. The bits are the same either way. NOT yet measured on a GPU: the A/B is
-# scripts/dw_tma_check.py.
+# the pointer kernel. The bits are the same either way (H200 A/B: scripts/dw_tma_check.py).
 DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
 _DW_TMA_DEVICES: dict = {}
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of CUDA device ``dev`` (cached; 1 elsewhere)."""
+    n = _SM_COUNTS.get(dev)
+    if n is None:
+        n = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        _SM_COUNTS[dev] = n
+    return n
 
 
 def dw_tma_ok(dev: torch.device, dtype: torch.dtype) -> bool:
@@ -606,7 +620,7 @@ def launch_bwd(
         if a_desc is None or b_desc is None:
             return False
         tiles = E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w)
-        progs = min(c.dw_progs, tiles) if c.dw_progs > 0 else 0
+        progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
         moe_bwd_dw_tma_kernel[(progs or tiles,)](
             a_desc, b_desc, c_desc, dw, cl.exact_start, lay.expert_counts, m,
             n, tiles, dw.stride(0), dw.stride(1), C_DESC=c_desc is not None, BLOCK_M=c.bm_w, BLOCK_N=c.bn_w,
@@ -704,9 +718,12 @@ def _(
     return None
 
 
-# Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer; False (or the
-# environment variable REPLAYMOE_PDL=0) launches them plainly. Results are the same either way.
-PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "1") != "0"
+# Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer: opt-in (True, or
+# the environment variable REPLAYMOE_PDL=1). Results are the same either way. Off by default because it
+# measured slower on the H200 at every decode point (scripts/pdl_decode_check.py, graph replay: Qwen3
+# T=1 36.7 -> 40.1 us, Mixtral T=1 189 -> 288 us, DSv3 T=8 1278 -> 1549 us): GEMM2's programs sit
+# resident while GEMM1 still runs, and its L2 prefetch of weights larger than L2 reads them twice.
+PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "0") == "1"
 _PDL_DEVICES: dict = {}
 
 
@@ -726,8 +743,8 @@ def _pdl_ok(dev: torch.device) -> bool:
 
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
 # (:attr:`MoEConfig.tma`, chosen by :func:`moe_config` where :func:`tma_ok`); False (or the environment
-# variable REPLAYMOE_TMA=0) keeps pointer loads. Results are the same either way. NOT yet measured on
-# a GPU: the timing A/B is scripts/fwd_tma_check.py.
+# variable REPLAYMOE_TMA=0) keeps pointer loads. Results are the same either way. H200 A/B
+# (scripts/fwd_tma_check.py, graph replay): 1.04-1.11x at T >= 4096 (Mixtral T=16384 22.5 -> 20.3 ms).
 TMA_ENABLED = os.environ.get("REPLAYMOE_TMA", "1") != "0"
 _TMA_DEVICES: dict = {}
 _TMA_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a block

@@ -33,7 +33,7 @@ passes are bitwise equal):
   expert's last partial chunk is zeroed past its end in both operands (the next expert's rows may be
   anything, NaN included); C is stored through a descriptor over dW viewed [E*M, N] when BLOCK_M
   divides M, else by pointer stores. Same chunks, same order, same operand values: the pointer
-  kernel's bits (NOT yet measured on a GPU; scripts/dw_tma_check.py, scripts/dw_tma_ptx_check.py).
+  kernel's bits (bitwise on the H200; scripts/dw_tma_check.py, scripts/dw_tma_ptx_check.py).
 * ``moe_bwd_bias_kernel`` (grid: experts × N-blocks): the bias gradients, per expert a sum over its
   compact rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
 
