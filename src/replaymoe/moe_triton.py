@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ._launch import fast
 from ._validation import is_capturing
 
 _FP8 = torch.float8_e4m3fn
@@ -220,17 +221,11 @@ def experts_triton_train(
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     c = config or moe_config(T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype))
-    out, _ = torch.ops.replaymoe.moe_experts_train(
-        x,
-        w13,
-        w2,
-        topk_ids,
-        topk_weights,
-        local_expert_offset,
-        config_tuple(c),
-        recompute,
-        *variant.op_args(),
-    )
+    args = (x, w13, w2, topk_ids, topk_weights, local_expert_offset, config_tuple(c), recompute)
+    if torch.compiler.is_compiling():
+        out, _ = torch.ops.replaymoe.moe_experts_train(*args, *variant.op_args())
+    else:  # eager (CUDA-graph capture included): the same forward and backward without op dispatch
+        out, _ = _EagerTrain.apply(*args, *variant.op_args())
     return out
 
 
@@ -258,13 +253,36 @@ def _moe_train_op(
     empty with ``recompute``. Same kernels and configuration as the inference path, so ``out`` is
     bitwise the inference output. The trailing arguments are :class:`ExpertsVariant`'s.
     """
+    return _train_forward(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute,
+                          w13_bias, w2_bias, act, alpha, limit, interleaved)  # fmt: skip
+
+
+def _train_forward(
+    x,
+    w13,
+    w2,
+    topk_ids,
+    topk_weights,
+    offset,
+    config,
+    recompute,
+    b13,
+    b2,
+    act,
+    alpha,
+    limit,
+    interleaved,
+    layout_out=None,
+):
+    """The body of ``replaymoe::moe_experts_train``; ``layout_out`` (a list) receives the forward's
+    expert layout (tile mode) for the backward to reuse."""
     T, H = x.shape
     K = topk_ids.shape[1]
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
-    v = ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved)
-    _launch(x, w13, w2, topk_ids, topk_weights, None, None, local_expert_offset, out,
-            config_from_list(config), saved=None if recompute else saved, v=v)  # fmt: skip
+    v = ExpertsVariant(b13, b2, act, alpha, limit, interleaved)
+    _launch(x, w13, w2, topk_ids, topk_weights, None, None, offset, out, config_from_list(config),
+            saved=None if recompute else saved, v=v, layout_out=layout_out)  # fmt: skip
     return out, saved
 
 
@@ -319,7 +337,18 @@ def _train_backward(ctx, grad_out, _grad_saved):
             grad_out = torch.zeros_like(x)
         v = ExpertsVariant(b13, b2, *ctx.variant)
         dx, dw13, dw2, dwts, db13, db2 = launch_bwd_config(
-            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, holder, ctx.offset, False, flags, v=v
+            grad_out.contiguous(),
+            x,
+            w13,
+            w2,
+            topk_ids,
+            topk_weights,
+            holder,
+            ctx.offset,
+            False,
+            flags,
+            v=v,
+            layout=getattr(ctx, "layout", None),
         )
     grads = (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
              dwts if need[4] else None, None, None, None)  # fmt: skip
@@ -329,6 +358,29 @@ def _train_backward(ctx, grad_out, _grad_saved):
 
 
 _moe_train_op.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+class _EagerTrain(torch.autograd.Function):
+    """``replaymoe::moe_experts_train`` with its registered backward, for eager calls: the same
+    launches, bits and memory handling without the custom op's dispatch (a few hundred microseconds
+    of host time per forward+backward), and the forward's expert layout handed to the backward (two
+    launches and their host work fewer). ``torch.compile`` traces the custom op instead."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        layout = []
+        out, saved = _train_forward(*inputs, *_TRAIN_DEFAULTS[len(inputs) - 8 :], layout_out=layout)
+        _train_setup_context(ctx, inputs, (out, saved))
+        ctx.layout = layout[0] if layout else None
+        ctx.mark_non_differentiable(saved)
+        return out, saved
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_saved):
+        return _train_backward(ctx, grad_out, grad_saved)
+
+
+_TRAIN_DEFAULTS = (None, None, 0, 0.0, 0.0, False)  # the op's optional trailing arguments
 
 
 @torch.library.custom_op("replaymoe::moe_experts_bwd", mutates_args=())
@@ -359,13 +411,14 @@ def _moe_bwd_op(
 
 
 def launch_bwd_config(
-    grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, v=STANDARD
+    grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, v=STANDARD, layout=None
 ):
     """:func:`launch_bwd` with the configuration :func:`moe_bwd_config` picks for the shape."""
     T, H = x.shape
     E_local, two_i, _ = w13.shape
     c = moe_bwd_config(T, topk_ids.shape[1], H, two_i // 2, E_local, tma=dw_tma_ok(x.device, x.dtype))
-    return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c, v=v)
+    return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c, v=v,
+                      layout=layout)  # fmt: skip
 
 
 @_moe_bwd_op.register_fake
@@ -494,7 +547,19 @@ def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
 
 
 def launch_bwd(
-    dout, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c: MoEBwdConfig, v=STANDARD
+    dout,
+    x,
+    w13,
+    w2,
+    topk_ids,
+    topk_weights,
+    saved,
+    offset,
+    recompute,
+    need,
+    c: MoEBwdConfig,
+    v=STANDARD,
+    layout=None,
 ):
     """Triton backward: ``(dx, dw13, dw2, dtopk_weights)``, plus ``(dw13_bias, dw2_bias)`` when
     ``need`` has 6 entries (empty where ``need`` is False; a bias gradient in fp32).
@@ -510,6 +575,8 @@ def launch_bwd(
     ``saved`` may be a one-element list holding the only reference to the forward's gate/up rows:
     they are then freed right after the SwiGLU backward has read them (eager autograd hands them over
     so, see ``_train_setup_context``), before dX and the weight gradients are allocated.
+    ``layout``: the forward's :class:`~replaymoe.layout.ExpertLayout` of the same ids and offset,
+    reused where its tiles are ``c.block_m`` rows (else the backward builds its own).
     """
     if isinstance(saved, list):
         saved = saved.pop()
@@ -543,7 +610,10 @@ def launch_bwd(
     wts = topk_weights.contiguous()
     b13_args = _bias_args(b13, w13)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+    if layout is not None and layout.block_m == c.block_m and layout.cluster == 1:
+        lay = layout
+    else:
+        lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
     cl = compact_layout(lay)  # rows of the intermediates: one per slot, no padding
     num_pid_m = lay.max_tiles
     bm = c.block_m
@@ -551,7 +621,7 @@ def launch_bwd(
         saved = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
         if num_pid_m:
             bn1, bk1 = (128, 64) if bm >= 64 else (64, 128)
-            moe_gemm1_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
+            fast(moe_gemm1_kernel)[(num_pid_m * triton.cdiv(I, bn1),)](
                 x, x, w13, w13, b13_args[0], saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert,
                 lay.num_tiles, num_pid_m, H, I, K, slots, offset, E_local, float(v.alpha), float(v.limit),
                 x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), 0, 0, *b13_args[1:],
@@ -571,14 +641,14 @@ def launch_bwd(
         dob2 = (dout.float() @ b2.float().t()).gather(1, torch.where(local, ids - offset, 0).long())
         dwp[:, nb] = torch.where(local, dob2, 0.0).reshape(-1)
     if num_pid_m:
-        moe_bwd_da_kernel[(num_pid_m * triton.cdiv(I, c.bn_a),)](
+        fast(moe_bwd_da_kernel)[(num_pid_m * triton.cdiv(I, c.bn_a),)](
             dout, w2, dh, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m, H, I,
             K, slots, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
             INTERLEAVED=v.interleaved, EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a,
             GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
-        moe_bwd_swiglu_kernel[(triton.cdiv(slots, br), nb)](
+        fast(moe_bwd_swiglu_kernel)[(triton.cdiv(slots, br), nb)](
             dh, saved, wts, aw, dwp, cl.compact_slots, I, slots, float(v.alpha), float(v.limit),
             dh.stride(0), saved.stride(0), aw.stride(0), dwp.stride(0), INTERLEAVED=v.interleaved,
             ACT=v.act, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
@@ -605,7 +675,7 @@ def launch_bwd(
         if c.dw_tma and not (a_t or a_g or b_g or c_t) and dw_tma_gemm(a, b, dw, m, n):
             res[i] = dw
             return
-        moe_bwd_dw_kernel[(E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w),)](
+        fast(moe_bwd_dw_kernel)[(E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w),)](
             a, b, dw, cl.compact_slots, cl.exact_start, lay.expert_counts, m, n, K, a.stride(0),
             b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t, A_GATHER=a_g, B_GATHER=b_g, C_T=c_t,
             BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec,
@@ -621,7 +691,7 @@ def launch_bwd(
             return False
         tiles = E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w)
         progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
-        moe_bwd_dw_tma_kernel[(progs or tiles,)](
+        fast(moe_bwd_dw_tma_kernel)[(progs or tiles,)](
             a_desc, b_desc, c_desc, dw, cl.exact_start, lay.expert_counts, m,
             n, tiles, dw.stride(0), dw.stride(1), C_DESC=c_desc is not None, BLOCK_M=c.bm_w, BLOCK_N=c.bn_w,
             BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec, NUM_PROGS=progs, num_warps=c.warps_w,
@@ -635,14 +705,14 @@ def launch_bwd(
         dx = (torch.empty if num_pid_m else torch.zeros)(T, H, dtype=x.dtype, device=dev)  # reduce writes all
         if num_pid_m:
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
-            moe_bwd_dx_kernel[(num_pid_m * triton.cdiv(H, c.bn_x),)](
+            fast(moe_bwd_dx_kernel)[(num_pid_m * triton.cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m,
                 H, two_i, slots, dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),
                 EVEN_K=two_i % c.bk_x == 0, BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m,
                 DOT_PREC=prec, num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
             bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-            moe_reduce_kernel[(T, triton.cdiv(H, bh))](
+            fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
                 dxs, ids, dx, H, K, offset, E_local, dxs.stride(0), dx.stride(0), BLOCK_H=bh, num_warps=4
             )
             del dxs
@@ -671,7 +741,7 @@ def _bias_grad(kernel, src, wts, lay, cl, bias, K, *, gather):
     E_local, N = bias.shape
     db = torch.empty(E_local, N, dtype=torch.float32, device=src.device)
     bn = min(256, max(16, 1 << (N - 1).bit_length()))
-    kernel[(E_local, triton.cdiv(N, bn))](
+    fast(kernel)[(E_local, triton.cdiv(N, bn))](
         src, wts, db, cl.compact_slots, cl.exact_start, lay.expert_counts, N, K, src.stride(0),
         db.stride(0), GATHER=gather, BLOCK_R=16, BLOCK_N=bn, num_warps=4,
     )  # fmt: skip
@@ -794,13 +864,25 @@ def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
 
 
 def _launch(
-    x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, offset, out, c: MoEConfig, saved=None, v=STANDARD
+    x,
+    w13,
+    w2,
+    topk_ids,
+    topk_weights,
+    w13_scale,
+    w2_scale,
+    offset,
+    out,
+    c: MoEConfig,
+    saved=None,
+    v=STANDARD,
+    layout_out=None,
 ) -> None:
     """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
     receives GEMM1's gate/up outputs per slot for the backward; ``v``: the experts variant (bf16 /
-    fp16 / fp32 weights of any strides; fp8 takes the standard variant only)."""
+    fp16 / fp32 weights of any strides; fp8 takes the standard variant only); ``layout_out`` (a list)
+    receives the expert layout in tile mode."""
     from ._kernels.moe import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
-    from ._launch import fast
     from .layout import expert_layout
 
     T, H = x.shape
@@ -829,6 +911,8 @@ def _launch(
         sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
     else:
         lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+        if layout_out is not None:
+            layout_out.append(lay)
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
