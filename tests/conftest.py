@@ -16,16 +16,16 @@ import os
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (see below)
-
-# Importing dynamo builds its table of torch functions once per process. Some tests poison
-# ``torch.empty`` by patching the torch module; were dynamo first imported inside such a test (e.g.
-# by ``torch.compiler.is_compiling()``), the table would hold the patched function and every later
-# ``torch.compile`` in that process would reject the real ``torch.empty``. So import it first.
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Importing dynamo (after TRITON_INTERPRET: it imports Triton) builds its table of torch functions
+# once per process. Some tests poison ``torch.empty`` by patching the torch module; were dynamo first
+# imported inside such a test, the table would hold the patched function and every later
+# ``torch.compile`` in that process would reject the real ``torch.empty``. So import it first.
+import torch._dynamo  # noqa: E402, F401
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -205,6 +205,33 @@ def test_triton_forward_unchanged_by_training_and_backward_deterministic(generat
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("case", [0, 5], ids=["basic", "ep-slice"])  # all local; EP slice, -1 rows
+def test_eager_function_equals_custom_op_and_reuses_the_layout(case, generator, monkeypatch):
+    # eager training runs an autograd.Function (no op dispatch) that hands the forward's expert
+    # layout to the backward; torch.compile traces the custom op, which builds its own: same bits
+    import replaymoe.layout as L
+    import replaymoe.moe_triton as MT
+
+    T, H, I, E, E_local, offset, K = CASES[case].values  # noqa: E741
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float16)
+    calls = []
+    real = L.expert_layout
+    monkeypatch.setattr(L, "expert_layout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eager = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="triton")
+    assert len(calls) == 1  # one layout for forward and backward
+
+    def via_op(*inputs):  # what torch.compile runs: the custom op and its registered autograd
+        return torch.ops.replaymoe.moe_experts_train(*inputs)
+
+    monkeypatch.setattr(MT._EagerTrain, "apply", via_op)
+    calls.clear()
+    op = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="triton")
+    assert len(calls) == 2  # the op's backward lays the ids out again
+    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dtopk_weights"), eager, op):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("recompute", [False, True])
 def test_triton_backward_twice_through_one_graph(recompute, generator):
     # eager backward frees the forward's saved gate/up rows once read (lower peak memory): a second
