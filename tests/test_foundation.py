@@ -163,3 +163,17 @@ def test_strip_rest(rest, plain):
 def test_lazy_exports_unknown_name():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         replaymoe.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("files", [(), ("vllm_moe_peer.py",)])  # empty folder; the kernel file missing
+def test_cli_bench_moe_peer_dir_rejected_before_anything_runs(files, tmp_path, capsys):
+    for f in files:
+        (tmp_path / f).write_text("")
+    from replaymoe.bench import moe as bench_moe
+
+    with pytest.raises(SystemExit) as exc:  # the module checks the folder before it asks for a GPU
+        bench_moe.main(["--peer-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--peer-dir: expected a folder holding" in err and "vllm_fused_moe_kernels.py" in err
+    assert str(tmp_path) in err and not (tmp_path / "out").exists()

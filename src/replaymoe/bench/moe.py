@@ -10,15 +10,27 @@ activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed
 * ``grouped_mm`` — a torch layer: sort / offsets / ``torch._grouped_mm`` / SwiGLU / ``_grouped_mm`` /
   ``index_add_`` (graph-capturable);
 * ``naive`` — the per-expert Python loop of Hugging Face eager MoE blocks (eager only: it syncs);
-* ``floor`` — max(distinct active experts' weight bytes / 4.27 TB/s, FLOPs / 700 TFLOP/s), and the
-  ``vllm`` bar (vLLM's two GEMM kernels alone, measured on this H200; reference/toolchain.md).
+* ``floor`` — max(distinct active experts' weight bytes / 4.27 TB/s, FLOPs / 700 TFLOP/s);
+* ``vllm_kernels`` — vLLM's Triton fused-MoE kernel, its two GEMM launches alone (alignment and
+  SwiGLU done beforehand: a lower bound on vLLM's layer), graph replay with L2 flushed. With
+  ``--peer-dir DIR`` it is measured in this run on the same weights and routing
+  (``vllm_source = "measured"``); otherwise a stored figure from an earlier H200 run is shown
+  (``"stored"``). ``vs_vllm`` = ``rmoe_bf16_ms / vllm_kernels_ms`` (below 1: replaymoe faster).
 
-Usage: ``replaymoe bench moe [--out DIR] [--shapes qwen3,mixtral,deepseek] [--tokens 1,8,64]``.
+``--peer-dir`` names a git-ignored folder prepared as ``../shared/peers/README.md`` says: vLLM's
+kernel extracted from the vLLM wheel at run time plus the peer driver ``vllm_moe_peer.py``, which
+this module imports from there (nothing of vLLM is part of replaymoe).
+
+Usage: ``replaymoe bench moe [--out DIR] [--shapes qwen3,mixtral,deepseek] [--tokens 1,8,64]
+[--peer-dir .peers]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +156,30 @@ def routing_inputs(name: str, T: int, device="cuda", seed: int = 1):
     return logits, method, bias, kw, ids, wts
 
 
-def _point(name: str, T: int, bf16w, fp8w) -> dict:
+def check_peer_dir(peer_dir: str) -> Path:
+    """``peer_dir`` resolved; ValueError naming what is missing unless it holds the peer driver and
+    vLLM's extracted kernel."""
+    root = Path(peer_dir).resolve()
+    missing = [f for f in ("vllm_moe_peer.py", "vllm_fused_moe_kernels.py") if not (root / f).is_file()]
+    if missing:
+        raise ValueError(
+            f"--peer-dir: expected a folder holding {missing} (prepared as ../shared/peers/README.md "
+            f"says), got {str(root)!r}"
+        )
+    return root
+
+
+def load_vllm_peer(root: Path):
+    """The peer driver ``vllm_moe_peer`` imported from the checked folder ``root`` (it loads vLLM's
+    extracted kernel from the same folder)."""
+    os.environ["REPLAYMOE_PEERS"] = str(root)  # where the driver finds vLLM's files
+    spec = importlib.util.spec_from_file_location("replaymoe_bench_vllm_peer", root / "vllm_moe_peer.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _point(name: str, T: int, bf16w, fp8w, peer=None) -> dict:
     from ..moe import fused_moe
 
     H, inter, E, K, _ = SHAPES[name]
@@ -178,22 +213,29 @@ def _point(name: str, T: int, bf16w, fp8w) -> dict:
     row["frac_floor_fp8"] = floor8 / row["rmoe_fp8_ms"] if bound == "hbm" else float("nan")
     row["tflops_bf16"] = 2 * T * K * 3 * H * inter / (row["rmoe_bf16_ms"] * 1e-3) / 1e12
     row["fp8_speedup"] = row["rmoe_bf16_ms"] / row["rmoe_fp8_ms"]
-    bar = VLLM_KERNELS_MS.get((name, T))
+    if peer is not None:  # vLLM's two GEMM launches on the same weights and routing, this run
+        cfg, _ = peer.pick_config(H, inter, E, K, T)
+        vk, _ = peer.vllm_kernels_only(x, w13, w2, wts.float().contiguous(), ids.to(torch.int32), cfg)
+        bar, source = time_graph(vk) / 1e3, "measured"
+    else:
+        bar, source = VLLM_KERNELS_MS.get((name, T)), "stored"
     if bar is not None:
         row["vllm_kernels_ms"] = bar
+        row["vllm_source"] = source
         row["vs_vllm"] = row["rmoe_bf16_ms"] / bar
     return row
 
 
-def run(shapes, tokens) -> list[dict]:
-    """Measure every (shape, T) point; returns one row per point."""
+def run(shapes, tokens, peer=None) -> list[dict]:
+    """Measure every (shape, T) point (``peer``: :func:`load_vllm_peer`'s module, or None); returns
+    one row per point."""
     rows: list[dict] = []
     for name in shapes:
         H, inter, E, K, _ = SHAPES[name]
         bf16w = make_weights(H, inter, E, fp8=False)
         fp8w = make_weights(H, inter, E, fp8=True)
         for T in tokens:
-            row = _point(name, T, bf16w, fp8w)
+            row = _point(name, T, bf16w, fp8w, peer)
             rows.append(row)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         del bf16w, fp8w
@@ -206,7 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_results", help="output directory for moe.csv / moe.json")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
+    p.add_argument("--peer-dir", default=None, help="folder with vLLM's extracted kernel (time it too)")
     a = p.parse_args(argv)
+    if a.peer_dir:
+        try:
+            peer_root = check_peer_dir(a.peer_dir)
+        except ValueError as exc:
+            p.error(str(exc))
     if no_cuda("replaymoe bench moe"):
         return NO_CUDA_EXIT
     shapes = [s for s in a.shapes.split(",") if s]
@@ -214,10 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
     tokens = [int(t) for t in a.tokens.split(",") if t]
-    rows = run(shapes, tokens)
+    rows = run(shapes, tokens, load_vllm_peer(peer_root) if a.peer_dir else None)
     write_results(rows, a.out, "moe")
     cols = ["shape", "T", "floor_ms", "rmoe_bf16_ms", "rmoe_fp8_ms", "grouped_mm_ms", "naive_ms",
-            "vllm_kernels_ms", "vs_vllm", "frac_floor_bf16", "tflops_bf16", "fp8_speedup",
+            "vllm_kernels_ms", "vllm_source", "vs_vllm", "frac_floor_bf16", "tflops_bf16", "fp8_speedup",
             "rmoe_bf16_eager_ms", "rmoe_bf16_eager_host_ms"]  # fmt: skip
     print_table(rows, cols)
     return 0
