@@ -26,22 +26,17 @@ Usage: PYTHONPATH=src python3 scripts/fwd_tma_ptx_check.py [gemm1|gemm2 ...]
 
 from __future__ import annotations
 
-import inspect
 import re
 import subprocess
 import sys
 import tempfile
 
-import triton
+import sm90_compile as sm90
+from sm90_compile import F32, I16, I32, ONE, P16, P32, PI
 from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 import replaymoe._kernels.moe as km
 
-P16, PI, P32, I16, I32, F32, ONE = (
-    ("*bf16", 16), ("*i32", 16), ("*fp32", 16), ("i32", 16), ("i32", 0), ("fp32", 0), ("i32", 1),
-)  # fmt: skip
 COMMON = dict(ids_ptr=PI, num_pid_m=I32, H=I16, I=I16, num_slots=I32, expert_offset=I32, num_local=I16,
               stride_we=I16, stride_wn=I16, stride_wk=ONE, stride_se=I32, stride_sn=I32, stride_be=I32,
               stride_bn=I32, sorted_ptr=PI, tile_expert_ptr=PI, num_tiles_ptr=PI, w_ptr=P16, ws_ptr=P16,
@@ -74,24 +69,8 @@ CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA 
 
 def compile_sm90(fn, args: dict, consts: dict, descs: dict, tma: bool, warps: int = 8, stages: int = 4):
     """The kernel compiled for sm_90 (default: 8 warps, 4 stages, as the prefill configuration)."""
-    sig, constexprs, attrs = {}, {}, {}
     consts = dict(consts, TMA=tma)
-    defaults = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}
-    for i, name in enumerate(fn.arg_names):
-        if tma and name in descs:
-            sig[name] = "tensordesc<bf16[{}, {}]>".format(*descs[name])
-        elif name in consts or (name not in args and name in defaults):
-            sig[name], constexprs[(i,)] = "constexpr", consts.get(name, defaults.get(name))
-        elif args[name] is ONE:  # unit stride along K: Triton specializes it
-            sig[name], constexprs[(i,)] = "constexpr", 1
-        else:
-            sig[name] = args[name][0]
-            if args[name][1]:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
+    return sm90.compile_sm90(fn, args, consts, warps=warps, stages=stages, descs=descs if tma else None)
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:

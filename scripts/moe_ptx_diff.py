@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import inspect
 import re
 import subprocess
 import sys
@@ -24,18 +23,13 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import F32 as F
+from sm90_compile import I16, I32, ONE, P8, P16, P32, PI, compile_sm90
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 import replaymoe._kernels.moe as new  # noqa: E402
 import replaymoe._kernels.moe_bwd as new_bwd  # noqa: E402
-
-TARGET = GPUTarget("cuda", 90, 32)
-P16, P32, PI, P8 = ("*bf16", 16), ("*fp32", 16), ("*i32", 16), ("*fp8e4nv", 16)
-I16, I32, F, ONE = ("i32", 16), ("i32", 0), ("fp32", 0), ("one", 0)
 
 
 def _old_modules(rev: str):
@@ -52,19 +46,7 @@ def _old_modules(rev: str):
 
 
 def _ptx(fn, args: dict, consts: dict, warps: int, stages: int) -> list[str]:
-    sig, constexprs, attrs = {}, {}, {}
-    defaults = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts or (name not in args and name in defaults):  # options left at their defaults
-            sig[name], constexprs[(i,)] = "constexpr", consts.get(name, defaults.get(name))
-        elif args[name] is ONE:  # an integer argument equal to 1: Triton specializes it
-            sig[name], constexprs[(i,)] = "constexpr", 1
-        else:
-            sig[name] = args[name][0]
-            if args[name][1]:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    ptx = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    ptx = compile_sm90(fn, args, consts, warps=warps, stages=stages).asm["ptx"]
     body = ptx[ptx.index(".entry") :]
     body = body[: body.index("\n}\n")]
     out = []

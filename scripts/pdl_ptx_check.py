@@ -10,16 +10,12 @@ Usage: PYTHONPATH=src python3 scripts/pdl_ptx_check.py [gemm1|gemm2|reduce ...]
 
 from __future__ import annotations
 
-import inspect
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import F32, I16, I32, P16, P32, PI, compile_sm90
 
 import replaymoe._kernels.moe as km
 
-P16, PI, P32, I16, I32, F32 = ("*bf16", 16), ("*i32", 16), ("*fp32", 16), ("i32", 16), ("i32", 0), ("fp32", 0)
 COMMON = dict(ids_ptr=PI, num_pid_m=I32, H=I16, I=I16, num_slots=I16, expert_offset=I32, num_local=I16,
               stride_we=I16, stride_wn=I16, stride_wk=I32, stride_se=I32, stride_sn=I32, stride_be=I32,
               stride_bn=I32, sorted_ptr=PI, tile_expert_ptr=PI, num_tiles_ptr=PI, w_ptr=P16, ws_ptr=P16,
@@ -51,18 +47,7 @@ CASES = {  # kernel: (function, argument types, constexprs, expected instruction
 
 
 def ptx(fn, args: dict, consts: dict) -> str:
-    sig, constexprs, attrs = {}, {}, {}
-    defaults = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts or (name not in args and name in defaults):  # options left at their defaults
-            sig[name], constexprs[(i,)] = "constexpr", consts.get(name, defaults.get(name))
-        else:
-            sig[name] = args[name][0]
-            if args[name][1]:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    opts = {"num_warps": 4, "num_stages": 4}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    return compile_sm90(fn, args, consts, warps=4, stages=4).asm["ptx"]
 
 
 def main(kernels: list[str]) -> int:
