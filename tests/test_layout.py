@@ -161,6 +161,11 @@ def test_layout_rejects(fn, kwargs, match):
         fn(ids, E, **args)
 
 
+def test_layout_rejects_non_bool_with_compact():
+    with pytest.raises(ValueError, match="with_compact"):
+        expert_layout(torch.zeros(4, 2, dtype=torch.int32), 4, block_m=16, with_compact=1)
+
+
 def check_compact(cl, lay: ExpertLayout) -> None:
     """The compact layout from its definition: the padded layout's real rows in order, then the
     marker T*K; exact_start the exclusive cumsum of the counts; shift = padded - compact start."""
@@ -180,18 +185,26 @@ def check_compact(cl, lay: ExpertLayout) -> None:
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("T,K,E,E_local,offset,block_m,cluster", CASES)
-def test_compact_layout_triton_matches_reference(T, K, E, E_local, offset, block_m, cluster, generator,
-                                                  monkeypatch):  # fmt: skip
-    # outputs poisoned with a valid slot id (0): every entry must be written, the EP tail included
+@pytest.mark.parametrize("with_layout", [False, True], ids=["own-launch", "with-layout"])
+def test_compact_layout_triton_matches_reference(T, K, E, E_local, offset, block_m, cluster, with_layout,
+                                                  generator, monkeypatch):  # fmt: skip
+    # outputs poisoned with a valid slot id (0): every entry must be written, the EP tail included;
+    # built by its own launch from a layout, or inside the layout's scatter (with_compact)
     ids = _random_ids(T, K, E, generator)
-    lay = expert_layout(ids, E_local, block_m=block_m, local_expert_offset=offset, cluster=cluster)
     ref = compact_layout_torch(layout_torch(ids, E_local, block_m=block_m, local_expert_offset=offset,
                                             cluster=cluster))  # fmt: skip
-    check_compact(ref, lay)
     empty = torch.empty
+    if not with_layout:
+        lay = expert_layout(ids, E_local, block_m=block_m, local_expert_offset=offset, cluster=cluster)
+        assert lay.compact is None
     monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(0))
+    if with_layout:
+        lay = expert_layout(ids, E_local, block_m=block_m, local_expert_offset=offset, cluster=cluster,
+                            with_compact=True)  # fmt: skip
     cl = compact_layout(lay)
     monkeypatch.undo()
+    assert (cl is lay.compact) == with_layout  # no second launch for a layout built with it
+    check_compact(ref, lay)
     check_compact(cl, lay)
     for f in ("compact_slots", "exact_start", "expert_shift"):
         assert torch.equal(getattr(cl, f), getattr(ref, f)), f
@@ -237,6 +250,8 @@ def test_layout_gpu_matches_reference(T, K, E, E_local, offset, block_m, generat
     assert torch.equal(lay.sorted_slots[:rows], ref.sorted_slots[:rows])
     for f in ("tile_expert", "tile_row_end", "expert_offsets", "expert_counts", "num_tiles"):
         assert torch.equal(getattr(lay, f), getattr(ref, f)), f
-    cl, cl_ref = compact_layout(lay), compact_layout_torch(ref)
-    for f in ("compact_slots", "exact_start", "expert_shift"):
-        assert torch.equal(getattr(cl, f), getattr(cl_ref, f)), f
+    cl_ref = compact_layout_torch(ref)
+    with_cl = expert_layout(ids, E_local, block_m=block_m, local_expert_offset=offset, with_compact=True)
+    for cl in (compact_layout(lay), with_cl.compact):  # its own launch; inside the layout's scatter
+        for f in ("compact_slots", "exact_start", "expert_shift"):
+            assert torch.equal(getattr(cl, f), getattr(cl_ref, f)), f

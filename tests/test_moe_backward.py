@@ -215,12 +215,14 @@ def test_eager_function_equals_custom_op_and_reuses_the_layout(case, generator, 
     T, H, I, E, E_local, offset, K = CASES[case].values  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float16)
     calls = []
-    real = L.expert_layout
-    monkeypatch.setattr(L, "expert_layout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = L.expert_layout_unchecked
+    monkeypatch.setattr(L, "expert_layout_unchecked", lambda *a, **k: calls.append(1) or real(*a, **k))
     eager = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="triton")
     assert len(calls) == 1  # one layout for forward and backward
 
     def via_op(*inputs):  # what torch.compile runs: the custom op and its registered autograd
+        inputs = list(inputs)
+        inputs[6] = MT.config_tuple(inputs[6])  # the eager Function takes the MoEConfig itself
         return torch.ops.replaymoe.moe_experts_train(*inputs)
 
     monkeypatch.setattr(MT._EagerTrain, "apply", via_op)

@@ -10,7 +10,8 @@ so that ``fast(kernel)[grid](*args, **kwargs)`` launches exactly the kernel Trit
   constexprs), so a call whose arguments specialize differently gets its own compiled kernel;
 * the first call of every specialization goes through Triton (compiling it if needed) and its
   compiled kernel is kept; later calls launch it directly on the current stream, with tensors passed
-  as their addresses (Triton's launcher would otherwise query the driver about every pointer).
+  as their addresses (Triton's launcher would otherwise query the driver about every pointer), through
+  the launcher's native entry point when the kernel needs no scratch memory.
 
 The plain Triton path is used when the process runs Triton's interpreter, when CUDA is
 unavailable, when a launch hook (a profiler) is installed, and when ``REPLAYMOE_FAST_LAUNCH=0``.
@@ -55,21 +56,38 @@ class FastLaunch:
             return
         bound, specialization, options = caches[4](*args, **kwargs)
         key = (device, tuple(specialization), tuple(options.items()))
-        kernel = self._compiled.get(key)
-        if kernel is None:
+        entry = self._compiled.get(key)
+        if entry is None:
             self._compile(grid, args, kwargs, key)
             return
-        kernel.run(
+        kernel, native, flags = entry
+        if native is None:
+            kernel.run(
+                grid[0],
+                grid[1] if len(grid) > 1 else 1,
+                grid[2] if len(grid) > 2 else 1,
+                torch._C._cuda_getCurrentRawStream(device),
+                kernel.function,
+                kernel.packed_metadata,
+                None,
+                None,
+                None,
+                # tensors as their addresses: Triton's launcher then skips a driver query per pointer
+                *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()],
+            )
+            return
+        # the launcher's own entry point: what ``kernel.run`` does when no scratch memory is needed
+        native(
             grid[0],
             grid[1] if len(grid) > 1 else 1,
             grid[2] if len(grid) > 2 else 1,
             torch._C._cuda_getCurrentRawStream(device),
             kernel.function,
+            *flags,
             kernel.packed_metadata,
             None,
             None,
             None,
-            # tensors as their addresses: Triton's launcher then skips a driver query per pointer
             *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()],
         )
 
@@ -80,7 +98,22 @@ class FastLaunch:
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
-            self._compiled[key] = kernel
+            self._compiled[key] = (kernel, *_native_launch(kernel))
+
+
+def _native_launch(kernel: Any) -> tuple[Any, tuple]:
+    """``(launch, (cooperative, pdl, None, None))``: the entry point under Triton's launcher object
+    (``kernel.run``, Triton 3.6's ``CudaLauncher``) and the arguments it passes ahead of the kernel's,
+    when the kernel needs no global or profiler scratch memory (the launcher then only forwards);
+    ``(None, ())`` otherwise, or for a launcher of another shape (``kernel.run`` is used)."""
+    run = kernel.run
+    native = getattr(run, "launch", None)
+    try:
+        if native is None or run.global_scratch_size > 0 or run.profile_scratch_size > 0:
+            return None, ()
+        return native, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+    except AttributeError:
+        return None, ()
 
 
 class _Bound:

@@ -63,6 +63,9 @@ class ExpertLayout:
         Tiles in use (a multiple of ``cluster``), on the device.
     block_m, cluster, num_slots : int
         Tile rows, tiles per group, and T*K (the padding marker).
+    compact : CompactLayout or None
+        The same order without padding, when :func:`expert_layout` built it alongside
+        (``with_compact=True``); :func:`compact_layout` then returns it instead of launching.
     """
 
     sorted_slots: torch.Tensor
@@ -74,6 +77,7 @@ class ExpertLayout:
     block_m: int
     cluster: int
     num_slots: int
+    compact: CompactLayout | None = None
 
     @property
     def max_tiles(self) -> int:
@@ -119,6 +123,7 @@ def expert_layout(
     block_m: int,
     local_expert_offset: int = 0,
     cluster: int = 1,
+    with_compact: bool = False,
 ) -> ExpertLayout:
     """Sort the T·K slots by local expert and pad each expert's segment to ``block_m * cluster``.
 
@@ -135,6 +140,8 @@ def expert_layout(
         Global id of the first local expert.
     cluster : int
         Segments are padded to ``block_m * cluster`` so tiles come in groups of ``cluster``.
+    with_compact : bool
+        Also build the :class:`CompactLayout` (in the same launches; ``.compact`` of the result).
 
     Returns
     -------
@@ -143,6 +150,22 @@ def expert_layout(
         process runs with ``TRITON_INTERPRET=1``), no host synchronization.
     """
     _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster)
+    if not isinstance(with_compact, bool):
+        fail("with_compact", "a bool", type(with_compact).__name__, what="type")
+    return expert_layout_unchecked(topk_ids, num_local_experts, block_m, local_expert_offset, cluster,
+                                   with_compact)  # fmt: skip
+
+
+def expert_layout_unchecked(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    block_m: int,
+    local_expert_offset: int = 0,
+    cluster: int = 1,
+    with_compact: bool = False,
+) -> ExpertLayout:
+    """:func:`expert_layout` without its argument checks, for callers inside the library whose
+    public entry point validated the ids already (host work per call matters at decode sizes)."""
     from ._kernels.layout import layout_hist_kernel, layout_scatter_kernel
     from ._launch import fast
 
@@ -167,7 +190,8 @@ def expert_layout(
     grid = max(num_chunks, -(-max_tiles // tile_block))
     i32 = torch.int32
     hist = torch.empty(num_chunks, e_pad, dtype=i32, device=dev)
-    base = torch.empty(num_chunks, e_pad, dtype=i32, device=dev)
+    # padded (and, with the compact order, unpadded) destinations per chunk and expert
+    base = torch.empty(2 if with_compact else 1, num_chunks, e_pad, dtype=i32, device=dev)
     out = ExpertLayout(
         sorted_slots=torch.empty(max(max_padded, 1), dtype=i32, device=dev),
         tile_expert=torch.empty(max_tiles, dtype=i32, device=dev),
@@ -179,6 +203,12 @@ def expert_layout(
         cluster=cluster,
         num_slots=num_slots,
     )
+    compact_args = {}
+    if with_compact:
+        out.compact = _empty_compact(num_slots, num_local_experts, dev)
+        compact_args = dict(compact_ptr=out.compact.compact_slots, cbase_ptr=base[1],
+                            exact_start_ptr=out.compact.exact_start, shift_ptr=out.compact.expert_shift,
+                            COMPACT=True)  # fmt: skip
     fast(layout_hist_kernel)[(num_chunks,)](
         topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
     )
@@ -186,7 +216,7 @@ def expert_layout(
         topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
         out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, num_chunks,
         max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,
-        TILE_BLOCK=tile_block, num_warps=8,
+        TILE_BLOCK=tile_block, **compact_args, num_warps=8,
     )  # fmt: skip
     return out
 
@@ -270,9 +300,18 @@ def _check_layout(layout):
              what="type")  # fmt: skip
 
 
+def _empty_compact(num_slots: int, num_local: int, dev: torch.device) -> CompactLayout:
+    i32 = torch.int32
+    return CompactLayout(
+        compact_slots=torch.empty(max(num_slots, 1), dtype=i32, device=dev)[:num_slots],
+        exact_start=torch.empty(num_local + 1, dtype=i32, device=dev),
+        expert_shift=torch.empty(num_local, dtype=i32, device=dev),
+    )
+
+
 def compact_layout(layout: ExpertLayout) -> CompactLayout:
     """Compact (unpadded) row order of ``layout``, on its device: one Triton launch, no host
-    synchronization (CUDA-graph capturable).
+    synchronization (CUDA-graph capturable); none when ``layout`` was built ``with_compact``.
 
     Parameters
     ----------
@@ -285,20 +324,16 @@ def compact_layout(layout: ExpertLayout) -> CompactLayout:
         ``compact_slots`` [T*K], ``exact_start`` [E_local + 1], ``expert_shift`` [E_local], int32.
     """
     _check_layout(layout)
+    if layout.compact is not None:
+        return layout.compact
     from ._kernels.layout import layout_compact_kernel
     from ._launch import fast
 
     num_local = layout.expert_counts.shape[0]
     n = layout.num_slots
     bm = layout.block_m
-    dev = layout.sorted_slots.device
-    i32 = torch.int32
-    compact = torch.empty(max(n, 1), dtype=i32, device=dev)
-    out = CompactLayout(
-        compact_slots=compact[:n],
-        exact_start=torch.empty(num_local + 1, dtype=i32, device=dev),
-        expert_shift=torch.empty(num_local, dtype=i32, device=dev),
-    )
+    out = _empty_compact(n, num_local, layout.sorted_slots.device)
+    compact = out.compact_slots
     e_pad = triton.next_power_of_2(max(num_local, 2))
     tile_block = max(1, min(4096 // e_pad, 4096 // bm))
     max_tiles = layout.max_tiles

@@ -221,10 +221,11 @@ def experts_triton_train(
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     c = config or moe_config(T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype))
-    args = (x, w13, w2, topk_ids, topk_weights, local_expert_offset, config_tuple(c), recompute)
     if torch.compiler.is_compiling():
+        args = (x, w13, w2, topk_ids, topk_weights, local_expert_offset, config_tuple(c), recompute)
         out, _ = torch.ops.replaymoe.moe_experts_train(*args, *variant.op_args())
     else:  # eager (CUDA-graph capture included): the same forward and backward without op dispatch
+        args = (x, w13, w2, topk_ids, topk_weights, local_expert_offset, c, recompute)
         out, _ = _EagerTrain.apply(*args, *variant.op_args())
     return out
 
@@ -281,7 +282,8 @@ def _train_forward(
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
     v = ExpertsVariant(b13, b2, act, alpha, limit, interleaved)
-    _launch(x, w13, w2, topk_ids, topk_weights, None, None, offset, out, config_from_list(config),
+    c = config if isinstance(config, MoEConfig) else config_from_list(config)  # eager: the object
+    _launch(x, w13, w2, topk_ids, topk_weights, None, None, offset, out, c,
             saved=None if recompute else saved, v=v, layout_out=layout_out)  # fmt: skip
     return out, saved
 
@@ -587,9 +589,10 @@ def launch_bwd(
         moe_bwd_dw_kernel,
         moe_bwd_dw_tma_kernel,
         moe_bwd_dx_kernel,
+        moe_bwd_gather_rows_kernel,
         moe_bwd_swiglu_kernel,
     )
-    from .layout import compact_layout, expert_layout
+    from .layout import compact_layout, expert_layout_unchecked
 
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -601,9 +604,8 @@ def launch_bwd(
     need = list(need) + [False] * (6 - n_out)
     b13, b2 = v.w13_bias, v.w2_bias
     src = (x, w13, w2, topk_weights, b13, b2)
-    empty = [x.new_empty((0,)) if t is None else t.new_empty((0,)) for t in src]
     if T == 0:
-        return tuple(torch.zeros_like(t) if n else z for t, n, z in zip(src, need, empty))[:n_out]
+        return tuple(torch.zeros_like(t) if n else _no_grad(x, t) for t, n in zip(src, need))[:n_out]
     x = x.contiguous()
     dout = dout.contiguous()
     ids = topk_ids.contiguous()
@@ -613,7 +615,7 @@ def launch_bwd(
     if layout is not None and layout.block_m == c.block_m and layout.cluster == 1:
         lay = layout
     else:
-        lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, True)
     cl = compact_layout(lay)  # rows of the intermediates: one per slot, no padding
     num_pid_m = lay.max_tiles
     bm = c.block_m
@@ -634,8 +636,9 @@ def launch_bwd(
     aw = torch.empty(slots, I, dtype=x.dtype, device=dev)
     bn_e = 128
     nb = triton.cdiv(I, bn_e)
-    # per slot: the d topk_weights partials of each I-block (+ dO·b2 in a last column with a w2 bias)
-    dwp = torch.zeros(slots, nb + (b2 is not None), dtype=torch.float32, device=dev)
+    # per slot: the d topk_weights partials of each I-block (+ dO·b2 in a last column with a w2 bias),
+    # summed by moe_reduce_kernel (with dX's reduce, or alone), which reads the local slots' rows only
+    dwp = torch.empty(slots, nb + (b2 is not None), dtype=torch.float32, device=dev)
     if b2 is not None:  # dO[t]·b2[e] of each local slot (0 elsewhere), one [T, E_local] matmul
         local = (ids >= offset) & (ids < offset + E_local)
         dob2 = (dout.float() @ b2.float().t()).gather(1, torch.where(local, ids - offset, 0).long())
@@ -654,20 +657,44 @@ def launch_bwd(
             ACT=v.act, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
         )  # fmt: skip
     del saved
-    res = list(empty)
+    res = [None] * 6
     if need[3]:
-        res[3] = dwp.sum(dim=1).reshape(T, K).to(topk_weights.dtype)
-    del dwp
+        res[3] = (torch.empty if num_pid_m else torch.zeros)(T, K, dtype=topk_weights.dtype, device=dev)
+
+    def reduce(parts, dxs, dx):  # dx[t] = sum over k of dxs rows; parts: dwts too (or alone)
+        bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+        has_dx = dxs is not None
+        rows, dst = (dxs, dx) if has_dx else (parts, parts)
+        on = parts if parts is not None else rows
+        fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh) if has_dx else 1)](
+            rows, ids, dst, H, K, offset, E_local, rows.stride(0), dst.stride(0), BLOCK_H=bh, PDL=False,
+            dwp_ptr=on, dwts_ptr=res[3] if parts is not None else on, num_parts=on.shape[1],
+            stride_dwp=on.stride(0), DWTS=parts is not None, DX=has_dx, num_warps=4,
+        )  # fmt: skip
+
+    if need[3] and num_pid_m and not need[0]:
+        reduce(dwp, None, None)
     if need[5]:  # dB2 [H] = sum over the expert's rows of w·dO[t]
         res[5] = _bias_grad(moe_bwd_bias_kernel, dout, wts, lay, cl, b2, K, gather=True)
     mode = c.dw_mode
-    if mode and (need[1] or need[2]):  # token rows of x and dO gathered once into compact order
-        sl = cl.compact_slots.long()
-        tok = torch.where(sl < slots, sl // K, 0)  # rows of non-local slots (never read): token 0
-        del sl
 
-    def rows_of(t):  # t[tok] [T*K, features] in compact order; mode 2: transposed [features, T*K]
-        g = t.index_select(0, tok)
+    def rows_of(t):  # t's token rows [T*K, features] in compact order; mode 2: transposed [features, T*K]
+        n = t.shape[1]
+        g = torch.empty(slots, n, dtype=t.dtype, device=dev)
+        bn_g = min(1024, triton.next_power_of_2(n))
+        fast(moe_bwd_gather_rows_kernel)[(triton.cdiv(slots, 8), triton.cdiv(n, bn_g))](
+            t,
+            g,
+            cl.compact_slots,
+            slots,
+            K,
+            n,
+            t.stride(0),
+            g.stride(0),
+            BLOCK_R=8,
+            BLOCK_N=bn_g,
+            num_warps=4,
+        )
         return g if mode == 1 else g.t().contiguous()
 
     def dw_gemm(i, a, b, a_t, a_g, b_g, c_t, m, n):
@@ -711,12 +738,10 @@ def launch_bwd(
                 EVEN_K=two_i % c.bk_x == 0, BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m,
                 DOT_PREC=prec, num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
-            bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-            fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
-                dxs, ids, dx, H, K, offset, E_local, dxs.stride(0), dx.stride(0), BLOCK_H=bh, num_warps=4
-            )
+            reduce(dwp if need[3] else None, dxs, dx)
             del dxs
         res[0] = dx
+    del dwp
     if need[1]:  # dW13 [2I, H] = dh_e^T @ x_e  (mode 2: dW13^T = x_e^T @ dh_e, stored transposed)
         if mode == 0:
             dw_gemm(1, dh, x, False, False, True, False, two_i, H)
@@ -732,7 +757,12 @@ def launch_bwd(
             dw_gemm(2, dout, aw, False, True, False, False, H, I)
         else:
             dw_gemm(2, rows_of(dout), aw, mode == 2, False, False, False, H, I)
-    return tuple(res[:n_out])
+    return tuple(_no_grad(x, t) if r is None else r for r, t in zip(res[:n_out], src))
+
+
+def _no_grad(x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+    """The empty placeholder of a gradient that was not asked for (the op returns tensors only)."""
+    return (x if t is None else t).new_empty((0,))
 
 
 def _bias_grad(kernel, src, wts, lay, cl, bias, K, *, gather):
@@ -883,7 +913,7 @@ def _launch(
     fp16 / fp32 weights of any strides; fp8 takes the standard variant only); ``layout_out`` (a list)
     receives the expert layout in tile mode."""
     from ._kernels.moe import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
-    from .layout import expert_layout
+    from .layout import expert_layout_unchecked
 
     T, H = x.shape
     if T == 0:
@@ -910,7 +940,8 @@ def _launch(
         rows, num_pid_m = slots, slots
         sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
     else:
-        lay = expert_layout(ids, E_local, block_m=c.block_m, local_expert_offset=offset)
+        # training (layout_out): the backward's compact order is built in the same launches
+        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, layout_out is not None)
         if layout_out is not None:
             layout_out.append(lay)
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles

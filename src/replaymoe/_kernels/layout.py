@@ -7,7 +7,10 @@ Two launches, no host synchronization:
    per-expert totals and padded offsets from the (small) histogram table, then
    * scatters its chunk's slots to their sorted positions (stable: slot order inside an expert),
    * writes the tile metadata and the padding markers of its block of tiles,
-   * program 0 writes ``expert_offsets``, ``expert_counts`` and ``num_tiles``.
+   * program 0 writes ``expert_offsets``, ``expert_counts`` and ``num_tiles``;
+   * with ``COMPACT``, the compact (unpadded) order as well: the same scatter from the unpadded
+     expert starts, the marker in the rows past the local slots, and (program 0) ``exact_start``
+     and ``expert_shift`` — :func:`replaymoe.layout.compact_layout`'s outputs, one launch fewer.
 
 ``layout_compact_kernel`` (grid = tile blocks) derives the layout's compact (unpadded) row order
 from an existing layout: see :func:`replaymoe.layout.compact_layout`.
@@ -61,6 +64,11 @@ def layout_scatter_kernel(
     BLOCK_M: tl.constexpr,
     SEG: tl.constexpr,
     TILE_BLOCK: tl.constexpr,
+    compact_ptr=None,
+    cbase_ptr=None,
+    exact_start_ptr=None,
+    shift_ptr=None,
+    COMPACT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     ev = tl.arange(0, E_PAD)
@@ -87,6 +95,15 @@ def layout_scatter_kernel(
         ok = se < E_PAD
         base = tl.load(base_ptr + pid * E_PAD + se, mask=ok, other=0)
         tl.store(sorted_ptr + base + i, pid * CH + si, mask=ok)
+        if COMPACT:  # the same order without padding: expert e's slots from exact_start[e]
+            exact_start = tl.cumsum(total, axis=0) - total
+            tl.store(cbase_ptr + pid * E_PAD + ev, exact_start + prev - chunk_excl)
+            tl.debug_barrier()
+            cbase = tl.load(cbase_ptr + pid * E_PAD + se, mask=ok, other=0)
+            tl.store(compact_ptr + cbase + i, pid * CH + si, mask=ok)
+            crow = pid * CH + i  # this chunk's rows past the local slots (EP): the marker
+            tail = (crow >= tl.sum(total, axis=0)) & (crow < num_slots)
+            tl.store(compact_ptr + crow, tl.full(crow.shape, 0, tl.int32) + num_slots, mask=tail)
 
     # ---- tile metadata and padding markers for this program's block of tiles ----
     n_tiles = tl.sum(padded, axis=0) // BLOCK_M
@@ -108,6 +125,11 @@ def layout_scatter_kernel(
         tl.store(expert_offsets_ptr + 1 + ev, padded_end, mask=ev < num_local)
         tl.store(expert_counts_ptr + ev, total, mask=ev < num_local)
         tl.store(num_tiles_ptr, n_tiles)
+        if COMPACT:
+            exact_end = tl.cumsum(total, axis=0)
+            tl.store(exact_start_ptr + ev, exact_end - total, mask=ev < num_local)
+            tl.store(exact_start_ptr + num_local, tl.sum(total, axis=0))
+            tl.store(shift_ptr + ev, padded_start - (exact_end - total), mask=ev < num_local)
 
 
 @triton.jit

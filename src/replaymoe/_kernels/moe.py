@@ -424,9 +424,19 @@ def moe_reduce_kernel(
     stride_om,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,
+    dwp_ptr=None,
+    dwts_ptr=None,
+    num_parts=0,
+    stride_dwp=0,
+    DWTS: tl.constexpr = False,
+    BLOCK_P: tl.constexpr = 16,
+    DX: tl.constexpr = True,
 ):
     """out[t] = sum over k (in k order) of y[t*K + k] for the token's local experts (``PDL``: launched
-    as a programmatic dependent launch; waits for GEMM2's rows first)."""
+    as a programmatic dependent launch; waits for GEMM2's rows first). ``DWTS`` (the backward): the
+    programs of the first H-block also write ``dwts[t*K + k]`` = the fp32 sum of the slot's
+    ``num_parts`` partials ``dwp[t*K + k, :]`` in a fixed order (0 for non-local slots, whose rows are
+    not read); ``DX=False``: that only (``y`` and ``out`` unused, one H-block)."""
     if PDL:
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
@@ -437,5 +447,15 @@ def moe_reduce_kernel(
         slot = t * TOP_K + kk
         e = tl.load(ids_ptr + slot).to(tl.int32) - expert_offset
         local = (e >= 0) & (e < num_local)
-        acc += tl.load(y_ptr + slot * stride_ym + rh, mask=h_ok & local, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_om + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+        if DX:
+            acc += tl.load(y_ptr + slot * stride_ym + rh, mask=h_ok & local, other=0.0).to(tl.float32)
+        if DWTS:
+            if tl.program_id(1) == 0:
+                rp = tl.arange(0, BLOCK_P)
+                part = tl.zeros((BLOCK_P,), dtype=tl.float32)
+                for p0 in range(0, num_parts, BLOCK_P):
+                    p_ok = local & (p0 + rp < num_parts)
+                    part += tl.load(dwp_ptr + slot * stride_dwp + p0 + rp, mask=p_ok, other=0.0)
+                tl.store(dwts_ptr + slot, tl.sum(part, axis=0).to(dwts_ptr.dtype.element_ty))
+    if DX:
+        tl.store(out_ptr + t * stride_om + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)

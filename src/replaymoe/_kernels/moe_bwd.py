@@ -34,6 +34,9 @@ passes are bitwise equal):
   anything, NaN included); C is stored through a descriptor over dW viewed [E*M, N] when BLOCK_M
   divides M, else by pointer stores. Same chunks, same order, same operand values: the pointer
   kernel's bits (bitwise on the H200; scripts/dw_tma_check.py, scripts/dw_tma_ptx_check.py).
+* ``moe_bwd_gather_rows_kernel`` (grid: compact-row blocks × feature blocks): the token rows of x
+  or dO in compact order for the dW GEMMs, ``dst[r] = src[compact_slots[r] // K]`` (token 0 for
+  the rows of non-local slots, which the dW GEMMs never read).
 * ``moe_bwd_bias_kernel`` (grid: experts × N-blocks): the bias gradients, per expert a sum over its
   compact rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
 
@@ -324,6 +327,31 @@ def moe_bwd_dw_kernel(
     else:
         c_ptrs = c_base + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_bwd_gather_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    compact_ptr,
+    num_slots,
+    TOP_K,
+    N,
+    stride_src,
+    stride_dst,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``dst[r, :N] = src[tok(r), :N]`` for BLOCK_R compact rows × BLOCK_N columns, where
+    ``tok(r) = compact_slots[r] // TOP_K`` (0 for the marker ``num_slots``): a plain copy."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_slots
+    slots = tl.load(compact_ptr + rows, mask=row_ok, other=num_slots)
+    tok = tl.where(slots < num_slots, slots // TOP_K, 0).to(tl.int64)
+    ok = row_ok[:, None] & (rn < N)[None, :]
+    v = tl.load(src_ptr + tok[:, None] * stride_src + rn[None, :], mask=ok)
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + rn[None, :], v, mask=ok)
 
 
 @triton.jit
