@@ -67,6 +67,59 @@ def _sigmoid_scaled(x32, ids, p):
     return s / (s.sum(dim=1, keepdim=True) + EPS) * p.scale
 
 
+# Closed-form gradients of the formulas above with respect to x32 at fixed ids, ``g`` = dL/dw [T, K]:
+# the same values as autograd of the formula (tests/test_routing.py checks them in float64), in a
+# handful of ops instead of a traced vjp (the eager backward's host time matters in training).
+def _scatter(x32, ids, d):
+    return torch.zeros_like(x32).scatter_add_(1, ids, d)
+
+
+def _softmax_back(probs, dq):  # d softmax(x) for a cotangent dq on all E columns
+    return probs * (dq - (dq * probs).sum(dim=1, keepdim=True))
+
+
+def _grad_softmax_at(x32, ids, g, p):
+    return _softmax_back(torch.softmax(x32, dim=1), _scatter(x32, ids, g))
+
+
+def _grad_softmax_at_renorm(x32, ids, g, p):
+    probs = torch.softmax(x32, dim=1)
+    q = probs.gather(1, ids)
+    qs = q.sum(dim=1, keepdim=True)
+    dq = (g - (g * q).sum(dim=1, keepdim=True) / qs) / qs
+    return _softmax_back(probs, _scatter(x32, ids, dq))
+
+
+def _grad_softmax_of_selected(x32, ids, g, p):
+    w = torch.softmax(x32.gather(1, ids), dim=1)
+    return _scatter(x32, ids, w * (g - (g * w).sum(dim=1, keepdim=True)))
+
+
+def _grad_raw_logits(x32, ids, g, p):
+    return _scatter(x32, ids, g)
+
+
+def _grad_sigmoid(x32, ids, g, p):
+    s = torch.sigmoid(x32.gather(1, ids))
+    return _scatter(x32, ids, g * s * (1 - s))
+
+
+def _grad_sigmoid_renorm(x32, ids, g, p):
+    s = torch.sigmoid(x32.gather(1, ids))
+    total = s.sum(dim=1, keepdim=True)
+    den = total.clamp_min(EPS)
+    # clamp_min passes a gradient where total >= EPS (autograd's rule), none below
+    ds = g / den - torch.where(total >= EPS, (g * s).sum(dim=1, keepdim=True) / (den * den), 0.0)
+    return _scatter(x32, ids, ds * s * (1 - s))
+
+
+def _grad_sigmoid_scaled(x32, ids, g, p):
+    s = torch.sigmoid(x32.gather(1, ids))
+    den = s.sum(dim=1, keepdim=True) + EPS
+    ds = (g / den - (g * s).sum(dim=1, keepdim=True) / (den * den)) * p.scale
+    return _scatter(x32, ids, ds * s * (1 - s))
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One routing method (see the table in :mod:`replaymoe.routing`'s docstring).
@@ -81,25 +134,34 @@ class MethodSpec:
         Needs ``top_k == 1``.
     weights : callable
         ``(x32 [T, E] fp32, ids [T, K] int64, Params) -> [T, K]`` weights, differentiable in x32.
+    grad : callable or None
+        ``(x32, ids, g [T, K], Params) -> [T, E]``: the gradient of ``weights`` w.r.t. x32 at fixed
+        ids for the cotangent g, in closed form; None = the Triton backward takes a vjp of
+        ``weights`` (a new method needs no hand-derived gradient).
     """
 
     biased: bool
     grouped: bool
     single_expert: bool
     weights: Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]
+    grad: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Params], torch.Tensor]] = None
 
 
 METHODS: dict[RoutingMethod, MethodSpec] = {
-    RoutingMethod.DEFAULT: MethodSpec(False, False, False, _softmax_at),
-    RoutingMethod.RENORMALIZE: MethodSpec(False, False, False, _softmax_of_selected),
-    RoutingMethod.DEEPSEEK_V3: MethodSpec(True, True, False, _sigmoid_scaled),
-    RoutingMethod.LLAMA4: MethodSpec(False, False, True, _sigmoid),
-    RoutingMethod.RENORMALIZE_NAIVE: MethodSpec(False, False, False, _softmax_at_renorm),
-    RoutingMethod.TOPK: MethodSpec(False, False, False, _raw_logits),
-    RoutingMethod.SIGMOID_RENORM: MethodSpec(False, False, False, _sigmoid_renorm),
-    RoutingMethod.MINIMAX2: MethodSpec(True, False, False, _sigmoid_scaled),
-    RoutingMethod.SIGMOID: MethodSpec(False, False, False, _sigmoid),
-    RoutingMethod.TOPK_SIGMOID: MethodSpec(False, False, False, _sigmoid),
+    RoutingMethod.DEFAULT: MethodSpec(False, False, False, _softmax_at, _grad_softmax_at),
+    RoutingMethod.RENORMALIZE: MethodSpec(
+        False, False, False, _softmax_of_selected, _grad_softmax_of_selected
+    ),
+    RoutingMethod.DEEPSEEK_V3: MethodSpec(True, True, False, _sigmoid_scaled, _grad_sigmoid_scaled),
+    RoutingMethod.LLAMA4: MethodSpec(False, False, True, _sigmoid, _grad_sigmoid),
+    RoutingMethod.RENORMALIZE_NAIVE: MethodSpec(
+        False, False, False, _softmax_at_renorm, _grad_softmax_at_renorm
+    ),
+    RoutingMethod.TOPK: MethodSpec(False, False, False, _raw_logits, _grad_raw_logits),
+    RoutingMethod.SIGMOID_RENORM: MethodSpec(False, False, False, _sigmoid_renorm, _grad_sigmoid_renorm),
+    RoutingMethod.MINIMAX2: MethodSpec(True, False, False, _sigmoid_scaled, _grad_sigmoid_scaled),
+    RoutingMethod.SIGMOID: MethodSpec(False, False, False, _sigmoid, _grad_sigmoid),
+    RoutingMethod.TOPK_SIGMOID: MethodSpec(False, False, False, _sigmoid, _grad_sigmoid),
 }
 
 

@@ -3,8 +3,8 @@
 One kernel launch per call (``_kernels/routing.py``): eagerly through :func:`replaymoe._launch.fast`,
 under ``torch.compile`` through the custom op ``replaymoe::route`` (with a fake implementation). With a
 gradient, :class:`RouteFunction` adds the backward of the weights with respect to the logits at the selected
-ids: autograd of the per-method formula in :mod:`replaymoe.routing_table` (:func:`weights_backward`),
-so a new method needs no hand-derived gradient.
+ids (:func:`weights_backward`): the per-method closed form in :mod:`replaymoe.routing_table`, or autograd
+of the method's formula where the table gives none, so a new method needs no hand-derived gradient.
 """
 
 from __future__ import annotations
@@ -118,13 +118,19 @@ def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params):
 def weights_backward(
     router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, method: int, scale: float
 ) -> torch.Tensor:
-    """Gradient of the method's weights w.r.t. the logits at fixed ``ids``: autograd of the table's
-    formula (:func:`replaymoe.routing_table.weights_torch`, through ``torch.func.vjp``, which
-    ``torch.compile`` traces) in fp32 (fp64 for fp64 logits)."""
+    """Gradient of the method's weights w.r.t. the logits at fixed ``ids``, in fp32 (fp64 for fp64
+    logits): the table's closed form (:attr:`replaymoe.routing_table.MethodSpec.grad`), or else
+    autograd of its formula (:func:`replaymoe.routing_table.weights_torch`) through
+    ``torch.func.vjp``; plain torch ops either way, which ``torch.compile`` traces."""
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
-    p = Params(RoutingMethod(method), ids.shape[1], 1, 1, scale)
+    m = RoutingMethod(method)
+    p = Params(m, ids.shape[1], 1, 1, scale)
     idl = ids.long()
-    _, vjp = torch.func.vjp(lambda x: weights_torch(x, idl, p), router_logits.detach().to(acc))
+    x = router_logits.detach().to(acc)
+    closed = METHODS[m].grad
+    if closed is not None:
+        return closed(x, idl, grad_w.to(acc), p).to(router_logits.dtype)
+    _, vjp = torch.func.vjp(lambda t: weights_torch(t, idl, p), x)
     (gx,) = vjp(grad_w.to(acc))
     return gx.to(router_logits.dtype)
 
