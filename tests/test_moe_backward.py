@@ -136,6 +136,41 @@ DW_IDS = ["gather-in-loop", "pre-gathered", "transposed", "pre-gathered-tma"]
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param((13, 64, 32, 8, 3, 2, 3), id="ep-slice"),  # ids outside [2, 5), a -1 row, EP tail
+        pytest.param((3, 32, 16, 8, 8, 0, 2), id="empty-experts"),  # most experts without rows
+        pytest.param((40, 32, 16, 2, 2, 0, 2), id="several-tiles"),  # tiles past an expert's rows
+    ],
+)
+@pytest.mark.usefixtures("poisoned_empty")
+def test_gemm_tma_equals_pointer_loads(case, generator):
+    # dA (W2 through a descriptor) and dX (W13 and dh through descriptors) give the pointer loads'
+    # gradients bitwise, and the closed form's; dh rows after a tile's real rows (another expert's,
+    # or past the buffer) only feed output rows that are not stored
+    import dataclasses
+
+    import replaymoe.moe as M
+    import replaymoe.moe_triton as MT
+
+    T, H, I, E, E_local, offset, K = case  # noqa: E741
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
+    ref = M.experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
+    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
+    base = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), block_m=16, bn_a=16, bk_a=16,
+                               bn_x=16, bk_x=16)  # fmt: skip
+    got = []
+    for gemm_tma in (False, True):
+        _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
+        cfg = dataclasses.replace(base, gemm_tma=gemm_tma)
+        got.append(MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg))
+    for name, a, b, e in zip(("dx", "dw13", "dw2", "dtopk_weights"), got[1], got[0], ref):
+        assert torch.equal(a, b), name
+        assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().max())), name=name)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("dw_mode", DW_MODES, ids=DW_IDS)
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("case", BWD_LAYOUTS)

@@ -172,6 +172,35 @@ def test_dw_tma_bitwise_equal_pointer_kernel_bench_shapes(shape):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("shape", ["qwen3", "mixtral", "dsv3"])
+def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
+    # dA / dX through TMA descriptors (the default this device picks) against pointer loads: every
+    # gradient bitwise equal, at the bench shapes (T=4096)
+    import dataclasses
+
+    import replaymoe.moe_triton as MT
+    from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
+
+    _needs_tma()
+    H, I, E, K = SHAPES[shape]  # noqa: E741
+    T = 4096
+    w13, w2 = (t.detach() for t in layer_weights(H, I, E))
+    x, ids, wts, dout = (t.detach() for t in layer_inputs(T, H, E, K))
+    cfg = MT.moe_bwd_config(T, K, H, I, E, tma=MT.dw_tma_ok(x.device, x.dtype))
+    assert cfg.gemm_tma == MT.BWD_GEMM_TMA_ENABLED
+    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E))
+    got = []
+    for gemm_tma in (False, True):
+        _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, c0, False)
+        c = dataclasses.replace(cfg, gemm_tma=gemm_tma)
+        got.append(MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, 0, False, [True] * 4, c))
+        del saved
+    for name, a, b in zip(("dx", "dw13", "dw2", "dtopk_weights"), got[1], got[0]):
+        assert torch.equal(a, b), name
+    del got
+    torch.cuda.empty_cache()
+
+
 def test_cuda_graph_forward_and_backward_dw_tma(monkeypatch):
     # forward + backward captured in a CUDA graph with the TMA dW kernel picked (host descriptors built
     # at capture): the replay equals eager, and eager equals the pointer kernel's backward

@@ -449,7 +449,9 @@ class MoEBwdConfig:
     program per SM of the device (every tile is still one program's K loop in row order: same
     bits). ``dw_c_desc`` (with ``dw_tma``): store C through a descriptor where BLOCK_M divides M
     (else pointer stores; on sm_90 the descriptor store takes more registers: 199 vs 172 at
-    128×128×32, 4 warps).
+    128×128×32, 4 warps). ``gemm_tma``: the dA GEMM reads W2, and the dX GEMM W13 and dh, through TMA
+    descriptors where the weights have unit stride along their last dimension and the K loop has no
+    partial step (else pointer loads; the same operand values either way).
     """
 
     block_m: int
@@ -471,6 +473,7 @@ class MoEBwdConfig:
     dw_tma: bool = False
     dw_progs: int = 0
     dw_c_desc: bool = True
+    gemm_tma: bool = False
 
 
 def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = False) -> MoEBwdConfig:  # noqa: E741
@@ -489,15 +492,20 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = Fal
         return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
     if m_avg < 40:
         return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
+    g = tma and BWD_GEMM_TMA_ENABLED
     if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
-        return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma)
-    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, -1 if tma else 0)
+        return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma, gemm_tma=g)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, -1 if tma else 0,
+                        gemm_tma=g)  # fmt: skip
 
 
 # The weight-gradient GEMMs through TMA tensor descriptors on Hopper and newer (MoEBwdConfig.dw_tma,
 # set by moe_bwd_config where dw_tma_ok); False (or the environment variable REPLAYMOE_DW_TMA=0) keeps
 # the pointer kernel. The bits are the same either way (H200 A/B: scripts/dw_tma_check.py).
 DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
+# The dA / dX GEMMs' weight (and dX's dh) tiles through TMA descriptors at the large-tile configurations
+# where dw_tma_ok (MoEBwdConfig.gemm_tma); REPLAYMOE_BWD_GEMM_TMA=0 keeps the pointer loads (same bits).
+BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
 _DW_TMA_DEVICES: dict = {}
 _SM_COUNTS: dict = {}
 
@@ -644,11 +652,13 @@ def launch_bwd(
         dob2 = (dout.float() @ b2.float().t()).gather(1, torch.where(local, ids - offset, 0).long())
         dwp[:, nb] = torch.where(local, dob2, 0.0).reshape(-1)
     if num_pid_m:
+        w2_desc = _rows_desc(w2, c.bk_a, c.bn_a) if c.gemm_tma and H % c.bk_a == 0 else None
         fast(moe_bwd_da_kernel)[(num_pid_m * triton.cdiv(I, c.bn_a),)](
             dout, w2, dh, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m, H, I,
             K, slots, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
             INTERLEAVED=v.interleaved, EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a,
-            GROUP_M=c.group_m, DOT_PREC=prec, num_warps=c.warps_a, num_stages=c.stages_a,
+            GROUP_M=c.group_m, DOT_PREC=prec, TMA=w2_desc is not None, w_desc=w2_desc, num_warps=c.warps_a,
+            num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
         fast(moe_bwd_swiglu_kernel)[(triton.cdiv(slots, br), nb)](
@@ -732,11 +742,14 @@ def launch_bwd(
         dx = (torch.empty if num_pid_m else torch.zeros)(T, H, dtype=x.dtype, device=dev)  # reduce writes all
         if num_pid_m:
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
+            w13_desc = _rows_desc(w13, c.bk_x, c.bn_x) if c.gemm_tma and two_i % c.bk_x == 0 else None
+            dh_desc = _rows_desc(dh, bm, c.bk_x) if w13_desc is not None else None
             fast(moe_bwd_dx_kernel)[(num_pid_m * triton.cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m,
                 H, two_i, slots, dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),
                 EVEN_K=two_i % c.bk_x == 0, BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m,
-                DOT_PREC=prec, num_warps=c.warps_x, num_stages=c.stages_x,
+                DOT_PREC=prec, TMA=dh_desc is not None, a_desc=dh_desc,
+                w_desc=w13_desc if dh_desc is not None else None, num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
             reduce(dwp if need[3] else None, dxs, dx)
             del dxs

@@ -84,9 +84,13 @@ def moe_bwd_da_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr = False,
+    w_desc=None,
 ):
     """da[row, gate column of n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I,
-    stored at the real rows' compact rows (padded row - shift[e]); padding rows are not stored."""
+    stored at the real rows' compact rows (padded row - shift[e]); padding rows are not stored.
+    ``TMA`` (``EVEN_K``): the W2 tiles come through ``w_desc``, a descriptor of w2 viewed as
+    ``[E_local * H, I]`` with blocks ``[BLOCK_K, BLOCK_N]`` (zeros past I, as the pointer loads' mask)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -104,8 +108,12 @@ def moe_bwd_da_kernel(
     d_ptrs = dout_ptr + tok[:, None] * stride_dm + rk[None, :]
     b_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2h + rn[None, :] * stride_w2i
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tl.static_assert(not TMA or EVEN_K)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            d = tl.load(d_ptrs, mask=row_ok[:, None], other=0.0)
+            b = w_desc.load([(e * H + k * BLOCK_K).to(tl.int32), pid_n * BLOCK_N])
+        elif EVEN_K:
             d = tl.load(d_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -218,9 +226,16 @@ def moe_bwd_dx_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr = False,
+    a_desc=None,
+    w_desc=None,
 ):
     """dxs[slot, n] = dh[row] @ W13[e][:, n] for the real rows of one tile × BLOCK_N of H (dh at
-    compact rows: padded row - shift[e]; padding rows read row 0, their results are not stored)."""
+    compact rows: padded row - shift[e]; padding rows read row 0, their results are not stored).
+    ``TMA`` (``EVEN_K``): both operands through descriptors, ``a_desc`` over dh ``[T*K, 2I]`` with
+    blocks ``[BLOCK_M, BLOCK_K]`` (a tile's real rows are consecutive compact rows; the rows after
+    them, another expert's or zeros past the end, only feed output rows that are not stored) and
+    ``w_desc`` over w13 viewed as ``[E_local * 2I, H]`` with blocks ``[BLOCK_K, BLOCK_N]``."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
@@ -237,8 +252,13 @@ def moe_bwd_dx_kernel(
     a_ptrs = dh_ptr + rows[:, None] * stride_dhm + rk[None, :]
     b_ptrs = w13_ptr + e * stride_we + rk[:, None] * stride_wn + rn[None, :] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tl.static_assert(not TMA or EVEN_K)
+    a_row = (pid_m * BLOCK_M - tl.load(shift_ptr + e)).to(tl.int32)  # TMA: the tile's first compact row
     for k in range(0, tl.cdiv(I2, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            a = a_desc.load([a_row, k * BLOCK_K])
+            b = w_desc.load([(e * I2 + k * BLOCK_K).to(tl.int32), pid_n * BLOCK_N])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
