@@ -751,6 +751,7 @@ def launch_bwd(
                 DOT_PREC=prec, TMA=dh_desc is not None, a_desc=dh_desc,
                 w_desc=w13_desc if dh_desc is not None else None, num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
+            del dh_desc, w13_desc  # a descriptor holds its tensor: dh must be freed after dW13 (peak)
             reduce(dwp if need[3] else None, dxs, dx)
             del dxs
         res[0] = dx
