@@ -38,6 +38,9 @@ tile, runs one dot of twice the width and splits the accumulator's columns); ``H
 added in the GEMM epilogues (w13's before the activation, w2's before the routing weight); ``ACT``: 0 = SwiGLU
 ``silu(g) * u``, 1 = gpt-oss's clamped SwiGLU ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g')``
 with ``g' = min(g, limit)``.
+
+Size: slightly over 450 lines; ``moe_reduce_kernel`` also serves the backward (the dX rows and the
+``topk_weights`` partials, ``DWTS``), and the GEMMs share their variant and fp8 code paths here.
 """
 
 from __future__ import annotations
