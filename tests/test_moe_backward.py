@@ -442,7 +442,7 @@ def test_dw_tma_selection_and_descriptor_checks(monkeypatch):
     assert MT.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True).dw_tma
     assert not MT.moe_bwd_config(4096, 8, 2048, 768, 128).dw_tma
     assert not MT.dw_tma_ok(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setitem(MT._DW_TMA_DEVICES, torch.device("cuda", 7), True)  # as a Hopper GPU would
+    monkeypatch.setitem(MT._HOPPER_DEVICES, torch.device("cuda", 7), True)  # as a Hopper GPU would
     assert MT.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
     assert not MT.dw_tma_ok(torch.device("cuda", 7), torch.float32)
     monkeypatch.setattr(MT, "DW_TMA_ENABLED", False)

@@ -149,19 +149,25 @@ def test_dw_tma_bitwise_equal_pointer_kernel(T, H, I, E, E_local, offset, K):  #
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("shape", ["qwen3", "mixtral", "dsv3"])
-def test_dw_tma_bitwise_equal_pointer_kernel_bench_shapes(shape):
-    # the bench shapes at T=4096 with the configuration this device picks (TMA on), tile grid and a
-    # persistent grid of one program per SM
+def _bench_problem(shape, T=4096):
+    """``(x, w13, w2, ids, wts, dout, cfg)``: the bench shape's layer at T tokens (detached) and the
+    backward configuration this device picks; skips without TMA."""
     import replaymoe.moe_triton as MT
     from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 
     _needs_tma()
     H, I, E, K = SHAPES[shape]  # noqa: E741
-    T = 4096
     w13, w2 = (t.detach() for t in layer_weights(H, I, E))
     x, ids, wts, dout = (t.detach() for t in layer_inputs(T, H, E, K))
     cfg = MT.moe_bwd_config(T, K, H, I, E, tma=MT.dw_tma_ok(x.device, x.dtype))
+    return x, w13, w2, ids, wts, dout, cfg
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "mixtral", "dsv3"])
+def test_dw_tma_bitwise_equal_pointer_kernel_bench_shapes(shape):
+    # the bench shapes at T=4096 with the configuration this device picks (TMA on), tile grid and a
+    # persistent grid of one program per SM
+    x, w13, w2, ids, wts, dout, cfg = _bench_problem(shape)
     assert cfg.dw_tma  # bf16 on Hopper: the default picks TMA
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for extra in ({"dw_progs": 0}, {"dw_progs": sms}, {"dw_progs": -1}):  # tile grid, persistent, per-SM
@@ -179,16 +185,12 @@ def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
     import dataclasses
 
     import replaymoe.moe_triton as MT
-    from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 
-    _needs_tma()
-    H, I, E, K = SHAPES[shape]  # noqa: E741
-    T = 4096
-    w13, w2 = (t.detach() for t in layer_weights(H, I, E))
-    x, ids, wts, dout = (t.detach() for t in layer_inputs(T, H, E, K))
-    cfg = MT.moe_bwd_config(T, K, H, I, E, tma=MT.dw_tma_ok(x.device, x.dtype))
+    x, w13, w2, ids, wts, dout, cfg = _bench_problem(shape)
     assert cfg.gemm_tma == MT.BWD_GEMM_TMA_ENABLED
-    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E))
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    c0 = MT.config_tuple(MT.moe_config(T, ids.shape[1], H, two_i // 2, E))
     got = []
     for gemm_tma in (False, True):
         _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, c0, False)

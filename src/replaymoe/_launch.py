@@ -60,24 +60,8 @@ class FastLaunch:
         if entry is None:
             self._compile(grid, args, kwargs, key)
             return
-        kernel, native, flags = entry
-        if native is None:
-            kernel.run(
-                grid[0],
-                grid[1] if len(grid) > 1 else 1,
-                grid[2] if len(grid) > 2 else 1,
-                torch._C._cuda_getCurrentRawStream(device),
-                kernel.function,
-                kernel.packed_metadata,
-                None,
-                None,
-                None,
-                # tensors as their addresses: Triton's launcher then skips a driver query per pointer
-                *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()],
-            )
-            return
-        # the launcher's own entry point: what ``kernel.run`` does when no scratch memory is needed
-        native(
+        kernel, launch, flags = entry
+        launch(
             grid[0],
             grid[1] if len(grid) > 1 else 1,
             grid[2] if len(grid) > 2 else 1,
@@ -88,6 +72,7 @@ class FastLaunch:
             None,
             None,
             None,
+            # tensors as their addresses: Triton's launcher then skips a driver query per pointer
             *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()],
         )
 
@@ -102,18 +87,19 @@ class FastLaunch:
 
 
 def _native_launch(kernel: Any) -> tuple[Any, tuple]:
-    """``(launch, (cooperative, pdl, None, None))``: the entry point under Triton's launcher object
-    (``kernel.run``, Triton 3.6's ``CudaLauncher``) and the arguments it passes ahead of the kernel's,
-    when the kernel needs no global or profiler scratch memory (the launcher then only forwards);
-    ``(None, ())`` otherwise, or for a launcher of another shape (``kernel.run`` is used)."""
+    """``(launch, flags)``: what a launch calls with ``(gx, gy, gz, stream, function, *flags,
+    packed_metadata, None, None, None, *args)``. The entry point under Triton's launcher object
+    (``kernel.run``, Triton 3.6's ``CudaLauncher``) with the arguments the object would pass ahead of
+    the packed metadata, when the kernel needs no global or profiler scratch memory (the object then
+    only forwards); else, or for a launcher of another shape, ``(kernel.run, ())``."""
     run = kernel.run
     native = getattr(run, "launch", None)
     try:
         if native is None or run.global_scratch_size > 0 or run.profile_scratch_size > 0:
-            return None, ()
+            return run, ()
         return native, (run.launch_cooperative_grid, run.launch_pdl, None, None)
     except AttributeError:
-        return None, ()
+        return run, ()
 
 
 class _Bound:

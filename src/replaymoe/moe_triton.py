@@ -509,7 +509,7 @@ DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
 # until a full bench run confirms it (its first run kept dh alive through the descriptor; fixed since,
 # not re-measured).
 BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "0") == "1"
-_DW_TMA_DEVICES: dict = {}
+_HOPPER_DEVICES: dict = {}
 _SM_COUNTS: dict = {}
 
 
@@ -526,14 +526,18 @@ def dw_tma_ok(dev: torch.device, dtype: torch.dtype) -> bool:
     """The backward's dW GEMMs may use TMA descriptors: :data:`DW_TMA_ENABLED`, bf16 / fp16, a CUDA
     device of compute capability 9.0 or newer, and not Triton's interpreter (tests that want the TMA
     kernel there pass a configuration with ``dw_tma=True``)."""
-    if not DW_TMA_ENABLED or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    ok = _DW_TMA_DEVICES.get(dev)
+    return DW_TMA_ENABLED and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
+
+
+def _hopper(dev: torch.device) -> bool:
+    """``dev`` is a CUDA device of compute capability 9.0 or newer and the process does not run
+    Triton's interpreter (cached per device): where TMA descriptors and PDL may be used."""
+    ok = _HOPPER_DEVICES.get(dev)
     if ok is None:
         from ._backend import INTERPRET
 
         ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
-        _DW_TMA_DEVICES[dev] = ok
+        _HOPPER_DEVICES[dev] = ok
     return ok
 
 
@@ -841,21 +845,12 @@ def _(
 # T=1 36.7 -> 40.1 us, Mixtral T=1 189 -> 288 us, DSv3 T=8 1278 -> 1549 us): GEMM2's programs sit
 # resident while GEMM1 still runs, and its L2 prefetch of weights larger than L2 reads them twice.
 PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "0") == "1"
-_PDL_DEVICES: dict = {}
 
 
 def _pdl_ok(dev: torch.device) -> bool:
     """Programmatic dependent launch is used on ``dev``: :data:`PDL_ENABLED`, a CUDA device of
     compute capability 9.0 or newer, and not Triton's interpreter."""
-    if not PDL_ENABLED:
-        return False
-    ok = _PDL_DEVICES.get(dev)
-    if ok is None:
-        from ._backend import INTERPRET
-
-        ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
-        _PDL_DEVICES[dev] = ok
-    return ok
+    return PDL_ENABLED and _hopper(dev)
 
 
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
@@ -863,7 +858,6 @@ def _pdl_ok(dev: torch.device) -> bool:
 # variable REPLAYMOE_TMA=0) keeps pointer loads. Results are the same either way. H200 A/B
 # (scripts/fwd_tma_check.py, graph replay): 1.04-1.11x at T >= 4096 (Mixtral T=16384 22.5 -> 20.3 ms).
 TMA_ENABLED = os.environ.get("REPLAYMOE_TMA", "1") != "0"
-_TMA_DEVICES: dict = {}
 _TMA_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a block
 
 
@@ -873,15 +867,7 @@ def tma_ok(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     kernels there pass a configuration with ``tma=True``), and bf16 / fp16 activations (fp32's
     ``ieee`` dot, no tensor cores, spills hundreds of bytes once its tiles come from TMA:
     ``scripts/fwd_tma_ptx_check.py``'s notes)."""
-    if not TMA_ENABLED or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    ok = _TMA_DEVICES.get(dev)
-    if ok is None:
-        from ._backend import INTERPRET
-
-        ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
-        _TMA_DEVICES[dev] = ok
-    return ok
+    return TMA_ENABLED and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
 
 
 def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
