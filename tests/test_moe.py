@@ -616,6 +616,24 @@ def test_gpu_ep_partial_sums():
     assert ((parts - full).norm() / full.norm()).item() < 6e-3
 
 
+def _graph_output(x, w13, w2, kw, like):
+    """fused_moe(x, w13, w2, **kw) captured in a CUDA graph (after a warm-up on a side stream) and
+    replayed into a poisoned buffer shaped like ``like``."""
+    out = poison(torch.empty_like(like))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe(x, w13, w2, out=out, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused_moe(x, w13, w2, out=out, **kw)
+    poison(out)
+    g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: some slots skip
 @pytest.mark.parametrize("T", [1, 2])  # the decode (direct) mode: routing inside, eager and graph
@@ -632,19 +650,7 @@ def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
     def run(pdl):
         monkeypatch.setattr(mt, "PDL_ENABLED", pdl)
         eager = fused_moe(x, w13, w2, **kw)
-        out = poison(torch.empty_like(eager))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fused_moe(x, w13, w2, out=out, **kw)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fused_moe(x, w13, w2, out=out, **kw)
-        poison(out)
-        g.replay()
-        torch.cuda.synchronize()
-        return eager, out
+        return eager, _graph_output(x, w13, w2, kw, eager)
 
     plain_eager, plain_graph = run(False)
     pdl_eager, pdl_graph = run(True)
@@ -707,19 +713,7 @@ def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
         made = _count_descs(monkeypatch)
         eager = fused_moe(x, w13, w2, **kw)
         assert len(made) == (3 if tma else 0)
-        out = poison(torch.empty_like(eager))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fused_moe(x, w13, w2, out=out, **kw)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fused_moe(x, w13, w2, out=out, **kw)
-        poison(out)
-        g.replay()
-        torch.cuda.synchronize()
-        return eager, out
+        return eager, _graph_output(x, w13, w2, kw, eager)
 
     plain_eager, plain_graph = run(False)
     tma_eager, tma_graph = run(True)
