@@ -180,8 +180,8 @@ def test_dw_tma_bitwise_equal_pointer_kernel_bench_shapes(shape):
 
 @pytest.mark.parametrize("shape", ["qwen3", "mixtral", "dsv3"])
 def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
-    # dA / dX through TMA descriptors (opt-in: REPLAYMOE_BWD_GEMM_TMA=1) against pointer loads: every
-    # gradient bitwise equal, at the bench shapes (T=4096)
+    # dA / dX through TMA descriptors (the default; REPLAYMOE_BWD_GEMM_TMA=0 turns it off) against
+    # pointer loads: every gradient bitwise equal, at the bench shapes (T=4096)
     import dataclasses
 
     import replaymoe.moe_triton as MT

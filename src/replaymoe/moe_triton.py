@@ -503,12 +503,11 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = Fal
 # set by moe_bwd_config where dw_tma_ok); False (or the environment variable REPLAYMOE_DW_TMA=0) keeps
 # the pointer kernel. The bits are the same either way (H200 A/B: scripts/dw_tma_check.py).
 DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
-# Opt-in (REPLAYMOE_BWD_GEMM_TMA=1): the dA / dX GEMMs' weight (and dX's dh) tiles through TMA descriptors
-# where dw_tma_ok (MoEBwdConfig.gemm_tma; the same bits as the pointer loads, H200 test). Measured on the
-# H200: Qwen3 T=4096 fwd+bwd 2.77 -> 2.73 ms, DSv3 T=4096 19.5 -> 19.4 ms (one A/B run); off by default
-# until a full bench run confirms it (its first run kept dh alive through the descriptor; fixed since,
-# not re-measured).
-BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "0") == "1"
+# The dA / dX GEMMs' weight (and dX's dh) tiles through TMA descriptors where dw_tma_ok
+# (MoEBwdConfig.gemm_tma; the same bits as the pointer loads, H200 test); REPLAYMOE_BWD_GEMM_TMA=0 turns it
+# off. H200, bench train, two A/B runs each: Qwen3 fwd+bwd T=1024 1.51 -> 1.46 ms, T=4096 2.75 -> 2.73,
+# T=16384 8.38-8.43 -> 8.27-8.35 (peaks unchanged); DSv3 T=4096 19.5 -> 19.4.
+BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
 _HOPPER_DEVICES: dict = {}
 _SM_COUNTS: dict = {}
 
