@@ -4,7 +4,10 @@ For each configuration :func:`replaymoe.moe_triton.moe_bwd_config` picks with ``
 deeper-pipelined / persistent variants scripts/dw_tma_check.py times), bf16, descriptor and pointer
 stores: the PTX must load through TMA (``cp.async.bulk.tensor``) and use wgmma, and a picked
 configuration must fit Hopper's 227 KiB of shared memory per block without spilling (a variant over
-it is only reported: it could not launch). Prints shared memory (the compiled kernel's metadata),
+it is only reported: it could not launch). A configuration with a register cap (``maxnreg_w``) may keep
+a stack frame of at most :data:`CAPPED_STACK_MAX` bytes and no local memory: the cap is a measured trade
+(at 168 registers three 4-warp programs share an SM; the H200 ran that dW kernel 1.17x faster with its
+16-byte frame than uncapped, bitwise the same). Prints shared memory (the compiled kernel's metadata),
 registers and spills (stack / local bytes, from Triton's bundled ``cuobjdump -res-usage``). Exit
 status 1 on a failed check (tests/test_moe_backward.py runs ``--quick``: the picked configurations).
 
@@ -27,22 +30,28 @@ import replaymoe._kernels.moe_bwd as kb
 import replaymoe.moe_triton as MT
 
 SMEM_MAX = 232448  # bytes of shared memory one block may use on sm_90
+CAPPED_STACK_MAX = 32  # stack bytes allowed under an explicit register cap (none without one)
 
-# (bm, bn, bk, warps, stages) of the dW GEMMs: what moe_bwd_config picks over the bench shapes (Qwen3,
-# Mixtral, DSv3-like; E, K) and token counts from decode to T=16384, then variants scripts/dw_tma_check.py
-# times (deeper pipelines)
+# (bm, bn, bk, warps, stages, maxnreg) of the dW GEMMs: what moe_bwd_config picks over the bench shapes
+# (Qwen3, Mixtral, DSv3-like; E, K) and token counts from decode to T=16384 (maxnreg 0: the compiler's
+# choice), then variants scripts/dw_tma_check.py times (deeper pipelines)
 PICKED = sorted(
     {
-        (c.bm_w, c.bn_w, c.bk_w, c.warps_w, c.stages_w)
+        (c.bm_w, c.bn_w, c.bk_w, c.warps_w, c.stages_w, c.maxnreg_w)
         for E, K in ((128, 8), (8, 2), (64, 8))
         for T in (1, 64, 512, 4096, 16384)
         for c in [MT.moe_bwd_config(T, K, 2048, 768, E, tma=True)]
     }
 )
-VARIANTS = [(128, 256, 64, 8, 4), (128, 256, 64, 8, 5), (128, 128, 64, 8, 5), (128, 128, 32, 4, 5)]
+VARIANTS = [
+    (128, 256, 64, 8, 4, 0),
+    (128, 256, 64, 8, 5, 0),
+    (128, 128, 64, 8, 5, 0),
+    (128, 128, 32, 4, 5, 0),
+]
 
 
-def compile_dw(bm, bn, bk, warps, stages, c_desc, progs):
+def compile_dw(bm, bn, bk, warps, stages, maxnreg, c_desc, progs):
     fn = kb.moe_bwd_dw_tma_kernel
     types = dict(
         a_desc=f"tensordesc<bf16[{bk}, {bm}]>",
@@ -72,10 +81,12 @@ def compile_dw(bm, bn, bk, warps, stages, c_desc, progs):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def compile_ptr(bm, bn, bk, warps, stages):
+def compile_ptr(bm, bn, bk, warps, stages, _maxnreg=0):
     """The pointer dW kernel (pre-gathered rows, ``dw_mode`` 1) at the same configuration, for comparison."""
     fn = kb.moe_bwd_dw_kernel
     consts = dict(A_T=False, A_GATHER=False, B_GATHER=False, C_T=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -119,10 +130,11 @@ def main(argv: list[str]) -> int:
     cases = [(cfg, True, 0) for cfg in PICKED] + [(cfg, False, 0) for cfg in PICKED]
     if not quick:
         cases += [(cfg, True, 0) for cfg in VARIANTS] + [(cfg, True, 132) for cfg in PICKED + VARIANTS]
-    for (bm, bn, bk, warps, stages), c_desc, progs in cases:
-        label = f"{bm}x{bn}x{bk} w{warps} s{stages} {'desc' if c_desc else 'ptr'}-store progs={progs}"
+    for (bm, bn, bk, warps, stages, maxnreg), c_desc, progs in cases:
+        cap = f" maxnreg {maxnreg}" if maxnreg else ""
+        label = f"{bm}x{bn}x{bk} w{warps} s{stages}{cap} {'desc' if c_desc else 'ptr'}-store progs={progs}"
         try:
-            k = compile_dw(bm, bn, bk, warps, stages, c_desc, progs)
+            k = compile_dw(bm, bn, bk, warps, stages, maxnreg, c_desc, progs)
         except Exception as exc:  # a configuration that does not compile is a failed check
             print(f"{label}: compile FAILED: {type(exc).__name__}: {str(exc)[:200]}")
             bad += 1
@@ -134,8 +146,9 @@ def main(argv: list[str]) -> int:
         regs, stack, local = resources(k.asm["cubin"])
         smem = getattr(md, "shared", None)
         fits = smem is None or smem <= SMEM_MAX
-        picked = (bm, bn, bk, warps, stages) in PICKED
-        ok = n_tma > 0 and n_wgmma > 0 and (not picked or (fits and not stack and not local))
+        picked = (bm, bn, bk, warps, stages, maxnreg) in PICKED
+        no_spill = not local and (not stack or (maxnreg and stack is not None and stack <= CAPPED_STACK_MAX))
+        ok = n_tma > 0 and n_wgmma > 0 and (not picked or (fits and no_spill))
         print(
             f"{label}: cp.async.bulk.tensor {n_tma}, wgmma {n_wgmma}, shared {smem} B"
             f"{'' if fits else ' (OVER 227 KiB: cannot launch)'}, regs {regs}, stack {stack} B,"

@@ -441,6 +441,13 @@ def test_dw_tma_selection_and_descriptor_checks(monkeypatch):
 
     assert MT.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True).dw_tma
     assert not MT.moe_bwd_config(4096, 8, 2048, 768, 128).dw_tma
+    # small experts on Hopper: the dW register cap (three programs per SM) and 128x256 dA tiles; neither
+    # without TMA (other GPUs: less shared memory), nor for large experts (one 8-warp program per SM)
+    hopper_small = MT.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True)
+    assert (hopper_small.maxnreg_w, hopper_small.bn_a) == (168, 256)
+    other_small = MT.moe_bwd_config(4096, 8, 2048, 768, 128)
+    assert (other_small.maxnreg_w, other_small.bn_a) == (0, 128)
+    assert MT.moe_bwd_config(16384, 8, 2048, 768, 128, tma=True).maxnreg_w == 0
     assert not MT.dw_tma_ok(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setitem(MT._HOPPER_DEVICES, torch.device("cuda", 7), True)  # as a Hopper GPU would
     assert MT.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
