@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _scripts import run_script
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
 from replaymoe.moe_triton import MoEConfig, experts_triton
 from replaymoe.quant import quantize_fp8_block
@@ -726,16 +727,7 @@ def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
 def test_decode_pdl_kernels_compile_for_sm90(kernel):
     # the PDL path never runs in the interpreter: compile it for Hopper (no GPU needed) and check the
     # instructions; a separate process, since this one runs the kernels in Triton's interpreter
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, str(root / "scripts" / "pdl_ptx_check.py"), kernel], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = run_script("pdl_ptx_check.py", kernel)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -744,16 +736,7 @@ def test_tile_tma_kernels_compile_for_sm90(kernel):
     # the TMA kernels compiled for Hopper (no GPU needed): TMA copies emitted (GEMM2: no other async
     # copies), none without TMA, no spills in the prefill configuration; a separate process, since this
     # one runs the kernels in Triton's interpreter
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, str(root / "scripts" / "fwd_tma_ptx_check.py"), kernel], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = run_script("fwd_tma_ptx_check.py", kernel)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = run.stdout.splitlines()[1:]  # after the header: one row per case and TMA setting
     assert len(rows) == (10 if kernel == "gemm1" else 6) and all(r.endswith(" ok") for r in rows), run.stdout

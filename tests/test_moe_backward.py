@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _scripts import run_script
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch
 from replaymoe.routing import RoutingMethod
 from replaymoe.testing import assert_close, tie_free_logits
@@ -470,15 +471,6 @@ def test_dw_tma_kernel_compiles_for_sm90():
     # the configurations moe_bwd_config picks (no GPU needed) and check that it loads through TMA, uses
     # wgmma, fits shared memory and does not spill; a separate process, since this one runs the kernels
     # in Triton's interpreter
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, str(root / "scripts" / "dw_tma_ptx_check.py"), "--quick"], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = run_script("dw_tma_ptx_check.py", "--quick")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("-> ok") == 6, run.stdout
