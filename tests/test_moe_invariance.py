@@ -114,3 +114,38 @@ def test_gpu_fp8_token_output_independent_of_batch(shape):
     for T in (2, 8, 64, 256, 1024, 2048):  # direct decode mode, mid and prefill configurations
         n = min(T, probe)
         assert torch.equal(run(T)[:n], alone[:n]), T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", [QWEN3, MIXTRAL, DSV3], ids=["qwen3", "mixtral", "dsv3"])
+def test_gpu_bench_shapes_token_output_independent_of_batch(shape, fp8):
+    # the guarantee at the three benchmark shapes: probe tokens computed alone (T=1, the decode path)
+    # equal, bitwise, the same tokens inside batches of T = 16 / 1024 / 16384 (mid and prefill
+    # configurations) among other tokens, at other rows each time (the companions and the probes'
+    # rows are drawn afresh per T)
+    from replaymoe.quant import quantize_fp8_block
+
+    H, I, E, K = shape  # noqa: E741
+    w13, w2 = _weights(shape, seed=5)
+    kw = {}
+    if fp8:
+        (w13, kw["w13_scale"]), (w2, kw["w2_scale"]) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    probes = 3
+    px = torch.randn(probes, H, device="cuda", generator=g, dtype=torch.bfloat16)
+    pids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(probes)]).int()
+    pwts = torch.rand(probes, K, device="cuda", generator=g)
+    alone = torch.cat(
+        [fused_moe(px[i : i + 1], w13, w2, topk_ids=pids[i : i + 1], topk_weights=pwts[i : i + 1], **kw)
+         for i in range(probes)]
+    )  # fmt: skip
+    for T in (16, 1024, 16384):
+        x = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].int()
+        wts = torch.rand(T, K, device="cuda", generator=g)
+        rows = torch.randperm(T, device="cuda", generator=g)[:probes]
+        x[rows], ids[rows], wts[rows] = px, pids, pwts
+        out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+        fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, out=out, **kw)
+        assert torch.equal(out[rows], alone), T
