@@ -3,6 +3,8 @@ expert-parallel partial sums, routing passthrough, MoELayer, every rejection."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -740,3 +742,64 @@ def test_tile_tma_kernels_compile_for_sm90(kernel):
     assert run.returncode == 0, run.stdout + run.stderr
     rows = run.stdout.splitlines()[1:]  # after the header: one row per case and TMA setting
     assert len(rows) == (10 if kernel == "gemm1" else 6) and all(r.endswith(" ok") for r in rows), run.stdout
+
+
+def _counted_ids(counts, g):
+    """Top-1 ids [T, 1] with ``counts[e]`` tokens on expert e, in a random token order."""
+    ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    return ids[torch.randperm(len(ids), generator=g)][:, None].contiguous()
+
+
+# per-expert row counts around a 32-row tile's half: 16 (a half tile), 17 (a full one), 48 (a full tile,
+# then a half), 1, 0 (no tile), 33 (a full tile, then a one-row half tile)
+_HALF_COUNTS = [16, 17, 48, 1, 0, 33]
+
+
+def _half_tiles_pair(dtype, device, generator, monkeypatch):
+    """(with HALF_TILES, without, reference): (out, dx, dw13, dw2, dtopk_weights) of the forward and of
+    the backward with GEMM1 recomputed, on experts whose row counts straddle a 32-row tile's half."""
+    import replaymoe.moe_triton as MT
+
+    E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
+    ids = _counted_ids(_HALF_COUNTS, generator)
+    T = ids.shape[0]
+    x, w13, w2, _, wts = _problem(T, H, I, E, 1, generator, dtype)
+    dout = torch.randn(T, H, generator=generator).to(dtype)
+    x, w13, w2, ids, wts, dout = (t.to(device) for t in (x, w13, w2, ids, wts, dout))
+    cfg = MoEConfig(False, 32, 16, 32, 4, 2, 32, 32, 4, 2)
+    bwd = dataclasses.replace(MT.moe_bwd_config(T, 1, H, I, E), block_m=32, dw_mode=1)
+    got = []
+    for half in (True, False):
+        monkeypatch.setattr(MT, "HALF_TILES_ENABLED", half)
+        out = poison(torch.empty(T, H, dtype=dtype, device=device))
+        experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
+                       config=cfg)  # fmt: skip
+        got.append((out, *MT.launch_bwd(dout, x, w13, w2, ids, wts, None, 0, True, [True] * 4, bwd)))
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), topk_ids=ids, topk_weights=wts)
+    return got[0], got[1], ref
+
+
+_GRAD_NAMES = ("out", "dx", "dw13", "dw2", "dtopk_weights")
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_half_tiles_match_full_tiles(dtype, generator, monkeypatch):
+    # a tile with at most half its rows real computes only that half (HALF_TILES), in the forward and in
+    # the backward's GEMM1 recomputation: the full tiles' results (numpy's matmul may round a 16-row
+    # block apart from a 32-row one, so not bitwise here; bitwise on the GPU below) and the reference's
+    half, full, ref = _half_tiles_pair(dtype, "cpu", generator, monkeypatch)
+    for name, a, b in zip(_GRAD_NAMES, half, full):
+        assert_close(a, b, atol=1e-6 * max(1.0, float(b.abs().max())), rtol=1e-5, name=name)
+    assert_close(half[0], ref, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_half_tiles_bitwise_equal_full_tiles(dtype, generator, monkeypatch):
+    # on the GPU a row's dot does not depend on the tile height: the same bits
+    half, full, ref = _half_tiles_pair(dtype, "cuda", generator, monkeypatch)
+    for name, a, b in zip(_GRAD_NAMES, half, full):
+        assert torch.equal(a, b), name
+    assert_close(half[0], ref, dtype=dtype)

@@ -515,6 +515,16 @@ DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
 # off. H200, bench train, two A/B runs each: Qwen3 fwd+bwd T=1024 1.51 -> 1.46 ms, T=4096 2.75 -> 2.73,
 # T=16384 8.38-8.43 -> 8.27-8.35 (peaks unchanged); DSv3 T=4096 19.5 -> 19.4.
 BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
+# Tile mode, bf16 / fp16 / fp32: a tile with at most half its rows real (an expert's last) computes
+# only that half (the kernels' HALF_TILES; the same bits). REPLAYMOE_HALF_TILES=0 turns it off.
+HALF_TILES_ENABLED = os.environ.get("REPLAYMOE_HALF_TILES", "1") != "0"
+
+
+def _half_tiles(c, fp8: bool) -> bool:
+    """The tile kernels of configuration ``c`` take HALF_TILES (tile mode, not fp8, >= 32-row tiles)."""
+    return HALF_TILES_ENABLED and not fp8 and not getattr(c, "direct", False) and c.block_m >= 32
+
+
 _HOPPER_DEVICES: dict = {}
 _SM_COUNTS: dict = {}
 
@@ -651,7 +661,8 @@ def launch_bwd(
                 saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ_X=False, PREQ=False,
                 SAVE_H=True, STORE_ACT=False, HAS_BIAS=b13 is not None, INTERLEAVED=v.interleaved, ACT=v.act,
                 EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=c.group_m,
-                DOT_PREC=prec, num_warps=8 if bm >= 128 else 4, num_stages=4 if bm >= 64 else 3,
+                DOT_PREC=prec, HALF_TILES=_half_tiles(c, False), num_warps=8 if bm >= 128 else 4,
+                num_stages=4 if bm >= 64 else 3,
             )  # fmt: skip
     dh = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
     aw = torch.empty(slots, I, dtype=x.dtype, device=dev)
@@ -991,8 +1002,8 @@ def _launch(
         DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save, STORE_ACT=True,
         HAS_BIAS=v.w13_bias is not None, INTERLEAVED=v.interleaved, ACT=v.act, EVEN_K=H % c.block_k1 == 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
-        PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, num_warps=c.warps1, num_stages=c.stages1,
-        launch_pdl=pdl,
+        PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
+        num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * triton.cdiv(H, c.block_n2),)

@@ -133,6 +133,7 @@ def moe_gemm1_kernel(
     PDL: tl.constexpr = False,
     TMA: tl.constexpr = False,
     w_desc=None,
+    HALF_TILES: tl.constexpr = False,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
@@ -146,15 +147,192 @@ def moe_gemm1_kernel(
     ``TMA`` (tile mode, not fp8, weights with unit stride along K): the weight tiles come through
     ``w_desc``, a host-side tensor descriptor of w13 viewed as ``[E_local * 2I, H]`` with blocks
     ``[BLOCK_N, BLOCK_K]`` (``[2 BLOCK_N, BLOCK_K]`` interleaved); the gathered x rows stay pointer
-    loads. Same K chunks in the same order, so the same bits."""
+    loads. Same K chunks in the same order, so the same bits.
+
+    ``HALF_TILES`` (tile mode): a tile with at most ``BLOCK_M // 2`` real rows (an expert's last)
+    computes only its first ``BLOCK_M // 2`` rows (the same bits: a row's dot does not depend on the
+    tile height, bf16 / fp16 / fp32; fp8 keeps one tile height, see FP8_BLOCK_M)."""
     tl.static_assert(not TMA or (not DIRECT and not FP8))
+    tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
-    rm = tl.arange(0, BLOCK_M)
+    half = False
+    if HALF_TILES:  # rows are a tile's first entries, padding markers (>= num_slots) after them
+        half = tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots
+    if half:
+        _gemm1_tile(
+            pid_m,
+            pid_n,
+            x_ptr,
+            xs_ptr,
+            w_ptr,
+            ws_ptr,
+            b_ptr,
+            inter_ptr,
+            inter_s_ptr,
+            h_ptr,
+            ids_ptr,
+            sorted_ptr,
+            tile_expert_ptr,
+            num_tiles_ptr,
+            num_pid_m,
+            H,
+            I,
+            TOP_K,
+            num_slots,
+            expert_offset,
+            num_local,
+            alpha,
+            limit,
+            stride_xm,
+            stride_we,
+            stride_wn,
+            stride_wk,
+            stride_se,
+            stride_sn,
+            stride_be,
+            stride_bn,
+            stride_im,
+            stride_hm,
+            DIRECT,
+            FP8,
+            PREQ_X,
+            PREQ,
+            SAVE_H,
+            STORE_ACT,
+            HAS_BIAS,
+            INTERLEAVED,
+            ACT,
+            EVEN_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP_M,
+            DOT_PREC,
+            PDL,
+            TMA,
+            w_desc,
+            ROWS=BLOCK_M // 2,
+        )
+    else:
+        _gemm1_tile(
+            pid_m,
+            pid_n,
+            x_ptr,
+            xs_ptr,
+            w_ptr,
+            ws_ptr,
+            b_ptr,
+            inter_ptr,
+            inter_s_ptr,
+            h_ptr,
+            ids_ptr,
+            sorted_ptr,
+            tile_expert_ptr,
+            num_tiles_ptr,
+            num_pid_m,
+            H,
+            I,
+            TOP_K,
+            num_slots,
+            expert_offset,
+            num_local,
+            alpha,
+            limit,
+            stride_xm,
+            stride_we,
+            stride_wn,
+            stride_wk,
+            stride_se,
+            stride_sn,
+            stride_be,
+            stride_bn,
+            stride_im,
+            stride_hm,
+            DIRECT,
+            FP8,
+            PREQ_X,
+            PREQ,
+            SAVE_H,
+            STORE_ACT,
+            HAS_BIAS,
+            INTERLEAVED,
+            ACT,
+            EVEN_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP_M,
+            DOT_PREC,
+            PDL,
+            TMA,
+            w_desc,
+            ROWS=BLOCK_M,
+        )
+
+
+@triton.jit
+def _gemm1_tile(
+    pid_m,
+    pid_n,
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    inter_ptr,
+    inter_s_ptr,
+    h_ptr,
+    ids_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    num_tiles_ptr,
+    num_pid_m,
+    H,
+    I,
+    TOP_K,
+    num_slots,
+    expert_offset,
+    num_local,
+    alpha,
+    limit,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_bn,
+    stride_im,
+    stride_hm,
+    DIRECT: tl.constexpr,
+    FP8: tl.constexpr,
+    PREQ_X: tl.constexpr,
+    PREQ: tl.constexpr,
+    SAVE_H: tl.constexpr,
+    STORE_ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
+    TMA: tl.constexpr,
+    w_desc,
+    ROWS: tl.constexpr,
+):
+    """One tile of ``moe_gemm1_kernel`` (its program ``pid_m, pid_n``): the first ``ROWS`` rows of
+    the tile's ``BLOCK_M`` (all of them but for a half tile)."""
+    rm = tl.arange(0, ROWS)
     if DIRECT:
         slot0 = tl.load(ids_ptr + pid_m).to(tl.int32)
         e = slot0 - expert_offset
@@ -183,7 +361,7 @@ def moe_gemm1_kernel(
         n2_ok = rn2 < 2 * I
         b_ptrs = w_base + rn2[None, :] * stride_wn + rk[:, None] * stride_wk
         w_row = e * (2 * I) + pid_n * (2 * BLOCK_N)  # TMA: the tile's first row in the [E*2I, H] view
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((ROWS, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -199,14 +377,14 @@ def moe_gemm1_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        acc_g, acc_u = tl.split(tl.reshape(acc, (ROWS, BLOCK_N, 2)))
     else:
         g_rows = rn
         u_rows = rn + I
         g_ptrs = w_base + rn[None, :] * stride_wn + rk[:, None] * stride_wk
         u_ptrs = g_ptrs + I * stride_wn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         if FP8:
             s_base = ws_ptr + e.to(tl.int64) * stride_se
             sg_ptr = s_base + (pid_n * BLOCK_N // 128) * stride_sn
