@@ -49,7 +49,8 @@ G1 = dict(TILE, PREQ_X=False, PREQ=False, SAVE_H=False, STORE_ACT=True, HAS_BIAS
           ACT=0, BLOCK_N=128)  # fmt: skip
 G2 = dict(TILE, PREQ=False, HAS_BIAS=False, BLOCK_N=256)
 D2 = dict(a_desc=(128, 64), w_desc=(256, 64))
-MAX_SPILL = {"gemm1-training": 8}  # bytes of spill stores allowed (0 elsewhere); see the docstring
+# bytes of spill stores allowed (0 elsewhere); see the docstring
+MAX_SPILL = {"gemm1-training": 8, "gemm1-training-half": 8}
 CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA only)[, warps, stages])
     "gemm1": (km.moe_gemm1_kernel, G1_ARGS, G1, dict(w_desc=(128, 64))),
     "gemm1-training": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True), dict(w_desc=(128, 64))),
@@ -58,6 +59,10 @@ CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA 
     "gemm1-ragged-H": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, EVEN_K=False), dict(w_desc=(128, 64))),
     "gemm2": (km.moe_gemm2_kernel, G2_ARGS, G2, D2),
     "gemm2-bias": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HAS_BIAS=True), D2),
+    # half tiles (HALF_TILES): both tile heights in one kernel, the half one through its own descriptor
+    "gemm1-training-half": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True, HALF_TILES=True),
+                            dict(w_desc=(128, 64))),
+    "gemm2-half": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HALF_TILES=True), dict(D2, a_desc_half=(64, 64))),
     # the mid-size tiles (16/32 rows, 4 warps), which moe_config does not give TMA yet but
     # scripts/fwd_tma_check.py --all-tiles times with it
     "gemm1-mid32": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128),

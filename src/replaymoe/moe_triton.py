@@ -681,8 +681,8 @@ def launch_bwd(
             dout, w2, dh, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m, H, I,
             K, slots, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
             INTERLEAVED=v.interleaved, EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a,
-            GROUP_M=c.group_m, DOT_PREC=prec, TMA=w2_desc is not None, w_desc=w2_desc, num_warps=c.warps_a,
-            num_stages=c.stages_a,
+            GROUP_M=c.group_m, DOT_PREC=prec, TMA=w2_desc is not None, w_desc=w2_desc,
+            HALF_TILES=_half_tiles(c, False), num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
         fast(moe_bwd_swiglu_kernel)[(triton.cdiv(slots, br), nb)](
@@ -768,14 +768,18 @@ def launch_bwd(
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
             w13_desc = _rows_desc(w13, c.bk_x, c.bn_x) if c.gemm_tma and two_i % c.bk_x == 0 else None
             dh_desc = _rows_desc(dh, bm, c.bk_x) if w13_desc is not None else None
+            half = _half_tiles(c, False)
+            dh_desc_half = _rows_desc(dh, bm // 2, c.bk_x) if half and dh_desc is not None else None
             fast(moe_bwd_dx_kernel)[(num_pid_m * triton.cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m,
                 H, two_i, slots, dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),
                 EVEN_K=two_i % c.bk_x == 0, BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m,
                 DOT_PREC=prec, TMA=dh_desc is not None, a_desc=dh_desc,
-                w_desc=w13_desc if dh_desc is not None else None, num_warps=c.warps_x, num_stages=c.stages_x,
+                w_desc=w13_desc if dh_desc is not None else None, HALF_TILES=half, a_desc_half=dh_desc_half,
+                num_warps=c.warps_x, num_stages=c.stages_x,
             )  # fmt: skip
-            del dh_desc, w13_desc  # a descriptor holds its tensor: dh must be freed after dW13 (peak)
+            # a descriptor holds its tensor: dh must be freed after dW13 (peak)
+            del dh_desc, dh_desc_half, w13_desc
             reduce(dwp if need[3] else None, dxs, dx)
             del dxs
         res[0] = dx
@@ -1010,14 +1014,16 @@ def _launch(
     b2, b2_se, b2_sn = _bias_args(v.w2_bias, w2)
     w2_desc = _rows_desc(w2, c.block_n2, c.block_k2) if tma else None
     inter_desc = _rows_desc(inter, c.block_m, c.block_k2) if w2_desc is not None else None
+    half = _half_tiles(c, fp8)
+    inter_desc_half = _rows_desc(inter, c.block_m // 2, c.block_k2) if half and inter_desc else None
     fast(moe_gemm2_kernel)[grid2](
         inter, inter_s, w2, s2, b2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *s2_strides, b2_se,
         b2_sn, y.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, HAS_BIAS=v.w2_bias is not None,
         EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k2,
         GROUP_M=c.group_m, DOT_PREC=prec, PDL=pdl, TMA=inter_desc is not None, a_desc=inter_desc,
-        w_desc=w2_desc if inter_desc is not None else None, num_warps=c.warps2, num_stages=c.stages2,
-        launch_pdl=pdl,
+        w_desc=w2_desc if inter_desc is not None else None, HALF_TILES=half, a_desc_half=inter_desc_half,
+        num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](

@@ -160,119 +160,31 @@ def moe_gemm1_kernel(
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
-    half = False
     if HALF_TILES:  # rows are a tile's first entries, padding markers (>= num_slots) after them
-        half = tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots
-    if half:
-        _gemm1_tile(
-            pid_m,
-            pid_n,
-            x_ptr,
-            xs_ptr,
-            w_ptr,
-            ws_ptr,
-            b_ptr,
-            inter_ptr,
-            inter_s_ptr,
-            h_ptr,
-            ids_ptr,
-            sorted_ptr,
-            tile_expert_ptr,
-            num_tiles_ptr,
-            num_pid_m,
-            H,
-            I,
-            TOP_K,
-            num_slots,
-            expert_offset,
-            num_local,
-            alpha,
-            limit,
-            stride_xm,
-            stride_we,
-            stride_wn,
-            stride_wk,
-            stride_se,
-            stride_sn,
-            stride_be,
-            stride_bn,
-            stride_im,
-            stride_hm,
-            DIRECT,
-            FP8,
-            PREQ_X,
-            PREQ,
-            SAVE_H,
-            STORE_ACT,
-            HAS_BIAS,
-            INTERLEAVED,
-            ACT,
-            EVEN_K,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            GROUP_M,
-            DOT_PREC,
-            PDL,
-            TMA,
-            w_desc,
-            ROWS=BLOCK_M // 2,
-        )
+        if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
+            _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
+                        h_ptr, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
+                        TOP_K, num_slots, expert_offset, num_local, alpha, limit, stride_xm,
+                        stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
+                        stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
+                        HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M // 2)  # fmt: skip
+        else:
+            _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
+                        h_ptr, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
+                        TOP_K, num_slots, expert_offset, num_local, alpha, limit, stride_xm,
+                        stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
+                        stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
+                        HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M)  # fmt: skip
     else:
-        _gemm1_tile(
-            pid_m,
-            pid_n,
-            x_ptr,
-            xs_ptr,
-            w_ptr,
-            ws_ptr,
-            b_ptr,
-            inter_ptr,
-            inter_s_ptr,
-            h_ptr,
-            ids_ptr,
-            sorted_ptr,
-            tile_expert_ptr,
-            num_tiles_ptr,
-            num_pid_m,
-            H,
-            I,
-            TOP_K,
-            num_slots,
-            expert_offset,
-            num_local,
-            alpha,
-            limit,
-            stride_xm,
-            stride_we,
-            stride_wn,
-            stride_wk,
-            stride_se,
-            stride_sn,
-            stride_be,
-            stride_bn,
-            stride_im,
-            stride_hm,
-            DIRECT,
-            FP8,
-            PREQ_X,
-            PREQ,
-            SAVE_H,
-            STORE_ACT,
-            HAS_BIAS,
-            INTERLEAVED,
-            ACT,
-            EVEN_K,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            GROUP_M,
-            DOT_PREC,
-            PDL,
-            TMA,
-            w_desc,
-            ROWS=BLOCK_M,
-        )
+        _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
+                    h_ptr, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
+                    TOP_K, num_slots, expert_offset, num_local, alpha, limit, stride_xm,
+                    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
+                    stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
+                    HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                    DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M)  # fmt: skip
 
 
 @triton.jit
@@ -487,6 +399,8 @@ def moe_gemm2_kernel(
     TMA: tl.constexpr = False,
     a_desc=None,
     w_desc=None,
+    HALF_TILES: tl.constexpr = False,
+    a_desc_half=None,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
     tile = slot; the bias only with ``HAS_BIAS``).
@@ -501,13 +415,90 @@ def moe_gemm2_kernel(
     ``[E_local * H, I]`` (blocks ``[BLOCK_N, BLOCK_K]``). Padding rows of ``inter`` (never written)
     and weight rows past H (the next expert's) are read but only feed rows / columns that are not
     stored; past I the descriptors fill zeros, as the masks do. Same K chunks in the same order, so
-    the same bits."""
+    the same bits.
+
+    ``HALF_TILES``: a tile with at most ``BLOCK_M // 2`` real rows computes only its first half
+    (``a_desc_half``: ``a_desc`` with ``BLOCK_M // 2``-row blocks); a row's dot does not depend on the
+    tile height, so the same bits."""
     tl.static_assert(DIRECT or not PDL)
     tl.static_assert(not TMA or (not DIRECT and not FP8))
+    tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
-    rm = tl.arange(0, BLOCK_M)
+    if HALF_TILES:  # real rows come first in a tile, padding markers (>= num_slots) after them
+        if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
+            _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
+                        wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
+                        num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
+                        stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
+                        FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
+                        PDL, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2)  # fmt: skip
+        else:
+            _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
+                        wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
+                        num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
+                        stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
+                        FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
+                        PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
+    else:
+        _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
+                    wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
+                    num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
+                    stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
+                    FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
+                    PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
+
+
+@triton.jit
+def _gemm2_tile(
+    pid_m,
+    pid_n,
+    inter_ptr,
+    inter_s_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
+    ids_ptr,
+    wts_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    num_tiles_ptr,
+    num_pid_m,
+    H,
+    I,
+    num_slots,
+    expert_offset,
+    num_local,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_bn,
+    stride_ym,
+    DIRECT: tl.constexpr,
+    FP8: tl.constexpr,
+    PREQ: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
+    TMA: tl.constexpr,
+    a_desc,
+    w_desc,
+    ROWS: tl.constexpr,
+):
+    """One tile of ``moe_gemm2_kernel`` (program ``pid_m, pid_n``): its first ``ROWS`` of ``BLOCK_M``
+    rows."""
+    rm = tl.arange(0, ROWS)
     if DIRECT:
         e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
         if PDL:
@@ -546,7 +537,7 @@ def moe_gemm2_kernel(
         bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
     a_row = pid_m * BLOCK_M  # TMA: the tile's first row of inter and of the [E*H, I] view of w2
     w_row = e * H + pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(I, BLOCK_K)):
         if TMA:
             a = a_desc.load([a_row, k * BLOCK_K])

@@ -86,18 +86,75 @@ def moe_bwd_da_kernel(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr = False,
     w_desc=None,
+    HALF_TILES: tl.constexpr = False,
 ):
     """da[row, gate column of n] = dO[tok] @ W2[e][:, n] (unweighted) for one tile × BLOCK_N of I,
     stored at the real rows' compact rows (padded row - shift[e]); padding rows are not stored.
     ``TMA`` (``EVEN_K``): the W2 tiles come through ``w_desc``, a descriptor of w2 viewed as
-    ``[E_local * H, I]`` with blocks ``[BLOCK_K, BLOCK_N]`` (zeros past I, as the pointer loads' mask)."""
+    ``[E_local * H, I]`` with blocks ``[BLOCK_K, BLOCK_N]`` (zeros past I, as the pointer loads' mask).
+
+    ``HALF_TILES``: a tile with at most ``BLOCK_M // 2`` real rows computes only its first half; a
+    row's dot does not depend on the tile height, so the same bits."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    if HALF_TILES:  # real rows come first in a tile, padding markers (>= num_slots) after them
+        if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
+            _bwd_da_tile(pid_m, pid_n, dout_ptr, w2_ptr, da_ptr, sorted_ptr, tile_expert_ptr,
+                         shift_ptr, num_tiles_ptr, num_pid_m, H, I, TOP_K, num_slots, stride_dm,
+                         stride_w2e, stride_w2h, stride_w2i, stride_am, INTERLEAVED, EVEN_K,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC, TMA, w_desc,
+                         ROWS=BLOCK_M // 2)  # fmt: skip
+        else:
+            _bwd_da_tile(pid_m, pid_n, dout_ptr, w2_ptr, da_ptr, sorted_ptr, tile_expert_ptr,
+                         shift_ptr, num_tiles_ptr, num_pid_m, H, I, TOP_K, num_slots, stride_dm,
+                         stride_w2e, stride_w2h, stride_w2i, stride_am, INTERLEAVED, EVEN_K,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC, TMA, w_desc, ROWS=BLOCK_M)  # fmt: skip
+    else:
+        _bwd_da_tile(pid_m, pid_n, dout_ptr, w2_ptr, da_ptr, sorted_ptr, tile_expert_ptr,
+                     shift_ptr, num_tiles_ptr, num_pid_m, H, I, TOP_K, num_slots, stride_dm,
+                     stride_w2e, stride_w2h, stride_w2i, stride_am, INTERLEAVED, EVEN_K,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC, TMA, w_desc, ROWS=BLOCK_M)  # fmt: skip
+
+
+@triton.jit
+def _bwd_da_tile(
+    pid_m,
+    pid_n,
+    dout_ptr,
+    w2_ptr,
+    da_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    shift_ptr,
+    num_tiles_ptr,
+    num_pid_m,
+    H,
+    I,
+    TOP_K,
+    num_slots,
+    stride_dm,
+    stride_w2e,
+    stride_w2h,
+    stride_w2i,
+    stride_am,
+    INTERLEAVED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    w_desc,
+    ROWS: tl.constexpr,
+):
+    """One tile of ``moe_bwd_da_kernel`` (program ``pid_m, pid_n``): its first ``ROWS`` of ``BLOCK_M``
+    rows."""
     if pid_m >= tl.load(num_tiles_ptr):
         return
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.arange(0, ROWS)
     slots = tl.load(sorted_ptr + pid_m * BLOCK_M + rm)
     row_ok = slots < num_slots
     rows = tl.where(row_ok, pid_m * BLOCK_M + rm - tl.load(shift_ptr + e), 0).to(tl.int64)  # compact
@@ -107,7 +164,7 @@ def moe_bwd_da_kernel(
     rk = tl.arange(0, BLOCK_K)
     d_ptrs = dout_ptr + tok[:, None] * stride_dm + rk[None, :]
     b_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2h + rn[None, :] * stride_w2i
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     tl.static_assert(not TMA or EVEN_K)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if TMA:
@@ -229,20 +286,77 @@ def moe_bwd_dx_kernel(
     TMA: tl.constexpr = False,
     a_desc=None,
     w_desc=None,
+    HALF_TILES: tl.constexpr = False,
+    a_desc_half=None,
 ):
     """dxs[slot, n] = dh[row] @ W13[e][:, n] for the real rows of one tile × BLOCK_N of H (dh at
     compact rows: padded row - shift[e]; padding rows read row 0, their results are not stored).
     ``TMA`` (``EVEN_K``): both operands through descriptors, ``a_desc`` over dh ``[T*K, 2I]`` with
     blocks ``[BLOCK_M, BLOCK_K]`` (a tile's real rows are consecutive compact rows; the rows after
     them, another expert's or zeros past the end, only feed output rows that are not stored) and
-    ``w_desc`` over w13 viewed as ``[E_local * 2I, H]`` with blocks ``[BLOCK_K, BLOCK_N]``."""
+    ``w_desc`` over w13 viewed as ``[E_local * 2I, H]`` with blocks ``[BLOCK_K, BLOCK_N]``.
+
+    ``HALF_TILES``: a tile with at most ``BLOCK_M // 2`` real rows computes only its first half
+    (``a_desc_half``: ``a_desc`` with ``BLOCK_M // 2``-row blocks); a row's dot does not depend on the
+    tile height, so the same bits."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    if HALF_TILES:  # real rows come first in a tile, padding markers (>= num_slots) after them
+        if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
+            _bwd_dx_tile(pid_m, pid_n, dh_ptr, w13_ptr, dxs_ptr, sorted_ptr, tile_expert_ptr,
+                         shift_ptr, num_tiles_ptr, num_pid_m, H, I2, num_slots, stride_dhm,
+                         stride_we, stride_wn, stride_wk, stride_xm, EVEN_K, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, DOT_PREC, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2)  # fmt: skip
+        else:
+            _bwd_dx_tile(pid_m, pid_n, dh_ptr, w13_ptr, dxs_ptr, sorted_ptr, tile_expert_ptr,
+                         shift_ptr, num_tiles_ptr, num_pid_m, H, I2, num_slots, stride_dhm,
+                         stride_we, stride_wn, stride_wk, stride_xm, EVEN_K, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, DOT_PREC, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
+    else:
+        _bwd_dx_tile(pid_m, pid_n, dh_ptr, w13_ptr, dxs_ptr, sorted_ptr, tile_expert_ptr,
+                     shift_ptr, num_tiles_ptr, num_pid_m, H, I2, num_slots, stride_dhm,
+                     stride_we, stride_wn, stride_wk, stride_xm, EVEN_K, BLOCK_M, BLOCK_N,
+                     BLOCK_K, GROUP_M, DOT_PREC, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
+
+
+@triton.jit
+def _bwd_dx_tile(
+    pid_m,
+    pid_n,
+    dh_ptr,
+    w13_ptr,
+    dxs_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    shift_ptr,
+    num_tiles_ptr,
+    num_pid_m,
+    H,
+    I2,
+    num_slots,
+    stride_dhm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_xm,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    a_desc,
+    w_desc,
+    ROWS: tl.constexpr,
+):
+    """One tile of ``moe_bwd_dx_kernel`` (program ``pid_m, pid_n``): its first ``ROWS`` of ``BLOCK_M``
+    rows."""
     if pid_m >= tl.load(num_tiles_ptr):
         return
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.arange(0, ROWS)
     slots = tl.load(sorted_ptr + pid_m * BLOCK_M + rm)
     row_ok = slots < num_slots
     rows = tl.where(row_ok, pid_m * BLOCK_M + rm - tl.load(shift_ptr + e), 0).to(tl.int64)  # compact
@@ -251,7 +365,7 @@ def moe_bwd_dx_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = dh_ptr + rows[:, None] * stride_dhm + rk[None, :]
     b_ptrs = w13_ptr + e * stride_we + rk[:, None] * stride_wn + rn[None, :] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     tl.static_assert(not TMA or EVEN_K)
     a_row = (pid_m * BLOCK_M - tl.load(shift_ptr + e)).to(tl.int32)  # TMA: the tile's first compact row
     for k in range(0, tl.cdiv(I2, BLOCK_K)):
