@@ -39,8 +39,14 @@ added in the GEMM epilogues (w13's before the activation, w2's before the routin
 ``silu(g) * u``, 1 = gpt-oss's clamped SwiGLU ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g')``
 with ``g' = min(g, limit)``.
 
-Size: slightly over 450 lines; ``moe_reduce_kernel`` also serves the backward (the dX rows and the
-``topk_weights`` partials, ``DWTS``), and the GEMMs share their variant and fp8 code paths here.
+Half tiles (``HALF_TILES``, tile mode, not fp8): each GEMM kernel is a dispatcher over a ``_*_tile``
+body with a constexpr row count; a tile whose row ``BLOCK_M // 2`` is padding (an expert's last, at
+most half full) runs the body with ``BLOCK_M // 2`` rows, the others with ``BLOCK_M``. A row's dot does
+not depend on the tile height on the GPU (bf16 / fp16), so the same bits; the padding rows are skipped.
+
+Size: over 450 lines (about 620); ``moe_reduce_kernel`` also serves the backward (the dX rows and the
+``topk_weights`` partials, ``DWTS``), the GEMMs share their variant and fp8 code paths here, and each
+half-tile dispatcher sits next to its tile body.
 """
 
 from __future__ import annotations

@@ -46,8 +46,11 @@ dh^T x need no mapping); ``ACT`` 1 is gpt-oss's clamped SwiGLU, whose derivative
 clamp is active (a w2 bias adds dO[t]·b2[e] to the topk_weights gradient, out = sum_k w_k (a W2^T +
 b2): the launcher computes that term with one matmul). Weights may have any strides.
 
-Size: slightly over 450 lines; the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
-chunk order, tested bitwise against it), so the two stay side by side.
+dA and dX take half tiles (``HALF_TILES``) as the forward GEMMs do (:mod:`replaymoe._kernels.moe`).
+
+Size: over 450 lines (about 630); the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
+chunk order, tested bitwise against it), so the two stay side by side, and dA / dX each carry a
+half-tile dispatcher next to their tile body.
 """
 
 from __future__ import annotations
