@@ -22,7 +22,9 @@ HF rows: one training step (forward with labels, backward; no optimizer) of
 transformers' ``grouped_mm`` experts, with :func:`replaymoe.hf.enable` (``replaymoe``) and with
 ``enable(model, replay=traces)`` replaying traces captured in one forward (``replaymoe+replay``),
 timed by the same ``time_eager`` (the L2 flush before each step is ``do_bench``'s own and cannot be
-turned off; next to a step of many milliseconds a cold 60 MiB L2 costs little).
+turned off; next to a step of many milliseconds a cold 60 MiB L2 costs little) in ``HF_ROUNDS``
+rounds of rotated order: the eager step is bound by the host, whose speed drifts over a run, so the
+figures are medians over rounds and the speed-up a median of same-round ratios.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
 [--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf]``. Needs CUDA.
@@ -163,7 +165,16 @@ def _layer_rows(name: str, tokens, impls) -> list[dict]:
     return rows
 
 
-def _hf_rows(arch: str, B: int, S: int) -> list[dict]:
+HF_ROUNDS = 3  # rounds of the HF rows, each implementation once per round in a rotated order
+
+
+def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
+    """The HF training-step rows: each implementation timed once per round, the order rotated
+    round to round (a host that slows down over a run no longer penalises the one timed last);
+    ``fwdbwd_ms`` is the median over rounds and ``fwdbwd_speedup`` the median of the per-round
+    ratios to grouped_mm's step of the same round."""
+    import statistics
+
     import replaymoe.hf as rhf
     from replaymoe.hf.models import build_model
 
@@ -180,31 +191,39 @@ def _hf_rows(arch: str, B: int, S: int) -> list[dict]:
         model.zero_grad(set_to_none=True)
         return out.loss.detach()
 
-    rows, ref = [], None
-    for impl in ("grouped_mm", "replaymoe", "replaymoe+replay"):
-        moe = None
-        model.set_experts_implementation("grouped_mm")
-        if impl == "replaymoe":
-            moe = rhf.enable(model)
-        elif impl == "replaymoe+replay":
-            cap = rhf.enable(model, capture=True, max_batch_size=B, max_positions=S)
-            with torch.no_grad():
-                model(input_ids=ids)
-            traces = cap.traces()
-            cap.disable()
-            moe = rhf.enable(model, replay=traces, max_batch_size=B, max_positions=S)
-        try:
-            loss = step()
-            t = time_eager(step, warmup_ms=1, rep_ms=1000) / 1e3
-        finally:
-            if moe is not None:
-                moe.disable()
+    model.set_experts_implementation("grouped_mm")
+    cap = rhf.enable(model, capture=True, max_batch_size=B, max_positions=S)
+    with torch.no_grad():
+        model(input_ids=ids)
+    traces = cap.traces()
+    cap.disable()
+    enable = {
+        "grouped_mm": lambda: None,
+        "replaymoe": lambda: rhf.enable(model),
+        "replaymoe+replay": lambda: rhf.enable(model, replay=traces, max_batch_size=B, max_positions=S),
+    }
+    impls = list(enable)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    losses: dict[str, float] = {}
+    for r in range(rounds):
+        for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
+            model.set_experts_implementation("grouped_mm")
+            moe = enable[impl]()
+            try:
+                if impl not in losses:
+                    losses[impl] = float(step())
+                times[impl].append(time_eager(step, warmup_ms=1, rep_ms=1000 / rounds) / 1e3)
+            finally:
+                if moe is not None:
+                    moe.disable()
+    rows = []
+    for impl in impls:
+        t = statistics.median(times[impl])
         row = {"shape": f"hf:{arch}", "T": B * S, "impl": impl, "fwdbwd_ms": t,
-               "tokens_per_s": B * S / t * 1e3, "loss": float(loss)}  # fmt: skip
-        if ref is None:
-            ref = t
-        else:
-            row["fwdbwd_speedup"] = ref / t
+               "tokens_per_s": B * S / t * 1e3, "loss": losses[impl],
+               "fwdbwd_ms_rounds": times[impl]}  # fmt: skip
+        if impl != "grouped_mm":
+            row["fwdbwd_speedup"] = statistics.median(a / b for a, b in zip(times["grouped_mm"], times[impl]))
         rows.append(row)
         print(row, flush=True)
     return rows
