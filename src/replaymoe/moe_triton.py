@@ -59,8 +59,9 @@ def _bias_args(b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
 class MoEConfig:
     """Kernel configuration of one fused-MoE call (chosen by :func:`moe_config` from the shape).
 
-    ``direct``: decode mode (one tile per slot, no layout, reduction fused into GEMM2); otherwise
-    tiles of ``block_m`` rows from :func:`replaymoe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
+    ``direct``: decode mode (one tile per slot, no layout; GEMM2 writes one row per slot and the
+    reduce kernel sums each token's rows); otherwise tiles of ``block_m`` rows from
+    :func:`replaymoe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
     + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection). ``tma`` (tile mode):
     read the weights (both GEMMs) and GEMM2's SwiGLU rows through TMA tensor descriptors where the
     operands allow it (bf16 / fp16 / fp32, unit stride along K, 16-byte aligned rows; otherwise,
@@ -94,7 +95,12 @@ FP8_BLOCK_M = 64
 # Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
 _TUNED: dict[tuple, MoEConfig] = {
     (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
-    (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8
+    # fp8 decode (session 10 sweep, .fresh/fp8_sweep.py; bench/moe_notes.md): GEMM2 128-column blocks
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 6, 128, 128, 8, 4),  # Qwen3 fp8
+    **{
+        (7168, 2048, 256, 8, True, b): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 4, 128, 128, 4, 3)  # DSv3 fp8
+        for b in (1, 2, 4, 8)
+    },
 }
 # fp8 entries for batch_invariant=False (16-row tiles)
 _TUNED_FP8_FAST: dict[tuple, MoEConfig] = {
@@ -164,6 +170,8 @@ def moe_config(
             return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
         return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
     m_avg = slots / min(E_local, slots)  # rows per active expert
+    if fp8 and batch_invariant and m_avg < 48:  # H200 sweep: 4 stages, GEMM2 on 4 warps (2-8 % faster)
+        return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 4, 128, 128, 4, 4)
     if fp8 and (batch_invariant or m_avg >= 48):
         return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 3, 128, 128, 8, 3)
     if fp8:
