@@ -480,7 +480,9 @@ def moe_bwd_gather_rows_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """``dst[r, :N] = src[tok(r), :N]`` for BLOCK_R compact rows × BLOCK_N columns, where
-    ``tok(r) = compact_slots[r] // TOP_K`` (0 for the marker ``num_slots``): a plain copy."""
+    ``tok(r) = compact_slots[r] // TOP_K`` (0 for the marker ``num_slots``): a plain copy. The rows
+    are stored streaming (``.cs``): the dW GEMMs read them only after the rest of the backward has
+    passed through the L2, which keeps the source rows, read K times each."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_slots
@@ -488,7 +490,8 @@ def moe_bwd_gather_rows_kernel(
     tok = tl.where(slots < num_slots, slots // TOP_K, 0).to(tl.int64)
     ok = row_ok[:, None] & (rn < N)[None, :]
     v = tl.load(src_ptr + tok[:, None] * stride_src + rn[None, :], mask=ok)
-    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + rn[None, :], v, mask=ok)
+    dst_ptrs = dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + rn[None, :]
+    tl.store(dst_ptrs, v, mask=ok, cache_modifier=".cs")
 
 
 @triton.jit
