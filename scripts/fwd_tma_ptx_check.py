@@ -63,10 +63,6 @@ CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA 
     "gemm1-training-half": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True, HALF_TILES=True),
                             dict(w_desc=(128, 64))),
     "gemm2-half": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HALF_TILES=True), dict(D2, a_desc_half=(64, 64))),
-    # the top-k sum in GEMM2's epilogue (TICKET: counters, then the last program's k-order sum), as picked
-    "gemm2-ticket-half": (km.moe_gemm2_kernel,
-                          dict(G2_ARGS, out_ptr=P16, cnt_ptr=PI, TOP_K=I32, stride_om=I16),
-                          dict(G2, HALF_TILES=True, TICKET=True), dict(D2, a_desc_half=(64, 64))),
     # the mid-size tiles (16/32 rows, 4 warps), which moe_config does not give TMA yet but
     # scripts/fwd_tma_check.py --all-tiles times with it
     "gemm1-mid32": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128),

@@ -526,10 +526,6 @@ BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
 # Tile mode, bf16 / fp16 / fp32: a tile with at most half its rows real (an expert's last) computes
 # only that half (the kernels' HALF_TILES; the same bits). REPLAYMOE_HALF_TILES=0 turns it off.
 HALF_TILES_ENABLED = os.environ.get("REPLAYMOE_HALF_TILES", "1") != "0"
-# Tile mode: GEMM2 also sums each token's K rows (its TICKET epilogue: a per-(token, N-block) counter,
-# the last program to count a token sums its rows in k order), so no reduce kernel runs; the same
-# bits. REPLAYMOE_TOPK_TICKET=0 keeps the separate reduce kernel.
-TICKET_ENABLED = os.environ.get("REPLAYMOE_TOPK_TICKET", "1") != "0"
 
 
 def _half_tiles(c, fp8: bool) -> bool:
@@ -1021,10 +1017,6 @@ def _launch(
     inter_desc = _rows_desc(inter, c.block_m, c.block_k2) if w2_desc is not None else None
     half = _half_tiles(c, fp8)
     inter_desc_half = _rows_desc(inter, c.block_m // 2, c.block_k2) if half and inter_desc else None
-    ticket = TICKET_ENABLED and not c.direct  # tile mode: GEMM2 sums each token's rows itself
-    if ticket:
-        cnt = torch.zeros(T, triton.cdiv(H, c.block_n2), dtype=torch.int32, device=dev)
-        out.zero_()  # tokens without a local slot are never visited
     fast(moe_gemm2_kernel)[grid2](
         inter, inter_s, w2, s2, b2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *s2_strides, b2_se,
@@ -1032,11 +1024,8 @@ def _launch(
         EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k2,
         GROUP_M=c.group_m, DOT_PREC=prec, PDL=pdl, TMA=inter_desc is not None, a_desc=inter_desc,
         w_desc=w2_desc if inter_desc is not None else None, HALF_TILES=half, a_desc_half=inter_desc_half,
-        out_ptr=out if ticket else None, cnt_ptr=cnt if ticket else None, TOP_K=K, stride_om=out.stride(0),
-        TICKET=ticket, num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl,
+        num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl,
     )  # fmt: skip
-    if ticket:
-        return
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
         y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,

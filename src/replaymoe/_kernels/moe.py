@@ -407,21 +407,9 @@ def moe_gemm2_kernel(
     w_desc=None,
     HALF_TILES: tl.constexpr = False,
     a_desc_half=None,
-    out_ptr=None,
-    cnt_ptr=None,
-    TOP_K=1,
-    stride_om=0,
-    TICKET: tl.constexpr = False,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
     tile = slot; the bias only with ``HAS_BIAS``).
-
-    ``TICKET`` (tile mode): the top-k sum as well, without a reduce launch. After storing its rows of
-    ``y``, a program counts each row's (token, N-block) in ``cnt`` [T, cdiv(H, BLOCK_N)] (int32, zeroed
-    by the caller) with one atomic add; the program whose add completes a token's count of local
-    slots reads that token's K rows of ``y`` in k order (L2, after the counter's acquire) and writes
-    ``out[t]`` = their fp32 sum, as ``moe_reduce_kernel`` does: the same bits, in any program order.
-    Tokens with no local slot are never visited (the caller zeroes ``out``).
 
     ``PDL`` (DIRECT only; launched as a programmatic dependent launch of GEMM1, whose programs waited
     for the ids' producer before letting this kernel start): read the slot's expert and prefetch this
@@ -451,24 +439,21 @@ def moe_gemm2_kernel(
                         num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                         stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                        PDL, TMA, a_desc_half, w_desc, out_ptr, cnt_ptr, TOP_K, stride_om, TICKET,
-                        ROWS=BLOCK_M // 2)  # fmt: skip
+                        PDL, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2)  # fmt: skip
         else:
             _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                         wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
                         num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                         stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                        PDL, TMA, a_desc, w_desc, out_ptr, cnt_ptr, TOP_K, stride_om, TICKET,
-                        ROWS=BLOCK_M)  # fmt: skip
+                        PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
     else:
         _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                     wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
                     num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                     stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                     FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                    PDL, TMA, a_desc, w_desc, out_ptr, cnt_ptr, TOP_K, stride_om, TICKET,
-                    ROWS=BLOCK_M)  # fmt: skip
+                    PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
 
 
 @triton.jit
@@ -515,11 +500,6 @@ def _gemm2_tile(
     TMA: tl.constexpr,
     a_desc,
     w_desc,
-    out_ptr,
-    cnt_ptr,
-    TOP_K,
-    stride_om,
-    TICKET: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """One tile of ``moe_gemm2_kernel`` (program ``pid_m, pid_n``): its first ``ROWS`` of ``BLOCK_M``
@@ -594,53 +574,6 @@ def _gemm2_tile(
     acc = acc * wt[:, None]
     o_ptrs = y_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
     tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-    if TICKET:
-        tl.static_assert(not DIRECT)
-        _topk_sum_ticket(slots, row_ok, rn, n_ok, pid_n, tl.cdiv(H, BLOCK_N), y_ptr, ids_ptr, out_ptr,
-                         cnt_ptr, expert_offset, num_local, TOP_K, stride_ym, stride_om)  # fmt: skip
-
-
-@triton.jit
-def _topk_sum_ticket(
-    slots,
-    row_ok,
-    rn,
-    n_ok,
-    pid_n,
-    num_pid_n,
-    y_ptr,
-    ids_ptr,
-    out_ptr,
-    cnt_ptr,
-    expert_offset,
-    num_local,
-    TOP_K,
-    stride_ym,
-    stride_om,
-):
-    """GEMM2's ``TICKET`` epilogue, after the tile's rows of ``y`` are stored: count them per (token,
-    N-block); where a row's count completes its token's local slots, sum the token's rows in k order
-    into ``out`` (``moe_reduce_kernel``'s arithmetic)."""
-    tok = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
-    n_local = tl.zeros_like(slots)
-    for kk in range(0, TOP_K):
-        e = tl.load(ids_ptr + tok * TOP_K + kk, mask=row_ok, other=-1).to(tl.int32) - expert_offset
-        n_local += ((e >= 0) & (e < num_local)).to(slots.dtype)
-    # every thread's y stores come before the counter's release (CTA barrier, then a gpu-scope acq_rel
-    # atomic: the pattern of a grid barrier); the last program's reads come after its acquire
-    tl.debug_barrier()
-    seen = tl.atomic_add(cnt_ptr + tok * num_pid_n + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (seen + 1 == n_local)
-    tl.debug_barrier()
-    acc = tl.zeros((slots.shape[0], rn.shape[0]), dtype=tl.float32)
-    for kk in range(0, TOP_K):
-        e = tl.load(ids_ptr + tok * TOP_K + kk, mask=last, other=-1).to(tl.int32) - expert_offset
-        ok = last & (e >= 0) & (e < num_local)
-        y_ptrs = y_ptr + (tok * TOP_K + kk)[:, None] * stride_ym + rn[None, :]
-        y = tl.load(y_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
-        acc += y.to(tl.float32)
-    out_ptrs = out_ptr + tok[:, None] * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_ok[None, :])
 
 
 @triton.jit
