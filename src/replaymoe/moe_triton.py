@@ -154,8 +154,11 @@ def moe_config(
     (e.g. DeepSeek-V3 T=8) but rounding differently from the prefill tiles.
 
     ``tma``: the device can use TMA tensor descriptors (``experts_triton`` passes :func:`tma_ok`):
-    the bf16/fp16 prefill configuration (128-row tiles) then sets :attr:`MoEConfig.tma`. Not yet
-    measured on a GPU (bench/moe_notes.md); the bits are the same either way.
+    the bf16/fp16 prefill configuration (128-row tiles) then sets :attr:`MoEConfig.tma` (H200:
+    1.04-1.11x at T >= 4096, bench/moe_notes.md session 6); the bits are the same either way.
+
+    Tuned entries (measured on the H200, bench/moe_notes.md) override the heuristics for the shapes
+    they name, on any GPU; every one keeps the batch-invariance guarantee (fp8: 64-row tiles).
     """
     table = _TUNED if not fp8 or batch_invariant else _TUNED_FP8_FAST
     tuned = table.get((H, I, E_local, K, fp8, _bucket(T)))
