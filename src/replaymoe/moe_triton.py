@@ -95,7 +95,7 @@ FP8_BLOCK_M = 64
 # Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
 _TUNED: dict[tuple, MoEConfig] = {
     (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
-    # fp8 decode (session 10 sweep, .fresh/fp8_sweep.py; bench/moe_notes.md): GEMM2 128-column blocks
+    # fp8 decode: GEMM2 on 128-column blocks (scripts/fp8_config_sweep.py; diag/s10_fp8_sweep_h200.txt)
     (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 6, 128, 128, 8, 4),  # Qwen3 fp8
     **{
         (7168, 2048, 256, 8, True, b): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 4, 128, 128, 4, 3)  # DSv3 fp8
