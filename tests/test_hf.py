@@ -516,6 +516,32 @@ def test_triton_backend_through_the_model(arch, generator):
         assert info.router.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.interpret
+def test_deferred_commit_through_generate(generator, monkeypatch):
+    # eager generate with the Triton backend takes step_rows, which writes each forward's captured ids
+    # in the next forward's launch: the traces equal those written by an index_copy_ per forward
+    from replaymoe.hf.state import CaptureBuffer
+
+    model = _model("qwen3_moe")
+    ids, mask, _ = _batch(generator, model.config.vocab_size, [5, 3])
+    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, attention_mask=mask)
+
+    def run():
+        moe = rhf.enable(model, capture=True, backend="triton")
+        with torch.no_grad():
+            model.generate(input_ids=ids, **kw)
+        traces = moe.traces()
+        moe.disable()
+        return traces
+
+    deferred = run()
+    monkeypatch.setattr(CaptureBuffer, "defer", CaptureBuffer.commit)
+    immediate = run()
+    assert [t.num_tokens for t in deferred] == [5 + 3 - 1, 3 + 3 - 1]
+    for a, b in zip(deferred, immediate):
+        np.testing.assert_array_equal(a.ids, b.ids)
+
+
 def test_interleaved_dense_layers_keep_model_layer_numbers(generator):
     # Qwen3-MoE with decoder_sparse_step=2: MoE blocks only in layers 1 and 3
     model = _model("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2)

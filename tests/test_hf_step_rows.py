@@ -105,3 +105,49 @@ def test_fused_rows_ok(mask, S, past, backend, ok):
 
     got = fused_rows_ok(mask, S, past, torch.device("cpu"), backend)
     assert got == (ok and INTERPRET)
+
+
+@pytest.mark.parametrize(
+    "B,S,Tp,replay",
+    [
+        (2, 1, 2, False),  # decode step after a decode step: one pending row per program
+        (1, 1, 300, False),  # after a prefill: one program strides over 3 blocks of pending rows
+        (3, 4, 5, True),  # with replay on: the pending rows ride along with the replay gather
+    ],
+)
+def test_step_rows_writes_the_deferred_commit(device, B, S, Tp, replay):
+    from replaymoe._backend import INTERPRET
+
+    if device.type == "cpu" and not INTERPRET:
+        pytest.skip("the kernel needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(B * 100 + Tp)
+    meta = TraceMeta(L, K, E, tuple(range(L)), "test")
+    cap = CaptureBuffer(meta, device, 4, 128)
+    staged = torch.randint(0, E, (L, Tp, K), generator=g, dtype=torch.int16).to(device)
+    rows = cap.batch_cap * cap.seq_cap + 1
+    slot = torch.randperm(rows, generator=g)[:Tp].to(device)  # distinct rows, the dump row included
+    expect = cap.ids.clone()
+    expect.index_copy_(1, slot, staged)
+    cap.defer(staged, slot)
+    table = _tables(np.random.default_rng(Tp), [(S + 4, 0)] * B, device) if replay else None
+    mask = torch.ones(B, S + 4, dtype=torch.int64, device=device)
+    new_slot, _ = step_rows(mask, S, 4, capture=cap, replay=table)
+    assert cap.pending is None
+    torch.testing.assert_close(cap.ids, expect, rtol=0, atol=0)
+    assert new_slot.shape == (B * S,)
+
+
+def test_deferred_commit_is_flushed_before_the_buffer_is_read():
+    # harvest, a new batch and growth each write the pending ids first (nothing is lost)
+    meta = TraceMeta(L, K, E, tuple(range(L)), "test")
+    cap = CaptureBuffer(meta, torch.device("cpu"), 1, 8)
+    cap.prepare(1, 0, 8, new_batch=True, eager=True)
+    ids = torch.arange(L * 3 * K, dtype=torch.int16).reshape(L, 3, K) % E
+    cap.defer(ids, torch.arange(3))
+    cap.ensure(1, 64)  # growth keeps the contents: the pending rows are written before the copy
+    assert cap.pending is None and cap.seq_cap == 64
+    cap.defer(ids[:, :1], torch.tensor([3]))
+    (trace,), lost = cap.harvest()
+    assert lost == 0 and trace.num_tokens == 4
+    np.testing.assert_array_equal(trace.ids[:3], ids.permute(1, 0, 2).numpy())
+    np.testing.assert_array_equal(trace.ids[3], ids[:, 0].numpy())

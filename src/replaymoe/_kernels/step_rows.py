@@ -11,6 +11,11 @@ kept columns up to and including it, plus ``pos_shift``; -1 for padding. Then, p
   table's last row, all -1), copied for every layer into ``forced [L, T, K]``; per layer, the
   non-padding tokens are added to ``seen`` and those whose row is -1 to ``fallback`` (integer
   atomics: the sums do not depend on the order).
+
+``PENDING`` (capture): the previous forward's deferred commit rides along. Its staged router ids
+``[L, Tp, K]`` are written to the capture buffer ``ids [L, R, K]`` at its slots ``[Tp]``, the
+programs striding over its ``Tp`` tokens. That is what ``CaptureBuffer.commit``'s ``index_copy_``
+would do, with one launch fewer per forward. The writes touch no memory this launch reads.
 """
 
 from __future__ import annotations
@@ -41,13 +46,32 @@ def step_rows_kernel(
     seen_ptr,  # int64 [L] (REPLAY)
     fallback_ptr,
     L,
+    pend_staged_ptr,  # int16 [L, Tp, K] contiguous (PENDING)
+    pend_slot_ptr,  # int64 [Tp] (PENDING)
+    Tp,
+    ids_ptr,  # int16 [L, R, K] capture buffer, contiguous (PENDING)
+    stride_il,
     K: tl.constexpr,
     KP: tl.constexpr,
     CAPTURE: tl.constexpr,
     REPLAY: tl.constexpr,
     BLOCK: tl.constexpr,
+    PENDING: tl.constexpr = False,
 ):
     b = tl.program_id(0)
+    kc = tl.arange(0, KP)
+    if PENDING:
+        for p0 in range(b * BLOCK, Tp, tl.num_programs(0) * BLOCK):
+            tp = p0 + tl.arange(0, BLOCK)
+            tp_ok = tp < Tp
+            dst = tl.load(pend_slot_ptr + tp, mask=tp_ok, other=0)
+            io_p = tp_ok[:, None] & (kc[None, :] < K)
+            src = pend_staged_ptr + tp.to(tl.int64)[:, None] * K + kc[None, :]
+            out = ids_ptr + dst[:, None] * K + kc[None, :]
+            for _ in range(L):  # pointers advance by a layer's stride (no int32 product overflows)
+                tl.store(out, tl.load(src, mask=io_p), mask=io_p)
+                src += Tp * K
+                out += stride_il
     row = mask_ptr + b.to(tl.int64) * stride_mb
     lead = P - S
     kept = tl.zeros([BLOCK], dtype=tl.int64)
@@ -60,7 +84,6 @@ def step_rows_kernel(
         first = tl.load(offsets_ptr + b)
         end = tl.load(ends_ptr + b)
         shift = tl.load(shift_ptr + b)
-    kc = tl.arange(0, KP)
     for s0 in range(0, S, BLOCK):
         j = s0 + tl.arange(0, BLOCK)
         in_s = j < S

@@ -215,12 +215,15 @@ class ReplayMoE:
             slot, forced = step_rows(mask, S, past, capture=cap, replay=self._replay, forced_out=forced_out)
         if forced is not None:
             self._last_forced = forced
-        self._step = Step(B * S, forced, staged, slot, graphed)
+        self._step = Step(B * S, forced, staged, slot, graphed, fused)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         step, self._step = self._step, None
         if step is not None and step.staged is not None and output is not None:
-            self._capture.commit(step.staged, step.slot)
+            if step.defer_commit:  # eager, step_rows took this forward: its next launch commits
+                self._capture.defer(step.staged, step.slot)
+            else:
+                self._capture.commit(step.staged, step.slot)
 
     # ---------------------------------------------------------------- capture
     def set_capture(self, enabled: bool) -> None:

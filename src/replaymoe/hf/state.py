@@ -69,6 +69,10 @@ class CaptureBuffer:
         inside compiled forwards are counted too).
     batch_cap, seq_cap : int
         ``B_cap`` and ``S_cap``.
+    pending : tuple of (staged, slot), optional
+        An eager forward's ids not yet written to :attr:`ids` (:meth:`defer`): the next
+        :func:`~replaymoe.hf.step.step_rows` launch writes them, and every method that reads or
+        reshapes :attr:`ids` writes them first (:meth:`flush`).
     """
 
     def __init__(self, meta: TraceMeta, device: torch.device, batch_cap: int, seq_cap: int) -> None:
@@ -77,6 +81,8 @@ class CaptureBuffer:
         self.batch_cap, self.seq_cap = 0, 0
         self.ids = self.row_base = torch.empty(0)
         self.overflow = _static(torch.zeros(1, dtype=torch.bool, device=device))
+        self.overflow_i8 = self.overflow.view(torch.int8)  # what the step_rows kernel writes
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.started = _static(torch.zeros(1, dtype=torch.int64, device=device))
         self.rows = 0  # batch rows of the current batch
         self.dirty = False  # the current batch recorded something (host flag, eager only)
@@ -85,6 +91,8 @@ class CaptureBuffer:
 
     # ------------------------------------------------------------------ capacity
     def _grow(self, batch_cap: int, seq_cap: int, *, keep: bool) -> None:
+        if self.pending is not None:
+            self.flush()
         L, K = self.meta.num_layers, self.meta.top_k
         ids = torch.full((L, batch_cap * seq_cap + 1, K), -1, dtype=torch.int16, device=self.device)
         if keep and self.batch_cap and self.seq_cap:
@@ -110,6 +118,8 @@ class CaptureBuffer:
         Eagerly, the previous batch is kept on the device for :meth:`harvest` and the buffer grows
         to ``positions``; inside a compiled forward it is overwritten (:meth:`harvest` warns).
         """
+        if self.pending is not None:
+            self.flush()
         if eager:
             if self.dirty:
                 self._history.append(_Snapshot(self.ids.clone(), self.rows, self.seq_cap))
@@ -149,6 +159,8 @@ class CaptureBuffer:
     def restart_if(self, is_new: torch.Tensor) -> None:
         """Device-side batch start (``is_new``: a 0-dim bool tensor, e.g. a static cache's length
         is 0, outside ``generate``): the buffer is cleared where it holds (one pass over it)."""
+        if self.pending is not None:
+            self.flush()
         self.ids.masked_fill_(is_new, -1)
         self.started.add_(is_new.to(torch.int64))
 
@@ -171,7 +183,29 @@ class CaptureBuffer:
 
     def commit(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
         """Write one forward's ids (``int16 [L, T, K]``) to their slots (``int64 [T]``)."""
+        if self.pending is not None:
+            self.flush()
         self.ids.index_copy_(1, slot, staged)
+
+    def defer(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
+        """:meth:`commit`, left to the next :func:`~replaymoe.hf.step.step_rows` launch (eager
+        forwards that took it: one launch fewer per forward) or to :meth:`flush`. ``staged`` is
+        contiguous; neither tensor may be written before then (a graphed forward's slab is written
+        again only by the next forward's routers, which run after that launch)."""
+        if self.pending is not None:
+            self.flush()
+        self.pending = (staged, slot)
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The deferred commit, now the caller's to write (:func:`~replaymoe.hf.step.step_rows`)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def flush(self) -> None:
+        """Write the deferred commit, if any (:meth:`defer`)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.ids.index_copy_(1, pending[1], pending[0])
 
     # ------------------------------------------------------------------ host side
     def harvest(self) -> tuple[list[RoutingTrace], int]:
@@ -184,6 +218,8 @@ class CaptureBuffer:
             When a token fell outside the buffer's capacity (see :func:`replaymoe.hf.enable`'s
             ``max_batch_size`` / ``max_positions``).
         """
+        if self.pending is not None:
+            self.flush()
         started = int(self.started.item())
         if bool(self.overflow.item()):
             self.overflow.zero_()

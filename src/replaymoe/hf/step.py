@@ -9,6 +9,10 @@ from typing import Any, Optional
 import torch
 import triton
 
+from replaymoe._backend import INTERPRET
+from replaymoe._kernels.step_rows import step_rows_kernel
+from replaymoe._launch import fast
+
 __all__ = ["Step", "StepBuffers", "fused_rows_ok", "positions_bound", "step_rows"]
 
 
@@ -21,6 +25,7 @@ class Step:
     staged: Optional[torch.Tensor]  # int16 [L, T, K] capture slab, or None
     slot: Optional[torch.Tensor]  # int64 [T] capture-buffer row of each token, or None
     graphable: bool = False  # the MoE blocks may run as CUDA graphs (see replaymoe.hf.graphs)
+    defer_commit: bool = False  # capture: the next step_rows launch writes the staged ids
 
 
 class StepBuffers:
@@ -59,8 +64,6 @@ def fused_rows_ok(attention_mask: Any, seq_len: int, past: Any, device: torch.de
     """Whether :func:`step_rows` serves this eager forward: the Triton backend on ``device`` (CUDA,
     or the interpreter with ``backend="triton"``), a 2-D mask there covering the forward's tokens with
     unit column stride, and a host-side cache length."""
-    from replaymoe._backend import INTERPRET
-
     kernels = (
         device.type == "cuda"
         if backend == "auto"
@@ -89,7 +92,8 @@ def step_rows(
 
     The same values as :func:`~replaymoe.hf.positions.token_positions` followed by
     :meth:`CaptureBuffer.slots` (with the overflow check) and :meth:`ReplayTable.gather`, which are
-    its reference (and the path under ``torch.compile``).
+    its reference (and the path under ``torch.compile``). The same launch writes the capture
+    buffer's deferred commit (:meth:`CaptureBuffer.defer`), if any.
 
     Parameters
     ----------
@@ -108,15 +112,13 @@ def step_rows(
     -------
     (slot or None, forced or None)
     """
-    from replaymoe._kernels.step_rows import step_rows_kernel
-    from replaymoe._launch import fast
-
     B, P = attention_mask.shape
     T = B * seq_len
     dev = attention_mask.device
-    slot = forced = None
+    slot = forced = pending = None
     if capture is not None:
         slot = torch.empty(T, dtype=torch.int64, device=dev)
+        pending = capture.take_pending()
     if replay is not None:
         L, R, K = replay.table.shape
         forced = (
@@ -125,9 +127,15 @@ def step_rows(
     else:
         L, R, K = 0, 1, 1
     if T == 0:
+        if pending is not None:
+            capture.pending = pending
+            capture.flush()
         return slot, forced
+    if pending is not None:
+        L = pending[0].shape[0]  # the capture's layers (replay's, when both are on: the same)
+        K = pending[0].shape[2]
     dummy = attention_mask
-    fast(step_rows_kernel)[(B,)](
+    _STEP_ROWS[(B,)](
         attention_mask,
         attention_mask.stride(0),
         P,
@@ -136,7 +144,7 @@ def step_rows(
         dummy if slot is None else slot,
         capture.seq_cap if capture is not None else 1,
         capture.batch_cap * capture.seq_cap if capture is not None else 0,
-        dummy if capture is None else capture.overflow.view(torch.int8),
+        dummy if capture is None else capture.overflow_i8,
         dummy if replay is None else replay.table,
         R * K,
         R - 1,
@@ -148,10 +156,19 @@ def step_rows(
         dummy if replay is None else replay.seen,
         dummy if replay is None else replay.fallback,
         L,
+        dummy if pending is None else pending[0],
+        dummy if pending is None else pending[1],
+        0 if pending is None else pending[1].shape[0],
+        dummy if pending is None else capture.ids,
+        0 if pending is None else capture.ids.stride(0),
         K=K,
         KP=triton.next_power_of_2(K),
         CAPTURE=capture is not None,
         REPLAY=replay is not None,
         BLOCK=128,
+        PENDING=pending is not None,
     )
     return slot, forced
+
+
+_STEP_ROWS = fast(step_rows_kernel)
