@@ -36,11 +36,12 @@ class FastLaunch:
     ``kernel[grid](*args, **kwargs)`` (launch options such as ``num_warps`` included).
     """
 
-    __slots__ = ("fn", "_compiled")
+    __slots__ = ("fn", "_compiled", "_fixed")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self._compiled: dict[tuple, Any] = {}
+        self._fixed: dict[Any, tuple] = {}  # launch_fixed: caller's key -> compiled entry, parameter order
 
     def __getitem__(self, grid: tuple[int, ...]):
         return _Bound(self, grid)
@@ -75,6 +76,51 @@ class FastLaunch:
             # tensors as their addresses: Triton's launcher then skips a driver query per pointer
             *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()],
         )
+
+    def launch_fixed(self, key: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        """:meth:`launch` without Triton's binder, for a kernel whose compiled variant ``key`` fixes.
+
+        The caller vouches that every call with the same ``key`` (hashable) specializes alike: the
+        kernel marks its non-constexpr parameters ``do_not_specialize`` and
+        ``do_not_specialize_on_alignment`` (so that only their types count), ``key`` covers the
+        tensors' dtypes, the constexprs and launch options, and the integers stay in int32. The
+        first call of a key goes through :meth:`launch` and records the compiled kernel and the
+        parameter order; later calls only build the argument list (saving the binder's few
+        microseconds of host time per launch). ``kwargs`` must name the same parameters on every call
+        of a key; parameters left out take the value they had on its first call (their defaults).
+        """
+        entry = self._fixed.get(key) if ENABLED else None
+        if entry is None or not hooks_off():
+            self.launch(grid, args, kwargs)
+            if ENABLED and hooks_off():
+                self._fixed[key] = self._fixed_entry(args, kwargs)
+            return
+        kernel, launch, flags, names, rest = entry
+        values = [*args, *[kwargs[n] if n in kwargs else v for n, v in rest]]
+        launch(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()),
+            kernel.function,
+            *flags,
+            kernel.packed_metadata,
+            None,
+            None,
+            None,
+            *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values],
+        )
+
+    def _fixed_entry(self, args: tuple, kwargs: dict) -> tuple | None:
+        """What :meth:`launch_fixed` replays for calls like this one (which has just been launched)."""
+        device = torch._C._cuda_getDevice()
+        bound, specialization, options = self.fn.device_caches[device][4](*args, **kwargs)
+        entry = self._compiled.get((device, tuple(specialization), tuple(options.items())))
+        if entry is None:
+            return None
+        names = list(bound)
+        rest = [(n, bound[n]) for n in names[len(args) :]]  # keyword parameters and defaults
+        return (*entry, names, rest)
 
     def _compile(self, grid: tuple[int, ...], args: tuple, kwargs: dict, key: tuple | None) -> None:
         kernel = self.fn[grid](*args, **kwargs)

@@ -23,8 +23,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Only the argument types and the constexprs pick the compiled variant (no specialization on integer
+# values or pointer alignment), so that ``hf.step.step_rows`` launches it without Triton's binder
+# (``FastLaunch.launch_fixed``).
+_INTS = "stride_mb P S pos_shift seq_cap dump stride_tl last_row stride_fl L Tp stride_il".split()
+_POINTERS = (
+    "mask_ptr slot_ptr overflow_ptr table_ptr offsets_ptr ends_ptr shift_ptr forced_ptr seen_ptr "
+    "fallback_ptr pend_staged_ptr pend_slot_ptr ids_ptr"
+).split()
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_INTS, do_not_specialize_on_alignment=_POINTERS)
 def step_rows_kernel(
     mask_ptr,  # [B, P] attention mask, unit column stride
     stride_mb,

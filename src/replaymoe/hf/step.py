@@ -132,42 +132,38 @@ def step_rows(
             capture.flush()
         return slot, forced
     if pending is not None:
-        L = pending[0].shape[0]  # the capture's layers (replay's, when both are on: the same)
-        K = pending[0].shape[2]
-    dummy = attention_mask
-    _STEP_ROWS[(B,)](
-        attention_mask,
+        L, _, K = pending[0].shape  # the capture's layers (replay's, when both are on: the same)
+    d = attention_mask
+    ints = (
         attention_mask.stride(0),
         P,
         seq_len,
         past + seq_len - P,
-        dummy if slot is None else slot,
         capture.seq_cap if capture is not None else 1,
         capture.batch_cap * capture.seq_cap if capture is not None else 0,
-        dummy if capture is None else capture.overflow_i8,
-        dummy if replay is None else replay.table,
         R * K,
         R - 1,
-        dummy if replay is None else replay.offsets,
-        dummy if replay is None else replay.ends,
-        dummy if replay is None else replay.shift,
-        dummy if forced is None else forced,
         T * K,
-        dummy if replay is None else replay.seen,
-        dummy if replay is None else replay.fallback,
         L,
-        dummy if pending is None else pending[0],
-        dummy if pending is None else pending[1],
         0 if pending is None else pending[1].shape[0],
-        dummy if pending is None else capture.ids,
         0 if pending is None else capture.ids.stride(0),
-        K=K,
-        KP=triton.next_power_of_2(K),
-        CAPTURE=capture is not None,
-        REPLAY=replay is not None,
-        BLOCK=128,
-        PENDING=pending is not None,
     )
+    args = (
+        d, *ints[:4], d if slot is None else slot, *ints[4:6], d if capture is None else capture.overflow_i8,
+        d if replay is None else replay.table, *ints[6:8], d if replay is None else replay.offsets,
+        d if replay is None else replay.ends, d if replay is None else replay.shift,
+        d if forced is None else forced, ints[8], d if replay is None else replay.seen,
+        d if replay is None else replay.fallback, ints[9], d if pending is None else pending[0],
+        d if pending is None else pending[1], ints[10], d if pending is None else capture.ids, ints[11],
+    )  # fmt: skip
+    flags = (capture is not None, replay is not None, pending is not None)
+    consts = dict(
+        K=K, KP=triton.next_power_of_2(K), CAPTURE=flags[0], REPLAY=flags[1], BLOCK=128, PENDING=flags[2]
+    )
+    if max(ints) < 2**31 and min(ints) >= -(2**31):  # the int32 variant (the key's promise)
+        _STEP_ROWS.launch_fixed((dev.index, attention_mask.dtype, K, *flags), (B,), args, consts)
+    else:
+        _STEP_ROWS[(B,)](*args, **consts)
     return slot, forced
 
 
