@@ -164,3 +164,29 @@ def test_no_graphs_with_grad_or_training():
     assert all(isinstance(g, BlockGraphs) for g in moe._block_graphs)
     moe.disable()
     assert "forward" not in moe.layers[0].block.__dict__
+
+
+def test_no_garbage_collection_inside_block_capture():
+    # a collection inside a capture can destroy an unreachable CUDA graph (a dead session's, a
+    # user's), which is not permitted while a stream captures: it invalidated block captures (seen
+    # in the full GPU suite). Block captures therefore run with the collector off, and restore it.
+    import gc
+
+    model = build_model("qwen3_moe", "medium", dtype=torch.bfloat16, device="cuda")
+    ids, mask = _inputs(model.config.vocab_size, 2)
+    moe = rhf.enable(model, capture=True, max_batch_size=2, max_positions=32)
+    seen = []
+    graphs = moe._block_graphs[0]
+    block_forward = graphs.forward
+
+    def probe(hidden_states):  # the block's own forward, which the captures record
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+        return block_forward(hidden_states)
+
+    graphs.forward = probe
+    _generate(model, ids, mask, new=4)
+    assert seen and not any(seen)  # the block ran inside a capture, with the collector off
+    assert gc.isenabled()
+    assert _captured(moe) > 0 and not any(g.failed for g in moe._block_graphs)
+    moe.disable()

@@ -19,6 +19,7 @@ runs eagerly from then on, with one warning.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -170,12 +171,20 @@ class BlockGraphs:
         error = None
         for _ in range(2):  # a first capture may load kernels it has not run yet: try once more
             graph = torch.cuda.CUDAGraph()
+            # no garbage collection inside the capture: a collection there can destroy an unreachable
+            # CUDA graph (an earlier session's, a user's), which is not permitted while a stream
+            # captures and invalidates this capture (torch.cuda.graph no longer collects first)
+            gc_on = gc.isenabled()
+            gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self.pool[0]):
                     static_out = self.forward(static_in)
             except Exception as exc:  # noqa: BLE001 - any capture failure means: stay eager
                 error = exc
                 continue
+            finally:
+                if gc_on:
+                    gc.enable()
             entry = _Graph(graph, static_in, static_out, self._weights())
             self.graphs[key] = entry
             self.captures += 1
