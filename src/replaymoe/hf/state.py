@@ -191,7 +191,8 @@ class CaptureBuffer:
         """:meth:`commit`, left to the next :func:`~replaymoe.hf.step.step_rows` launch (eager
         forwards that took it: one launch fewer per forward) or to :meth:`flush`. ``staged`` is
         contiguous; neither tensor may be written before then (a graphed forward's slab is written
-        again only by the next forward's routers, which run after that launch)."""
+        again only by the next forward's routers, which run after that launch). Like every capture
+        operation, the write runs on the current stream: forwards of one session share a stream."""
         if self.pending is not None:
             self.flush()
         self.pending = (staged, slot)
