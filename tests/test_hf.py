@@ -530,6 +530,7 @@ def test_deferred_commit_through_generate(generator, monkeypatch):
         moe = rhf.enable(model, capture=True, backend="triton")
         with torch.no_grad():
             model.generate(input_ids=ids, **kw)
+        assert moe._capture.pending is None  # generate writes its last forward's ids before returning
         traces = moe.traces()
         moe.disable()
         return traces

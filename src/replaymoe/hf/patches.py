@@ -24,12 +24,19 @@ __all__ = ["block_forward", "mark_batch_start", "router_forward"]
 
 def mark_batch_start(state: Any, generate: Callable) -> Callable:
     """``model.generate`` that starts a new capture batch (so batches are kept apart on the host
-    even when the cache's length lives on the device)."""
+    even when the cache's length lives on the device) and, when it returns, writes the last
+    forward's deferred capture commit (so none outlives the call: a compiled forward after it
+    never finds one)."""
 
     @functools.wraps(generate)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         state._begin_pending = True
-        return generate(*args, **kwargs)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            capture = state._capture
+            if capture is not None and capture.pending is not None:
+                capture.flush()
 
     return wrapped
 
