@@ -133,35 +133,22 @@ def step_rows(
         return slot, forced
     if pending is not None:
         L, _, K = pending[0].shape  # the capture's layers (replay's, when both are on: the same)
-    d = attention_mask
-    ints = (
-        attention_mask.stride(0),
-        P,
-        seq_len,
-        past + seq_len - P,
-        capture.seq_cap if capture is not None else 1,
-        capture.batch_cap * capture.seq_cap if capture is not None else 0,
-        R * K,
-        R - 1,
-        T * K,
-        L,
-        0 if pending is None else pending[1].shape[0],
-        0 if pending is None else capture.ids.stride(0),
-    )
-    args = (
-        d, *ints[:4], d if slot is None else slot, *ints[4:6], d if capture is None else capture.overflow_i8,
-        d if replay is None else replay.table, *ints[6:8], d if replay is None else replay.offsets,
-        d if replay is None else replay.ends, d if replay is None else replay.shift,
-        d if forced is None else forced, ints[8], d if replay is None else replay.seen,
-        d if replay is None else replay.fallback, ints[9], d if pending is None else pending[0],
-        d if pending is None else pending[1], ints[10], d if pending is None else capture.ids, ints[11],
+    d = attention_mask  # stands in for the pointers of the parts that are off
+    cap, rep, pend = capture is not None, replay is not None, pending is not None
+    args = (  # in the kernel's order
+        attention_mask, attention_mask.stride(0), P, seq_len, past + seq_len - P,
+        slot if cap else d, capture.seq_cap if cap else 1, capture.batch_cap * capture.seq_cap if cap else 0,
+        capture.overflow_i8 if cap else d,
+        replay.table if rep else d, R * K, R - 1, replay.offsets if rep else d, replay.ends if rep else d,
+        replay.shift if rep else d, d if forced is None else forced, T * K, replay.seen if rep else d,
+        replay.fallback if rep else d, L,
+        pending[0] if pend else d, pending[1] if pend else d, pending[1].shape[0] if pend else 0,
+        capture.ids if pend else d, capture.ids.stride(0) if pend else 0,
     )  # fmt: skip
-    flags = (capture is not None, replay is not None, pending is not None)
-    consts = dict(
-        K=K, KP=triton.next_power_of_2(K), CAPTURE=flags[0], REPLAY=flags[1], BLOCK=128, PENDING=flags[2]
-    )
+    ints = [a for a in args if isinstance(a, int)]
+    consts = dict(K=K, KP=triton.next_power_of_2(K), CAPTURE=cap, REPLAY=rep, BLOCK=128, PENDING=pend)
     if max(ints) < 2**31 and min(ints) >= -(2**31):  # the int32 variant (the key's promise)
-        _STEP_ROWS.launch_fixed((dev.index, attention_mask.dtype, K, *flags), (B,), args, consts)
+        _STEP_ROWS.launch_fixed((dev.index, attention_mask.dtype, K, cap, rep, pend), (B,), args, consts)
     else:
         _STEP_ROWS[(B,)](*args, **consts)
     return slot, forced
