@@ -34,9 +34,8 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
         try:
             return generate(*args, **kwargs)
         finally:
-            capture = state._capture
-            if capture is not None and capture.pending is not None:
-                capture.flush()
+            if state._capture is not None:
+                state._capture.flush()
 
     return wrapped
 

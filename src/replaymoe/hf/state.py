@@ -91,8 +91,7 @@ class CaptureBuffer:
 
     # ------------------------------------------------------------------ capacity
     def _grow(self, batch_cap: int, seq_cap: int, *, keep: bool) -> None:
-        if self.pending is not None:
-            self.flush()
+        self.flush()
         L, K = self.meta.num_layers, self.meta.top_k
         ids = torch.full((L, batch_cap * seq_cap + 1, K), -1, dtype=torch.int16, device=self.device)
         if keep and self.batch_cap and self.seq_cap:
@@ -118,8 +117,7 @@ class CaptureBuffer:
         Eagerly, the previous batch is kept on the device for :meth:`harvest` and the buffer grows
         to ``positions``; inside a compiled forward it is overwritten (:meth:`harvest` warns).
         """
-        if self.pending is not None:
-            self.flush()
+        self.flush()
         if eager:
             if self.dirty:
                 self._history.append(_Snapshot(self.ids.clone(), self.rows, self.seq_cap))
@@ -159,8 +157,7 @@ class CaptureBuffer:
     def restart_if(self, is_new: torch.Tensor) -> None:
         """Device-side batch start (``is_new``: a 0-dim bool tensor, e.g. a static cache's length
         is 0, outside ``generate``): the buffer is cleared where it holds (one pass over it)."""
-        if self.pending is not None:
-            self.flush()
+        self.flush()
         self.ids.masked_fill_(is_new, -1)
         self.started.add_(is_new.to(torch.int64))
 
@@ -183,8 +180,7 @@ class CaptureBuffer:
 
     def commit(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
         """Write one forward's ids (``int16 [L, T, K]``) to their slots (``int64 [T]``)."""
-        if self.pending is not None:
-            self.flush()
+        self.flush()
         self.ids.index_copy_(1, slot, staged)
 
     def defer(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
@@ -193,8 +189,7 @@ class CaptureBuffer:
         contiguous; neither tensor may be written before then (a graphed forward's slab is written
         again only by the next forward's routers, which run after that launch). Like every capture
         operation, the write runs on the current stream: forwards of one session share a stream."""
-        if self.pending is not None:
-            self.flush()
+        self.flush()
         self.pending = (staged, slot)
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -203,10 +198,12 @@ class CaptureBuffer:
         return pending
 
     def flush(self) -> None:
-        """Write the deferred commit, if any (:meth:`defer`)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.ids.index_copy_(1, pending[1], pending[0])
+        """Write the deferred commit, if any (:meth:`defer`). Without one it only reads
+        :attr:`pending`, so a compiled forward that calls it traces nothing."""
+        if self.pending is None:
+            return
+        (staged, slot), self.pending = self.pending, None
+        self.ids.index_copy_(1, slot, staged)
 
     # ------------------------------------------------------------------ host side
     def harvest(self) -> tuple[list[RoutingTrace], int]:
@@ -219,8 +216,7 @@ class CaptureBuffer:
             When a token fell outside the buffer's capacity (see :func:`replaymoe.hf.enable`'s
             ``max_batch_size`` / ``max_positions``).
         """
-        if self.pending is not None:
-            self.flush()
+        self.flush()
         started = int(self.started.item())
         if bool(self.overflow.item()):
             self.overflow.zero_()
