@@ -27,8 +27,14 @@ time / this time, same round), with the smallest and largest round beside it. ``
 the same paired ratio against plain ``replaymoe`` (what capture and replay cost: 0.97 = 3 %
 slower), and ``vs_replaymoe_best`` the ratio of the best rounds. An eager row is bound by the
 host, whose speed changes in episodes of about a second (every decode step of a ``generate`` then
-slower alike: ``scripts/hf_step_times.py``); an episode only adds time, so the best round is the
-estimate least disturbed by them.
+slower alike: ``scripts/hf_step_times.py``; on the H200 machine one B=1 generate's steps went from 9
+to 15 ms and back), so round totals differ by 10-20 % and a paired median over 20-30 rounds is good
+to about 2 %. Each decode step is therefore also timed (a no-op logits processor stamps the host
+clock once per token): ``step_ms_p10`` is the 10th percentile of every decode step of the timed
+rounds, and ``vs_replaymoe_step_p10`` plain replaymoe's over this row's. An episode only adds time,
+and hundreds of pooled steps make that percentile steady, so it is the per-step cost of capture or
+replay read where the host ran at its own speed (``vs_replaymoe_step_median`` is the same with the
+pooled medians).
 
 Reported per row: median wall time of ``generate``, generated tokens/s, the paired speed-up over
 ``grouped_mm``, graph breaks, recompiles and CUDA-graph skips seen by dynamo/inductor during the
@@ -79,10 +85,31 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
+class _StepClock:
+    """A logits processor that changes nothing and stamps the host clock each time ``generate``
+    calls it: once per generated token, after the step's forward. ``generate`` reads each step's
+    token on the host before the next step starts, so the gaps between stamps are the wall times of
+    the decode steps (the next forward plus ``generate``'s own work around it)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def steps(self) -> list[float]:
+        """Seconds of each decode step (``new - 1`` of them)."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
 def _generate(model, ids, mask, new, mode, **kw):
-    """(seconds, output) of one ``generate`` call; Python's garbage collector is run before and
-    held off during the call, so that a collection does not land inside a timed run."""
+    """(seconds, output, decode-step seconds) of one ``generate`` call; Python's garbage collector is
+    run before and held off during the call, so that a collection does not land inside a timed run."""
+    from transformers import LogitsProcessorList
+
     extra = {"cache_implementation": "static"} if mode == "static" else {}
+    clock = _StepClock()
     gc.collect()
     gc.disable()
     torch.cuda.synchronize()
@@ -95,13 +122,23 @@ def _generate(model, ids, mask, new, mode, **kw):
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
+                logits_processor=LogitsProcessorList([clock]),
                 **extra,
                 **kw,
             )
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
+        return time.perf_counter() - t0, out, clock.steps()
     finally:
         gc.enable()
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear interpolation; ``statistics.quantiles``' inclusive
+    method)."""
+    if len(values) == 1:
+        return values[0]
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return cuts[round(q * 100) - 1]
 
 
 def _block_captures(session) -> int:
@@ -117,7 +154,7 @@ def _logits_error(model, ref_model, ids, mask, new, mode, traces=None):
     """
     import replaymoe.hf as rhf
 
-    _, out = _generate(model, ids, mask, new, mode, output_logits=True, return_dict_in_generate=True)
+    _, out, _ = _generate(model, ids, mask, new, mode, output_logits=True, return_dict_in_generate=True)
     got = torch.stack(out.logits, dim=1).float()  # [B, new, V]
     seq = out.sequences
     full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1] :])], dim=1)
@@ -189,7 +226,7 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         if "replaymoe+replay" in impls:  # the rollout to replay: captured in this mode
             moe = rhf.enable(copies["replaymoe+replay"], capture=True, **cap)
             _generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
-            _, rollout = _generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
+            _, rollout, _ = _generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
             rollout, traces = rollout[:, ids.shape[1] :], moe.traces()[-B:]
             moe.disable()
             if mode == "static":
@@ -213,12 +250,14 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         breaks0, recompiles0 = _counters()
         captures0 = {impl: _block_captures(s) for impl, s in sessions.items()}
         times: dict = {impl: [] for impl in impls}
+        steps: dict = {impl: [] for impl in impls}  # every decode step of every timed round
         outs: dict = {}
         for r in range(args.repeats):
             # rotated order: no implementation always runs right after the same other one
             for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
-                dt, out = _generate(copies[impl], ids, mask, args.new, mode)
+                dt, out, step_s = _generate(copies[impl], ids, mask, args.new, mode)
                 times[impl].append(dt)
+                steps[impl] += step_s
                 outs[impl] = out[:, ids.shape[1] :]
                 if impl == "replaymoe+capture":
                     got = sessions[impl].traces()
@@ -241,7 +280,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             moe.disable()
     rows = []
     base = times.get("grouped_mm")
-    plain = times.get("replaymoe")
+    plain_impl = "replaymoe"
+    plain = times.get(plain_impl)
     for impl in impls:
         t, t_best = statistics.median(times[impl]), min(times[impl])
         paired = [b / x for b, x in zip(base, times[impl])] if base else [float("nan")]
@@ -267,6 +307,23 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             # best round of plain replaymoe / best round of this (host-speed episodes only add time)
             "vs_replaymoe_best": (min(plain) / t_best) if plain else float("nan"),
             "round_s": [round(x, 5) for x in times[impl]],  # this row's time in each round, in order
+            # decode steps pooled over the timed rounds: their median and 10th percentile (ms)
+            "step_ms_median": statistics.median(steps[impl]) * 1e3,
+            "step_ms_p10": _quantile(steps[impl], 0.1) * 1e3,
+            # plain replaymoe's step percentile / this row's: the per-step cost of capture or replay
+            # read where the host ran at its own speed (a slow-host episode only adds time, and
+            # pooling hundreds of steps makes the 10th percentile steady where round totals are not)
+            "vs_replaymoe_step_p10": (
+                _quantile(steps[plain_impl], 0.1) / _quantile(steps[impl], 0.1) if plain else float("nan")
+            ),
+            "vs_replaymoe_step_median": (
+                statistics.median(steps[plain_impl]) / statistics.median(steps[impl])
+                if plain
+                else float("nan")
+            ),
+            "speedup_vs_grouped_mm_step_p10": (
+                _quantile(steps["grouped_mm"], 0.1) / _quantile(steps[impl], 0.1) if base else float("nan")
+            ),
             # MoE-block CUDA graphs captured during the timed rounds (0 in a steady state)
             "block_graph_captures": captures.get(impl, 0),
             "speedup_best_vs_best": (min(base) / t_best) if base else float("nan"),
@@ -288,7 +345,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             f"  batch {B:3d} {mode:6s} {impl:18s} {t:7.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
             f"x{row['speedup_vs_grouped_mm']:.2f} (rounds {row['speedup_min_round']:.2f}-"
             f"{row['speedup_max_round']:.2f})  vs replaymoe x{row['vs_replaymoe']:.3f} "
-            f"(best {row['vs_replaymoe_best']:.3f})  "
+            f"(best {row['vs_replaymoe_best']:.3f}, step p10 {row['vs_replaymoe_step_p10']:.3f}, "
+            f"step median {row['vs_replaymoe_step_median']:.3f})  "
             f"err {errors[impl]:.2e}  "
             f"breaks {row['graph_breaks']} recompiles {row['recompiles']} cudagraph skips {skips}  "
             f"block graphs captured {row['block_graph_captures']}",
@@ -356,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_max_round",
             "vs_replaymoe",
             "vs_replaymoe_best",
+            "step_ms_p10",
+            "vs_replaymoe_step_p10",
+            "vs_replaymoe_step_median",
+            "speedup_vs_grouped_mm_step_p10",
             "logits_rel_err_vs_fp32",
             "same_tokens_as_grouped_mm",
             "same_tokens_as_rollout",

@@ -1,0 +1,43 @@
+"""`replaymoe bench hf`'s per-step clock and percentile, on the CPU (the benchmark itself needs a GPU)."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from replaymoe.bench.hf import _quantile, _StepClock
+from replaymoe.hf.models import build_model
+
+
+@pytest.mark.parametrize("new", [1, 2, 5])  # 1: no decode step at all; 2: one gap
+def test_step_clock_stamps_once_per_generated_token(new):
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe", "tiny", dtype=torch.float32, device="cpu")
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
+    clock = _StepClock()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+    assert out.shape[1] == ids.shape[1] + new
+    assert len(clock.stamps) == new  # one stamp per generated token
+    steps = clock.steps()
+    assert len(steps) == new - 1 and all(s > 0 for s in steps)
+
+
+@pytest.mark.parametrize(
+    "values, q",
+    [
+        ([3.0], 0.1),  # one value: itself
+        ([5.0, 1.0], 0.1),  # two values, unsorted
+        (list(np.random.default_rng(0).random(401)), 0.1),  # many values
+        (list(np.random.default_rng(1).random(63)), 0.5),  # the median
+    ],
+)
+def test_quantile_matches_numpy(values, q):
+    assert _quantile(values, q) == pytest.approx(float(np.quantile(values, q)), rel=1e-12)
