@@ -26,13 +26,17 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
     """``model.generate`` that starts a new capture batch (so batches are kept apart on the host
     even when the cache's length lives on the device) and, when it returns, writes the last
     forward's deferred capture commit (so none outlives the call: a compiled forward after it
-    never finds one)."""
+    never finds one) and lets the kept static cache go if the call returned it
+    (:class:`~replaymoe.hf.static_cache.StaticCacheKeeper`)."""
 
     @functools.wraps(generate)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         state._begin_pending = True
         try:
-            return generate(*args, **kwargs)
+            out = generate(*args, **kwargs)
+            if state._static_cache is not None:
+                state._static_cache.release_if_returned(out)
+            return out
         finally:
             if state._capture is not None:
                 state._capture.flush()

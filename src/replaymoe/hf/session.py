@@ -29,6 +29,7 @@ from .graphs import BlockGraphs, graphable
 from .patches import block_forward, mark_batch_start, router_forward
 from .positions import cache_length, token_positions
 from .state import CaptureBuffer, ReplayTable, TraceMeta
+from .static_cache import StaticCacheKeeper
 from .step import Step, StepBuffers, fused_rows_ok, positions_bound, step_rows
 
 __all__ = ["ReplayMoE", "enable"]
@@ -100,6 +101,7 @@ class ReplayMoE:
         self._graphs_on = False  # some block runs through BlockGraphs
         self._step_buffers = StepBuffers(len(self.layers), self.top_k)
         self._hooks: list[Any] = []
+        self._static_cache: Optional[StaticCacheKeeper] = None  # set by _patch where generate exists
         self._patch(experts)
         model._replaymoe = self
 
@@ -138,6 +140,8 @@ class ReplayMoE:
             stack.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         )
         if hasattr(self.model, "generate"):
+            keeper = StaticCacheKeeper(self.model)
+            self._static_cache = keeper if keeper.install() else None
             self.model.generate = mark_batch_start(self, self.model.generate)
 
     def disable(self) -> None:
@@ -156,6 +160,9 @@ class ReplayMoE:
         self._graphs_on = False
         self._step_buffers.clear()
         self.model.__dict__.pop("generate", None)
+        if self._static_cache is not None:
+            self._static_cache.uninstall()
+            self._static_cache = None
         if self._prev_impl is not None:
             self.model.set_experts_implementation(self._prev_impl)
         self.model._replaymoe = None

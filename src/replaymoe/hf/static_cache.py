@@ -1,0 +1,89 @@
+"""One static KV cache kept across ``generate(cache_implementation="static")`` calls.
+
+transformers (5.x) makes a new ``StaticCache`` in every such ``generate`` call, and its tensors are
+allocated lazily during the prefill. The decode step it compiles runs as CUDA graphs (inductor's
+cudagraph trees), which take the cache tensors as static inputs: when a call's cache lands at other
+addresses than the recorded one's, the tree records the step again (15-30 ms on the H200, and
+another graph's memory). Where the cache lands depends on what else the prefill allocated before
+it, so with replaymoe's kernels in the prefill it moved in about half of the calls
+(``bench/hf_notes.md``, session 12), and stock transformers was spared only by its allocation
+pattern.
+
+:class:`StaticCacheKeeper` replaces the model's ``_prepare_static_cache`` (an instance attribute,
+removed by :meth:`StaticCacheKeeper.uninstall`) so that a call that would make the same cache as the
+previous one (same implementation, batch size, length, dtype and device) gets that cache back, reset
+(zeroed, length 0: what a new cache holds), as transformers 4.x did with ``model._cache``. Anything
+else goes to transformers' own method. A ``generate`` that returns the cache to its caller
+(``return_dict_in_generate=True``) gives it away: :meth:`StaticCacheKeeper.release_if_returned`
+forgets it, so no later call resets a cache the caller holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["StaticCacheKeeper"]
+
+_REUSED = ("static",)  # the cache implementations kept (offloaded caches keep transformers' own path)
+
+
+class StaticCacheKeeper:
+    """Hands the previous ``generate`` call's static cache, reset, to the next call that needs an
+    identical one.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A transformers generation model (decoder-only). :meth:`install` does nothing when the
+        model has no ``_prepare_static_cache`` (another transformers version).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.cache: Any = None  # the kept cache (None: none kept)
+        self.key: tuple | None = None  # what the kept cache was made for
+        self.reuses = 0  # calls served with the kept cache (a diagnostic)
+
+    def install(self) -> bool:
+        """Route the model's ``_prepare_static_cache`` through :meth:`prepare`; False when the
+        model has no such method or is an encoder-decoder (left as it is)."""
+        make = getattr(self.model, "_prepare_static_cache", None)
+        config = getattr(self.model, "config", None)
+        if make is None or getattr(config, "is_encoder_decoder", False):
+            return False
+        self._make = make
+        self.model._prepare_static_cache = self.prepare
+        return True
+
+    def uninstall(self) -> None:
+        """Restore transformers' method and drop the kept cache."""
+        self.model.__dict__.pop("_prepare_static_cache", None)
+        self.cache = self.key = None
+
+    def prepare(self, **kwargs: Any) -> Any:
+        """The cache for this ``generate`` call: the kept one reset, when it was made for the same
+        ``(cache_implementation, batch_size, length, dtype, device)``, else a new one from
+        transformers (kept for the next call where its implementation is plain ``"static"``)."""
+        impl = kwargs.get("cache_implementation")
+        batch = kwargs.get("batch_size")
+        length = kwargs.get("max_cache_len")
+        if impl not in _REUSED or not isinstance(batch, int) or not isinstance(length, int):
+            return self._make(**kwargs)
+        # transformers sizes a static cache to at least the longest one made before (no recompiles)
+        length = max(length, getattr(self.model, "_previous_max_cache_length", -1))
+        key = (impl, batch, length, kwargs.get("prefill_chunk_size"), self.model.dtype, self.model.device)
+        if self.cache is not None and key == self.key:
+            self.cache.reset()
+            self.model._previous_max_cache_length = length
+            self.reuses += 1
+            return self.cache
+        self.cache = None  # the old one goes before the new one is made (no two at once)
+        self.cache, self.key = self._make(**kwargs), key
+        return self.cache
+
+    def release_if_returned(self, output: Any) -> None:
+        """Forget the kept cache when ``generate`` handed it to its caller in ``output``."""
+        if self.cache is not None and getattr(output, "past_key_values", None) is self.cache:
+            self.cache = self.key = None

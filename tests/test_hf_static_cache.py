@@ -1,0 +1,119 @@
+"""The static KV cache kept across ``generate(cache_implementation="static")`` calls (CPU, tiny model).
+
+A reused cache must generate exactly what a new one does (it is reset), the same cache object and
+tensors must come back while the call shape stays, and a cache handed to the caller is never reset
+under them. The GPU reason for all this (cudagraph trees re-recording the decode step when the cache
+moves) is measured by ``replaymoe bench hf``, not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import replaymoe.hf as rhf  # noqa: E402
+from replaymoe.hf.models import build_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _generate(model, ids, new=4, **kw):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            cache_implementation="static",
+            **kw,
+        )
+
+
+class _CacheSpy:
+    """Records the cache object and its first layer's key tensor address at every forward."""
+
+    def __init__(self, model):
+        self.seen = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        layer = cache.layers[0]
+        self.seen.append((cache, layer.keys.data_ptr() if layer.is_initialized else None))
+
+
+def test_kept_cache_generates_what_a_new_cache_does(generator):
+    stock = build_model("qwen3_moe", "tiny", seed=0)
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, backend="torch", experts=False)  # the same routing math as stock
+    spy = _CacheSpy(model)
+    vocab = model.config.vocab_size
+    first = torch.randint(3, vocab, (2, 7), generator=generator)
+    second = torch.randint(3, vocab, (2, 7), generator=generator)  # same shape: the cache is reused
+    try:
+        got = [_generate(model, first), _generate(model, second), _generate(model, first)]
+        want = [_generate(stock, first), _generate(stock, second), _generate(stock, first)]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        caches = {id(c) for c, _ in spy.seen}
+        ptrs = {p for _, p in spy.seen if p is not None}
+        assert len(caches) == 1 and len(ptrs) == 1  # one cache object, its tensors never moved
+        assert moe._static_cache.reuses == 2
+    finally:
+        spy.handle.remove()
+        moe.disable()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "batch",  # another batch size: a new cache
+        "length",  # a longer generate: a new, longer cache (transformers then keeps that length)
+    ],
+)
+def test_other_call_shape_gets_a_new_cache(change, generator):
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, backend="torch", experts=False)
+    spy = _CacheSpy(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=generator)
+    try:
+        _generate(model, ids)
+        if change == "batch":
+            _generate(model, ids[:1])
+        else:
+            _generate(model, ids, new=9)
+        first, last = spy.seen[0][0], spy.seen[-1][0]
+        assert first is not last and moe._static_cache.cache is last
+        assert moe._static_cache.reuses == 0
+    finally:
+        spy.handle.remove()
+        moe.disable()
+
+
+def test_returned_cache_is_not_reset_by_a_later_call(generator):
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, backend="torch", experts=False)
+    ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=generator)
+    try:
+        out = _generate(model, ids, return_dict_in_generate=True)
+        held = out.past_key_values
+        length = int(held.get_seq_length())
+        keys = held.layers[0].keys.clone()
+        assert moe._static_cache.cache is None  # given away with the output
+        _generate(model, ids)
+        assert int(held.get_seq_length()) == length  # the caller's cache is untouched
+        torch.testing.assert_close(held.layers[0].keys, keys, rtol=0, atol=0)
+    finally:
+        moe.disable()
+
+
+def test_disable_restores_transformers_method():
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, backend="torch", experts=False)
+    assert "_prepare_static_cache" in model.__dict__
+    moe.disable()
+    assert "_prepare_static_cache" not in model.__dict__
+    assert model._prepare_static_cache.__func__ is type(model)._prepare_static_cache
