@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from replaymoe.bench.hf import _quantile, _StepClock
+from replaymoe.bench.hf import _GraphCaptureCount, _quantile, _StepClock
 from replaymoe.hf.models import build_model
 
 
@@ -41,3 +41,22 @@ def test_step_clock_stamps_once_per_generated_token(new):
 )
 def test_quantile_matches_numpy(values, q):
     assert _quantile(values, q) == pytest.approx(float(np.quantile(values, q)), rel=1e-12)
+
+
+def test_graph_capture_count_installs_and_restores():
+    orig = torch.cuda.CUDAGraph.capture_begin
+    with _GraphCaptureCount() as counter:
+        assert torch.cuda.CUDAGraph.capture_begin is not orig
+        assert counter.count == 0
+    assert torch.cuda.CUDAGraph.capture_begin is orig
+
+
+@pytest.mark.gpu
+def test_graph_capture_count_counts_each_capture():
+    x = torch.zeros(4, device="cuda")
+    with _GraphCaptureCount() as counter:
+        for _ in range(2):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                x.add_(1)
+    assert counter.count == 2

@@ -38,7 +38,10 @@ pooled medians).
 
 Reported per row: median wall time of ``generate``, generated tokens/s, the paired speed-up over
 ``grouped_mm``, graph breaks, recompiles and CUDA-graph skips seen by dynamo/inductor during the
-cell's timed rounds, and the logits error: the logits ``generate`` returned at every step against
+cell's timed rounds, the CUDA graphs captured during the row's own timed rounds
+(``cuda_graph_captures``: replaymoe's block graphs and inductor's cudagraph trees; 0 in a steady
+state, and a static row above 0 means the compiled decode step was recorded again), and the logits
+error: the logits ``generate`` returned at every step against
 an fp32 forward of the same weights over the same tokens (``‖Δ‖ / ‖ref‖``; for replay rows the
 fp32 forward replays the same traces), so speed and correctness are read together. Static cells
 start from a reset dynamo, so every cell compiles its own graphs.
@@ -83,6 +86,33 @@ def _parse(argv):
     )
     p.add_argument("--no-error", action="store_true", help="skip the fp32 logits-error column")
     return p.parse_args(argv)
+
+
+class _GraphCaptureCount:
+    """Counts every CUDA graph captured in the process while installed (``torch.cuda.CUDAGraph``'s
+    ``capture_begin`` wrapped): replaymoe's block graphs and inductor's cudagraph trees alike. In a
+    steady state a timed ``generate`` captures none; a cudagraph tree that re-records the compiled
+    decode step (its static inputs moved) shows up here."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._orig = None
+
+    def __enter__(self) -> _GraphCaptureCount:
+        orig = self._orig = torch.cuda.CUDAGraph.capture_begin
+
+        def capture_begin(graph, *args, **kwargs):
+            self.count += 1
+            return orig(graph, *args, **kwargs)
+
+        torch.cuda.CUDAGraph.capture_begin = capture_begin
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.CUDAGraph.capture_begin = self._orig
+
+
+_GRAPHS = _GraphCaptureCount()
 
 
 class _StepClock:
@@ -251,11 +281,14 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         captures0 = {impl: _block_captures(s) for impl, s in sessions.items()}
         times: dict = {impl: [] for impl in impls}
         steps: dict = {impl: [] for impl in impls}  # every decode step of every timed round
+        graph_captures: dict = {impl: 0 for impl in impls}  # CUDA graphs captured in its timed rounds
         outs: dict = {}
         for r in range(args.repeats):
             # rotated order: no implementation always runs right after the same other one
             for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
+                before = _GRAPHS.count
                 dt, out, step_s = _generate(copies[impl], ids, mask, args.new, mode)
+                graph_captures[impl] += _GRAPHS.count - before
                 times[impl].append(dt)
                 steps[impl] += step_s
                 outs[impl] = out[:, ids.shape[1] :]
@@ -326,6 +359,9 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             ),
             # MoE-block CUDA graphs captured during the timed rounds (0 in a steady state)
             "block_graph_captures": captures.get(impl, 0),
+            # every CUDA graph captured in this row's timed rounds (block graphs and inductor's
+            # cudagraph trees; 0 in a steady state, > 0 where the compiled step was re-recorded)
+            "cuda_graph_captures": graph_captures[impl],
             "speedup_best_vs_best": (min(base) / t_best) if base else float("nan"),
             "logits_rel_err_vs_fp32": errors[impl],
             "same_tokens_as_grouped_mm": (
@@ -349,7 +385,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             f"step median {row['vs_replaymoe_step_median']:.3f})  "
             f"err {errors[impl]:.2e}  "
             f"breaks {row['graph_breaks']} recompiles {row['recompiles']} cudagraph skips {skips}  "
-            f"block graphs captured {row['block_graph_captures']}",
+            f"block graphs captured {row['block_graph_captures']}, "
+            f"all CUDA graphs {row['cuda_graph_captures']}",
             flush=True,
         )
     for msg in sorted(set(skip_log.messages)):
@@ -395,11 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     copies = {impl: (model if impl == "grouped_mm" else _shared_copy(model)) for impl in impls}
     g = torch.Generator().manual_seed(1)
     rows = []
-    for B in batches:
-        ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
-        mask = torch.ones_like(ids)
-        for mode in modes:
-            rows += _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log)
+    with _GRAPHS:
+        for B in batches:
+            ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
+            mask = torch.ones_like(ids)
+            for mode in modes:
+                rows += _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log)
     csv_path, json_path = write_results(rows, args.out, "hf_generate")
     print()
     print_table(
@@ -424,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             "graph_breaks",
             "recompiles",
             "cudagraph_skips",
+            "cuda_graph_captures",
         ],
     )
     print(f"\nwrote {csv_path} and {json_path}")
