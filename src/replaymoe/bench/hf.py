@@ -272,8 +272,11 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
                 )
         skips0 = _cudagraph_skips()
         skip_log.messages.clear()
+        # a short first warm-up generate eagerly (block graphs, autotune); none with a static cache,
+        # where another length means another cache size: one more compile and graph, never used again
+        first = args.new if mode == "static" else min(8, args.new)
         for impl in impls:  # warm-up: compile, autotune, allocator
-            _generate(copies[impl], ids, mask, min(8, args.new), mode)
+            _generate(copies[impl], ids, mask, first, mode)
             _generate(copies[impl], ids, mask, args.new, mode)
             if impl in sessions:
                 sessions[impl].traces()
