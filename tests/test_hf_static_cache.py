@@ -8,6 +8,7 @@ moves) is measured by ``replaymoe bench hf``, not here.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,3 +118,29 @@ def test_disable_restores_transformers_method():
     moe.disable()
     assert "_prepare_static_cache" not in model.__dict__
     assert model._prepare_static_cache.__func__ is type(model)._prepare_static_cache
+
+
+def test_capture_through_kept_cache_equals_fresh_caches(generator):
+    # capture's batch start reads the cache's (device) length: a reset cache must read as empty
+    kept = build_model("qwen3_moe", "tiny", seed=0)
+    fresh = build_model("qwen3_moe", "tiny", seed=0)
+    vocab = kept.config.vocab_size
+    prompts = [torch.randint(3, vocab, (2, 6), generator=generator) for _ in range(3)]
+    runs = []
+    for model, keep in ((kept, True), (fresh, False)):
+        moe = rhf.enable(model, backend="torch", capture=True, max_batch_size=2, max_positions=16)
+        if not keep:
+            moe._static_cache.uninstall()
+        try:
+            traces = []
+            for ids in prompts:
+                _generate(model, ids)
+                traces += moe.traces()
+            runs.append(traces)
+            assert moe._static_cache.reuses == (2 if keep else 0)
+        finally:
+            moe.disable()
+    assert len(runs[0]) == len(runs[1]) == 6
+    for a, b in zip(*runs):
+        assert a.num_tokens == b.num_tokens == 6 + 4 - 1
+        np.testing.assert_array_equal(a.ids, b.ids)
