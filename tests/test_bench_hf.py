@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
+from replaymoe.bench import hf as bench_hf
 from replaymoe.bench.hf import _GraphCaptureCount, _quantile, _StepClock
 from replaymoe.hf.models import build_model
 
@@ -60,3 +61,22 @@ def test_graph_capture_count_counts_each_capture():
             with torch.cuda.graph(g):
                 x.add_(1)
     assert counter.count == 2
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--impls", "grouped_mm,nope"], "--impls: unknown ['nope']"),  # one unknown among known
+        (["--modes", "eager,compiled"], "--modes: unknown ['compiled']"),
+        (["--batch", "1,x"], "--batch: expected comma-separated positive integers, got '1,x'"),
+        (["--batch", "0"], "--batch: expected comma-separated positive integers, got '0'"),  # not positive
+        (["--batch", ","], "--batch: expected at least one entry, got none"),  # empty after the split
+        (["--modes", ""], "--modes: expected at least one entry, got none"),
+    ],
+)
+def test_bad_arguments_exit_before_the_gpu_is_needed(argv, named, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        bench_hf.main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written

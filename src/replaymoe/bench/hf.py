@@ -85,7 +85,26 @@ def _parse(argv):
         "--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS + OPTIONAL_IMPLS)
     )
     p.add_argument("--no-error", action="store_true", help="skip the fp32 logits-error column")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.impl_list = [s for s in args.impls.split(",") if s]
+    args.mode_list = [s for s in args.modes.split(",") if s]
+    for name, got, allowed in (
+        ("--impls", args.impl_list, IMPLS + OPTIONAL_IMPLS),
+        ("--modes", args.mode_list, MODES),
+    ):
+        bad = [x for x in got if x not in allowed]
+        if bad:
+            p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    try:
+        args.batches = [int(b) for b in args.batch.split(",") if b]
+    except ValueError:
+        p.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
+    if any(b < 1 for b in args.batches):
+        p.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
+    for name, got in (("--batch", args.batches), ("--impls", args.impl_list), ("--modes", args.mode_list)):
+        if not got:
+            p.error(f"{name}: expected at least one entry, got none")
+    return args
 
 
 class _GraphCaptureCount:
@@ -398,19 +417,12 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = _parse(argv)  # bad arguments exit (2) here, before the GPU is looked for
     if no_cuda("replaymoe bench hf"):
         return NO_CUDA_EXIT
     from replaymoe.hf.models import build_model
 
-    batches = [int(b) for b in args.batch.split(",") if b]
-    impls = [s for s in args.impls.split(",") if s]
-    modes = [s for s in args.modes.split(",") if s]
-    for name, got, allowed in (("--impls", impls, IMPLS + OPTIONAL_IMPLS), ("--modes", modes, MODES)):
-        bad = [x for x in got if x not in allowed]
-        if bad:
-            print(f"replaymoe bench hf: error: {name}: unknown {bad}; choose from {allowed}", file=sys.stderr)
-            return 2
+    batches, impls, modes = args.batches, args.impl_list, args.mode_list
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = build_model(args.arch, args.size, dtype=torch.bfloat16, device="cuda")
@@ -441,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             mask = torch.ones_like(ids)
             for mode in modes:
                 rows += _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log)
-    csv_path, json_path = write_results(rows, args.out, "hf_generate")
+                # written after every cell: a run cut short (a time limit) keeps the cells it finished
+                csv_path, json_path = write_results(rows, args.out, "hf_generate")
     print()
     print_table(
         rows,
