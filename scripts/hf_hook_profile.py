@@ -14,7 +14,7 @@ import pstats
 import torch
 
 import replaymoe.hf as rhf
-from replaymoe.bench.hf import _shared_copy
+from replaymoe.bench.hf_timing import shared_copy
 from replaymoe.hf.models import build_model
 
 p = argparse.ArgumentParser()
@@ -40,13 +40,13 @@ def gen(m):
         )
 
 
-roll = _shared_copy(model)
+roll = shared_copy(model)
 s = rhf.enable(roll, capture=True, **cap)
 gen(roll)
 traces = s.traces()
 s.disable()
 for name, kw in (("plain", {}), ("capture", {"capture": True}), ("replay", {"replay": traces})):
-    m = _shared_copy(model)
+    m = shared_copy(model)
     sess = rhf.enable(m, **kw, **cap)
     gen(m)
     gen(m)

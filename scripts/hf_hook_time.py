@@ -18,7 +18,7 @@ import time
 import torch
 
 import replaymoe.hf as rhf
-from replaymoe.bench.hf import _shared_copy
+from replaymoe.bench.hf_timing import shared_copy
 from replaymoe.hf import session
 from replaymoe.hf.models import build_model
 
@@ -68,14 +68,14 @@ def gen(m):
     return time.perf_counter() - t0
 
 
-rollout = _shared_copy(model)
+rollout = shared_copy(model)
 s = rhf.enable(rollout, capture=True, **cap)
 gen(rollout)
 traces = s.traces()
 s.disable()
 copies = {}
 for name, kw in (("plain", {}), ("capture", {"capture": True}), ("replay", {"replay": traces})):
-    m = _shared_copy(model)
+    m = shared_copy(model)
     sess = rhf.enable(m, **kw, **cap)
     gen(m)
     gen(m)

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import replaymoe.hf as rhf
-from replaymoe.bench.hf import _shared_copy
+from replaymoe.bench.hf_timing import shared_copy
 from replaymoe.hf.models import build_model
 
 p = argparse.ArgumentParser()
@@ -39,7 +39,7 @@ variants = {
     "capture/no-graphs": dict(graphs=False, capture=True),
 }
 model.set_experts_implementation("grouped_mm")
-copies = {k: _shared_copy(model) for k in variants}
+copies = {k: shared_copy(model) for k in variants}
 sessions = {k: rhf.enable(copies[k], **v, **cap) for k, v in variants.items() if v is not None}
 
 

@@ -21,7 +21,7 @@ import torch
 import torch._inductor.cudagraph_trees as cgt
 
 import replaymoe.hf as rhf
-from replaymoe.bench.hf import _generate, _shared_copy
+from replaymoe.bench.hf_timing import shared_copy, timed_generate
 from replaymoe.hf.models import build_model
 
 p = argparse.ArgumentParser()
@@ -66,7 +66,7 @@ cap = dict(max_batch_size=B, max_positions=P + N)
 
 for name in ("capture", "capture/no-kept-cache", "plain", "plain/no-kept-cache", "grouped_mm"):
     torch._dynamo.reset()
-    m = _shared_copy(model)
+    m = shared_copy(model)
     moe = None
     if name == "grouped_mm":
         m.set_experts_implementation("grouped_mm")
@@ -78,7 +78,7 @@ for name in ("capture", "capture/no-kept-cache", "plain", "plain/no-kept-cache",
     for i in range(a.generates):
         nodes["made"] = 0
         moved.clear()
-        seconds, _, steps = _generate(m, ids, mask, N if i else 8, "static")
+        seconds, _, steps = timed_generate(m, ids, mask, N if i else 8, "static")
         if moe is not None and moe._capturing:
             moe.traces()
         slowest = round(max(steps) * 1e3, 2) if steps else 0.0

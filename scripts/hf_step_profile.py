@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import replaymoe._launch as launch
 import replaymoe.hf as rhf
-from replaymoe.bench.hf import _shared_copy
+from replaymoe.bench.hf_timing import shared_copy
 from replaymoe.hf.models import build_model
 
 p = argparse.ArgumentParser()
@@ -45,7 +45,7 @@ ids = torch.randint(3, model.config.vocab_size, (B, P), device="cuda")
 # variants: the bench's four, and isolating ones (--variants): a second grouped_mm copy (the original vs a
 # copy), routers only (experts on grouped_mm), experts only (transformers' routers), plain Triton launches
 impls = [v for v in a.variants.split(",") if v]
-copies = {i: model if i == "grouped_mm" else _shared_copy(model) for i in impls}
+copies = {i: model if i == "grouped_mm" else shared_copy(model) for i in impls}
 cap = dict(max_batch_size=B, max_positions=P + a.steps)
 sessions = {}
 traces = None

@@ -18,7 +18,7 @@ import time
 import torch
 
 import replaymoe.hf as rhf
-from replaymoe.bench.hf import _shared_copy
+from replaymoe.bench.hf_timing import shared_copy
 from replaymoe.hf.models import build_model
 
 p = argparse.ArgumentParser()
@@ -47,14 +47,14 @@ def gen(m, n=a.new):
 variants = [v for v in a.variants.split(",") if v]
 traces = None
 if "replaymoe+replay" in variants:
-    roll = _shared_copy(model)
+    roll = shared_copy(model)
     s = rhf.enable(roll, capture=True, **cap)
     gen(roll)
     traces = s.traces()
     s.disable()
 copies, sessions, stamps = {}, {}, {}
 for v in variants:
-    m = copies[v] = _shared_copy(model)
+    m = copies[v] = shared_copy(model)
     sessions[v] = rhf.enable(
         m, capture=v.endswith("capture"), replay=traces if v.endswith("replay") else None, **cap
     )

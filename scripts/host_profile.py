@@ -17,7 +17,7 @@ import time
 import torch
 
 import replaymoe.hf as rhf
-from replaymoe.bench.hf import _shared_copy
+from replaymoe.bench.hf_timing import shared_copy
 from replaymoe.hf.models import build_model
 from replaymoe.moe import fused_moe
 from replaymoe.routing import route
@@ -45,7 +45,7 @@ def host_us(fn, n=a.calls):
 torch.manual_seed(0)
 model = build_model("qwen3_moe", "bench", dtype=torch.bfloat16, device="cuda")
 model.set_experts_implementation("grouped_mm")
-ours = _shared_copy(model)
+ours = shared_copy(model)
 session = rhf.enable(ours, max_batch_size=a.batch, max_positions=64)
 blk0, blk1 = model.model.layers[0].mlp, ours.model.layers[0].mlp
 H = model.config.hidden_size

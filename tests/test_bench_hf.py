@@ -6,7 +6,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from replaymoe.bench import hf as bench_hf
-from replaymoe.bench.hf import _GraphCaptureCount, _quantile, _StepClock
+from replaymoe.bench.hf_timing import GraphCaptureCount, StepClock, quantile
 from replaymoe.hf.models import build_model
 
 
@@ -15,7 +15,7 @@ def test_step_clock_stamps_once_per_generated_token(new):
     torch.manual_seed(0)
     model = build_model("qwen3_moe", "tiny", dtype=torch.float32, device="cpu")
     ids = torch.randint(3, model.config.vocab_size, (2, 6))
-    clock = _StepClock()
+    clock = StepClock()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -41,12 +41,12 @@ def test_step_clock_stamps_once_per_generated_token(new):
     ],
 )
 def test_quantile_matches_numpy(values, q):
-    assert _quantile(values, q) == pytest.approx(float(np.quantile(values, q)), rel=1e-12)
+    assert quantile(values, q) == pytest.approx(float(np.quantile(values, q)), rel=1e-12)
 
 
 def test_graph_capture_count_installs_and_restores():
     orig = torch.cuda.CUDAGraph.capture_begin
-    with _GraphCaptureCount() as counter:
+    with GraphCaptureCount() as counter:
         assert torch.cuda.CUDAGraph.capture_begin is not orig
         assert counter.count == 0
     assert torch.cuda.CUDAGraph.capture_begin is orig
@@ -55,7 +55,7 @@ def test_graph_capture_count_installs_and_restores():
 @pytest.mark.gpu
 def test_graph_capture_count_counts_each_capture():
     x = torch.zeros(4, device="cuda")
-    with _GraphCaptureCount() as counter:
+    with GraphCaptureCount() as counter:
         for _ in range(2):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import replaymoe.hf as rhf  # noqa: E402
 import replaymoe.moe as rmoe  # noqa: E402
-from replaymoe.bench.hf import _shared_copy  # noqa: E402
+from replaymoe.bench.hf_timing import shared_copy  # noqa: E402
 from replaymoe.hf.graphs import BlockGraphs  # noqa: E402
 from replaymoe.hf.models import build_model  # noqa: E402
 
@@ -61,7 +61,7 @@ def _captured(moe) -> int:
 )
 def test_graphs_match_eager(arch, batch):
     model = build_model(arch, "medium", dtype=torch.bfloat16, device="cuda")
-    eager = _shared_copy(model)
+    eager = shared_copy(model)
     ids, mask = _inputs(model.config.vocab_size, batch)
     m_graph = rhf.enable(model, capture=True, max_batch_size=batch, max_positions=32)
     m_eager = rhf.enable(eager, capture=True, max_batch_size=batch, max_positions=32, graphs=False)
@@ -91,7 +91,7 @@ def test_graphs_match_eager(arch, batch):
 
 def test_graph_replay_skips_python_and_sees_new_weights(monkeypatch):
     model = build_model("qwen3_moe", "medium", dtype=torch.bfloat16, device="cuda")
-    ref = _shared_copy(model)
+    ref = shared_copy(model)
     ids, mask = _inputs(model.config.vocab_size, 2)
     moe = rhf.enable(model, max_batch_size=2, max_positions=32)
     ref_moe = rhf.enable(ref, max_batch_size=2, max_positions=32, graphs=False)

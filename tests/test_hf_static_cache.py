@@ -144,3 +144,10 @@ def test_capture_through_kept_cache_equals_fresh_caches(generator):
     for a, b in zip(*runs):
         assert a.num_tokens == b.num_tokens == 6 + 4 - 1
         np.testing.assert_array_equal(a.ids, b.ids)
+
+
+def test_model_without_generate_is_left_alone():
+    base = build_model("qwen3_moe", "tiny", seed=0).model  # the decoder stack: no generate, no caches made
+    moe = rhf.enable(base, backend="torch")
+    assert not moe._static_cache.installed and "_prepare_static_cache" not in base.__dict__
+    moe.disable()  # nothing to restore, no error

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import logging
 import statistics
 import sys
@@ -63,6 +62,7 @@ import time
 import torch
 
 from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
+from .hf_timing import GRAPHS, quantile, shared_copy, timed_generate
 
 IMPLS = ("grouped_mm", "replaymoe", "replaymoe+capture", "replaymoe+replay")
 OPTIONAL_IMPLS = ("replaymoe/no-graphs",)
@@ -107,89 +107,6 @@ def _parse(argv):
     return args
 
 
-class _GraphCaptureCount:
-    """Counts every CUDA graph captured in the process while installed (``torch.cuda.CUDAGraph``'s
-    ``capture_begin`` wrapped): replaymoe's block graphs and inductor's cudagraph trees alike. In a
-    steady state a timed ``generate`` captures none; a cudagraph tree that re-records the compiled
-    decode step (its static inputs moved) shows up here."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._orig = None
-
-    def __enter__(self) -> _GraphCaptureCount:
-        orig = self._orig = torch.cuda.CUDAGraph.capture_begin
-
-        def capture_begin(graph, *args, **kwargs):
-            self.count += 1
-            return orig(graph, *args, **kwargs)
-
-        torch.cuda.CUDAGraph.capture_begin = capture_begin
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.cuda.CUDAGraph.capture_begin = self._orig
-
-
-_GRAPHS = _GraphCaptureCount()
-
-
-class _StepClock:
-    """A logits processor that changes nothing and stamps the host clock each time ``generate``
-    calls it: once per generated token, after the step's forward. ``generate`` reads each step's
-    token on the host before the next step starts, so the gaps between stamps are the wall times of
-    the decode steps (the next forward plus ``generate``'s own work around it)."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.stamps.append(time.perf_counter())
-        return scores
-
-    def steps(self) -> list[float]:
-        """Seconds of each decode step (``new - 1`` of them)."""
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
-
-
-def _generate(model, ids, mask, new, mode, **kw):
-    """(seconds, output, decode-step seconds) of one ``generate`` call; Python's garbage collector is
-    run before and held off during the call, so that a collection does not land inside a timed run."""
-    from transformers import LogitsProcessorList
-
-    extra = {"cache_implementation": "static"} if mode == "static" else {}
-    clock = _StepClock()
-    gc.collect()
-    gc.disable()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    try:
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                logits_processor=LogitsProcessorList([clock]),
-                **extra,
-                **kw,
-            )
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, out, clock.steps()
-    finally:
-        gc.enable()
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (linear interpolation; ``statistics.quantiles``' inclusive
-    method)."""
-    if len(values) == 1:
-        return values[0]
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return cuts[round(q * 100) - 1]
-
-
 def _block_captures(session) -> int:
     """MoE-block CUDA graphs a session has captured so far (:mod:`replaymoe.hf.graphs`)."""
     return sum(g.captures for g in session._block_graphs)
@@ -203,7 +120,7 @@ def _logits_error(model, ref_model, ids, mask, new, mode, traces=None):
     """
     import replaymoe.hf as rhf
 
-    _, out, _ = _generate(model, ids, mask, new, mode, output_logits=True, return_dict_in_generate=True)
+    _, out, _ = timed_generate(model, ids, mask, new, mode, output_logits=True, return_dict_in_generate=True)
     got = torch.stack(out.logits, dim=1).float()  # [B, new, V]
     seq = out.sequences
     full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1] :])], dim=1)
@@ -251,14 +168,6 @@ def _raise_recompile_limit(n_copies: int) -> None:
     setattr(cfg, name, max(getattr(cfg, name), 4 * n_copies))
 
 
-def _shared_copy(model):
-    """A copy of ``model`` whose modules are its own but whose parameters and buffers are the
-    original's (so each implementation gets its own patched routers, experts implementation,
-    caches and compiled graphs, at no extra weight memory)."""
-    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return copy.deepcopy(model, memo)
-
-
 def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> list[dict]:
     """Rows of one (batch, cache mode) cell: every implementation on its own shared-weight copy of
     the model (``copies``: implementation -> model), timed in interleaved rounds (round r times
@@ -274,8 +183,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
     try:
         if "replaymoe+replay" in impls:  # the rollout to replay: captured in this mode
             moe = rhf.enable(copies["replaymoe+replay"], capture=True, **cap)
-            _generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
-            _, rollout, _ = _generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
+            timed_generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
+            _, rollout, _ = timed_generate(copies["replaymoe+replay"], ids, mask, args.new, mode)
             rollout, traces = rollout[:, ids.shape[1] :], moe.traces()[-B:]
             moe.disable()
             if mode == "static":
@@ -295,8 +204,8 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         # where another length means another cache size: one more compile and graph, never used again
         first = args.new if mode == "static" else min(8, args.new)
         for impl in impls:  # warm-up: compile, autotune, allocator
-            _generate(copies[impl], ids, mask, first, mode)
-            _generate(copies[impl], ids, mask, args.new, mode)
+            timed_generate(copies[impl], ids, mask, first, mode)
+            timed_generate(copies[impl], ids, mask, args.new, mode)
             if impl in sessions:
                 sessions[impl].traces()
         breaks0, recompiles0 = _counters()
@@ -308,9 +217,9 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         for r in range(args.repeats):
             # rotated order: no implementation always runs right after the same other one
             for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
-                before = _GRAPHS.count
-                dt, out, step_s = _generate(copies[impl], ids, mask, args.new, mode)
-                graph_captures[impl] += _GRAPHS.count - before
+                before = GRAPHS.count
+                dt, out, step_s = timed_generate(copies[impl], ids, mask, args.new, mode)
+                graph_captures[impl] += GRAPHS.count - before
                 times[impl].append(dt)
                 steps[impl] += step_s
                 outs[impl] = out[:, ids.shape[1] :]
@@ -364,12 +273,12 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
             "round_s": [round(x, 5) for x in times[impl]],  # this row's time in each round, in order
             # decode steps pooled over the timed rounds: their median and 10th percentile (ms)
             "step_ms_median": statistics.median(steps[impl]) * 1e3,
-            "step_ms_p10": _quantile(steps[impl], 0.1) * 1e3,
+            "step_ms_p10": quantile(steps[impl], 0.1) * 1e3,
             # plain replaymoe's step percentile / this row's: the per-step cost of capture or replay
             # read where the host ran at its own speed (a slow-host episode only adds time, and
             # pooling hundreds of steps makes the 10th percentile steady where round totals are not)
             "vs_replaymoe_step_p10": (
-                _quantile(steps[plain_impl], 0.1) / _quantile(steps[impl], 0.1) if plain else float("nan")
+                quantile(steps[plain_impl], 0.1) / quantile(steps[impl], 0.1) if plain else float("nan")
             ),
             "vs_replaymoe_step_median": (
                 statistics.median(steps[plain_impl]) / statistics.median(steps[impl])
@@ -377,7 +286,7 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
                 else float("nan")
             ),
             "speedup_vs_grouped_mm_step_p10": (
-                _quantile(steps["grouped_mm"], 0.1) / _quantile(steps[impl], 0.1) if base else float("nan")
+                quantile(steps["grouped_mm"], 0.1) / quantile(steps[impl], 0.1) if base else float("nan")
             ),
             # MoE-block CUDA graphs captured during the timed rounds (0 in a steady state)
             "block_graph_captures": captures.get(impl, 0),
@@ -444,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch._inductor").addHandler(skip_log)
     _raise_recompile_limit(len(impls))
     # made before any generate: a copy must not inherit another copy's compiled call or cache
-    copies = {impl: (model if impl == "grouped_mm" else _shared_copy(model)) for impl in impls}
+    copies = {impl: (model if impl == "grouped_mm" else shared_copy(model)) for impl in impls}
     g = torch.Generator().manual_seed(1)
     rows = []
-    with _GRAPHS:
+    with GRAPHS:
         for B in batches:
             ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
             mask = torch.ones_like(ids)

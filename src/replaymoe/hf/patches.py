@@ -34,8 +34,7 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
         state._begin_pending = True
         try:
             out = generate(*args, **kwargs)
-            if state._static_cache is not None:
-                state._static_cache.release_if_returned(out)
+            state._static_cache.release_if_returned(out)
             return out
         finally:
             if state._capture is not None:

@@ -101,7 +101,6 @@ class ReplayMoE:
         self._graphs_on = False  # some block runs through BlockGraphs
         self._step_buffers = StepBuffers(len(self.layers), self.top_k)
         self._hooks: list[Any] = []
-        self._static_cache: Optional[StaticCacheKeeper] = None  # set by _patch where generate exists
         self._patch(experts)
         model._replaymoe = self
 
@@ -139,9 +138,8 @@ class ReplayMoE:
         self._hooks.append(
             stack.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         )
+        self._static_cache = StaticCacheKeeper(self.model)  # one KV cache across static generates
         if hasattr(self.model, "generate"):
-            keeper = StaticCacheKeeper(self.model)
-            self._static_cache = keeper if keeper.install() else None
             self.model.generate = mark_batch_start(self, self.model.generate)
 
     def disable(self) -> None:
@@ -160,9 +158,7 @@ class ReplayMoE:
         self._graphs_on = False
         self._step_buffers.clear()
         self.model.__dict__.pop("generate", None)
-        if self._static_cache is not None:
-            self._static_cache.uninstall()
-            self._static_cache = None
+        self._static_cache.uninstall()
         if self._prev_impl is not None:
             self.model.set_experts_implementation(self._prev_impl)
         self.model._replaymoe = None

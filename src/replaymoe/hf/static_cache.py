@@ -33,11 +33,14 @@ class StaticCacheKeeper:
     """Hands the previous ``generate`` call's static cache, reset, to the next call that needs an
     identical one.
 
+    Made on a model, it installs itself as the model's ``_prepare_static_cache`` (an instance
+    attribute) unless the model has no such method (another transformers version) or is an
+    encoder-decoder; :attr:`installed` says which.
+
     Parameters
     ----------
     model : nn.Module
-        A transformers generation model (decoder-only). :meth:`install` does nothing when the
-        model has no ``_prepare_static_cache`` (another transformers version).
+        A transformers generation model.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -45,21 +48,17 @@ class StaticCacheKeeper:
         self.cache: Any = None  # the kept cache (None: none kept)
         self.key: tuple | None = None  # what the kept cache was made for
         self.reuses = 0  # calls served with the kept cache (a diagnostic)
-
-    def install(self) -> bool:
-        """Route the model's ``_prepare_static_cache`` through :meth:`prepare`; False when the
-        model has no such method or is an encoder-decoder (left as it is)."""
-        make = getattr(self.model, "_prepare_static_cache", None)
-        config = getattr(self.model, "config", None)
-        if make is None or getattr(config, "is_encoder_decoder", False):
-            return False
-        self._make = make
-        self.model._prepare_static_cache = self.prepare
-        return True
+        self._make = getattr(model, "_prepare_static_cache", None)
+        config = getattr(model, "config", None)
+        self.installed = self._make is not None and not getattr(config, "is_encoder_decoder", False)
+        if self.installed:
+            model._prepare_static_cache = self.prepare
 
     def uninstall(self) -> None:
-        """Restore transformers' method and drop the kept cache."""
-        self.model.__dict__.pop("_prepare_static_cache", None)
+        """Restore transformers' method and drop the kept cache (idempotent)."""
+        if self.installed and self.model.__dict__.get("_prepare_static_cache") == self.prepare:
+            del self.model.__dict__["_prepare_static_cache"]
+        self.installed = False
         self.cache = self.key = None
 
     def prepare(self, **kwargs: Any) -> Any:
