@@ -6,7 +6,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from replaymoe.bench import hf as bench_hf
-from replaymoe.bench.hf_timing import GraphCaptureCount, StepClock, quantile
+from replaymoe.bench.hf_timing import GraphCaptureCount, StepClock, quantile, shared_copy
 from replaymoe.hf.models import build_model
 
 
@@ -80,3 +80,30 @@ def test_bad_arguments_exit_before_the_gpu_is_needed(argv, named, capsys, tmp_pa
     assert exc.value.code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    "mode", ["eager", "static"]
+)  # static: a StaticCache, kept across calls (no compile on CPU)
+def test_bench_cell_rows_on_cpu(mode, monkeypatch, generator):
+    # the cell's bookkeeping end to end on real tiny models (its times mean nothing on the CPU);
+    # the device syncs are the only CUDA calls on this path
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    model.set_experts_implementation("grouped_mm")
+    ref = build_model("qwen3_moe", "tiny", seed=0)
+    args = bench_hf._parse(["--batch", "2", "--prompt", "5", "--new", "4", "--repeats", "2"])
+    impls = list(bench_hf.IMPLS)
+    copies = {i: (model if i == "grouped_mm" else shared_copy(model)) for i in impls}
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=generator)
+    rows = bench_hf._bench_cell(
+        copies, ref, impls, ids, torch.ones_like(ids), mode, args, bench_hf._SkipLog()
+    )
+    assert [r["impl"] for r in rows] == impls
+    for r in rows:
+        assert r["mode"] == mode and r["batch"] == 2 and len(r["round_s"]) == 2
+        assert r["step_ms_p10"] > 0 and r["cuda_graph_captures"] == 0
+        assert r["same_tokens_as_grouped_mm"] == 1.0  # fp32 tiny model: the same greedy tokens
+        assert r["logits_rel_err_vs_fp32"] < 1e-5
+    assert rows[1]["vs_replaymoe"] == 1.0 and rows[1]["vs_replaymoe_step_p10"] == 1.0
+    assert rows[3]["same_tokens_as_rollout"] == 1.0  # replay regenerates the captured rollout
