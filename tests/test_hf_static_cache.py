@@ -151,3 +151,33 @@ def test_model_without_generate_is_left_alone():
     moe = rhf.enable(base, backend="torch")
     assert not moe._static_cache.installed and "_prepare_static_cache" not in base.__dict__
     moe.disable()  # nothing to restore, no error
+
+
+# release: release_static_cache() after a call; off: enable(..., keep_static_cache=False)
+@pytest.mark.parametrize("how", ["release", "off"])
+def test_release_and_opt_out_make_new_caches(how, generator):
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, backend="torch", experts=False, keep_static_cache=how != "off")
+    spy = _CacheSpy(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=generator)
+    try:
+        _generate(model, ids)
+        if how == "release":
+            assert moe._static_cache.cache is spy.seen[0][0]
+            moe.release_static_cache()
+            assert moe._static_cache.cache is None
+        else:
+            assert not moe._static_cache.installed and "_prepare_static_cache" not in model.__dict__
+        _generate(model, ids)
+        assert spy.seen[0][0] is not spy.seen[-1][0]  # the second call made its own cache
+        assert moe._static_cache.reuses == 0
+    finally:
+        spy.handle.remove()
+        moe.disable()
+
+
+def test_keep_static_cache_must_be_bool():
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    with pytest.raises(ValueError, match="keep_static_cache"):
+        rhf.enable(model, keep_static_cache="yes")
+    assert getattr(model, "_replaymoe", None) is None and "_prepare_static_cache" not in model.__dict__

@@ -7,6 +7,9 @@ allots each token a slot of the capture buffer (capture); each router then route
 slab into the capture buffer with one indexing op. Nothing in a forward reads the device from the
 host, so the patched model runs eagerly, under ``torch.compile(fullgraph=True)``, with
 ``generate(cache_implementation="static")`` and in CUDA graphs.
+
+Size: over 450 lines; :class:`ReplayMoE` is one unit (its hooks share the per-forward state that
+capture and replay fill), and :func:`enable` documents every option of it.
 """
 
 from __future__ import annotations
@@ -63,9 +66,11 @@ class ReplayMoE:
         max_batch_size: int = 1,
         max_positions: int = 256,
         graphs: bool = True,
+        keep_static_cache: bool = True,
     ) -> None:
         check_choice("backend", backend, _BACKENDS)
         check_bool("graphs", graphs)
+        check_bool("keep_static_cache", keep_static_cache)
         check_int("max_batch_size", max_batch_size, low=1)
         check_int("max_positions", max_positions, low=1)
         if getattr(model, "_replaymoe", None) is not None:
@@ -101,7 +106,7 @@ class ReplayMoE:
         self._graphs_on = False  # some block runs through BlockGraphs
         self._step_buffers = StepBuffers(len(self.layers), self.top_k)
         self._hooks: list[Any] = []
-        self._patch(experts)
+        self._patch(experts, keep_static_cache)
         model._replaymoe = self
 
     # ---------------------------------------------------------------- patching
@@ -111,7 +116,7 @@ class ReplayMoE:
         except StopIteration:  # pragma: no cover - a model without parameters has no MoE layers
             return torch.device("cpu")
 
-    def _patch(self, experts: bool) -> None:
+    def _patch(self, experts: bool, keep_static_cache: bool) -> None:
         config = getattr(self.model, "config", None)
         switch = (
             experts
@@ -138,7 +143,7 @@ class ReplayMoE:
         self._hooks.append(
             stack.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         )
-        self._static_cache = StaticCacheKeeper(self.model)  # one KV cache across static generates
+        self._static_cache = StaticCacheKeeper(self.model, install=keep_static_cache)
         if hasattr(self.model, "generate"):
             self.model.generate = mark_batch_start(self, self.model.generate)
 
@@ -163,6 +168,12 @@ class ReplayMoE:
             self.model.set_experts_implementation(self._prev_impl)
         self.model._replaymoe = None
         self._step = None
+
+    def release_static_cache(self) -> None:
+        """Free the static KV cache kept across ``generate(cache_implementation="static")`` calls
+        (``enable(..., keep_static_cache=True)``), e.g. before a training step; the next such
+        ``generate`` makes a new one (and records its decode step's CUDA graphs again)."""
+        self._static_cache.release()
 
     # ---------------------------------------------------------------- forward context
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -391,6 +402,7 @@ def enable(
     max_batch_size: int = 1,
     max_positions: int = 256,
     graphs: bool = True,
+    keep_static_cache: bool = True,
 ) -> ReplayMoE:
     """Route a transformers MoE model through replaymoe, with optional capture and replay.
 
@@ -419,6 +431,11 @@ def enable(
         graph is captured the second time an input shape is seen and replayed after, which takes
         its Python and launch overhead off the host. Same kernels, same results. ``False`` keeps
         every forward eager.
+    keep_static_cache : bool
+        Keep the KV cache of ``generate(cache_implementation="static")`` and reset it for the next
+        call of the same batch size and length (transformers makes a new one per call; one that
+        lands elsewhere makes the compiled decode step record its CUDA graphs again). Its memory
+        stays allocated between calls: :meth:`ReplayMoE.release_static_cache` frees it.
 
     Returns
     -------
@@ -439,6 +456,7 @@ def enable(
         max_batch_size=max_batch_size,
         max_positions=max_positions,
         graphs=graphs,
+        keep_static_cache=keep_static_cache,
     )
     try:
         state.set_capture(capture)

@@ -34,23 +34,28 @@ class StaticCacheKeeper:
     identical one.
 
     Made on a model, it installs itself as the model's ``_prepare_static_cache`` (an instance
-    attribute) unless the model has no such method (another transformers version) or is an
-    encoder-decoder; :attr:`installed` says which.
+    attribute) unless ``install`` is False, the model has no such method (another transformers
+    version) or is an encoder-decoder; :attr:`installed` says which. The kept cache's memory stays
+    allocated between calls until :meth:`release` (or :meth:`uninstall`).
 
     Parameters
     ----------
     model : nn.Module
         A transformers generation model.
+    install : bool
+        Whether to install at all.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, install: bool = True) -> None:
         self.model = model
         self.cache: Any = None  # the kept cache (None: none kept)
         self.key: tuple | None = None  # what the kept cache was made for
         self.reuses = 0  # calls served with the kept cache (a diagnostic)
         self._make = getattr(model, "_prepare_static_cache", None)
         config = getattr(model, "config", None)
-        self.installed = self._make is not None and not getattr(config, "is_encoder_decoder", False)
+        self.installed = (
+            install and self._make is not None and not getattr(config, "is_encoder_decoder", False)
+        )
         if self.installed:
             model._prepare_static_cache = self.prepare
 
@@ -59,7 +64,7 @@ class StaticCacheKeeper:
         if self.installed and self.model.__dict__.get("_prepare_static_cache") == self.prepare:
             del self.model.__dict__["_prepare_static_cache"]
         self.installed = False
-        self.cache = self.key = None
+        self.release()
 
     def prepare(self, **kwargs: Any) -> Any:
         """The cache for this ``generate`` call: the kept one reset, when it was made for the same
@@ -82,7 +87,12 @@ class StaticCacheKeeper:
         self.cache, self.key = self._make(**kwargs), key
         return self.cache
 
+    def release(self) -> None:
+        """Forget the kept cache: its memory is freed (unless someone else holds it), and the next
+        static ``generate`` makes a new one."""
+        self.cache = self.key = None
+
     def release_if_returned(self, output: Any) -> None:
         """Forget the kept cache when ``generate`` handed it to its caller in ``output``."""
         if self.cache is not None and getattr(output, "past_key_values", None) is self.cache:
-            self.cache = self.key = None
+            self.release()
