@@ -97,9 +97,9 @@ def _parse(argv):
             p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
     try:
         args.batches = [int(b) for b in args.batch.split(",") if b]
+        if any(b < 1 for b in args.batches):
+            raise ValueError(args.batch)
     except ValueError:
-        p.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
-    if any(b < 1 for b in args.batches):
         p.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
     for name, got in (("--batch", args.batches), ("--impls", args.impl_list), ("--modes", args.mode_list)):
         if not got:
