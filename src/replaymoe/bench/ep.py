@@ -41,7 +41,8 @@ import torch.distributed as dist  # noqa: E402
 
 from .ep_deepep import DeepEPPeer  # noqa: E402
 from .ep_host import host_profile  # noqa: E402
-from .ep_naive import NaiveEP, naive_layer, time_naive  # noqa: E402
+from .ep_layer import time_layer, time_local, weights_floor_us  # noqa: E402
+from .ep_naive import NaiveEP, time_naive  # noqa: E402
 from .ep_shape import SHAPE, inputs, set_shape  # noqa: E402
 from .ep_summary import NAIVE_ANCHOR_MS, print_summary  # noqa: E402
 from .ep_timing import device, err, graph, on_cuda, sync, time_phases, time_replays  # noqa: E402
@@ -176,27 +177,37 @@ def run(
     if not layer:
         return rows
 
-    # --- the whole layer: route -> dispatch -> fused_moe (64 local experts of 7168x2048) -> combine
+    # --- the whole layer: route -> dispatch -> fused_moe (this rank's experts of H x INTER) -> combine,
+    # and the same compute without communication (ep_layer's module docstring)
     lo, n = expert_partition(E, ep)[rank]
     g = torch.Generator(device=dev).manual_seed(99 + rank)
     w13 = torch.randn(n, 2 * INTER, H, generator=g, device=dev, dtype=torch.bfloat16) / H**0.5
     w2 = torch.randn(n, H, INTER, generator=g, device=dev, dtype=torch.bfloat16) / INTER**0.5
+    wfloor = round(weights_floor_us(w13, w2), 2)
+    timing = {"iters": iters, "warmup": warmup, "graphs": graphs, "log": log}
     for T in tokens:
         ids, x, wts, x8, s8, logits = inputs(T, rank, dev)
         from ..routing import route
 
         pairs = pairs_of(route(logits, K, **route_kw).topk_ids)
+        nbytes = pairs * (2 * H + 8 * K) + pairs * 2 * H
         for impl in impls:
-            base = {"impl": impl, "payload": "bf16", "tokens": T}
-            try:
-                res = _time_layer(impl, naive, a2as.get(impl), x, logits, w13, w2, lo, n, T, route_kw,
-                                  iters=iters, warmup=warmup, graphs=graphs, log=log)  # fmt: skip
-            except Exception as e:
-                log(f"[rank {rank}] layer {impl} T={T}: {err(e)}\n{traceback.format_exc()}")
-                rows.append({**base, "op": "layer", "error": err(e)})
-                continue
-            for mode, us in res.items():
-                rows.append(_row(base, "layer", mode, us, pairs * (2 * H + 8 * K) + pairs * 2 * H))
+            base = {"impl": impl, "payload": "bf16", "tokens": T, "weights_floor_us": wfloor}
+            ops = ["layer"] if impl == "naive" else ["layer", "layer_local", "layer_local_split"]
+            for op in ops:
+                try:
+                    if op == "layer":
+                        res = time_layer(impl, naive, a2as.get(impl), x, logits, w13, w2, lo, n, T, route_kw,
+                                         **timing)  # fmt: skip
+                    else:
+                        res = time_local(a2as[impl], x, logits, w13, w2, T, route_kw,
+                                         split=op == "layer_local_split", **timing)  # fmt: skip
+                except Exception as e:
+                    log(f"[rank {rank}] {op} {impl} T={T}: {err(e)}\n{traceback.format_exc()}")
+                    rows.append({**base, "op": op, "error": err(e)})
+                    continue
+                for mode, us in res.items():
+                    rows.append(_row(base, op, mode, us, nbytes if op == "layer" else 0))
             log(f"[rank {rank}] done layer {impl} T={T}")
             save(rows)
     return rows
@@ -214,36 +225,6 @@ def _spin_up(dev, seconds: float = 1.0) -> None:
             a = (a @ a).clamp_(-1, 1)
         torch.cuda.synchronize()
     dist.barrier()
-
-
-def _time_layer(impl, naive, a2a, x, logits, w13, w2, lo, n, T, route_kw, *, iters, warmup, graphs, log):
-    """Median (over iterations) of the max (over ranks) time of one whole layer, per mode (µs)."""
-    from ..ep import ep_moe
-
-    if impl == "naive":
-
-        def fn():
-            return naive_layer(naive, x, logits, w13, w2, lo, n, route_kw)
-    else:
-
-        def fn():
-            return ep_moe(x, logits, w13, w2, a2a, top_k=SHAPE.K, runtime_max_tokens_per_rank=T, **route_kw)
-
-    def it(ev):
-        ev[0].record()
-        fn()
-        ev[1].record()
-
-    res = {"eager": time_phases(it, 1, iters, warmup)[0][0]}
-    if graphs and impl != "naive":
-        try:
-            g, _ = graph(fn)
-        except Exception as e:
-            log(f"layer graph capture failed for {impl} T={T}: {err(e)}")
-            return res
-
-        res["graph"] = time_replays([g], iters, warmup)[0]
-    return res
 
 
 def _row(base, op, mode, us, nbytes, host_us=None) -> dict:

@@ -1,7 +1,7 @@
 """The summary that ``replaymoe bench ep`` prints on rank 0 (and ``--summary-from DIR`` prints from saved
-rows): the result table, DeepEP's chunk tuning, the errors, then the three goals (eager calls against
+rows): the result table, DeepEP's chunk tuning, the errors, then the five goals (eager calls against
 graph replays and a host budget, ours against DeepEP at no more SMs, bandwidth at the largest token
-count), with the naive NCCL anchor measured before.
+count, the layer against its compute alone, decode latency), with the naive NCCL anchor measured before.
 """
 
 from __future__ import annotations
@@ -83,5 +83,27 @@ def print_summary(rows: list[dict]) -> None:
                 if r is not None:
                     print(f"{impl:>6} {sms:>4} {op:>9} {r['mode']:>6} {r['us']:>8.1f} µs "
                           f"{r['GBps_per_rank']:>7.1f} GB/s")  # fmt: skip
+    # goal 4: the layer against its compute alone (largest T), and the weight-read floor (smallest T)
+    lay = [r for r in ok if r["op"] == "layer" and r["impl"] in ("nccl", "symm")]
+    if lay:
+        print("\n# goal 4 (overlap): layer µs / (route + fused_moe on the received rows alone) -> <= 1.05 at "
+              "the largest T; layer µs / weight-read floor at the smallest")  # fmt: skip
+        print(f"{'impl':>6} {'tokens':>6} {'mode':>6} {'layer':>9} {'local':>9} {'split':>9} {'ratio':>6} "
+              f"{'w-floor':>8} {'/floor':>6}")  # fmt: skip
+        for r in sorted(lay, key=lambda r: (r["impl"], r["tokens"], r["mode"])):
+            loc = get(r["impl"], r["tokens"], "layer_local", r["mode"])
+            spl = get(r["impl"], r["tokens"], "layer_local_split", r["mode"])
+            wf = r.get("weights_floor_us") or float("nan")
+            ratio = r["us"] / loc["us"] if loc else float("nan")
+            print(f"{r['impl']:>6} {r['tokens']:>6} {r['mode']:>6} {r['us']:>9.1f} "
+                  f"{loc['us'] if loc else float('nan'):>9.1f} {spl['us'] if spl else float('nan'):>9.1f} "
+                  f"{ratio:>6.3f} {wf:>8.1f} {r['us'] / wf:>6.2f}")  # fmt: skip
+    # goal 5: decode, dispatch + combine at 128 tokens/rank (graph)
+    dec = [r for r in ok if r["impl"] == "symm" and r["tokens"] == 128 and r["op"] == "dispatch+combine"]
+    if dec:
+        print("\n# goal 5 (decode): symm dispatch+combine at 128 tokens/rank, µs -> <= 40")
+        for r in sorted(dec, key=lambda r: (r["mode"], r.get("num_sms", 0))):
+            print(f"  num_sms {r.get('num_sms', 0):>4} {r['mode']:>6} {r['us']:>8.1f} "
+                  f"{'yes' if r['us'] <= 40 else 'NO'}")  # fmt: skip
     anchors = ", ".join(f"{t} tok: {ms * 1e3:.0f} µs" for t, ms in NAIVE_ANCHOR_MS.items())
     print(f"(earlier naive NCCL dispatch alone on this machine: {anchors})")
