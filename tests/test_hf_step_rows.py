@@ -151,3 +151,75 @@ def test_deferred_commit_is_flushed_before_the_buffer_is_read():
     assert lost == 0 and trace.num_tokens == 4
     np.testing.assert_array_equal(trace.ids[:3], ids.permute(1, 0, 2).numpy())
     np.testing.assert_array_equal(trace.ids[3], ids[:, 0].numpy())
+
+
+@pytest.mark.parametrize("capture,replay", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    "pattern,S,seq_cap,steps",
+    [
+        # after a prefill with left padding: the head continues every row's positions
+        pytest.param([(3, 5, 0), (0, 8, 0)], 8, 16, 5, id="after-prefill"),
+        # positions run past the capture capacity (dump row, overflow) and past the replay traces
+        pytest.param([(0, 6, 0), (2, 4, 0)], 6, 8, 5, id="past-capacity"),
+        # a row that is all padding so far: its first kept token is position 0
+        pytest.param([(0, 3, 0), (3, 0, 0)], 3, 16, 3, id="empty-row"),
+    ],
+)
+def test_decode_head_continues_step_rows(device, pattern, S, seq_cap, steps, capture, replay):
+    # step_rows on every forward (mask growing by a column of ones each decode step) is the reference
+    # of step_rows(next_pos_out=) once and then DecodeHead on the fixed buffers: slots, forced ids,
+    # replay counters and the capture buffer after the deferred commits, all exact
+    from replaymoe._backend import INTERPRET
+    from replaymoe.hf.step import DecodeHead
+
+    if device.type == "cpu" and not INTERPRET:
+        pytest.skip("the kernel needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(len(pattern) * 10 + S + steps)
+    mask = _mask(pattern).to(device)
+    B = mask.shape[0]
+    meta = TraceMeta(L, K, E, tuple(range(L)), "test")
+    caps = [CaptureBuffer(meta, device, B, seq_cap) if capture else None for _ in range(2)]
+    spec = [(S + 2, 0), (S, 1)]  # the traces end before the last decode steps (fallback rows)
+    tables = [_tables(np.random.default_rng(7), spec, device) if replay else None for _ in range(2)]
+    next_pos = torch.full((B,), -99, dtype=torch.int64, device=device)
+    slot_buf = torch.full((B,), -99, dtype=torch.int64, device=device)
+    staged_slab = torch.full((L, B, K), -7, dtype=torch.int16, device=device)
+    forced_slab = torch.full((L, B, K), 12345, dtype=torch.int32, device=device)
+    # the forward that starts the chain (its slots go to a buffer of its own: S tokens per row)
+    ref_slot, ref_forced = step_rows(mask, S, 0, capture=caps[0], replay=tables[0])
+    slot, forced = step_rows(mask, S, 0, capture=caps[1], replay=tables[1], next_pos_out=next_pos)
+    if capture:
+        torch.testing.assert_close(slot, ref_slot, rtol=0, atol=0)
+        first = torch.randint(0, E, (L, B * S, K), generator=g, dtype=torch.int16).to(device)
+        caps[0].defer(first.clone(), ref_slot)
+        caps[1].defer(first.clone(), slot)
+    head = None
+    for step in range(steps):
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
+        past = mask.shape[1] - 1
+        ref_slot, ref_forced = step_rows(mask, 1, past, capture=caps[0], replay=tables[0])
+        if step == 0 and capture:  # the prefill's pending rows: step_rows writes them (S > 1)
+            slot, _ = step_rows(mask, 1, past, capture=caps[1], replay=tables[1], forced_out=forced_slab,
+                                slot_out=slot_buf, next_pos_out=next_pos)  # fmt: skip
+        else:
+            if capture:
+                assert caps[1].take_pending()[1] is slot_buf
+            if head is None:
+                head = DecodeHead(next_pos, slot_buf, staged_slab, caps[1], tables[1], forced_slab)
+            head.launch()
+            slot = slot_buf
+        if capture:
+            torch.testing.assert_close(slot, ref_slot, rtol=0, atol=0)
+            ids = torch.randint(0, E, (L, B, K), generator=g, dtype=torch.int16).to(device)
+            staged_slab.copy_(ids)  # what this step's routers write
+            caps[0].defer(ids.clone(), ref_slot)
+            caps[1].defer(staged_slab, slot_buf)
+        if replay:
+            torch.testing.assert_close(forced_slab, ref_forced, rtol=0, atol=0)
+            torch.testing.assert_close(tables[1].seen, tables[0].seen, rtol=0, atol=0)
+            torch.testing.assert_close(tables[1].fallback, tables[0].fallback, rtol=0, atol=0)
+    if capture:
+        for c in caps:
+            c.flush()
+        torch.testing.assert_close(caps[1].ids, caps[0].ids, rtol=0, atol=0)
+        assert bool(caps[1].overflow.item()) == bool(caps[0].overflow.item())

@@ -136,11 +136,15 @@ class BlockGraphs:
                 return False
         return True
 
-    def __call__(self, hidden_states: torch.Tensor, buffers: tuple[Optional[torch.Tensor], ...]) -> Any:
+    def __call__(
+        self, hidden_states: torch.Tensor, buffers: tuple[Optional[torch.Tensor], ...], head: Any = None
+    ) -> Any:
         """The block's output for ``hidden_states``, through a graph when one is (or can be) made.
 
         ``buffers``: the session tensors this forward's routers read or write (replay ids, capture
-        slab; None where unused); their addresses are part of the key.
+        slab; None where unused); their addresses are part of the key. ``head``: a
+        :class:`~replaymoe.hf.step.DecodeHead` that runs first (in the graph, or eagerly before the
+        block); its ``key`` is part of the graph's.
         """
         key = (
             tuple(hidden_states.shape),
@@ -148,23 +152,29 @@ class BlockGraphs:
             hidden_states.device,
             torch.is_inference_mode_enabled(),
             *(None if b is None else b.data_ptr() for b in buffers),
+            None if head is None else head.key,
         )
         entry = self.graphs.get(key)
         if entry is None:  # first sighting: eager (it also compiles and autotunes what it needs)
             self.graphs[key] = _SEEN
             if len(self.graphs) > _MAX_SHAPES:
                 self.graphs.popitem(last=False)
-            return self.forward(hidden_states)
+            return self._eager(hidden_states, head)
         self.graphs.move_to_end(key)
         if entry is _SEEN or entry.weights != self._weights():
-            entry = self._capture(key, hidden_states)
+            entry = self._capture(key, hidden_states, head)
             if entry is None:
-                return self.forward(hidden_states)
+                return self._eager(hidden_states, head)
         entry.static_in.copy_(hidden_states)
         entry.graph.replay()
         return _copy_out(entry.static_out)
 
-    def _capture(self, key: tuple, hidden_states: torch.Tensor) -> Optional[_Graph]:
+    def _eager(self, hidden_states: torch.Tensor, head: Any) -> Any:
+        if head is not None:
+            head.launch()
+        return self.forward(hidden_states)
+
+    def _capture(self, key: tuple, hidden_states: torch.Tensor, head: Any = None) -> Optional[_Graph]:
         static_in = hidden_states.clone()
         if not self.pool:
             self.pool.append(torch.cuda.graph_pool_handle())
@@ -178,6 +188,8 @@ class BlockGraphs:
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self.pool[0]):
+                    if head is not None:
+                        head.launch()
                     static_out = self.forward(static_in)
             except Exception as exc:  # noqa: BLE001 - any capture failure means: stay eager
                 error = exc

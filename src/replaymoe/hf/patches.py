@@ -32,11 +32,15 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
     @functools.wraps(generate)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         state._begin_pending = True
+        state._generate_calls += 1
+        outer, state._generation = state._generation, state._generate_calls  # (decode steps' chain)
         try:
             out = generate(*args, **kwargs)
             state._static_cache.release_if_returned(out)
             return out
         finally:
+            state._generation = outer
+            state._decode.reset()
             if state._capture is not None:
                 state._capture.flush()
 
@@ -56,9 +60,14 @@ def block_forward(state: Any, graphs: Any) -> Callable:
         if torch.compiler.is_compiling() or args or kwargs:
             return own(hidden_states, *args, **kwargs)
         step = state._step
+        head = None
+        if step is not None and step.head is not None:  # the first MoE block of a device decode step
+            head, step.head = step.head, None
         if step is None or not step.graphable or hidden_states.dtype not in _HALF or not graphs.usable():
+            if head is not None:
+                head.launch()
             return own(hidden_states)  # (fp32 experts take the torch reference on CUDA: not graphed)
-        return graphs(hidden_states, (step.forced, step.staged))
+        return graphs(hidden_states, (step.forced, step.staged), head)
 
     return forward
 

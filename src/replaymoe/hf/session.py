@@ -15,6 +15,7 @@ capture and replay fill), and :func:`enable` documents every option of it.
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,11 +34,14 @@ from .patches import block_forward, mark_batch_start, router_forward
 from .positions import cache_length, token_positions
 from .state import CaptureBuffer, ReplayTable, TraceMeta
 from .static_cache import StaticCacheKeeper
-from .step import Step, StepBuffers, fused_rows_ok, positions_bound, step_rows
+from .step import DecodeChain, Step, StepBuffers, fused_rows_ok, positions_bound, step_rows
 
 __all__ = ["ReplayMoE", "enable"]
 
 _BACKENDS = ("auto", "triton", "torch")
+# eager decode steps inside generate() advance their capture/replay rows on the device, inside the first
+# MoE block's CUDA graph (step.DecodeChain); 0 = every forward launches step_rows (the reference path)
+DEVICE_DECODE = os.environ.get("REPLAYMOE_HF_DEVICE_DECODE", "1") != "0"
 
 
 class ReplayMoE:
@@ -105,6 +109,10 @@ class ReplayMoE:
         self._block_graphs: list[BlockGraphs] = []
         self._graphs_on = False  # some block runs through BlockGraphs
         self._step_buffers = StepBuffers(len(self.layers), self.top_k)
+        self._decode = DecodeChain(self._step_buffers)  # decode steps whose rows advance on the device
+        self.device_decode = DEVICE_DECODE  # (tests compare both paths)
+        self._generation: Optional[int] = None  # set inside generate(): which call it is
+        self._generate_calls = 0
         self._hooks: list[Any] = []
         self._patch(experts, keep_static_cache)
         model._replaymoe = self
@@ -180,11 +188,13 @@ class ReplayMoE:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if ref is None or ref.dim() < 2:
+            self._decode.reset()
             self._step = None
             return
         B, S = ref.shape[0], ref.shape[1]
         graphed = not torch.compiler.is_compiling() and self._graphs_on and graphable(B * S, ref.device)
         if self._replay is None and not self._capturing:
+            self._decode.reset()
             self._step = Step(B * S, None, None, None, graphed)
             return
         past = cache_length(kwargs.get("past_key_values"))
@@ -224,15 +234,34 @@ class ReplayMoE:
                 staged = torch.empty(
                     (len(self.layers), B * S, self.top_k), dtype=torch.int16, device=ref.device
                 )
+        head = None
         if fused:
-            cap = self._capture if self._capturing else None
-            slot, forced = step_rows(mask, S, past, capture=cap, replay=self._replay, forced_out=forced_out)
+            cap, rep = (self._capture if self._capturing else None), self._replay
+            if graphed and self.device_decode:  # a decode step continuing the chain: no launch here
+                P = mask.shape[1]
+                head = self._decode.head(self._generation, B, S, P, past, cap, rep, staged, forced_out)
+            if head is not None:
+                if cap is not None:
+                    cap.take_pending()  # the head writes it, inside the first MoE block
+                slot, forced = head.slot, forced_out
+            elif graphed:
+                slot_out, next_pos = self._decode.outputs(B * S, B, ref.device, cap)
+                slot, forced = step_rows(mask, S, past, capture=cap, replay=rep, forced_out=forced_out,
+                                         slot_out=slot_out, next_pos_out=next_pos)  # fmt: skip
+                self._decode.served(self._generation, B, mask.shape[1], past + S, slot)
+            else:
+                self._decode.reset()
+                slot, forced = step_rows(mask, S, past, capture=cap, replay=rep, forced_out=forced_out)
+        else:
+            self._decode.reset()
         if forced is not None:
             self._last_forced = forced
-        self._step = Step(B * S, forced, staged, slot, graphed, fused)
+        self._step = Step(B * S, forced, staged, slot, graphed, fused, head)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         step, self._step = self._step, None
+        if step is not None and step.head is not None:  # no router ran (the forward failed before)
+            step.head.launch()  # it still writes the previous step's pending capture rows
         if step is not None and step.staged is not None and output is not None:
             if step.defer_commit:  # eager, step_rows took this forward: its next launch commits
                 self._capture.defer(step.staged, step.slot)
@@ -387,6 +416,9 @@ class ReplayMoE:
                 f"{num_tokens} tokens at {info.name}",
                 what="shape",
             )
+        if step.head is not None:  # no MoE block wrapper ran it (e.g. a block called with more arguments)
+            head, step.head = step.head, None
+            head.launch()
         forced = None if step.forced is None else step.forced[info.index]
         staged = None if step.staged is None else step.staged[info.index]
         return forced, staged

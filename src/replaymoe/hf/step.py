@@ -10,10 +10,18 @@ import torch
 import triton
 
 from replaymoe._backend import INTERPRET
-from replaymoe._kernels.step_rows import step_rows_kernel
+from replaymoe._kernels.step_rows import decode_rows_kernel, step_rows_kernel
 from replaymoe._launch import fast
 
-__all__ = ["Step", "StepBuffers", "fused_rows_ok", "positions_bound", "step_rows"]
+__all__ = [
+    "DecodeChain",
+    "DecodeHead",
+    "Step",
+    "StepBuffers",
+    "fused_rows_ok",
+    "positions_bound",
+    "step_rows",
+]
 
 
 @dataclass
@@ -26,6 +34,7 @@ class Step:
     slot: Optional[torch.Tensor]  # int64 [T] capture-buffer row of each token, or None
     graphable: bool = False  # the MoE blocks may run as CUDA graphs (see replaymoe.hf.graphs)
     defer_commit: bool = False  # capture: the next step_rows launch writes the staged ids
+    head: Optional[DecodeHead] = None  # run by the first MoE block, before its router (then None)
 
 
 class StepBuffers:
@@ -44,6 +53,14 @@ class StepBuffers:
             slab = torch.empty((self.num_layers, num_tokens, self.top_k), dtype=dtype, device=device)
             self.slabs[key] = slab
         return slab
+
+    def vector(self, kind: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One kept ``[n]`` tensor per (kind, n, device) (capture rows, next positions)."""
+        key = (kind, n, device)
+        vec = self.slabs.get(key)
+        if vec is None:
+            vec = self.slabs[key] = torch.empty(n, dtype=dtype, device=device)
+        return vec
 
     def clear(self) -> None:
         self.slabs.clear()
@@ -87,6 +104,8 @@ def step_rows(
     capture: Any = None,
     replay: Any = None,
     forced_out: Optional[torch.Tensor] = None,
+    slot_out: Optional[torch.Tensor] = None,
+    next_pos_out: Optional[torch.Tensor] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """One forward's capture rows and replay ids in one kernel launch (``_kernels/step_rows.py``).
 
@@ -107,6 +126,11 @@ def step_rows(
     replay : ReplayTable, optional
         Gives the forced ids ``int32 [L, B*S, K]`` (into ``forced_out`` when given) and counts
         ``seen`` / ``fallback``.
+    slot_out : torch.Tensor, optional
+        ``int64 [B*S]`` for the capture rows (not the pending commit's slots: they are read here).
+    next_pos_out : torch.Tensor, optional
+        ``int64 [B]``: each row's next position (where a decode step that appends one kept token
+        would put it; :class:`DecodeHead` continues from there).
 
     Returns
     -------
@@ -117,8 +141,9 @@ def step_rows(
     dev = attention_mask.device
     slot = forced = pending = None
     if capture is not None:
-        slot = torch.empty(T, dtype=torch.int64, device=dev)
+        slot = slot_out if slot_out is not None else torch.empty(T, dtype=torch.int64, device=dev)
         pending = capture.take_pending()
+        assert pending is None or pending[1] is not slot, "the pending slots are read by this launch"
     if replay is not None:
         L, R, K = replay.table.shape
         forced = (
@@ -146,12 +171,126 @@ def step_rows(
         capture.ids if pend else d, capture.ids.stride(0) if pend else 0,
     )  # fmt: skip
     ints = [a for a in args if isinstance(a, int)]
-    consts = dict(K=K, KP=triton.next_power_of_2(K), CAPTURE=cap, REPLAY=rep, BLOCK=128, PENDING=pend)
+    nxt = next_pos_out is not None
+    consts = dict(K=K, KP=triton.next_power_of_2(K), CAPTURE=cap, REPLAY=rep, BLOCK=128, PENDING=pend,
+                  next_pos_ptr=next_pos_out, NEXT_POS=nxt)  # fmt: skip
     if max(ints) < 2**31 and min(ints) >= -(2**31):  # the int32 variant (the key's promise)
-        _STEP_ROWS.launch_fixed((dev.index, attention_mask.dtype, K, cap, rep, pend), (B,), args, consts)
+        _STEP_ROWS.launch_fixed((dev.index, attention_mask.dtype, K, cap, rep, pend, nxt), (B,), args, consts)
     else:
         _STEP_ROWS[(B,)](*args, **consts)
     return slot, forced
 
 
 _STEP_ROWS = fast(step_rows_kernel)
+_DECODE_ROWS = fast(decode_rows_kernel)
+
+
+class DecodeHead:
+    """:func:`step_rows` for an eager decode step that appends one kept token to every row, at fixed
+    addresses so that it runs inside the first MoE block's CUDA graph (``decode_rows_kernel``).
+
+    Positions come from ``next_pos`` (``int64 [B]``, written by the last :func:`step_rows` with
+    ``next_pos_out`` and advanced here); with ``capture``, the previous decode step's deferred commit
+    (``staged [L, B, K]`` at the rows in ``slot``) is written first and ``slot`` then holds this
+    step's rows; with ``replay``, ``forced [L, B, K]`` gets this step's ids. ``key`` holds every
+    address and flag the launch depends on (part of the graph's key).
+    """
+
+    __slots__ = ("args", "consts", "grid", "key", "slot", "fixed")
+
+    def __init__(self, next_pos, slot, staged, capture=None, replay=None, forced=None) -> None:
+        B = next_pos.shape[0]
+        self.slot = slot
+        d = next_pos  # stands in for the pointers of the parts that are off
+        cap, rep = capture is not None, replay is not None
+        if rep:
+            L, R, K = replay.table.shape
+        else:
+            L, _, K = staged.shape
+        self.args = (  # in the kernel's order
+            next_pos, slot if cap else d, capture.seq_cap if cap else 1,
+            capture.batch_cap * capture.seq_cap if cap else 0, capture.overflow_i8 if cap else d,
+            replay.table if rep else d, R * K if rep else 0, R - 1 if rep else 0,
+            replay.offsets if rep else d, replay.ends if rep else d, replay.shift if rep else d,
+            forced if rep else d, B * K, replay.seen if rep else d, replay.fallback if rep else d, L,
+            staged if cap else d, capture.ids if cap else d, capture.ids.stride(0) if cap else 0,
+        )  # fmt: skip
+        self.consts = dict(K=K, KP=triton.next_power_of_2(K), CAPTURE=cap, REPLAY=rep, PENDING=cap)
+        self.grid = (B,)
+        self.key = (
+            "decode",
+            cap,
+            rep,
+            *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.args),
+        )
+        ints = [a for a in self.args if isinstance(a, int)]
+        self.fixed = max(ints) < 2**31 and min(ints) >= -(2**31)  # the int32 variant (launch_fixed's key)
+
+    def launch(self) -> None:
+        c = self.consts
+        if not self.fixed:
+            _DECODE_ROWS[self.grid](*self.args, **c)
+            return
+        key = (self.args[0].device.index, c["K"], c["CAPTURE"], c["REPLAY"])
+        _DECODE_ROWS.launch_fixed(key, self.grid, self.args, c)
+
+
+class DecodeChain:
+    """Which eager forward may take a :class:`DecodeHead` instead of :func:`step_rows`.
+
+    It records the last graphed eager forward that :func:`step_rows` served (or a head continued):
+    its ``generate`` call, batch ``B``, mask width ``P``, the cache length after it and the capture
+    rows' buffer. The next forward continues the chain when it is the same ``generate`` call's next
+    decode step: ``S = 1``, the same ``B``, a cache one forward longer and a mask one column wider
+    (``generate`` appends a column of ones for every row), and, with capture, the previous step's
+    deferred commit still pending in the fixed buffers (a capture buffer that grew wrote it). Any
+    other forward ends the chain (:meth:`reset`).
+
+    The capture rows alternate between two kept buffers per token count, so that a :func:`step_rows`
+    launch never writes the rows its pending commit reads; a head reads and rewrites one in place
+    (each program its own row).
+    """
+
+    def __init__(self, buffers: StepBuffers) -> None:
+        self.buffers = buffers
+        self.state: Optional[tuple] = None  # (generation, B, P, cache length after, slot buffer)
+        self._head: Optional[DecodeHead] = None
+        self._head_src: Optional[tuple] = None
+
+    def reset(self) -> None:
+        self.state = None
+
+    def outputs(self, T: int, B: int, device: torch.device, capture: Any) -> tuple[Any, torch.Tensor]:
+        """``(slot_out or None, next_pos_out)`` for a graphed forward's :func:`step_rows` (``T = B*S``)."""
+        next_pos = self.buffers.vector("next_pos", B, torch.int64, device)
+        if capture is None:
+            return None, next_pos
+        slot = self.buffers.vector("slot0", T, torch.int64, device)
+        pending = capture.pending
+        if pending is not None and pending[1] is slot:
+            slot = self.buffers.vector("slot1", T, torch.int64, device)
+        return slot, next_pos
+
+    def served(self, generation: Optional[int], B: int, P: int, past_after: int, slot: Any) -> None:
+        """:func:`step_rows` served a graphed forward (with ``next_pos_out``)."""
+        self.state = None if generation is None else (generation, B, P, past_after, slot)
+
+    def head(self, generation, B, S, P, past, capture, replay, staged, forced) -> Optional[DecodeHead]:
+        """The head for this forward, if it continues the chain (then the chain advances)."""
+        st = self.state
+        if st is None or generation is None or S != 1 or st[:4] != (generation, B, P - 1, past):
+            return None
+        slot = st[4]
+        if capture is not None:  # the previous step's commit, pending in the fixed buffers (S was 1)
+            pending = capture.pending
+            if pending is None or pending[0] is not staged or pending[1] is not slot or slot.shape[0] != B:
+                return None
+        device = staged.device if staged is not None else forced.device
+        next_pos = self.buffers.vector("next_pos", B, torch.int64, device)
+        src = (capture, None if capture is None else capture.ids, replay, staged, forced, slot, next_pos)
+        old = self._head_src
+        if self._head is None or old is None or any(x is not y for x, y in zip(src, old)):
+            self._head = DecodeHead(next_pos, slot, staged, capture, replay, forced)
+            self._head_src = src
+        self.state = (generation, B, P, past + 1, slot)
+        return self._head
