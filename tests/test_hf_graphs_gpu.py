@@ -65,19 +65,29 @@ def test_graphs_match_eager(arch, batch):
     ids, mask = _inputs(model.config.vocab_size, batch)
     m_graph = rhf.enable(model, capture=True, max_batch_size=batch, max_positions=32)
     m_eager = rhf.enable(eager, capture=True, max_batch_size=batch, max_positions=32, graphs=False)
+    # a third copy: graphs, but every decode step launches step_rows (no rows advanced on the device)
+    launched = shared_copy(model)
+    m_launched = rhf.enable(launched, capture=True, max_batch_size=batch, max_positions=32)
+    m_launched.device_decode = False
     for _ in range(2):  # the second generate starts on graphs captured by the first
         a = _generate(model, ids, mask)
         b = _generate(eager, ids, mask)
-        assert torch.equal(a.sequences, b.sequences)
+        c = _generate(launched, ids, mask)
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.sequences, c.sequences)
         for la, lb in zip(a.logits, b.logits):
             assert torch.equal(la, lb)
-        ta, tb = m_graph.traces(), m_eager.traces()
-        assert len(ta) == len(tb) == batch
-        for x, y in zip(ta, tb):
-            assert (x.ids == y.ids).all()
-    # per block: the decode shape (captured in the first generate) and the prefill's (in the second)
-    assert _captured(m_graph) == 2 * len(m_graph.layers)
+        ta, tb, tc = m_graph.traces(), m_eager.traces(), m_launched.traces()
+        assert len(ta) == len(tb) == len(tc) == batch
+        for x, y, z in zip(ta, tb, tc):
+            assert (x.ids == y.ids).all() and (x.ids == z.ids).all()
+    # the decode steps after the first of each generate took the device rows (DecodeHead)
+    assert m_graph._decode.heads == 2 * (6 - 2) and m_launched._decode.heads == 0  # private: the path
+    # per block: the decode shape (captured in the first generate) and the prefill's (in the second);
+    # the first block also holds the decode step with the head
+    assert _captured(m_graph) == 2 * len(m_graph.layers) + 1
+    assert _captured(m_launched) == 2 * len(m_launched.layers)
     assert _captured(m_eager) == 0
+    m_launched.disable()
     # replay of the rollout through graphs: the same tokens, nothing routed natively
     with m_graph.replaying(ta):
         c = _generate(model, ids, mask)

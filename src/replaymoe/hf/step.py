@@ -256,6 +256,7 @@ class DecodeChain:
         self.state: Optional[tuple] = None  # (generation, B, P, cache length after, slot buffer)
         self._head: Optional[DecodeHead] = None
         self._head_src: Optional[tuple] = None
+        self.heads = 0  # forwards served by a head so far
 
     def reset(self) -> None:
         self.state = None
@@ -293,4 +294,5 @@ class DecodeChain:
             self._head = DecodeHead(next_pos, slot, staged, capture, replay, forced)
             self._head_src = src
         self.state = (generation, B, P, past + 1, slot)
+        self.heads += 1
         return self._head
