@@ -62,11 +62,10 @@ def _captured(moe) -> int:
 def test_graphs_match_eager(arch, batch):
     model = build_model(arch, "medium", dtype=torch.bfloat16, device="cuda")
     eager = shared_copy(model)
+    launched = shared_copy(model)  # graphs, but every decode step launches step_rows (no device rows)
     ids, mask = _inputs(model.config.vocab_size, batch)
     m_graph = rhf.enable(model, capture=True, max_batch_size=batch, max_positions=32)
     m_eager = rhf.enable(eager, capture=True, max_batch_size=batch, max_positions=32, graphs=False)
-    # a third copy: graphs, but every decode step launches step_rows (no rows advanced on the device)
-    launched = shared_copy(model)
     m_launched = rhf.enable(launched, capture=True, max_batch_size=batch, max_positions=32)
     m_launched.device_decode = False
     for _ in range(2):  # the second generate starts on graphs captured by the first
