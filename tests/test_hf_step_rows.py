@@ -223,3 +223,52 @@ def test_decode_head_continues_step_rows(device, pattern, S, seq_cap, steps, cap
             c.flush()
         torch.testing.assert_close(caps[1].ids, caps[0].ids, rtol=0, atol=0)
         assert bool(caps[1].overflow.item()) == bool(caps[0].overflow.item())
+
+
+def test_decode_chain_decides_which_forward_takes_the_head():
+    # the host-side rules of DecodeChain (no launch): which forward continues the chain, the pending
+    # commit it needs, the alternating capture-row buffers, and a head rebuilt when its tensors change
+    from replaymoe.hf.step import DecodeChain, StepBuffers
+
+    dev = torch.device("cpu")
+    B, P, past = 2, 9, 8
+    buffers = StepBuffers(L, K)
+    chain = DecodeChain(buffers)
+    meta = TraceMeta(L, K, E, tuple(range(L)), "test")
+    cap = CaptureBuffer(meta, dev, B, 32)
+    staged = buffers.get("staged", B, torch.int16, dev)
+    slot, next_pos = chain.outputs(B, B, dev, cap)
+    assert next_pos.shape == (B,) and slot.shape == (B,)
+    chain.served(1, B, P, past + 1, slot)  # a graphed decode step that step_rows served
+    cap.defer(staged, slot)
+    # the next decode step of the same generate continues; anything else does not
+    others = [
+        (2, B, 1, P + 1, past + 1),  # another generate call
+        (1, B + 1, 1, P + 1, past + 1),  # another batch
+        (1, B, 2, P + 1, past + 1),  # two new tokens
+        (1, B, 1, P + 2, past + 1),  # a mask wider by two
+        (1, B, 1, P + 1, past),  # a cache that did not grow
+        (None, B, 1, P + 1, past + 1),  # outside generate
+    ]
+    for args in others:
+        assert chain.head(*args, cap, None, staged, None) is None, args
+    cap.pending = (staged.clone(), slot)  # a commit pending elsewhere (e.g. the slab of another forward)
+    assert chain.head(1, B, 1, P + 1, past + 1, cap, None, staged, None) is None
+    cap.pending = (staged, slot)
+    head = chain.head(1, B, 1, P + 1, past + 1, cap, None, staged, None)
+    assert head is not None and head.slot is slot and chain.heads == 1
+    # the step after continues with the same head; a step_rows forward now writes the other buffer
+    cap.pending = (staged, slot)
+    assert chain.head(1, B, 1, P + 2, past + 2, cap, None, staged, None) is head
+    assert chain.outputs(B, B, dev, cap)[0] is not slot
+    # replay only: a reloaded (pooled) table gets a new head
+    table = _tables(np.random.default_rng(0), [(40, 0)] * B, "cpu")
+    forced = buffers.get("forced", B, torch.int32, dev)
+    chain.served(2, B, P, past + 1, None)
+    h1 = chain.head(2, B, 1, P + 1, past + 1, None, table, None, forced)
+    h2 = chain.head(2, B, 1, P + 2, past + 2, None, table, None, forced)
+    assert h1 is not None and h2 is h1
+    table.table = table.table.clone()
+    assert chain.head(2, B, 1, P + 3, past + 3, None, table, None, forced) is not h1
+    chain.reset()
+    assert chain.head(2, B, 1, P + 4, past + 4, None, table, None, forced) is None

@@ -288,7 +288,11 @@ class DecodeChain:
                 return None
         device = staged.device if staged is not None else forced.device
         next_pos = self.buffers.vector("next_pos", B, torch.int64, device)
-        src = (capture, None if capture is None else capture.ids, replay, staged, forced, slot, next_pos)
+        src = (  # everything the head's arguments hold (a reloaded pooled replay table replaces its tensors)
+            capture, None if capture is None else capture.ids, staged, forced, slot, next_pos, replay,
+            *((replay.table, replay.offsets, replay.ends, replay.shift, replay.seen, replay.fallback)
+              if replay is not None else ()),
+        )  # fmt: skip
         old = self._head_src
         if self._head is None or old is None or any(x is not y for x, y in zip(src, old)):
             self._head = DecodeHead(next_pos, slot, staged, capture, replay, forced)
