@@ -59,6 +59,11 @@ class ReplayMoE:
         ``"auto"`` | ``"triton"`` | ``"torch"`` for routing and fused experts.
     graphs : bool
         Eager decode-size forwards run the fused MoE blocks as CUDA graphs (:mod:`replaymoe.hf.graphs`).
+    device_decode : bool
+        Decode steps inside ``generate`` advance their capture/replay rows on the device, in the first
+        MoE block's CUDA graph (:class:`~replaymoe.hf.step.DecodeChain`; default True, or
+        ``REPLAYMOE_HF_DEVICE_DECODE=0``); False launches the bookkeeping kernel on every forward.
+        Both give the same traces and replays.
     """
 
     def __init__(
