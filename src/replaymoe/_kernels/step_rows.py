@@ -34,6 +34,16 @@ _POINTERS = (
 
 
 @triton.jit
+def _copy_layers(src, out, mask, L, stride_src, stride_out):
+    """The pending commit: ``out[layer] = src[layer]`` (masked) for every layer; the pointers advance by
+    a layer's stride (no int32 product overflows)."""
+    for _ in range(L):
+        tl.store(out, tl.load(src, mask=mask), mask=mask)
+        src += stride_src
+        out += stride_out
+
+
+@triton.jit
 def _replay_window(offsets_ptr, ends_ptr, shift_ptr, b, REPLAY: tl.constexpr):
     """Row ``b``'s replay window ``[first, end)`` and table shift (zeros without ``REPLAY``)."""
     first = tl.zeros([], dtype=tl.int64)
@@ -120,10 +130,7 @@ def step_rows_kernel(
             io_p = tp_ok[:, None] & (kc[None, :] < K)
             src = pend_staged_ptr + tp.to(tl.int64)[:, None] * K + kc[None, :]
             out = ids_ptr + dst[:, None] * K + kc[None, :]
-            for _ in range(L):  # pointers advance by a layer's stride (no int32 product overflows)
-                tl.store(out, tl.load(src, mask=io_p), mask=io_p)
-                src += Tp * K
-                out += stride_il
+            _copy_layers(src, out, io_p, L, Tp * K, stride_il)
     row = mask_ptr + b.to(tl.int64) * stride_mb
     lead = P - S
     kept = tl.zeros([BLOCK], dtype=tl.int64)
@@ -196,10 +203,7 @@ def decode_rows_kernel(
         io = kc < K
         src = pend_staged_ptr + b.to(tl.int64) * K + kc
         out = ids_ptr + dst * K + kc
-        for _ in range(L):
-            tl.store(out, tl.load(src, mask=io), mask=io)
-            src += B * K
-            out += stride_il
+        _copy_layers(src, out, io, L, B * K, stride_il)
     p = tl.load(next_pos_ptr + b)
     tl.store(next_pos_ptr + b, p + 1)
     j = tl.arange(0, 2)  # one token per row (a 2-lane vector, lane 1 masked off)
