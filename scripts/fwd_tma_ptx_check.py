@@ -1,7 +1,8 @@
 """Compile the tile-mode (prefill) GEMM kernels for sm_90 with and without TMA (no GPU needed).
 
-For the configuration :func:`replaymoe.moe_triton.moe_config` picks for bf16 prefill (128-row tiles,
-GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages) and the variants that may take TMA
+For the configurations :func:`replaymoe.moe_triton.moe_config` picks for bf16 prefill (128-row tiles,
+GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages; on Hopper at >= 256 rows per expert GEMM1
+128×(2×128)×32 in 6 stages) and the variants that may take TMA
 (standard, training forward, interleaved gate/up with biases, w2 bias), this compiles both kernels as
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` does for a Hopper launch and checks:
 
@@ -12,7 +13,9 @@ GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages) and the variants
 * spills: ``ptxas -v -arch=sm_90a`` (Triton's bundled ptxas) on the PTX reports registers and spill
   bytes; the inference kernels must not spill. The training forward's GEMM1 (``SAVE_H``: gate and up
   pre-activations stored too) sits at 255 registers and already spills 4 bytes with pointer loads
-  (8 with TMA): allowed up to 8 bytes, and printed. Triton 3.6 fills ``n_regs`` / ``n_spills`` only
+  (8 with TMA): allowed up to 8 bytes, and printed. The long-segment Hopper configuration (32-deep K
+  chunks, 6 stages, TMA) takes 190 registers and does not spill; its pointer-load twin (never picked)
+  spills 8 bytes. Triton 3.6 fills ``n_regs`` / ``n_spills`` only
   when it loads a kernel onto a GPU, so they are not available from a compile-only run.
 
 Not chosen, hence not checked here: fp32 activations. Their ``ieee`` dot (no tensor cores) with TMA
@@ -50,12 +53,15 @@ G1 = dict(TILE, PREQ_X=False, PREQ=False, SAVE_H=False, STORE_ACT=True, HAS_BIAS
 G2 = dict(TILE, PREQ=False, HAS_BIAS=False, BLOCK_N=256)
 D2 = dict(a_desc=(128, 64), w_desc=(256, 64))
 # bytes of spill stores allowed (0 elsewhere); see the docstring
-MAX_SPILL = {"gemm1-training": 8, "gemm1-training-half": 8}
+MAX_SPILL = {"gemm1-training": 8, "gemm1-training-half": 8, "gemm1-training-k32": 8}
 CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA only)[, warps, stages])
     "gemm1": (km.moe_gemm1_kernel, G1_ARGS, G1, dict(w_desc=(128, 64))),
     "gemm1-training": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True), dict(w_desc=(128, 64))),
     "gemm1-interleaved-bias": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, INTERLEAVED=True, HAS_BIAS=True, ACT=1),
                                dict(w_desc=(256, 64))),
+    # the long-segment Hopper configuration (moe_config, >= 256 rows per expert): 32-deep K chunks, 6 stages
+    "gemm1-training-k32": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True, BLOCK_K=32, HALF_TILES=True),
+                           dict(w_desc=(128, 32)), 8, 6),
     "gemm1-ragged-H": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, EVEN_K=False), dict(w_desc=(128, 64))),
     "gemm2": (km.moe_gemm2_kernel, G2_ARGS, G2, D2),
     "gemm2-bias": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HAS_BIAS=True), D2),

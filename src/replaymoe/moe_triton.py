@@ -183,6 +183,12 @@ def moe_config(
         return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
     if m_avg < 48:
         return MoEConfig(False, 32, 64, 128, 4, 4, 64, 128, 4, 4)
+    if tma and m_avg >= 256:
+        # Hopper, long expert segments: GEMM1 in 32-deep K chunks, 6 stages (the same shared memory as
+        # 64 x 4; the same bits). H200 sweep (bench/moe_notes.md, session 14), GEMM1 with the training
+        # rows: Qwen3 T=16384 1490 -> 1454 us, Mixtral T=4096 3313 -> 3243, DSv3 T=4096 3382 -> 3332;
+        # at Qwen3 T=1024 (64 rows per expert) 227 -> 231, so not below 256 rows
+        return MoEConfig(False, 128, 128, 32, 8, 6, 256, 64, 8, 4, 4, tma=tma)
     return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4, tma=tma)
 
 
@@ -513,8 +519,11 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = Fal
         bn_a = 256 if tma else 128
         return MoEBwdConfig(128, bn_a, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma, gemm_tma=g,
                             maxnreg_w=168 if tma else 0)  # fmt: skip
-    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, -1 if tma else 0,
-                        gemm_tma=g)  # fmt: skip
+    if tma:  # Hopper (H200 sweep, session 14; bitwise the same): dA 128x256 tiles, Qwen3 T=16384 770 -> 650 us,
+        # Mixtral / DSv3 T=4096 1678 -> 1436 / 1788 -> 1527; dW 32-deep K chunks in 6 stages, 2029 -> 1958,
+        # 4837 -> 4728, 6759 -> 6109 us
+        return MoEBwdConfig(128, 256, 64, 8, 4, 256, 64, 8, 4, 128, 256, 32, 8, 6, 8, 1, tma, -1, gemm_tma=g)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, 0, gemm_tma=g)
 
 
 # The weight-gradient GEMMs through TMA tensor descriptors on Hopper and newer (MoEBwdConfig.dw_tma,
