@@ -23,8 +23,9 @@ transformers' ``grouped_mm`` experts, with :func:`replaymoe.hf.enable` (``replay
 ``enable(model, replay=traces)`` replaying traces captured in one forward (``replaymoe+replay``),
 timed by the same ``time_eager`` (the L2 flush before each step is ``do_bench``'s own and cannot be
 turned off; next to a step of many milliseconds a cold 60 MiB L2 costs little) in ``HF_ROUNDS``
-rounds of rotated order: the eager step is bound by the host, whose speed drifts over a run, so the
-figures are medians over rounds and the speed-up a median of same-round ratios.
+rounds of rotated order, each implementation's timed steps after ``HF_WARMUP_MS`` of untimed ones: the
+eager step is bound by the host, whose speed drifts over a run, so the figures are medians over
+rounds and the speed-up a median of same-round ratios.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
 [--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf]``. Needs CUDA.
@@ -33,6 +34,7 @@ Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--toke
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
@@ -166,6 +168,7 @@ def _layer_rows(name: str, tokens, impls) -> list[dict]:
 
 
 HF_ROUNDS = 3  # rounds of the HF rows, each implementation once per round in a rotated order
+HF_WARMUP_MS = 250  # untimed steps before each implementation's timed steps in a round
 
 
 def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
@@ -178,6 +181,8 @@ def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
     import replaymoe.hf as rhf
     from replaymoe.hf.models import build_model
 
+    gc.collect()  # the layer rows' buffers, then their cached blocks: the model starts on a clean pool
+    torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = build_model(arch, "bench", dtype=torch.bfloat16, device="cuda")
     model.train()
@@ -212,7 +217,10 @@ def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
             try:
                 if impl not in losses:
                     losses[impl] = float(step())
-                times[impl].append(time_eager(step, warmup_ms=1, rep_ms=1000 / rounds) / 1e3)
+                # warm-up of a few steps after each switch of implementation: the first steps of an
+                # implementation grow the caching allocator's segments (cudaMalloc, synchronous); the
+                # figure is the steady state of a training loop
+                times[impl].append(time_eager(step, warmup_ms=HF_WARMUP_MS, rep_ms=1000 / rounds) / 1e3)
             finally:
                 if moe is not None:
                     moe.disable()
