@@ -245,3 +245,35 @@ def test_replay_ids_checked_under_torch_compile(backend, generator):
     ]:
         with pytest.raises(ValueError, match=match):
             fwd(x, torch.tensor(bad, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("method", list(RoutingMethod))
+@pytest.mark.parametrize(
+    "t, e, k, dtype",
+    [
+        (5, 24, 3, torch.float32),  # experts and slots not powers of two
+        (13, 12, 8, torch.float32),  # several programs, the last partial; K = 8
+        (3, 16, 1, torch.float16),  # 16-bit logits (gradient in fp16), one slot
+        (0, 16, 4, torch.float32),  # no tokens
+    ],
+)
+def test_weights_gradient_kernel_matches_closed_form(method, t, e, k, dtype, generator, monkeypatch):
+    # the one-launch routing backward against the table's closed form in torch (fp32), every method;
+    # row 0 repeats an id, which both add up (scatter_add_ semantics); the output is allocated NaN, so
+    # an element the kernel leaves unwritten fails
+    from replaymoe.routing_table import METHODS, Params
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+
+    k = 1 if method == M.LLAMA4 else k
+    x = tie_free_logits(t, e, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=generator)[:k] for _ in range(t)] or [torch.zeros(0, k)])
+    ids = ids.reshape(t, k).long()
+    if t and k > 1:
+        ids[0, 1] = ids[0, 0]
+    g = torch.randn(t, k, generator=generator)
+    got = routing_triton.weights_backward(x, ids.int(), g, int(method), 2.5)
+    ref = METHODS[method].grad(x.float(), ids.long(), g, Params(method, k, 1, 1, 2.5)).to(dtype)
+    assert got.dtype == dtype and got.shape == (t, e)
+    assert_close(got, ref, dtype=dtype)

@@ -519,9 +519,9 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = Fal
         bn_a = 256 if tma else 128
         return MoEBwdConfig(128, bn_a, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma, gemm_tma=g,
                             maxnreg_w=168 if tma else 0)  # fmt: skip
-    if tma:  # Hopper (H200 sweep, session 14; bitwise the same): dA 128x256 tiles, Qwen3 T=16384 770 -> 650 us,
-        # Mixtral / DSv3 T=4096 1678 -> 1436 / 1788 -> 1527; dW 32-deep K chunks in 6 stages, 2029 -> 1958,
-        # 4837 -> 4728, 6759 -> 6109 us
+    if tma:  # Hopper (H200 sweep, session 14; bitwise the same): dA 128x256 tiles, Qwen3 T=16384
+        # 770 -> 650 us, Mixtral / DSv3 T=4096 1678 -> 1436 / 1788 -> 1527; dW 32-deep K chunks in 6
+        # stages, 2029 -> 1958, 4837 -> 4728, 6759 -> 6109 us
         return MoEBwdConfig(128, 256, 64, 8, 4, 256, 64, 8, 4, 128, 256, 32, 8, 6, 8, 1, tma, -1, gemm_tma=g)
     return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, 0, gemm_tma=g)
 

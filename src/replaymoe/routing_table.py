@@ -21,7 +21,16 @@ import torch
 
 from replaymoe._routing_method import RoutingMethod
 
-__all__ = ["EPS", "METHODS", "MethodSpec", "Params", "select_torch", "selection_scores", "weights_torch"]
+__all__ = [
+    "EPS",
+    "GRAD_KIND",
+    "METHODS",
+    "MethodSpec",
+    "Params",
+    "select_torch",
+    "selection_scores",
+    "weights_torch",
+]
 
 EPS = 1e-20
 
@@ -118,6 +127,19 @@ def _grad_sigmoid_scaled(x32, ids, g, p):
     den = s.sum(dim=1, keepdim=True) + EPS
     ds = (g / den - (g * s).sum(dim=1, keepdim=True) / (den * den)) * p.scale
     return _scatter(x32, ids, ds * s * (1 - s))
+
+
+# The closed forms that the Triton backward computes in one kernel (``_kernels/routing_grad.py``),
+# by its ``KIND`` number; a closed form missing here runs as torch ops.
+GRAD_KIND: dict[Callable, int] = {
+    _grad_softmax_at: 0,
+    _grad_softmax_of_selected: 1,
+    _grad_sigmoid_scaled: 2,
+    _grad_sigmoid: 3,
+    _grad_softmax_at_renorm: 4,
+    _grad_raw_logits: 5,
+    _grad_sigmoid_renorm: 6,
+}
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,22 @@
 One kernel launch per call (``_kernels/routing.py``): eagerly through :func:`replaymoe._launch.fast`,
 under ``torch.compile`` through the custom op ``replaymoe::route`` (with a fake implementation). With a
 gradient, :class:`RouteFunction` adds the backward of the weights with respect to the logits at the selected
-ids (:func:`weights_backward`): the per-method closed form in :mod:`replaymoe.routing_table`, or autograd
-of the method's formula where the table gives none, so a new method needs no hand-derived gradient.
+ids (:func:`weights_backward`): the per-method closed form in :mod:`replaymoe.routing_table` (eagerly in
+one Triton launch, ``_kernels/routing_grad.py``; as torch ops under ``torch.compile`` and for fp64), or
+autograd of the method's formula where the table gives none, so a new method needs no hand-derived
+gradient.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import triton
 
 from replaymoe._routing_method import RoutingMethod
-from replaymoe.routing_table import METHODS, Params, weights_torch
+from replaymoe.routing_table import EPS, GRAD_KIND, METHODS, Params, weights_torch
 
 __all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
 
@@ -124,15 +127,50 @@ def weights_backward(
     ``torch.func.vjp``; plain torch ops either way, which ``torch.compile`` traces."""
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     m = RoutingMethod(method)
+    closed = METHODS[m].grad
+    kind = GRAD_KIND.get(closed)
+    if kind is not None and acc == torch.float32 and _grad_kernel_ok(router_logits, ids, grad_w):
+        return _grad_kernel(router_logits, ids, grad_w, kind, scale)
     p = Params(m, ids.shape[1], 1, 1, scale)
     idl = ids.long()
     x = router_logits.detach().to(acc)
-    closed = METHODS[m].grad
     if closed is not None:
         return closed(x, idl, grad_w.to(acc), p).to(router_logits.dtype)
     _, vjp = torch.func.vjp(lambda t: weights_torch(t, idl, p), x)
     (gx,) = vjp(grad_w.to(acc))
     return gx.to(router_logits.dtype)
+
+
+def _grad_kernel_ok(router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor) -> bool:
+    """The one-launch backward applies: eager (not traced by ``torch.compile``), plain tensors, on a
+    CUDA device or in Triton's interpreter, 2-D logits of at most 4096 experts."""
+    if torch.compiler.is_compiling() or router_logits.dim() != 2 or router_logits.shape[1] > 4096:
+        return False
+    if not all(type(t) is torch.Tensor for t in (router_logits, ids, grad_w)):
+        return False
+    return router_logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _grad_kernel(router_logits, ids, grad_w, kind: int, scale: float) -> torch.Tensor:
+    """``route_weights_grad_kernel``: dL/d logits [T, E] in the logits' dtype, one launch."""
+    from replaymoe._kernels.routing_grad import route_weights_grad_kernel
+    from replaymoe._launch import fast
+
+    T, E = router_logits.shape
+    K = ids.shape[1]
+    out = torch.empty((T, E), dtype=router_logits.dtype, device=router_logits.device)
+    if T == 0:
+        return out
+    x = router_logits.detach()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ep, kp = triton.next_power_of_2(E), triton.next_power_of_2(K)
+    block_t = max(1, min(8, 8192 // (ep * kp)))
+    fast(route_weights_grad_kernel)[(triton.cdiv(T, block_t),)](
+        x, ids.contiguous(), grad_w.contiguous(), out, T, E, x.stride(0), out.stride(0), float(scale), EPS,
+        KIND=kind, K=K, KP=kp, EP=ep, BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 class RouteFunction(torch.autograd.Function):
