@@ -61,7 +61,13 @@ class FastLaunch:
         if entry is None:
             self._compile(grid, args, kwargs, key)
             return
-        kernel, launch, flags = entry
+        kernel, launch, flags, tensors = entry
+        values = list(bound.values())
+        if tensors is None:  # which parameters are tensors: the specialization (the key) fixes it
+            tensors = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
+            self._compiled[key] = (kernel, launch, flags, tensors)
+        for i in tensors:  # tensors as their addresses: Triton's launcher then skips a driver query each
+            values[i] = values[i].data_ptr()
         launch(
             grid[0],
             grid[1] if len(grid) > 1 else 1,
@@ -73,8 +79,7 @@ class FastLaunch:
             None,
             None,
             None,
-            # tensors as their addresses: Triton's launcher then skips a driver query per pointer
-            *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()],
+            *values,
         )
 
     def launch_fixed(self, key: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
@@ -120,7 +125,7 @@ class FastLaunch:
             return None
         names = list(bound)
         rest = [(n, bound[n]) for n in names[len(args) :]]  # keyword parameters and defaults
-        return (*entry, names, rest)
+        return (*entry[:3], names, rest)
 
     def _compile(self, grid: tuple[int, ...], args: tuple, kwargs: dict, key: tuple | None) -> None:
         kernel = self.fn[grid](*args, **kwargs)
@@ -129,7 +134,7 @@ class FastLaunch:
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
-            self._compiled[key] = (kernel, *_native_launch(kernel))
+            self._compiled[key] = (kernel, *_native_launch(kernel), None)
 
 
 def _native_launch(kernel: Any) -> tuple[Any, tuple]:

@@ -582,8 +582,6 @@ def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
     ``block``, or None where TMA cannot address it: the last dimension not unit-stride, the rows not one
     uniform stride, the base or the row stride not a multiple of 16 bytes, a block dimension over 256
     elements or an innermost block under 16 bytes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     item = t.element_size()
     row_stride = t.stride(-2)
     if t.dim() == 3 and t.stride(0) != t.shape[1] * row_stride:
@@ -596,7 +594,7 @@ def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
         or block[-1] * item < 16
     ):
         return None
-    return TensorDescriptor(t, [rows, t.shape[-1]], [row_stride, 1], block)
+    return _descriptor(t, [rows, t.shape[-1]], [row_stride, 1], block)
 
 
 def launch_bwd(
@@ -908,8 +906,6 @@ def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
     """A TMA descriptor of ``t`` ([E, N, K] viewed as [E*N, K], or [R, K]) with blocks
     [block_rows, block_k], or None where TMA cannot read it: not bf16/fp16/fp32, K not unit-stride, the
     rows not one uniform stride, rows or base not 16-byte aligned, or a block over TMA's limits."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or t.numel() == 0:
         return None
     if t.dim() == 3:
@@ -927,7 +923,21 @@ def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
         or (block_k * item) % 16
     ):
         return None
-    return TensorDescriptor(t, [rows, t.shape[-1]], [row_stride, 1], [block_rows, block_k])
+    return _descriptor(t, [rows, t.shape[-1]], [row_stride, 1], [block_rows, block_k])
+
+
+def _descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
+    """``TensorDescriptor(t, shape, strides, block)`` for arguments the callers have checked (16-byte
+    aligned base and rows, unit stride along the last dimension, blocks of at most 256 elements),
+    without its constructor's checks where the rest holds (a few microseconds per launch: every eager
+    training step builds about a dozen per MoE layer); the checked constructor otherwise."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if all(b > 0 and b & (b - 1) == 0 for b in block) and all(n > 0 for n in shape):
+        d = object.__new__(TensorDescriptor)
+        d.base, d.shape, d.strides, d.block_shape, d.padding = t, shape, strides, block, "zero"
+        return d
+    return TensorDescriptor(t, shape, strides, block)
 
 
 def _launch(

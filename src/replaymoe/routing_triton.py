@@ -124,13 +124,18 @@ def weights_backward(
     """Gradient of the method's weights w.r.t. the logits at fixed ``ids``, in fp32 (fp64 for fp64
     logits): the table's closed form (:attr:`replaymoe.routing_table.MethodSpec.grad`), or else
     autograd of its formula (:func:`replaymoe.routing_table.weights_torch`) through
-    ``torch.func.vjp``; plain torch ops either way, which ``torch.compile`` traces."""
+    ``torch.func.vjp``. 16- or 32-bit logits on CUDA (or in Triton's interpreter) with a closed form take one
+    launch of ``_kernels/routing_grad.py`` (under ``torch.compile`` the custom op
+    ``replaymoe::route_weights_grad``, the same kernel); otherwise torch ops, which ``torch.compile``
+    traces."""
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     m = RoutingMethod(method)
     closed = METHODS[m].grad
     kind = GRAD_KIND.get(closed)
-    if kind is not None and acc == torch.float32 and _grad_kernel_ok(router_logits, ids, grad_w):
-        return _grad_kernel(router_logits, ids, grad_w, kind, scale)
+    if kind is not None and acc == torch.float32 and _grad_kernel_ok(router_logits):
+        if torch.compiler.is_compiling():
+            return torch.ops.replaymoe.route_weights_grad(router_logits, ids, grad_w, kind, float(scale))
+        return _grad_launch(router_logits, ids, grad_w, kind, float(scale))
     p = Params(m, ids.shape[1], 1, 1, scale)
     idl = ids.long()
     x = router_logits.detach().to(acc)
@@ -141,18 +146,20 @@ def weights_backward(
     return gx.to(router_logits.dtype)
 
 
-def _grad_kernel_ok(router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor) -> bool:
-    """The one-launch backward applies: eager (not traced by ``torch.compile``), plain tensors, on a
-    CUDA device or in Triton's interpreter, 2-D logits of at most 4096 experts."""
-    if torch.compiler.is_compiling() or router_logits.dim() != 2 or router_logits.shape[1] > 4096:
-        return False
-    if not all(type(t) is torch.Tensor for t in (router_logits, ids, grad_w)):
+def _grad_kernel_ok(router_logits: torch.Tensor) -> bool:
+    """The one-launch backward applies: logits on a CUDA device (or Triton's interpreter), 2-D, of at
+    most 4096 experts."""
+    if router_logits.dim() != 2 or router_logits.shape[1] > 4096:
         return False
     return router_logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _grad_kernel(router_logits, ids, grad_w, kind: int, scale: float) -> torch.Tensor:
-    """``route_weights_grad_kernel``: dL/d logits [T, E] in the logits' dtype, one launch."""
+def _grad_launch(
+    router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, kind: int, scale: float
+) -> torch.Tensor:
+    """``route_weights_grad_kernel``: dL/d logits [T, E] in the logits' dtype, one launch. Also the
+    custom op ``replaymoe::route_weights_grad``, so that ``torch.compile`` traces the same kernel as
+    eager calls (the same bits); eager calls skip the op's dispatch."""
     from replaymoe._kernels.routing_grad import route_weights_grad_kernel
     from replaymoe._launch import fast
 
@@ -171,6 +178,14 @@ def _grad_kernel(router_logits, ids, grad_w, kind: int, scale: float) -> torch.T
         KIND=kind, K=K, KP=kp, EP=ep, BLOCK_T=block_t, num_warps=4,
     )  # fmt: skip
     return out
+
+
+_grad_op = torch.library.custom_op("replaymoe::route_weights_grad", mutates_args=())(_grad_launch)
+
+
+@_grad_op.register_fake
+def _(router_logits, ids, grad_w, kind, scale):
+    return router_logits.new_empty(router_logits.shape)
 
 
 class RouteFunction(torch.autograd.Function):
