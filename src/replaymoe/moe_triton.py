@@ -95,12 +95,16 @@ FP8_BLOCK_M = 64
 # Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
 _TUNED: dict[tuple, MoEConfig] = {
     (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
-    # fp8 decode: GEMM2 on 128-column blocks (scripts/fp8_config_sweep.py; diag/s10_fp8_sweep_h200.txt)
-    (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 6, 128, 128, 8, 4),  # Qwen3 fp8
+    # fp8 decode. Qwen3 T=1: GEMM1 on 64-column blocks (96 programs; 128-column blocks, which let GEMM1
+    # write e4m3 rows, give it only 48: 32.4 vs 32.9 us), GEMM2 on 128 (diag/s10_fp8_sweep_h200.txt)
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 6, 128, 128, 8, 4),
+    # H200 sweep, session 15 (bench/results/diag/s15/fp8_direct_sweep_h200.log): Qwen3 T=2 / 4
+    # 50.1 / 81.6 -> 42.4 / 66.7 us, Mixtral T=1 178.2 -> 124.2 us (DeepSeek-V3 takes the default)
     **{
-        (7168, 2048, 256, 8, True, b): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 4, 128, 128, 4, 3)  # DSv3 fp8
-        for b in (1, 2, 4, 8)
+        (2048, 768, 128, 8, True, b): MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 64, 128, 4, 3)
+        for b in (2, 4)
     },
+    (4096, 14336, 8, 2, True, 1): MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 64, 128, 4, 6),
 }
 # fp8 entries for batch_invariant=False (16-row tiles)
 _TUNED_FP8_FAST: dict[tuple, MoEConfig] = {
@@ -168,7 +172,10 @@ def moe_config(
     if T == 1 or slots * 4 <= E_local or (eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)):
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8 and batch_invariant:
-            return MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 3, 64, 128, 4, 3)
+            # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows, so GEMM2 reads them as they are instead
+            # of quantizing its activation tiles in every program. H200 (bench/moe_notes.md, session 15):
+            # DeepSeek-V3 T=1 / 8 146.9 / 908.9 -> 116.3 / 726.0 us
+            return MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 128, 128, 8, 4)
         if fp8:
             return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
         return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
@@ -994,7 +1001,9 @@ def _launch(
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
-    preq = fp8 and not c.direct and c.block_n1 == 128  # GEMM1 writes e4m3 SwiGLU rows + per-128 scales
+    # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
+    # quantize its activation tiles again in every N-block program (the same bits)
+    preq = fp8 and c.block_n1 == 128
     if fp8:  # x quantized once per 1x128 group (every fp8 mode: the same bits as in-tile quantization)
         xq = torch.empty(T, H, dtype=_FP8, device=dev)
         xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
