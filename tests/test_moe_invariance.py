@@ -22,10 +22,11 @@ SMALL = (1024, 512, 64, 8)
     [
         (QWEN3, 1, False, True),  # one token: always direct
         (QWEN3, 8, False, False),  # graph/compiled: the layout reads each expert once
-        (QWEN3, 8, True, True),  # eager: 14 extra expert reads (~31 us) < the launches saved
+        (QWEN3, 8, True, True),  # eager: 14 extra expert reads (~31 us) < the launches saved (and the
+        # bucket's tuned tile entry yields to it)
         (QWEN3, 16, True, False),  # eager, but ~47 extra expert reads cost more than they save
         (MIXTRAL, 2, True, False),  # 8 experts of 176 MB: a repeat read is never worth it
-        (DSV3, 8, False, True),  # tuned decode entry (bucket 8) wins over the heuristic
+        (DSV3, 8, False, True),  # 64 slots x 4 <= 256 experts: each expert hit at most once or twice
         (SMALL, 4, True, True),  # small experts: direct up to 8 tokens eagerly
         (SMALL, 64, True, False),  # beyond 256 slots: never direct
     ],

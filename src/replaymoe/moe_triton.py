@@ -105,6 +105,13 @@ _TUNED: dict[tuple, MoEConfig] = {
         for b in (2, 4)
     },
     (4096, 14336, 8, 2, True, 1): MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 64, 128, 4, 6),
+    # bf16 small batches, H200 sweep, session 15 (bench/results/diag/s15/bf16_mid_sweep_*_h200.log):
+    # Mixtral T=64 712.9 -> 654.8 us, T=128 776.2 -> 755.4; Qwen3 T=8 / 32 / 64 143.1 / 266.0 / 301.0 ->
+    # 139.8 / 262.0 / 297.8
+    (4096, 14336, 8, 2, False, 64): MoEConfig(False, 32, 128, 128, 8, 3, 128, 128, 4, 3),
+    (4096, 14336, 8, 2, False, 128): MoEConfig(False, 32, 64, 256, 4, 3, 64, 256, 4, 3),
+    (2048, 768, 128, 8, False, 8): MoEConfig(False, 16, 32, 256, 4, 3, 64, 128, 4, 3),
+    **{(2048, 768, 128, 8, False, b): MoEConfig(False, 16, 32, 256, 4, 3, 128, 128, 4, 3) for b in (32, 64)},
 }
 # fp8 entries for batch_invariant=False (16-row tiles)
 _TUNED_FP8_FAST: dict[tuple, MoEConfig] = {
@@ -166,10 +173,11 @@ def moe_config(
     """
     table = _TUNED if not fp8 or batch_invariant else _TUNED_FP8_FAST
     tuned = table.get((H, I, E_local, K, fp8, _bucket(T)))
-    if tuned is not None:
-        return tuned
     slots = T * K
-    if T == 1 or slots * 4 <= E_local or (eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)):
+    eager_direct = eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)
+    if tuned is not None and (tuned.direct or not eager_direct):  # an eager decode keeps the direct mode
+        return tuned
+    if T == 1 or slots * 4 <= E_local or eager_direct:
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8 and batch_invariant:
             # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows, so GEMM2 reads them as they are instead
