@@ -569,6 +569,38 @@ def test_gpu_model_shapes_vs_reference(name, T, fp8):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "T,offset,E_local,batch_invariant",
+    [
+        (1, 0, 64, True),  # one token: direct mode, GEMM1 writes e4m3 SwiGLU rows (128-column blocks)
+        (4, 0, 64, True),  # several tokens (eager: the direct mode, its extra expert reads are cheap)
+        (1, 16, 24, True),  # EP slice: some slots are not local (their tiles do nothing)
+        (1, 0, 64, False),  # 16-row decode tiles (mma.sync) with the same e4m3 rows
+        (4, 16, 24, False),  # both: several tokens, an EP slice and 16-row tiles
+    ],
+)
+def test_gpu_fp8_decode_vs_reference(T, offset, E_local, batch_invariant):
+    # the fp8 decode path (direct mode) against the fp8 reference, whole and as an EP slice
+    H, I, E, K = 1024, 512, 64, 8  # noqa: E741
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g, dtype=torch.bfloat16) * 0.03
+    w2 = torch.randn(E, H, I, device="cuda", generator=g, dtype=torch.bfloat16) * 0.03
+    (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    x = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+    wts = torch.rand(T, K, device="cuda", generator=g)
+    sl = slice(offset, offset + E_local)
+    kw = dict(topk_ids=ids, topk_weights=wts, w13_scale=s13[sl], w2_scale=s2[sl], local_expert_offset=offset,
+              num_experts=E)  # fmt: skip
+    out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+    fused_moe(x, q13[sl], q2[sl], out=out, batch_invariant=batch_invariant, **kw)
+    ref = fused_moe_torch(x, q13[sl], q2[sl], **kw)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert not torch.isnan(out).any()
+    assert rel < 2e-2, rel
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_gpu_graph_determinism_and_capture_bit_identity(T):
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
