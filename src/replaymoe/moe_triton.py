@@ -169,7 +169,8 @@ def moe_config(
     1.04-1.11x at T >= 4096, bench/moe_notes.md session 6); the bits are the same either way.
 
     Tuned entries (measured on the H200, bench/moe_notes.md) override the heuristics for the shapes
-    they name, on any GPU; every one keeps the batch-invariance guarantee (fp8: 64-row tiles).
+    they name, on any GPU; every one keeps the batch-invariance guarantee (fp8: 64-row tiles). A tuned
+    tile-mode entry yields to the eager direct mode where that applies (``eager``).
     """
     table = _TUNED if not fp8 or batch_invariant else _TUNED_FP8_FAST
     tuned = table.get((H, I, E_local, K, fp8, _bucket(T)))
