@@ -32,6 +32,7 @@ from .experts import IMPLEMENTATION_NAME, fused_compatible, register
 from .graphs import BlockGraphs, graphable
 from .patches import block_forward, mark_batch_start, router_forward
 from .positions import cache_length, token_positions
+from .recompute import MISSING, RecomputeBindings
 from .state import CaptureBuffer, ReplayTable, TraceMeta
 from .static_cache import StaticCacheKeeper
 from .step import DecodeChain, Step, StepBuffers, fused_rows_ok, positions_bound, step_rows
@@ -109,7 +110,7 @@ class ReplayMoE:
         self._finished: list = []  # RoutingTrace, harvested but not yet returned by traces()
         self._replay: Optional[ReplayTable] = None  # the active table
         self._tables: list[ReplayTable] = []  # pool (see _spare_table)
-        self._last_forced: Optional[torch.Tensor] = None  # for gradient-checkpointing recomputes
+        self._bindings = RecomputeBindings()  # replay ids of live forwards, for checkpoint recomputes
         self._prev_impl: Optional[str] = None
         self._block_graphs: list[BlockGraphs] = []
         self._graphs_on = False  # some block runs through BlockGraphs
@@ -142,6 +143,12 @@ class ReplayMoE:
             fused = switch and fused_compatible(info.experts)
             info.router.forward = types.MethodType(router_forward(self, info, fused), info.router)
             info.experts._replaymoe_backend = self.backend
+            for module, is_block in ((self._decoder_layer(info), False), (info.block, True)):
+                if module is not None:
+                    hook = module.register_forward_pre_hook(
+                        self._binding_hook(info, is_block), with_kwargs=True
+                    )
+                    self._hooks.append(hook)
             if self.graphs and fused and self.backend != "torch" and info.block is not None:
                 graphs = BlockGraphs(info.block, info.block.forward, pool)
                 self._block_graphs.append(graphs)
@@ -159,6 +166,32 @@ class ReplayMoE:
         self._static_cache = StaticCacheKeeper(self.model, install=keep_static_cache)
         if hasattr(self.model, "generate"):
             self.model.generate = mark_batch_start(self, self.model.generate)
+
+    def _decoder_layer(self, info: MoELayerInfo) -> Optional[nn.Module]:
+        """The decoder layer holding ``info``'s MoE block (None for a block at the model's root)."""
+        if "." not in info.name:
+            return None
+        return self.model.get_submodule(info.name.rsplit(".", 1)[0])
+
+    def _binding_hook(self, info: MoELayerInfo, is_block: bool) -> Any:
+        """Pre-hook of a MoE decoder layer (or block): in the model's forward with gradients on,
+        bind this layer's replay ids to its input; outside it (an activation-checkpoint recompute),
+        find them again (:mod:`replaymoe.hf.recompute`)."""
+        index = info.index
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if torch.compiler.is_compiling():
+                return
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(hidden, torch.Tensor):
+                return
+            step = self._step
+            if step is None:
+                self._bindings.lookup(index, hidden, overwrite=not is_block)
+            elif torch.is_grad_enabled() or module.training:  # (reentrant checkpoints run under no_grad)
+                self._bindings.bind(index, hidden, None if step.forced is None else step.forced[index])
+
+        return hook
 
     def disable(self) -> None:
         """Undo :func:`enable`: original routers and experts implementation, hooks removed."""
@@ -259,8 +292,6 @@ class ReplayMoE:
                 slot, forced = step_rows(mask, S, past, capture=cap, replay=rep, forced_out=forced_out)
         else:
             self._decode.reset()
-        if forced is not None:
-            self._last_forced = forced
         self._step = Step(B * S, forced, staged, slot, graphed, fused, head)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -347,7 +378,6 @@ class ReplayMoE:
             match the model's MoE layers (by ``layer_ids`` when the trace has them, else by count),
             or a recorded row is not K distinct ids in ``[0, E)``.
         """
-        self._last_forced = None
         if replay is None:
             self._replay = None
             return
@@ -391,7 +421,6 @@ class ReplayMoE:
             yield self
         finally:
             self._replay = prev
-            self._last_forced = None
 
     def report(self) -> Any:
         """Tokens replayed vs fallen back to native routing, per layer (``ReplayReport``), or None."""
@@ -402,15 +431,20 @@ class ReplayMoE:
         """(replay ids int32 [T, K] or None, capture slab int16 [T, K] or None) for one router call."""
         step = self._step
         if step is None:
-            # outside the model's forward: a gradient-checkpointing recompute; reuse the last ids
-            last = self._last_forced
-            if last is not None and last.shape[1] == num_tokens:
-                return last[info.index], None
-            if self._replay is not None:
+            # outside the model's forward: an activation-checkpoint recompute (the ids its forward
+            # used, bound to the layer's input), or a direct call of the layer
+            found = self._bindings.take(info.index)
+            if found is not MISSING:
+                if found is not None and found.shape[0] != num_tokens:
+                    fail("hidden_states", f"{found.shape[0]} tokens (the recomputed forward's)",
+                         f"{num_tokens} tokens at {info.name}", what="shape")  # fmt: skip
+                return found, None
+            if self._replay is not None or self._bindings.replayed_alive:
                 fail(
                     "replay",
-                    "MoE layers called inside the model's forward (positions unknown otherwise)",
-                    f"a direct call of {info.name}",
+                    "MoE layers called inside the model's forward, or recomputed by activation "
+                    "checkpointing from the inputs that forward saved (so that they route as it did)",
+                    f"a call of {info.name} outside the model's forward that matches no forward with replay",
                     what="context",
                 )
             return None, None

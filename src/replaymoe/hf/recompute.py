@@ -1,0 +1,97 @@
+"""Replay ids bound to the forward they served, so that activation-checkpoint recomputes route alike.
+
+A gradient-checkpointed decoder layer runs twice: in the model's forward, then again during
+``backward()`` to rebuild its activations. The second run happens outside the model's forward (the
+session's per-forward state is gone, and the ``replaying`` block may have ended), possibly after
+other forwards (micro-batches, gradient accumulation, a reference model). It must route exactly
+as the first did, or the gradients belong to another routing.
+
+Every checkpoint implementation recomputes a layer from the inputs it saved in the forward:
+non-reentrant ``torch.utils.checkpoint`` (transformers' default, FSDP2's ``checkpoint_wrapper``)
+passes the same tensor objects again, the reentrant one detached copies of them, which share their
+storage. So the storage of the layer's input identifies the forward a recompute belongs to. While
+the model's forward runs with gradients enabled, a pre-hook on every MoE decoder layer (and on the
+MoE block itself, for checkpoints around the block alone) binds that layer's replay ids (or "routed
+natively") to its input's storage; the binding lives as long as the input tensor, that is as long
+as the autograd graph that may recompute it. A recompute looks its ids up by the same key. One
+that finds nothing while any replayed forward's bindings are alive raises: it never routes natively
+in silence.
+
+Only Python bookkeeping runs per layer call (no device work, no host sync); under
+``torch.compile`` nothing is bound, since a compiled graph replays its recorded ops, forced ids
+included.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["RecomputeBindings", "MISSING"]
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+def _key(t: torch.Tensor) -> Optional[tuple]:
+    """Identity of ``t``'s data (storage, offset, shape): shared by a tensor and its detached copies."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.dtype)
+
+
+class RecomputeBindings:
+    """Per MoE layer: replay ids of live forwards, keyed by the layer's input (see module docstring).
+
+    Attributes
+    ----------
+    replayed_alive : int
+        Bindings alive that hold replay ids (not "routed natively"): while any is, a recompute that
+        finds no binding raises.
+    """
+
+    def __init__(self) -> None:
+        self._bound: dict[tuple, Optional[torch.Tensor]] = {}
+        self._pending: dict[int, object] = {}  # MoE layer index -> ids for its next router call
+        self.replayed_alive = 0
+
+    def bind(self, layer: int, hidden_states: torch.Tensor, ids: Optional[torch.Tensor]) -> None:
+        """In the model's forward: layer ``layer``'s input ``hidden_states`` routes with ``ids``
+        (``int32 [T, K]``, -1 rows native) or natively (None)."""
+        key = _key(hidden_states)
+        if key is None:
+            return
+        key = (layer, *key)
+        if key in self._bound:  # the same input bound again (the block hook after the layer's)
+            return
+        self._bound[key] = ids
+        if ids is not None:
+            self.replayed_alive += 1
+        weakref.finalize(hidden_states, self._release, key)
+
+    def _release(self, key: tuple) -> None:
+        if key in self._bound and self._bound.pop(key) is not None:
+            self.replayed_alive -= 1
+
+    def lookup(self, layer: int, hidden_states: torch.Tensor, *, overwrite: bool) -> None:
+        """Outside the model's forward (a recompute): find the ids layer ``layer``'s input was bound
+        to and keep them for its router's next call. ``overwrite=False`` keeps an earlier find (the
+        decoder layer's) when this one (the block's recomputed input) finds nothing."""
+        key = _key(hidden_states)
+        found = MISSING if key is None else self._bound.get((layer, *key), MISSING)
+        if found is not MISSING or overwrite or layer not in self._pending:
+            self._pending[layer] = found
+
+    def take(self, layer: int) -> object:
+        """The ids found for layer ``layer``'s recompute (a tensor or None), or :data:`MISSING`."""
+        return self._pending.pop(layer, MISSING)
+
+    def clear_pending(self) -> None:
+        self._pending.clear()

@@ -1,0 +1,141 @@
+"""Rollout routing replay in training setups: activation checkpointing (reentrant, non-reentrant,
+around the decoder layer or the MoE block alone), backward after the ``replaying`` block, micro-batches
+whose recomputes run after other forwards, and a recompute that cannot find its forward's ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import replaymoe.hf  # noqa: E402
+from replaymoe.hf.models import build_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _rollout(seed: int = 0, rows: int = 2, prompt_len: int = 5, new: int = 6):
+    """A tiny Qwen3-MoE, a sampled rollout with capture, and routers moved afterwards (as an optimizer
+    step moves them) so that native routing now differs from the rollout's."""
+    torch.manual_seed(seed)
+    model = build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32)
+    moe = replaymoe.hf.enable(model, capture=True)
+    prompt = torch.randint(3, model.config.vocab_size, (rows, prompt_len))
+    with torch.no_grad():
+        seqs = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=True)  # fmt: skip
+    traces = moe.traces()
+    moe.set_capture(False)
+    with torch.no_grad():
+        for info in moe.layers:
+            info.router.weight.add_(0.5 * torch.randn_like(info.router.weight))
+    model.train()
+    return model, moe, seqs, traces
+
+
+def _loss(model, seqs):
+    logits = model(input_ids=seqs, attention_mask=torch.ones_like(seqs)).logits
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, seqs[:, 1:, None]).mean().neg()
+
+
+def _grads(model):
+    out = {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _checkpoint(model, moe, how: str):
+    if how == "hf-nonreentrant":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif how == "hf-reentrant":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    elif (
+        how == "block"
+    ):  # torch's checkpoint_wrapper (FSDP's) around the MoE block alone: its input is the key
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for info in moe.layers:
+            parent = model.get_submodule(info.name.rsplit(".", 1)[0])
+            setattr(parent, info.name.rsplit(".", 1)[1], checkpoint_wrapper(info.block))
+
+
+def _native_differs(model, moe, seqs, traces) -> bool:
+    with torch.no_grad():
+        model(input_ids=seqs, attention_mask=torch.ones_like(seqs))
+    moe.set_capture(True)
+    with torch.no_grad():
+        model(input_ids=seqs[:, :-1], attention_mask=torch.ones_like(seqs[:, :-1]))
+    native = moe.traces()
+    moe.set_capture(False)
+    return any((a.ids != b.ids).any() for a, b in zip(native, traces))
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "hf-nonreentrant",  # transformers' default: the recompute gets the same input tensors
+        "hf-reentrant",  # the recompute gets detached copies (same storage); its forward ran under no_grad
+        "block",  # a checkpoint around the MoE block only: the block's input is the key
+    ],
+)
+@pytest.mark.parametrize("backward_after_block", [False, True], ids=["bwd-inside", "bwd-after"])
+def test_checkpoint_recompute_routes_as_the_forward(how, backward_after_block):
+    # gradients with checkpointing equal those without, whether backward runs inside or after the
+    # replaying block; the routers were moved, so a native recompute would give other gradients
+    model, moe, seqs, traces = _rollout()
+    assert _native_differs(model, moe, seqs, traces)
+    with moe.replaying(traces):
+        _loss(model, seqs).backward()
+    ref = _grads(model)
+    _checkpoint(model, moe, how)
+    with moe.replaying(traces):
+        loss = _loss(model, seqs)
+        if not backward_after_block:
+            loss.backward()
+    if backward_after_block:
+        loss.backward()
+    got = _grads(model)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_micro_batches_recompute_after_other_forwards():
+    # gradient accumulation: two micro-batches (each its own traces) run forward before either
+    # backward; each recompute must use its own forward's ids, not the last forward's
+    model, moe, seqs, traces = _rollout(rows=4)
+    halves = [(seqs[:2], traces[:2]), (seqs[2:], traces[2:])]
+    for s, t in halves:
+        with moe.replaying(t):
+            _loss(model, s).backward()
+    ref = _grads(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    losses = []
+    for s, t in halves:
+        with moe.replaying(t):
+            losses.append(_loss(model, s))
+    (losses[1] + losses[0]).backward()  # the second micro-batch's graph first
+    got = _grads(model)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_call_outside_the_forward_raises_while_a_replayed_graph_lives():
+    # a MoE layer run outside the model's forward that matches no bound forward cannot know its ids:
+    # while a replayed forward's graph is alive (its backward may still recompute) that is an error,
+    # never a silent native routing
+    model, moe, seqs, traces = _rollout()
+    with moe.replaying(traces):
+        loss = _loss(model, seqs)
+    block = moe.layers[0].block
+    stray = torch.randn(1, seqs.numel(), model.config.hidden_size)
+    with pytest.raises(ValueError, match="outside the model's forward"):
+        block(stray)
+    loss.backward()
+    del loss
+    block(stray)  # nothing replayed is alive any more: a direct call routes natively
