@@ -139,3 +139,73 @@ def test_call_outside_the_forward_raises_while_a_replayed_graph_lives():
     loss.backward()
     del loss
     block(stray)  # nothing replayed is alive any more: a direct call routes natively
+
+
+def _replayed_ids(model, moe, traces, seqs, mask, chunks):
+    """Capture what a replayed forward over each chunk of rows (indices into seqs) used."""
+    moe.set_capture(True)
+    with moe.replaying(traces), torch.no_grad():
+        for rows in chunks:
+            model(input_ids=seqs[rows], attention_mask=mask[rows])
+        report = moe.report()
+    used = moe.traces()
+    moe.set_capture(False)
+    return used, report
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [[0, 1, 2, 3]],  # the rollout's own batch order
+        [[2, 0], [3, 1]],  # shuffled, then split into micro-batches (TRL's buffered inputs)
+        [[3]],  # a subset: one row alone
+        [[1, 1, 0]],  # a row twice in one forward
+    ],
+    ids=["same-order", "shuffled-chunks", "subset", "duplicate-row"],
+)
+def test_rows_matched_by_content(chunks):
+    # the rollout left-pads its prompts; the trainer right-pads (a shorter completion row) and feeds
+    # rows in any order, subset or chunking: every token replays the rollout's ids of its own prefix,
+    # and only each row's last token (never fed back in the rollout) routes natively
+    torch.manual_seed(1)
+    model = build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32)
+    moe = replaymoe.hf.enable(model, capture=True)
+    prompt = torch.randint(3, model.config.vocab_size, (4, 5))
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0  # row 0: a shorter prompt, left-padded
+    with torch.no_grad():
+        seqs = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                              do_sample=True)  # fmt: skip
+    traces = moe.traces()
+    moe.set_capture(False)
+    assert all(t.token_ids is not None and (t.token_ids >= 0).all() for t in traces)
+    with torch.no_grad():
+        for info in moe.layers:
+            info.router.weight.add_(0.5 * torch.randn_like(info.router.weight))
+    # the trainer's layout: row 0's padding moved to the right
+    full_mask = torch.cat([mask, torch.ones(4, 4, dtype=mask.dtype)], 1)
+    seqs = seqs.clone()
+    seqs[0] = torch.cat([seqs[0, 2:], seqs[0, :2]])
+    full_mask[0] = torch.cat([full_mask[0, 2:], full_mask[0, :2]])
+    used, report = _replayed_ids(model, moe, traces, seqs, full_mask, chunks)
+    order = [b for rows in chunks for b in rows]
+    assert len(used) == len(order)
+    for trace, b in zip(used, order):
+        n = traces[b].num_tokens
+        assert trace.num_tokens == n + 1
+        assert (trace.ids[:n] == traces[b].ids).all(), b
+        assert (trace.token_ids[: n + 1] == seqs[b][full_mask[b].bool()].numpy()).all()
+    assert (report.fallback_tokens_per_layer == len(order)).all()  # each row's last token only
+    # the same traces without their tokens replay by batch row: shuffled rows get others' routing
+    shuffled, _ = _replayed_ids(model, moe, [t.replace(token_ids=None) for t in traces], seqs, full_mask,
+                                [[1, 0, 2, 3]])  # fmt: skip
+    assert any((u.ids[: traces[b].num_tokens] != traces[b].ids).any() for u, b in zip(shuffled, [1, 0]))
+
+
+def test_rows_by_batch_order_need_one_trace_per_row():
+    # traces without their tokens (e.g. from an engine that returned only routed experts) are
+    # matched by batch row: a forward of another batch size is an error that says why
+    model, moe, seqs, traces = _rollout()
+    bare = [t.replace(token_ids=None) for t in traces]
+    with moe.replaying(bare), pytest.raises(ValueError, match="matched to rows by content"):
+        model(input_ids=seqs[:1], attention_mask=torch.ones_like(seqs[:1]))

@@ -237,8 +237,16 @@ class ReplayMoE:
             return
         past = cache_length(kwargs.get("past_key_values"))
         mask, eager = kwargs.get("attention_mask"), not torch.compiler.is_compiling()
+        # replay matched by content: whole sequences (no cache) of traces that carry their tokens
+        content = (
+            self._replay is not None
+            and self._replay.by_content
+            and input_ids is not None
+            and isinstance(past, int)
+            and past == 0
+        )
         # eagerly, with a 2-D mask: positions, capture rows and replay ids in one kernel launch
-        fused = eager and fused_rows_ok(mask, S, past, ref.device, self.backend)
+        fused = eager and not content and fused_rows_ok(mask, S, past, ref.device, self.backend)
         if not fused:
             positions = token_positions(
                 B,
@@ -250,14 +258,19 @@ class ReplayMoE:
             )
         forced = forced_out = staged = slot = None
         if self._replay is not None:
-            if self._replay.batch_size != B:
+            if not content and self._replay.batch_size != B:
                 fail(
                     "replay",
-                    f"one trace per batch row ({B} rows in this forward)",
+                    f"one trace per batch row ({B} rows in this forward), or traces that carry their "
+                    "tokens (captured by replaymoe) for forwards over whole sequences (no KV cache), "
+                    "which are matched to rows by content",
                     f"{self._replay.batch_size} trace(s)",
                 )
             forced_out = self._step_buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
-            if not fused:
+            if content:
+                tokens = input_ids.to(device=ref.device, dtype=torch.int64)
+                forced = self._replay.gather_by_content(tokens, positions, out=forced_out)
+            elif not fused:
                 forced = self._replay.gather(positions, out=forced_out)
         if self._capturing:
             cap = self._capture
@@ -292,12 +305,17 @@ class ReplayMoE:
                 slot, forced = step_rows(mask, S, past, capture=cap, replay=rep, forced_out=forced_out)
         else:
             self._decode.reset()
-        self._step = Step(B * S, forced, staged, slot, graphed, fused, head)
+        tokens = None
+        if self._capturing and input_ids is not None:
+            tokens = input_ids.reshape(-1).to(device=ref.device, dtype=torch.int64)
+        self._step = Step(B * S, forced, staged, slot, graphed, fused, head, tokens)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         step, self._step = self._step, None
         if step is not None and step.head is not None:  # no router ran (the forward failed before)
             step.head.launch()  # it still writes the previous step's pending capture rows
+        if step is not None and step.tokens is not None and step.slot is not None and output is not None:
+            self._capture.write_tokens(step.slot, step.tokens)
         if step is not None and step.staged is not None and output is not None:
             if step.defer_commit:  # eager, step_rows took this forward: its next launch commits
                 self._capture.defer(step.staged, step.slot)

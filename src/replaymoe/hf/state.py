@@ -21,7 +21,55 @@ from replaymoe.replay import ReplayReport
 from replaymoe.routing import check_replay_ids
 from replaymoe.trace import RoutingTrace
 
-__all__ = ["CaptureBuffer", "ReplayTable", "TraceMeta"]
+__all__ = ["CaptureBuffer", "ReplayTable", "TraceMeta", "prefix_hashes", "prefix_hashes_np"]
+
+# Prefix hashes (content-addressed replay): two polynomial hashes modulo primes below 2^31, of the
+# tokens at positions 0..p, combined into 62 bits. Every step stays below 2^63 in int64 (a product
+# of two values below 2^31; a cumulative sum of fewer than 2^32 terms below 2^31), so the device
+# (torch) and the host (numpy) compute the same integers exactly.
+_PRIMES = (2147483647, 2147483629)
+_BASES = (1000003, 917513)
+
+
+def _powers(n: int) -> np.ndarray:
+    """int64 [2, n]: ``base^i mod prime`` for each hash, i < n."""
+    out = np.ones((2, max(n, 1)), dtype=np.int64)
+    for h, (p, a) in enumerate(zip(_PRIMES, _BASES)):
+        k, step = 1, a % p
+        while k < n:  # out[k:2k] = out[:k] * a^k
+            m = min(k, n - k)
+            out[h, k : k + m] = out[h, :m] * step % p
+            step = step * step % p
+            k += m
+    return out
+
+
+def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
+    """int64 [N]: hash of ``tokens[:p + 1]`` for each p (``tokens`` int [N] at positions 0..N-1);
+    -1 from the first unknown (-1) token on. Equal to :func:`prefix_hashes` on the same tokens."""
+    tok = np.asarray(tokens, dtype=np.int64)
+    n = tok.shape[0]
+    pw = _powers(n)[:, :n]
+    parts = [np.cumsum((tok + 1) % p * pw[h] % p) % p for h, p in enumerate(_PRIMES)]
+    out = parts[0] * (1 << 31) + parts[1]
+    unknown = np.cumsum(tok < 0) > 0
+    return np.where(unknown, -1, out)
+
+
+def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S]: per token, the hash of its sequence's tokens at positions 0..p (the prefix the
+    model saw when it routed it); -1 for padding (``positions < 0``) and positions past
+    ``powers``' length. ``tokens``, ``positions``: int64 [B, S] with each row's positions increasing
+    (left or right padding); ``powers``: int64 [2, P] from :func:`_powers`. Device ops only."""
+    P = powers.shape[1]
+    valid = (positions >= 0) & (positions < P)
+    pos = positions.clamp(0, P - 1)
+    parts = []
+    for h, p in enumerate(_PRIMES):
+        term = torch.where(valid, (tokens + 1) % p * powers[h][pos] % p, 0)
+        parts.append(torch.cumsum(term, dim=1) % p)
+    return torch.where(valid, parts[0] * (1 << 31) + parts[1], -1)
+
 
 
 def _static(t: torch.Tensor) -> torch.Tensor:
@@ -48,6 +96,7 @@ class _Snapshot:
     ids: torch.Tensor
     rows: int
     seq_cap: int
+    tokens: torch.Tensor  # int64 [rows*S + 1]
 
 
 class CaptureBuffer:
@@ -59,6 +108,9 @@ class CaptureBuffer:
         Row ``b * S_cap + p`` holds position ``p`` of batch row ``b``; -1 = not recorded (every
         batch start clears it). The last row is a dump that padding tokens and tokens outside the
         capacity write to. A sequence's length is 1 + its last recorded position.
+    tokens : torch.Tensor int64 [B_cap * S_cap + 1]
+        The token fed at each row of :attr:`ids` (-1 = not recorded): traces carry them, so that
+        replay can match rows by content.
     row_base : torch.Tensor int64 [B_cap, 1]
         ``b * S_cap``: the first row of batch row ``b``.
     overflow : torch.Tensor bool [1]
@@ -79,7 +131,7 @@ class CaptureBuffer:
         self.meta = meta
         self.device = device
         self.batch_cap, self.seq_cap = 0, 0
-        self.ids = self.row_base = torch.empty(0)
+        self.ids = self.row_base = self.tokens = torch.empty(0)
         self.overflow = _static(torch.zeros(1, dtype=torch.bool, device=device))
         self.overflow_i8 = self.overflow.view(torch.int8)  # what the step_rows kernel writes
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -97,8 +149,12 @@ class CaptureBuffer:
         if keep and self.batch_cap and self.seq_cap:
             old = self.ids[:, :-1].view(L, self.batch_cap, self.seq_cap, K)
             ids[:, :-1].view(L, batch_cap, seq_cap, K)[:, : self.batch_cap, : self.seq_cap] = old
+        tokens = torch.full((batch_cap * seq_cap + 1,), -1, dtype=torch.int64, device=self.device)
+        if keep and self.batch_cap and self.seq_cap:
+            old = self.tokens[:-1].view(self.batch_cap, self.seq_cap)
+            tokens[:-1].view(batch_cap, seq_cap)[: self.batch_cap, : self.seq_cap] = old
         base = torch.arange(batch_cap, dtype=torch.int64, device=self.device).unsqueeze(1) * seq_cap
-        self.ids, self.row_base = _static(ids), _static(base)
+        self.ids, self.row_base, self.tokens = _static(ids), _static(base), _static(tokens)
         self.batch_cap, self.seq_cap = batch_cap, seq_cap
 
     def ensure(self, rows: int, positions: int) -> None:
@@ -120,10 +176,11 @@ class CaptureBuffer:
         self.flush()
         if eager:
             if self.dirty:
-                self._history.append(_Snapshot(self.ids.clone(), self.rows, self.seq_cap))
+                self._history.append(_Snapshot(self.ids.clone(), self.rows, self.seq_cap, self.tokens.clone()))
             self.ensure(rows, positions or 0)
             self.dirty = False
         self.ids.fill_(-1)
+        self.tokens.fill_(-1)
         self.started.add_(1)
         self.rows = rows
 
@@ -159,6 +216,7 @@ class CaptureBuffer:
         is 0, outside ``generate``): the buffer is cleared where it holds (one pass over it)."""
         self.flush()
         self.ids.masked_fill_(is_new, -1)
+        self.tokens.masked_fill_(is_new, -1)
         self.started.add_(is_new.to(torch.int64))
 
     def slots(self, positions: torch.Tensor, *, check_overflow: bool) -> torch.Tensor:
@@ -182,6 +240,10 @@ class CaptureBuffer:
         """Write one forward's ids (``int16 [L, T, K]``) to their slots (``int64 [T]``)."""
         self.flush()
         self.ids.index_copy_(1, slot, staged)
+
+    def write_tokens(self, slot: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record one forward's tokens (``int64 [T]``) at their slots (``int64 [T]``)."""
+        self.tokens.index_copy_(0, slot, tokens)
 
     def defer(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
         """:meth:`commit`, left to the next :func:`~replaymoe.hf.step.step_rows` launch (eager
@@ -229,7 +291,7 @@ class CaptureBuffer:
             )
         batches = list(self._history)
         if started > len(batches):
-            batches.append(_Snapshot(self.ids, self.rows, self.seq_cap))
+            batches.append(_Snapshot(self.ids, self.rows, self.seq_cap, self.tokens))
         lost = max(0, started - len(batches))
         out = [t for snap in batches for t in self._traces(snap)]
         self._history.clear()
@@ -245,6 +307,7 @@ class CaptureBuffer:
         lengths = (last + 1).cpu().numpy()
         n = int(lengths.max()) if lengths.size else 0
         host = ids[:, :, :n].permute(1, 2, 0, 3).cpu().numpy()  # [rows, n, L, K]
+        tokens = snap.tokens[: snap.rows * S].view(snap.rows, S)[:, :n].cpu().numpy()
         return [
             RoutingTrace(
                 np.ascontiguousarray(host[b, : lengths[b]]),
@@ -252,6 +315,7 @@ class CaptureBuffer:
                 top_k=K,
                 layer_ids=list(self.meta.layer_ids),
                 model_id=self.meta.model_id,
+                token_ids=tokens[b, : lengths[b]],
             )
             for b in range(snap.rows)
         ]
@@ -272,10 +336,20 @@ class ReplayTable:
         ``shift`` are ``offsets + lengths`` and ``bases - offsets``).
     seen, fallback : torch.Tensor int64 [L]
         Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
+    by_content : bool
+        Every trace carries its tokens and starts at position 0: forwards are matched to traces
+        by content (:meth:`gather_by_content`), whatever their rows' order, subset or padding.
+    hashes, hash_rows : torch.Tensor int64 [H_cap]
+        (content mode) Every recorded position's prefix hash, sorted (then a sentinel above any
+        hash), and the table row each one names.
+    powers : torch.Tensor int64 [2, P_cap]
+        (content mode) The hash's powers, for positions below the longest trace.
     """
 
     def __init__(self) -> None:
         self.table = torch.empty(0)
+        self.by_content = False
+        self.hashes = self.hash_rows = self.powers = torch.empty(0)
         self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
         self.seen = self.fallback = torch.empty(0)
 
@@ -315,10 +389,59 @@ class ReplayTable:
             )
         for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta):
             dst.copy_(src)
+        self.by_content = all(t.token_ids is not None and t.token_offset == 0 for t in traces)
+        if self.by_content:
+            self._load_hashes(traces, bases, device)
         if tuple(self.seen.shape) != (L,) or self.seen.device != device:
             self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
         self.reset_report()
+
+    def _load_hashes(self, traces: Sequence[RoutingTrace], bases: np.ndarray, device: torch.device) -> None:
+        """Sorted prefix hashes of every recorded position (one host pass), for content matching. Of
+        equal hashes (the same prefix in several traces: a group's shared prompt) the earliest
+        trace's row comes first, and is the one replayed."""
+        hashes = np.concatenate([prefix_hashes_np(t.token_ids) for t in traces]) if traces else np.zeros(0)
+        rows = np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
+        keep = hashes >= 0
+        hashes, rows = hashes[keep], rows[keep].astype(np.int64)
+        order = np.lexsort((rows, hashes))
+        cap = max(64, triton.next_power_of_2(len(hashes) + 1))
+        sorted_h = np.full(cap, np.iinfo(np.int64).max, dtype=np.int64)  # sentinel: above any hash
+        sorted_r = np.full(cap, self.table.shape[1] - 1, dtype=np.int64)  # (the all -1 last row)
+        sorted_h[: len(hashes)], sorted_r[: len(hashes)] = hashes[order], rows[order]
+        if tuple(self.hashes.shape) != (cap,) or self.hashes.device != device:
+            self.hashes = _static(torch.empty(cap, dtype=torch.int64, device=device))
+            self.hash_rows = _static(torch.empty(cap, dtype=torch.int64, device=device))
+        self.hashes.copy_(torch.from_numpy(sorted_h))
+        self.hash_rows.copy_(torch.from_numpy(sorted_r))
+        longest = max((t.num_tokens for t in traces), default=0)
+        pcap = max(64, triton.next_power_of_2(longest + 1))
+        if self.powers.shape[-1] != pcap or self.powers.device != device:
+            self.powers = _static(torch.from_numpy(_powers(pcap)).to(device))
+
+    def gather_by_content(
+        self, tokens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Forced ids ``int32 [L, B*S, K]`` for the tokens ``int64 [B, S]`` at ``positions`` (``int64
+        [B, S]``, -1 = padding), matched by content: a token gets the row some trace recorded for
+        the same token prefix (the prefix decides a causal model's routing), wherever its row sits
+        in this forward; a prefix no trace recorded gets a -1 row (routed natively). Device ops
+        only (a sort-free binary search in :attr:`hashes`). Counts both per layer, like
+        :meth:`gather`. Needs whole sequences (no KV cache): a row's prefix starts at position 0."""
+        key = prefix_hashes(tokens, positions, self.powers).reshape(-1)
+        idx = torch.searchsorted(self.hashes, key).clamp_(max=self.hashes.shape[0] - 1)
+        hit = self.hashes[idx] == key
+        row = torch.where(hit, self.hash_rows[idx], self.table.shape[1] - 1)
+        forced = (
+            self.table.index_select(1, row)
+            if out is None
+            else torch.index_select(self.table, 1, row, out=out)
+        )
+        real = (positions >= 0).sum()
+        self.seen.add_(real)
+        self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - (positions.numel() - real))
+        return forced
 
     def gather(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a

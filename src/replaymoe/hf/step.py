@@ -35,6 +35,7 @@ class Step:
     graphable: bool = False  # the MoE blocks may run as CUDA graphs (see replaymoe.hf.graphs)
     defer_commit: bool = False  # capture: the next step_rows launch writes the staged ids
     head: Optional[DecodeHead] = None  # run by the first MoE block, before its router (then None)
+    tokens: Optional[torch.Tensor] = None  # int64 [T] the forward's tokens (capture records them), or None
 
 
 class StepBuffers:

@@ -140,11 +140,17 @@ class RoutingTrace:
     token_offset : int
         Position in the sequence of ``ids[0]`` (non-zero for a multi-turn continuation or a vLLM
         request with ``routed_experts_prompt_start``).
+    token_ids : array-like of int, shape [N], optional
+        The token fed at each covered position (``token_offset + n``); -1 where unknown. Capture
+        records them (:func:`replaymoe.hf.enable`), and replay then matches a forward's tokens to
+        traces by content (the token prefix up to each position) instead of by batch row, so a
+        forward over any subset, permutation or chunk of the rollout's rows replays correctly.
 
     Attributes
     ----------
     ids : np.ndarray int16 [N, L, K]
     num_experts, top_k, layer_ids (tuple or None), model_id, token_offset
+    token_ids : np.ndarray int64 [N] or None
     format_version : int
         :data:`FORMAT_VERSION` of the file format this class writes.
     """
@@ -160,6 +166,7 @@ class RoutingTrace:
         layer_ids: Sequence[int] | None = None,
         model_id: str | None = None,
         token_offset: int = 0,
+        token_ids: Any = None,
     ):
         if num_experts is not None:
             check_int("num_experts", num_experts, low=1, high=np.iinfo(np.int16).max + 1)
@@ -176,6 +183,14 @@ class RoutingTrace:
         self.layer_ids = _check_layer_ids(layer_ids, self.ids.shape[1])
         self.model_id = model_id
         self.token_offset = token_offset
+        self.token_ids: np.ndarray | None = None
+        if token_ids is not None:
+            tok = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
+            if tok.shape != (self.ids.shape[0],):
+                fail("token_ids", f"shape ({self.ids.shape[0]},) (one per position)", f"shape {tok.shape}", what="shape")
+            if tok.size and int(tok.min()) < -1:
+                fail("token_ids", "token ids >= 0 (-1 = unknown)", int(tok.min()))
+            self.token_ids = tok
 
     # ---------------------------------------------------------------- basic properties
     @property
@@ -213,6 +228,7 @@ class RoutingTrace:
             "layer_ids": list(self.layer_ids) if self.layer_ids is not None else None,
             "model_id": self.model_id,
             "token_offset": self.token_offset,
+            "token_ids": None if self.token_ids is None else self.token_ids.tolist(),
         }
 
     def replace(self, **changes: Any) -> RoutingTrace:
@@ -220,6 +236,10 @@ class RoutingTrace:
         kw = {"ids": self.ids.copy(), **self._meta()}
         kw.update(changes)
         ids = kw.pop("ids")
+        tok = kw["token_ids"]
+        n = len(ids)
+        if "token_ids" not in changes and tok is not None and len(tok) != n:  # ids cut or extended:
+            kw["token_ids"] = (list(tok) + [-1] * n)[:n]  # the tokens follow (unknown past the old end)
         return RoutingTrace(ids, **kw)
 
     def __eq__(self, other: object) -> bool:

@@ -140,6 +140,7 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
             layer_ids=meta["layer_ids"],
             model_id=meta["model_id"],
             token_offset=meta["token_offset"],
+            **({"token_ids": meta["token_ids"]} if meta.get("token_ids") is not None else {}),
         )
     except (KeyError, ValueError) as e:
         raise bad(f"invalid metadata ({type(e).__name__}: {e})") from e
