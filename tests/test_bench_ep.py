@@ -1,12 +1,21 @@
 """``replaymoe bench ep`` end to end on CPU: two gloo ranks, a tiny layer shape, the nccl transport
 (gloo underneath) and the naive recipe. Checks the rows a GPU run relies on exist with sane values
-(every point timed, the layer's compute-alone rows present), and that the summary prints the goals."""
+(every point timed, the layer's compute-alone rows present), and that the summary prints the goals.
+Also ``--cpu-dry-run`` as a user runs it: under torchrun with its own (tiny) defaults, in seconds,
+and without torchrun a one-line error saying how to run it."""
 
 from __future__ import annotations
 
 import csv
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from _dist import run_distributed
+from _dist import free_port, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(rank, world_size, out):
@@ -35,3 +44,47 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     assert all(float(r["weights_floor_us"]) > 0 for r in layer)
     printed = capfd.readouterr().out
     assert "# goal 4 (overlap)" in printed and "# goal 1 (eager calls)" in printed
+
+
+def test_bench_ep_dry_run_without_torchrun_says_how(monkeypatch, capsys):
+    # was a ValueError traceback (RANK unset) from init_process_group
+    from replaymoe.apps import cli
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert cli.main(["bench", "ep", "--cpu-dry-run"]) == 2
+    cap = capsys.readouterr()
+    (line,) = cap.err.strip().splitlines()
+    assert line.startswith("replaymoe bench ep: error: run it under torchrun")
+    assert "torchrun --nproc-per-node 2 -m replaymoe bench ep --cpu-dry-run" in line and cap.out == ""
+
+
+def test_bench_ep_dry_run_defaults_are_tiny():
+    # the dry run used DeepSeek-V3's shapes (7.5 GB of layer weights per rank): OOM-killed at 11.9 GB
+    from replaymoe.bench.ep import _parse
+
+    a = _parse(["--cpu-dry-run"])
+    assert a.hidden * a.experts * a.inter <= 2**20 and max(map(int, a.tokens.split(","))) <= 64
+    assert a.iters <= 3 and "symm" not in a.impls
+    gpu = _parse([])
+    assert (gpu.hidden, gpu.experts, gpu.top_k, gpu.inter) == (7168, 256, 8, 2048)
+    assert _parse(["--cpu-dry-run", "--hidden", "256"]).hidden == 256  # an explicit option still wins
+
+
+def test_bench_ep_dry_run_under_torchrun_takes_seconds(tmp_path):
+    # as the docs say to run it: torchrun, 2 gloo ranks, no shape options
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port())]  # fmt: skip
+    cmd = [*torchrun, "-m", "replaymoe", "bench", "ep", "--cpu-dry-run", "--out", str(tmp_path)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr
+    assert "CPU dry run, 2 gloo ranks: hidden 128, 8 experts, top-2, I = 64" in proc.stderr
+    rows = list(csv.DictReader(open(tmp_path / "ep.csv")))
+    assert rows and not [r for r in rows if r.get("error")]
+    assert "# goal 4 (overlap)" in proc.stdout
+    assert seconds < 90, seconds  # a few seconds on 2 idle cores

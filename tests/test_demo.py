@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -183,3 +184,67 @@ def test_demo_triton_on_cpu_reruns_itself_under_the_interpreter(tmp_path, monkey
     ((cmd, env),) = calls
     assert cmd[1:4] == ["-m", "replaymoe", "demo"] and cmd[4:] == argv and env["TRITON_INTERPRET"] == "1"
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+def _cli_demo(argv, capsys):
+    from replaymoe.apps import cli
+
+    rc = cli.main(["demo", "--fast", "--quiet", "--device", "cpu", *argv])
+    cap = capsys.readouterr()
+    assert "Traceback" not in cap.err
+    return rc, cap
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (
+            lambda d: (d / "heatmap.png").mkdir(),
+            "heatmap.png is a directory",
+        ),  # was IsADirectoryError, exit 1
+        (lambda d: (d / "summary.json").mkdir(), "summary.json is a directory"),  # ... after the whole run
+        (lambda d: (d / "vllm_response_seq0.json").mkdir(), "vllm_response_seq0.json is a directory"),
+        (lambda d: (d / "traces" / "seq3.rmtrace").mkdir(parents=True), "seq3.rmtrace is a directory"),
+        (lambda d: (d / "traces").write_text("x"), "traces is a file"),
+    ],
+)
+def test_demo_unwritable_outputs_fail_before_the_run(tmp_path, make, says, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    make(out)
+    rc, cap = _cli_demo(["--out", str(out)], capsys)
+    assert rc == 2
+    assert cap.err.startswith(f"replaymoe demo: error: --out {out}: ") and says in cap.err
+    assert len(cap.err.strip().splitlines()) == 1 and cap.out == ""  # before the model is even built
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+def test_demo_read_only_traces_fail_before_the_run(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "traces").mkdir(parents=True)
+    (out / "traces").chmod(0o555)
+    try:
+        rc, cap = _cli_demo(["--out", str(out)], capsys)
+    finally:
+        (out / "traces").chmod(0o755)
+    assert rc == 2 and "cannot create or write the directory" in cap.err and "traces" in cap.err
+    assert len(cap.err.strip().splitlines()) == 1 and cap.out == ""
+
+
+def test_demo_from_vllm_tokens_and_rows_must_match(tmp_path, capsys):
+    # 9 tokens (4 prompt + 5 completion) but 29 routed rows: was replayed anyway, exit 0 after
+    # "ids identical to the response's: False"
+    ids = np.argsort(np.random.default_rng(0).random((29, 3, 8)), axis=-1)[..., :2]  # the fast model's shape
+    resp = {
+        "prompt_token_ids": [5, 6, 7, 8],
+        "choices": [
+            {"token_ids": [9] * 5, "routed_experts": RoutingTrace(ids, num_experts=8, top_k=2).to_vllm()}
+        ],
+    }
+    path = tmp_path / "resp.json"
+    path.write_text(json.dumps(resp))
+    rc, cap = _cli_demo(["--out", str(tmp_path / "o"), "--from-vllm", str(path)], capsys)
+    assert rc == 2 and cap.out == ""
+    (line,) = cap.err.strip().splitlines()
+    assert line.startswith(f"replaymoe demo: error: --from-vllm {path}: the response has 9 tokens")
+    assert "29 routed rows" in line and "expected 8 rows" in line

@@ -168,8 +168,24 @@ def test_inspect_compare_different_lengths_warns(tmp_path, traces, capsys):
     b.replace(ids=b.ids[:7]).save(tmp_path / "b.trace")  # positions 0..6 of 0..11
     assert main([str(tmp_path / "a.trace"), "--compare", str(tmp_path / "b.trace")]) == 0
     out = capsys.readouterr().out
-    assert "warning: the traces cover different positions (0..11 vs 0..6)" in out
+    a_name, b_name = tmp_path / "a.trace", tmp_path / "b.trace"
+    assert f"warning: the traces cover different positions (0..11 in {a_name} vs 0..6 in {b_name})" in out
     assert "only the 7 positions in both are compared" in out
+    # the excluded tokens say why: 5 positions only A covers (was "7 excluded as missing"), 2 rows of -1
+    assert f"(7 excluded: 5 only in {a_name} (positions 7..11); 2 in both but missing (-1) in some" in out
+
+
+def test_inspect_compare_says_which_side_covers_what(tmp_path, traces, capsys):
+    a, b = traces
+    a.replace(ids=a.ids[2:7], token_offset=2).save(tmp_path / "a.trace")  # positions 2..6
+    b.replace(ids=b.ids[4:], token_offset=4).save(tmp_path / "b.trace")  # positions 4..11
+    assert main([str(tmp_path / "a.trace"), "--compare", str(tmp_path / "b.trace")]) == 0
+    out = capsys.readouterr().out
+    assert "missing (-1)" not in out  # every row of both is recorded
+    assert (
+        f"(7 excluded: 2 only in {tmp_path / 'a.trace'} (positions 2..3); "
+        f"5 only in {tmp_path / 'b.trace'} (positions 7..11))"
+    ) in out
 
 
 def test_inspect_compare_other_shape_is_an_error(tmp_path, traces, capsys):

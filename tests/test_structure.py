@@ -2,8 +2,9 @@
 
 * no import cycle among the modules of ``src/replaymoe`` (function-local imports included: a
   lazy import hides a cycle from Python, not from the reader);
-* one-way layering, kernels ← ops ← capture/trace/replay ← hf ← apps: no module imports from a
-  layer above its own;
+* one-way layering, kernels ← ops ← capture/trace/replay ← hf ← bench ← apps: no module imports
+  from a layer above its own (the CLI in ``apps`` may import the benchmarks' entry points; a
+  benchmark never imports ``replaymoe.apps``);
 * no source module over ``MAX_LINES`` lines unless its docstring says why (a line starting
   ``Size:``).
 """
@@ -39,9 +40,11 @@ LAYERS = {
     },
     2: {"capture", "capture_transfer", "trace", "replay", "stats"},
     3: {"hf"},
-    4: {"apps", "bench", "__main__"},  # applications
+    4: {"bench"},  # benchmarks: their entry points are run by the CLI
+    5: {"apps", "__main__"},  # applications: the CLI, demo, inspect
 }
-ROOT_LAYER = 4  # ``replaymoe/__init__.py``: the lazy facade, importable by applications only
+# ``replaymoe/__init__.py``: the lazy facade (``__version__``), importable by benchmarks and applications
+ROOT_LAYER = 4
 
 
 def _modules() -> dict[str, Path]:
@@ -161,6 +164,16 @@ def test_no_import_cycle():
 def test_imports_go_down_the_layers(module):
     up = sorted(d for d in GRAPH[module] if _layer(d) > _layer(module))
     assert up == [], f"{module} (layer {_layer(module)}) imports from a higher layer: {up}"
+
+
+def test_bench_never_imports_apps():
+    # apps/cli.py runs the benchmarks; a benchmark importing replaymoe.apps would close a cycle
+    # (it once imported strip_rest from apps.cli, now in bench/_text.py)
+    bench = [m for m in MODULES if m.startswith(f"{PACKAGE}.bench")]
+    assert bench
+    bad = {m: sorted(d for d in GRAPH[m] if d.startswith(f"{PACKAGE}.apps")) for m in bench}
+    assert {m: d for m, d in bad.items() if d} == {}
+    assert _layer(f"{PACKAGE}.bench.ep") < _layer(f"{PACKAGE}.apps.cli")
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -258,6 +258,16 @@ def _validate(
         E = router_logits.shape[1]
         if num_experts is not None and check_int("num_experts", num_experts, low=1) != E:
             fail("num_experts", f"router_logits.shape[1] = {E}", num_experts)
+        if num_experts is None and local_expert_offset == 0 and E_local != E:
+            # without expert-parallel arguments the weights are every expert's: a count that differs
+            # from the logits' would silently drop experts (or leave weights unused)
+            fail(
+                "w13",
+                f"weights for the {E} experts of router_logits [T, {E}] (w13 [{E}, 2I, H]), or "
+                "num_experts / local_expert_offset for one rank's slice (expert parallelism)",
+                f"router_logits over {E} experts and w13 for {E_local}",
+                what="expert count",
+            )
         cfg = as_config(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
         if cfg.top_k > E:  # the rest against E is checked once more by route(), per call
             check_int("top_k", cfg.top_k, low=1, high=E)

@@ -14,7 +14,13 @@ Exit codes (every subcommand; errors are one line on stderr, no traceback):
 * 1 -- the run finished but one of its own checks failed (``demo``: the router got no gradient
   under replay; ``bench capture``: the captured trace differs from the routed ids);
 * 2 -- the command cannot run as asked: a bad option or value, an unreadable, invalid or unwritable
-  file or directory, or a benchmark started without a CUDA GPU.
+  file or directory, a benchmark started without a CUDA GPU, or an optional dependency missing
+  (``pip install 'replaymoe[hf,plot]'``);
+* 141 -- stdout was closed early (``replaymoe demo | head -1``): the command stops quietly, as Unix
+  tools killed by SIGPIPE do (128 + 13, what a shell reports for them);
+* 130 -- interrupted (Ctrl-C), quietly.
+
+Those last two, and the missing optional dependency, are handled once, here in :func:`main`.
 """
 
 from __future__ import annotations
@@ -23,10 +29,20 @@ import argparse
 import contextlib
 import importlib
 import io
-import re
+import os
 import sys
 
+from replaymoe.bench._text import strip_rest
+
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_CHECK_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "main",
+           "strip_rest"]  # fmt: skip
+
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool stopped by a closed pipe
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+# optional dependencies -> the extra that installs them (pyproject.toml)
+OPTIONAL_DEPENDENCIES = {"transformers": "hf", "tqdm": "hf", "matplotlib": "plot"}
+INSTALL_EXTRAS = "pip install 'replaymoe[hf,plot]'"
 
 # name -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,22 +61,6 @@ _BENCHES: dict[str, str] = {
 _BENCH_CPU_OPTIONS: dict[str, tuple[str, ...]] = {"ep": ("--cpu-dry-run", "--summary-from")}
 
 
-def strip_rest(text: str) -> str:
-    """Plain text from the reStructuredText of a docstring (for ``--help``).
-
-    ``:func:`~a.b``` -> ``b``, ``:class:`a.B``` -> ``a.B``, double and single backquotes dropped,
-    ``\\ `` escapes removed, a paragraph-ending ``::`` shortened to ``:``, directive lines dropped.
-    """
-    text = re.sub(r":[a-z]+:`~[\w.]*?(\w+)`", r"\1", text)  # :func:`~mod.name` -> name
-    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", text)  # :class:`mod.Name` -> mod.Name
-    text = re.sub(r"``([^`]+)``", r"\1", text)
-    text = re.sub(r"(?<![\w`])`([^`\n]+)`(?:_)?", r"\1", text)
-    text = text.replace("\\ ", "")
-    text = re.sub(r"\s*::$", ":", text, flags=re.M)  # "Run it::" -> "Run it:"
-    text = re.sub(r"^\s*\.\. [\w-]+::.*\n", "", text, flags=re.M)
-    return text
-
-
 def _build_parser() -> argparse.ArgumentParser:
     from replaymoe import __version__
 
@@ -68,10 +68,13 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="replaymoe",
         description="Fused MoE kernels with routing capture and replay.",
         epilog="exit codes: 0 success; 1 the run finished but a check failed; 2 bad options or "
-        "input/output files, or a benchmark without a CUDA GPU. 'replaymoe COMMAND --help' for each.",
+        "input/output files, a benchmark without a CUDA GPU, or a missing optional dependency; 141 "
+        "stdout closed early (e.g. | head). 'replaymoe COMMAND --help' for each.",
     )
     parser.add_argument("--version", action="version", version=f"replaymoe {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help="the command to run (replaymoe COMMAND --help: its options)"
+    )
     for name, (_, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     bench = sub.add_parser(
@@ -132,8 +135,7 @@ def _bench(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     return int(module.main(options) or 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _run(argv: list[str]) -> int:
     parser = _build_parser()
     if not argv:
         parser.print_help()
@@ -148,6 +150,53 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(parser, argv)
     parser.parse_args(argv)
     return EXIT_USAGE
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The optional dependency an import failed for, or None for any other module."""
+    name = (exc.name or "").split(".")[0]
+    return name if name in OPTIONAL_DEPENDENCIES else None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's last flush of what is
+    still buffered does not fail again (Python's documented recipe for SIGPIPE)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # replaced by a buffer without a descriptor (tests)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``replaymoe ARGV``; returns the exit code (module docstring). ``--help``, ``--version`` and
+    usage errors exit through ``SystemExit`` as argparse does."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    words = [a for a in argv[:1] if a in _COMMANDS or a == "bench"]
+    words += [a for a in argv[1:4] if words == ["bench"] and a in _BENCHES][:1]  # `bench [--out D] NAME`
+    prog = " ".join(["replaymoe", *words])
+    try:
+        try:
+            return _run(argv)
+        except ModuleNotFoundError as exc:
+            name = _missing_extra(exc)
+            if name is None:
+                raise
+            print(
+                f"{prog}: error: needs the optional dependency {name!r}, which is not installed: "
+                f"{INSTALL_EXTRAS}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        finally:
+            sys.stdout.flush()  # inside the try: a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as Unix tools do
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

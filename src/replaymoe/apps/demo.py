@@ -2,7 +2,8 @@
 
 Runs on a fresh machine with no download (a few seconds on 2 CPU cores; the Triton kernels on a
 GPU, the torch reference on a CPU, or the Triton kernels in Triton's CPU interpreter with
-``--backend triton``, about 90 s):
+``--backend triton``, 1.5-5 minutes on 2 cores). Needs the ``hf`` extra (transformers, tqdm), checked
+before any work; without the ``plot`` extra (matplotlib) it warns and writes everything but the picture:
 
 1. builds a small MoE model from a config (Qwen3-MoE by default; ``--model-config`` picks another
    supported architecture) with seeded random weights and a tiny vocabulary -- no tokenizer, the
@@ -19,12 +20,13 @@ GPU, the torch reference on a CPU, or the Triton kernels in Triton's CPU interpr
    rollout's expert load beside per-layer agreement, and ``summary.json``.
 
 ``python -m replaymoe.apps.demo --help`` lists the options. Exit codes as ``replaymoe.apps.cli``: 0, 1 (the
-router got no gradient under replay), 2 (a bad option or file).
+router got no gradient under replay), 2 (a bad option or file, or transformers missing).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import subprocess
@@ -32,8 +34,9 @@ import sys
 
 import torch
 
-from replaymoe.apps.demo_run import EXIT_USAGE, run
-from replaymoe.apps.demo_run import DemoError as _DemoError
+from replaymoe.apps.demo_inputs import EXIT_USAGE, TRITON_CPU_TIME
+from replaymoe.apps.demo_inputs import DemoError as _DemoError
+from replaymoe.apps.demo_run import run
 from replaymoe.hf.models import ARCHITECTURES, SIZES, build_config, build_model
 
 __all__ = ["ARCHITECTURES", "SIZES", "build_config", "build_model", "main"]
@@ -58,7 +61,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
     p.add_argument("--out", default="./replaymoe_out", help="output directory (default ./replaymoe_out)")
     p.add_argument("--fast", action="store_true", help="smaller model and fewer tokens (smoke test)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights, prompts and sampling (default 0)"
+    )
     p.add_argument(
         "--perturb",
         type=float,
@@ -92,10 +97,28 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _missing_hf() -> str | None:
+    """The first of the ``hf`` extra's packages (transformers, tqdm) that does not import, or None."""
+    for name in ("transformers", "tqdm"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return name
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit code (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    missing = _missing_hf()  # before any work, not as a traceback from deep inside the model build
+    if missing:
+        print(
+            f"replaymoe demo: error: needs {missing}, which is not installed: "
+            "pip install 'replaymoe[hf,plot]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("replaymoe demo: error: --device cuda, but torch sees no CUDA GPU", file=sys.stderr)
@@ -105,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "replaymoe demo: --backend triton on the CPU runs the Triton kernels in Triton's interpreter, "
             "which must be on before Triton is imported; re-running as TRITON_INTERPRET=1 replaymoe demo "
-            "(slow: about 90 s)",
+            f"(slow: {TRITON_CPU_TIME})",
             file=sys.stderr,
         )
         env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -125,4 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    from replaymoe.apps.cli import main as cli_main  # a closed pipe, Ctrl-C: handled there, once
+
+    sys.exit(cli_main(["demo", *sys.argv[1:]]))

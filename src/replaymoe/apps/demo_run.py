@@ -1,4 +1,5 @@
-"""The run of ``replaymoe demo`` (:mod:`replaymoe.apps.demo` parses the options and prepares the files).
+"""The run of ``replaymoe demo`` (:mod:`replaymoe.apps.demo` parses the options,
+:mod:`replaymoe.apps.demo_inputs` checks the files before the run).
 
 Build the model, generate the rollout with capture, perturb the routers, run the trainer forwards with
 native routing and with replay, and print and write the figures (see :mod:`replaymoe.apps.demo`).
@@ -16,72 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from replaymoe.apps.demo_inputs import NO_PLOT, TRITON_CPU_TIME, DemoError, can_plot, prepare_out, read_vllm
 from replaymoe.hf.models import build_model
 
-__all__ = ["DemoError", "EXIT_USAGE", "run"]
+__all__ = ["run"]
 
-EXIT_USAGE = 2  # replaymoe.apps.cli: bad options or files
 LN2 = math.log(2.0)
-
-
-class DemoError(Exception):
-    """A bad option or input file: one line on stderr, exit code 2."""
-
-
-def _prepare_out(path: str) -> Path:
-    """Create the output directory (and traces/) or raise DemoError saying why it cannot be."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise DemoError(f"--out {path}: expected a directory, got an existing file")
-    try:
-        (out / "traces").mkdir(parents=True, exist_ok=True)
-        probe = out / ".replaymoe-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise DemoError(
-            f"--out {path}: cannot create or write this directory ({exc.strerror or exc})"
-        ) from None
-    return out
-
-
-def _read_vllm(path: str):
-    """(prompt ids, completion ids, RoutingTrace) of a vLLM response file, or raise DemoError."""
-    from replaymoe.trace import RoutingTrace
-
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise DemoError(f"--from-vllm {path}: cannot read it ({exc.strerror or exc})") from None
-    if data[:4] == b"PK\x03\x04":
-        raise DemoError(
-            f"--from-vllm {path}: this is a replaymoe trace file (RoutingTrace.save), not a vLLM response; "
-            "--from-vllm needs the response JSON (prompt_token_ids, choices[0].token_ids, routed_experts), "
-            "e.g. the vllm_response_seq0.json this demo writes (replaymoe inspect reads trace files)"
-        )
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DemoError(
-            f"--from-vllm {path}: expected a vLLM response in JSON, got invalid JSON ({exc})"
-        ) from None
-    choices = obj.get("choices") if isinstance(obj, dict) else None
-    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    prompt, completion = (
-        (obj.get("prompt_token_ids") if isinstance(obj, dict) else None),
-        choice.get("token_ids"),
-    )
-    if prompt is None or completion is None:
-        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise DemoError(
-            f"--from-vllm {path}: expected a response with prompt_token_ids and choices[0].token_ids, "
-            f"got keys {keys} / {sorted(choice)}"
-        )
-    try:
-        trace = RoutingTrace.from_vllm(obj)  # vLLM sends neither E nor layer numbers
-    except ValueError as exc:
-        raise DemoError(f"--from-vllm {path}: {exc}") from None
-    return list(prompt), list(completion), trace
 
 
 class _Progress:
@@ -139,7 +80,7 @@ def _backend_words(backend: str, device: str) -> str:
     if backend == "torch" or (backend == "auto" and device != "cuda"):
         hint = (
             " (on the CPU; the Triton kernels run on a GPU, or here with --backend triton in Triton's "
-            "interpreter, about 90 s)"
+            f"interpreter, {TRITON_CPU_TIME})"
             if device != "cuda"
             else ""
         )
@@ -176,8 +117,12 @@ def run(args: argparse.Namespace, device: str) -> int:
     t_start = time.perf_counter()
     import replaymoe.hf as rhf
 
-    out_dir = _prepare_out(args.out)  # before any work: a bad --out fails at once
-    vllm = _read_vllm(args.from_vllm) if args.from_vllm else None  # so does a bad --from-vllm
+    out_dir = prepare_out(args.out, args.prompts)  # before any work: a bad --out fails at once
+    vllm = read_vllm(args.from_vllm) if args.from_vllm else None  # so does a bad --from-vllm
+    plot = can_plot()  # the picture only needs matplotlib (the plot extra); everything else is written
+    if not plot:
+        print(f"replaymoe demo: warning: {NO_PLOT}; no heatmap.png, every other output is written",
+              file=sys.stderr)  # fmt: skip
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(
@@ -185,12 +130,12 @@ def run(args: argparse.Namespace, device: str) -> int:
     )
     moe = rhf.enable(model, capture=True, backend=args.backend)
     try:
-        return _run_enabled(args, device, out_dir, vllm, model, moe, t_start)
+        return _run_enabled(args, device, out_dir, vllm, model, moe, t_start, plot)
     finally:
         moe.disable()
 
 
-def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float) -> int:
+def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, plot: bool) -> int:
     from replaymoe.replay import ReplaySource
     from replaymoe.stats import agreement, plot_heatmap
 
@@ -357,13 +302,19 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float) 
     # ---------------------------------------------------------------- picture: load + agreement
     heat_path = out_dir / "heatmap.png"
     all_rollout = rollout[0].replace(ids=np.concatenate([t.ids for t in rollout]))  # sequences stacked
-    plot_heatmap(
-        all_rollout,
-        heat_path,
-        title=f"rollout expert load: {routed} routed tokens, {len(rollout)} sequences, top-{K}",
-        agreement={"native routing": a_nat, "with replay": a_rep},
-        agreement_title="rollout vs trainer",
-    )
+    picture = f"{heat_path} (rollout expert load per layer, beside agreement with and without replay)"
+    try:
+        if not plot:
+            raise ImportError(NO_PLOT)
+        plot_heatmap(
+            all_rollout,
+            heat_path,
+            title=f"rollout expert load: {routed} routed tokens, {len(rollout)} sequences, top-{K}",
+            agreement={"native routing": a_nat, "with replay": a_rep},
+            agreement_title="rollout vs trainer",
+        )
+    except ImportError as exc:  # matplotlib missing (warned before the run) or broken: the rest is written
+        picture = f"none ({exc})".replace("\n", " ")
 
     # ---------------------------------------------------------------- optional: vLLM response
     if vllm is not None:
@@ -407,9 +358,7 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float) 
 
     print()
     print(f"traces     : {out_dir / 'traces'}/seq*.rmtrace ({len(rollout)} files; RoutingTrace.load)")
-    print(
-        f"picture    : {heat_path} (rollout expert load per layer, beside agreement with and without replay)"
-    )
+    print(f"picture    : {picture}")
     print(f"vLLM-style : {resp_path} (try: replaymoe demo --from-vllm {resp_path})")
     print(f"summary    : {out_dir / 'summary.json'} (the figures above)")
     print(f"time       : {seconds:.1f} s for the demo (model, rollout, trainer forwards, files)")

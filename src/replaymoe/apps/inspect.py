@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import importlib
 import io
 import json
 import os
@@ -156,8 +157,52 @@ def _fmt(x: float, spec: str = ".3f") -> str:
     return "nan" if not np.isfinite(x) else format(x, spec)
 
 
-def summarize(trace: RoutingTrace, other: RoutingTrace | None = None, *, name: str = "trace") -> str:
-    """The text ``replaymoe inspect`` prints."""
+def _positions(ranges: list[tuple[int, int]]) -> str:
+    """``[(0, 3), (9, 12)]`` -> ``"0..2, 9..11"`` (half-open ranges, empty ones dropped)."""
+    return ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in ranges if b > a)
+
+
+def _only_in(t: RoutingTrace, o: RoutingTrace) -> tuple[int, str]:
+    """How many of ``t``'s positions ``o`` does not cover, and which."""
+    lo, hi = max(t.token_offset, o.token_offset), min(t.end, o.end)
+    if hi <= lo:
+        ranges = [(t.token_offset, t.end)]
+    else:
+        ranges = [(t.token_offset, lo), (hi, t.end)]
+    return sum(max(0, b - a) for a, b in ranges), _positions(ranges)
+
+
+def _agreement_line(rep, trace: RoutingTrace, other: RoutingTrace, name: str, other_name: str) -> str:
+    """The every-layer agreement, with the excluded tokens split by why: covered by one trace only
+    (saying which), or recorded as missing (-1) in a layer of either."""
+    pl = rep.per_layer
+    lo = f"{np.nanmin(pl):.4f}" if np.isfinite(pl).any() else "n/a"
+    mean = f"{np.nanmean(pl):.4f}" if np.isfinite(pl).any() else "n/a"
+    n_a, where_a = _only_in(trace, other)
+    n_b, where_b = _only_in(other, trace)
+    parts = []
+    if n_a:
+        parts.append(f"{n_a} only in {name} (positions {where_a})")
+    if n_b:
+        parts.append(f"{n_b} only in {other_name} (positions {where_b})")
+    n_missing = rep.excluded_tokens - n_a - n_b
+    if n_missing:
+        parts.append(f"{n_missing} in both but missing (-1) in some layer of either")
+    excluded = f"{rep.excluded_tokens} excluded: " + "; ".join(parts) if parts else "none excluded"
+    return (
+        f"agreement: {_fmt(rep.all_layers, '.4f')} of {rep.compared_tokens} tokens identical in every "
+        f"layer ({excluded}); per layer mean {mean}, min {lo}"
+    )
+
+
+def summarize(
+    trace: RoutingTrace,
+    other: RoutingTrace | None = None,
+    *,
+    name: str = "trace",
+    other_name: str = "the other trace",
+) -> str:
+    """The text ``replaymoe inspect`` prints (``name`` / ``other_name``: how the two are called)."""
     load = expert_load(trace)
     E = load.shape[1]
     bal = balance(load)
@@ -176,8 +221,8 @@ def summarize(trace: RoutingTrace, other: RoutingTrace | None = None, *, name: s
             both = max(0, min(trace.end, other.end) - max(trace.token_offset, other.token_offset))
             warnings.append(
                 f"warning: the traces cover different positions ({trace.token_offset}..{trace.end - 1} "
-                f"vs {other.token_offset}..{other.end - 1}): only the {both} positions in both are "
-                "compared; traces of different sequences do not agree by design"
+                f"in {name} vs {other.token_offset}..{other.end - 1} in {other_name}): only the {both} "
+                "positions in both are compared; traces of different sequences do not agree by design"
             )
         if trace.model_id and other.model_id and trace.model_id != other.model_id:
             warnings.append(f"warning: different models ({trace.model_id!r} vs {other.model_id!r})")
@@ -211,7 +256,7 @@ def summarize(trace: RoutingTrace, other: RoutingTrace | None = None, *, name: s
             f"cv {np.nanmean(bal['cv']):.3f}, entropy {np.nanmean(bal['entropy']):.3f}"
         )
     if rep is not None:
-        lines.append("  " + str(rep))
+        lines.append("  " + _agreement_line(rep, trace, other, name, other_name))
         lines += ["  " + w for w in warnings]
     return "\n".join(lines)
 
@@ -226,6 +271,12 @@ def _check_output(path: str) -> None:
         raise ValueError(
             f"Invalid value of --heatmap: expected a file name ending in .png, .svg, .pdf (or another "
             f"image format matplotlib writes), got {path!r}"
+        ) from None
+    try:  # the plot extra: checked before any work, not after the summary is printed
+        importlib.import_module("matplotlib")
+    except ImportError:
+        raise ValueError(
+            "--heatmap needs matplotlib, which is not installed: pip install 'replaymoe[plot]'"
         ) from None
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
@@ -282,10 +333,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"--compare {args.compare}: {other.num_layers} layers, top_k {other.top_k}; "
                     f"{args.trace} has {trace.num_layers} layers, top_k {trace.top_k}"
                 )
-        print(summarize(trace, other, name=args.trace))
+        print(summarize(trace, other, name=args.trace, other_name=args.compare or ""))
         if args.heatmap:
             plot_heatmap(trace, args.heatmap)
             print(f"  heatmap written to {args.heatmap}")
+    except BrokenPipeError:  # stdout closed early (| head): replaymoe.apps.cli.main exits quietly
+        raise
     except OSError as e:  # unreadable input, unwritable heatmap
         print(f"replaymoe inspect: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
@@ -296,4 +349,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    from replaymoe.apps.cli import main as cli_main  # a closed pipe, Ctrl-C: handled there, once
+
+    sys.exit(cli_main(["inspect", *sys.argv[1:]]))

@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from replaymoe.apps.cli import strip_rest  # plain-text --help when run as python -m
+from replaymoe.bench._text import strip_rest  # plain-text --help when run as python -m
 from replaymoe.bench._timing import NO_CUDA_EXIT, host_us, no_cuda, print_table, time_eager, write_results
 from replaymoe.capture import RoutedExpertsCapturer
 from replaymoe.routing import RoutingMethod, route
@@ -242,11 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="replaymoe bench capture", description=strip_rest(__doc__.split("\n\n")[0])
     )
-    parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument(
+        "--layers", type=int, default=64, help="MoE layers of the stand-in model (default 64)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=256, help="tokens per decode step, one per request (default 256)"
+    )
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size H (default 2048)")
+    parser.add_argument("--experts", type=int, default=128, help="experts E per layer (default 128)")
+    parser.add_argument("--top-k", type=int, default=8, help="experts K per token (default 8)")
     parser.add_argument("--steps", type=int, default=200, help="steps per timed loop")
     parser.add_argument("--reps", type=int, default=7, help="timed loops per mode (interleaved)")
     parser.add_argument("--buffers", type=int, default=2, help="staging buffers in flight")

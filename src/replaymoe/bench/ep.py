@@ -19,6 +19,12 @@ Algorithmic bandwidth per rank counts only bytes that must cross between ranks: 
 remote destination rank) pair, the dispatch payload bytes, and 2·H bytes for the combine; the
 ``floor`` is those bytes at 450 GB/s (NVLink 4, one direction), ``pct_floor`` = floor / time.
 Rank 0 prints the table and writes ``ep.csv`` / ``ep.json`` under ``--out``.
+
+``--cpu-dry-run`` checks the script on the CPU (gloo, host timers) in seconds: a tiny shape (hidden
+128, 8 experts, top-2, I = 64; 4 and 16 tokens per rank), 2 iterations, the nccl and naive recipes
+and the bf16 payload, unless the options say otherwise. Run it under torchrun too::
+
+    torchrun --nproc-per-node 2 -m replaymoe bench ep --cpu-dry-run --out DIR
 """
 
 from __future__ import annotations
@@ -51,6 +57,20 @@ __all__ = ["NAIVE_ANCHOR_MS", "DeepEPPeer", "NaiveEP", "host_profile", "main", "
 
 TOKENS = (1, 32, 128, 1024, 4096)
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4 (18 links), one direction
+# option -> (GPU default, --cpu-dry-run default); the dry run's shapes keep it to seconds and a few
+# hundred MB per rank (DeepSeek-V3's layer weights alone are 7.5 GB per rank of 2)
+_DEFAULTS = {
+    "tokens": (",".join(map(str, TOKENS)), "4,16"),
+    "iters": (20, 2),
+    "warmup": (3, 1),
+    "impls": ("nccl,symm,naive", "nccl,naive"),
+    "payloads": ("bf16,fp8", "bf16"),
+    "hidden": (SHAPE.H, 128),
+    "experts": (SHAPE.E, 8),
+    "top_k": (SHAPE.K, 2),
+    "inter": (SHAPE.INTER, 64),
+}
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what init_process_group reads
 
 
 def _remote_pairs(ids: torch.Tensor, ep: int, rank: int) -> int:
@@ -284,14 +304,20 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options, with the defaults of a GPU run or of ``--cpu-dry-run`` (``_DEFAULTS``) filled in."""
     p = argparse.ArgumentParser(prog="replaymoe bench ep", description=__doc__.split("\n")[0])
+
+    def default(name: str) -> str:
+        gpu, dry = _DEFAULTS[name]
+        return f"default {gpu}; {dry} with --cpu-dry-run"
+
     p.add_argument("--out", default="bench_results", help="output directory for ep.csv / ep.json")
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per rank, comma list")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impls", default="nccl,symm,naive", help="comma list of nccl, symm, naive")
-    p.add_argument("--payloads", default="bf16,fp8", help="comma list of bf16, fp8")
+    p.add_argument("--tokens", help="tokens per rank, comma list (" + default("tokens") + ")")
+    p.add_argument("--iters", type=int, help="timed iterations per point (" + default("iters") + ")")
+    p.add_argument("--warmup", type=int, help="untimed iterations before them (" + default("warmup") + ")")
+    p.add_argument("--impls", help="comma list of nccl, symm, naive (" + default("impls") + ")")
+    p.add_argument("--payloads", help="comma list of bf16, fp8 (" + default("payloads") + ")")
     p.add_argument("--num-sms", default="0", help="comma list of num_sms for symm (0 = every SM)")
     p.add_argument(
         "--peer",
@@ -302,15 +328,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-sms", type=int, default=24, help="SMs given to DeepEP (even)")
     p.add_argument("--no-layer", action="store_true", help="skip the whole ep_moe layer")
     p.add_argument("--no-graph", action="store_true", help="eager timings only")
-    p.add_argument("--hidden", type=int, default=SHAPE.H, help="hidden size (default DeepSeek-V3's 7168)")
-    p.add_argument("--experts", type=int, default=SHAPE.E)
-    p.add_argument("--top-k", type=int, default=SHAPE.K)
-    p.add_argument("--inter", type=int, default=SHAPE.INTER, help="expert intermediate size (layer)")
-    p.add_argument("--cpu-dry-run", action="store_true", help="run on CPU with gloo (checks the script)")
+    p.add_argument("--hidden", type=int, help="hidden size (" + default("hidden") + ", DeepSeek-V3's)")
+    p.add_argument("--experts", type=int, help="experts over all ranks (" + default("experts") + ")")
+    p.add_argument("--top-k", type=int, help="experts per token (" + default("top_k") + ")")
+    p.add_argument("--inter", type=int, help="expert intermediate size, layer (" + default("inter") + ")")
+    p.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run on the CPU with gloo and a tiny shape, to check the script in seconds (under torchrun)",
+    )
     p.add_argument("--name", default="ep", help="result file stem (NAME.csv / NAME.json)")
     p.add_argument("--summary-from", metavar="DIR", help="only print the summary of DIR/*.json (no GPU)")
     p.add_argument("--host-profile", action="store_true", help="only profile the host time of eager calls")
     a = p.parse_args(argv)
+    for name, (gpu, dry) in _DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, dry if a.cpu_dry_run else gpu)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
     if a.summary_from:
         import json
         from pathlib import Path
@@ -322,7 +360,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     set_shape(a.hidden, a.experts, a.top_k, a.inter)
     if not torch.cuda.is_available() and not a.cpu_dry_run:
-        print("replaymoe bench ep needs CUDA GPUs (run it under torchrun)", file=sys.stderr)
+        print(
+            "replaymoe bench ep: error: needs CUDA GPUs, and torch sees none (--cpu-dry-run checks the "
+            "script on the CPU)",
+            file=sys.stderr,
+        )
+        return 2
+    if not dist.is_initialized() and not all(k in os.environ for k in _TORCHRUN_ENV):
+        unset = ", ".join(k for k in _TORCHRUN_ENV if k not in os.environ)
+        example = "--cpu-dry-run" if a.cpu_dry_run else "--out DIR"
+        print(
+            f"replaymoe bench ep: error: run it under torchrun, one process per rank ({unset} unset), "
+            f"e.g. torchrun --nproc-per-node 2 -m replaymoe bench ep {example}",
+            file=sys.stderr,
+        )
         return 2
     own_pg = not dist.is_initialized()
     if torch.cuda.is_available():
@@ -337,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    if a.cpu_dry_run and rank == 0:
+        log(
+            f"replaymoe bench ep: CPU dry run, {dist.get_world_size()} gloo ranks: hidden {SHAPE.H}, "
+            f"{SHAPE.E} experts, top-{SHAPE.K}, I = {SHAPE.INTER}, tokens {a.tokens}, {a.iters} iterations"
+        )
+
     def save(rows):
         if rank == 0:
             from ._timing import write_results
@@ -349,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                          calls=max(50, a.iters * 5), log=log)  # fmt: skip
         finally:
             if own_pg:
-                dist.destroy_process_group()
+                _destroy()
         return 0
     try:
         rows = run(
@@ -371,8 +428,19 @@ def main(argv: list[str] | None = None) -> int:
             print_summary(rows)
     finally:
         if own_pg:
-            dist.destroy_process_group()
+            _destroy()
     return 0
+
+
+def _destroy() -> None:
+    """Tear the process group down with nothing left holding it: the benchmark's objects (all-to-all
+    buffers, the naive recipe) are freed first (``gc``: some sit in reference cycles), so that no
+    gloo / NCCL group is destroyed later during interpreter shutdown (where gloo aborted the process,
+    "terminate called without an active exception", in about half of the CPU dry runs)."""
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -74,12 +74,24 @@ def _parse(argv):
 
     p = argparse.ArgumentParser(prog="replaymoe bench hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_results", help="output directory (CSV + JSON)")
-    p.add_argument("--arch", default="qwen3_moe", choices=ARCHITECTURES)
-    p.add_argument("--size", default="bench", choices=sorted(SIZES))
+    p.add_argument(
+        "--arch", default="qwen3_moe", choices=ARCHITECTURES, help="model architecture (default qwen3_moe)"
+    )
+    p.add_argument(
+        "--size",
+        default="bench",
+        choices=sorted(SIZES),
+        help="model size (default bench: Qwen3-30B-A3B's MoE shape, 8 layers)",
+    )
     p.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--new", type=int, default=64, help="generated tokens per sequence")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed rounds, each one generate per implementation (default 5)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager, static")
     p.add_argument(
         "--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS + OPTIONAL_IMPLS)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from replaymoe.apps.cli import strip_rest  # plain-text --help when run as python -m
+from replaymoe.bench._text import strip_rest  # plain-text --help when run as python -m
 
 from ._timing import (
     BF16_FLOPS_PER_S,

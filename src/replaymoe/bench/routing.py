@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from replaymoe.apps.cli import strip_rest  # plain-text --help when run as python -m
+from replaymoe.bench._text import strip_rest  # plain-text --help when run as python -m
 from replaymoe.bench._timing import (
     HBM_BYTES_PER_S,
     NO_CUDA_EXIT,
@@ -153,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="./bench_out", help="directory for routing.csv / routing.json")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
-    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="*",
+        default=list(TOKENS),
+        help="token counts to time, space-separated (default " + " ".join(map(str, TOKENS)) + ")",
+    )
     args = parser.parse_args(argv)
     if no_cuda("replaymoe bench routing"):
         return NO_CUDA_EXIT

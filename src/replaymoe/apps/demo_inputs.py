@@ -1,0 +1,121 @@
+"""What ``replaymoe demo`` reads and writes, checked before the run (:mod:`replaymoe.apps.demo_run`):
+the output directory and every file the run writes there, and a ``--from-vllm`` response.
+
+A problem is a :class:`DemoError`: one line on stderr and exit code 2, before any work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+__all__ = [
+    "EXIT_USAGE",
+    "NO_PLOT",
+    "OUTPUT_FILES",
+    "TRITON_CPU_TIME",
+    "DemoError",
+    "can_plot",
+    "prepare_out",
+    "read_vllm",
+]
+
+EXIT_USAGE = 2  # replaymoe.apps.cli: bad options or files
+TRITON_CPU_TIME = "1.5-5 minutes on 2 cores"  # --backend triton on the CPU (Triton's interpreter)
+NO_PLOT = "matplotlib is not installed: pip install 'replaymoe[plot]'"
+
+
+class DemoError(Exception):
+    """A bad option or input file: one line on stderr, exit code 2."""
+
+
+OUTPUT_FILES = ("heatmap.png", "vllm_response_seq0.json", "summary.json")  # besides traces/seq*.rmtrace
+
+
+def prepare_out(path: str, num_prompts: int) -> Path:
+    """Create the output directory (and traces/) and check every file the run will write, or raise
+    DemoError saying which one cannot be written: all before any work, not as a traceback at the end."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"--out {path}: expected a directory, got an existing file")
+    traces = out / "traces"
+    if traces.exists() and not traces.is_dir():
+        raise DemoError(f"--out {path}: {traces} is a file, where the demo writes its traces (a directory)")
+    for folder in (out, traces):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / ".replaymoe-write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise DemoError(
+                f"--out {path}: cannot create or write the directory {folder} ({exc.strerror or exc})"
+            ) from None
+    files = [out / name for name in OUTPUT_FILES]
+    files += [traces / f"seq{i}.rmtrace" for i in range(num_prompts)]
+    for f in files:
+        if f.is_dir():
+            raise DemoError(f"--out {path}: {f} is a directory, where the demo writes a file")
+        if f.exists() and not os.access(f, os.W_OK):
+            raise DemoError(f"--out {path}: {f} exists and is not writable (permission denied)")
+    return out
+
+
+def read_vllm(path: str):
+    """(prompt ids, completion ids, RoutingTrace) of a vLLM response file, or raise DemoError."""
+    from replaymoe.trace import RoutingTrace
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise DemoError(f"--from-vllm {path}: cannot read it ({exc.strerror or exc})") from None
+    if data[:4] == b"PK\x03\x04":
+        raise DemoError(
+            f"--from-vllm {path}: this is a replaymoe trace file (RoutingTrace.save), not a vLLM response; "
+            "--from-vllm needs the response JSON (prompt_token_ids, choices[0].token_ids, routed_experts), "
+            "e.g. the vllm_response_seq0.json this demo writes (replaymoe inspect reads trace files)"
+        )
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DemoError(
+            f"--from-vllm {path}: expected a vLLM response in JSON, got invalid JSON ({exc})"
+        ) from None
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    prompt, completion = (
+        (obj.get("prompt_token_ids") if isinstance(obj, dict) else None),
+        choice.get("token_ids"),
+    )
+    if prompt is None or completion is None:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise DemoError(
+            f"--from-vllm {path}: expected a response with prompt_token_ids and choices[0].token_ids, "
+            f"got keys {keys} / {sorted(choice)}"
+        )
+    try:
+        trace = RoutingTrace.from_vllm(obj)  # vLLM sends neither E nor layer numbers
+    except ValueError as exc:
+        raise DemoError(f"--from-vllm {path}: {exc}") from None
+    # N tokens give routing for positions [start, N - 1) (the last sampled token is never fed back;
+    # [start, N) accepted too): rows for other positions belong to another request
+    n, start = len(prompt) + len(completion), trace.token_offset
+    if trace.end not in (n - 1, n):
+        where = f" from position {start}" if start else ""
+        raise DemoError(
+            f"--from-vllm {path}: the response has {n} tokens ({len(prompt)} prompt + {len(completion)} "
+            f"completion) but {trace.num_tokens} routed rows{where}: expected {n - 1 - start} rows (one "
+            f"per token{where}, but the last sampled one); the tokens and routed_experts do not match"
+        )
+    return list(prompt), list(completion), trace
+
+
+def can_plot() -> bool:
+    """Whether matplotlib (the ``plot`` extra) imports: the picture needs it, nothing else does."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
