@@ -284,6 +284,21 @@ def test_routing_inside_needs_top_k(generator):
         )
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_routing_inside_expert_count_mismatch(backend, generator):
+    # logits over 5 experts, weights for 4, no expert-parallel arguments: was expert 4's share silently
+    # dropped; now an error naming both arguments and both counts (before any routing or kernel)
+    a = _base(generator)  # w13 / w2 for 4 experts
+    x, w13, w2 = a["hidden_states"], a["w13"], a["w2"]
+    for E in (5, 3):  # more experts in the logits than weights, and fewer
+        with pytest.raises(ValueError, match=rf"router_logits over {E} experts and w13 for 4"):
+            fused_moe(x, w13, w2, router_logits=torch.randn(3, E), top_k=2, backend=backend)
+    # a rank's slice is legitimate with the expert-parallel arguments: experts 1..4 of 5 here
+    logits = torch.randn(3, 5, generator=generator)
+    for kw in ({"num_experts": 5}, {"local_expert_offset": 1}, {"local_expert_offset": 1, "num_experts": 5}):
+        assert fused_moe(x, w13, w2, router_logits=logits, top_k=2, backend="torch", **kw).shape == x.shape
+
+
 # ---------------------------------------------------------------- Triton under the interpreter
 
 INTERP_CASES = [
