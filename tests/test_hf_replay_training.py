@@ -209,3 +209,83 @@ def test_rows_by_batch_order_need_one_trace_per_row():
     bare = [t.replace(token_ids=None) for t in traces]
     with moe.replaying(bare), pytest.raises(ValueError, match="matched to rows by content"):
         model(input_ids=seqs[:1], attention_mask=torch.ones_like(seqs[:1]))
+
+
+def test_rollout_replay_mode_reference_model_and_mismatch():
+    # set_rollout_replay: generate() captures, later forwards (any rows, checkpointed) replay the
+    # round's traces; an attached reference model replays them too; the mismatch counters see the
+    # moved routers (native differs) and a replay that holds (replayed differs: exactly 0)
+    torch.manual_seed(2)
+    model = build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32)
+    ref_model = build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32)
+    ref_model.load_state_dict(model.state_dict())
+    moe = replaymoe.hf.enable(model)
+    moe.set_rollout_replay(True)
+    moe.track_mismatch()
+    ref = moe.attach(ref_model)
+    native_ref = moe.attach(build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32), replay=False)
+    prompt = torch.randint(3, model.config.vocab_size, (4, 5))
+    with torch.no_grad():
+        seqs = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                              min_new_tokens=4, do_sample=True)  # fmt: skip
+    rollout = moe.rollout_traces()
+    assert len(rollout) == 4 and moe.traces() == []  # the round's traces are not the user's captures
+    with torch.no_grad():
+        for info in moe.layers:
+            info.router.weight.add_(0.5 * torch.randn_like(info.router.weight))
+    model.train()
+    model.gradient_checkpointing_enable()
+    rows = seqs[[3, 1]]
+    model(input_ids=rows, attention_mask=torch.ones_like(rows)).logits.sum().backward()
+    stats = moe.mismatch()
+    assert stats["tokens"] == 2 * 8 * len(moe.layers)  # replayed lookups of the forward, not the recompute
+    assert stats["native_vs_rollout"] > 0 and stats["replayed_vs_rollout"] == 0.0
+    with torch.no_grad():
+        ref_model(input_ids=seqs, attention_mask=torch.ones_like(seqs))
+        native_ref.model(input_ids=seqs, attention_mask=torch.ones_like(seqs))
+    assert (ref.report().fallback_tokens_per_layer == 4).all()  # only each row's last token
+    assert native_ref.report() is None  # replay=False: routes natively
+    # a new generate after a training forward starts a new round (checkpointing off, as TRL does
+    # around generation: with it on, transformers drops the KV cache)
+    model.gradient_checkpointing_disable()
+    with torch.no_grad():
+        model.generate(input_ids=prompt[:2], attention_mask=torch.ones_like(prompt[:2]), max_new_tokens=2,
+                       min_new_tokens=2, do_sample=True)  # fmt: skip
+    assert len(moe.rollout_traces()) == 2
+    moe.disable()
+    assert getattr(ref_model, "_replaymoe", None) is None
+
+
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "deepseek_v3"]
+)  # deepseek: the router's bias buffer is replaced
+def test_state_follows_the_model_meta_to_empty_and_to(arch, tmp_path):
+    # enable() on a meta-device model (the FSDP2 recipe), then to_empty + load: capture and replay
+    # work and give the same routing as a model enabled after loading; state_dict is untouched;
+    # save_pretrained / from_pretrained round trip while enabled
+    torch.manual_seed(3)
+    real = build_model(arch, "tiny", device="cpu", dtype=torch.float32)
+    with torch.device("meta"):
+        meta = build_model(arch, "tiny", device="meta", dtype=torch.float32)
+    moe = replaymoe.hf.enable(meta, capture=True)
+    assert set(meta.state_dict()) == set(real.state_dict())
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(real.state_dict())
+    for name, buf in real.named_buffers():  # non-persistent buffers (rotary) are not in state_dict
+        meta.get_buffer(name).copy_(buf)
+    ids = torch.randint(3, real.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        out = meta(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    traces = moe.traces()
+    ref_moe = replaymoe.hf.enable(real, capture=True)
+    with torch.no_grad():
+        ref_out = real(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert all(a == b for a, b in zip(traces, ref_moe.traces()))
+    torch.testing.assert_close(out, ref_out)
+    meta.to(torch.bfloat16)  # .to() after enable(): the state follows
+    with moe.replaying(traces), torch.no_grad():
+        meta(input_ids=ids, attention_mask=torch.ones_like(ids))
+        assert moe.report().fallback_tokens_per_layer.sum() == 0
+    real.save_pretrained(tmp_path)
+    again = type(real).from_pretrained(tmp_path)
+    assert set(again.state_dict()) == set(real.state_dict())

@@ -8,6 +8,7 @@ own router does, takes this forward's replay ids and capture slab from the sessi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
 
     @functools.wraps(generate)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state._generate_begin()
         state._begin_pending = True
         state._generate_calls += 1
         outer, state._generation = state._generation, state._generate_calls  # (decode steps' chain)
@@ -43,6 +45,7 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
             state._decode.reset()
             if state._capture is not None:
                 state._capture.flush()
+            state._generate_end()
 
     return wrapped
 
@@ -74,8 +77,12 @@ def block_forward(state: Any, graphs: Any) -> Callable:
 
 def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
     plan = info.plan
+    routing = [plan.routing]  # rebound when the module's bias tensor is replaced (to_empty, .to())
 
     def forward(router: nn.Module, hidden_states: torch.Tensor):
+        config = routing[0]
+        if config.bias is not None and config.bias is not router.e_score_correction_bias:
+            config = routing[0] = dataclasses.replace(config, bias=router.e_score_correction_bias)
         logits = plan.logits(router, hidden_states)
         replay_ids, staged = state._layer_io(info, logits.shape[0])
         dev = logits.device
@@ -86,7 +93,7 @@ def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
             replay_ids = replay_ids.to(dev)
         out = route(
             logits,
-            config=plan.routing,
+            config=config,
             routing_replay_out=out_buf,
             replay_ids=replay_ids,
             backend=state.backend,
@@ -94,6 +101,10 @@ def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
         )
         if out_buf is not staged:
             staged.copy_(out_buf)
+        if (
+            replay_ids is not None and state._mismatch is not None and state._step is not None
+        ):  # (not recomputes)
+            state._count_mismatch(info.index, logits, replay_ids, out.topk_ids, config)
         weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=fused)
         # the fused experts take int32 ids as they are; transformers' own experts index with int64
         return logits, weights, out.topk_ids if fused else out.topk_ids.long()

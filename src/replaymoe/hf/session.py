@@ -120,6 +120,12 @@ class ReplayMoE:
         self._generation: Optional[int] = None  # set inside generate(): which call it is
         self._generate_calls = 0
         self._hooks: list[Any] = []
+        self._rollout_mode = False  # set_rollout_replay: generate() captures, other forwards replay
+        self._rollout: list = []  # the traces of the current rollout round
+        self._rollout_stale = False  # a forward ran since the last generate: the next one starts a round
+        self._user_capturing = False
+        self._children: list[tuple[ReplayMoE, bool]] = []  # attach(): (session, replays)
+        self._mismatch: Optional[torch.Tensor] = None  # int64 [L, 3] (see track_mismatch)
         self._patch(experts, keep_static_cache)
         model._replaymoe = self
 
@@ -194,7 +200,11 @@ class ReplayMoE:
         return hook
 
     def disable(self) -> None:
-        """Undo :func:`enable`: original routers and experts implementation, hooks removed."""
+        """Undo :func:`enable`: original routers and experts implementation, hooks removed (attached
+        models too)."""
+        for child, _ in self._children:
+            child.disable()
+        self._children.clear()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -230,6 +240,10 @@ class ReplayMoE:
             self._step = None
             return
         B, S = ref.shape[0], ref.shape[1]
+        if not torch.compiler.is_compiling():
+            self._follow_device(ref.device)
+            if self._rollout_mode and self._generation is None:
+                self._rollout_stale = True
         graphed = not torch.compiler.is_compiling() and self._graphs_on and graphable(B * S, ref.device)
         if self._replay is None and not self._capturing:
             self._decode.reset()
@@ -322,6 +336,19 @@ class ReplayMoE:
             else:
                 self._capture.commit(step.staged, step.slot)
 
+    def _follow_device(self, device: torch.device) -> None:
+        """Move the capture buffer and the replay table to where the forward runs, when the model
+        moved since they were made (``enable`` on a meta-device model, then ``to_empty`` / ``.to()``,
+        FSDP2): replaymoe's state follows the model and is never part of its ``state_dict``."""
+        cap = self._capture
+        if cap is not None and cap.device != device:
+            if cap.device.type != "meta":
+                self._harvest()
+            self._capture = CaptureBuffer(self._meta, device, *self._capacity)
+        rep = self._replay
+        if rep is not None and rep.source is not None and rep.table.device != device:
+            rep.load(*rep.source, self.num_experts, device)
+
     # ---------------------------------------------------------------- capture
     def set_capture(self, enabled: bool) -> None:
         """Turn capture on or off (traces captured so far stay available).
@@ -334,7 +361,139 @@ class ReplayMoE:
             self._capture = CaptureBuffer(self._meta, self._device(), *self._capacity)
         if not enabled and self._capture is not None:
             self._harvest()
-        self._capturing = enabled
+        self._capturing = self._user_capturing = enabled
+
+    # ---------------------------------------------------------------- rollout replay (R3)
+    def set_rollout_replay(self, enabled: bool) -> None:
+        """Rollout routing replay without glue: every ``generate`` call captures (replay paused
+        inside it), and every other forward replays the traces of the latest rollout round, matched
+        to rows by content (any order, subset, chunking or padding of the rollout's rows; see
+        :meth:`set_replay`). A round is the ``generate`` calls since the last forward outside
+        ``generate``: the first ``generate`` after such a forward starts a new one. Turning it off
+        stops replaying. Attached models (:meth:`attach`) replay the same traces.
+        """
+        check_bool("enabled", enabled)
+        self._rollout_mode = enabled
+        self._rollout_stale = False
+        if not enabled:
+            self._rollout = []
+            self.set_replay(None)
+
+    def rollout_traces(self) -> list:
+        """The traces of the current rollout round (:meth:`set_rollout_replay`), one per generated row."""
+        return list(self._rollout)
+
+    def _generate_begin(self) -> None:
+        if not self._rollout_mode:
+            return
+        if self._rollout_stale:
+            self._rollout, self._rollout_stale = [], False
+        if self._capture is not None:
+            self._harvest()  # what the user captured before stays theirs
+        self._kept = len(self._finished)
+        self._replay_before = self._replay
+        self._set_replay_table(None)  # the rollout routes natively
+        if self._capture is None:
+            self._capture = CaptureBuffer(self._meta, self._device(), *self._capacity)
+        self._capturing = True
+
+    def _generate_end(self) -> None:
+        if not self._rollout_mode:
+            return
+        self._harvest()
+        new = self._finished[self._kept :]
+        if not self._user_capturing:
+            del self._finished[self._kept :]
+        self._capturing = self._user_capturing
+        self._set_replay_table(self._replay_before)
+        self._rollout.extend(new)
+        if self._rollout:
+            self.set_replay(self._rollout)
+
+    def _set_replay_table(self, table: Optional[ReplayTable]) -> None:
+        self._replay = table
+        for child, replays in self._children:
+            if replays:
+                child._set_replay_table(None if table is None else child._replay_for(table))
+
+    def _replay_for(self, table: ReplayTable) -> Optional[ReplayTable]:
+        """This (attached) session's table holding what ``table`` of its parent holds."""
+        if table.source is None:
+            return None
+        mine = self._spare_table(exclude=None)
+        mine.load(*table.source, self.num_experts, self._device())
+        return mine
+
+    # ---------------------------------------------------------------- reference models
+    def attach(self, model: nn.Module, *, replay: bool = True) -> ReplayMoE:
+        """Patch another model of the same architecture (e.g. RL's reference model) under this handle.
+
+        With ``replay=True`` it replays whatever this model replays (:meth:`set_replay`,
+        :meth:`replaying`, :meth:`set_rollout_replay`), matched to its rows the same way;
+        ``replay=False`` leaves its routing native. It never captures. :meth:`disable` undoes both.
+
+        Returns
+        -------
+        ReplayMoE
+            The attached model's own handle (for :meth:`report`).
+        """
+        check_bool("replay", replay)
+        child = ReplayMoE(model, backend=self.backend, graphs=self.graphs)
+        if (child.top_k, child.num_experts, child.layer_ids) != (
+            self.top_k,
+            self.num_experts,
+            self.layer_ids,
+        ):
+            child.disable()
+            want = f"the policy's MoE layers ({self.layer_ids}, top-{self.top_k} of {self.num_experts})"
+            fail("model", want, f"{child.layer_ids}, top-{child.top_k} of {child.num_experts}")
+        self._children.append((child, replay))
+        if replay and self._replay is not None:
+            child._set_replay_table(child._replay_for(self._replay))
+        return child
+
+    # ---------------------------------------------------------------- routing mismatch
+    def track_mismatch(self, enabled: bool = True) -> None:
+        """Count, per MoE layer, replayed tokens whose native top-k (this model's router now) differs
+        from the rollout's ids, and those whose used ids differ from the rollout's (always 0 unless
+        replay is broken). Costs one extra routing per replayed layer call; read with
+        :meth:`mismatch`."""
+        check_bool("enabled", enabled)
+        self._mismatch = (
+            torch.zeros(len(self.layers), 3, dtype=torch.int64, device=self._device()) if enabled else None
+        )
+
+    def _count_mismatch(self, index: int, logits: torch.Tensor, forced: torch.Tensor, used: torch.Tensor,
+                        config: Any) -> None:  # fmt: skip
+        from replaymoe.routing import route
+
+        if self._mismatch is None:
+            return
+        if self._mismatch.device != logits.device:
+            self._mismatch = self._mismatch.to(logits.device)
+        with torch.no_grad():
+            native = route(logits.detach(), config=config, backend=self.backend).topk_ids
+            replayed = forced[:, 0] >= 0
+            want = torch.sort(forced.long(), dim=1).values
+            differs_native = (torch.sort(native.long(), dim=1).values != want).any(dim=1) & replayed
+            differs_used = (torch.sort(used.long(), dim=1).values != want).any(dim=1) & replayed
+            row = torch.stack([replayed.sum(), differs_native.sum(), differs_used.sum()])
+            self._mismatch[index].add_(row)
+
+    def mismatch(self, *, reset: bool = True) -> dict:
+        """Routing agreement since the last call (one host sync): ``tokens`` replayed token-layer
+        lookups, ``native_vs_rollout`` the fraction whose native top-k differs from the rollout's,
+        ``replayed_vs_rollout`` the fraction whose used ids differ (0.0 when replay holds)."""
+        if self._mismatch is None:
+            fail("track_mismatch", "on (call track_mismatch() first)", "off", what="state")
+        n, native, used = (int(v) for v in self._mismatch.sum(dim=0).tolist())
+        if reset:
+            self._mismatch.zero_()
+        return {
+            "tokens": n,
+            "native_vs_rollout": native / n if n else 0.0,
+            "replayed_vs_rollout": used / n if n else 0.0,
+        }
 
     def _harvest(self) -> None:
         traces, lost = self._capture.harvest()
@@ -397,7 +556,7 @@ class ReplayMoE:
             or a recorded row is not K distinct ids in ``[0, E)``.
         """
         if replay is None:
-            self._replay = None
+            self._set_replay_table(None)
             return
         from replaymoe.replay import ReplaySource
 
@@ -417,7 +576,7 @@ class ReplayMoE:
                 )
         table = self._replay if self._replay is not None else self._spare_table(exclude=None)
         table.load(src.traces, mapping, self.num_experts, self._device())
-        self._replay = table
+        self._set_replay_table(table)
 
     def _spare_table(self, exclude: Optional[ReplayTable]) -> ReplayTable:
         """A pooled table other than ``exclude``: tables are reused, so that their buffers keep
@@ -438,7 +597,7 @@ class ReplayMoE:
             self.set_replay(replay)
             yield self
         finally:
-            self._replay = prev
+            self._set_replay_table(prev)
 
     def report(self) -> Any:
         """Tokens replayed vs fallen back to native routing, per layer (``ReplayReport``), or None."""

@@ -71,7 +71,6 @@ def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.T
     return torch.where(valid, parts[0] * (1 << 31) + parts[1], -1)
 
 
-
 def _static(t: torch.Tensor) -> torch.Tensor:
     """Mark a long-lived buffer as a static input of compiled graphs (no copy into CUDA graphs)."""
     torch._dynamo.mark_static_address(t)
@@ -176,7 +175,9 @@ class CaptureBuffer:
         self.flush()
         if eager:
             if self.dirty:
-                self._history.append(_Snapshot(self.ids.clone(), self.rows, self.seq_cap, self.tokens.clone()))
+                self._history.append(
+                    _Snapshot(self.ids.clone(), self.rows, self.seq_cap, self.tokens.clone())
+                )
             self.ensure(rows, positions or 0)
             self.dirty = False
         self.ids.fill_(-1)
@@ -349,6 +350,7 @@ class ReplayTable:
     def __init__(self) -> None:
         self.table = torch.empty(0)
         self.by_content = False
+        self.source: tuple | None = None  # (traces, layer_of): what load() was given, to reload elsewhere
         self.hashes = self.hash_rows = self.powers = torch.empty(0)
         self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
         self.seen = self.fallback = torch.empty(0)
@@ -362,6 +364,7 @@ class ReplayTable:
     ) -> None:
         """Fill the table from ``traces`` (one per batch row); ``layer_of[l]`` is the trace layer
         that model MoE layer ``l`` replays. Checks every recorded row once (one host pass)."""
+        self.source = (list(traces), list(layer_of))
         L, K = len(layer_of), traces[0].top_k
         lengths = [t.num_tokens for t in traces]
         total = sum(lengths)
@@ -402,7 +405,9 @@ class ReplayTable:
         equal hashes (the same prefix in several traces: a group's shared prompt) the earliest
         trace's row comes first, and is the one replayed."""
         hashes = np.concatenate([prefix_hashes_np(t.token_ids) for t in traces]) if traces else np.zeros(0)
-        rows = np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
+        rows = (
+            np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
+        )
         keep = hashes >= 0
         hashes, rows = hashes[keep], rows[keep].astype(np.int64)
         order = np.lexsort((rows, hashes))
