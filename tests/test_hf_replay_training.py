@@ -4,6 +4,7 @@ whose recomputes run after other forwards, and a recompute that cannot find its 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,3 +290,40 @@ def test_state_follows_the_model_meta_to_empty_and_to(arch, tmp_path):
     real.save_pretrained(tmp_path)
     again = type(real).from_pretrained(tmp_path)
     assert set(again.state_dict()) == set(real.state_dict())
+
+
+def test_aux_loss_counts_the_replayed_ids():
+    # output_router_logits=True under replay: the aux loss counts the ids the routers used (the
+    # rollout's), not a top-k of the moved routers' logits; without replay it is transformers' own
+    from replaymoe.hf.aux_loss import load_balancing_loss
+
+    model, moe, seqs, traces = _rollout()
+    mask = torch.ones_like(seqs)
+    cfg = model.config
+    native = model(input_ids=seqs, attention_mask=mask, output_router_logits=True)
+    top = [torch.topk(g.softmax(-1), cfg.num_experts_per_tok, dim=-1).indices for g in native.router_logits]
+    assert torch.equal(native.aux_loss, load_balancing_loss(native.router_logits, top, cfg.num_experts,
+                                                            cfg.num_experts_per_tok, mask))  # fmt: skip
+    moe.set_capture(True)
+    with moe.replaying(traces):
+        out = model(input_ids=seqs, attention_mask=mask, output_router_logits=True)
+    used = moe.traces()[0]  # row 0's ids as used, to check the loss took them
+    moe.set_capture(False)
+    n = traces[0].num_tokens
+    assert (used.ids[:n] == traces[0].ids).all()
+    ids = [torch.from_numpy(np.stack([t.ids[:, layer] for t in moe_traces_full(moe, model, seqs, traces)]))
+           for layer in range(len(moe.layers))]  # fmt: skip
+    want = load_balancing_loss(out.router_logits, [i.reshape(-1, cfg.num_experts_per_tok) for i in ids],
+                               cfg.num_experts, cfg.num_experts_per_tok, mask)  # fmt: skip
+    assert torch.equal(out.aux_loss, want)
+    assert not torch.equal(out.aux_loss, native.aux_loss)
+
+
+def moe_traces_full(moe, model, seqs, traces):
+    """The ids a replayed forward used at every position of every row (captured while replaying)."""
+    moe.set_capture(True)
+    with moe.replaying(traces), torch.no_grad():
+        model(input_ids=seqs, attention_mask=torch.ones_like(seqs))
+    used = moe.traces()
+    moe.set_capture(False)
+    return used

@@ -101,6 +101,8 @@ def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
         )
         if out_buf is not staged:
             staged.copy_(out_buf)
+        if replay_ids is not None and state._step is not None and not torch.compiler.is_compiling():
+            state._used[info.index] = (logits, out.topk_ids)  # (the aux loss of this forward)
         if (
             replay_ids is not None and state._mismatch is not None and state._step is not None
         ):  # (not recomputes)

@@ -27,6 +27,8 @@ from torch import nn
 
 from replaymoe._validation import check_bool, check_choice, check_int, fail
 
+from .aux_loss import install as install_aux_loss
+from .aux_loss import target_modules
 from .discovery import MoELayerInfo, find_moe_layers
 from .experts import IMPLEMENTATION_NAME, fused_compatible, register
 from .graphs import BlockGraphs, graphable
@@ -126,6 +128,8 @@ class ReplayMoE:
         self._user_capturing = False
         self._children: list[tuple[ReplayMoE, bool]] = []  # attach(): (session, replays)
         self._mismatch: Optional[torch.Tensor] = None  # int64 [L, 3] (see track_mismatch)
+        self._used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # replayed forward: logits, ids
+        self._aux_uninstall: list = []
         self._patch(experts, keep_static_cache)
         model._replaymoe = self
 
@@ -164,6 +168,8 @@ class ReplayMoE:
             register()  # idempotent: "replaymoe" in transformers' experts registry
             self._prev_impl = config._experts_implementation
             self.model.set_experts_implementation(IMPLEMENTATION_NAME)
+        for module in target_modules(self.model):  # the aux loss of a replayed forward: the used ids
+            self._aux_uninstall.append(install_aux_loss(module, self._aux_ids))
         stack = getattr(self.model, "base_model", self.model)
         self._hooks.append(stack.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._hooks.append(
@@ -205,6 +211,10 @@ class ReplayMoE:
         for child, _ in self._children:
             child.disable()
         self._children.clear()
+        for uninstall in self._aux_uninstall:
+            uninstall()
+        self._aux_uninstall.clear()
+        self._used.clear()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -241,6 +251,7 @@ class ReplayMoE:
             return
         B, S = ref.shape[0], ref.shape[1]
         if not torch.compiler.is_compiling():
+            self._used = {}
             self._follow_device(ref.device)
             if self._rollout_mode and self._generation is None:
                 self._rollout_stale = True
@@ -451,6 +462,18 @@ class ReplayMoE:
         if replay and self._replay is not None:
             child._set_replay_table(child._replay_for(self._replay))
         return child
+
+    # ---------------------------------------------------------------- aux loss
+    def _aux_ids(self, gate_logits: Any) -> Optional[list]:
+        """The load-balancing loss's provider (:mod:`replaymoe.hf.aux_loss`): for the router logits
+        of this model's latest replayed forward (matched by identity), the ids its routers used;
+        None otherwise (transformers' own function runs)."""
+        used = self._used
+        if not isinstance(gate_logits, (tuple, list)) or len(gate_logits) != len(self.layers) or not used:
+            return None
+        if len(used) != len(self.layers) or any(gate_logits[i] is not used[i][0] for i in range(len(used))):
+            return None
+        return [used[i][1] for i in range(len(used))]
 
     # ---------------------------------------------------------------- routing mismatch
     def track_mismatch(self, enabled: bool = True) -> None:
