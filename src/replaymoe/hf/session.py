@@ -626,6 +626,11 @@ class ReplayMoE:
         """Tokens replayed vs fallen back to native routing, per layer (``ReplayReport``), or None."""
         return None if self._replay is None else self._replay.report()
 
+    def reset_report(self) -> None:
+        """Start :meth:`report`'s counts again (the active replay's)."""
+        if self._replay is not None:
+            self._replay.reset_report()
+
     # ---------------------------------------------------------------- per layer
     def _layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any]:
         """(replay ids int32 [T, K] or None, capture slab int16 [T, K] or None) for one router call."""

@@ -1,0 +1,115 @@
+"""Rollout routing replay (R3) in TRL: ``R3GRPOTrainer`` is ``trl.GRPOTrainer`` whose MoE routing in
+every training-side forward is the rollout's.
+
+Replace the class, keep the arguments::
+
+    from replaymoe.integrations.trl import R3GRPOTrainer
+    trainer = R3GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds)
+    trainer.train()
+
+What it does, on top of :func:`replaymoe.hf.enable`:
+
+* the policy runs its routers and experts through replaymoe, in rollout-replay mode
+  (:meth:`~replaymoe.hf.ReplayMoE.set_rollout_replay`): TRL's ``generate`` captures, and every
+  later forward -- old log-probs, reference log-probs, the loss forward and its gradient-checkpoint
+  recomputes -- replays the rollout's experts. Rows are matched to the rollout by content, so TRL's
+  shuffling, micro-batch split and ``batch_size`` scoring chunks need nothing;
+* the reference model (``beta > 0``) is attached to the same handle and replays the same traces
+  (``R3Config(replay_reference=False)`` leaves its routing native);
+* the load-balancing aux loss counts the replayed ids (:mod:`replaymoe.hf.aux_loss`);
+* each logging step adds ``r3/native_vs_rollout`` (replayed token-layer lookups whose native
+  top-k now differs from the rollout's: how far the policy drifted), ``r3/replayed_vs_rollout``
+  (whose used ids differ from the rollout's: 0.0 when replay holds) and ``r3/fallback`` (lookups
+  routed natively: each row's last token, never fed back in the rollout) to TRL's metrics.
+
+Tested with trl 1.16 (``pip install 'replaymoe[trl]'``). Generation must be transformers' ``generate``:
+with ``use_vllm=True`` the trainer refuses to start, since TRL 1.16 drops the engine's per-request
+outputs (and with them vLLM's ``routed_experts``) before they reach the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import trl
+
+from replaymoe._validation import check_bool, check_choice, fail
+from replaymoe.hf import ReplayMoE, enable
+
+__all__ = ["R3Config", "R3GRPOTrainer"]
+
+
+@dataclass(frozen=True)
+class R3Config:
+    """Settings of :class:`R3GRPOTrainer`.
+
+    Attributes
+    ----------
+    replay_reference : bool
+        The reference model (``beta > 0``) replays the rollout's experts too (default); False keeps
+        its routing native.
+    log_mismatch : bool
+        Count routing agreement and log it each logging step (one extra routing per replayed layer
+        call, one host sync per logging step).
+    backend : {"auto", "triton", "torch"}
+        replaymoe's backend (``auto``: Triton kernels on CUDA, torch references elsewhere).
+    """
+
+    replay_reference: bool = True
+    log_mismatch: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_bool("replay_reference", self.replay_reference)
+        check_bool("log_mismatch", self.log_mismatch)
+        check_choice("backend", self.backend, ("auto", "triton", "torch"))
+
+
+class R3GRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` with rollout routing replay (module docstring). Same arguments, plus
+    ``r3`` (:class:`R3Config`, keyword-only).
+
+    Attributes
+    ----------
+    r3 : R3Config
+    r3_session : replaymoe.hf.ReplayMoE
+        The policy's handle (``r3_session.rollout_traces()``: the current rollout's traces).
+    r3_reference : replaymoe.hf.ReplayMoE or None
+        The reference model's handle, when there is one.
+    """
+
+    def __init__(self, *args: Any, r3: R3Config | None = None, **kwargs: Any) -> None:
+        if r3 is not None and not isinstance(r3, R3Config):
+            fail("r3", "an R3Config or None", type(r3).__name__, what="type")
+        self.r3 = r3 or R3Config()
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if getattr(config, "use_vllm", False):  # before TRL starts an engine
+            fail(
+                "args.use_vllm",
+                "False (R3GRPOTrainer captures routing in transformers' generate)",
+                "True: TRL 1.16 drops vLLM's routed_experts outputs before the trainer sees them",
+            )
+        super().__init__(*args, **kwargs)
+        policy = self.accelerator.unwrap_model(self.model)
+        self.r3_session: ReplayMoE = enable(policy, backend=self.r3.backend)
+        self.r3_session.set_rollout_replay(True)
+        if self.r3.log_mismatch:
+            self.r3_session.track_mismatch()
+        self.r3_reference: ReplayMoE | None = None
+        if self.ref_model is not None:
+            reference = self.accelerator.unwrap_model(self.ref_model)
+            self.r3_reference = self.r3_session.attach(reference, replay=self.r3.replay_reference)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's logging, with the routing-agreement metrics of the steps since the last call."""
+        if self.r3.log_mismatch and self.model.training:
+            stats = self.r3_session.mismatch()
+            report = self.r3_session.report()
+            if stats["tokens"]:
+                logs["r3/native_vs_rollout"] = stats["native_vs_rollout"]
+                logs["r3/replayed_vs_rollout"] = stats["replayed_vs_rollout"]
+            if report is not None:
+                logs["r3/fallback"] = report.fallback_fraction
+                self.r3_session.reset_report()
+        super().log(logs, start_time)

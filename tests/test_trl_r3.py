@@ -1,0 +1,86 @@
+"""``replaymoe.integrations.trl.R3GRPOTrainer`` on the tiny TRL harness (CPU): replay holds in every
+training setup TRL runs (checkpointing in both modes, bf16 autocast, several iterations per
+generation, gradient accumulation, a reference model), with routers moved between the rollout and the
+loss so that native routing differs; checkpointed gradients equal uncheckpointed ones."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+from _trl_harness import CONFIGS, params, train_logs  # noqa: E402
+from _trl_harness import make_trainer as _make_trainer  # noqa: E402
+from replaymoe.integrations.trl import R3Config, R3GRPOTrainer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class MovedRouters(R3GRPOTrainer):
+    """R3GRPOTrainer whose routers move right after each rollout is scored (as several optimizer steps
+    per generation would move them), so that the loss forward's native routing differs."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for info in self.r3_session.layers:
+                w = info.router.weight
+                w.add_(0.5 * torch.randn(w.shape, generator=g).to(w.dtype))
+        return out
+
+
+@pytest.fixture
+def make_trainer(tmp_path):
+    counter = itertools.count()
+
+    def make(trainer_cls=MovedRouters, **kwargs):
+        out = tmp_path / f"run{next(counter)}"
+        out.mkdir()
+        return _make_trainer(trainer_cls, out, **kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))  # each setup's edge: see _trl_harness.CONFIGS
+def test_replay_holds_in_every_setup(name, make_trainer):
+    trainer = make_trainer(**CONFIGS[name])
+    logs = train_logs(trainer)
+    assert logs["r3/replayed_vs_rollout"] == 0.0  # every replayed lookup used the rollout's ids
+    assert logs["r3/native_vs_rollout"] > 0.0  # the moved routers would have routed otherwise
+    assert 0.0 < logs["r3/fallback"] < 0.5  # only each row's last (never fed back) token
+    assert len(trainer.r3_session.rollout_traces()) == trainer.args.generation_batch_size
+    if trainer.args.beta:
+        assert trainer.r3_reference is not None and trainer.r3_reference.report() is not None
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpointed_gradients_equal_uncheckpointed(reentrant, make_trainer):
+    # fp32: the weights after one step with checkpointing equal those without (the recompute routes as
+    # the forward did); the aux loss is off because transformers records reentrant checkpoints' router
+    # logits under no_grad (its gradient is dropped with or without replaymoe)
+    plain = make_trainer(router_aux_loss_coef=0.0)
+    train_logs(plain)
+    ckpt = make_trainer(router_aux_loss_coef=0.0, gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"use_reentrant": reentrant})  # fmt: skip
+    train_logs(ckpt)
+    a, b = params(plain.model), params(ckpt.model)
+    for n in a:
+        torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_reference_model_native_on_request(make_trainer):
+    trainer = make_trainer(beta=0.1, max_steps=1, trainer_kwargs={"r3": R3Config(replay_reference=False)})
+    train_logs(trainer)
+    assert trainer.r3_reference is not None and trainer.r3_reference.report() is None
+
+
+def test_bad_settings_fail_clearly(make_trainer):
+    with pytest.raises(ValueError, match="r3"):
+        make_trainer(trainer_kwargs={"r3": {"replay_reference": False}})
+    with pytest.raises(ValueError, match="backend"):
+        R3Config(backend="cuda")
