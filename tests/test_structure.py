@@ -40,7 +40,7 @@ LAYERS = {
     },
     2: {"capture", "capture_transfer", "trace", "replay", "stats"},
     3: {"hf"},
-    4: {"bench"},  # benchmarks: their entry points are run by the CLI
+    4: {"bench", "integrations"},  # benchmarks (their entry points are run by the CLI); trainer integrations
     5: {"apps", "__main__"},  # applications: the CLI, demo, inspect
 }
 # ``replaymoe/__init__.py``: the lazy facade (``__version__``), importable by benchmarks and applications

@@ -5,6 +5,10 @@ position in its sequence (:func:`replaymoe.hf.positions.token_positions`). A for
 device indexing ops on them (no host sync, fixed shapes), so the same code runs eagerly, under
 ``torch.compile(fullgraph=True)`` and inside CUDA graphs. Host work (one
 :class:`~replaymoe.trace.RoutingTrace` per sequence) happens once, in :meth:`CaptureBuffer.harvest`.
+
+Size: over 450 lines; the capture buffer and the replay table are one contract (the rows a forward
+writes are the rows a replay reads, the tokens capture records are what content matching hashes),
+and issue 34 moves the replay table to ``record/replay.py`` where ``ReplaySource`` shares it.
 """
 
 from __future__ import annotations
