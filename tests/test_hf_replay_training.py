@@ -327,3 +327,23 @@ def moe_traces_full(moe, model, seqs, traces):
     used = moe.traces()
     moe.set_capture(False)
     return used
+
+
+@pytest.mark.parametrize("mode", ["capture", "rollout", "replay"])
+def test_continuous_batching_refused_while_capture_or_replay_is_on(mode):
+    # generate_batch packs requests into paged rows: capture returned wrong traces silently before
+    torch.manual_seed(4)
+    model = build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32)
+    moe = replaymoe.hf.enable(model, capture=mode == "capture")
+    if mode == "rollout":
+        moe.set_rollout_replay(True)
+    if mode == "replay":
+        moe.set_replay(
+            replaymoe.RoutingTrace(
+                np.zeros((3, len(moe.layers), 2), dtype=np.int16) + np.int16([0, 1]), num_experts=8, top_k=2
+            )
+        )
+    with pytest.raises(ValueError, match="continuous batching"):
+        model.generate_batch(inputs=[[5, 6, 7]], generation_config=model.generation_config)
+    moe.disable()
+    assert "init_continuous_batching" not in model.__dict__

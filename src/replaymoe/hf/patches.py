@@ -20,7 +20,30 @@ from replaymoe.routing import route
 
 from .discovery import MoELayerInfo
 
-__all__ = ["block_forward", "mark_batch_start", "router_forward"]
+__all__ = ["block_forward", "mark_batch_start", "refuse_paged", "router_forward"]
+
+
+def refuse_paged(state: Any, init: Callable) -> Callable:
+    """``model.init_continuous_batching`` (the entry of ``generate_batch`` and the
+    ``ContinuousBatchingManager``) that refuses to start while capture or replay is on: paged,
+    continuously batched generation packs requests into rows and positions that replaymoe cannot map
+    back to sequences (its traces would be wrong, silently)."""
+
+    @functools.wraps(init)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if state._capturing or state._rollout_mode or state._replay is not None:
+            from replaymoe._validation import fail
+
+            fail(
+                "generation",
+                "model.generate (capture and replay map batch rows and positions to sequences)",
+                "continuous batching (generate_batch / init_continuous_batching), which packs requests "
+                "into paged rows replaymoe cannot map; turn capture, replay and rollout replay off for it",
+                what="mode",
+            )
+        return init(*args, **kwargs)
+
+    return wrapped
 
 
 def mark_batch_start(state: Any, generate: Callable) -> Callable:

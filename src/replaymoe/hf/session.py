@@ -32,7 +32,7 @@ from .aux_loss import target_modules
 from .discovery import MoELayerInfo, find_moe_layers
 from .experts import IMPLEMENTATION_NAME, fused_compatible, register
 from .graphs import BlockGraphs, graphable
-from .patches import block_forward, mark_batch_start, router_forward
+from .patches import block_forward, mark_batch_start, refuse_paged, router_forward
 from .positions import cache_length, token_positions
 from .recompute import MISSING, RecomputeBindings
 from .state import CaptureBuffer, ReplayTable, TraceMeta
@@ -178,6 +178,8 @@ class ReplayMoE:
         self._static_cache = StaticCacheKeeper(self.model, install=keep_static_cache)
         if hasattr(self.model, "generate"):
             self.model.generate = mark_batch_start(self, self.model.generate)
+        if hasattr(self.model, "init_continuous_batching"):
+            self.model.init_continuous_batching = refuse_paged(self, self.model.init_continuous_batching)
 
     def _decoder_layer(self, info: MoELayerInfo) -> Optional[nn.Module]:
         """The decoder layer holding ``info``'s MoE block (None for a block at the model's root)."""
@@ -229,6 +231,7 @@ class ReplayMoE:
         self._graphs_on = False
         self._step_buffers.clear()
         self.model.__dict__.pop("generate", None)
+        self.model.__dict__.pop("init_continuous_batching", None)
         self._static_cache.uninstall()
         if self._prev_impl is not None:
             self.model.set_experts_implementation(self._prev_impl)
