@@ -69,7 +69,7 @@ if "$PYTHON" -c "$reuse_check" 2>/dev/null; then
     missing=$("$PY" - <<'EOF'
 import importlib.util
 need = {"numpy": "numpy", "pytest": "pytest>=8", "xdist": "pytest-xdist", "matplotlib": "matplotlib",
-        "transformers": "transformers==5.17.0", "tqdm": "tqdm"}
+        "transformers": "transformers>=5.16.1,<5.23", "tqdm": "tqdm"}
 print(" ".join(req for mod, req in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 )
