@@ -84,3 +84,19 @@ def test_bad_settings_fail_clearly(make_trainer):
         make_trainer(trainer_kwargs={"r3": {"replay_reference": False}})
     with pytest.raises(ValueError, match="backend"):
         R3Config(backend="cuda")
+
+
+def test_demo_trl_prints_the_mismatch_table():
+    # `replaymoe demo --trl`: R3 GRPO steps with checkpointing; the second pass over each generation
+    # sees moved routers (native differs), the replayed routing never does; exit 0
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "replaymoe", "demo", "--trl", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 4
+    assert all(float(r[3]) == 0.0 for r in rows)  # replayed_vs_rollout
+    assert any(float(r[2]) > 0.0 for r in rows)  # native_vs_rollout

@@ -84,6 +84,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "choices[0].token_ids must be present, and the model must have the trace's shape)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--trl",
+        action="store_true",
+        help="instead: a few TRL GRPO steps with rollout routing replay (R3GRPOTrainer) and the "
+        "routing-mismatch table (needs the trl extra)",
+    )
     args = p.parse_args(argv)
     if args.tokens is not None and args.tokens < 2:
         p.error(f"--tokens must be >= 2, got {args.tokens}")
@@ -107,15 +113,26 @@ def _missing_hf() -> str | None:
     return None
 
 
+def _missing_trl() -> str | None:
+    """``trl`` (the ``trl`` extra) if it does not import, else None."""
+    try:
+        importlib.import_module("trl")
+    except ImportError:
+        return "trl"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit code (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
     missing = _missing_hf()  # before any work, not as a traceback from deep inside the model build
+    if not missing and args.trl:
+        missing = _missing_trl()
     if missing:
         print(
             f"replaymoe demo: error: needs {missing}, which is not installed: "
-            "pip install 'replaymoe[hf,plot]'",
+            f"pip install 'replaymoe[{'hf,trl' if args.trl else 'hf,plot'}]'",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -139,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         # (10-100x per op when the cores are shared, e.g. under pytest -n 2)
         torch.set_num_threads(1)
     try:
+        if args.trl:
+            from replaymoe.apps.demo_trl import run_trl
+
+            return run_trl(device=device, seed=args.seed, quiet=args.quiet)
         return run(args, device)
     except _DemoError as exc:
         print(f"replaymoe demo: error: {exc}", file=sys.stderr)

@@ -109,7 +109,7 @@ class R3GRPOTrainer(trl.GRPOTrainer):
             if stats["tokens"]:
                 logs["r3/native_vs_rollout"] = stats["native_vs_rollout"]
                 logs["r3/replayed_vs_rollout"] = stats["replayed_vs_rollout"]
-            if report is not None:
+            if report is not None and report.tokens_seen:
                 logs["r3/fallback"] = report.fallback_fraction
                 self.r3_session.reset_report()
         super().log(logs, start_time)
