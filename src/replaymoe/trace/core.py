@@ -190,7 +190,12 @@ class RoutingTrace:
         if token_ids is not None:
             tok = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
             if tok.shape != (self.ids.shape[0],):
-                fail("token_ids", f"shape ({self.ids.shape[0]},) (one per position)", f"shape {tok.shape}", what="shape")
+                fail(
+                    "token_ids",
+                    f"shape ({self.ids.shape[0]},) (one per position)",
+                    f"shape {tok.shape}",
+                    what="shape",
+                )
             if tok.size and int(tok.min()) < -1:
                 fail("token_ids", "token ids >= 0 (-1 = unknown)", int(tok.min()))
             self.token_ids = tok
