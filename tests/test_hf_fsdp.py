@@ -33,8 +33,7 @@ MoE blocks as CUDA graphs over FSDP's re-gathered weights.
 
 One spawn per module (a child imports torch + transformers: seconds): a module-scoped fixture runs
 every case in it and records each case's outcome; each test reports one case (``-s`` prints the
-measured errors). transformers' checkpointing under FSDP2 fails with replay at present: those cases
-are strict xfails (see ``XFAIL``).
+measured errors). Cases expected to fail would be strict xfails in ``XFAIL`` (none now).
 """
 
 from __future__ import annotations
@@ -492,26 +491,10 @@ def nccl_results(tmp_path_factory):
     return _run_all(tmp_path_factory, "cuda", "bf16", "nccl", timeout_s=300, env=_NCCL_ENV)
 
 
-# transformers' own checkpointing under FSDP2, with replay: the recompute of a decoder layer finds no
-# replay ids and raises "Invalid context of replay: ... got a call of model.layers.2.mlp outside the
-# model's forward that matches no forward with replay". replaymoe binds a layer's replay ids to its
-# input (replaymoe/hf/recompute.py), for as long as that input tensor *object* lives
-# (weakref.finalize). transformers' GradientCheckpointingLayer checkpoints nn.Module.__call__, hooks
-# included, and FSDP2's pre-forward hook (prepend=True, so before replaymoe's, whichever was
-# registered first) replaces the layer's input with a fresh alias (RegisterPostBackwardFunction in
-# FSDPParamGroup._register_post_backward_hook): replaymoe binds the alias, which dies when the
-# forward returns, so the binding is gone before backward recomputes the layer from the saved
-# original (same storage). checkpoint_wrapper has FSDP2's hooks outside the checkpoint: it works.
-# Tying the binding's lifetime to the storage (weakref.finalize(hidden.untyped_storage(), ...))
-# makes these cases pass (tried by monkeypatching). Before recompute.py (the last forward's ids reused
-# when the token count matched) they passed.
-_HF_CKPT_XFAIL = pytest.mark.xfail(
-    raises=CaseFailed,
-    strict=True,
-    reason="FSDP2's pre-forward hook aliases the decoder layer's input; replaymoe's recompute binding "
-    "dies with the alias, so transformers' checkpoint recompute finds no replay ids (see comment)",
-)
-XFAIL = {"enable_first-hf_ckpt": _HF_CKPT_XFAIL, "shard_first-hf_ckpt": _HF_CKPT_XFAIL}
+# transformers' checkpointing under FSDP2: FSDP2's pre-forward hook (before replaymoe's) hands the
+# decoder layer a fresh alias of its input each call; replaymoe's recompute binding is tied to the
+# input's storage (which the checkpoint keeps), not to the alias, so the recompute finds its ids.
+XFAIL: dict = {}
 
 
 def _params():

@@ -9,10 +9,11 @@ as the first did, or the gradients belong to another routing.
 Every checkpoint implementation recomputes a layer from the inputs it saved in the forward:
 non-reentrant ``torch.utils.checkpoint`` (transformers' default, FSDP2's ``checkpoint_wrapper``)
 passes the same tensor objects again, the reentrant one detached copies of them, which share their
-storage. So the storage of the layer's input identifies the forward a recompute belongs to. While
+storage. So the storage of the layer's input identifies the forward a recompute belongs to (also where another
+hook, FSDP2's, hands the layer a fresh alias of that storage each time). While
 the model's forward runs with gradients enabled, a pre-hook on every MoE decoder layer (and on the
 MoE block itself, for checkpoints around the block alone) binds that layer's replay ids (or "routed
-natively") to its input's storage; the binding lives as long as the input tensor, that is as long
+natively") to its input's storage; the binding lives as long as the input's storage, that is as long
 as the autograd graph that may recompute it. A recompute looks its ids up by the same key. One
 that finds nothing while any replayed forward's bindings are alive raises: it never routes natively
 in silence.
@@ -74,7 +75,9 @@ class RecomputeBindings:
         self._bound[key] = ids
         if ids is not None:
             self.replayed_alive += 1
-        weakref.finalize(hidden_states, self._release, key)
+        # tied to the storage, not to this tensor object: a hook before ours (FSDP2's) may pass an
+        # alias that dies with the forward while the checkpoint keeps the storage for the recompute
+        weakref.finalize(hidden_states.untyped_storage(), self._release, key)
 
     def _release(self, key: tuple) -> None:
         if key in self._bound and self._bound.pop(key) is not None:
