@@ -20,7 +20,10 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_PIP_ARGS=${TORCH_PIP_ARGS:-}
-EXTRAS=${EXTRAS:-dev,plot,hf}
+EXTRAS=${EXTRAS:-dev,plot,hf,trl}
+# the transformers release the CPU suite runs against (the hf extra allows a range; CI tests this one,
+# TRANSFORMERS_VERSION=5.22.2 make test the range's other end)
+TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.17.0}
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install -q)
 
@@ -94,7 +97,7 @@ else
         say "note: the index served a CUDA build of torch; triton is left at torch's own pin" \
             "(for a CPU build: TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu')"
     fi
-    "${PIP[@]}" -e ".[$EXTRAS]"
+    "${PIP[@]}" -e ".[$EXTRAS]" "transformers==$TRANSFORMERS_VERSION"
 fi
 "$PY" -c "import torch, triton, replaymoe
 print(f'install: ok: replaymoe {replaymoe.__version__}, torch {torch.__version__} '
