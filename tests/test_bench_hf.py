@@ -107,3 +107,21 @@ def test_bench_cell_rows_on_cpu(mode, monkeypatch, generator):
         assert r["logits_rel_err_vs_fp32"] < 1e-5
     assert rows[1]["vs_replaymoe"] == 1.0 and rows[1]["vs_replaymoe_step_p10"] == 1.0
     assert rows[3]["same_tokens_as_rollout"] == 1.0  # replay regenerates the captured rollout
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_bench_train_hf_rows_record_checkpointing_and_replay(replay, monkeypatch):
+    # `bench train --checkpointing [--replay]`'s HF rows on a tiny CPU model, each step run once in
+    # place of its timing: the rows say what was on, and a checkpointed step replays through
+    # moe.replaying (the recompute in backward finds its bound ids)
+    from replaymoe.bench import train as bench_train
+
+    monkeypatch.setattr(bench_train, "time_eager", lambda fn, **kw: (fn(), 1000.0)[1])
+    rows = bench_train._hf_rows(
+        "qwen3_moe", 2, 6, rounds=1, checkpointing=True, replay=replay, size="tiny", device="cpu"
+    )
+    impls = ["grouped_mm", "replaymoe"] + ([] if replay else ["replaymoe+replay"])
+    assert [r["impl"] for r in rows] == impls
+    assert all(r["checkpointing"] is True for r in rows)
+    assert [r["replay"] for r in rows] == [False, replay] + ([] if replay else [True])
+    assert all(np.isfinite(r["loss"]) for r in rows)

@@ -25,10 +25,15 @@ timed by the same ``time_eager`` (the L2 flush before each step is ``do_bench``'
 turned off; next to a step of many milliseconds a cold 60 MiB L2 costs little) in ``HF_ROUNDS``
 rounds of rotated order, each implementation's timed steps after ``HF_WARMUP_MS`` of untimed ones: the
 eager step is bound by the host, whose speed drifts over a run, so the figures are medians over
-rounds and the speed-up a median of same-round ratios.
+rounds and the speed-up a median of same-round ratios. ``--checkpointing`` turns on transformers'
+gradient checkpointing (``use_reentrant=False``) for every HF row; ``--replay`` runs the
+``replaymoe`` row's step inside ``moe.replaying(traces)`` (the traces of a no-grad forward of the
+same batch, so that loading and gathering them each step is timed; the backward's recomputes replay
+through the session's checkpoint bindings) and drops the ``replaymoe+replay`` row it would repeat;
+grouped_mm never replays. Each HF row records ``checkpointing`` and ``replay``.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
-[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf]``. Needs CUDA.
+[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf] [--checkpointing] [--replay]``. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -171,11 +176,31 @@ HF_ROUNDS = 3  # rounds of the HF rows, each implementation once per round in a 
 HF_WARMUP_MS = 250  # untimed steps before each implementation's timed steps in a round
 
 
-def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
+def _hf_rows(
+    arch: str,
+    B: int,
+    S: int,
+    rounds: int = HF_ROUNDS,
+    *,
+    checkpointing: bool = False,
+    replay: bool = False,
+    size: str = "bench",
+    device: str = "cuda",
+) -> list[dict]:
     """The HF training-step rows: each implementation timed once per round, the order rotated
     round to round (a host that slows down over a run no longer penalises the one timed last);
     ``fwdbwd_ms`` is the median over rounds and ``fwdbwd_speedup`` the median of the per-round
-    ratios to grouped_mm's step of the same round."""
+    ratios to grouped_mm's step of the same round.
+
+    Parameters
+    ----------
+    checkpointing : bool
+        Gradient checkpointing (non-reentrant) on for every row.
+    replay : bool
+        The ``replaymoe`` row steps inside ``moe.replaying(traces)``; no ``replaymoe+replay`` row.
+    size, device : str
+        The model's ``build_model`` size and device (``"tiny"`` / ``"cpu"`` for the CPU test).
+    """
     import statistics
 
     import replaymoe.hf as rhf
@@ -184,11 +209,13 @@ def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
     gc.collect()  # the layer rows' buffers, then their cached blocks: the model starts on a clean pool
     torch.cuda.empty_cache()
     torch.manual_seed(0)
-    model = build_model(arch, "bench", dtype=torch.bfloat16, device="cuda")
+    model = build_model(arch, size, dtype=torch.bfloat16, device=device)
     model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = model.config
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, cfg.vocab_size, (B, S), generator=g).cuda()
+    ids = torch.randint(3, cfg.vocab_size, (B, S), generator=g).to(device)
 
     def step():
         out = model(input_ids=ids, labels=ids)
@@ -207,20 +234,28 @@ def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
         "replaymoe": lambda: rhf.enable(model),
         "replaymoe+replay": lambda: rhf.enable(model, replay=traces, max_batch_size=B, max_positions=S),
     }
+    if replay:  # the replaymoe row replays: the enable(replay=) row would repeat it
+        del enable["replaymoe+replay"]
     impls = list(enable)
+
+    def replayed_step(moe):
+        with moe.replaying(traces):
+            return step()
+
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     losses: dict[str, float] = {}
     for r in range(rounds):
         for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
             model.set_experts_implementation("grouped_mm")
             moe = enable[impl]()
+            run = step if moe is None or not replay else (lambda moe=moe: replayed_step(moe))
             try:
                 if impl not in losses:
-                    losses[impl] = float(step())
+                    losses[impl] = float(run())
                 # warm-up of a few steps after each switch of implementation: the first steps of an
                 # implementation grow the caching allocator's segments (cudaMalloc, synchronous); the
                 # figure is the steady state of a training loop
-                times[impl].append(time_eager(step, warmup_ms=HF_WARMUP_MS, rep_ms=1000 / rounds) / 1e3)
+                times[impl].append(time_eager(run, warmup_ms=HF_WARMUP_MS, rep_ms=1000 / rounds) / 1e3)
             finally:
                 if moe is not None:
                     moe.disable()
@@ -228,7 +263,8 @@ def _hf_rows(arch: str, B: int, S: int, rounds: int = HF_ROUNDS) -> list[dict]:
     for impl in impls:
         t = statistics.median(times[impl])
         row = {"shape": f"hf:{arch}", "T": B * S, "impl": impl, "fwdbwd_ms": t,
-               "tokens_per_s": B * S / t * 1e3, "loss": losses[impl],
+               "tokens_per_s": B * S / t * 1e3, "loss": losses[impl], "checkpointing": checkpointing,
+               "replay": impl == "replaymoe+replay" or (replay and impl != "grouped_mm"),
                "fwdbwd_ms_rounds": times[impl]}  # fmt: skip
         if impl != "grouped_mm":
             row["fwdbwd_speedup"] = statistics.median(a / b for a, b in zip(times["grouped_mm"], times[impl]))
@@ -247,6 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="HF rows: sequences per step")
     p.add_argument("--seq", type=int, default=512, help="HF rows: tokens per sequence")
     p.add_argument("--no-hf", action="store_true", help="skip the HF training-step rows")
+    p.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="HF rows: gradient checkpointing on (non-reentrant) for every implementation",
+    )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="HF rows: the replaymoe row steps inside moe.replaying(traces) (traces of a no-grad forward "
+        "of the same batch; grouped_mm never replays); no separate replaymoe+replay row",
+    )
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("replaymoe bench train needs a CUDA GPU", file=sys.stderr)
@@ -262,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         rows += _layer_rows(name, tokens, impls)
         write_results(rows, a.out, "train")
     if not a.no_hf:
-        rows += _hf_rows(a.hf_arch, a.batch, a.seq)
+        rows += _hf_rows(a.hf_arch, a.batch, a.seq, checkpointing=a.checkpointing, replay=a.replay)
     write_results(rows, a.out, "train")
     cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
-            "peak_vs_grouped_mm", "tokens_per_s", "err_dx", "err_dw13", "bitwise_repeatable"]  # fmt: skip
+            "peak_vs_grouped_mm", "tokens_per_s", "checkpointing", "replay", "err_dx", "err_dw13",
+            "bitwise_repeatable"]  # fmt: skip
     print_table(rows, cols)
     return 0
 
