@@ -22,7 +22,6 @@ import triton
 
 from replaymoe._validation import fail
 from replaymoe.replay import ReplayReport
-from replaymoe.routing import check_replay_ids
 from replaymoe.trace import RoutingTrace
 
 __all__ = ["CaptureBuffer", "ReplayTable", "TraceMeta", "prefix_hashes", "prefix_hashes_np"]
@@ -58,6 +57,25 @@ def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
     out = parts[0] * (1 << 31) + parts[1]
     unknown = np.cumsum(tok < 0) > 0
     return np.where(unknown, -1, out)
+
+
+def _trace_hashes(trace: RoutingTrace) -> np.ndarray:
+    """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept on the trace)."""
+    cached = getattr(trace, "_replaymoe_prefix_hashes", None)
+    if cached is not None and cached[0] is trace.token_ids:
+        return cached[1]
+    hashes = prefix_hashes_np(trace.token_ids)
+    trace._replaymoe_prefix_hashes = (trace.token_ids, hashes)
+    return hashes
+
+
+def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
+    """Copy ``host`` into ``dst`` (same shape); to a GPU through pinned memory, without waiting (the
+    caching host allocator keeps the pinned block until the copy is done)."""
+    src = torch.from_numpy(np.ascontiguousarray(host))
+    if dst.is_cuda:
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=dst.is_cuda)
 
 
 def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
@@ -367,24 +385,24 @@ class ReplayTable:
         self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], num_experts: int, device: torch.device
     ) -> None:
         """Fill the table from ``traces`` (one per batch row); ``layer_of[l]`` is the trace layer
-        that model MoE layer ``l`` replays. Checks every recorded row once (one host pass)."""
+        that model MoE layer ``l`` replays. The rows are not checked again: a ``RoutingTrace`` checked
+        its rows (all -1 or K distinct ids) when it was made, and ``ReplaySource.check_model`` the
+        expert range. The host-to-device copies go through pinned memory, asynchronously, so a load
+        between training steps does not wait for the queued step."""
         self.source = (list(traces), list(layer_of))
         L, K = len(layer_of), traces[0].top_k
         lengths = [t.num_tokens for t in traces]
         total = sum(lengths)
-        host = np.full((L, total, K), -1, dtype=np.int32)
+        rows = max(triton.next_power_of_2(total + 1), 64)
+        host = np.full((L, rows, K), -1, dtype=np.int32)
         base = 0
         for t in traces:
             host[:, base : base + t.num_tokens] = t.ids[:, list(layer_of)].transpose(1, 0, 2)
             base += t.num_tokens
-        host_t = torch.from_numpy(host)
-        check_replay_ids(host_t.reshape(-1, K), num_experts)
-        rows = triton.next_power_of_2(total + 1)
-        shape = (L, max(rows, 64), K)
+        shape = (L, rows, K)
         if tuple(self.table.shape) != shape or self.table.device != device:
             self.table = _static(torch.empty(shape, dtype=torch.int32, device=device))
-        self.table.fill_(-1)
-        self.table[:, :total].copy_(host_t, non_blocking=False)
+        _upload(self.table, host)
         bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         offsets = np.array([t.token_offset for t in traces], dtype=np.int64)
         lengths = np.array(lengths, dtype=np.int64)
@@ -394,8 +412,8 @@ class ReplayTable:
             self.offsets, self.lengths, self.bases, self.ends, self.shift = (
                 _static(torch.empty(len(traces), dtype=torch.int64, device=device)) for _ in range(5)
             )
-        for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta):
-            dst.copy_(src)
+        for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta.numpy()):
+            _upload(dst, src)
         self.by_content = all(t.token_ids is not None and t.token_offset == 0 for t in traces)
         if self.by_content:
             self._load_hashes(traces, bases, device)
@@ -408,7 +426,7 @@ class ReplayTable:
         """Sorted prefix hashes of every recorded position (one host pass), for content matching. Of
         equal hashes (the same prefix in several traces: a group's shared prompt) the earliest
         trace's row comes first, and is the one replayed."""
-        hashes = np.concatenate([prefix_hashes_np(t.token_ids) for t in traces]) if traces else np.zeros(0)
+        hashes = np.concatenate([_trace_hashes(t) for t in traces]) if traces else np.zeros(0)
         rows = (
             np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
         )
@@ -422,8 +440,8 @@ class ReplayTable:
         if tuple(self.hashes.shape) != (cap,) or self.hashes.device != device:
             self.hashes = _static(torch.empty(cap, dtype=torch.int64, device=device))
             self.hash_rows = _static(torch.empty(cap, dtype=torch.int64, device=device))
-        self.hashes.copy_(torch.from_numpy(sorted_h))
-        self.hash_rows.copy_(torch.from_numpy(sorted_r))
+        _upload(self.hashes, sorted_h)
+        _upload(self.hash_rows, sorted_r)
         longest = max((t.num_tokens for t in traces), default=0)
         pcap = max(64, triton.next_power_of_2(longest + 1))
         if self.powers.shape[-1] != pcap or self.powers.device != device:
