@@ -1,7 +1,7 @@
 """Compile the backward's TMA dW kernel for sm_90 (no GPU needed) and check its instructions.
 
 For each configuration :func:`replaymoe.moe_triton.moe_bwd_config` picks with ``tma=True`` (and the
-deeper-pipelined / persistent variants scripts/dw_tma_check.py times), bf16, descriptor and pointer
+deeper-pipelined / persistent variants the removed dw_tma_check.py timed), bf16, descriptor and pointer
 stores: the PTX must load through TMA (``cp.async.bulk.tensor``) and use wgmma, and a picked
 configuration must fit Hopper's 227 KiB of shared memory per block without spilling (a variant over
 it is only reported: it could not launch). A configuration with a register cap (``maxnreg_w``) may keep
@@ -34,7 +34,7 @@ CAPPED_STACK_MAX = 32  # stack bytes allowed under an explicit register cap (non
 
 # (bm, bn, bk, warps, stages, maxnreg) of the dW GEMMs: what moe_bwd_config picks over the bench shapes
 # (Qwen3, Mixtral, DSv3-like; E, K) and token counts from decode to T=16384 (maxnreg 0: the compiler's
-# choice), then variants scripts/dw_tma_check.py times (deeper pipelines)
+# choice), then the variants the H200 A/B timed (deeper pipelines; scripts/dw_tma_check.py, git 3cc3db5)
 PICKED = sorted(
     {
         (c.bm_w, c.bn_w, c.bk_w, c.warps_w, c.stages_w, c.maxnreg_w)

@@ -70,7 +70,7 @@ CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA 
                             dict(w_desc=(128, 64))),
     "gemm2-half": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HALF_TILES=True), dict(D2, a_desc_half=(64, 64))),
     # the mid-size tiles (16/32 rows, 4 warps), which moe_config does not give TMA yet but
-    # scripts/fwd_tma_check.py --all-tiles times with it
+    # the H200 A/B timed with it (scripts/fwd_tma_check.py --all-tiles, in git at 3cc3db5)
     "gemm1-mid32": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128),
                     dict(w_desc=(64, 128)), 4, 4),
     "gemm2-mid16": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256),

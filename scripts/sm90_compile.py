@@ -1,5 +1,5 @@
 """Compile a Triton kernel for Hopper (sm_90) without a GPU: the signature builder shared by the
-compile-only check scripts (fwd_tma_ptx_check.py, pdl_ptx_check.py, moe_ptx_diff.py).
+compile-only check scripts (fwd_tma_ptx_check.py, pdl_ptx_check.py).
 
 Arguments are described by kind, ``(type, divisibility)``: a divisibility of 16 marks the argument as
 Triton specializes a pointer or integer divisible by 16 (``tt.divisibility``). :data:`ONE` is an
