@@ -182,7 +182,7 @@ class _Patch:
     providers: tuple = field(default_factory=tuple)
 
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # (re-entrant: a session collected while it is held uninstalls)
 _PATCHES: weakref.WeakKeyDictionary[ModuleType, _Patch] = weakref.WeakKeyDictionary()
 
 

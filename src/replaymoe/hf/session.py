@@ -18,6 +18,7 @@ import contextlib
 import os
 import types
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -168,8 +169,18 @@ class ReplayMoE:
             register()  # idempotent: "replaymoe" in transformers' experts registry
             self._prev_impl = config._experts_implementation
             self.model.set_experts_implementation(IMPLEMENTATION_NAME)
-        for module in target_modules(self.model):  # the aux loss of a replayed forward: the used ids
-            self._aux_uninstall.append(install_aux_loss(module, self._aux_ids))
+        # the aux loss of a replayed forward: the used ids. The provider holds the session weakly, and
+        # a session collected without disable() takes its providers out (no module keeps it alive)
+        ref = weakref.ref(self)
+
+        def aux_ids(gate_logits: Any) -> Optional[list]:
+            session = ref()
+            return None if session is None else session._aux_ids(gate_logits)
+
+        for module in target_modules(self.model):
+            uninstall = install_aux_loss(module, aux_ids)
+            self._aux_uninstall.append(uninstall)
+            weakref.finalize(self, uninstall)
         stack = getattr(self.model, "base_model", self.model)
         self._hooks.append(stack.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._hooks.append(
