@@ -8,6 +8,7 @@ An exception in any child fails the call with that child's traceback; the others
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 
@@ -40,6 +41,10 @@ def _child(rank, world_size, port, backend, timeout_s, env, fn, args):
     try:
         fn(rank, world_size, *args)
     finally:
+        # what still refers to the group (FSDP states, DTensors, work handles in reference cycles) goes
+        # first: destroying the group under them aborted children at exit ("terminate called without an
+        # active exception") on loaded CPUs
+        gc.collect()
         dist.destroy_process_group()
 
 
