@@ -612,7 +612,10 @@ class ReplayMoE:
                     what="layers",
                 )
         table = self._replay if self._replay is not None else self._spare_table(exclude=None)
-        table.load(src.traces, mapping, self.num_experts, self._device())
+        if table.holds(src.traces, mapping, self._device()):  # the same traces again (e.g. replaying()
+            table.reset_report()  # around every step): the table already holds them
+        else:
+            table.load(src.traces, mapping, self.num_experts, self._device())
         self._set_replay_table(table)
 
     def _spare_table(self, exclude: Optional[ReplayTable]) -> ReplayTable:

@@ -422,6 +422,18 @@ class ReplayTable:
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
         self.reset_report()
 
+    def holds(self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], device: torch.device) -> bool:
+        """Whether :meth:`load` of these very trace objects (same order, same layer mapping) on
+        ``device`` is what the table holds now (traces are not to be modified once replayed)."""
+        if self.source is None or self.table.device != device:
+            return False
+        held, mapping = self.source
+        return (
+            mapping == list(layer_of)
+            and len(held) == len(traces)
+            and all(a is b for a, b in zip(held, traces))
+        )
+
     def _load_hashes(self, traces: Sequence[RoutingTrace], bases: np.ndarray, device: torch.device) -> None:
         """Sorted prefix hashes of every recorded position (one host pass), for content matching. Of
         equal hashes (the same prefix in several traces: a group's shared prompt) the earliest
