@@ -347,3 +347,23 @@ def test_continuous_batching_refused_while_capture_or_replay_is_on(mode):
         model.generate_batch(inputs=[[5, 6, 7]], generation_config=model.generation_config)
     moe.disable()
     assert "init_continuous_batching" not in model.__dict__
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "gpt_oss"])
+def test_no_tensor_outside_parameters_and_buffers(arch):
+    # transformers' test_all_tensors_are_parameter_or_buffer: replaymoe keeps its device state in the
+    # session (it follows the forward's device), never as plain tensor attributes of the model's modules,
+    # and adds nothing to state_dict, through capture, generate and replay
+    model = build_model(arch, "tiny", device="cpu", dtype=torch.float32)
+    keys = set(model.state_dict())
+    moe = replaymoe.hf.enable(model, capture=True)
+    ids = torch.randint(4, model.config.vocab_size, (2, 5))
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3)
+    with moe.replaying(moe.traces()), torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    stray = [
+        (n, k) for n, m in model.named_modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)
+    ]
+    assert stray == []
+    assert set(model.state_dict()) == keys
