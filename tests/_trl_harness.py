@@ -183,3 +183,18 @@ def train_logs(trainer) -> dict[str, float]:
 
 def params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def trainer_factory(tmp_path, default_cls=None):
+    """``make(trainer_cls=default_cls, **kwargs)``: :func:`make_trainer` in a fresh ``tmp_path``
+    subdirectory per call (what the test modules' ``make_trainer`` fixtures return)."""
+    import itertools
+
+    counter = itertools.count()
+
+    def make(trainer_cls=None, **kwargs):
+        out = tmp_path / f"run{next(counter)}"
+        out.mkdir()
+        return make_trainer(trainer_cls or default_cls, out, **kwargs)
+
+    return make

@@ -10,7 +10,6 @@ The harness (tiny model, in-memory tokenizer and dataset, reward, tiny ``GRPOCon
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -22,8 +21,12 @@ pytest.importorskip("trl")
 import trl  # noqa: E402
 
 import replaymoe.hf as rhf  # noqa: E402
-from _trl_harness import make_model, params, train_logs  # noqa: E402
-from _trl_harness import make_trainer as _make_trainer  # noqa: E402
+from _trl_harness import (  # noqa: E402
+    make_model,
+    params,
+    train_logs,
+    trainer_factory,  # noqa: E402
+)
 from replaymoe.testing import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (conftest)
@@ -36,14 +39,7 @@ MODEL_METRICS = ("loss", "grad_norm", "entropy", "aux_loss")
 def make_trainer(tmp_path):
     """``make_trainer(trainer_cls=trl.GRPOTrainer, *, model=None, reward=None, trainer_kwargs=None,
     **config_overrides)``: a trainer on the tiny harness, in a fresh ``tmp_path`` subdirectory."""
-    counter = itertools.count()
-
-    def make(trainer_cls=None, **kwargs):
-        out = tmp_path / f"run{next(counter)}"
-        out.mkdir()
-        return _make_trainer(trainer_cls, out, **kwargs)
-
-    return make
+    return trainer_factory(tmp_path)
 
 
 def test_grpo_trains_one_step(make_trainer):

@@ -5,16 +5,18 @@ loss so that native routing differs; checkpointed gradients equal uncheckpointed
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
-from _trl_harness import CONFIGS, params, train_logs  # noqa: E402
-from _trl_harness import make_trainer as _make_trainer  # noqa: E402
+from _trl_harness import (  # noqa: E402
+    CONFIGS,
+    params,
+    train_logs,
+    trainer_factory,  # noqa: E402
+)
 from replaymoe.integrations.trl import R3Config, R3GRPOTrainer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,14 +38,7 @@ class MovedRouters(R3GRPOTrainer):
 
 @pytest.fixture
 def make_trainer(tmp_path):
-    counter = itertools.count()
-
-    def make(trainer_cls=MovedRouters, **kwargs):
-        out = tmp_path / f"run{next(counter)}"
-        out.mkdir()
-        return _make_trainer(trainer_cls, out, **kwargs)
-
-    return make
+    return trainer_factory(tmp_path, MovedRouters)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))  # each setup's edge: see _trl_harness.CONFIGS

@@ -472,15 +472,7 @@ class ReplayTable:
         idx = torch.searchsorted(self.hashes, key).clamp_(max=self.hashes.shape[0] - 1)
         hit = self.hashes[idx] == key
         row = torch.where(hit, self.hash_rows[idx], self.table.shape[1] - 1)
-        forced = (
-            self.table.index_select(1, row)
-            if out is None
-            else torch.index_select(self.table, 1, row, out=out)
-        )
-        real = (positions >= 0).sum()
-        self.seen.add_(real)
-        self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - (positions.numel() - real))
-        return forced
+        return self._take(row, positions, out)
 
     def gather(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a
@@ -489,6 +481,11 @@ class ReplayTable:
         # offsets >= 0, so a covered position is never padding
         inside = (positions >= self.offsets[:, None]) & (positions < self.ends[:, None])
         row = torch.where(inside, positions + self.shift[:, None], self.table.shape[1] - 1).reshape(-1)
+        return self._take(row, positions, out)
+
+    def _take(self, row: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The table's rows ``row`` (``int64 [B*S]``) of every layer, and the counts: tokens looked up,
+        and tokens that got a -1 row (every padding token reads one too: they are taken out)."""
         forced = (
             self.table.index_select(1, row)
             if out is None
@@ -496,7 +493,6 @@ class ReplayTable:
         )
         real = (positions >= 0).sum()
         self.seen.add_(real)
-        # every padding token reads a -1 row too: take them out of the -1 rows counted
         self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - (positions.numel() - real))
         return forced
 
