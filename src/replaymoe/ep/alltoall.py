@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from .._backend import resolve_backend
+from .._backend import BACKENDS, resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
 from .packing import (
     _DENSE_CHUNK,
@@ -87,7 +87,6 @@ __all__ = [
 
 _COMBINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRANSPORTS = ("nccl", "symm")
-_KERNEL_BACKENDS = ("auto", "triton", "torch")
 
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
 _FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack kernel computes the plan (one launch less)
@@ -234,7 +233,7 @@ class MoeAlltoAll:
         self.num_experts = check_int("num_experts", num_experts, low=self.ep)
         self.hidden_size = check_int("hidden_size", hidden_size, low=1)
         self.transport = check_choice("transport", transport, _TRANSPORTS)
-        self.kernel_backend = check_choice("kernel_backend", kernel_backend, _KERNEL_BACKENDS)
+        self.kernel_backend = check_choice("kernel_backend", kernel_backend, BACKENDS)
         if self.top_k > self.num_experts:
             fail("top_k", f"an int in [1, num_experts={self.num_experts}]", top_k)
         backend_name = str(dist.get_backend(self.group)).lower()

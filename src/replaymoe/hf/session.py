@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, check_int, fail
 
 from .aux_loss import install as install_aux_loss
@@ -42,7 +43,6 @@ from .step import DecodeChain, Step, StepBuffers, fused_rows_ok, positions_bound
 
 __all__ = ["ReplayMoE", "enable"]
 
-_BACKENDS = ("auto", "triton", "torch")
 # eager decode steps inside generate() advance their capture/replay rows on the device, inside the first
 # MoE block's CUDA graph (step.DecodeChain); 0 = every forward launches step_rows (the reference path)
 DEVICE_DECODE = os.environ.get("REPLAYMOE_HF_DEVICE_DECODE", "1") != "0"
@@ -81,7 +81,7 @@ class ReplayMoE:
         graphs: bool = True,
         keep_static_cache: bool = True,
     ) -> None:
-        check_choice("backend", backend, _BACKENDS)
+        check_choice("backend", backend, BACKENDS)
         check_bool("graphs", graphs)
         check_bool("keep_static_cache", keep_static_cache)
         check_int("max_batch_size", max_batch_size, low=1)

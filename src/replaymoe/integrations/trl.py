@@ -34,6 +34,7 @@ from typing import Any
 
 import trl
 
+from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, fail
 from replaymoe.hf import ReplayMoE, enable
 
@@ -63,7 +64,7 @@ class R3Config:
     def __post_init__(self) -> None:
         check_bool("replay_reference", self.replay_reference)
         check_bool("log_mismatch", self.log_mismatch)
-        check_choice("backend", self.backend, ("auto", "triton", "torch"))
+        check_choice("backend", self.backend, BACKENDS)
 
 
 class R3GRPOTrainer(trl.GRPOTrainer):
