@@ -1,9 +1,11 @@
-"""What :func:`replaymoe.hf.enable` patches into a model: each router's forward and ``generate``.
+"""What :func:`replaymoe.hf.enable` patches into a model: each router's forward, each MoE block's
+forward, ``generate`` and ``init_continuous_batching``.
 
-``state`` below is the session (:class:`replaymoe.hf.session.ReplayMoE`; not imported here, so
-that the session can import this module). A patched router computes its logits as the model's
-own router does, takes this forward's replay ids and capture slab from the session
-(``ReplayMoE._layer_io``), and routes with one :func:`replaymoe.routing.route` call.
+Each patch talks to the session (:class:`replaymoe.hf.session.ReplayMoE`) through
+:class:`SessionHooks`, the small interface below (the session is not imported here, so that it can
+import this module). A patched router computes its logits as the model's own router does, takes this
+forward's replay ids and capture slab from the session (:meth:`SessionHooks.layer_io`), and routes
+with one :func:`replaymoe.routing.route` call.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -20,10 +22,46 @@ from replaymoe.routing import route
 
 from .discovery import MoELayerInfo
 
-__all__ = ["block_forward", "mark_batch_start", "refuse_paged", "router_forward"]
+__all__ = ["SessionHooks", "block_forward", "mark_batch_start", "refuse_paged", "router_forward"]
 
 
-def refuse_paged(state: Any, init: Callable) -> Callable:
+class SessionHooks(Protocol):
+    """What the patches need of the session.
+
+    Attributes
+    ----------
+    backend : str
+        ``"auto"`` | ``"triton"`` | ``"torch"`` for routing.
+    step : Step or None
+        The current forward of the decoder stack (:class:`replaymoe.hf.step.Step`); None outside it
+        (an activation-checkpoint recompute, or a direct call).
+    """
+
+    backend: str
+
+    @property
+    def step(self) -> Any: ...
+
+    def layer_io(
+        self, info: MoELayerInfo, num_tokens: int
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(replay ids ``int32 [T, K]`` or None, capture slab ``int16 [T, K]`` or None) of one router call."""
+
+    def routed(self, info: MoELayerInfo, logits: torch.Tensor, replay_ids: Optional[torch.Tensor],
+               used: torch.Tensor, config: Any) -> None:  # fmt: skip
+        """After a router call in the model's forward: what it was forced to and what it used."""
+
+    def generate_begin(self) -> None:
+        """``generate`` was called: its first forward starts a capture batch (rollout mode: a round)."""
+
+    def generate_end(self, out: Any) -> None:
+        """``generate`` returned ``out`` (None when it raised)."""
+
+    def paged_generation_allowed(self) -> bool:
+        """Whether continuous batching may start (neither capture nor replay is on)."""
+
+
+def refuse_paged(state: SessionHooks, init: Callable) -> Callable:
     """``model.init_continuous_batching`` (the entry of ``generate_batch`` and the
     ``ContinuousBatchingManager``) that refuses to start while capture or replay is on: paged,
     continuously batched generation packs requests into rows and positions that replaymoe cannot map
@@ -31,7 +69,7 @@ def refuse_paged(state: Any, init: Callable) -> Callable:
 
     @functools.wraps(init)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if state._capturing or state._rollout_mode or state._replay is not None:
+        if not state.paged_generation_allowed():
             from replaymoe._validation import fail
 
             fail(
@@ -46,7 +84,7 @@ def refuse_paged(state: Any, init: Callable) -> Callable:
     return wrapped
 
 
-def mark_batch_start(state: Any, generate: Callable) -> Callable:
+def mark_batch_start(state: SessionHooks, generate: Callable) -> Callable:
     """``model.generate`` that starts a new capture batch (so batches are kept apart on the host
     even when the cache's length lives on the device) and, when it returns, writes the last
     forward's deferred capture commit (so none outlives the call: a compiled forward after it
@@ -55,20 +93,13 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
 
     @functools.wraps(generate)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        state._generate_begin()
-        state._begin_pending = True
-        state._generate_calls += 1
-        outer, state._generation = state._generation, state._generate_calls  # (decode steps' chain)
+        state.generate_begin()
+        out = None
         try:
             out = generate(*args, **kwargs)
-            state._static_cache.release_if_returned(out)
             return out
         finally:
-            state._generation = outer
-            state._decode.reset()
-            if state._capture is not None:
-                state._capture.flush()
-            state._generate_end()
+            state.generate_end(out)
 
     return wrapped
 
@@ -76,16 +107,16 @@ def mark_batch_start(state: Any, generate: Callable) -> Callable:
 _HALF = (torch.bfloat16, torch.float16)  # the activations the fused kernels take
 
 
-def block_forward(state: Any, graphs: Any) -> Callable:
+def block_forward(state: SessionHooks, graphs: Any) -> Callable:
     """The MoE block's forward, through its CUDA graphs (``graphs``: a
-    :class:`~replaymoe.hf.graphs.BlockGraphs`) when this forward allows them (``state._step``
+    :class:`~replaymoe.hf.graphs.BlockGraphs`) when this forward allows them (``state.step``
     says so, and the block does) and through its own forward otherwise."""
     own = graphs.forward
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or args or kwargs:
             return own(hidden_states, *args, **kwargs)
-        step = state._step
+        step = state.step
         head = None
         if step is not None and step.head is not None:  # the first MoE block of a device decode step
             head, step.head = step.head, None
@@ -98,7 +129,7 @@ def block_forward(state: Any, graphs: Any) -> Callable:
     return forward
 
 
-def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
+def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Callable:
     plan = info.plan
     routing = [plan.routing]  # rebound when the module's bias tensor is replaced (to_empty, .to())
 
@@ -107,7 +138,7 @@ def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
         if config.bias is not None and config.bias is not router.e_score_correction_bias:
             config = routing[0] = dataclasses.replace(config, bias=router.e_score_correction_bias)
         logits = plan.logits(router, hidden_states)
-        replay_ids, staged = state._layer_io(info, logits.shape[0])
+        replay_ids, staged = state.layer_io(info, logits.shape[0])
         dev = logits.device
         out_buf = staged
         if staged is not None and staged.device != dev:  # device_map: capture here, copy over
@@ -124,12 +155,8 @@ def router_forward(state: Any, info: MoELayerInfo, fused: bool) -> Callable:
         )
         if out_buf is not staged:
             staged.copy_(out_buf)
-        if replay_ids is not None and state._step is not None and not torch.compiler.is_compiling():
-            state._used[info.index] = (logits, out.topk_ids)  # (the aux loss of this forward)
-        if (
-            replay_ids is not None and state._mismatch is not None and state._step is not None
-        ):  # (not recomputes)
-            state._count_mismatch(info.index, logits, replay_ids, out.topk_ids, config)
+        if replay_ids is not None:
+            state.routed(info, logits, replay_ids, out.topk_ids, config)
         weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=fused)
         # the fused experts take int32 ids as they are; transformers' own experts index with int64
         return logits, weights, out.topk_ids if fused else out.topk_ids.long()

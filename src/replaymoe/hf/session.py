@@ -122,6 +122,7 @@ class ReplayMoE:
         self.device_decode = DEVICE_DECODE  # (tests compare both paths)
         self._generation: Optional[int] = None  # set inside generate(): which call it is
         self._generate_calls = 0
+        self._outer_generation: list[Optional[int]] = []  # generate() calls nest (e.g. assisted decoding)
         self._hooks: list[Any] = []
         self._rollout_mode = False  # set_rollout_replay: generate() captures, other forwards replay
         self._rollout: list = []  # the traces of the current rollout round
@@ -408,7 +409,53 @@ class ReplayMoE:
         """The traces of the current rollout round (:meth:`set_rollout_replay`), one per generated row."""
         return list(self._rollout)
 
-    def _generate_begin(self) -> None:
+    # ---------------------------------------------------------------- patches.SessionHooks
+    @property
+    def step(self) -> Optional[Step]:
+        """The current forward of the decoder stack, or None outside it."""
+        return self._step
+
+    def paged_generation_allowed(self) -> bool:
+        return not (self._capturing or self._rollout_mode or self._replay is not None)
+
+    def generate_begin(self) -> None:
+        """``generate`` was called: a new capture batch starts at its first forward (so batches are
+        kept apart on the host even when the cache's length lives on the device); in rollout mode,
+        capture on and replay paused."""
+        self._rollout_generate_begin()
+        self._begin_pending = True
+        self._generate_calls += 1
+        self._outer_generation.append(self._generation)
+        self._generation = self._generate_calls  # (the decode steps' chain)
+
+    def generate_end(self, out: Any) -> None:
+        """``generate`` returned ``out`` (None if it raised): the last forward's deferred capture commit
+        is written (none outlives the call: a compiled forward after it never finds one), the kept
+        static cache goes if the call returned it, and in rollout mode the round's traces replay."""
+        if out is not None:
+            self._static_cache.release_if_returned(out)
+        self._generation = self._outer_generation.pop()
+        self._decode.reset()
+        if self._capture is not None:
+            self._capture.flush()
+        self._rollout_generate_end()
+
+    def routed(self, info: MoELayerInfo, logits: torch.Tensor, replay_ids: Optional[torch.Tensor],
+               used: torch.Tensor, config: Any) -> None:  # fmt: skip
+        """A router call with ``replay_ids`` used ``used``: kept for this forward's aux loss, and counted
+        (:meth:`track_mismatch`); recomputes (outside the model's forward) are not."""
+        if replay_ids is None or self._step is None or torch.compiler.is_compiling():
+            return
+        self._used[info.index] = (logits, used)
+        if self._mismatch is not None:
+            self._count_mismatch(info.index, logits, replay_ids, used, config)
+
+    def layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any]:
+        """(replay ids int32 [T, K] or None, capture slab int16 [T, K] or None) for one router call."""
+        return self._layer_io(info, num_tokens)
+
+    # ---------------------------------------------------------------- rollout replay internals
+    def _rollout_generate_begin(self) -> None:
         if not self._rollout_mode:
             return
         if self._rollout_stale:
@@ -422,7 +469,7 @@ class ReplayMoE:
             self._capture = CaptureBuffer(self._meta, self._device(), *self._capacity)
         self._capturing = True
 
-    def _generate_end(self) -> None:
+    def _rollout_generate_end(self) -> None:
         if not self._rollout_mode:
             return
         self._harvest()
