@@ -15,6 +15,13 @@ the source counts those per layer so a trainer can tell how much of a batch was 
 
 ``ids_for`` is a pure device gather (no host synchronisation, fixed shapes), so it can run
 inside a CUDA graph once :meth:`ReplaySource.prepare` has put the tables on the device.
+
+:class:`ReplayTable` is the one device table behind every replay: ``ReplaySource`` looks its rows up by
+batch row and position, and the transformers integration (:mod:`replaymoe.hf`) by batch row or by
+content (each token's prefix hash: :func:`prefix_hashes`), all layers with one gather per forward.
+
+Size: over 450 lines; the replay table, its content hashes and the source that feeds it per layer
+are one contract (the rows a source fills are the rows the table serves).
 """
 
 from __future__ import annotations
@@ -24,11 +31,85 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import triton
 
 from ._validation import check_int, check_tensor, fail
 from .trace import RoutingTrace
 
-__all__ = ["ReplaySource", "ReplayReport"]
+__all__ = ["ReplaySource", "ReplayReport", "ReplayTable", "prefix_hashes", "prefix_hashes_np"]
+
+
+# Prefix hashes (content-addressed replay): two polynomial hashes modulo primes below 2^31, of the
+# tokens at positions 0..p, combined into 62 bits. Every step stays below 2^63 in int64 (a product
+# of two values below 2^31; a cumulative sum of fewer than 2^32 terms below 2^31), so the device
+# (torch) and the host (numpy) compute the same integers exactly.
+_PRIMES = (2147483647, 2147483629)
+_BASES = (1000003, 917513)
+
+
+def _powers(n: int) -> np.ndarray:
+    """int64 [2, n]: ``base^i mod prime`` for each hash, i < n."""
+    out = np.ones((2, max(n, 1)), dtype=np.int64)
+    for h, (p, a) in enumerate(zip(_PRIMES, _BASES)):
+        k, step = 1, a % p
+        while k < n:  # out[k:2k] = out[:k] * a^k
+            m = min(k, n - k)
+            out[h, k : k + m] = out[h, :m] * step % p
+            step = step * step % p
+            k += m
+    return out
+
+
+def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
+    """int64 [N]: hash of ``tokens[:p + 1]`` for each p (``tokens`` int [N] at positions 0..N-1);
+    -1 from the first unknown (-1) token on. Equal to :func:`prefix_hashes` on the same tokens."""
+    tok = np.asarray(tokens, dtype=np.int64)
+    n = tok.shape[0]
+    pw = _powers(n)[:, :n]
+    parts = [np.cumsum((tok + 1) % p * pw[h] % p) % p for h, p in enumerate(_PRIMES)]
+    out = parts[0] * (1 << 31) + parts[1]
+    unknown = np.cumsum(tok < 0) > 0
+    return np.where(unknown, -1, out)
+
+
+def _trace_hashes(trace: RoutingTrace) -> np.ndarray:
+    """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept on the trace)."""
+    cached = getattr(trace, "_replaymoe_prefix_hashes", None)
+    if cached is not None and cached[0] is trace.token_ids:
+        return cached[1]
+    hashes = prefix_hashes_np(trace.token_ids)
+    trace._replaymoe_prefix_hashes = (trace.token_ids, hashes)
+    return hashes
+
+
+def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
+    """Copy ``host`` into ``dst`` (same shape); to a GPU through pinned memory, without waiting (the
+    caching host allocator keeps the pinned block until the copy is done)."""
+    src = torch.from_numpy(np.ascontiguousarray(host))
+    if dst.is_cuda:
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=dst.is_cuda)
+
+
+def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S]: per token, the hash of its sequence's tokens at positions 0..p (the prefix the
+    model saw when it routed it); -1 for padding (``positions < 0``) and positions past
+    ``powers``' length. ``tokens``, ``positions``: int64 [B, S] with each row's positions increasing
+    (left or right padding); ``powers``: int64 [2, P] from :func:`_powers`. Device ops only."""
+    P = powers.shape[1]
+    valid = (positions >= 0) & (positions < P)
+    pos = positions.clamp(0, P - 1)
+    parts = []
+    for h, p in enumerate(_PRIMES):
+        term = torch.where(valid, (tokens + 1) % p * powers[h][pos] % p, 0)
+        parts.append(torch.cumsum(term, dim=1) % p)
+    return torch.where(valid, parts[0] * (1 << 31) + parts[1], -1)
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Mark a long-lived buffer as a static input of compiled graphs (no copy into CUDA graphs)."""
+    torch._dynamo.mark_static_address(t)
+    return t
 
 
 @dataclass
@@ -126,24 +207,7 @@ class ReplaySource:
         self.top_k = first.top_k
         self.num_experts: int | None = known.pop() if known else None
         self._layer_of = {m: i for i, m in enumerate(first.model_layer_ids())}
-        # host table [L, total + 1, K] int16: the traces' rows back to back (sequence b's row n at
-        # base[b] + n), then one all -1 row that padding and uncovered positions read
-        lengths = [t.num_tokens for t in tr]
-        self._total = sum(lengths)
-        table = np.full((self.num_layers, self._total + 1, self.top_k), -1, dtype=np.int16)
-        base = 0
-        bases = []
-        for t in tr:
-            table[:, base : base + t.num_tokens] = t.ids.transpose(1, 0, 2)
-            bases.append(base)
-            base += t.num_tokens
-        self._host_table = torch.from_numpy(table)
-        self._offsets = torch.tensor([t.token_offset for t in tr], dtype=torch.int64)
-        self._lengths = torch.tensor(lengths, dtype=torch.int64)
-        self._bases = torch.tensor(bases, dtype=torch.int64)
-        self._dev: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-        self._seen: dict[torch.device, torch.Tensor] = {}
-        self._fallback: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[torch.device, ReplayTable] = {}  # the device tables, made by prepare()
 
     @property
     def batch_size(self) -> int:
@@ -194,15 +258,10 @@ class ReplaySource:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._dev:
-            self._dev[device] = (
-                self._host_table.to(device),
-                self._offsets.to(device),
-                self._lengths.to(device),
-                self._bases.to(device),
-            )
-            self._seen[device] = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
-            self._fallback[device] = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
+        if device not in self._tables:
+            table = ReplayTable()
+            table.load(self.traces, list(range(self.num_layers)), self.num_experts or 0, device)
+            self._tables[device] = table
         return device
 
     def ids_for(
@@ -236,30 +295,202 @@ class ReplaySource:
             want = f"[{B}, S]" + (" or [S]" if B == 1 else "")
             fail("positions", f"{want} (one row per trace)", tuple(positions.shape), what="shape")
         dev = self.prepare(device if device is not None else positions.device)
-        table, offsets, lengths, bases = self._dev[dev]
-        pos2 = pos2.to(dev, torch.int64)
-        rel = pos2 - offsets[:, None]
-        real = pos2 >= 0
-        inside = real & (rel >= 0) & (rel < lengths[:, None])
-        row = torch.where(inside, rel + bases[:, None], torch.full_like(rel, self._total))
-        out = table[layer].index_select(0, row.reshape(-1)).to(torch.int32)
-        fell_back = real.reshape(-1) & (out[:, 0] < 0)
-        self._seen[dev][layer] += real.sum()
-        self._fallback[dev][layer] += fell_back.sum()
-        return out
+        return self._tables[dev].gather_layer(layer, pos2.to(dev, torch.int64))
 
     # ------------------------------------------------------------------ report
     def report(self) -> ReplayReport:
         """Counts since construction or the last :meth:`reset_report` (one host sync)."""
         seen = np.zeros(self.num_layers, dtype=np.int64)
         fb = np.zeros(self.num_layers, dtype=np.int64)
-        for dev in self._seen:
-            seen += self._seen[dev].cpu().numpy()
-            fb += self._fallback[dev].cpu().numpy()
+        for table in self._tables.values():
+            seen += table.seen.cpu().numpy()
+            fb += table.fallback.cpu().numpy()
         return ReplayReport.from_counts(seen, fb)
 
     def reset_report(self) -> None:
         """Zero the counters of :meth:`report`."""
-        for dev in self._seen:
-            self._seen[dev].zero_()
-            self._fallback[dev].zero_()
+        for table in self._tables.values():
+            table.reset_report()
+
+
+class ReplayTable:
+    """Recorded ids of a batch of sequences as one device table, gathered once per forward.
+
+    Attributes
+    ----------
+    table : torch.Tensor int32 [L, R_cap, K]
+        Model MoE layer ``l``'s ids: the traces' positions back to back (sequence ``b``'s
+        position ``p`` at row ``bases[b] + p - offsets[b]``), then all -1 rows; ``R_cap`` is a
+        power of two, so that new traces of a similar size reuse the buffer (same shapes, same
+        address: no recompile, no CUDA-graph re-record).
+    offsets, lengths, bases : torch.Tensor int64 [B]
+        Per trace: ``token_offset``, number of positions and first table row (``ends`` and
+        ``shift`` are ``offsets + lengths`` and ``bases - offsets``).
+    seen, fallback : torch.Tensor int64 [L]
+        Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
+    by_content : bool
+        Every trace carries its tokens and starts at position 0: forwards are matched to traces
+        by content (:meth:`gather_by_content`), whatever their rows' order, subset or padding.
+    hashes, hash_rows : torch.Tensor int64 [H_cap]
+        (content mode) Every recorded position's prefix hash, sorted (then a sentinel above any
+        hash), and the table row each one names.
+    powers : torch.Tensor int64 [2, P_cap]
+        (content mode) The hash's powers, for positions below the longest trace.
+    """
+
+    def __init__(self) -> None:
+        self.table = torch.empty(0)
+        self.by_content = False
+        self.source: tuple | None = None  # (traces, layer_of): what load() was given, to reload elsewhere
+        self.hashes = self.hash_rows = self.powers = torch.empty(0)
+        self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
+        self.seen = self.fallback = torch.empty(0)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.offsets.shape[0])
+
+    def load(
+        self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], num_experts: int, device: torch.device
+    ) -> None:
+        """Fill the table from ``traces`` (one per batch row); ``layer_of[l]`` is the trace layer
+        that model MoE layer ``l`` replays. The rows are not checked again: a ``RoutingTrace`` checked
+        its rows (all -1 or K distinct ids) when it was made, and ``ReplaySource.check_model`` the
+        expert range. The host-to-device copies go through pinned memory, asynchronously, so a load
+        between training steps does not wait for the queued step."""
+        self.source = (list(traces), list(layer_of))
+        L, K = len(layer_of), traces[0].top_k
+        lengths = [t.num_tokens for t in traces]
+        total = sum(lengths)
+        rows = max(triton.next_power_of_2(total + 1), 64)
+        host = np.full((L, rows, K), -1, dtype=np.int32)
+        base = 0
+        for t in traces:
+            host[:, base : base + t.num_tokens] = t.ids[:, list(layer_of)].transpose(1, 0, 2)
+            base += t.num_tokens
+        shape = (L, rows, K)
+        if tuple(self.table.shape) != shape or self.table.device != device:
+            self.table = _static(torch.empty(shape, dtype=torch.int32, device=device))
+        _upload(self.table, host)
+        bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        offsets = np.array([t.token_offset for t in traces], dtype=np.int64)
+        lengths = np.array(lengths, dtype=np.int64)
+        # offsets, lengths, bases; ends = offsets + lengths; shift = bases - offsets
+        meta = torch.from_numpy(np.stack([offsets, lengths, bases, offsets + lengths, bases - offsets]))
+        if tuple(self.offsets.shape) != (len(traces),) or self.offsets.device != device:
+            self.offsets, self.lengths, self.bases, self.ends, self.shift = (
+                _static(torch.empty(len(traces), dtype=torch.int64, device=device)) for _ in range(5)
+            )
+        for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta.numpy()):
+            _upload(dst, src)
+        self.by_content = all(t.token_ids is not None and t.token_offset == 0 for t in traces)
+        if self.by_content:
+            self._load_hashes(traces, bases, device)
+        if tuple(self.seen.shape) != (L,) or self.seen.device != device:
+            self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
+            self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
+        self.reset_report()
+
+    def holds(self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], device: torch.device) -> bool:
+        """Whether :meth:`load` of these very trace objects (same order, same layer mapping) on
+        ``device`` is what the table holds now (traces are not to be modified once replayed)."""
+        if self.source is None or self.table.device != device:
+            return False
+        held, mapping = self.source
+        return (
+            mapping == list(layer_of)
+            and len(held) == len(traces)
+            and all(a is b for a, b in zip(held, traces))
+        )
+
+    def _load_hashes(self, traces: Sequence[RoutingTrace], bases: np.ndarray, device: torch.device) -> None:
+        """Sorted prefix hashes of every recorded position (one host pass), for content matching. Of
+        equal hashes (the same prefix in several traces: a group's shared prompt) the earliest
+        trace's row comes first, and is the one replayed."""
+        hashes = np.concatenate([_trace_hashes(t) for t in traces]) if traces else np.zeros(0)
+        rows = (
+            np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
+        )
+        keep = hashes >= 0
+        hashes, rows = hashes[keep], rows[keep].astype(np.int64)
+        order = np.lexsort((rows, hashes))
+        cap = max(64, triton.next_power_of_2(len(hashes) + 1))
+        sorted_h = np.full(cap, np.iinfo(np.int64).max, dtype=np.int64)  # sentinel: above any hash
+        sorted_r = np.full(cap, self.table.shape[1] - 1, dtype=np.int64)  # (the all -1 last row)
+        sorted_h[: len(hashes)], sorted_r[: len(hashes)] = hashes[order], rows[order]
+        if tuple(self.hashes.shape) != (cap,) or self.hashes.device != device:
+            self.hashes = _static(torch.empty(cap, dtype=torch.int64, device=device))
+            self.hash_rows = _static(torch.empty(cap, dtype=torch.int64, device=device))
+        _upload(self.hashes, sorted_h)
+        _upload(self.hash_rows, sorted_r)
+        longest = max((t.num_tokens for t in traces), default=0)
+        pcap = max(64, triton.next_power_of_2(longest + 1))
+        if self.powers.shape[-1] != pcap or self.powers.device != device:
+            self.powers = _static(torch.from_numpy(_powers(pcap)).to(device))
+
+    def gather_by_content(
+        self, tokens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Forced ids ``int32 [L, B*S, K]`` for the tokens ``int64 [B, S]`` at ``positions`` (``int64
+        [B, S]``, -1 = padding), matched by content: a token gets the row some trace recorded for
+        the same token prefix (the prefix decides a causal model's routing), wherever its row sits
+        in this forward; a prefix no trace recorded gets a -1 row (routed natively). Device ops
+        only (a sort-free binary search in :attr:`hashes`). Counts both per layer, like
+        :meth:`gather`. Needs whole sequences (no KV cache): a row's prefix starts at position 0."""
+        key = prefix_hashes(tokens, positions, self.powers).reshape(-1)
+        idx = torch.searchsorted(self.hashes, key).clamp_(max=self.hashes.shape[0] - 1)
+        hit = self.hashes[idx] == key
+        row = torch.where(hit, self.hash_rows[idx], self.table.shape[1] - 1)
+        return self._take(row, positions, out)
+
+    def gather(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a
+        token with no recorded row gets a row of -1 (routed natively). Counts both per layer.
+        ``out``: a contiguous ``int32 [L, B*S, K]`` to write them to (returned)."""
+        return self._take(self._rows(positions), positions, out)
+
+    def gather_layer(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`gather` for one MoE layer: ``int32 [B*S, K]`` (counted for that layer alone)."""
+        return self._take(self._rows(positions), positions, None, layer=layer)
+
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Table row of every token, by batch row: ``int64 [B*S]`` (the all -1 last row where the
+        row's trace does not cover the position, and for padding)."""
+        # offsets >= 0, so a covered position is never padding
+        inside = (positions >= self.offsets[:, None]) & (positions < self.ends[:, None])
+        return torch.where(inside, positions + self.shift[:, None], self.table.shape[1] - 1).reshape(-1)
+
+    def _take(
+        self,
+        row: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor | None,
+        *,
+        layer: int | None = None,
+    ) -> torch.Tensor:
+        """The table's rows ``row`` (``int64 [B*S]``) of every layer (or of ``layer``), and the counts:
+        tokens looked up, and tokens that got a -1 row (every padding token reads one too: they are
+        taken out)."""
+        real = (positions >= 0).sum()
+        padding = positions.numel() - real
+        if layer is not None:
+            ids = self.table[layer].index_select(0, row)
+            self.seen[layer] += real
+            self.fallback[layer] += (ids[:, 0] < 0).sum() - padding
+            return ids
+        forced = (
+            self.table.index_select(1, row)
+            if out is None
+            else torch.index_select(self.table, 1, row, out=out)
+        )
+        self.seen.add_(real)
+        self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - padding)
+        return forced
+
+    def report(self) -> ReplayReport:
+        """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""
+        return ReplayReport.from_counts(self.seen.cpu().numpy(), self.fallback.cpu().numpy())
+
+    def reset_report(self) -> None:
+        self.seen.zero_()
+        self.fallback.zero_()
