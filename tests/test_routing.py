@@ -10,9 +10,9 @@ import torch
 
 import replaymoe.routing as routing_mod
 from replaymoe.routing import RoutingMethod, RoutingOutput, route, route_torch
-from replaymoe.routing_table import Params as _Params
-from replaymoe.routing_table import weights_torch
-from replaymoe.routing_triton import weights_backward
+from replaymoe.routing._triton import weights_backward
+from replaymoe.routing.methods import Params as _Params
+from replaymoe.routing.methods import weights_torch
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
 M = RoutingMethod

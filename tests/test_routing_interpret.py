@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import replaymoe.routing_triton as routing_triton
+import replaymoe.routing._triton as routing_triton
 from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
@@ -261,7 +261,7 @@ def test_weights_gradient_kernel_matches_closed_form(method, t, e, k, dtype, gen
     # the one-launch routing backward against the table's closed form in torch (fp32), every method;
     # row 0 repeats an id, which both add up (scatter_add_ semantics); the output is allocated NaN, so
     # an element the kernel leaves unwritten fails
-    from replaymoe.routing_table import METHODS, Params
+    from replaymoe.routing.methods import METHODS, Params
 
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))

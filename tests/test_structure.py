@@ -27,10 +27,6 @@ LAYERS = {
     # ops
     1: {
         "routing",
-        "routing_checks",
-        "routing_config",
-        "routing_table",
-        "routing_triton",
         "layout",
         "moe",
         "moe_triton",

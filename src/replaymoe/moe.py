@@ -51,7 +51,7 @@ from .moe_triton import moe_bwd_config as moe_bwd_config  # re-exported: replaym
 from .moe_triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
 from .routing import RoutingMethod, route
-from .routing_config import RoutingConfig, as_config
+from .routing.config import RoutingConfig, as_config
 
 __all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up", "ClampedSwiGLU"]
 

@@ -112,7 +112,7 @@ SWEEP_CONFIGS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 4)]
 
 def run_sweep() -> list[dict]:
     """Time launch configurations (ALGO x BLOCK_T x num_warps) at a few shapes (tuning aid)."""
-    import replaymoe.routing_triton as routing_triton
+    import replaymoe.routing._triton as routing_triton
 
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -16,7 +16,7 @@ from .alltoall import MoeAlltoAll
 
 if TYPE_CHECKING:
     from .._routing_method import RoutingMethod
-    from ..routing_config import RoutingConfig
+    from ..routing.config import RoutingConfig
 
 __all__ = ["ep_moe"]
 
@@ -142,7 +142,7 @@ def ep_moe(
     :class:`MoeAlltoAll` to size them up front).
     """
     from ..routing import route
-    from ..routing_config import as_config
+    from ..routing.config import as_config
 
     if not isinstance(a2a, MoeAlltoAll):
         fail("a2a", "a MoeAlltoAll", type(a2a).__name__, what="type")

@@ -16,7 +16,7 @@ import torch
 
 from replaymoe._routing_method import RoutingMethod
 from replaymoe._validation import check_int, check_tensor, fail, tensor_ok
-from replaymoe.routing_table import METHODS
+from replaymoe.routing.methods import METHODS
 
 __all__ = ["BIAS_DTYPES", "RoutingConfig", "as_config"]
 

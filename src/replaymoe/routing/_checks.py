@@ -2,8 +2,8 @@
 
 :func:`validate` checks the logits and the other per-call arguments at the public boundary
 (cheap predicates first: it runs on every eager call) against an already validated
-:class:`~replaymoe.routing_config.RoutingConfig`, and returns the normalised
-:class:`~replaymoe.routing_table.Params`. Replay ids
+:class:`~replaymoe.routing.config.RoutingConfig`, and returns the normalised
+:class:`~replaymoe.routing.methods.Params`. Replay ids
 are checked by value where that needs a host sync: eagerly here, and under ``torch.compile`` through
 the custom op ``replaymoe::check_replay_ids``, skipped while a CUDA graph is being captured.
 """
@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from replaymoe._validation import check_int, check_tensor, fail, is_capturing, tensor_ok
-from replaymoe.routing_config import BIAS_DTYPES, RoutingConfig
-from replaymoe.routing_table import Params
+from replaymoe.routing.config import BIAS_DTYPES, RoutingConfig
+from replaymoe.routing.methods import Params
 
 __all__ = ["check_replay_ids", "compiled_replay_check", "validate"]
 

@@ -1,10 +1,10 @@
 """The Triton backend of :func:`replaymoe.routing.route`: launch, custom op and backward.
 
-One kernel launch per call (``_kernels/routing.py``): eagerly through :func:`replaymoe._launch.fast`,
+One kernel launch per call (``routing/_kernel.py``): eagerly through :func:`replaymoe._launch.fast`,
 under ``torch.compile`` through the custom op ``replaymoe::route`` (with a fake implementation). With a
 gradient, :class:`RouteFunction` adds the backward of the weights with respect to the logits at the selected
-ids (:func:`weights_backward`): the per-method closed form in :mod:`replaymoe.routing_table` (eagerly in
-one Triton launch, ``_kernels/routing_grad.py``; as torch ops under ``torch.compile`` and for fp64), or
+ids (:func:`weights_backward`): the per-method closed form in :mod:`replaymoe.routing.methods` (eagerly in
+one Triton launch, ``routing/_kernel_grad.py``; as torch ops under ``torch.compile`` and for fp64), or
 autograd of the method's formula where the table gives none, so a new method needs no hand-derived
 gradient.
 """
@@ -18,7 +18,7 @@ import torch
 import triton
 
 from replaymoe._routing_method import RoutingMethod
-from replaymoe.routing_table import EPS, GRAD_KIND, METHODS, Params, weights_torch
+from replaymoe.routing.methods import EPS, GRAD_KIND, METHODS, Params, weights_torch
 
 __all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
 
@@ -47,8 +47,8 @@ def _launch(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and run the routing kernel once (no validation)."""
-    from replaymoe._kernels.routing import route_kernel
     from replaymoe._launch import fast
+    from replaymoe.routing._kernel import route_kernel
 
     num_tokens, num_experts = router_logits.shape
     dev = router_logits.device
@@ -122,10 +122,10 @@ def weights_backward(
     router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, method: int, scale: float
 ) -> torch.Tensor:
     """Gradient of the method's weights w.r.t. the logits at fixed ``ids``, in fp32 (fp64 for fp64
-    logits): the table's closed form (:attr:`replaymoe.routing_table.MethodSpec.grad`), or else
-    autograd of its formula (:func:`replaymoe.routing_table.weights_torch`) through
+    logits): the table's closed form (:attr:`replaymoe.routing.methods.MethodSpec.grad`), or else
+    autograd of its formula (:func:`replaymoe.routing.methods.weights_torch`) through
     ``torch.func.vjp``. 16- or 32-bit logits on CUDA (or in Triton's interpreter) with a closed form take one
-    launch of ``_kernels/routing_grad.py`` (under ``torch.compile`` the custom op
+    launch of ``routing/_kernel_grad.py`` (under ``torch.compile`` the custom op
     ``replaymoe::route_weights_grad``, the same kernel); otherwise torch ops, which ``torch.compile``
     traces."""
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
@@ -160,8 +160,8 @@ def _grad_launch(
     """``route_weights_grad_kernel``: dL/d logits [T, E] in the logits' dtype, one launch. Also the
     custom op ``replaymoe::route_weights_grad``, so that ``torch.compile`` traces the same kernel as
     eager calls (the same bits); eager calls skip the op's dispatch."""
-    from replaymoe._kernels.routing_grad import route_weights_grad_kernel
     from replaymoe._launch import fast
+    from replaymoe.routing._kernel_grad import route_weights_grad_kernel
 
     T, E = router_logits.shape
     K = ids.shape[1]

@@ -7,7 +7,7 @@
 the Triton backward read this table; the Triton kernel has one branch per formula.
 
 Adding a method: a :class:`~replaymoe._routing_method.RoutingMethod` number, one row here, one
-branch in ``_kernels/routing.py``, one row in the tests' method table (the Triton op's backward is
+branch in ``routing/_kernel.py``, one row in the tests' method table (the Triton op's backward is
 autograd of the row's formula).
 """
 
@@ -129,7 +129,7 @@ def _grad_sigmoid_scaled(x32, ids, g, p):
     return _scatter(x32, ids, ds * s * (1 - s))
 
 
-# The closed forms that the Triton backward computes in one kernel (``_kernels/routing_grad.py``),
+# The closed forms that the Triton backward computes in one kernel (``routing/_kernel_grad.py``),
 # by its ``KIND`` number; a closed form missing here runs as torch ops.
 GRAD_KIND: dict[Callable, int] = {
     _grad_softmax_at: 0,

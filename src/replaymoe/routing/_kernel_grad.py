@@ -1,12 +1,12 @@
 """Triton kernel of the routing backward: the gradient of the routing weights w.r.t. the logits.
 
 At fixed ids, ``dL/dx [T, E]`` for the cotangent ``g = dL/dw [T, K]``, in the closed forms of
-:mod:`replaymoe.routing_table` (one launch instead of a dozen torch ops per call). Each program
+:mod:`replaymoe.routing.methods` (one launch instead of a dozen torch ops per call). Each program
 handles ``BLOCK_T`` tokens × all ``E`` experts (padded to ``EP``) × the ``K`` slots (padded to ``KP``);
 the scatter of per-slot values onto expert columns is a one-hot sum over the slots, so repeated ids
 add up as ``scatter_add_`` does. fp32 arithmetic; the result is stored in the logits' dtype.
 
-``KIND`` (the closed form; :data:`replaymoe.routing_table.GRAD_KIND` maps each to its methods):
+``KIND`` (the closed form; :data:`replaymoe.routing.methods.GRAD_KIND` maps each to its methods):
 
 * 0: ``softmax(x)[ids]`` — ``p * (d - sum(d * p))`` with ``d`` the scattered ``g``;
 * 1: ``softmax(x[ids])`` over the slots — scattered ``w * (g - sum(g * w))``;

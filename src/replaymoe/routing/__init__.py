@@ -52,10 +52,10 @@ import torch
 from replaymoe._backend import resolve_backend
 from replaymoe._routing_method import RoutingMethod
 from replaymoe._validation import fail
-from replaymoe.routing_checks import check_replay_ids, compiled_replay_check, validate
-from replaymoe.routing_config import RoutingConfig, as_config
-from replaymoe.routing_table import Params, select_torch, weights_torch
-from replaymoe.routing_triton import route_triton
+from replaymoe.routing._checks import check_replay_ids, compiled_replay_check, validate
+from replaymoe.routing._triton import route_triton
+from replaymoe.routing.config import RoutingConfig, as_config
+from replaymoe.routing.methods import Params, select_torch, weights_torch
 
 __all__ = ["RoutingConfig", "RoutingMethod", "RoutingOutput", "check_replay_ids", "route", "route_torch"]
 
