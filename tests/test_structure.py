@@ -23,7 +23,7 @@ MAX_LINES = 450
 # layer of a module by its first name below the package; higher layers may import lower ones
 LAYERS = {
     # Triton code and the helpers every op uses
-    0: {"_kernels", "_launch", "_validation", "_backend", "_routing_method"},
+    0: {"_kernels", "_launch", "_validation", "_backend"},
     # ops
     1: {
         "routing",

@@ -50,8 +50,7 @@ from .moe_triton import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoE
 from .moe_triton import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
 from .moe_triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
-from .routing import RoutingMethod, route
-from .routing.config import RoutingConfig, as_config
+from .routing import RoutingConfig, RoutingMethod, as_config, route
 
 __all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up", "ClampedSwiGLU"]
 

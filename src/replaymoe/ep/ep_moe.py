@@ -15,8 +15,7 @@ from .._validation import check_tensor, fail
 from .alltoall import MoeAlltoAll
 
 if TYPE_CHECKING:
-    from .._routing_method import RoutingMethod
-    from ..routing.config import RoutingConfig
+    from ..routing import RoutingConfig, RoutingMethod
 
 __all__ = ["ep_moe"]
 
@@ -141,8 +140,7 @@ def ep_moe(
     the forward's: the buffers grow once on its first call (pass ``payload_bytes_per_token`` to
     :class:`MoeAlltoAll` to size them up front).
     """
-    from ..routing import route
-    from ..routing.config import as_config
+    from ..routing import as_config, route
 
     if not isinstance(a2a, MoeAlltoAll):
         fail("a2a", "a MoeAlltoAll", type(a2a).__name__, what="type")

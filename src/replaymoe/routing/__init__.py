@@ -4,58 +4,35 @@ Ten routers with FlashInfer's numbering (:class:`RoutingMethod`); one fused Trit
 kernel per :func:`route` call on the GPU; :func:`route_torch` is the pure-PyTorch
 reference (fp32, CPU or GPU, differentiable) that defines the semantics.
 
+The package, one op: this module (the public entry points, :class:`RoutingConfig`, the torch
+reference), ``methods`` (the per-method table: the selection score, grouping and weights formula of
+every method, with its math), ``_checks`` (validation at the public boundary), ``_triton`` (the host
+side of the kernels: launch, custom ops, backward), ``_kernel`` and ``_kernel_grad`` (Triton code).
+
 Semantics shared by every method and backend
 --------------------------------------------
-* Selection is on a per-method *selection score* (below), in fp32. NaN scores are
+* Selection is on a per-method *selection score* (:mod:`replaymoe.routing.methods` gives each
+  method's score and weights formula), in fp32. NaN scores are
   treated as ``-inf``; ties go to the smaller expert index (the order is the total
   order of the key ``(score, -index)``), so ids in a row are always distinct and in
   ``[0, E)``. Columns come in descending selection-score order.
 * Weights are computed in fp32 from the logits at the chosen ids by the method's
-  formula (below). With ``replay_ids`` the selection is skipped and the weights are
+  formula. With ``replay_ids`` the selection is skipped and the weights are
   recomputed over the forced ids, in the column order given.
-
-=====================  ======================  =====================================================
-method                 selection score         weights over the selected set S
-=====================  ======================  =====================================================
-DEFAULT (0)            x                       softmax(x) over all E experts, at S (no renorm)
-RENORMALIZE (1)        x                       softmax over x_S
-DEEPSEEK_V3 (2)        b = sigmoid(x) + bias   s_S / (sum s_S + 1e-20) * routed_scaling_factor,
-                       (grouped, see below)    s = sigmoid(x) (unbiased)
-LLAMA4 (3)             x  (top_k must be 1)    sigmoid(x_S)
-RENORMALIZE_NAIVE (4)  x                       p_S / sum p_S with p = softmax(x) over all E
-TOPK (5)               x                       x_S (raw logits)
-SIGMOID_RENORM (6)     x                       s_S / max(sum s_S, 1e-20), s = sigmoid(x)
-MINIMAX2 (7)           b = sigmoid(x) + bias   s_S / (sum s_S + 1e-20) * routed_scaling_factor
-SIGMOID (8)            x                       sigmoid(x_S)
-TOPK_SIGMOID (9)       x                       sigmoid(x_S)
-=====================  ======================  =====================================================
-
-Softmax and sigmoid are monotonic, so the methods that FlashInfer describes as
-"top-k of softmax(x)" or "top-k of sigmoid(x)" select on the raw logits here: the same
-set, except that values which round to the same probability in fp32 (sigmoid(x) = 1.0
-for x > ~17) are still ordered by their logits instead of by index.
-
-DeepSeek-V3 grouping (``n_group > 1``): the E experts form ``n_group`` contiguous
-groups; a group's score is the sum of its two largest ``b`` (fp32, largest + second;
-the single value when a group has one expert; NaN counts as ``-inf``); the
-``topk_group`` best groups are kept (ties to the smaller group index) and every
-expert of another group gets the score ``-inf``; then the top-k of ``b`` is selected.
-With ``n_group`` 1 (or None) it is plain top-k of ``b``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
 
 from replaymoe._backend import resolve_backend
-from replaymoe._routing_method import RoutingMethod
 from replaymoe._validation import fail
-from replaymoe.routing._checks import check_replay_ids, compiled_replay_check, validate
+from replaymoe.routing._checks import check_replay_ids, validate, validate_config
 from replaymoe.routing._triton import route_triton
-from replaymoe.routing.config import RoutingConfig, as_config
-from replaymoe.routing.methods import Params, select_torch, weights_torch
+from replaymoe.routing.methods import Params, RoutingMethod, select_torch, weights_torch
 
 __all__ = ["RoutingConfig", "RoutingMethod", "RoutingOutput", "check_replay_ids", "route", "route_torch"]
 
@@ -77,6 +54,106 @@ class RoutingOutput(NamedTuple):
 
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# the routing configuration: everything route() needs besides the logits
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How tokens choose experts (see :mod:`replaymoe.routing.methods` for the math of each method).
+
+    Validated once, when it is built; ``route``, ``fused_moe``, ``ep_moe``, ``MoELayer`` and the
+    transformers integration take one (``config=`` / ``routing=``) instead of repeating the routing
+    arguments, and check per call only what depends on the logits (the number of experts). The keyword
+    arguments of those functions remain as a convenience that builds one.
+
+    Attributes
+    ----------
+    top_k : int
+        Experts per token, ``>= 1`` (LLAMA4: exactly 1); at most E, checked per call.
+    method : RoutingMethod
+        The router.
+    bias : torch.Tensor, optional
+        ``[E]`` float32/bfloat16/float16 contiguous selection bias, DEEPSEEK_V3 and MINIMAX2 only.
+    n_group, topk_group : int, optional
+        DEEPSEEK_V3 grouping (``n_group <= 32``, ``1 <= topk_group <= n_group``, required when
+        ``n_group > 1``).
+    routed_scaling_factor : float, optional
+        DEEPSEEK_V3 and MINIMAX2 weight scale (None = 1.0).
+    num_groups, groups_kept : int
+        Derived: ``n_group`` and ``topk_group`` with None resolved (1 without grouping).
+    scale : float
+        Derived: the weight scale (1.0 when not given).
+
+    Raises
+    ------
+    ValueError
+        At construction, naming the argument, for any invalid value or combination.
+    """
+
+    top_k: int
+    method: RoutingMethod = RoutingMethod.RENORMALIZE
+    bias: Optional[torch.Tensor] = field(default=None, compare=False)
+    n_group: Optional[int] = None
+    topk_group: Optional[int] = None
+    routed_scaling_factor: Optional[float] = None
+    num_groups: int = field(init=False, repr=False)
+    groups_kept: int = field(init=False, repr=False)
+    scale: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        method, ng, tg, scale = validate_config(
+            self.top_k, self.method, self.bias, self.n_group, self.topk_group, self.routed_scaling_factor
+        )
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "num_groups", ng)
+        object.__setattr__(self, "groups_kept", tg)
+        object.__setattr__(self, "scale", scale)
+
+
+def as_config(
+    config: object,
+    top_k: object,
+    method: object,
+    bias: object,
+    n_group: object,
+    topk_group: object,
+    routed_scaling_factor: object,
+) -> RoutingConfig:
+    """``config``, or a :class:`RoutingConfig` built from the keyword arguments (exactly one of the two;
+    ``method`` None means RENORMALIZE).
+
+    Raises
+    ------
+    ValueError
+        Both or neither given, ``config`` not a RoutingConfig, or an invalid routing argument.
+    """
+    if config is None:
+        if top_k is None:
+            fail("top_k", "an int (or config=RoutingConfig(...))", None)
+        method = RoutingMethod.RENORMALIZE if method is None else method
+        return RoutingConfig(top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    if not isinstance(config, RoutingConfig):
+        fail("config", "a RoutingConfig", type(config).__name__, what="type")
+    given = [
+        name
+        for name, value in (
+            ("top_k", top_k),
+            ("bias", bias),
+            ("n_group", n_group),
+            ("topk_group", topk_group),
+            ("routed_scaling_factor", routed_scaling_factor),
+        )
+        if value is not None
+    ]
+    if method is not RoutingMethod.RENORMALIZE and method is not None:
+        given.append("method")
+    if given:
+        fail(given[0], "not given together with config (the config holds it)", given[0] + " given")
+    return config
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,8 +203,7 @@ def route_torch(
     ``router_logits`` (with and without ``replay_ids``).
     """
     cfg = as_config(config, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    p = validate(router_logits, cfg, routing_replay_out, replay_ids)
-    replay_ids = compiled_replay_check(replay_ids, router_logits.shape[1])
+    p, replay_ids = validate(router_logits, cfg, routing_replay_out, replay_ids)
     return _route_torch_impl(router_logits, p, cfg.bias, routing_replay_out, replay_ids)
 
 
@@ -221,9 +297,21 @@ def route(
         Naming the argument, for any invalid dtype, shape, device, layout or value.
     """
     cfg = as_config(config, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    p = validate(router_logits, cfg, routing_replay_out, replay_ids, check_replay)
-    replay_ids = compiled_replay_check(replay_ids, router_logits.shape[1], check_replay)
-    bias = cfg.bias
+    p, replay_ids = validate(router_logits, cfg, routing_replay_out, replay_ids, check_replay)
+    return route_unchecked(router_logits, p, cfg.bias, routing_replay_out, replay_ids, backend)
+
+
+def route_unchecked(
+    router_logits: torch.Tensor,
+    p: Params,
+    bias: Optional[torch.Tensor],
+    routing_replay_out: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
+    backend: str,
+) -> RoutingOutput:
+    """:func:`route` past its validation, for public entry points that validated the routing
+    arguments themselves (``fused_moe``): ``p`` and ``replay_ids`` as
+    :func:`replaymoe.routing._checks.validate` returns them, ``bias`` the config's."""
     be = _resolve_backend(backend, router_logits)
     if be == "torch":
         return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)

@@ -1,27 +1,103 @@
-"""Validation of :func:`replaymoe.routing.route`'s arguments, and the replay-id check.
+"""Validation of the routing arguments, at the public boundary, and the replay-id check.
 
-:func:`validate` checks the logits and the other per-call arguments at the public boundary
-(cheap predicates first: it runs on every eager call) against an already validated
-:class:`~replaymoe.routing.config.RoutingConfig`, and returns the normalised
-:class:`~replaymoe.routing.methods.Params`. Replay ids
-are checked by value where that needs a host sync: eagerly here, and under ``torch.compile`` through
-the custom op ``replaymoe::check_replay_ids``, skipped while a CUDA graph is being captured.
+Two moments, each checked once: :func:`validate_config` when a
+:class:`~replaymoe.routing.RoutingConfig` is built (everything that needs no logits), and
+:func:`validate` per call of :func:`replaymoe.routing.route` (or of ``fused_moe`` with routing inside):
+the logits and the other per-call arguments (cheap predicates first: it runs on every eager call)
+against the config, returning the normalised :class:`~replaymoe.routing.methods.Params` and the
+replay ids as the kernels read them. Replay ids are checked by value where that needs a host sync:
+eagerly here, and under ``torch.compile`` through the custom op ``replaymoe::check_replay_ids``,
+skipped while a CUDA graph is being captured. What the checks say about a method comes from its row
+in :data:`~replaymoe.routing.methods.METHODS`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from replaymoe._validation import check_int, check_tensor, fail, is_capturing, tensor_ok
-from replaymoe.routing.config import BIAS_DTYPES, RoutingConfig
-from replaymoe.routing.methods import Params
+from replaymoe.routing.methods import METHODS, Params, RoutingMethod, methods_where
 
-__all__ = ["check_replay_ids", "compiled_replay_check", "validate"]
+if TYPE_CHECKING:
+    from replaymoe.routing import RoutingConfig
 
+__all__ = ["BIAS_DTYPES", "check_replay_ids", "validate", "validate_config"]
+
+BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
+_MAX_N_GROUP = 32
+_METHOD_VALUES = tuple(int(m) for m in METHODS)
+_METHOD_CHOICES = ", ".join(f"{m.name}={int(m)}" for m in METHODS)  # every method of the table
+
+
+def validate_config(
+    top_k: object,
+    method: object,
+    bias: object,
+    n_group: object,
+    topk_group: object,
+    routed_scaling_factor: object,
+) -> tuple[RoutingMethod, int, int, float]:
+    """The checks of the routing arguments that need no logits: (method, n_group, topk_group, scale).
+
+    The number of experts is checked against them per call (:func:`validate`). Called by
+    ``RoutingConfig.__post_init__``.
+    """
+    # membership by ==, not chained <: torch 2.11's dynamo rejects `<` on enum constants
+    if isinstance(method, bool) or not isinstance(method, int) or method not in _METHOD_VALUES:
+        fail("method", f"a RoutingMethod ({_METHOD_CHOICES})", repr(method))
+    if not isinstance(method, RoutingMethod):  # torch 2.11's dynamo cannot trace the enum constructor
+        method = RoutingMethod(method)
+    if type(top_k) is not int or top_k < 1:
+        check_int("top_k", top_k, low=1)
+    spec = METHODS[method]
+    if spec.single_expert and top_k != 1:
+        fail("top_k", f"1 for RoutingMethod.{method.name}", top_k)
+    if spec.biased:
+        if bias is not None and not tensor_ok(bias, 1, BIAS_DTYPES, None, True):
+            check_tensor("bias", bias, ndim=1, dtype=BIAS_DTYPES, contiguous=True)
+        if routed_scaling_factor is None:
+            scale = 1.0
+        else:
+            if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+                fail(
+                    "routed_scaling_factor",
+                    "a float or None",
+                    type(routed_scaling_factor).__name__,
+                    what="type",
+                )
+            scale = float(routed_scaling_factor)
+            if not math.isfinite(scale):
+                fail("routed_scaling_factor", "a finite float", scale)
+    else:
+        if bias is not None:
+            fail("bias", f"None for {method.name} (bias applies to {methods_where('biased')})", "a tensor")
+        if routed_scaling_factor is not None:
+            fail(
+                "routed_scaling_factor",
+                f"None for {method.name} (it applies to {methods_where('biased')})",
+                routed_scaling_factor,
+            )
+        scale = 1.0
+    if spec.grouped:
+        ng = 1 if n_group is None else check_int("n_group", n_group, low=1, high=_MAX_N_GROUP)
+        if topk_group is None:
+            if ng > 1:
+                fail("topk_group", f"an int in [1, {ng}] when n_group > 1", None)
+            tg = 1
+        else:
+            tg = check_int("topk_group", topk_group, low=1, high=ng)
+    else:
+        for name, val in (("n_group", n_group), ("topk_group", topk_group)):
+            if val is not None and val != 1:
+                grouped = methods_where("grouped")
+                fail(name, f"None or 1 for {method.name} (grouping applies to {grouped})", val)
+        ng, tg = 1, 1
+    return method, ng, tg, scale
 
 
 def validate(
@@ -30,8 +106,12 @@ def validate(
     routing_replay_out: object,
     replay_ids: object,
     check_replay: bool = True,
-) -> Params:
-    """The per-call checks of ``route``: the logits, and ``config`` against their number of experts."""
+) -> tuple[Params, Optional[torch.Tensor]]:
+    """The per-call checks of ``route``: the logits, and ``config`` against their number of experts.
+
+    Returns the normalised :class:`Params` and ``replay_ids`` as the kernels read them
+    (:func:`_replay_ids_for_kernels`).
+    """
     # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
     x = router_logits
     if not tensor_ok(x, 2, _LOGIT_DTYPES, None, False):
@@ -94,9 +174,10 @@ def validate(
             check_tensor("replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev)
         if check_replay and not is_capturing() and not torch.compiler.is_compiling():
             _check_replay_values(replay_ids, num_experts)
-        # under torch.compile the check runs inside the graph, in the op from _compiled_replay_check
+        # under torch.compile the check runs inside the graph, in the op from _replay_ids_for_kernels
+        replay_ids = _replay_ids_for_kernels(replay_ids, num_experts, check_replay)
 
-    return Params(config.method, top_k, ng, tg, config.scale)
+    return Params(config.method, top_k, ng, tg, config.scale), replay_ids
 
 
 @torch.library.custom_op("replaymoe::check_replay_ids", mutates_args=())
@@ -116,17 +197,13 @@ def _check_replay_ids_fake(replay_ids, num_experts):
     return torch.empty_like(replay_ids)
 
 
-def compiled_replay_check(
-    replay_ids: Optional[torch.Tensor], num_experts: int, check: bool = True
-) -> Optional[torch.Tensor]:
+def _replay_ids_for_kernels(replay_ids: torch.Tensor, num_experts: int, check: bool) -> torch.Tensor:
     """Replay ids as the kernels read them: contiguous, and under torch.compile routed through the
     checking op (eager validation is skipped there).
 
     Any strides are accepted (e.g. ``trace.ids[:, l]``, a per-layer slice of a recorded trace); the
-    small ``[T, K]`` tensor is copied when it is not contiguous.
+    small ``[T, K]`` tensor is copied when it is not contiguous (here only, once per call).
     """
-    if replay_ids is None:
-        return None
     if not replay_ids.is_contiguous():
         replay_ids = replay_ids.contiguous()
     if not check or not torch.compiler.is_compiling():

@@ -1,5 +1,10 @@
 """Triton kernel of :func:`replaymoe.route`: selection, weights, capture and replay in one launch.
 
+The method comes in as its table row's flags (:meth:`replaymoe.routing.methods.MethodSpec.kernel_flags`):
+``BIASED`` (selection score ``sigmoid(x) + bias``), ``GROUPED`` (DeepSeek-V3 group masking),
+``WEIGHTS`` (the weights formula's branch) and ``FULL_SOFTMAX`` (the formula needs the softmax over
+all experts).
+
 Each program handles ``BLOCK_T`` tokens x all experts. The experts sit in a padded
 ``[NGP, GSP]`` grid (groups x experts per group, both powers of two; one group when the
 method is not grouped) flattened to ``EP = NGP * GSP`` columns; column ``g * GSP + j``
@@ -20,19 +25,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from replaymoe._routing_method import RoutingMethod
+from replaymoe.routing import methods
 
-# Method numbers, from the enum (a plain int each, as Triton's constexpr globals must be).
-_DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
-_RENORMALIZE = tl.constexpr(int(RoutingMethod.RENORMALIZE))
-_DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
-_LLAMA4 = tl.constexpr(int(RoutingMethod.LLAMA4))
-_RENORMALIZE_NAIVE = tl.constexpr(int(RoutingMethod.RENORMALIZE_NAIVE))
-_TOPK = tl.constexpr(int(RoutingMethod.TOPK))
-_SIGMOID_RENORM = tl.constexpr(int(RoutingMethod.SIGMOID_RENORM))
-_MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
-_SIGMOID = tl.constexpr(int(RoutingMethod.SIGMOID))
-_TOPK_SIGMOID = tl.constexpr(int(RoutingMethod.TOPK_SIGMOID))
+# The weights formulas' branch numbers, from the method table (a plain int each, as Triton's constexpr
+# globals must be); the kernel reads a method's properties from its row's flags, never its name.
+_W_SOFTMAX_ALL = tl.constexpr(methods.W_SOFTMAX_ALL.kernel)
+_W_SOFTMAX_SELECTED = tl.constexpr(methods.W_SOFTMAX_SELECTED.kernel)
+_W_SIGMOID_SCALED = tl.constexpr(methods.W_SIGMOID_SCALED.kernel)
+_W_SIGMOID = tl.constexpr(methods.W_SIGMOID.kernel)
+_W_SOFTMAX_ALL_RENORM = tl.constexpr(methods.W_SOFTMAX_ALL_RENORM.kernel)
+_W_LOGITS = tl.constexpr(methods.W_LOGITS.kernel)
+_W_SIGMOID_RENORM = tl.constexpr(methods.W_SIGMOID_RENORM.kernel)
 
 _SENTINEL = tl.constexpr(-4611686018427387904)  # -2**62, below every int64 key (>= -2**47)
 _MIN32 = tl.constexpr(-2147483648)  # padding / removed: below every int32 key (-inf is above it)
@@ -77,7 +80,8 @@ def _select(
     bias,  # fp32 [EP] (zeros when absent)
     valid,  # bool [1, EP] real expert columns
     expert,  # int32 [1, EP] expert id of each column
-    METHOD: tl.constexpr,
+    BIASED: tl.constexpr,
+    GROUPED: tl.constexpr,
     K: tl.constexpr,
     KP: tl.constexpr,
     NG: tl.constexpr,
@@ -93,7 +97,7 @@ def _select(
 ):
     """int32 [BLOCK_T, KP] selected experts, columns in descending score order (ties: smaller id)."""
     EP: tl.constexpr = NGP * GSP
-    if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:
+    if BIASED:
         b = _sigmoid(x) + bias[None, :]
     else:
         b = x
@@ -101,7 +105,7 @@ def _select(
     b = tl.where(b == 0.0, 0.0, b)  # -0.0 -> +0.0 (they compare equal)
     ordered = tl.where(valid, _ordered(b), _MIN32)  # int32, monotone in the score; padding lowest
 
-    if METHOD == _DEEPSEEK_V3 and NG > 1:
+    if GROUPED and NG > 1:
         # group score = sum of the group's two largest scores; keep TOPK_GROUP groups
         o3 = tl.reshape(ordered, [BLOCK_T, NGP, GSP])
         m1 = tl.max(o3, axis=2)
@@ -200,7 +204,10 @@ def route_kernel(
     capture_ptr,  # [>= T, K] int16 out (dummy when HAS_CAPTURE is False)
     T,
     scale,  # routed_scaling_factor (fp32)
-    METHOD: tl.constexpr,
+    BIASED: tl.constexpr,  # selection score sigmoid(x) + bias (the method's row, methods.METHODS)
+    GROUPED: tl.constexpr,  # the method groups experts (group masking when NG > 1)
+    WEIGHTS: tl.constexpr,  # the weights formula's branch (methods.Formula.kernel)
+    FULL_SOFTMAX: tl.constexpr,  # the formula needs the softmax over all experts
     K: tl.constexpr,
     KP: tl.constexpr,
     NG: tl.constexpr,
@@ -241,7 +248,7 @@ def route_kernel(
     else:
         bias = tl.zeros([EP], dtype=tl.float32)
 
-    if METHOD == _DEFAULT or METHOD == _RENORMALIZE_NAIVE:
+    if FULL_SOFTMAX:
         xm = tl.where(valid, x, float("-inf"))
         row_max = tl.max(xm, axis=1)
         denom = tl.sum(tl.exp(xm - row_max[:, None]), axis=1)
@@ -261,7 +268,8 @@ def route_kernel(
                 bias,
                 valid,
                 expert,
-                METHOD,
+                BIASED,
+                GROUPED,
                 K,
                 KP,
                 NG,
@@ -282,7 +290,8 @@ def route_kernel(
             bias,
             valid,
             expert,
-            METHOD,
+            BIASED,
+            GROUPED,
             K,
             KP,
             NG,
@@ -299,24 +308,25 @@ def route_kernel(
 
     # weights from the logits at the chosen experts (a cached gather), by the method's formula
     xs = tl.load(logits_ptr + rows64[:, None] * stride_lt + ids, mask=omask, other=0.0).to(tl.float32)
-    if METHOD == _DEFAULT:
+    if WEIGHTS == _W_SOFTMAX_ALL:
         w = tl.exp(xs - row_max[:, None]) / denom[:, None]
-    elif METHOD == _RENORMALIZE_NAIVE:
+    elif WEIGHTS == _W_SOFTMAX_ALL_RENORM:
         p = tl.where(col_ok, tl.exp(xs - row_max[:, None]) / denom[:, None], 0.0)
         w = p / tl.sum(p, axis=1)[:, None]
-    elif METHOD == _RENORMALIZE:
+    elif WEIGHTS == _W_SOFTMAX_SELECTED:
         xk = tl.where(col_ok, xs, float("-inf"))
         e = tl.exp(xk - tl.max(xk, axis=1)[:, None])
         w = e / tl.sum(e, axis=1)[:, None]
-    elif METHOD == _TOPK:
+    elif WEIGHTS == _W_LOGITS:
         w = xs
-    elif METHOD == _SIGMOID_RENORM:
+    elif WEIGHTS == _W_SIGMOID_RENORM:
         s = tl.where(col_ok, _sigmoid(xs), 0.0)
         w = s / tl.maximum(tl.sum(s, axis=1), 1e-20)[:, None]
-    elif METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:
+    elif WEIGHTS == _W_SIGMOID_SCALED:
         s = tl.where(col_ok, _sigmoid(xs), 0.0)
         w = s / (tl.sum(s, axis=1) + 1e-20)[:, None] * scale
-    else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+    else:
+        tl.static_assert(WEIGHTS == _W_SIGMOID, "a weights formula without a branch here")
         w = _sigmoid(xs)
 
     tl.store(ids_ptr + out_off, ids, mask=omask)

@@ -6,22 +6,35 @@ handles ``BLOCK_T`` tokens × all ``E`` experts (padded to ``EP``) × the ``K`` 
 the scatter of per-slot values onto expert columns is a one-hot sum over the slots, so repeated ids
 add up as ``scatter_add_`` does. fp32 arithmetic; the result is stored in the logits' dtype.
 
-``KIND`` (the closed form; :data:`replaymoe.routing.methods.GRAD_KIND` maps each to its methods):
+``KIND`` (the closed form: :attr:`replaymoe.routing.methods.Formula.kernel` of a formula with
+``grad_kernel``; the method table maps each method to its formula):
 
-* 0: ``softmax(x)[ids]`` — ``p * (d - sum(d * p))`` with ``d`` the scattered ``g``;
-* 1: ``softmax(x[ids])`` over the slots — scattered ``w * (g - sum(g * w))``;
-* 2: ``sigmoid(x[ids]) / (sum + EPS) * scale`` — scattered ``ds * s * (1 - s)``;
-* 3: ``sigmoid(x[ids])`` — scattered ``g * s * (1 - s)``;
-* 4: ``softmax(x)[ids]`` renormalised over the slots — kind 0 with ``d`` from the renormalisation;
-* 5: ``x[ids]`` — scattered ``g``;
-* 6: ``sigmoid(x[ids]) / max(sum, EPS)`` — scattered ``ds * s * (1 - s)``, the clamp passing a
-  gradient only where ``sum >= EPS`` (autograd's rule).
+* 0 ``W_SOFTMAX_ALL``: ``softmax(x)[ids]`` — ``p * (d - sum(d * p))`` with ``d`` the scattered ``g``;
+* 1 ``W_SOFTMAX_SELECTED``: ``softmax(x[ids])`` over the slots — scattered ``w * (g - sum(g * w))``;
+* 2 ``W_SIGMOID_SCALED``: ``sigmoid(x[ids]) / (sum + EPS) * scale`` — scattered ``ds * s * (1 - s)``;
+* 3 ``W_SIGMOID``: ``sigmoid(x[ids])`` — scattered ``g * s * (1 - s)``;
+* 4 ``W_SOFTMAX_ALL_RENORM``: ``softmax(x)[ids]`` renormalised over the slots — kind 0 with ``d`` from
+  the renormalisation;
+* 5 ``W_LOGITS``: ``x[ids]`` — scattered ``g``;
+* 6 ``W_SIGMOID_RENORM``: ``sigmoid(x[ids]) / max(sum, EPS)`` — scattered ``ds * s * (1 - s)``, the
+  clamp passing a gradient only where ``sum >= EPS`` (autograd's rule).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from replaymoe.routing import methods
+
+# the closed forms' numbers (``KIND``), from the method table's formulas
+_SOFTMAX_ALL = tl.constexpr(methods.W_SOFTMAX_ALL.kernel)
+_SOFTMAX_SELECTED = tl.constexpr(methods.W_SOFTMAX_SELECTED.kernel)
+_SIGMOID_SCALED = tl.constexpr(methods.W_SIGMOID_SCALED.kernel)
+_SIGMOID = tl.constexpr(methods.W_SIGMOID.kernel)
+_SOFTMAX_ALL_RENORM = tl.constexpr(methods.W_SOFTMAX_ALL_RENORM.kernel)
+_LOGITS = tl.constexpr(methods.W_LOGITS.kernel)
+_SIGMOID_RENORM = tl.constexpr(methods.W_SIGMOID_RENORM.kernel)
 
 
 @triton.jit
@@ -59,14 +72,14 @@ def route_weights_grad_kernel(
     ids = tl.load(ids_ptr + rt64[:, None] * K + rk[None, :], mask=sel_ok, other=-1)
     g = tl.load(g_ptr + rt64[:, None] * K + rk[None, :], mask=sel_ok, other=0.0).to(tl.float32)
     onehot = ids[:, :, None] == re[None, None, :]  # [BLOCK_T, KP, EP]; padding slots match nothing
-    if KIND == 0 or KIND == 4:  # softmax over all experts
+    if KIND == _SOFTMAX_ALL or KIND == _SOFTMAX_ALL_RENORM:  # softmax over all experts
         x = tl.load(
             x_ptr + rt64[:, None] * stride_x + re[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
         ).to(tl.float32)
         x = tl.where(e_ok[None, :], x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         probs = p / tl.sum(p, axis=1)[:, None]
-        if KIND == 4:
+        if KIND == _SOFTMAX_ALL_RENORM:
             q = tl.sum(tl.where(onehot, probs[:, None, :], 0.0), axis=2)  # [BLOCK_T, KP]
             qs = tl.sum(q, axis=1)[:, None]
             g = (g - tl.sum(g * q, axis=1)[:, None] / qs) / qs
@@ -75,22 +88,23 @@ def route_weights_grad_kernel(
     else:
         xs = tl.load(x_ptr + rt64[:, None] * stride_x + tl.where(sel_ok, ids, 0), mask=sel_ok, other=0.0)
         xs = xs.to(tl.float32)
-        if KIND == 1:
+        if KIND == _SOFTMAX_SELECTED:
             z = tl.where(sel_ok, xs, float("-inf"))
             w = tl.exp(z - tl.max(z, axis=1)[:, None])
             w = tl.where(sel_ok, w, 0.0)
             w = w / tl.sum(w, axis=1)[:, None]
             v = w * (g - tl.sum(g * w, axis=1)[:, None])
-        elif KIND == 5:
+        elif KIND == _LOGITS:
             v = g
         else:
             s = tl.where(sel_ok, 1.0 / (1.0 + tl.exp(-xs)), 0.0)
-            if KIND == 3:
+            if KIND == _SIGMOID:
                 ds = g
-            elif KIND == 2:
+            elif KIND == _SIGMOID_SCALED:
                 den = tl.sum(s, axis=1)[:, None] + eps
                 ds = (g / den - tl.sum(g * s, axis=1)[:, None] / (den * den)) * scale
-            else:  # 6
+            else:
+                tl.static_assert(KIND == _SIGMOID_RENORM, "a closed form without a branch here")
                 total = tl.sum(s, axis=1)[:, None]
                 den = tl.maximum(total, eps)
                 ds = g / den - tl.where(total >= eps, tl.sum(g * s, axis=1)[:, None] / (den * den), 0.0)

@@ -1,12 +1,13 @@
 """The Triton backend of :func:`replaymoe.routing.route`: launch, custom op and backward.
 
-One kernel launch per call (``routing/_kernel.py``): eagerly through :func:`replaymoe._launch.fast`,
+One kernel launch per call (``_kernel.py``, the method passed as its table row's flags,
+:data:`~replaymoe.routing.methods.KERNEL_FLAGS`): eagerly through :func:`replaymoe._launch.fast`,
 under ``torch.compile`` through the custom op ``replaymoe::route`` (with a fake implementation). With a
 gradient, :class:`RouteFunction` adds the backward of the weights with respect to the logits at the selected
-ids (:func:`weights_backward`): the per-method closed form in :mod:`replaymoe.routing.methods` (eagerly in
-one Triton launch, ``routing/_kernel_grad.py``; as torch ops under ``torch.compile`` and for fp64), or
-autograd of the method's formula where the table gives none, so a new method needs no hand-derived
-gradient.
+ids (:func:`weights_backward`): the row's closed form (:class:`~replaymoe.routing.methods.Formula`;
+in one Triton launch of ``_kernel_grad.py``, eagerly and under ``torch.compile``; as torch ops for fp64),
+or autograd of the row's formula where it gives none, so a new method needs no hand-derived gradient.
+No argument checks here (:mod:`replaymoe.routing._checks` validates at the public boundary).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from typing import Optional
 import torch
 import triton
 
-from replaymoe._routing_method import RoutingMethod
-from replaymoe.routing.methods import EPS, GRAD_KIND, METHODS, Params, weights_torch
+from replaymoe.routing.methods import EPS, KERNEL_FLAGS, METHODS, Params, RoutingMethod, weights_torch
 
 __all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
 
@@ -70,7 +70,7 @@ def _launch(
         router_logits if routing_replay_out is None else routing_replay_out,
         num_tokens,
         scale,
-        METHOD=int(method),
+        **KERNEL_FLAGS[method],
         K=top_k,
         KP=triton.next_power_of_2(top_k),
         NG=n_group,
@@ -83,7 +83,7 @@ def _launch(
         HAS_CAPTURE=routing_replay_out is not None,
         BLOCK_T=block_t,
         ALGO=algo,
-        KEY32=router_logits.dtype != torch.float32 and not METHODS[RoutingMethod(method)].biased,
+        KEY32=router_logits.dtype != torch.float32 and not METHODS[method].biased,
         LOG_EP=(ngp * gsp).bit_length() - 1,
         num_warps=num_warps,
     )
@@ -122,17 +122,18 @@ def weights_backward(
     router_logits: torch.Tensor, ids: torch.Tensor, grad_w: torch.Tensor, method: int, scale: float
 ) -> torch.Tensor:
     """Gradient of the method's weights w.r.t. the logits at fixed ``ids``, in fp32 (fp64 for fp64
-    logits): the table's closed form (:attr:`replaymoe.routing.methods.MethodSpec.grad`), or else
+    logits): the row's closed form (:attr:`replaymoe.routing.methods.Formula.grad`), or else
     autograd of its formula (:func:`replaymoe.routing.methods.weights_torch`) through
-    ``torch.func.vjp``. 16- or 32-bit logits on CUDA (or in Triton's interpreter) with a closed form take one
-    launch of ``routing/_kernel_grad.py`` (under ``torch.compile`` the custom op
+    ``torch.func.vjp``. 16- or 32-bit logits on CUDA (or in Triton's interpreter) with a closed form in
+    the kernel take one launch of ``_kernel_grad.py`` (under ``torch.compile`` the custom op
     ``replaymoe::route_weights_grad``, the same kernel); otherwise torch ops, which ``torch.compile``
     traces."""
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     m = RoutingMethod(method)
-    closed = METHODS[m].grad
-    kind = GRAD_KIND.get(closed)
-    if kind is not None and acc == torch.float32 and _grad_kernel_ok(router_logits):
+    formula = METHODS[m].formula
+    closed = formula.grad
+    if formula.grad_kernel and acc == torch.float32 and _grad_kernel_ok(router_logits):
+        kind = formula.kernel
         if torch.compiler.is_compiling():
             return torch.ops.replaymoe.route_weights_grad(router_logits, ids, grad_w, kind, float(scale))
         return _grad_launch(router_logits, ids, grad_w, kind, float(scale))

@@ -1,38 +1,85 @@
-"""Per-method routing in one table: how each :class:`RoutingMethod` selects and weighs experts.
+"""The routing methods in one table: one row per :class:`RoutingMethod`, read by everything else.
 
-:data:`METHODS` maps every method to a :class:`MethodSpec`: whether its selection score is
-``sigmoid(x) + bias`` (and it takes a bias and a ``routed_scaling_factor``), whether it groups experts
-(DeepSeek-V3), whether it needs ``top_k == 1`` (Llama-4), and its weights formula. The torch reference
-(:func:`select_torch`, :func:`weights_torch`), the validation of :func:`replaymoe.routing.route` and
-the Triton backward read this table; the Triton kernel has one branch per formula.
+Each row (:class:`MethodSpec`) says how the method selects experts (its selection score is the
+logits, or ``sigmoid(x) + bias`` with a bias and a ``routed_scaling_factor``; whether it groups
+experts; whether it needs ``top_k == 1``) and how it weighs them (:class:`Formula`: the torch math,
+its closed-form gradient, the number of the branch the Triton kernels take, whether it needs the
+softmax over all experts). The validation of the routing arguments, the torch reference
+(:func:`select_torch`, :func:`weights_torch`), the Triton launch (the kernel's constexpr flags,
+:data:`KERNEL_FLAGS`) and the backward read the row; no code compares method names.
 
-Adding a method: a :class:`~replaymoe._routing_method.RoutingMethod` number, one row here, one
-branch in ``routing/_kernel.py``, one row in the tests' method table (the Triton op's backward is
-autograd of the row's formula).
+=====================  ======================  =====================================================
+method                 selection score         weights over the selected set S (:class:`Formula`)
+=====================  ======================  =====================================================
+DEFAULT (0)            x                       softmax(x) over all E experts, at S (no renorm)
+RENORMALIZE (1)        x                       softmax over x_S
+DEEPSEEK_V3 (2)        b = sigmoid(x) + bias   s_S / (sum s_S + 1e-20) * routed_scaling_factor,
+                       (grouped, see below)    s = sigmoid(x) (unbiased)
+LLAMA4 (3)             x  (top_k must be 1)    sigmoid(x_S)
+RENORMALIZE_NAIVE (4)  x                       p_S / sum p_S with p = softmax(x) over all E
+TOPK (5)               x                       x_S (raw logits)
+SIGMOID_RENORM (6)     x                       s_S / max(sum s_S, 1e-20), s = sigmoid(x)
+MINIMAX2 (7)           b = sigmoid(x) + bias   s_S / (sum s_S + 1e-20) * routed_scaling_factor
+SIGMOID (8)            x                       sigmoid(x_S)
+TOPK_SIGMOID (9)       x                       sigmoid(x_S)
+=====================  ======================  =====================================================
+
+Softmax and sigmoid are monotonic, so the methods that FlashInfer describes as
+"top-k of softmax(x)" or "top-k of sigmoid(x)" select on the raw logits here: the same
+set, except that values which round to the same probability in fp32 (sigmoid(x) = 1.0
+for x > ~17) are still ordered by their logits instead of by index.
+
+DeepSeek-V3 grouping (``n_group > 1``): the E experts form ``n_group`` contiguous
+groups; a group's score is the sum of its two largest ``b`` (fp32, largest + second;
+the single value when a group has one expert; NaN counts as ``-inf``); the
+``topk_group`` best groups are kept (ties to the smaller group index) and every
+expert of another group gets the score ``-inf``; then the top-k of ``b`` is selected.
+With ``n_group`` 1 (or None) it is plain top-k of ``b``.
+
+Adding a method (docs/ADDING_A_ROUTING_METHOD.md): a number in :class:`RoutingMethod` and one row
+in :data:`METHODS`, both here (with a line in the table above); a :class:`Formula` here and one
+branch in ``_kernel.py`` only if its weights formula is new (the backward then takes a vjp of the
+torch formula unless the formula gives a closed form); one row in the tests' method table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import NamedTuple, Optional
 
 import torch
 
-from replaymoe._routing_method import RoutingMethod
-
 __all__ = [
     "EPS",
-    "GRAD_KIND",
+    "KERNEL_FLAGS",
     "METHODS",
+    "Formula",
     "MethodSpec",
     "Params",
+    "RoutingMethod",
     "select_torch",
     "selection_scores",
     "weights_torch",
 ]
 
 EPS = 1e-20
+
+
+class RoutingMethod(IntEnum):
+    """Routing methods, numbered as FlashInfer's ``RoutingMethodType`` (the math: the module docstring)."""
+
+    DEFAULT = 0
+    RENORMALIZE = 1
+    DEEPSEEK_V3 = 2
+    LLAMA4 = 3
+    RENORMALIZE_NAIVE = 4
+    TOPK = 5
+    SIGMOID_RENORM = 6
+    MINIMAX2 = 7
+    SIGMOID = 8
+    TOPK_SIGMOID = 9
 
 
 class Params(NamedTuple):
@@ -78,7 +125,8 @@ def _sigmoid_scaled(x32, ids, p):
 
 # Closed-form gradients of the formulas above with respect to x32 at fixed ids, ``g`` = dL/dw [T, K]:
 # the same values as autograd of the formula (tests/test_routing.py checks them in float64), in a
-# handful of ops instead of a traced vjp (the eager backward's host time matters in training).
+# handful of ops instead of a traced vjp (the eager backward's host time matters in training);
+# ``_kernel_grad.py`` computes each in one launch (the branch :attr:`Formula.kernel`).
 def _scatter(x32, ids, d):
     return torch.zeros_like(x32).scatter_add_(1, ids, d)
 
@@ -129,22 +177,50 @@ def _grad_sigmoid_scaled(x32, ids, g, p):
     return _scatter(x32, ids, ds * s * (1 - s))
 
 
-# The closed forms that the Triton backward computes in one kernel (``routing/_kernel_grad.py``),
-# by its ``KIND`` number; a closed form missing here runs as torch ops.
-GRAD_KIND: dict[Callable, int] = {
-    _grad_softmax_at: 0,
-    _grad_softmax_of_selected: 1,
-    _grad_sigmoid_scaled: 2,
-    _grad_sigmoid: 3,
-    _grad_softmax_at_renorm: 4,
-    _grad_raw_logits: 5,
-    _grad_sigmoid_renorm: 6,
-}
+@dataclass(frozen=True, eq=False)
+class Formula:
+    """A weights formula: the torch math, its closed-form gradient and its branch in the kernels.
+
+    Attributes
+    ----------
+    kernel : int
+        The branch that computes it: ``WEIGHTS`` in ``_kernel.py`` (the forward) and, with
+        ``grad_kernel``, ``KIND`` in ``_kernel_grad.py`` (the backward's closed form).
+    weights : callable
+        ``(x32 [T, E] fp32, ids [T, K] int64, Params) -> [T, K]`` weights, differentiable in x32.
+    grad : callable or None
+        ``(x32, ids, g [T, K], Params) -> [T, E]``: the gradient of ``weights`` w.r.t. x32 at fixed
+        ids for the cotangent g, in closed form; None = the backward takes a vjp of ``weights`` (a new
+        formula needs no hand-derived gradient).
+    grad_kernel : bool
+        ``_kernel_grad.py`` computes ``grad`` in one launch (branch ``kernel``); otherwise torch ops.
+    full_softmax : bool
+        The weights need the softmax over all E experts (computed before the selection), not only
+        at the selected ids.
+    """
+
+    kernel: int
+    weights: Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]
+    grad: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Params], torch.Tensor]] = None
+    grad_kernel: bool = False
+    full_softmax: bool = False
+
+
+# The weights formulas, with the branch numbers of the kernels (``WEIGHTS`` / ``KIND``); every
+# closed form here also runs in the backward kernel
+W_SOFTMAX_ALL = Formula(0, _softmax_at, _grad_softmax_at, grad_kernel=True, full_softmax=True)
+W_SOFTMAX_SELECTED = Formula(1, _softmax_of_selected, _grad_softmax_of_selected, grad_kernel=True)
+W_SIGMOID_SCALED = Formula(2, _sigmoid_scaled, _grad_sigmoid_scaled, grad_kernel=True)
+W_SIGMOID = Formula(3, _sigmoid, _grad_sigmoid, grad_kernel=True)
+W_SOFTMAX_ALL_RENORM = Formula(4, _softmax_at_renorm, _grad_softmax_at_renorm, grad_kernel=True,
+                               full_softmax=True)  # fmt: skip
+W_LOGITS = Formula(5, _raw_logits, _grad_raw_logits, grad_kernel=True)
+W_SIGMOID_RENORM = Formula(6, _sigmoid_renorm, _grad_sigmoid_renorm, grad_kernel=True)
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One routing method (see the table in :mod:`replaymoe.routing`'s docstring).
+    """One routing method: a row of :data:`METHODS` (see the table in the module docstring).
 
     Attributes
     ----------
@@ -154,37 +230,57 @@ class MethodSpec:
         Takes ``n_group`` / ``topk_group`` (group masking before the top-k).
     single_expert : bool
         Needs ``top_k == 1``.
-    weights : callable
-        ``(x32 [T, E] fp32, ids [T, K] int64, Params) -> [T, K]`` weights, differentiable in x32.
-    grad : callable or None
-        ``(x32, ids, g [T, K], Params) -> [T, E]``: the gradient of ``weights`` w.r.t. x32 at fixed
-        ids for the cotangent g, in closed form; None = the Triton backward takes a vjp of
-        ``weights`` (a new method needs no hand-derived gradient).
+    formula : Formula
+        How the weights are computed from the logits at the selected ids.
     """
 
     biased: bool
     grouped: bool
     single_expert: bool
-    weights: Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]
-    grad: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Params], torch.Tensor]] = None
+    formula: Formula
+
+    @property
+    def weights(self) -> Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]:
+        """The formula's torch math (:attr:`Formula.weights`)."""
+        return self.formula.weights
+
+    @property
+    def grad(self) -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Params], torch.Tensor]]:
+        """The formula's closed-form gradient, or None (:attr:`Formula.grad`)."""
+        return self.formula.grad
+
+    def kernel_flags(self) -> dict[str, object]:
+        """The constexprs of ``route_kernel`` that this row sets (the kernel never reads a method's name)."""
+        return {
+            "BIASED": self.biased,
+            "GROUPED": self.grouped,
+            "WEIGHTS": self.formula.kernel,
+            "FULL_SOFTMAX": self.formula.full_softmax,
+        }
 
 
+# One row per method: (biased, grouped, single_expert, weights formula).
 METHODS: dict[RoutingMethod, MethodSpec] = {
-    RoutingMethod.DEFAULT: MethodSpec(False, False, False, _softmax_at, _grad_softmax_at),
-    RoutingMethod.RENORMALIZE: MethodSpec(
-        False, False, False, _softmax_of_selected, _grad_softmax_of_selected
-    ),
-    RoutingMethod.DEEPSEEK_V3: MethodSpec(True, True, False, _sigmoid_scaled, _grad_sigmoid_scaled),
-    RoutingMethod.LLAMA4: MethodSpec(False, False, True, _sigmoid, _grad_sigmoid),
-    RoutingMethod.RENORMALIZE_NAIVE: MethodSpec(
-        False, False, False, _softmax_at_renorm, _grad_softmax_at_renorm
-    ),
-    RoutingMethod.TOPK: MethodSpec(False, False, False, _raw_logits, _grad_raw_logits),
-    RoutingMethod.SIGMOID_RENORM: MethodSpec(False, False, False, _sigmoid_renorm, _grad_sigmoid_renorm),
-    RoutingMethod.MINIMAX2: MethodSpec(True, False, False, _sigmoid_scaled, _grad_sigmoid_scaled),
-    RoutingMethod.SIGMOID: MethodSpec(False, False, False, _sigmoid, _grad_sigmoid),
-    RoutingMethod.TOPK_SIGMOID: MethodSpec(False, False, False, _sigmoid, _grad_sigmoid),
+    RoutingMethod.DEFAULT: MethodSpec(False, False, False, W_SOFTMAX_ALL),
+    RoutingMethod.RENORMALIZE: MethodSpec(False, False, False, W_SOFTMAX_SELECTED),
+    RoutingMethod.DEEPSEEK_V3: MethodSpec(True, True, False, W_SIGMOID_SCALED),
+    RoutingMethod.LLAMA4: MethodSpec(False, False, True, W_SIGMOID),
+    RoutingMethod.RENORMALIZE_NAIVE: MethodSpec(False, False, False, W_SOFTMAX_ALL_RENORM),
+    RoutingMethod.TOPK: MethodSpec(False, False, False, W_LOGITS),
+    RoutingMethod.SIGMOID_RENORM: MethodSpec(False, False, False, W_SIGMOID_RENORM),
+    RoutingMethod.MINIMAX2: MethodSpec(True, False, False, W_SIGMOID_SCALED),
+    RoutingMethod.SIGMOID: MethodSpec(False, False, False, W_SIGMOID),
+    RoutingMethod.TOPK_SIGMOID: MethodSpec(False, False, False, W_SIGMOID),
 }
+
+# ``route_kernel``'s method constexprs per method, built once (looked up on every launch)
+KERNEL_FLAGS: dict[RoutingMethod, dict[str, object]] = {m: spec.kernel_flags() for m, spec in METHODS.items()}
+
+
+def methods_where(attribute: str) -> str:
+    """The names of the methods whose row has ``attribute`` set, for error messages (``"A and B"``)."""
+    names = [m.name for m, spec in METHODS.items() if getattr(spec, attribute)]
+    return " and ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def selection_scores(x32: torch.Tensor, p: Params, bias: Optional[torch.Tensor]) -> torch.Tensor:
