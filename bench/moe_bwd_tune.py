@@ -12,7 +12,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import replaymoe.moe_triton as M
+import replaymoe.moe._triton as M
 from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 
 OUT = os.environ.get("OUT", "/tmp")

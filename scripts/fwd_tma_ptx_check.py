@@ -1,6 +1,6 @@
 """Compile the tile-mode (prefill) GEMM kernels for sm_90 with and without TMA (no GPU needed).
 
-For the configurations :func:`replaymoe.moe_triton.moe_config` picks for bf16 prefill (128-row tiles,
+For the configurations :func:`replaymoe.moe._triton.moe_config` picks for bf16 prefill (128-row tiles,
 GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages; on Hopper at >= 256 rows per expert GEMM1
 128×(2×128)×32 in 6 stages) and the variants that may take TMA
 (standard, training forward, interleaved gate/up with biases, w2 bias), this compiles both kernels as
@@ -38,7 +38,7 @@ import sm90_compile as sm90
 from sm90_compile import F32, I16, I32, ONE, P16, P32, PI
 from triton import knobs
 
-import replaymoe._kernels.moe as km
+import replaymoe.moe._kernel_fwd as km
 
 COMMON = dict(ids_ptr=PI, num_pid_m=I32, H=I16, I=I16, num_slots=I32, expert_offset=I32, num_local=I16,
               stride_we=I16, stride_wn=I16, stride_wk=ONE, stride_se=I32, stride_sn=I32, stride_be=I32,

@@ -14,7 +14,7 @@ import sys
 
 from sm90_compile import F32, I16, I32, P16, P32, PI, compile_sm90
 
-import replaymoe._kernels.moe as km
+import replaymoe.moe._kernel_fwd as km
 
 COMMON = dict(ids_ptr=PI, num_pid_m=I32, H=I16, I=I16, num_slots=I16, expert_offset=I32, num_local=I16,
               stride_we=I16, stride_wn=I16, stride_wk=I32, stride_se=I32, stride_sn=I32, stride_be=I32,

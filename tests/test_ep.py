@@ -176,7 +176,7 @@ def _moe_worker(rank, world):
 
     from replaymoe.ep import MoeAlltoAll, ep_moe, expert_partition
     from replaymoe.moe import fused_moe_torch
-    from replaymoe.quant import quantize_fp8_block
+    from replaymoe.moe.quant import quantize_fp8_block
     from replaymoe.routing import RoutingMethod
     from replaymoe.testing import assert_close, tie_free_logits
 

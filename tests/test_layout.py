@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.layout import (
+from replaymoe.moe.layout import (
     ExpertLayout,
     compact_layout,
     compact_layout_torch,

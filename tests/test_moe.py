@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from _scripts import run_script
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
-from replaymoe.moe_triton import MoEConfig, experts_triton
-from replaymoe.quant import quantize_fp8_block
+from replaymoe.moe._triton import MoEConfig, experts_triton
+from replaymoe.moe.quant import quantize_fp8_block
 from replaymoe.routing import RoutingMethod, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits
 
@@ -92,7 +92,7 @@ def test_reference_matches_per_token_formula(T, K, E, E_local, offset, generator
 
 def test_reference_fp8_matches_dequantized_formula(generator):
     # fp8 spec: weights dequantized per 128x128 block, activations through 1x128 fake quantization
-    from replaymoe.quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
+    from replaymoe.moe.quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
 
     x, w13, w2, ids, wts = _problem(5, 128, 128, 3, 2, generator)
     q13, s13 = quantize_fp8_block(w13)
@@ -428,7 +428,7 @@ _GARBAGE_ROWS = pytest.mark.filterwarnings("ignore:invalid value encountered:Run
 
 def _count_descs(monkeypatch):
     """Record the TMA descriptors ``_launch`` makes (None where it falls back to pointer loads)."""
-    import replaymoe.moe_triton as mt
+    import replaymoe.moe._triton as mt
 
     made = []
     real = mt._rows_desc
@@ -445,7 +445,7 @@ def _count_descs(monkeypatch):
 def _descs_expected(cfg) -> int:
     """Descriptors a TMA tile-mode ``_launch`` makes: w13, w2 and the SwiGLU rows, plus those rows with
     half-height blocks where half tiles apply (moe_triton._half_tiles)."""
-    import replaymoe.moe_triton as mt
+    import replaymoe.moe._triton as mt
 
     return 3 + mt._half_tiles(cfg, False)
 
@@ -454,7 +454,7 @@ def _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, *, offset=0, variant=None)
     """Outputs (pointer loads, TMA) of the same configuration, and the TMA run's descriptors."""
     from dataclasses import replace
 
-    from replaymoe.moe_triton import STANDARD
+    from replaymoe.moe._triton import STANDARD
 
     outs = []
     for tma in (False, True):
@@ -506,7 +506,7 @@ def test_tma_ep_slice_bitwise(generator, monkeypatch):
 def test_tma_interleaved_bias_and_strided_fallback(generator, monkeypatch):
     # gpt-oss variant with contiguous interleaved weights: one [2 BN, BK] descriptor block for gate+up;
     # transformers' transposed views (stride along K != 1) must fall back to pointer loads
-    from replaymoe.moe_triton import ExpertsVariant
+    from replaymoe.moe._triton import ExpertsVariant
 
     T, H, I, E, K = 11, 64, 48, 4, 2  # noqa: E741
     x, w13, w2, ids, wts = _exact_problem(T, H, I, E, K, generator, torch.float16)  # exact in any order
@@ -532,7 +532,7 @@ def test_tma_training_forward_bitwise(generator):
     # the training forward (GEMM1 also stores the gate/up rows per slot) with and without TMA
     from dataclasses import replace
 
-    from replaymoe.moe_triton import config_tuple
+    from replaymoe.moe._triton import config_tuple
 
     x, w13, w2, ids, wts = _exact_problem(9, 64, 32, 4, 2, generator, torch.float32)  # exact in any order
     cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
@@ -542,7 +542,7 @@ def test_tma_training_forward_bitwise(generator):
 
 
 def test_tma_config_selection_and_config_lists():
-    from replaymoe.moe_triton import config_from_list, config_tuple, moe_config, tma_ok
+    from replaymoe.moe._triton import config_from_list, config_tuple, moe_config, tma_ok
 
     qwen = (4096, 8, 2048, 768, 128)
     assert moe_config(*qwen, tma=True).tma  # prefill tiles on a TMA device
@@ -718,7 +718,7 @@ def _graph_output(x, w13, w2, kw, like):
 @pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: some slots skip
 @pytest.mark.parametrize("T", [1, 2])  # the decode (direct) mode: routing inside, eager and graph
 def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
-    import replaymoe.moe_triton as mt
+    import replaymoe.moe._triton as mt
 
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
     w13, w2, _, _ = _gpu_weights("qwen3", False)
@@ -777,7 +777,7 @@ def test_gpu_tma_prefill_bitwise_equals_pointer_loads(name, T, monkeypatch):
 def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
     # the wrapper's own choice (TMA on a Hopper GPU for prefill) eager and in a CUDA graph, against
     # moe_triton.TMA_ENABLED = False: the same bits
-    import replaymoe.moe_triton as mt
+    import replaymoe.moe._triton as mt
 
     T = 4096
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
@@ -836,7 +836,7 @@ def _half_tiles_pair(dtype, device, generator, monkeypatch, tma=False):
     """(with HALF_TILES, without, reference): (out, dx, dw13, dw2, dtopk_weights) of the forward and of
     the backward with GEMM1 recomputed, on experts whose row counts straddle a 32-row tile's half;
     ``tma``: GEMM2's SwiGLU rows and dX's dh rows through descriptors (half-height ones for half tiles)."""
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
     ids = _counted_ids(_HALF_COUNTS, generator)

@@ -153,7 +153,7 @@ def test_gemm_tma_equals_pointer_loads(case, generator):
     import dataclasses
 
     import replaymoe.moe as M
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     T, H, I, E, E_local, offset, K = case  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
@@ -184,7 +184,7 @@ def test_triton_backward_configs_match_closed_form(case, dw_mode, block_m, gener
     import dataclasses
 
     import replaymoe.moe as M
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     T, H, I, E, E_local, offset, K, make_ids = case  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
@@ -208,7 +208,7 @@ def test_triton_backward_need_subsets_bitwise_equal(dw_mode, generator):
     # order of the steps and the freeing of dh / aw never change a value; not asked for: empty
     import dataclasses
 
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
@@ -248,8 +248,8 @@ def test_triton_forward_unchanged_by_training_and_backward_deterministic(generat
 def test_eager_function_equals_custom_op_and_reuses_the_layout(case, generator, monkeypatch):
     # eager training runs an autograd.Function (no op dispatch) that hands the forward's expert
     # layout to the backward; torch.compile traces the custom op, which builds its own: same bits
-    import replaymoe.layout as L
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
+    import replaymoe.moe.layout as L
 
     T, H, I, E, E_local, offset, K = CASES[case].values  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float16)
@@ -365,7 +365,7 @@ def test_moelayer_trains(generator):
 
 
 def test_rejections(generator):
-    from replaymoe.quant import quantize_fp8_block
+    from replaymoe.moe.quant import quantize_fp8_block
 
     x, w13, w2, ids, wts, _ = _problem(3, 128, 128, 2, 2, 0, 2, generator, torch.float32)
     with pytest.raises(ValueError, match="recompute"):
@@ -413,7 +413,7 @@ def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, genera
     # persistent-3: 3 programs walk the tiles; ptr-stores: no C descriptor (dw_c_desc=False)
     import dataclasses
 
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     H, I, E, offset, K = 40, 24, 8, 2, 2  # noqa: E741
     counts = [0, 1, 16, 21, 5]  # local experts 2..6; BLOCK_K = 16
@@ -442,7 +442,7 @@ def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, genera
 def test_dw_tma_selection_and_descriptor_checks(monkeypatch):
     # moe_bwd_config sets dw_tma only when asked; dw_tma_ok never on CPU / in the interpreter, never for
     # fp32, never with the module switch off; _dw_desc refuses what TMA cannot address
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     assert MT.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True).dw_tma
     assert not MT.moe_bwd_config(4096, 8, 2048, 768, 128).dw_tma

@@ -126,7 +126,7 @@ def _dw_pair(x, w13, w2, ids, wts, dout, offset, cfg, **extra):
     """(dw13, dw2) with ``cfg``'s dW kernel and with the same config through the other dW kernel."""
     import dataclasses
 
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     T, H = x.shape
     E_local, two_i, _ = w13.shape
@@ -145,7 +145,7 @@ def _dw_pair(x, w13, w2, ids, wts, dout, offset, cfg, **extra):
 def test_dw_tma_bitwise_equal_pointer_kernel(T, H, I, E, E_local, offset, K):  # noqa: E741
     # bf16 (wgmma from TMA-filled shared memory vs pointer loads): the same bits, on every layout edge
     # of CASES (EP slice, experts without rows, H / I not tile multiples: pointer stores)
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     _needs_tma()
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, seed=T + K)
@@ -158,7 +158,7 @@ def test_dw_tma_bitwise_equal_pointer_kernel(T, H, I, E, E_local, offset, K):  #
 def _bench_problem(shape, T=4096):
     """``(x, w13, w2, ids, wts, dout, cfg)``: the bench shape's layer at T tokens (detached) and the
     backward configuration this device picks; skips without TMA."""
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
     from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 
     _needs_tma()
@@ -190,7 +190,7 @@ def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
     # pointer loads: every gradient bitwise equal, at the bench shapes (T=4096)
     import dataclasses
 
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     x, w13, w2, ids, wts, dout, cfg = _bench_problem(shape)
     assert cfg.gemm_tma == MT.BWD_GEMM_TMA_ENABLED
@@ -212,7 +212,7 @@ def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
 def test_cuda_graph_forward_and_backward_dw_tma(monkeypatch):
     # forward + backward captured in a CUDA graph with the TMA dW kernel picked (host descriptors built
     # at capture): the replay equals eager, and eager equals the pointer kernel's backward
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     _needs_tma()
     x, w13, w2, ids, wts, dout = _problem(2048, 512, 256, 16, 16, 0, 4, seed=11)

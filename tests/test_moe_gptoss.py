@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from replaymoe.moe import ClampedSwiGLU, MoELayer, fused_moe, fused_moe_torch
-from replaymoe.moe_triton import ExpertsVariant, MoEConfig, experts_triton
-from replaymoe.quant import quantize_fp8_block
+from replaymoe.moe._triton import ExpertsVariant, MoEConfig, experts_triton
+from replaymoe.moe.quant import quantize_fp8_block
 from replaymoe.testing import assert_close, poison
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -249,7 +249,7 @@ def test_triton_backward_configs_match_fp64(dw_mode, block_m, generator):
     # the gradients of fp64 autograd of the reference (dW13 comes in w13's [E, 2I, H] order)
     import dataclasses
 
-    import replaymoe.moe_triton as MT
+    import replaymoe.moe._triton as MT
 
     T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
     x, gu, gub, dn, dnb, ids, wts = _gptoss(T, H, I, E_local, E, K, generator)

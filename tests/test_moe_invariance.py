@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replaymoe.moe import fused_moe
-from replaymoe.moe_triton import FP8_BLOCK_M, moe_config
+from replaymoe.moe._triton import FP8_BLOCK_M, moe_config
 from replaymoe.testing import poison
 
 # (H, I, E, K)
@@ -94,7 +94,7 @@ def test_gpu_token_output_independent_of_batch_and_mode(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [QWEN3, SMALL], ids=["qwen3", "small"])
 def test_gpu_fp8_token_output_independent_of_batch(shape):
-    from replaymoe.quant import quantize_fp8_block
+    from replaymoe.moe.quant import quantize_fp8_block
 
     H, I, E, K = shape  # noqa: E741
     w13, w2 = _weights(shape)
@@ -125,7 +125,7 @@ def test_gpu_bench_shapes_token_output_independent_of_batch(shape, fp8):
     # equal, bitwise, the same tokens inside batches of T = 16 / 1024 / 16384 (mid and prefill
     # configurations) among other tokens, at other rows each time (the companions and the probes'
     # rows are drawn afresh per T)
-    from replaymoe.quant import quantize_fp8_block
+    from replaymoe.moe.quant import quantize_fp8_block
 
     H, I, E, K = shape  # noqa: E741
     w13, w2 = _weights(shape, seed=5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from replaymoe.quant import (
+from replaymoe.moe.quant import (
     FP8_MAX,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,

@@ -27,10 +27,7 @@ LAYERS = {
     # ops
     1: {
         "routing",
-        "layout",
         "moe",
-        "moe_triton",
-        "quant",
         "ep",
         "testing",
     },

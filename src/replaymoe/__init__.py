@@ -21,17 +21,17 @@ _EXPORTS: dict[str, str] = {
     "route": "routing",
     "route_torch": "routing",
     # token layout
-    "ExpertLayout": "layout",
-    "expert_layout": "layout",
-    "layout_torch": "layout",
+    "ExpertLayout": "moe.layout",
+    "expert_layout": "moe.layout",
+    "layout_torch": "moe.layout",
     # fused MoE
     "fused_moe": "moe",
     "fused_moe_torch": "moe",
     "MoELayer": "moe",
     "ClampedSwiGLU": "moe",
     # fp8 helpers
-    "quantize_fp8_block": "quant",
-    "dequantize_fp8_block": "quant",
+    "quantize_fp8_block": "moe.quant",
+    "dequantize_fp8_block": "moe.quant",
     # capture / trace / replay / stats
     "RoutedExpertsCapturer": "capture",
     "RoutingTrace": "trace",

@@ -77,7 +77,7 @@ VLLM_KERNELS_MS: dict[tuple[str, int], float] = {
 
 def make_weights(H: int, I: int, E: int, *, fp8: bool, device="cuda", seed: int = 0):  # noqa: E741
     """Random expert weights (std 1/sqrt(fan_in)); fp8: block-quantized per expert (bounded memory)."""
-    from ..quant import quantize_fp8_block
+    from ..moe.quant import quantize_fp8_block
 
     g = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=device)

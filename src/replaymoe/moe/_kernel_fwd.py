@@ -2,7 +2,7 @@
 
 Two modes, chosen by the wrapper from the shape:
 
-* LAYOUT (prefill, mid-size batches): tiles of ``BLOCK_M`` rows from :mod:`replaymoe.layout`;
+* LAYOUT (prefill, mid-size batches): tiles of ``BLOCK_M`` rows from :mod:`replaymoe.moe.layout`;
   GEMM1 gathers token rows through ``sorted_slots`` and writes ``silu(gate)*up`` rows in layout
   order; GEMM2 reads them contiguously, applies the routing weight and writes one row per slot;
   ``moe_reduce_kernel`` sums each token's K rows in k order (deterministic, no atomics).

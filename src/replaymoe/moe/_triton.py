@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._launch import fast
-from ._validation import is_capturing
+from .._launch import fast
+from .._validation import is_capturing
 
 _FP8 = torch.float8_e4m3fn
 
@@ -61,7 +61,7 @@ class MoEConfig:
 
     ``direct``: decode mode (one tile per slot, no layout; GEMM2 writes one row per slot and the
     reduce kernel sums each token's rows); otherwise tiles of ``block_m`` rows from
-    :func:`replaymoe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
+    :func:`replaymoe.moe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
     + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection). ``tma`` (tile mode):
     read the weights (both GEMMs) and GEMM2's SwiGLU rows through TMA tensor descriptors where the
     operands allow it (bf16 / fp16 / fp32, unit stride along K, 16-byte aligned rows; otherwise,
@@ -586,7 +586,7 @@ def _hopper(dev: torch.device) -> bool:
     Triton's interpreter (cached per device): where TMA descriptors and PDL may be used."""
     ok = _HOPPER_DEVICES.get(dev)
     if ok is None:
-        from ._backend import INTERPRET
+        from .._backend import INTERPRET
 
         ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
         _HOPPER_DEVICES[dev] = ok
@@ -635,20 +635,19 @@ def launch_bwd(
     backward (elementwise); dX + k-ordered reduce; dW13; dW2; the bias gradients (per-expert row
     sums in row order). ``v``: the experts variant (biases, clamped activation, interleaved gate/up
     rows; weights with any strides). Intermediates, exactly one row per slot in the layout's compact
-    order (:func:`replaymoe.layout.compact_layout`, no padding rows): dh [T*K, 2I] (columns in
+    order (:func:`replaymoe.moe.layout.compact_layout`, no padding rows): dh [T*K, 2I] (columns in
     w13's row order), aw [T*K, I] and, with ``dw_mode`` 1/2, the token rows of x / dO [T*K, H].
     Order (lowest peak: both weight gradients are alive only at the end): dX (then its per-slot rows
     are freed), dW13 and dB13 (then dh is freed), dW2 (next to aw and, dw_mode 1/2, the dO rows).
     ``saved`` may be a one-element list holding the only reference to the forward's gate/up rows:
     they are then freed right after the SwiGLU backward has read them (eager autograd hands them over
     so, see ``_train_setup_context``), before dX and the weight gradients are allocated.
-    ``layout``: the forward's :class:`~replaymoe.layout.ExpertLayout` of the same ids and offset,
+    ``layout``: the forward's :class:`~replaymoe.moe.layout.ExpertLayout` of the same ids and offset,
     reused where its tiles are ``c.block_m`` rows (else the backward builds its own).
     """
     if isinstance(saved, list):
         saved = saved.pop()
-    from ._kernels.moe import moe_gemm1_kernel, moe_reduce_kernel
-    from ._kernels.moe_bwd import (
+    from ._kernel_bwd import (
         moe_bwd_bias_kernel,
         moe_bwd_da_kernel,
         moe_bwd_dw_kernel,
@@ -657,6 +656,7 @@ def launch_bwd(
         moe_bwd_gather_rows_kernel,
         moe_bwd_swiglu_kernel,
     )
+    from ._kernel_fwd import moe_gemm1_kernel, moe_reduce_kernel
     from .layout import compact_layout, expert_layout_unchecked
 
     T, H = x.shape
@@ -975,7 +975,7 @@ def _launch(
     receives GEMM1's gate/up outputs per slot for the backward; ``v``: the experts variant (bf16 /
     fp16 / fp32 weights of any strides; fp8 takes the standard variant only); ``layout_out`` (a list)
     receives the expert layout in tile mode."""
-    from ._kernels.moe import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
+    from ._kernel_fwd import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
     from .layout import expert_layout_unchecked
 
     T, H = x.shape

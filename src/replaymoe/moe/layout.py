@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._validation import check_int, check_tensor, fail
+from .._validation import check_int, check_tensor, fail
 
 __all__ = [
     "CompactLayout",
@@ -166,8 +166,8 @@ def expert_layout_unchecked(
 ) -> ExpertLayout:
     """:func:`expert_layout` without its argument checks, for callers inside the library whose
     public entry point validated the ids already (host work per call matters at decode sizes)."""
-    from ._kernels.layout import layout_hist_kernel, layout_scatter_kernel
-    from ._launch import fast
+    from .._launch import fast
+    from ._kernel_layout import layout_hist_kernel, layout_scatter_kernel
 
     T, K = topk_ids.shape
     num_slots = T * K
@@ -326,8 +326,8 @@ def compact_layout(layout: ExpertLayout) -> CompactLayout:
     _check_layout(layout)
     if layout.compact is not None:
         return layout.compact
-    from ._kernels.layout import layout_compact_kernel
-    from ._launch import fast
+    from .._launch import fast
+    from ._kernel_layout import layout_compact_kernel
 
     num_local = layout.expert_counts.shape[0]
     n = layout.num_slots

@@ -1,12 +1,12 @@
 """Triton kernels of the fused-MoE backward (bf16 / fp16 / fp32, fp32 accumulation).
 
 Forward, per slot s = (t, k) routed to local expert e (rows of the backward's own tile layout,
-:mod:`replaymoe.layout`)::
+:mod:`replaymoe.moe.layout`)::
 
     g, u = x_t W13[e, :I]^T, x_t W13[e, I:]^T     a = silu(g) * u     out_t = sum_k w_s * a W2[e]^T
 
 Buffers: the intermediates (dh [T*K, 2I], aw [T*K, I], pre-gathered token rows) have exactly one
-row per slot, in the layout's compact order (:func:`replaymoe.layout.compact_layout`): compact row
+row per slot, in the layout's compact order (:func:`replaymoe.moe.layout.compact_layout`): compact row
 ``exact_start[e] + j`` is expert e's j-th real slot. Tile kernels walk the padded layout and map a
 real row r of a tile of expert e to compact row ``r - shift[e]``; padding rows are neither stored
 nor used. Rows of non-local slots (EP) hold the marker ``T*K`` in ``compact_slots`` and are skipped.
@@ -40,13 +40,13 @@ passes are bitwise equal):
 * ``moe_bwd_bias_kernel`` (grid: experts × N-blocks): the bias gradients, per expert a sum over its
   compact rows in row order (dB13 = sum of dh rows; dB2 = sum of w·dO[t]).
 
-Expert variants (see :mod:`replaymoe._kernels.moe`): with ``INTERLEAVED`` w13's gate row j is row
+Expert variants (see :mod:`replaymoe.moe._kernel_fwd`): with ``INTERLEAVED`` w13's gate row j is row
 2j and up row j is 2j + 1, and dh's columns follow w13's rows (so that dX = dh @ W13 and dW13 =
 dh^T x need no mapping); ``ACT`` 1 is gpt-oss's clamped SwiGLU, whose derivative is zero where a
 clamp is active (a w2 bias adds dO[t]·b2[e] to the topk_weights gradient, out = sum_k w_k (a W2^T +
 b2): the launcher computes that term with one matmul). Weights may have any strides.
 
-dA and dX take half tiles (``HALF_TILES``) as the forward GEMMs do (:mod:`replaymoe._kernels.moe`).
+dA and dX take half tiles (``HALF_TILES``) as the forward GEMMs do (:mod:`replaymoe.moe._kernel_fwd`).
 
 Size: over 450 lines (about 630); the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
 chunk order, tested bitwise against it), so the two stay side by side, and dA / dX each carry a
@@ -58,7 +58,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe import _grouped_pid
+from ._kernel_fwd import _grouped_pid
 
 
 @triton.jit

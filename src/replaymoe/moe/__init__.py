@@ -25,7 +25,7 @@ slice — including negative padding ids such as EP dispatch's ``-1`` — contri
 
 This module is the public op: argument validation, the torch reference (forward and the
 closed-form backward spec) and the wrappers. The Triton launch side (tuning tables, launchers,
-``replaymoe::`` custom ops) lives in :mod:`replaymoe.moe_triton`; ``MoEConfig``, ``moe_config``,
+``replaymoe::`` custom ops) lives in :mod:`replaymoe.moe._triton`; ``MoEConfig``, ``moe_config``,
 ``MoEBwdConfig`` and ``moe_bwd_config`` are re-exported here.
 
 Size: over 450 lines because the public op's full reference documentation (``fused_moe``'s and
@@ -42,15 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import BACKENDS, resolve_backend
-from ._validation import check_choice, check_int, check_tensor, fail
-from .moe_triton import STANDARD, ExpertsVariant, experts_triton, experts_triton_train
-from .moe_triton import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
-from .moe_triton import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
-from .moe_triton import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
-from .moe_triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
+from .._backend import BACKENDS, resolve_backend
+from .._validation import check_choice, check_int, check_tensor, fail
+from ..routing import RoutingConfig, RoutingMethod, as_config, route
+from ._triton import STANDARD, ExpertsVariant, experts_triton, experts_triton_train
+from ._triton import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
+from ._triton import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
+from ._triton import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
+from ._triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
-from .routing import RoutingConfig, RoutingMethod, as_config, route
 
 __all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up", "ClampedSwiGLU"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_int, check_tensor, fail
+from .._validation import check_int, check_tensor, fail
 
 __all__ = [
     "FP8_MAX",

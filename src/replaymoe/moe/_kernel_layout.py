@@ -10,10 +10,10 @@ Two launches, no host synchronization:
    * program 0 writes ``expert_offsets``, ``expert_counts`` and ``num_tiles``;
    * with ``COMPACT``, the compact (unpadded) order as well: the same scatter from the unpadded
      expert starts, the marker in the rows past the local slots, and (program 0) ``exact_start``
-     and ``expert_shift`` — :func:`replaymoe.layout.compact_layout`'s outputs, one launch fewer.
+     and ``expert_shift`` — :func:`replaymoe.moe.layout.compact_layout`'s outputs, one launch fewer.
 
 ``layout_compact_kernel`` (grid = tile blocks) derives the layout's compact (unpadded) row order
-from an existing layout: see :func:`replaymoe.layout.compact_layout`.
+from an existing layout: see :func:`replaymoe.moe.layout.compact_layout`.
 """
 
 from __future__ import annotations
