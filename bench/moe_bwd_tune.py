@@ -12,7 +12,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import replaymoe.moe._triton as M
+import replaymoe.moe.configs as M
+from replaymoe.moe._backward import launch_bwd
 from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -45,7 +46,7 @@ def main(points):
             for rec in (False, True) if vname == "default" else (False,):
 
                 def f(cfg=cfg, rec=rec, args=(dout, x, w13, w2, ids, wts, saved)):
-                    return M.launch_bwd(*args, 0, rec, [True] * 4, cfg)
+                    return launch_bwd(*args, 0, rec, [True] * 4, cfg)
 
                 try:
                     got = f()

@@ -14,7 +14,8 @@ import torch
 from replaymoe.bench._timing import time_graph
 from replaymoe.bench.moe import SHAPES, VLLM_KERNELS_MS, layer_floor_ms, make_weights, routing_inputs
 from replaymoe.moe import fused_moe_torch
-from replaymoe.moe._triton import experts_triton, moe_config
+from replaymoe.moe._forward import experts_triton
+from replaymoe.moe.configs import moe_config
 
 OUT = os.environ.get("OUT", "/tmp")
 what = set(sys.argv[1:]) or {"check", "time"}

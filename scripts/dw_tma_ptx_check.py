@@ -1,6 +1,6 @@
 """Compile the backward's TMA dW kernel for sm_90 (no GPU needed) and check its instructions.
 
-For each configuration :func:`replaymoe.moe._triton.moe_bwd_config` picks with ``tma=True`` (and the
+For each configuration :func:`replaymoe.moe.configs.moe_bwd_config` picks with ``tma=True`` (and the
 deeper-pipelined / persistent variants the removed dw_tma_check.py timed), bf16, descriptor and pointer
 stores: the PTX must load through TMA (``cp.async.bulk.tensor``) and use wgmma, and a picked
 configuration must fit Hopper's 227 KiB of shared memory per block without spilling (a variant over
@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import replaymoe.moe._kernel_bwd as kb
-import replaymoe.moe._triton as MT
+import replaymoe.moe.configs as MT
 
 SMEM_MAX = 232448  # bytes of shared memory one block may use on sm_90
 CAPPED_STACK_MAX = 32  # stack bytes allowed under an explicit register cap (none without one)

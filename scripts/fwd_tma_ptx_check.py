@@ -1,6 +1,6 @@
 """Compile the tile-mode (prefill) GEMM kernels for sm_90 with and without TMA (no GPU needed).
 
-For the configurations :func:`replaymoe.moe._triton.moe_config` picks for bf16 prefill (128-row tiles,
+For the configurations :func:`replaymoe.moe.configs.moe_config` picks for bf16 prefill (128-row tiles,
 GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages; on Hopper at >= 256 rows per expert GEMM1
 128×(2×128)×32 in 6 stages) and the variants that may take TMA
 (standard, training forward, interleaved gate/up with biases, w2 bias), this compiles both kernels as
@@ -20,7 +20,7 @@ GEMM1 128×(2×128)×64, GEMM2 128×256×64, 8 warps, 4 stages; on Hopper at >= 
 
 Not chosen, hence not checked here: fp32 activations. Their ``ieee`` dot (no tensor cores) with TMA
 tiles compiled for sm_90 at 64-row tiles spilled 370–630 bytes per thread (255 registers; 128–160
-without TMA, no spill), so ``moe_triton.tma_ok`` leaves fp32 on pointer loads.
+without TMA, no spill), so ``replaymoe.moe.configs.tma_ok`` leaves fp32 on pointer loads.
 
 Exit status 1 on a mismatch (tests/test_moe.py runs it in a subprocess).
 

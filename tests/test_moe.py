@@ -9,9 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import replaymoe.moe._backward as moe_bwd
+import replaymoe.moe._forward as moe_fwd
+import replaymoe.moe.configs as cfgs
 from _scripts import run_script
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
-from replaymoe.moe._triton import MoEConfig, experts_triton
+from replaymoe.moe._forward import experts_triton
+from replaymoe.moe.configs import MoEConfig
 from replaymoe.moe.quant import quantize_fp8_block
 from replaymoe.routing import RoutingMethod, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits
@@ -428,33 +432,31 @@ _GARBAGE_ROWS = pytest.mark.filterwarnings("ignore:invalid value encountered:Run
 
 def _count_descs(monkeypatch):
     """Record the TMA descriptors ``_launch`` makes (None where it falls back to pointer loads)."""
-    import replaymoe.moe._triton as mt
 
     made = []
-    real = mt._rows_desc
+    real = moe_fwd._rows_desc
 
     def spy(*a):
         d = real(*a)
         made.append(d)
         return d
 
-    monkeypatch.setattr(mt, "_rows_desc", spy)
+    monkeypatch.setattr(moe_fwd, "_rows_desc", spy)
     return made
 
 
 def _descs_expected(cfg) -> int:
     """Descriptors a TMA tile-mode ``_launch`` makes: w13, w2 and the SwiGLU rows, plus those rows with
-    half-height blocks where half tiles apply (moe_triton._half_tiles)."""
-    import replaymoe.moe._triton as mt
+    half-height blocks where half tiles apply (configs._half_tiles)."""
 
-    return 3 + mt._half_tiles(cfg, False)
+    return 3 + cfgs._half_tiles(cfg, False)
 
 
 def _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, *, offset=0, variant=None):
     """Outputs (pointer loads, TMA) of the same configuration, and the TMA run's descriptors."""
     from dataclasses import replace
 
-    from replaymoe.moe._triton import STANDARD
+    from replaymoe.moe._forward import STANDARD
 
     outs = []
     for tma in (False, True):
@@ -506,7 +508,7 @@ def test_tma_ep_slice_bitwise(generator, monkeypatch):
 def test_tma_interleaved_bias_and_strided_fallback(generator, monkeypatch):
     # gpt-oss variant with contiguous interleaved weights: one [2 BN, BK] descriptor block for gate+up;
     # transformers' transposed views (stride along K != 1) must fall back to pointer loads
-    from replaymoe.moe._triton import ExpertsVariant
+    from replaymoe.moe._forward import ExpertsVariant
 
     T, H, I, E, K = 11, 64, 48, 4, 2  # noqa: E741
     x, w13, w2, ids, wts = _exact_problem(T, H, I, E, K, generator, torch.float16)  # exact in any order
@@ -532,7 +534,7 @@ def test_tma_training_forward_bitwise(generator):
     # the training forward (GEMM1 also stores the gate/up rows per slot) with and without TMA
     from dataclasses import replace
 
-    from replaymoe.moe._triton import config_tuple
+    from replaymoe.moe.configs import config_tuple
 
     x, w13, w2, ids, wts = _exact_problem(9, 64, 32, 4, 2, generator, torch.float32)  # exact in any order
     cfg = MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2)
@@ -542,7 +544,7 @@ def test_tma_training_forward_bitwise(generator):
 
 
 def test_tma_config_selection_and_config_lists():
-    from replaymoe.moe._triton import config_from_list, config_tuple, moe_config, tma_ok
+    from replaymoe.moe.configs import config_from_list, config_tuple, moe_config, tma_ok
 
     qwen = (4096, 8, 2048, 768, 128)
     assert moe_config(*qwen, tma=True).tma  # prefill tiles on a TMA device
@@ -718,7 +720,6 @@ def _graph_output(x, w13, w2, kw, like):
 @pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: some slots skip
 @pytest.mark.parametrize("T", [1, 2])  # the decode (direct) mode: routing inside, eager and graph
 def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
-    import replaymoe.moe._triton as mt
 
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
     w13, w2, _, _ = _gpu_weights("qwen3", False)
@@ -728,7 +729,7 @@ def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
     kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
 
     def run(pdl):
-        monkeypatch.setattr(mt, "PDL_ENABLED", pdl)
+        monkeypatch.setattr(cfgs, "PDL_ENABLED", pdl)
         eager = fused_moe(x, w13, w2, **kw)
         return eager, _graph_output(x, w13, w2, kw, eager)
 
@@ -776,8 +777,7 @@ def test_gpu_tma_prefill_bitwise_equals_pointer_loads(name, T, monkeypatch):
 @pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: weights at an offset
 def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
     # the wrapper's own choice (TMA on a Hopper GPU for prefill) eager and in a CUDA graph, against
-    # moe_triton.TMA_ENABLED = False: the same bits
-    import replaymoe.moe._triton as mt
+    # configs.TMA_ENABLED = False: the same bits
 
     T = 4096
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
@@ -786,13 +786,13 @@ def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     logits, _, _ = _gpu_routing(T, E, K, 13)
     kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
-    assert mt.moe_config(T, K, H, I, 96, tma=mt.tma_ok(x.device)).tma == mt.TMA_ENABLED
+    assert cfgs.moe_config(T, K, H, I, 96, tma=cfgs.tma_ok(x.device)).tma == cfgs.TMA_ENABLED
 
     def run(tma):
-        monkeypatch.setattr(mt, "TMA_ENABLED", tma)
+        monkeypatch.setattr(cfgs, "TMA_ENABLED", tma)
         made = _count_descs(monkeypatch)
         eager = fused_moe(x, w13, w2, **kw)
-        assert len(made) == (_descs_expected(mt.moe_config(T, K, H, I, 96, tma=True)) if tma else 0)
+        assert len(made) == (_descs_expected(cfgs.moe_config(T, K, H, I, 96, tma=True)) if tma else 0)
         return eager, _graph_output(x, w13, w2, kw, eager)
 
     plain_eager, plain_graph = run(False)
@@ -836,7 +836,6 @@ def _half_tiles_pair(dtype, device, generator, monkeypatch, tma=False):
     """(with HALF_TILES, without, reference): (out, dx, dw13, dw2, dtopk_weights) of the forward and of
     the backward with GEMM1 recomputed, on experts whose row counts straddle a 32-row tile's half;
     ``tma``: GEMM2's SwiGLU rows and dX's dh rows through descriptors (half-height ones for half tiles)."""
-    import replaymoe.moe._triton as MT
 
     E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
     ids = _counted_ids(_HALF_COUNTS, generator)
@@ -845,14 +844,16 @@ def _half_tiles_pair(dtype, device, generator, monkeypatch, tma=False):
     dout = torch.randn(T, H, generator=generator).to(dtype)
     x, w13, w2, ids, wts, dout = (t.to(device) for t in (x, w13, w2, ids, wts, dout))
     cfg = MoEConfig(False, 32, 16, 32, 4, 2, 32, 32, 4, 2, tma=tma)
-    bwd = dataclasses.replace(MT.moe_bwd_config(T, 1, H, I, E), block_m=32, dw_mode=1, gemm_tma=tma, bk_x=32)
+    bwd = dataclasses.replace(
+        cfgs.moe_bwd_config(T, 1, H, I, E), block_m=32, dw_mode=1, gemm_tma=tma, bk_x=32
+    )
     got = []
     for half in (True, False):
-        monkeypatch.setattr(MT, "HALF_TILES_ENABLED", half)
+        monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", half)
         out = poison(torch.empty(T, H, dtype=dtype, device=device))
         experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
                        config=cfg)  # fmt: skip
-        got.append((out, *MT.launch_bwd(dout, x, w13, w2, ids, wts, None, 0, True, [True] * 4, bwd)))
+        got.append((out, *moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, None, 0, True, [True] * 4, bwd)))
     ref = fused_moe_torch(x.float(), w13.float(), w2.float(), topk_ids=ids, topk_weights=wts)
     return got[0], got[1], ref
 

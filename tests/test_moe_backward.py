@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import replaymoe.moe._backward as moe_bwd
+import replaymoe.moe.configs as cfgs
 from _scripts import run_script
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch
 from replaymoe.routing import RoutingMethod
@@ -153,19 +155,18 @@ def test_gemm_tma_equals_pointer_loads(case, generator):
     import dataclasses
 
     import replaymoe.moe as M
-    import replaymoe.moe._triton as MT
 
     T, H, I, E, E_local, offset, K = case  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
     ref = M.experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
-    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
-    base = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), block_m=16, bn_a=16, bk_a=16,
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, K, H, I, E_local))
+    base = dataclasses.replace(cfgs.moe_bwd_config(T, K, H, I, E_local), block_m=16, bn_a=16, bk_a=16,
                                bn_x=16, bk_x=16)  # fmt: skip
     got = []
     for gemm_tma in (False, True):
         _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
         cfg = dataclasses.replace(base, gemm_tma=gemm_tma)
-        got.append(MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg))
+        got.append(moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg))
     for name, a, b, e in zip(("dx", "dw13", "dw2", "dtopk_weights"), got[1], got[0], ref):
         # bitwise on the GPU (test_moe_backward_gpu); here tl.dot's order follows the CPU's BLAS
         assert_same_sums(a, b, name=name)
@@ -184,18 +185,17 @@ def test_triton_backward_configs_match_closed_form(case, dw_mode, block_m, gener
     import dataclasses
 
     import replaymoe.moe as M
-    import replaymoe.moe._triton as MT
 
     T, H, I, E, E_local, offset, K, make_ids = case  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
     if make_ids is not None:
         ids = make_ids(T, K, E, block_m, generator)
     ref = M.experts_backward_torch(dout, x, w13, w2, ids, wts, offset, [True] * 4)
-    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, K, H, I, E_local))
     _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
-    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode[0], dw_tma=dw_mode[1],
+    cfg = dataclasses.replace(cfgs.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode[0], dw_tma=dw_mode[1],
                               block_m=block_m)  # fmt: skip
-    got = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg)
+    got = moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 4, cfg)
     for name, a, e in zip(("dx", "dw13", "dw2", "dtopk_weights"), got, ref):
         assert_close(a, e, atol=1e-5 * max(1.0, float(e.abs().max())), name=name)
 
@@ -208,17 +208,15 @@ def test_triton_backward_need_subsets_bitwise_equal(dw_mode, generator):
     # order of the steps and the freeing of dh / aw never change a value; not asked for: empty
     import dataclasses
 
-    import replaymoe.moe._triton as MT
-
     T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float32)
-    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
-    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode[0], dw_tma=dw_mode[1],
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, K, H, I, E_local))
+    cfg = dataclasses.replace(cfgs.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode[0], dw_tma=dw_mode[1],
                               block_m=16)  # fmt: skip
 
     def run(need):
         _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
-        return MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, cfg)
+        return moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, cfg)
 
     full = run([True] * 4)
     for i in range(4):
@@ -248,7 +246,6 @@ def test_triton_forward_unchanged_by_training_and_backward_deterministic(generat
 def test_eager_function_equals_custom_op_and_reuses_the_layout(case, generator, monkeypatch):
     # eager training runs an autograd.Function (no op dispatch) that hands the forward's expert
     # layout to the backward; torch.compile traces the custom op, which builds its own: same bits
-    import replaymoe.moe._triton as MT
     import replaymoe.moe.layout as L
 
     T, H, I, E, E_local, offset, K = CASES[case].values  # noqa: E741
@@ -261,10 +258,10 @@ def test_eager_function_equals_custom_op_and_reuses_the_layout(case, generator, 
 
     def via_op(*inputs):  # what torch.compile runs: the custom op and its registered autograd
         inputs = list(inputs)
-        inputs[6] = MT.config_tuple(inputs[6])  # the eager Function takes the MoEConfig itself
+        inputs[6] = cfgs.config_tuple(inputs[6])  # the eager Function takes the MoEConfig itself
         return torch.ops.replaymoe.moe_experts_train(*inputs)
 
-    monkeypatch.setattr(MT._EagerTrain, "apply", via_op)
+    monkeypatch.setattr(moe_bwd._EagerTrain, "apply", via_op)
     calls.clear()
     op = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="triton")
     assert len(calls) == 2  # the op's backward lays the ids out again
@@ -413,21 +410,19 @@ def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, genera
     # persistent-3: 3 programs walk the tiles; ptr-stores: no C descriptor (dw_c_desc=False)
     import dataclasses
 
-    import replaymoe.moe._triton as MT
-
     H, I, E, offset, K = 40, 24, 8, 2, 2  # noqa: E741
     counts = [0, 1, 16, 21, 5]  # local experts 2..6; BLOCK_K = 16
     ids = _ids_counts(counts, E, offset, K, generator)
     T, E_local = ids.shape[0], len(counts)
     x, w13, w2, _, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, dtype)
-    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
-    base = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), block_m=16, dw_mode=1, bm_w=16,
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, K, H, I, E_local))
+    base = dataclasses.replace(cfgs.moe_bwd_config(T, K, H, I, E_local), block_m=16, dw_mode=1, bm_w=16,
                                bn_w=16, bk_w=16)  # fmt: skip
     need = [False, True, True, False]
 
     def run(cfg):
         _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
-        return MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, cfg)
+        return moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, cfg)
 
     ptr = run(base)
     tma = run(dataclasses.replace(base, dw_tma=True, dw_progs=progs, dw_c_desc=c_desc))
@@ -442,32 +437,31 @@ def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, genera
 def test_dw_tma_selection_and_descriptor_checks(monkeypatch):
     # moe_bwd_config sets dw_tma only when asked; dw_tma_ok never on CPU / in the interpreter, never for
     # fp32, never with the module switch off; _dw_desc refuses what TMA cannot address
-    import replaymoe.moe._triton as MT
 
-    assert MT.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True).dw_tma
-    assert not MT.moe_bwd_config(4096, 8, 2048, 768, 128).dw_tma
+    assert cfgs.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True).dw_tma
+    assert not cfgs.moe_bwd_config(4096, 8, 2048, 768, 128).dw_tma
     # small experts on Hopper: the dW register cap (three programs per SM) and 128x256 dA tiles; neither
     # without TMA (other GPUs: less shared memory), nor for large experts (one 8-warp program per SM)
-    hopper_small = MT.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True)
+    hopper_small = cfgs.moe_bwd_config(4096, 8, 2048, 768, 128, tma=True)
     assert (hopper_small.maxnreg_w, hopper_small.bn_a) == (168, 256)
-    other_small = MT.moe_bwd_config(4096, 8, 2048, 768, 128)
+    other_small = cfgs.moe_bwd_config(4096, 8, 2048, 768, 128)
     assert (other_small.maxnreg_w, other_small.bn_a) == (0, 128)
-    assert MT.moe_bwd_config(16384, 8, 2048, 768, 128, tma=True).maxnreg_w == 0
-    assert not MT.dw_tma_ok(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setitem(MT._HOPPER_DEVICES, torch.device("cuda", 7), True)  # as a Hopper GPU would
-    assert MT.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
-    assert not MT.dw_tma_ok(torch.device("cuda", 7), torch.float32)
-    monkeypatch.setattr(MT, "DW_TMA_ENABLED", False)
-    assert not MT.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
+    assert cfgs.moe_bwd_config(16384, 8, 2048, 768, 128, tma=True).maxnreg_w == 0
+    assert not cfgs.dw_tma_ok(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setitem(cfgs._HOPPER_DEVICES, torch.device("cuda", 7), True)  # as a Hopper GPU would
+    assert cfgs.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
+    assert not cfgs.dw_tma_ok(torch.device("cuda", 7), torch.float32)
+    monkeypatch.setattr(cfgs, "DW_TMA_ENABLED", False)
+    assert not cfgs.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
     buf = torch.zeros(64, 72, dtype=torch.float16)
-    assert MT._dw_desc(buf, 64, [16, 64]) is not None  # rows of 144 bytes
-    assert MT._dw_desc(buf[:, :36], 64, [16, 32]) is not None  # a column slice: same row stride
-    assert MT._dw_desc(buf[:, 1:], 64, [16, 64]) is None  # base 2 bytes past 16-byte alignment
-    assert MT._dw_desc(torch.zeros(64, 36, dtype=torch.float16), 64, [16, 32]) is None  # 72-byte rows
-    assert MT._dw_desc(buf, 64, [16, 512]) is None  # block over TMA's 256 elements
+    assert moe_bwd._dw_desc(buf, 64, [16, 64]) is not None  # rows of 144 bytes
+    assert moe_bwd._dw_desc(buf[:, :36], 64, [16, 32]) is not None  # a column slice: same row stride
+    assert moe_bwd._dw_desc(buf[:, 1:], 64, [16, 64]) is None  # base 2 bytes past 16-byte alignment
+    assert moe_bwd._dw_desc(torch.zeros(64, 36, dtype=torch.float16), 64, [16, 32]) is None  # 72-byte rows
+    assert moe_bwd._dw_desc(buf, 64, [16, 512]) is None  # block over TMA's 256 elements
     w = torch.zeros(4, 48, 40, dtype=torch.float16)
-    assert MT._dw_desc(w, 4 * 48, [16, 16]) is not None  # [E, M, N] viewed [E*M, N]
-    assert MT._dw_desc(w.transpose(1, 2), 4 * 40, [16, 16]) is None  # not unit-stride along N
+    assert moe_bwd._dw_desc(w, 4 * 48, [16, 16]) is not None  # [E, M, N] viewed [E*M, N]
+    assert moe_bwd._dw_desc(w.transpose(1, 2), 4 * 40, [16, 16]) is None  # not unit-stride along N
 
 
 def test_dw_tma_kernel_compiles_for_sm90():

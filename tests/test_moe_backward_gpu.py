@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import replaymoe.moe._backward as moe_bwd
+import replaymoe.moe.configs as cfgs
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch
 
 pytestmark = pytest.mark.gpu
@@ -126,17 +128,15 @@ def _dw_pair(x, w13, w2, ids, wts, dout, offset, cfg, **extra):
     """(dw13, dw2) with ``cfg``'s dW kernel and with the same config through the other dW kernel."""
     import dataclasses
 
-    import replaymoe.moe._triton as MT
-
     T, H = x.shape
     E_local, two_i, _ = w13.shape
     K = ids.shape[1]
-    c0 = MT.config_tuple(MT.moe_config(T, K, H, two_i // 2, E_local))
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, K, H, two_i // 2, E_local))
     _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
     need = [False, True, True, False]
-    ptr = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need,
+    ptr = moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need,
                         dataclasses.replace(cfg, dw_tma=False))  # fmt: skip
-    tma = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need,
+    tma = moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need,
                         dataclasses.replace(cfg, dw_tma=True, **extra))  # fmt: skip
     return ptr[1:3], tma[1:3]
 
@@ -145,11 +145,10 @@ def _dw_pair(x, w13, w2, ids, wts, dout, offset, cfg, **extra):
 def test_dw_tma_bitwise_equal_pointer_kernel(T, H, I, E, E_local, offset, K):  # noqa: E741
     # bf16 (wgmma from TMA-filled shared memory vs pointer loads): the same bits, on every layout edge
     # of CASES (EP slice, experts without rows, H / I not tile multiples: pointer stores)
-    import replaymoe.moe._triton as MT
 
     _needs_tma()
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, seed=T + K)
-    cfg = MT.moe_bwd_config(T, K, H, I, E_local, tma=True)
+    cfg = cfgs.moe_bwd_config(T, K, H, I, E_local, tma=True)
     ptr, tma = _dw_pair(x, w13, w2, ids, wts, dout, offset, cfg)
     for name, a, b in zip(("dw13", "dw2"), tma, ptr):
         assert torch.equal(a, b), name
@@ -158,14 +157,13 @@ def test_dw_tma_bitwise_equal_pointer_kernel(T, H, I, E, E_local, offset, K):  #
 def _bench_problem(shape, T=4096):
     """``(x, w13, w2, ids, wts, dout, cfg)``: the bench shape's layer at T tokens (detached) and the
     backward configuration this device picks; skips without TMA."""
-    import replaymoe.moe._triton as MT
     from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 
     _needs_tma()
     H, I, E, K = SHAPES[shape]  # noqa: E741
     w13, w2 = (t.detach() for t in layer_weights(H, I, E))
     x, ids, wts, dout = (t.detach() for t in layer_inputs(T, H, E, K))
-    cfg = MT.moe_bwd_config(T, K, H, I, E, tma=MT.dw_tma_ok(x.device, x.dtype))
+    cfg = cfgs.moe_bwd_config(T, K, H, I, E, tma=cfgs.dw_tma_ok(x.device, x.dtype))
     return x, w13, w2, ids, wts, dout, cfg
 
 
@@ -190,18 +188,16 @@ def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
     # pointer loads: every gradient bitwise equal, at the bench shapes (T=4096)
     import dataclasses
 
-    import replaymoe.moe._triton as MT
-
     x, w13, w2, ids, wts, dout, cfg = _bench_problem(shape)
-    assert cfg.gemm_tma == MT.BWD_GEMM_TMA_ENABLED
+    assert cfg.gemm_tma == cfgs.BWD_GEMM_TMA_ENABLED
     T, H = x.shape
     E, two_i, _ = w13.shape
-    c0 = MT.config_tuple(MT.moe_config(T, ids.shape[1], H, two_i // 2, E))
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, ids.shape[1], H, two_i // 2, E))
     got = []
     for gemm_tma in (False, True):
         _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, c0, False)
         c = dataclasses.replace(cfg, gemm_tma=gemm_tma)
-        got.append(MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, 0, False, [True] * 4, c))
+        got.append(moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, 0, False, [True] * 4, c))
         del saved
     for name, a, b in zip(("dx", "dw13", "dw2", "dtopk_weights"), got[1], got[0]):
         assert torch.equal(a, b), name
@@ -212,13 +208,12 @@ def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
 def test_cuda_graph_forward_and_backward_dw_tma(monkeypatch):
     # forward + backward captured in a CUDA graph with the TMA dW kernel picked (host descriptors built
     # at capture): the replay equals eager, and eager equals the pointer kernel's backward
-    import replaymoe.moe._triton as MT
 
     _needs_tma()
     x, w13, w2, ids, wts, dout = _problem(2048, 512, 256, 16, 16, 0, 4, seed=11)
-    assert MT.moe_bwd_config(2048, 4, 512, 256, 16, tma=MT.dw_tma_ok(x.device, x.dtype)).dw_tma
+    assert cfgs.moe_bwd_config(2048, 4, 512, 256, 16, tma=cfgs.dw_tma_ok(x.device, x.dtype)).dw_tma
     eager = _graph_replay_equals_eager(x, w13, w2, ids, wts, dout)
-    monkeypatch.setattr(MT, "DW_TMA_ENABLED", False)
-    assert not MT.dw_tma_ok(x.device, x.dtype)
+    monkeypatch.setattr(cfgs, "DW_TMA_ENABLED", False)
+    assert not cfgs.dw_tma_ok(x.device, x.dtype)
     for a, b in zip(_grads(fused_moe, x, w13, w2, wts, dout, topk_ids=ids)[1:], eager):
         assert torch.equal(a, b)

@@ -13,8 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import replaymoe.moe._backward as moe_bwd
+import replaymoe.moe.configs as cfgs
 from replaymoe.moe import ClampedSwiGLU, MoELayer, fused_moe, fused_moe_torch
-from replaymoe.moe._triton import ExpertsVariant, MoEConfig, experts_triton
+from replaymoe.moe._forward import ExpertsVariant, experts_triton
+from replaymoe.moe.configs import MoEConfig
 from replaymoe.moe.quant import quantize_fp8_block
 from replaymoe.testing import assert_close, poison
 
@@ -249,18 +252,16 @@ def test_triton_backward_configs_match_fp64(dw_mode, block_m, generator):
     # the gradients of fp64 autograd of the reference (dW13 comes in w13's [E, 2I, H] order)
     import dataclasses
 
-    import replaymoe.moe._triton as MT
-
     T, H, I, E, E_local, offset, K = 13, 40, 24, 8, 3, 2, 3  # noqa: E741
     x, gu, gub, dn, dnb, ids, wts = _gptoss(T, H, I, E_local, E, K, generator)
     ids[1] = -1
     dout = torch.randn(T, H, generator=generator)
     v = ExpertsVariant(gub, dnb, 1, ALPHA, LIMIT, True)
     w13, w2 = gu.transpose(1, 2), dn.transpose(1, 2)
-    c0 = MT.config_tuple(MT.moe_config(T, K, H, I, E_local))
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, K, H, I, E_local))
     _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False, *v.op_args())
-    cfg = dataclasses.replace(MT.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=block_m)
-    got = MT.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 6, cfg, v=v)
+    cfg = dataclasses.replace(cfgs.moe_bwd_config(T, K, H, I, E_local), dw_mode=dw_mode, block_m=block_m)
+    got = moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, [True] * 6, cfg, v=v)
     leaves = [t.double().requires_grad_() for t in (x, gu, dn, wts, gub, dnb)]
     out = fused_moe_torch(leaves[0], leaves[1].transpose(1, 2), leaves[2].transpose(1, 2),
                           **_kw(leaves[4], leaves[5], ids, leaves[3], offset, E))  # fmt: skip

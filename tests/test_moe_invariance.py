@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replaymoe.moe import fused_moe
-from replaymoe.moe._triton import FP8_BLOCK_M, moe_config
+from replaymoe.moe.configs import FP8_BLOCK_M, moe_config
 from replaymoe.testing import poison
 
 # (H, I, E, K)

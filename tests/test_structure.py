@@ -18,7 +18,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "replaymoe"
-MAX_LINES = 450
+MAX_LINES = 600
 
 # layer of a module by its first name below the package; higher layers may import lower ones
 LAYERS = {

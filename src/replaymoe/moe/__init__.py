@@ -23,83 +23,37 @@ Routing is always over all ``num_experts`` experts with global ids; a rank holdi
 ``[local_expert_offset, +E_local)`` produces a partial sum (expert parallelism). Ids outside the
 slice — including negative padding ids such as EP dispatch's ``-1`` — contribute nothing.
 
-This module is the public op: argument validation, the torch reference (forward and the
-closed-form backward spec) and the wrappers. The Triton launch side (tuning tables, launchers,
-``replaymoe::`` custom ops) lives in :mod:`replaymoe.moe._triton`; ``MoEConfig``, ``moe_config``,
-``MoEBwdConfig`` and ``moe_bwd_config`` are re-exported here.
-
-Size: over 450 lines because the public op's full reference documentation (``fused_moe``'s and
-``MoELayer``'s docstrings), its validation and the torch spec stay next to each other.
+The package, one op: this module (the public entry points and their documentation), ``_validate``
+(argument checks, once per call), ``_reference`` (the torch spec: forward loop and closed-form
+backward, :class:`ClampedSwiGLU`), ``configs`` (tuned tables, heuristics, hardware switches),
+``_forward`` and ``_backward`` (the Triton host side: launchers, ``replaymoe::`` custom ops, autograd),
+``layout`` (the expert-sorted token layout) and ``quant`` (fp8 block-scale helpers), and the Triton code
+``_kernel_fwd``, ``_kernel_bwd`` and ``_kernel_layout``. ``MoEConfig``, ``moe_config``,
+``MoEBwdConfig``, ``moe_bwd_config`` and ``experts_backward_torch`` are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._backend import BACKENDS, resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail
-from ..routing import RoutingConfig, RoutingMethod, as_config, route
-from ._triton import STANDARD, ExpertsVariant, experts_triton, experts_triton_train
-from ._triton import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
-from ._triton import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
-from ._triton import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
-from ._triton import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
-from .quant import dequantize_fp8_block, fake_quant_fp8_per_token_group
+from ..routing import RoutingConfig, RoutingMethod, route_unchecked
+from ._backward import experts_triton_train
+from ._forward import STANDARD, ExpertsVariant, experts_triton
+from ._reference import ClampedSwiGLU as ClampedSwiGLU  # re-exported: replaymoe.moe.ClampedSwiGLU
+from ._reference import experts_backward_torch as experts_backward_torch  # re-exported
+from ._reference import experts_torch
+from ._validate import _ACT_DTYPES, _REF_DTYPES, _check_activation, _validate
+from .configs import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
+from .configs import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
+from .configs import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
+from .configs import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 
 __all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up", "ClampedSwiGLU"]
-
-_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_REF_DTYPES = _ACT_DTYPES + (torch.float64,)  # torch backend only: fp64 is the gradient reference
-_ID_DTYPES = (torch.int32, torch.int64)
-_FP8 = torch.float8_e4m3fn
-GATE_UP_LAYOUTS = ("halves", "interleaved")
-
-
-@dataclass(frozen=True)
-class ClampedSwiGLU:
-    """gpt-oss's clamped SwiGLU, for ``fused_moe(..., activation=ClampedSwiGLU())``.
-
-    With ``g' = min(gate, limit)`` and ``u' = clamp(up, -limit, limit)`` (gate and up including
-    w13's bias): ``act = (u' + 1) * g' * sigmoid(alpha * g')`` (transformers' ``GptOssExperts``).
-    Its derivative is zero where a clamp is active.
-
-    Parameters
-    ----------
-    alpha : float
-        Slope inside the sigmoid (gpt-oss: 1.702).
-    limit : float
-        Clamp bound, > 0 (gpt-oss: 7.0).
-    """
-
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    def __post_init__(self) -> None:
-        for name in ("alpha", "limit"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                fail(name, "a finite float", repr(v))
-            object.__setattr__(self, name, float(v))
-        if self.limit <= 0:
-            fail("limit", "a float > 0", self.limit)
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The activation of ``gate`` and ``up`` (same shape) in their dtype: the reference math."""
-        g = gate.clamp(max=self.limit)
-        u = up.clamp(min=-self.limit, max=self.limit)
-        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
-
-
-def _check_activation(activation) -> None:
-    if not isinstance(activation, ClampedSwiGLU):
-        if not isinstance(activation, str) or activation != "swiglu":
-            fail("activation", "'swiglu' or a ClampedSwiGLU", repr(activation))
 
 
 def _variant(w13_bias, w2_bias, activation, gate_up_layout) -> ExpertsVariant:
@@ -115,282 +69,6 @@ def _variant(w13_bias, w2_bias, activation, gate_up_layout) -> ExpertsVariant:
         activation.limit if clamped else 0.0,
         gate_up_layout == "interleaved",
     )
-
-
-def _gate_up_act(h: torch.Tensor, activation, interleaved: bool) -> torch.Tensor:
-    """The activation of GEMM1's output rows ``h [n, 2I]`` (gate and up rows as laid out in w13)."""
-    if interleaved:
-        g, u = h[:, 0::2], h[:, 1::2]
-    else:
-        g, u = h.chunk(2, dim=1)
-    if isinstance(activation, ClampedSwiGLU):
-        return activation(g, u)
-    return F.silu(g) * u
-
-
-@dataclass(frozen=True)
-class _Problem:
-    """Validated sizes of one call."""
-
-    T: int  # tokens
-    H: int  # hidden size
-    I: int  # intermediate size (per expert)  # noqa: E741
-    E_local: int  # experts held by this rank
-    fp8: bool  # fp8 block-scale weights
-    out_dtype: torch.dtype
-    routing: RoutingConfig | None = None  # with router_logits: the routing, validated once
-
-
-def _validate(
-    hidden_states,
-    w13,
-    w2,
-    *,
-    router_logits,
-    top_k,
-    method,
-    bias,
-    n_group,
-    topk_group,
-    routed_scaling_factor,
-    routing,
-    topk_ids,
-    topk_weights,
-    routing_replay_out,
-    replay_ids,
-    activation,
-    w13_scale,
-    w2_scale,
-    local_expert_offset,
-    num_experts,
-    out,
-    w13_bias=None,
-    w2_bias=None,
-    gate_up_layout="halves",
-    act_dtypes=_ACT_DTYPES,
-) -> _Problem:
-    _check_activation(activation)
-    check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
-    check_tensor("hidden_states", hidden_states, ndim=2, dtype=act_dtypes)
-    dev = hidden_states.device
-    T, H = hidden_states.shape
-    fp8 = w13_scale is not None or w2_scale is not None
-    if fp8 and (w13_scale is None or w2_scale is None):
-        fail(
-            "w13_scale" if w13_scale is None else "w2_scale",
-            "both w13_scale and w2_scale (fp8 block-scale) or neither",
-            "only one of them",
-            what="value",
-        )
-    wdt = (_FP8,) if fp8 else (hidden_states.dtype,)
-    check_tensor("w13", w13, ndim=3, dtype=wdt, device=dev)
-    E_local, two_i, h13 = w13.shape
-    if h13 != H:
-        fail("w13", f"[E_local, 2I, H={H}] (H from hidden_states)", tuple(w13.shape), what="shape")
-    if two_i % 2 or two_i == 0:
-        fail(
-            "w13",
-            "[E_local, 2I, H] with an even, non-zero 2I (gate rows then up rows)",
-            tuple(w13.shape),
-            what="shape",
-        )
-    I = two_i // 2  # noqa: E741
-    if E_local < 1:
-        fail("w13", "at least one local expert", tuple(w13.shape), what="shape")
-    check_tensor("w2", w2, shape=(E_local, H, I), dtype=wdt, device=dev)
-    bias_dt = (torch.float32, w13.dtype)
-    if w13_bias is not None:
-        check_tensor("w13_bias", w13_bias, shape=(E_local, two_i), dtype=bias_dt, device=dev)
-    if w2_bias is not None:
-        check_tensor("w2_bias", w2_bias, shape=(E_local, H), dtype=bias_dt, device=dev)
-    if fp8:  # the block-scale kernels take the standard experts only
-        for name, other, std in (
-            ("w13_bias", w13_bias is not None, "None"),
-            ("w2_bias", w2_bias is not None, "None"),
-            ("gate_up_layout", gate_up_layout != "halves", "'halves'"),
-            ("activation", not isinstance(activation, str), "'swiglu'"),
-        ):
-            if other:
-                fail(name, f"{std} with fp8 block-scale weights (w13_scale given)", "another value")
-        if H % 128 or I % 128:
-            fail("w13", "H and I multiples of 128 for fp8 block-scale", f"H={H}, I={I}", what="shape")
-        # contiguous: the kernels step through the scale blocks with unit stride along the last dim
-        check_tensor(
-            "w13_scale",
-            w13_scale,
-            shape=(E_local, two_i // 128, H // 128),
-            dtype=torch.float32,
-            device=dev,
-            contiguous=True,
-        )
-        check_tensor(
-            "w2_scale",
-            w2_scale,
-            shape=(E_local, H // 128, I // 128),
-            dtype=torch.float32,
-            device=dev,
-            contiguous=True,
-        )
-    check_int("local_expert_offset", local_expert_offset, low=0)
-
-    routing_args = {
-        "top_k": top_k,
-        "method": method,
-        "bias": bias,
-        "n_group": n_group,
-        "topk_group": topk_group,
-        "routed_scaling_factor": routed_scaling_factor,
-        "routing": routing,
-        "routing_replay_out": routing_replay_out,
-        "replay_ids": replay_ids,
-    }
-    if router_logits is not None:
-        if topk_ids is not None or topk_weights is not None:
-            fail(
-                "topk_ids",
-                "None when router_logits is given (routing is done inside)",
-                "both router_logits and topk tensors",
-            )
-        check_tensor("router_logits", router_logits, ndim=2, device=dev)
-        if router_logits.shape[0] != T:
-            fail("router_logits", f"[T={T}, E]", tuple(router_logits.shape), what="shape")
-        E = router_logits.shape[1]
-        if num_experts is not None and check_int("num_experts", num_experts, low=1) != E:
-            fail("num_experts", f"router_logits.shape[1] = {E}", num_experts)
-        if num_experts is None and local_expert_offset == 0 and E_local != E:
-            # without expert-parallel arguments the weights are every expert's: a count that differs
-            # from the logits' would silently drop experts (or leave weights unused)
-            fail(
-                "w13",
-                f"weights for the {E} experts of router_logits [T, {E}] (w13 [{E}, 2I, H]), or "
-                "num_experts / local_expert_offset for one rank's slice (expert parallelism)",
-                f"router_logits over {E} experts and w13 for {E_local}",
-                what="expert count",
-            )
-        cfg = as_config(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-        if cfg.top_k > E:  # the rest against E is checked once more by route(), per call
-            check_int("top_k", cfg.top_k, low=1, high=E)
-    else:
-        cfg = None
-        if topk_ids is None or topk_weights is None:
-            fail(
-                "topk_ids" if topk_ids is None else "topk_weights",
-                "router_logits, or both topk_ids and topk_weights",
-                "neither routing given",
-            )
-        given = [k for k, v in routing_args.items() if v is not None]
-        if given:
-            fail(
-                given[0],
-                "None when topk_ids/topk_weights are given (routing arguments apply only with router_logits)",
-                f"{given[0]} given",
-            )
-        check_tensor("topk_ids", topk_ids, ndim=2, dtype=_ID_DTYPES, device=dev)
-        if topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
-            fail("topk_ids", f"[T={T}, K>=1]", tuple(topk_ids.shape), what="shape")
-        check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtype=act_dtypes, device=dev)
-        E = (
-            local_expert_offset + E_local
-            if num_experts is None
-            else check_int("num_experts", num_experts, low=1)
-        )
-    if local_expert_offset + E_local > E:
-        fail(
-            "local_expert_offset",
-            f"local_expert_offset + E_local <= num_experts = {E}",
-            f"{local_expert_offset} + {E_local}",
-        )
-    out_dtype = torch.bfloat16 if fp8 else hidden_states.dtype
-    if out is not None:
-        check_tensor("out", out, shape=(T, H), dtype=out_dtype, device=dev, contiguous=True)
-    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=cfg)
-
-
-def _route(router_logits, config, backend, **kw):
-    res = route(router_logits, config=config, backend=backend, **kw)
-    return res.topk_ids, res.topk_weights
-
-
-def _experts_torch(
-    x: torch.Tensor,
-    w13,
-    w2,
-    topk_ids,
-    topk_weights,
-    *,
-    w13_scale,
-    w2_scale,
-    local_expert_offset: int,
-    out_dtype: torch.dtype,
-    w13_bias=None,
-    w2_bias=None,
-    activation="swiglu",
-    gate_up_layout="halves",
-) -> torch.Tensor:
-    """Naive per-expert loop in fp32 (fp64 for fp64 inputs; the executable spec; host-synchronizing,
-    not for speed). Differentiable by plain autograd with respect to ``x``, ``w13``, ``w2``,
-    ``topk_weights`` and the biases."""
-    T, H = x.shape
-    E_local = w13.shape[0]
-    opts = (w13_bias, w2_bias, activation, gate_up_layout == "interleaved")
-    fp8 = w13_scale is not None
-    acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    acc = torch.zeros(T, H, dtype=acc_dt, device=x.device)
-    xf = x.to(acc_dt)
-    ids = topk_ids.long() - local_expert_offset
-    wts = topk_weights.to(acc_dt)
-    if torch.compiler.is_compiling():
-        return _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype, opts)
-    for e in range(E_local):
-        tok, kk = torch.nonzero(ids == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        if fp8:
-            a = fake_quant_fp8_per_token_group(xf[tok])
-            g13 = dequantize_fp8_block(w13[e], w13_scale[e])
-            g2 = dequantize_fp8_block(w2[e], w2_scale[e])
-        else:
-            a, g13, g2 = xf[tok], w13[e].to(acc_dt), w2[e].to(acc_dt)
-        act = _expert_act(a @ g13.T, e, opts)
-        if fp8:  # the kernels keep silu(gate)*up in bf16, then quantize it per 1x128 group
-            act = fake_quant_fp8_per_token_group(act.to(torch.bfloat16))
-        y = _expert_down(act, g2, e, opts)
-        acc.index_add_(0, tok, y * wts[tok, kk].unsqueeze(1))
-    return acc.to(out_dtype)
-
-
-def _expert_act(h, e, opts):
-    """Expert ``e``'s activation of its GEMM1 rows ``h`` (w13's bias added first, if any)."""
-    w13_bias, _, activation, interleaved = opts
-    if w13_bias is not None:
-        h = h + w13_bias[e].to(h.dtype)
-    return _gate_up_act(h, activation, interleaved)
-
-
-def _expert_down(act, g2, e, opts):
-    """Expert ``e``'s down projection ``act @ w2[e]^T`` (+ w2's bias, if any)."""
-    y = act @ g2.T
-    return y if opts[1] is None else y + opts[1][e].to(y.dtype)
-
-
-def _experts_torch_dense(xf, w13, w2, ids, wts, w13_scale, w2_scale, acc, out_dtype, opts):
-    """:func:`_experts_torch` with fixed shapes, for ``torch.compile(fullgraph=True)``: every local
-    expert runs over every token and its output is weighted by the token's gate for it (0 when not
-    selected), accumulated in the same expert order. E_local times the compute of the sparse loop."""
-    acc_dt = acc.dtype
-    for e in range(w13.shape[0]):
-        gate = (wts * (ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
-        if w13_scale is not None:
-            a = fake_quant_fp8_per_token_group(xf)
-            g13 = dequantize_fp8_block(w13[e], w13_scale[e])
-            g2 = dequantize_fp8_block(w2[e], w2_scale[e])
-        else:
-            a, g13, g2 = xf, w13[e].to(acc_dt), w2[e].to(acc_dt)
-        act = _expert_act(a @ g13.T, e, opts)
-        if w13_scale is not None:
-            act = fake_quant_fp8_per_token_group(act.to(torch.bfloat16))
-        acc = acc + _expert_down(act, g2, e, opts) * gate
-    return acc.to(out_dtype)
 
 
 def fused_moe_torch(
@@ -570,13 +248,14 @@ def fused_moe(
     if use_triton:
         resolve_backend(backend, hidden_states)  # 'triton' on CPU needs the interpreter
     if router_logits is not None:
-        topk_ids, topk_weights = _route(
+        # validated in _validate (routing's own checks included): no second pass here
+        topk_ids, topk_weights = route_unchecked(
             router_logits,
-            p.routing,
+            p.route_params,
+            p.routing.bias,
+            routing_replay_out,
+            p.replay_ids,
             "triton" if use_triton else "torch",
-            routing_replay_out=routing_replay_out,
-            # any strides (e.g. trace.ids[:, l]): the small [T, K] tensor is copied when needed
-            replay_ids=replay_ids.contiguous() if isinstance(replay_ids, torch.Tensor) else replay_ids,
         )
     grad_inputs = [t for t in (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs)
@@ -622,7 +301,7 @@ def fused_moe(
             variant=_variant(w13_bias, w2_bias, activation, gate_up_layout),
         )
         return res
-    res = _experts_torch(
+    res = experts_torch(
         hidden_states,
         w13,
         w2,
@@ -641,73 +320,6 @@ def fused_moe(
         out.copy_(res)
         return out
     return res
-
-
-def experts_backward_torch(
-    grad_out, x, w13, w2, topk_ids, topk_weights, offset, need, *, w13_bias=None, w2_bias=None,
-    activation="swiglu", gate_up_layout="halves",
-):  # fmt: skip
-    """Closed-form backward of :func:`_experts_torch` in fp32 (fp64 for fp64 inputs), per expert.
-
-    Host-synchronizing (a loop over experts); the spec of the Triton backward kernels. Returns
-    ``(dx, dw13, dw2, dtopk_weights)`` in the inputs' dtypes, plus ``(dw13_bias, dw2_bias)`` when
-    ``need`` has 6 entries, empty where ``need`` is False. The keyword options are
-    :func:`fused_moe`'s (the clamped activation's derivative is zero where a clamp is active).
-    """
-    acc_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    E_local, two_i, _ = w13.shape
-    I = two_i // 2  # noqa: E741
-    gate_cols = slice(0, two_i, 2) if gate_up_layout == "interleaved" else slice(0, I)
-    up_cols = slice(1, two_i, 2) if gate_up_layout == "interleaved" else slice(I, two_i)
-    clamped = isinstance(activation, ClampedSwiGLU)
-    xf, do = x.to(acc_dt), grad_out.to(acc_dt)
-    dx = torch.zeros_like(xf)
-    dw13 = torch.zeros(w13.shape, dtype=acc_dt, device=x.device)
-    dw2 = torch.zeros(w2.shape, dtype=acc_dt, device=x.device)
-    dwts = torch.zeros(topk_weights.shape, dtype=acc_dt, device=x.device)
-    db13 = torch.zeros(E_local, two_i, dtype=acc_dt, device=x.device)
-    db2 = torch.zeros(E_local, w2.shape[1], dtype=acc_dt, device=x.device)
-    ids = topk_ids.long() - offset
-    wts = topk_weights.to(acc_dt)
-    for e in range(E_local):
-        tok, kk = torch.nonzero(ids == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        xe, w13e, w2e, doe = xf[tok], w13[e].to(acc_dt), w2[e].to(acc_dt), do[tok]
-        h = xe @ w13e.T
-        if w13_bias is not None:
-            h = h + w13_bias[e].to(acc_dt)
-        g, u = h[:, gate_cols], h[:, up_cols]
-        if clamped:
-            lim, alpha = activation.limit, activation.alpha
-            gc, uc = g.clamp(max=lim), u.clamp(-lim, lim)
-            sig = torch.sigmoid(alpha * gc)
-            a = (uc + 1) * gc * sig
-            d_gate = ((uc + 1) * sig * (1 + alpha * gc * (1 - sig))) * (g <= lim)
-            d_up = gc * sig * ((u >= -lim) & (u <= lim))
-        else:
-            sig = torch.sigmoid(g)
-            a = g * sig * u
-            d_gate, d_up = u * sig * (1 + g * (1 - sig)), g * sig
-        w = wts[tok, kk].unsqueeze(1)
-        da_unweighted = doe @ w2e  # [n, I]
-        dwts[tok, kk] = (da_unweighted * a).sum(1)
-        if w2_bias is not None:
-            dwts[tok, kk] += doe @ w2_bias[e].to(acc_dt)
-        da = w * da_unweighted
-        dh = torch.empty_like(h)
-        dh[:, gate_cols], dh[:, up_cols] = da * d_gate, da * d_up
-        dx.index_add_(0, tok, dh @ w13e)
-        dw13[e] = dh.T @ xe
-        dw2[e] = doe.T @ (w * a)
-        db13[e] = dh.sum(0)
-        db2[e] = (w * doe).sum(0)
-    res = (dx, dw13, dw2, dwts, db13, db2)
-    src = (x, w13, w2, topk_weights, w13_bias, w2_bias)
-    return tuple(
-        (r.to(t.dtype) if t is not None else r) if n else (x if t is None else t).new_empty((0,))
-        for r, t, n in zip(res, src, need)
-    )
 
 
 def swap_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor | None = None):

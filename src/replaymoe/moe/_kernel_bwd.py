@@ -48,7 +48,7 @@ b2): the launcher computes that term with one matmul). Weights may have any stri
 
 dA and dX take half tiles (``HALF_TILES``) as the forward GEMMs do (:mod:`replaymoe.moe._kernel_fwd`).
 
-Size: over 450 lines (about 630); the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
+Size: over 600 lines (about 640); the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
 chunk order, tested bitwise against it), so the two stay side by side, and dA / dX each carry a
 half-tile dispatcher next to their tile body.
 """

@@ -1,0 +1,279 @@
+"""Triton forward of the fused MoE: the experts variant, the forward launcher and its custom op.
+
+:func:`experts_triton` runs an already validated call (:func:`replaymoe.moe.fused_moe` validates; no
+argument checks here): layout + GEMM1 + GEMM2 + reduce (:func:`_launch`; kernels in ``_kernel_fwd.py``,
+the layout in :mod:`replaymoe.moe.layout`), eagerly as direct launches and under ``torch.compile`` as the
+custom op ``replaymoe::moe_experts``. The differentiable forward (``replaymoe::moe_experts_train``) runs
+the same launcher: :mod:`replaymoe.moe._backward`. The configurations: :mod:`replaymoe.moe.configs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .._launch import fast
+from .._validation import is_capturing
+from .configs import MoEConfig, _half_tiles, _pdl_ok, config_from_list, config_tuple, moe_config, tma_ok
+
+_FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertsVariant:
+    """What the experts compute beyond the standard SwiGLU experts (validated by ``fused_moe``).
+
+    ``w13_bias`` [E_local, 2I] (rows as w13's) and ``w2_bias`` [E_local, H]: added in the GEMM
+    epilogues; ``act`` 0 = SwiGLU, 1 = clamped SwiGLU with ``alpha`` and ``limit`` (gpt-oss);
+    ``interleaved``: w13's gate row j is row 2j, its up row 2j + 1 (otherwise j and I + j).
+    """
+
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    act: int = 0
+    alpha: float = 0.0
+    limit: float = 0.0
+    interleaved: bool = False
+
+    def op_args(self) -> tuple:
+        """The trailing arguments of the ``replaymoe::moe_experts*`` custom ops."""
+        return (self.w13_bias, self.w2_bias, self.act, self.alpha, self.limit, self.interleaved)
+
+
+STANDARD = ExpertsVariant()
+
+
+def _bias_args(b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """(pointer, stride_be, stride_bn) of an optional bias (a dummy pointer and zero strides)."""
+    return (dummy, 0, 0) if b is None else (b, b.stride(0), b.stride(1))
+
+
+def experts_triton(
+    x,
+    w13,
+    w2,
+    topk_ids,
+    topk_weights,
+    *,
+    w13_scale,
+    w2_scale,
+    local_expert_offset,
+    out,
+    config=None,
+    batch_invariant=True,
+    variant=STANDARD,
+):
+    """Run the Triton experts into ``out`` (allocated when None); returns it."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    fp8 = w13_scale is not None
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
+    compiling = torch.compiler.is_compiling()
+    eager = not compiling and not is_capturing()
+    c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager, batch_invariant=batch_invariant,
+                             tma=tma_ok(x.device, x.dtype))  # fmt: skip
+    if compiling:
+        torch.ops.replaymoe.moe_experts(
+            x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+            config_tuple(c), *variant.op_args(),
+        )  # fmt: skip
+    else:  # eager: the same launches without the custom-op dispatch (tens of microseconds per call)
+        _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c,
+                v=variant)  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("replaymoe::moe_experts", mutates_args=("out",))
+def _moe_experts_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    local_expert_offset: int,
+    out: torch.Tensor,
+    config: list[int],
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act: int = 0,
+    alpha: float = 0.0,
+    limit: float = 0.0,
+    interleaved: bool = False,
+) -> None:
+    """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call);
+    the trailing arguments are :class:`ExpertsVariant`'s."""
+    _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+            config_from_list(config),
+            v=ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved))  # fmt: skip
+
+
+@_moe_experts_op.register_fake
+def _(
+    x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, config, *variant
+) -> None:
+    return None
+
+
+_TMA_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a block
+
+
+def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
+    """A TMA descriptor of ``t`` ([E, N, K] viewed as [E*N, K], or [R, K]) with blocks
+    [block_rows, block_k], or None where TMA cannot read it: not bf16/fp16/fp32, K not unit-stride, the
+    rows not one uniform stride, rows or base not 16-byte aligned, or a block over TMA's limits."""
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or t.numel() == 0:
+        return None
+    if t.dim() == 3:
+        if t.stride(0) != t.shape[1] * t.stride(1):
+            return None
+        rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
+    else:
+        rows, row_stride = t.shape[0], t.stride(0)
+    item = t.element_size()
+    if (
+        t.stride(-1) != 1
+        or (row_stride * item) % 16
+        or t.data_ptr() % 16
+        or max(block_rows, block_k) > _TMA_MAX_BOX
+        or (block_k * item) % 16
+    ):
+        return None
+    return _descriptor(t, [rows, t.shape[-1]], [row_stride, 1], [block_rows, block_k])
+
+
+def _descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
+    """``TensorDescriptor(t, shape, strides, block)`` for arguments the callers have checked (16-byte
+    aligned base and rows, unit stride along the last dimension, blocks of at most 256 elements),
+    without its constructor's checks where the rest holds (a few microseconds per launch: every eager
+    training step builds about a dozen per MoE layer); the checked constructor otherwise."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if all(b > 0 and b & (b - 1) == 0 for b in block) and all(n > 0 for n in shape):
+        d = object.__new__(TensorDescriptor)
+        d.base, d.shape, d.strides, d.block_shape, d.padding = t, shape, strides, block, "zero"
+        return d
+    return TensorDescriptor(t, shape, strides, block)
+
+
+def _launch(
+    x,
+    w13,
+    w2,
+    topk_ids,
+    topk_weights,
+    w13_scale,
+    w2_scale,
+    offset,
+    out,
+    c: MoEConfig,
+    saved=None,
+    v=STANDARD,
+    layout_out=None,
+) -> None:
+    """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
+    receives GEMM1's gate/up outputs per slot for the backward; ``v``: the experts variant (bf16 /
+    fp16 / fp32 weights of any strides; fp8 takes the standard variant only); ``layout_out`` (a list)
+    receives the expert layout in tile mode."""
+    from ._kernel_fwd import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
+    from .layout import expert_layout_unchecked
+
+    T, H = x.shape
+    if T == 0:
+        return
+    K = topk_ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    fp8 = w13_scale is not None
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.contiguous()
+    if fp8:  # the fp8 kernels step through the weights with unit stride along K
+        w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+        w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    slots = T * K
+    dev = x.device
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    inter_dt = torch.bfloat16 if fp8 else x.dtype
+    s13 = w13_scale if fp8 else w13
+    s2 = w2_scale if fp8 else w2
+    s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
+    s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
+    if c.direct:
+        rows, num_pid_m = slots, slots
+        sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
+    else:
+        # training (layout_out): the backward's compact order is built in the same launches
+        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, layout_out is not None)
+        if layout_out is not None:
+            layout_out.append(lay)
+        sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
+        num_pid_m = lay.max_tiles
+        rows = max(lay.sorted_slots.shape[0], 1)
+    # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
+    # quantize its activation tiles again in every N-block program (the same bits)
+    preq = fp8 and c.block_n1 == 128
+    if fp8:  # x quantized once per 1x128 group (every fp8 mode: the same bits as in-tile quantization)
+        xq = torch.empty(T, H, dtype=_FP8, device=dev)
+        xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
+        g = 8
+        fast(quant_groups_kernel)[(T, triton.cdiv(H // 128, g))](
+            x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4
+        )
+    else:
+        xq, xs = x, x
+    if preq:
+        inter = torch.empty(rows, I, dtype=_FP8, device=dev)
+        inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev)
+    else:
+        inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
+        inter_s = inter
+    if num_pid_m == 0:
+        out.zero_()
+        return
+    # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper), so that GEMM2
+    # prefetches its weights while GEMM1 finishes and no launch gap separates the three
+    pdl = c.direct and not fp8 and _pdl_ok(dev)
+    grid1 = (num_pid_m * triton.cdiv(I, c.block_n1),)
+    save = saved is not None and saved.numel() > 0
+    h_buf = saved if save else inter
+    b13, b13_se, b13_sn = _bias_args(v.w13_bias, w13)
+    tma = c.tma and not c.direct and not fp8
+    w13_desc = _rows_desc(w13, c.block_n1 * (2 if v.interleaved else 1), c.block_k1) if tma else None
+    fast(moe_gemm1_kernel)[grid1](
+        xq, xs, w13, s13, b13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H,
+        I, K, slots, offset, E_local, float(v.alpha), float(v.limit), xq.stride(0), w13.stride(0),
+        w13.stride(1), w13.stride(2), *s13_strides, b13_se, b13_sn, inter.stride(0), h_buf.stride(0),
+        DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save, STORE_ACT=True,
+        HAS_BIAS=v.w13_bias is not None, INTERLEAVED=v.interleaved, ACT=v.act, EVEN_K=H % c.block_k1 == 0,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
+        PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
+        num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl,
+    )  # fmt: skip
+    y = torch.empty(slots, H, dtype=out.dtype, device=dev)
+    grid2 = (num_pid_m * triton.cdiv(H, c.block_n2),)
+    b2, b2_se, b2_sn = _bias_args(v.w2_bias, w2)
+    w2_desc = _rows_desc(w2, c.block_n2, c.block_k2) if tma else None
+    inter_desc = _rows_desc(inter, c.block_m, c.block_k2) if w2_desc is not None else None
+    half = _half_tiles(c, fp8)
+    inter_desc_half = _rows_desc(inter, c.block_m // 2, c.block_k2) if half and inter_desc else None
+    fast(moe_gemm2_kernel)[grid2](
+        inter, inter_s, w2, s2, b2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
+        offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *s2_strides, b2_se,
+        b2_sn, y.stride(0), DIRECT=c.direct, FP8=fp8, PREQ=preq, HAS_BIAS=v.w2_bias is not None,
+        EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k2,
+        GROUP_M=c.group_m, DOT_PREC=prec, PDL=pdl, TMA=inter_desc is not None, a_desc=inter_desc,
+        w_desc=w2_desc if inter_desc is not None else None, HALF_TILES=half, a_desc_half=inter_desc_half,
+        num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl,
+    )  # fmt: skip
+    bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+    fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
+        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
+    )  # fmt: skip

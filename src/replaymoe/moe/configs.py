@@ -1,0 +1,336 @@
+"""Kernel configurations of the fused MoE: the tuned tables, the heuristics and the hardware switches.
+
+:class:`MoEConfig` / :func:`moe_config` (forward) and :class:`MoEBwdConfig` / :func:`moe_bwd_config`
+(backward) pick the tiles of a call from its shape; the tables were tuned on the H200
+(bench/moe_notes.md, bench/train_notes.md). The module-level switches choose which hardware features the
+kernels may use, all bit-neutral (the same results either way): :data:`TMA_ENABLED`,
+:data:`DW_TMA_ENABLED`, :data:`BWD_GEMM_TMA_ENABLED`, :data:`HALF_TILES_ENABLED` (on by default) and
+:data:`PDL_ENABLED` (off), each read from its ``REPLAYMOE_*`` environment variable at import and read
+here at call time (patch this module to change one in a process). :func:`tma_ok`, :func:`dw_tma_ok` and
+:func:`_hopper` say what the device allows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Kernel configuration of one fused-MoE call (chosen by :func:`moe_config` from the shape).
+
+    ``direct``: decode mode (one tile per slot, no layout; GEMM2 writes one row per slot and the
+    reduce kernel sums each token's rows); otherwise tiles of ``block_m`` rows from
+    :func:`replaymoe.moe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
+    + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection). ``tma`` (tile mode):
+    read the weights (both GEMMs) and GEMM2's SwiGLU rows through TMA tensor descriptors where the
+    operands allow it (bf16 / fp16 / fp32, unit stride along K, 16-byte aligned rows; otherwise,
+    and for fp8, pointer loads); the same bits either way.
+    """
+
+    direct: bool
+    block_m: int
+    block_n1: int
+    block_k1: int
+    warps1: int
+    stages1: int
+    block_n2: int
+    block_k2: int
+    warps2: int
+    stages2: int
+    group_m: int = 8
+    tma: bool = False
+
+
+def config_from_list(config: list[int]) -> MoEConfig:
+    """The inverse of :func:`config_tuple` (11 entries, without ``tma``, are accepted too)."""
+    return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]))
+
+
+def config_tuple(c: MoEConfig) -> list[int]:
+    """``c`` as the int list the ``replaymoe::moe_experts*`` custom ops take (a dataclass cannot
+    cross the op boundary)."""
+    return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
+            c.warps2, c.stages2, c.group_m, int(c.tma)]  # fmt: skip
+
+
+# Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
+# fewer rows (the mma.sync path, through fp16) round differently, so one tile height for every T is
+# what keeps the fp8 path batch-invariant (a token's bits do not depend on T); see DESIGN.
+FP8_BLOCK_M = 64
+
+
+# Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
+_TUNED: dict[tuple, MoEConfig] = {
+    (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
+    # fp8 decode. Qwen3 T=1: GEMM1 on 64-column blocks (96 programs; 128-column blocks, which let GEMM1
+    # write e4m3 rows, give it only 48: 32.4 vs 32.9 us), GEMM2 on 128 (diag/s10_fp8_sweep_h200.txt)
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 6, 128, 128, 8, 4),
+    # H200 sweep, session 15 (bench/results/diag/s15/fp8_direct_sweep_h200.log): Qwen3 T=2 / 4
+    # 50.1 / 81.6 -> 42.4 / 66.7 us, Mixtral T=1 178.2 -> 124.2 us (DeepSeek-V3 takes the default)
+    **{
+        (2048, 768, 128, 8, True, b): MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 64, 128, 4, 3)
+        for b in (2, 4)
+    },
+    (4096, 14336, 8, 2, True, 1): MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 64, 128, 4, 6),
+    # bf16 small batches, H200 sweep, session 15 (bench/results/diag/s15/bf16_mid_sweep_*_h200.log):
+    # Mixtral T=64 712.9 -> 654.8 us, T=128 776.2 -> 755.4; Qwen3 T=8 / 32 / 64 143.1 / 266.0 / 301.0 ->
+    # 139.8 / 262.0 / 297.8
+    (4096, 14336, 8, 2, False, 64): MoEConfig(False, 32, 128, 128, 8, 3, 128, 128, 4, 3),
+    (4096, 14336, 8, 2, False, 128): MoEConfig(False, 32, 64, 256, 4, 3, 64, 256, 4, 3),
+    (2048, 768, 128, 8, False, 8): MoEConfig(False, 16, 32, 256, 4, 3, 64, 128, 4, 3),
+    **{(2048, 768, 128, 8, False, b): MoEConfig(False, 16, 32, 256, 4, 3, 128, 128, 4, 3) for b in (32, 64)},
+}
+# fp8 entries for batch_invariant=False (16-row tiles)
+_TUNED_FP8_FAST: dict[tuple, MoEConfig] = {
+    (2048, 768, 128, 8, True, 1): MoEConfig(True, 16, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8 decode
+}
+
+
+def _bucket(T: int) -> int:
+    return 1 << max(0, (T - 1).bit_length())
+
+
+# Eager calls: the host time that the direct mode saves (the 2 layout launches and their buffers),
+# measured on the H200 host at decode sizes (scripts/host_profile.py).
+EAGER_LAUNCH_SAVING_S = 40e-6
+_HBM_BYTES_PER_S = 4.27e12
+
+
+def _direct_pays_off_eagerly(slots: int, H: int, I: int, E_local: int, fp8: bool) -> bool:  # noqa: E741
+    """Eager decode: the direct mode reads an expert once per slot instead of once per expert; take
+    it when the expected extra weight reads cost less GPU time than the launches it saves on the host
+    (an eager decode step is bound by the host)."""
+    if slots > 256:
+        return False
+    distinct = E_local * (1.0 - (1.0 - 1.0 / E_local) ** slots)  # expected experts hit, random routing
+    expert_bytes = 3 * H * I * (1 if fp8 else 2)
+    return (slots - distinct) * expert_bytes / _HBM_BYTES_PER_S < EAGER_LAUNCH_SAVING_S
+
+
+def moe_config(
+    T: int,
+    K: int,
+    H: int,
+    I: int,  # noqa: E741
+    E_local: int,
+    *,
+    fp8: bool = False,
+    eager: bool = False,
+    batch_invariant: bool = True,
+    tma: bool = False,
+) -> MoEConfig:
+    """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I.
+
+    ``eager``: the call launches its kernels one by one from Python (not inside a CUDA graph or a
+    compiled graph), so host time counts too: small batches may take the direct (decode) mode,
+    which launches 3 kernels instead of 5 (no layout), where its extra weight reads cost less. Every mode
+    gives a token the same bits (batch invariance), so this changes time, never results.
+
+    ``batch_invariant`` (fp8 only; bf16/fp16 are invariant in every configuration): every fp8
+    configuration uses :data:`FP8_BLOCK_M`-row tiles, so a token's output does not depend on T.
+    ``False`` lets small batches take 16/32-row tiles (Hopper's mma.sync path), faster at decode
+    (e.g. DeepSeek-V3 T=8) but rounding differently from the prefill tiles.
+
+    ``tma``: the device can use TMA tensor descriptors (``experts_triton`` passes :func:`tma_ok`):
+    the bf16/fp16 prefill configuration (128-row tiles) then sets :attr:`MoEConfig.tma` (H200:
+    1.04-1.11x at T >= 4096, bench/moe_notes.md session 6); the bits are the same either way.
+
+    Tuned entries (measured on the H200, bench/moe_notes.md) override the heuristics for the shapes
+    they name, on any GPU; every one keeps the batch-invariance guarantee (fp8: 64-row tiles). A tuned
+    tile-mode entry yields to the eager direct mode where that applies (``eager``).
+    """
+    table = _TUNED if not fp8 or batch_invariant else _TUNED_FP8_FAST
+    tuned = table.get((H, I, E_local, K, fp8, _bucket(T)))
+    slots = T * K
+    eager_direct = eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)
+    if tuned is not None and (tuned.direct or not eager_direct):  # an eager decode keeps the direct mode
+        return tuned
+    if T == 1 or slots * 4 <= E_local or eager_direct:
+        # decode: one tile per slot, each active expert's weights streamed once, split along N
+        if fp8 and batch_invariant:
+            # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows, so GEMM2 reads them as they are instead
+            # of quantizing its activation tiles in every program. H200 (bench/moe_notes.md, session 15):
+            # DeepSeek-V3 T=1 / 8 146.9 / 908.9 -> 116.3 / 726.0 us
+            return MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 128, 128, 8, 4)
+        if fp8:
+            return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
+        return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
+    m_avg = slots / min(E_local, slots)  # rows per active expert
+    if fp8 and batch_invariant and m_avg < 48:  # H200 sweep: 4 stages, GEMM2 on 4 warps (2-8 % faster)
+        return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 4, 128, 128, 4, 4)
+    if fp8 and (batch_invariant or m_avg >= 48):
+        return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 3, 128, 128, 8, 3)
+    if fp8:
+        return MoEConfig(False, 16 if m_avg < 12 else 32, 128, 128, 4, 3, 128, 128, 4, 3)
+    if m_avg < 12:  # H200 sweep (bench/moe_notes.md): memory-bound, deep K tiles
+        return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
+    if m_avg < 48:
+        return MoEConfig(False, 32, 64, 128, 4, 4, 64, 128, 4, 4)
+    if tma and m_avg >= 256:
+        # Hopper, long expert segments: GEMM1 in 32-deep K chunks, 6 stages (the same shared memory as
+        # 64 x 4; the same bits). H200 sweep (bench/moe_notes.md, session 14), GEMM1 with the training
+        # rows: Qwen3 T=16384 1490 -> 1454 us, Mixtral T=4096 3313 -> 3243, DSv3 T=4096 3382 -> 3332;
+        # at Qwen3 T=1024 (64 rows per expert) 227 -> 231, so not below 256 rows
+        return MoEConfig(False, 128, 128, 32, 8, 6, 256, 64, 8, 4, 4, tma=tma)
+    return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4, tma=tma)
+
+
+@dataclass(frozen=True)
+class MoEBwdConfig:
+    """Kernel configuration of one fused-MoE backward (chosen by :func:`moe_bwd_config`).
+
+    ``block_m``: rows per tile of the backward's layout; ``*_a`` = the dA GEMM (``dO @ W2``, N over
+    I, K over H), ``*_x`` = the dX GEMM (N over H, K over 2I), ``*_w`` = the weight-gradient GEMMs
+    (a ``bm_w × bn_w`` block of one expert's dW, K over its rows). ``dw_mode``: 0 = the token rows
+    of x and dO gathered inside the dW loop; 1 = gathered once into layout order first; 2 = gathered
+    once, transposed (K-major A operands). ``dw_tma`` (``dw_mode`` 1, bf16 / fp16 / fp32): the dW
+    GEMMs read their operands through TMA tensor descriptors (``moe_bwd_dw_tma_kernel``; the same
+    bits as the pointer kernel); where a buffer does not meet TMA's alignment the pointer kernel runs.
+    ``dw_progs`` (with ``dw_tma``): 0 = one program per (expert, block) tile; n > 0 = a persistent
+    grid of at most n programs walking the tiles in expert-major order; -1 = that grid with one
+    program per SM of the device (every tile is still one program's K loop in row order: same
+    bits). ``dw_c_desc`` (with ``dw_tma``): store C through a descriptor where BLOCK_M divides M
+    (else pointer stores; on sm_90 the descriptor store takes more registers: 199 vs 172 at
+    128×128×32, 4 warps). ``gemm_tma``: the dA GEMM reads W2, and the dX GEMM W13 and dh, through TMA
+    descriptors where the weights have unit stride along their last dimension and the K loop has no
+    partial step (else pointer loads; the same operand values either way). ``maxnreg_w`` (with
+    ``dw_tma``): a cap on the dW kernel's registers per thread (0: the compiler's choice); 168 lets
+    three 4-warp programs share an SM (65536 / (3 * 128) = 170) where the compiler's 199 allowed two.
+    """
+
+    block_m: int
+    bn_a: int
+    bk_a: int
+    warps_a: int
+    stages_a: int
+    bn_x: int
+    bk_x: int
+    warps_x: int
+    stages_x: int
+    bm_w: int
+    bn_w: int
+    bk_w: int
+    warps_w: int
+    stages_w: int
+    group_m: int = 8
+    dw_mode: int = 0
+    dw_tma: bool = False
+    dw_progs: int = 0
+    dw_c_desc: bool = True
+    gemm_tma: bool = False
+    maxnreg_w: int = 0
+
+
+def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = False) -> MoEBwdConfig:  # noqa: E741
+    """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I.
+
+    ``tma``: the device and dtype allow TMA descriptors (:func:`dw_tma_ok`); sets
+    :attr:`MoEBwdConfig.dw_tma`, and for the large-expert tiles a persistent dW grid (one program
+    per SM). H200, scripts/dw_tma_check.py: dW kernels 1.08-1.42x the pointer kernel's speed
+    (Qwen3 T=16384 2.56 -> 2.16 ms, Mixtral 25.2 -> 17.8, DSv3 26.7 -> 19.9), the persistent grid a
+    further 1-4 %.
+    """
+    slots = max(T * K, 1)
+    m_avg = slots / min(E_local, slots)
+    # H200 sweep (bench/moe_bwd_tune.py, bench/results/train_bwd_tune.txt): dW over pre-gathered rows
+    if m_avg < 12:
+        return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
+    if m_avg < 40:
+        return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
+    g = tma and BWD_GEMM_TMA_ENABLED
+    if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
+        # Hopper (H200, Qwen3 T=4096 / 1024, bitwise the same): dA 128x256 tiles 250 -> 209 / 124 -> 113 us;
+        # dW capped at 168 registers (three programs per SM) 939 -> 804 / 664 -> 551 us
+        bn_a = 256 if tma else 128
+        return MoEBwdConfig(128, bn_a, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma, gemm_tma=g,
+                            maxnreg_w=168 if tma else 0)  # fmt: skip
+    if tma:  # Hopper (H200 sweep, session 14; bitwise the same): dA 128x256 tiles, Qwen3 T=16384
+        # 770 -> 650 us, Mixtral / DSv3 T=4096 1678 -> 1436 / 1788 -> 1527; dW 32-deep K chunks in 6
+        # stages, 2029 -> 1958, 4837 -> 4728, 6759 -> 6109 us
+        return MoEBwdConfig(128, 256, 64, 8, 4, 256, 64, 8, 4, 128, 256, 32, 8, 6, 8, 1, tma, -1, gemm_tma=g)
+    return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, 0, gemm_tma=g)
+
+
+# Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer: opt-in (True, or
+# the environment variable REPLAYMOE_PDL=1). Results are the same either way. Off by default because it
+# measured slower on the H200 at every decode point (scripts/pdl_decode_check.py, graph replay: Qwen3
+# T=1 36.7 -> 40.1 us, Mixtral T=1 189 -> 288 us, DSv3 T=8 1278 -> 1549 us): GEMM2's programs sit
+# resident while GEMM1 still runs, and its L2 prefetch of weights larger than L2 reads them twice.
+PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "0") == "1"
+
+
+def _pdl_ok(dev: torch.device) -> bool:
+    """Programmatic dependent launch is used on ``dev``: :data:`PDL_ENABLED`, a CUDA device of
+    compute capability 9.0 or newer, and not Triton's interpreter."""
+    return PDL_ENABLED and _hopper(dev)
+
+
+# Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
+# (:attr:`MoEConfig.tma`, chosen by :func:`moe_config` where :func:`tma_ok`); False (or the environment
+# variable REPLAYMOE_TMA=0) keeps pointer loads. Results are the same either way. H200 A/B
+# (scripts/fwd_tma_check.py, graph replay): 1.04-1.11x at T >= 4096 (Mixtral T=16384 22.5 -> 20.3 ms).
+TMA_ENABLED = os.environ.get("REPLAYMOE_TMA", "1") != "0"
+
+
+def tma_ok(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Tile mode may read its operands through TMA descriptors on ``dev``: :data:`TMA_ENABLED`, a
+    CUDA device of compute capability 9.0 or newer, not Triton's interpreter (tests that want the TMA
+    kernels there pass a configuration with ``tma=True``), and bf16 / fp16 activations (fp32's
+    ``ieee`` dot, no tensor cores, spills hundreds of bytes once its tiles come from TMA:
+    ``scripts/fwd_tma_ptx_check.py``'s notes)."""
+    return TMA_ENABLED and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
+
+
+# The weight-gradient GEMMs through TMA tensor descriptors on Hopper and newer (MoEBwdConfig.dw_tma,
+# set by moe_bwd_config where dw_tma_ok); False (or the environment variable REPLAYMOE_DW_TMA=0) keeps
+# the pointer kernel. The bits are the same either way (H200 A/B: scripts/dw_tma_check.py).
+DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
+# The dA / dX GEMMs' weight (and dX's dh) tiles through TMA descriptors where dw_tma_ok
+# (MoEBwdConfig.gemm_tma; the same bits as the pointer loads, H200 test); REPLAYMOE_BWD_GEMM_TMA=0 turns it
+# off. H200, bench train, two A/B runs each: Qwen3 fwd+bwd T=1024 1.51 -> 1.46 ms, T=4096 2.75 -> 2.73,
+# T=16384 8.38-8.43 -> 8.27-8.35 (peaks unchanged); DSv3 T=4096 19.5 -> 19.4.
+BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
+# Tile mode, bf16 / fp16 / fp32: a tile with at most half its rows real (an expert's last) computes
+# only that half (the kernels' HALF_TILES; the same bits). REPLAYMOE_HALF_TILES=0 turns it off.
+HALF_TILES_ENABLED = os.environ.get("REPLAYMOE_HALF_TILES", "1") != "0"
+
+
+def _half_tiles(c, fp8: bool) -> bool:
+    """The tile kernels of configuration ``c`` take HALF_TILES (tile mode, not fp8, >= 32-row tiles)."""
+    return HALF_TILES_ENABLED and not fp8 and not getattr(c, "direct", False) and c.block_m >= 32
+
+
+_HOPPER_DEVICES: dict = {}
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of CUDA device ``dev`` (cached; 1 elsewhere)."""
+    n = _SM_COUNTS.get(dev)
+    if n is None:
+        n = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        _SM_COUNTS[dev] = n
+    return n
+
+
+def dw_tma_ok(dev: torch.device, dtype: torch.dtype) -> bool:
+    """The backward's dW GEMMs may use TMA descriptors: :data:`DW_TMA_ENABLED`, bf16 / fp16, a CUDA
+    device of compute capability 9.0 or newer, and not Triton's interpreter (tests that want the TMA
+    kernel there pass a configuration with ``dw_tma=True``)."""
+    return DW_TMA_ENABLED and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
+
+
+def _hopper(dev: torch.device) -> bool:
+    """``dev`` is a CUDA device of compute capability 9.0 or newer and the process does not run
+    Triton's interpreter (cached per device): where TMA descriptors and PDL may be used."""
+    ok = _HOPPER_DEVICES.get(dev)
+    if ok is None:
+        from .._backend import INTERPRET
+
+        ok = dev.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(dev)[0] >= 9
+        _HOPPER_DEVICES[dev] = ok
+    return ok
