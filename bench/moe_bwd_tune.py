@@ -13,8 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import replaymoe.moe.configs as M
-from replaymoe.moe._backward import launch_bwd
 from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
+from replaymoe.moe._backward import launch_bwd
 
 OUT = os.environ.get("OUT", "/tmp")
 

@@ -6,7 +6,12 @@
   from a layer above its own (the CLI in ``apps`` may import the benchmarks' entry points; a
   benchmark never imports ``replaymoe.apps``);
 * no source module over ``MAX_LINES`` lines unless its docstring says why (a line starting
-  ``Size:``).
+  ``Size:``);
+* the kernels of an op inside its package: Triton code (``@triton.jit``) of ``routing`` and ``moe``
+  lives in their ``_kernel*.py`` modules, nowhere else; ``_kernels/`` keeps only the kernels not yet
+  moved beside their op (``KERNELS_LEFT``: expert parallelism's and the hf step-rows kernels);
+* deprecated import paths (shims calling ``replaymoe._deprecated.alias``) stay small, import only the
+  modules that replaced them, and nothing in the package imports one.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ MAX_LINES = 600
 # layer of a module by its first name below the package; higher layers may import lower ones
 LAYERS = {
     # Triton code and the helpers every op uses
-    0: {"_kernels", "_launch", "_validation", "_backend"},
+    0: {"_kernels", "_launch", "_validation", "_backend", "_deprecated"},
     # ops
     1: {
         "routing",
@@ -38,6 +43,11 @@ LAYERS = {
 }
 # ``replaymoe/__init__.py``: the lazy facade (``__version__``), importable by benchmarks and applications
 ROOT_LAYER = 4
+# ops that are one package each, their Triton code in ``<op>/_kernel*.py``
+OP_PACKAGES = {"routing", "moe"}
+# ``_kernels/`` modules that still hold Triton code, to move beside their ops (``ep/``, ``hf/``)
+KERNELS_LEFT = {"ep", "step_rows"}
+SHIM_MAX_LINES = 40
 
 
 def _modules() -> dict[str, Path]:
@@ -89,9 +99,25 @@ def _imports(module: str) -> set[str]:
 
 
 GRAPH = {m: _imports(m) for m in MODULES}
+# deprecated import paths: the modules built by replaymoe._deprecated.alias
+SHIMS = {m for m, deps in GRAPH.items() if f"{PACKAGE}._deprecated" in deps}
+
+
+def _has_kernels(module: str) -> bool:
+    """The module defines a ``@triton.jit`` function."""
+    tree = ast.parse(MODULES[module].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for dec in node.decorator_list:
+                target = dec.func if isinstance(dec, ast.Call) else dec
+                if isinstance(target, ast.Attribute) and target.attr == "jit":
+                    return True
+    return False
 
 
 def _layer(module: str) -> int:
+    if module in SHIMS:  # an old path re-exporting its replacements, above everything (nothing imports it)
+        return max(LAYERS) + 1
     parts = module.split(".")
     if len(parts) == 1:
         return ROOT_LAYER
@@ -191,3 +217,31 @@ def test_checker_sees_a_cycle_and_an_upward_import():
     finally:
         GRAPH = saved
     assert _layer("replaymoe.routing") < _layer("replaymoe.hf.session")
+
+
+def test_shims_are_small_and_nothing_imports_them():
+    assert {f"{PACKAGE}.routing_table", f"{PACKAGE}.moe_triton", f"{PACKAGE}._kernels.moe"} <= SHIMS
+    for shim in sorted(SHIMS):
+        lines = len(MODULES[shim].read_text().splitlines())
+        assert lines <= SHIM_MAX_LINES, f"{shim}: a deprecation shim of {lines} lines"
+        assert not _has_kernels(shim), shim
+        assert all(d.split(".")[1] in OP_PACKAGES | {"_deprecated"} for d in GRAPH[shim]), (shim, GRAPH[shim])
+    users = {m: sorted(GRAPH[m] & SHIMS) for m in MODULES if GRAPH[m] & SHIMS}
+    assert users == {}, f"modules importing a deprecated path: {users}"
+
+
+def test_the_kernels_of_an_op_live_in_its_package():
+    placed = {}
+    for m in MODULES:
+        if m in SHIMS or not _has_kernels(m):
+            continue
+        parts = m.split(".")
+        placed[m] = (parts[1] in OP_PACKAGES and parts[-1].startswith("_kernel")) or (
+            parts[1] == "_kernels" and parts[-1] in KERNELS_LEFT
+        )
+    assert {m for m, ok in placed.items() if not ok} == set()
+    for op in OP_PACKAGES:  # every op package has its kernels inside it
+        assert any(m.startswith(f"{PACKAGE}.{op}._kernel") for m in placed), op
+    # no routing / moe kernel module left in _kernels/ (only the deprecation shims of their old paths)
+    left = {m.split(".")[-1] for m in MODULES if m.startswith(f"{PACKAGE}._kernels.") and m not in SHIMS}
+    assert left == KERNELS_LEFT

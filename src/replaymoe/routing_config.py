@@ -1,0 +1,11 @@
+"""Deprecated: moved to :mod:`replaymoe.routing` (``RoutingConfig``, ``as_config``) and
+:mod:`replaymoe.routing._checks` (``validate_config``, ``BIAS_DTYPES``).
+
+This alias is kept for one release.
+"""
+
+import replaymoe.routing as routing
+from replaymoe._deprecated import alias
+from replaymoe.routing import _checks
+
+alias(globals(), routing, _checks)

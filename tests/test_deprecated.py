@@ -1,0 +1,172 @@
+"""The old import paths of the move to one package per op (``routing/``, ``moe/``) keep working for one
+release: each shim module warns (DeprecationWarning naming the new path) and re-exports the same
+objects as the modules that now hold the code, including every name the old module exported."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+# old path -> (new modules, the names the old module exported before the move)
+SHIMS = {
+    "replaymoe.routing_table": (
+        ["replaymoe.routing.methods"],
+        [
+            "EPS",
+            "GRAD_KIND",
+            "METHODS",
+            "MethodSpec",
+            "Params",
+            "select_torch",
+            "selection_scores",
+            "weights_torch",
+        ],
+    ),  # fmt: skip
+    "replaymoe.routing_triton": (
+        ["replaymoe.routing._triton"],
+        ["CONFIG_OVERRIDE", "route_triton", "weights_backward"],
+    ),
+    "replaymoe._routing_method": (["replaymoe.routing.methods"], ["RoutingMethod"]),
+    "replaymoe.routing_config": (
+        ["replaymoe.routing", "replaymoe.routing._checks"],
+        ["BIAS_DTYPES", "RoutingConfig", "as_config", "validate_config"],
+    ),
+    "replaymoe.routing_checks": (
+        ["replaymoe.routing._checks"],
+        ["check_replay_ids", "compiled_replay_check", "validate"],
+    ),
+    "replaymoe.moe_triton": (
+        ["replaymoe.moe.configs", "replaymoe.moe._forward", "replaymoe.moe._backward"],
+        [
+            "ExpertsVariant",
+            "MoEBwdConfig",
+            "MoEConfig",
+            "STANDARD",
+            "config_from_list",
+            "config_tuple",
+            "dw_tma_ok",
+            "experts_triton",
+            "experts_triton_train",
+            "launch_bwd",
+            "launch_bwd_config",
+            "moe_bwd_config",
+            "moe_config",
+            "tma_ok",
+            "FP8_BLOCK_M",
+            "TMA_ENABLED",
+            "DW_TMA_ENABLED",
+            "BWD_GEMM_TMA_ENABLED",
+            "HALF_TILES_ENABLED",
+            "PDL_ENABLED",
+        ],
+    ),  # fmt: skip
+    "replaymoe.layout": (
+        ["replaymoe.moe.layout"],
+        [
+            "CompactLayout",
+            "ExpertLayout",
+            "compact_layout",
+            "compact_layout_torch",
+            "expert_layout",
+            "layout_torch",
+            "layout_sizes",
+        ],
+    ),  # fmt: skip
+    "replaymoe.quant": (
+        ["replaymoe.moe.quant"],
+        [
+            "FP8_MAX",
+            "quantize_fp8_block",
+            "dequantize_fp8_block",
+            "quantize_fp8_per_token_group",
+            "dequantize_fp8_per_token_group",
+        ],
+    ),  # fmt: skip
+    "replaymoe._kernels.routing": (["replaymoe.routing._kernel"], ["route_kernel"]),
+    "replaymoe._kernels.routing_grad": (["replaymoe.routing._kernel_grad"], ["route_weights_grad_kernel"]),
+    "replaymoe._kernels.moe": (
+        ["replaymoe.moe._kernel_fwd"],
+        ["moe_gemm1_kernel", "moe_gemm2_kernel", "moe_reduce_kernel", "quant_groups_kernel"],
+    ),
+    "replaymoe._kernels.moe_bwd": (
+        ["replaymoe.moe._kernel_bwd"],
+        [
+            "moe_bwd_bias_kernel",
+            "moe_bwd_da_kernel",
+            "moe_bwd_dw_kernel",
+            "moe_bwd_dw_tma_kernel",
+            "moe_bwd_dx_kernel",
+            "moe_bwd_gather_rows_kernel",
+            "moe_bwd_swiglu_kernel",
+        ],
+    ),  # fmt: skip
+    "replaymoe._kernels.layout": (
+        ["replaymoe.moe._kernel_layout"],
+        ["layout_compact_kernel", "layout_hist_kernel", "layout_scatter_kernel"],
+    ),
+}
+# names a shim defines itself, keeping an old result where the new function changed (see the shim)
+OWN = {
+    "replaymoe.routing_table": {"GRAD_KIND"},
+    "replaymoe.routing_checks": {"validate", "compiled_replay_check"},
+}
+
+
+def _fresh_import(name: str):
+    """Import ``name`` anew (a shim warns once, when it is first imported)."""
+    sys.modules.pop(name, None)
+    parent, _, child = name.rpartition(".")
+    if hasattr(sys.modules.get(parent), child):
+        delattr(sys.modules[parent], child)
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("old", sorted(SHIMS))
+def test_shim_warns_and_reexports_the_same_objects(old):
+    new_names, old_exports = SHIMS[old]
+    new = [importlib.import_module(n) for n in new_names]
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated.*import {new_names[0]}"):
+        shim = _fresh_import(old)
+    own = OWN.get(old, set())
+    for name in old_exports:
+        assert hasattr(shim, name), f"{old}.{name} is gone"
+    for module in reversed(new):  # an earlier module's name wins
+        for name, value in vars(module).items():
+            if name.startswith("__") or name in own or any(name in vars(m) for m in new[: new.index(module)]):
+                continue
+            assert getattr(shim, name) is value, f"{old}.{name} is not {module.__name__}.{name}"
+
+
+def test_shims_keep_their_old_results():
+    import torch
+
+    from replaymoe.routing import RoutingConfig, RoutingMethod
+    from replaymoe.routing.methods import METHODS, Params
+
+    with pytest.warns(DeprecationWarning):
+        table = _fresh_import("replaymoe.routing_table")
+    assert table.GRAD_KIND[METHODS[RoutingMethod.RENORMALIZE].grad] == 1  # the backward kernel's number
+    with pytest.warns(DeprecationWarning):
+        checks = _fresh_import("replaymoe.routing_checks")
+    x = torch.zeros(3, 8)
+    p = checks.validate(x, RoutingConfig(2), None, None)
+    assert isinstance(p, Params) and p.top_k == 2  # the old validate: Params only
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]]).t().contiguous().t()  # not contiguous
+    assert checks.compiled_replay_check(ids, 8).is_contiguous()
+    assert checks.compiled_replay_check(None, 8) is None
+
+
+def test_nothing_in_the_repository_warns_on_import():
+    # the package's own modules import the new paths only (test_structure checks the source too)
+    import subprocess
+
+    code = (
+        "import warnings; warnings.filterwarnings('error', 'replaymoe.* is deprecated', DeprecationWarning); "
+        "import replaymoe, replaymoe.routing, replaymoe.moe, replaymoe.ep, replaymoe.hf, "
+        "replaymoe.bench.moe, replaymoe.bench.routing, replaymoe.bench.train, replaymoe.apps.cli; "
+        "[getattr(replaymoe, n) for n in replaymoe.__all__]"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
