@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import replaymoe.routing as routing_mod
+from _routing_cases import routing_kwargs
 from replaymoe.routing import RoutingMethod, RoutingOutput, route, route_torch
 from replaymoe.routing._triton import weights_backward
 from replaymoe.routing.methods import Params as _Params
@@ -79,13 +80,7 @@ def formula(x, top_k, method, bias=None, n_group=1, topk_group=1, scale=1.0):
 
 def method_kwargs(method, num_experts, generator, bias_dtype=torch.float32):
     """Arguments of a plausible model for ``method`` with ``num_experts`` experts."""
-    kw = {"top_k": 1 if method == M.LLAMA4 else 4}
-    if method in (M.DEEPSEEK_V3, M.MINIMAX2):
-        kw["bias"] = ((torch.rand(num_experts, generator=generator) - 0.5) * 0.5).to(bias_dtype)
-        kw["routed_scaling_factor"] = 2.5
-    if method == M.DEEPSEEK_V3:
-        kw["n_group"], kw["topk_group"] = 8, 3
-    return kw
+    return routing_kwargs(method, num_experts, generator, bias_dtype=bias_dtype)
 
 
 def formula_kwargs(kw):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _routing_cases import routing_kwargs
 from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits
 
@@ -17,15 +18,9 @@ DEV = "cuda"
 
 def _kwargs(method: RoutingMethod, num_experts: int, bias_dtype=torch.float32, gen=None) -> dict:
     """Routing arguments of a realistic model for ``method`` at ``num_experts``."""
-    kw: dict = {"top_k": 1 if method == M.LLAMA4 else min(8, num_experts)}
-    if method in (M.DEEPSEEK_V3, M.MINIMAX2):
-        kw["bias"] = (torch.rand(num_experts, generator=gen) - 0.5).to(bias_dtype).to(DEV)
-        kw["routed_scaling_factor"] = 2.5
-    if method == M.DEEPSEEK_V3:
-        ng = {8: 4, 64: 8, 128: 8, 256: 8, 384: 8, 512: 16}.get(num_experts, 1)
-        kw["n_group"], kw["topk_group"] = ng, max(1, ng // 2)
-        kw["top_k"] = min(kw["top_k"], kw["topk_group"] * (num_experts // ng))
-    return kw
+    ng = {8: 4, 64: 8, 128: 8, 256: 8, 384: 8, 512: 16}.get(num_experts, 1)
+    return routing_kwargs(method, num_experts, gen, top_k=min(8, num_experts), bias_dtype=bias_dtype,
+                          bias_scale=1.0, device=DEV, groups=(ng, max(1, ng // 2)))  # fmt: skip
 
 
 def _assert_eps_optimal(x, ids, method, kw, eps=1e-5):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import replaymoe.routing._triton as routing_triton
+from _routing_cases import routing_kwargs
 from replaymoe.routing import RoutingMethod, route, route_torch
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
@@ -16,13 +17,7 @@ M = RoutingMethod
 
 
 def kwargs_for(method, num_experts, generator, top_k=3):
-    kw = {"top_k": 1 if method == M.LLAMA4 else top_k}
-    if method in (M.DEEPSEEK_V3, M.MINIMAX2):
-        kw["bias"] = ((torch.rand(num_experts, generator=generator) - 0.5) * 0.5).half()
-        kw["routed_scaling_factor"] = 2.5
-    if method == M.DEEPSEEK_V3:
-        kw["n_group"], kw["topk_group"] = 8, 3
-    return kw
+    return routing_kwargs(method, num_experts, generator, top_k=top_k, bias_dtype=torch.float16)
 
 
 @pytest.fixture(params=[1, 2, 3])
