@@ -12,8 +12,8 @@ import replaymoe.routing as routing_mod
 from _routing_cases import routing_kwargs
 from replaymoe.routing import RoutingMethod, RoutingOutput, route, route_torch
 from replaymoe.routing._triton import weights_backward
+from replaymoe.routing.methods import METHODS, weights_torch
 from replaymoe.routing.methods import Params as _Params
-from replaymoe.routing.methods import weights_torch
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
 M = RoutingMethod
@@ -53,26 +53,7 @@ def formula(x, top_k, method, bias=None, n_group=1, topk_group=1, scale=1.0):
             keep = sorted(range(n_group), key=lambda g: -gscore[g])[:topk_group]
             cand = [i for i in cand if i // gs in keep]
         ids = sorted(cand, key=lambda i: -score[i])[:top_k]
-        xs = [row[i] for i in ids]
-        if method == M.DEFAULT:
-            w = [score[i] for i in ids]
-        elif method == M.RENORMALIZE_NAIVE:
-            tot = sum(score[i] for i in ids)
-            w = [score[i] / tot for i in ids]
-        elif method == M.RENORMALIZE:
-            mx = max(xs)
-            z = sum(math.exp(v - mx) for v in xs)
-            w = [math.exp(v - mx) / z for v in xs]
-        elif method == M.TOPK:
-            w = xs
-        elif method in (M.LLAMA4, M.SIGMOID, M.TOPK_SIGMOID):
-            w = [_sig(v) for v in xs]
-        elif method == M.SIGMOID_RENORM:
-            tot = sum(_sig(v) for v in xs)
-            w = [_sig(v) / max(tot, 1e-20) for v in xs]
-        else:  # DEEPSEEK_V3, MINIMAX2: unbiased sigmoid, renormalised, scaled
-            tot = sum(_sig(v) for v in xs)
-            w = [_sig(v) / (tot + 1e-20) * scale for v in xs]
+        w = _formula_weights_at(row, ids, method, scale)
         all_ids.append(ids)
         all_w.append(w)
     return all_ids, torch.tensor(all_w, dtype=torch.float64).reshape(x.shape[0], top_k)
@@ -198,6 +179,7 @@ def test_replay_forces_ids_and_recomputes_weights(method, id_dtype, generator):
 
 
 def _formula_weights_at(row, ids, method, scale):
+    """The weights of ``method`` at ``ids`` for one row of logits (float64 lists), by the textbook."""
     xs = [row[i] for i in ids]
     if method in (M.DEFAULT, M.RENORMALIZE_NAIVE):
         mx = max(row)
@@ -213,16 +195,18 @@ def _formula_weights_at(row, ids, method, scale):
     s = [_sig(v) for v in xs]
     if method == M.SIGMOID_RENORM:
         return [v / max(sum(s), 1e-20) for v in s]
-    if method in (M.DEEPSEEK_V3, M.MINIMAX2):
+    if method in (M.DEEPSEEK_V3, M.MINIMAX2):  # unbiased sigmoid, renormalised, scaled
         return [v / (sum(s) + 1e-20) * scale for v in s]
-    return s
+    if method in (M.LLAMA4, M.SIGMOID, M.TOPK_SIGMOID):
+        return s
+    raise AssertionError(f"no textbook weights for {method!r}: add them here")
 
 
 @pytest.mark.parametrize("method", list(RoutingMethod))
 def test_weights_gradcheck_float64(method, generator):
     # the torch formula is differentiable (gradcheck in float64), and the Triton op's backward (the
     # table's closed-form gradient) agrees with autograd of it, as does the vjp fallback
-    k = 1 if method == M.LLAMA4 else 4
+    k = 1 if METHODS[method].single_expert else 4
     p = _Params(method, k, 1, 1, 2.5)
     x = torch.randn(5, 12, dtype=torch.float64, generator=generator, requires_grad=True)
     ids = torch.stack([torch.randperm(12, generator=generator)[:k] for _ in range(5)])
