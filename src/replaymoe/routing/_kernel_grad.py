@@ -25,16 +25,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from replaymoe.routing import methods
-
-# the closed forms' numbers (``KIND``), from the method table's formulas
-_SOFTMAX_ALL = tl.constexpr(methods.W_SOFTMAX_ALL.kernel)
-_SOFTMAX_SELECTED = tl.constexpr(methods.W_SOFTMAX_SELECTED.kernel)
-_SIGMOID_SCALED = tl.constexpr(methods.W_SIGMOID_SCALED.kernel)
-_SIGMOID = tl.constexpr(methods.W_SIGMOID.kernel)
-_SOFTMAX_ALL_RENORM = tl.constexpr(methods.W_SOFTMAX_ALL_RENORM.kernel)
-_LOGITS = tl.constexpr(methods.W_LOGITS.kernel)
-_SIGMOID_RENORM = tl.constexpr(methods.W_SIGMOID_RENORM.kernel)
+# the closed forms' numbers (``KIND``): the weights formulas' branch numbers, as in the forward kernel
+from replaymoe.routing._kernel import (
+    _W_LOGITS,
+    _W_SIGMOID,
+    _W_SIGMOID_RENORM,
+    _W_SIGMOID_SCALED,
+    _W_SOFTMAX_ALL,
+    _W_SOFTMAX_ALL_RENORM,
+    _W_SOFTMAX_SELECTED,
+)
 
 
 @triton.jit
@@ -72,14 +72,14 @@ def route_weights_grad_kernel(
     ids = tl.load(ids_ptr + rt64[:, None] * K + rk[None, :], mask=sel_ok, other=-1)
     g = tl.load(g_ptr + rt64[:, None] * K + rk[None, :], mask=sel_ok, other=0.0).to(tl.float32)
     onehot = ids[:, :, None] == re[None, None, :]  # [BLOCK_T, KP, EP]; padding slots match nothing
-    if KIND == _SOFTMAX_ALL or KIND == _SOFTMAX_ALL_RENORM:  # softmax over all experts
+    if KIND == _W_SOFTMAX_ALL or KIND == _W_SOFTMAX_ALL_RENORM:  # softmax over all experts
         x = tl.load(
             x_ptr + rt64[:, None] * stride_x + re[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
         ).to(tl.float32)
         x = tl.where(e_ok[None, :], x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         probs = p / tl.sum(p, axis=1)[:, None]
-        if KIND == _SOFTMAX_ALL_RENORM:
+        if KIND == _W_SOFTMAX_ALL_RENORM:
             q = tl.sum(tl.where(onehot, probs[:, None, :], 0.0), axis=2)  # [BLOCK_T, KP]
             qs = tl.sum(q, axis=1)[:, None]
             g = (g - tl.sum(g * q, axis=1)[:, None] / qs) / qs
@@ -88,23 +88,23 @@ def route_weights_grad_kernel(
     else:
         xs = tl.load(x_ptr + rt64[:, None] * stride_x + tl.where(sel_ok, ids, 0), mask=sel_ok, other=0.0)
         xs = xs.to(tl.float32)
-        if KIND == _SOFTMAX_SELECTED:
+        if KIND == _W_SOFTMAX_SELECTED:
             z = tl.where(sel_ok, xs, float("-inf"))
             w = tl.exp(z - tl.max(z, axis=1)[:, None])
             w = tl.where(sel_ok, w, 0.0)
             w = w / tl.sum(w, axis=1)[:, None]
             v = w * (g - tl.sum(g * w, axis=1)[:, None])
-        elif KIND == _LOGITS:
+        elif KIND == _W_LOGITS:
             v = g
         else:
             s = tl.where(sel_ok, 1.0 / (1.0 + tl.exp(-xs)), 0.0)
-            if KIND == _SIGMOID:
+            if KIND == _W_SIGMOID:
                 ds = g
-            elif KIND == _SIGMOID_SCALED:
+            elif KIND == _W_SIGMOID_SCALED:
                 den = tl.sum(s, axis=1)[:, None] + eps
                 ds = (g / den - tl.sum(g * s, axis=1)[:, None] / (den * den)) * scale
             else:
-                tl.static_assert(KIND == _SIGMOID_RENORM, "a closed form without a branch here")
+                tl.static_assert(KIND == _W_SIGMOID_RENORM, "a closed form without a branch here")
                 total = tl.sum(s, axis=1)[:, None]
                 den = tl.maximum(total, eps)
                 ds = g / den - tl.where(total >= eps, tl.sum(g * s, axis=1)[:, None] / (den * den), 0.0)
