@@ -121,6 +121,21 @@ def test_shim_warns_and_reexports_the_same_objects(old):
             assert getattr(shim, name) is value, f"{old}.{name} is not {module.__name__}.{name}"
 
 
+def test_a_switch_set_on_a_shim_reaches_the_new_module(monkeypatch):
+    # replaymoe.moe_triton.TMA_ENABLED = False was the documented switch: it still turns the TMA off
+    import replaymoe.moe.configs as configs
+
+    with pytest.warns(DeprecationWarning):
+        mt = _fresh_import("replaymoe.moe_triton")
+    for value in (not configs.TMA_ENABLED, configs.TMA_ENABLED):
+        monkeypatch.setattr(mt, "TMA_ENABLED", value)
+        assert configs.TMA_ENABLED is value and mt.TMA_ENABLED is value
+    monkeypatch.undo()
+    assert configs.TMA_ENABLED is mt.TMA_ENABLED
+    monkeypatch.setattr(configs, "HALF_TILES_ENABLED", not configs.HALF_TILES_ENABLED)
+    assert mt.HALF_TILES_ENABLED is configs.HALF_TILES_ENABLED  # read when asked for, never stale
+
+
 def test_shims_keep_their_old_results():
     import torch
 

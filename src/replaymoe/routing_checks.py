@@ -7,7 +7,7 @@ also returns the replay ids as the kernels read them (what ``compiled_replay_che
 from replaymoe._deprecated import alias
 from replaymoe.routing import _checks
 
-alias(globals(), _checks)
+__all__ = [*_checks.__all__, "compiled_replay_check"]
 
 
 def validate(router_logits, config, routing_replay_out, replay_ids, check_replay=True):
@@ -20,4 +20,4 @@ def compiled_replay_check(replay_ids, num_experts, check=True):
     return None if replay_ids is None else _checks._replay_ids_for_kernels(replay_ids, num_experts, check)
 
 
-__all__ = [*_checks.__all__, "compiled_replay_check"]
+alias(globals(), _checks)

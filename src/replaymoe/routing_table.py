@@ -7,7 +7,7 @@ formula, :attr:`replaymoe.routing.methods.Formula.kernel`; the mapping is rebuil
 from replaymoe._deprecated import alias
 from replaymoe.routing import methods
 
-alias(globals(), methods)
-
 GRAD_KIND = {s.formula.grad: s.formula.kernel for s in methods.METHODS.values() if s.formula.grad_kernel}
 __all__ = [*methods.__all__, "GRAD_KIND"]
+
+alias(globals(), methods)
