@@ -287,9 +287,14 @@ def test_state_follows_the_model_meta_to_empty_and_to(arch, tmp_path):
     with moe.replaying(traces), torch.no_grad():
         meta(input_ids=ids, attention_mask=torch.ones_like(ids))
         assert moe.report().fallback_tokens_per_layer.sum() == 0
-    real.save_pretrained(tmp_path)
-    again = type(real).from_pretrained(tmp_path)
+    real.save_pretrained(tmp_path)  # while enabled: the checkpoint holds the model's own tensors only
+    again = type(real).from_pretrained(tmp_path, device_map="cpu")
     assert set(again.state_dict()) == set(real.state_dict())
+    again_moe = replaymoe.hf.enable(again, capture=True)  # enable() on a model loaded with a device_map
+    with torch.no_grad():
+        again(input_ids=ids, attention_mask=torch.ones_like(ids))
+    loaded = again_moe.traces()  # (model_id is now the checkpoint's path)
+    assert all((a.ids == b.ids).all() and (a.token_ids == b.token_ids).all() for a, b in zip(loaded, traces))
 
 
 def test_aux_loss_counts_the_replayed_ids():
