@@ -15,7 +15,6 @@ capture and replay fill), and :func:`enable` documents every option of it.
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 import warnings
 import weakref
@@ -43,10 +42,6 @@ from .step import DecodeChain, Step, StepBuffers, fused_rows_ok, positions_bound
 
 __all__ = ["ReplayMoE", "enable"]
 
-# eager decode steps inside generate() advance their capture/replay rows on the device, inside the first
-# MoE block's CUDA graph (step.DecodeChain); 0 = every forward launches step_rows (the reference path)
-DEVICE_DECODE = os.environ.get("REPLAYMOE_HF_DEVICE_DECODE", "1") != "0"
-
 
 class ReplayMoE:
     """Handle returned by :func:`enable`: the patched model's capture/replay state.
@@ -65,8 +60,8 @@ class ReplayMoE:
         Eager decode-size forwards run the fused MoE blocks as CUDA graphs (:mod:`replaymoe.hf.graphs`).
     device_decode : bool
         Decode steps inside ``generate`` advance their capture/replay rows on the device, in the first
-        MoE block's CUDA graph (:class:`~replaymoe.hf.step.DecodeChain`; default True, or
-        ``REPLAYMOE_HF_DEVICE_DECODE=0``); False launches the bookkeeping kernel on every forward.
+        MoE block's CUDA graph (:class:`~replaymoe.hf.step.DecodeChain`; ``enable(...,
+        device_decode=)``, default True); False launches the bookkeeping kernel on every forward.
         Both give the same traces and replays.
     """
 
@@ -80,8 +75,10 @@ class ReplayMoE:
         max_positions: int = 256,
         graphs: bool = True,
         keep_static_cache: bool = True,
+        device_decode: bool = True,
     ) -> None:
         check_choice("backend", backend, BACKENDS)
+        check_bool("device_decode", device_decode)
         check_bool("graphs", graphs)
         check_bool("keep_static_cache", keep_static_cache)
         check_int("max_batch_size", max_batch_size, low=1)
@@ -119,7 +116,7 @@ class ReplayMoE:
         self._graphs_on = False  # some block runs through BlockGraphs
         self._step_buffers = StepBuffers(len(self.layers), self.top_k)
         self._decode = DecodeChain(self._step_buffers)  # decode steps whose rows advance on the device
-        self.device_decode = DEVICE_DECODE  # (tests compare both paths)
+        self.device_decode = device_decode
         self._generation: Optional[int] = None  # set inside generate(): which call it is
         self._generate_calls = 0
         self._outer_generation: list[Optional[int]] = []  # generate() calls nest (e.g. assisted decoding)
@@ -743,6 +740,7 @@ def enable(
     max_positions: int = 256,
     graphs: bool = True,
     keep_static_cache: bool = True,
+    device_decode: bool = True,
 ) -> ReplayMoE:
     """Route a transformers MoE model through replaymoe, with optional capture and replay.
 
@@ -776,6 +774,10 @@ def enable(
         call of the same batch size and length (transformers makes a new one per call; one that
         lands elsewhere makes the compiled decode step record its CUDA graphs again). Its memory
         stays allocated between calls: :meth:`ReplayMoE.release_static_cache` frees it.
+    device_decode : bool
+        Decode steps inside ``generate`` advance their capture and replay rows on the device, inside
+        the first MoE block's CUDA graph (default); False launches the bookkeeping kernel on every
+        forward instead. Both give the same traces and replays.
 
     Returns
     -------
@@ -797,6 +799,7 @@ def enable(
         max_positions=max_positions,
         graphs=graphs,
         keep_static_cache=keep_static_cache,
+        device_decode=device_decode,
     )
     try:
         state.set_capture(capture)
