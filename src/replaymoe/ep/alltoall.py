@@ -448,7 +448,7 @@ class MoeAlltoAll:
             return st
         import triton
 
-        from .._kernels.ep import ep_pack_kernel, ep_plan_kernel, ep_sanitize_kernel
+        from ._kernel import ep_pack_kernel, ep_plan_kernel, ep_sanitize_kernel
         from ._launch import Launcher
 
         st.plan_launch = Launcher(ep_plan_kernel, num_warps=4)

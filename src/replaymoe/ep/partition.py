@@ -60,7 +60,7 @@ def make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool 
     if use_triton:
         import triton
 
-        from .._kernels.ep import ep_plan_kernel
+        from ._kernel import ep_plan_kernel
 
         ids = ids.contiguous()
         slot = torch.empty(T, ep, dtype=torch.int32, device=ids.device)

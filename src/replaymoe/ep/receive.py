@@ -18,7 +18,7 @@ def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
     ``counts``) become ``invalid``. The all-to-all fuses this into its receive; tests call it."""
     import triton
 
-    from .._kernels.ep import ep_sanitize_kernel
+    from ._kernel import ep_sanitize_kernel
 
     n, K = flat.shape
     hdr = recv.view(torch.int32)
@@ -58,7 +58,7 @@ def combine_reduce(
         key = (*key, wait is None)
         plan = None if cache is None else cache.get(key)
         if plan is None:
-            from .._kernels.ep import ep_combine_reduce_kernel
+            from ._kernel import ep_combine_reduce_kernel
             from ._launch import Launcher
 
             nb, chunks, tt, warps = row_tiling(H, persistent)

@@ -153,7 +153,7 @@ class SymmTransport:
         block stride (elements) and this rank's own rows ``payload[rank]`` (read in place)."""
         import triton
 
-        from .._kernels.ep import ep_combine_send_kernel
+        from ._kernel import ep_combine_send_kernel
         from ._launch import Launcher, addresses
 
         a = self.a2a

@@ -10,8 +10,8 @@ import torch
 import triton
 
 from replaymoe._backend import INTERPRET
-from replaymoe._kernels.step_rows import decode_rows_kernel, step_rows_kernel
 from replaymoe._launch import fast
+from replaymoe.hf._kernel_step_rows import decode_rows_kernel, step_rows_kernel
 
 __all__ = [
     "DecodeChain",
@@ -108,7 +108,7 @@ def step_rows(
     slot_out: Optional[torch.Tensor] = None,
     next_pos_out: Optional[torch.Tensor] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """One forward's capture rows and replay ids in one kernel launch (``_kernels/step_rows.py``).
+    """One forward's capture rows and replay ids in one kernel launch (``hf/_kernel_step_rows.py``).
 
     The same values as :func:`~replaymoe.hf.positions.token_positions` followed by
     :meth:`CaptureBuffer.slots` (with the overflow check) and :meth:`ReplayTable.gather`, which are
