@@ -1,6 +1,7 @@
-"""The old import paths of the move to one package per op (``routing/``, ``moe/``) keep working for one
-release: each shim module warns (DeprecationWarning naming the new path) and re-exports the same
-objects as the modules that now hold the code, including every name the old module exported."""
+"""The old import paths of the move to one package per op (``routing/``, ``moe/``, the ``ep/`` and
+``hf/`` kernels) keep working for one release: each shim module warns (DeprecationWarning naming the
+new path) and re-exports the same objects as the modules that now hold the code, including every name
+the old module exported."""
 
 from __future__ import annotations
 
@@ -88,6 +89,20 @@ SHIMS = {
         ["replaymoe.moe._kernel_layout"],
         ["layout_compact_kernel", "layout_hist_kernel", "layout_scatter_kernel"],
     ),
+    "replaymoe._kernels.ep": (
+        ["replaymoe.ep._kernel"],
+        [
+            "ep_combine_reduce_kernel",
+            "ep_combine_send_kernel",
+            "ep_pack_kernel",
+            "ep_plan_kernel",
+            "ep_sanitize_kernel",
+        ],
+    ),  # fmt: skip
+    "replaymoe._kernels.step_rows": (
+        ["replaymoe.hf._kernel_step_rows"],
+        ["decode_rows_kernel", "step_rows_kernel"],
+    ),
 }
 # names a shim defines itself, keeping an old result where the new function changed (see the shim)
 OWN = {
@@ -161,7 +176,7 @@ def test_nothing_in_the_repository_warns_on_import():
 
     code = (
         "import warnings; warnings.filterwarnings('error', 'replaymoe.* is deprecated', DeprecationWarning); "
-        "import replaymoe, replaymoe.routing, replaymoe.moe, replaymoe.ep, replaymoe.hf, "
+        "import replaymoe, replaymoe.routing, replaymoe.moe, replaymoe.ep, replaymoe.hf, replaymoe.hf.step, "
         "replaymoe.bench.moe, replaymoe.bench.routing, replaymoe.bench.train, replaymoe.apps.cli; "
         "[getattr(replaymoe, n) for n in replaymoe.__all__]"
     )

@@ -7,11 +7,12 @@
   benchmark never imports ``replaymoe.apps``);
 * no source module over ``MAX_LINES`` lines unless its docstring says why (a line starting
   ``Size:``);
-* the kernels of an op inside its package: Triton code (``@triton.jit``) of ``routing`` and ``moe``
-  lives in their ``_kernel*.py`` modules, nowhere else; ``_kernels/`` keeps only the kernels not yet
-  moved beside their op (``KERNELS_LEFT``: expert parallelism's and the hf step-rows kernels);
+* the kernels of an op inside its package: Triton code (``@triton.jit``) lives only in the
+  ``_kernel*.py`` modules of its op's package (``routing``, ``moe``, ``ep``, ``hf``); ``_kernels/``
+  holds only the deprecation aliases of the kernels' old paths;
 * deprecated import paths (shims calling ``replaymoe._deprecated.alias``) stay small, import only the
-  modules that replaced them, and nothing in the package imports one.
+  modules that replaced them, and nothing imports one: no module of the package, and no test, script
+  or benchmark tool (``tests/test_deprecated.py`` imports them by name, to check them).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ MAX_LINES = 600
 # layer of a module by its first name below the package; higher layers may import lower ones
 LAYERS = {
     # Triton code and the helpers every op uses
-    0: {"_kernels", "_launch", "_validation", "_backend", "_deprecated"},
+    # (``_kernels/`` holds only deprecation aliases, layered as such: see ``_layer``)
+    0: {"_launch", "_validation", "_backend", "_deprecated"},
     # ops
     1: {
         "routing",
@@ -44,9 +46,9 @@ LAYERS = {
 # ``replaymoe/__init__.py``: the lazy facade (``__version__``), importable by benchmarks and applications
 ROOT_LAYER = 4
 # ops that are one package each, their Triton code in ``<op>/_kernel*.py``
-OP_PACKAGES = {"routing", "moe"}
-# ``_kernels/`` modules that still hold Triton code, to move beside their ops (``ep/``, ``hf/``)
-KERNELS_LEFT = {"ep", "step_rows"}
+OP_PACKAGES = {"routing", "moe", "ep", "hf"}
+# Python files outside the package that must not import a deprecated path either
+OUTSIDE = [p for d in ("tests", "scripts", "bench") for p in sorted((SRC.parent / d).rglob("*.py"))]
 SHIM_MAX_LINES = 40
 
 
@@ -236,12 +238,35 @@ def test_the_kernels_of_an_op_live_in_its_package():
         if m in SHIMS or not _has_kernels(m):
             continue
         parts = m.split(".")
-        placed[m] = (parts[1] in OP_PACKAGES and parts[-1].startswith("_kernel")) or (
-            parts[1] == "_kernels" and parts[-1] in KERNELS_LEFT
-        )
+        placed[m] = len(parts) == 3 and parts[1] in OP_PACKAGES and parts[-1].startswith("_kernel")
     assert {m for m, ok in placed.items() if not ok} == set()
     for op in OP_PACKAGES:  # every op package has its kernels inside it
         assert any(m.startswith(f"{PACKAGE}.{op}._kernel") for m in placed), op
-    # no routing / moe kernel module left in _kernels/ (only the deprecation shims of their old paths)
-    left = {m.split(".")[-1] for m in MODULES if m.startswith(f"{PACKAGE}._kernels.") and m not in SHIMS}
-    assert left == KERNELS_LEFT
+    # _kernels/ holds only the deprecation shims of the kernels' old paths
+    left = {m for m in MODULES if m.startswith(f"{PACKAGE}._kernels") and m not in SHIMS}
+    assert left == set()
+    assert {f"{PACKAGE}._kernels.ep", f"{PACKAGE}._kernels.step_rows"} <= SHIMS
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """The ``replaymoe`` modules a file outside the package imports (``from pkg import sub`` counted as
+    ``pkg.sub`` where that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m in MODULES}
+
+
+def test_nothing_outside_the_package_imports_a_deprecated_path():
+    assert OUTSIDE
+    users = {}
+    for path in OUTSIDE:
+        if path.name == "test_deprecated.py":  # imports each shim by name, to check it
+            continue
+        if bad := sorted(_absolute_imports(path) & SHIMS):
+            users[str(path.relative_to(SRC.parent))] = bad
+    assert users == {}, f"files importing a deprecated path: {users}"

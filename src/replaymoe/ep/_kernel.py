@@ -17,8 +17,8 @@ Grids: the copy kernels loop over their rows with a grid stride, so any grid is 
 occupy) and each iteration moves several rows; without it the grids are dense (one short program per
 row chunk, up to 16 per SM). All loads of an iteration are issued before its stores.
 
-Size: over 450 lines because ``_kernels/`` keeps one file per op, and these are all of the
-all-to-all's kernels (plan, pack, sanitize, combine, barrier).
+Size: over 450 lines because these are all of the all-to-all's kernels (plan, pack, sanitize,
+combine, barrier), kept in one module beside their op.
 """
 
 from __future__ import annotations
