@@ -56,8 +56,8 @@ fi
 if [[ " $STEPS " == *" test "* ]]; then
   step test_2gpu 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
   if ! grep -q "1 passed" "$OUT/test_2gpu.log"; then  # the in-kernel barrier failed: torch's barrier from here on
-    export REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_EP_FAST_LAUNCH=0
-    echo "REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_EP_FAST_LAUNCH=0 from here on" | tee -a "$SUMMARY"
+    export REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_FAST_LAUNCH=0
+    echo "REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_FAST_LAUNCH=0 from here on" | tee -a "$SUMMARY"
     step test_2gpu_unfused 120 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
   fi
   if [ "$NGPU" -ge 4 ]; then

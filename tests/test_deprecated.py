@@ -103,6 +103,8 @@ SHIMS = {
         ["replaymoe.hf._kernel_step_rows"],
         ["decode_rows_kernel", "step_rows_kernel"],
     ),
+    # the all-to-all's launcher joined the one fast launcher
+    "replaymoe.ep._launch": (["replaymoe._launch"], ["ENABLED", "Launcher", "addresses"]),
 }
 # names a shim defines itself, keeping an old result where the new function changed (see the shim)
 OWN = {
@@ -168,6 +170,49 @@ def test_shims_keep_their_old_results():
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]]).t().contiguous().t()  # not contiguous
     assert checks.compiled_replay_check(ids, 8).is_contiguous()
     assert checks.compiled_replay_check(None, 8) is None
+
+
+def test_the_ep_fast_launch_switch_is_a_deprecated_synonym():
+    # REPLAYMOE_FAST_LAUNCH=0 turns both launchers off (one attribute, replaymoe._launch.ENABLED); the
+    # old REPLAYMOE_EP_FAST_LAUNCH=0 still turns the all-to-all's off (the others too now), and setting
+    # it at all warns when replaymoe._launch is imported
+    import os
+    import subprocess
+
+    code = """
+import importlib, os, sys, warnings
+import replaymoe._launch as launch
+for case in sys.argv[1:]:
+    for name in ("REPLAYMOE_FAST_LAUNCH", "REPLAYMOE_EP_FAST_LAUNCH"):
+        os.environ.pop(name, None)
+    os.environ.update(kv.split("=") for kv in case.split(",") if kv)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        importlib.reload(launch)
+    warned = [w for w in seen if "EP_FAST_LAUNCH is deprecated" in str(w.message)]
+    assert all(w.category is DeprecationWarning for w in warned)
+    print(f"{case}|{launch.ENABLED}|{len(warned)}")
+"""
+    cases = {  # environment -> (ENABLED, deprecation warnings)
+        "": "True|0",
+        "REPLAYMOE_FAST_LAUNCH=0": "False|0",
+        "REPLAYMOE_FAST_LAUNCH=1": "True|0",
+        "REPLAYMOE_EP_FAST_LAUNCH=0": "False|1",
+        "REPLAYMOE_EP_FAST_LAUNCH=1": "True|1",
+        "REPLAYMOE_FAST_LAUNCH=1,REPLAYMOE_EP_FAST_LAUNCH=0": "False|1",
+    }
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.endswith("FAST_LAUNCH")}
+    run = subprocess.run(
+        [sys.executable, "-c", code, *cases], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert dict(line.split("|", 1) for line in run.stdout.splitlines()) == cases
+
+    from replaymoe import _launch
+
+    with pytest.warns(DeprecationWarning):
+        old = _fresh_import("replaymoe.ep._launch")
+    assert old.Launcher is _launch.Launcher and old.ENABLED is _launch.ENABLED
 
 
 def test_nothing_in_the_repository_warns_on_import():

@@ -1,9 +1,11 @@
-"""Launch Triton kernels with less host work per call than ``kernel[grid](...)``.
+"""Launch Triton kernels with less host work per call than ``kernel[grid](...)``: the one fast launcher.
 
 At decode sizes a forward is bound by the CPU: Triton's per-call dispatch (current device and
 stream lookups, pre-run hooks, a string-built cache key, launch metadata) costs tens of
-microseconds per launch, more than the kernel runs. :func:`fast` wraps a ``@triton.jit`` function
-so that ``fast(kernel)[grid](*args, **kwargs)`` launches exactly the kernel Triton would pick:
+microseconds per launch, more than the kernel runs. Two mechanisms, for two kinds of caller:
+
+:class:`FastLaunch` (``fast(kernel)[grid](*args, **kwargs)``): any kernel, any arguments (routing, moe,
+the hf step bookkeeping). It launches exactly the kernel Triton would pick:
 
 * the specialization comes from Triton's own per-kernel binder (the same values-to-signature
   mapping: dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16,
@@ -13,20 +15,44 @@ so that ``fast(kernel)[grid](*args, **kwargs)`` launches exactly the kernel Trit
   as their addresses (Triton's launcher would otherwise query the driver about every pointer), through
   the launcher's native entry point when the kernel needs no scratch memory.
 
+:meth:`FastLaunch.launch_fixed` skips the binder as well, for a kernel whose caller's key fixes the
+compiled variant (it does not specialize on integer values or pointer alignment).
+
+:class:`Launcher` (``Launcher(kernel, num_warps)(grid, args)``): one kernel with one specialization
+fixed for the launcher's life, its caller holding the arguments (addresses included) ready-made. The
+expert-parallel all-to-all uses it: the plan cached by a call's signature fixes every integer,
+constexpr and pointer alignment, so a launcher made for that plan compiles once and then launches
+through the compiled kernel's launcher with no binding, no key and no conversion per call. Use it only
+where the caller can promise that; else :class:`FastLaunch`.
+
 The plain Triton path is used when the process runs Triton's interpreter, when CUDA is
-unavailable, when a launch hook (a profiler) is installed, and when ``REPLAYMOE_FAST_LAUNCH=0``.
+unavailable, when a launch hook (a profiler) is installed, and when ``REPLAYMOE_FAST_LAUNCH=0``
+(both mechanisms; :data:`ENABLED` holds it). ``REPLAYMOE_EP_FAST_LAUNCH=0``, once the all-to-all's
+own switch, is a deprecated synonym (a ``DeprecationWarning`` at import when it is set).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
 
-__all__ = ["FastLaunch", "fast", "hooks_off"]
+__all__ = ["FastLaunch", "Launcher", "addresses", "fast", "hooks_off"]
 
-ENABLED = os.environ.get("REPLAYMOE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+if "REPLAYMOE_EP_FAST_LAUNCH" in os.environ:
+    warnings.warn(
+        "REPLAYMOE_EP_FAST_LAUNCH is deprecated and will be removed in the next release; "
+        "REPLAYMOE_FAST_LAUNCH=0 turns every fast launch off (the all-to-all's included)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+ENABLED = (
+    os.environ.get("REPLAYMOE_FAST_LAUNCH", "1") != "0"
+    and os.environ.get("REPLAYMOE_EP_FAST_LAUNCH", "1") != "0"
+    and os.environ.get("TRITON_INTERPRET") != "1"
+)
 
 
 class FastLaunch:
@@ -191,3 +217,62 @@ def hooks_off() -> bool:
 def _empty(hook: Any) -> bool:
     """``None`` (older Triton) or a hook chain without calls (Triton 3.6)."""
     return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
+
+
+class Launcher:
+    """One kernel with one fixed specialization; ``launcher(grid, args)`` (see the module docstring).
+
+    ``kernel[grid](*args)`` spends several microseconds of host time per launch binding arguments,
+    computing the specialization key and looking the compiled kernel up. A :class:`Launcher` launches
+    through Triton once, keeps the compiled kernel, and afterwards calls its launcher directly.
+
+    The caller must pass every parameter of the kernel positionally, constexprs included, in the
+    kernel's order, and must make a new :class:`Launcher` whenever anything but a tensor's address
+    may change (a tensor's alignment modulo 16 included: Triton specializes on it). The direct path is
+    used only on CUDA, on the device the kernel was compiled for, when no Triton launch hook
+    (profiler) is installed, and while :data:`ENABLED` holds when the kernel is first launched.
+    """
+
+    __slots__ = ("fn", "num_warps", "compiled", "device")
+
+    def __init__(self, fn, num_warps: int = 4) -> None:
+        self.fn = fn
+        self.num_warps = num_warps
+        self.compiled = None
+        self.device = -1
+
+    def ready(self) -> bool:
+        """Whether :meth:`fast` may be used now (compiled here, on the current device, no hooks)."""
+        return self.compiled is not None and hooks_off() and torch._C._cuda_getDevice() == self.device
+
+    def fast(self, grid: tuple[int, ...], args: tuple) -> None:
+        """Launch the compiled kernel directly (only after :meth:`ready`). Pointer arguments may be
+        given as integer addresses: Triton's launcher then skips its per-pointer driver query."""
+        ck = self.compiled
+        g1 = grid[1] if len(grid) > 1 else 1
+        ck.run(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(self.device), ck.function,
+               ck.packed_metadata, None, None, None, *args)  # fmt: skip
+
+    def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
+        if self.compiled is not None and self.ready():
+            self.fast(grid, args)
+            return
+        ck = self.fn[grid](*args, num_warps=self.num_warps)
+        if ENABLED and ck is not None and self.compiled is None and torch.cuda.is_available():
+            if hasattr(ck, "result"):  # an asynchronous compile's future
+                ck = ck.result()
+            if getattr(ck, "function", None) is not None and hasattr(ck, "packed_metadata"):
+                self.compiled = ck
+                self.device = torch.cuda.current_device()
+
+    def registers(self) -> tuple[int, int] | None:
+        """(registers per thread, spills) of the compiled kernel, once launched on a GPU."""
+        ck = self.compiled
+        if ck is None:
+            return None
+        return getattr(ck, "n_regs", -1), getattr(ck, "n_spills", -1)
+
+
+def addresses(args: tuple) -> tuple:
+    """``args`` with every tensor replaced by its address (for :meth:`Launcher.fast`)."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)

@@ -36,7 +36,7 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
     import io
     import pstats
 
-    from ..ep import _launch
+    from .. import _launch
 
     ep, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
@@ -82,10 +82,10 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
             v[False].launch.compiled is not None for v in st.packs
         ]
         regs = [st.plan_launch.registers()] + [v[False].launch.registers() for v in st.packs]
-    _launch.ENABLED = False
+    was, _launch.ENABLED = _launch.ENABLED, False
     fresh()
     slow = timed(calls)
-    _launch.ENABLED = True
+    _launch.ENABLED = was
     fresh()
     say(f"[host] {t} T={T}: dispatch/combine host µs per call: direct launches {fast[0]:.1f}/{fast[1]:.1f}, "
         f"Triton's launch path {slow[0]:.1f}/{slow[1]:.1f}; direct launch active {compiled}; "

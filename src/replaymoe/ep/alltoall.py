@@ -448,8 +448,8 @@ class MoeAlltoAll:
             return st
         import triton
 
+        from .._launch import Launcher
         from ._kernel import ep_pack_kernel, ep_plan_kernel, ep_sanitize_kernel
-        from ._launch import Launcher
 
         st.plan_launch = Launcher(ep_plan_kernel, num_warps=4)
         # plan kernel (+ the counts into every destination's header row)
@@ -531,7 +531,7 @@ class MoeAlltoAll:
                  max(2, triton.next_power_of_2(K)), self.ep, ep_p2, blk, self.rank, idx is not None,
                  tg.wait is not None, wait[4]),
             )  # fmt: skip
-        from ._launch import addresses
+        from .._launch import addresses
 
         st.plan_args_i = addresses(st.plan_args)
         for variants in st.packs:

@@ -58,8 +58,8 @@ def combine_reduce(
         key = (*key, wait is None)
         plan = None if cache is None else cache.get(key)
         if plan is None:
+            from .._launch import Launcher
             from ._kernel import ep_combine_reduce_kernel
-            from ._launch import Launcher
 
             nb, chunks, tt, warps = row_tiling(H, persistent)
             plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, max(1, -(-T // tt)), nb, tt)
@@ -72,7 +72,7 @@ def combine_reduce(
         args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, *w[:4], ep, own_r, nb, tt,
                 wait is not None, w[4])  # fmt: skip
         if launch.ready():
-            from ._launch import addresses
+            from .._launch import addresses
 
             launch.fast((nprog, chunks), addresses(args))
         else:

@@ -153,8 +153,8 @@ class SymmTransport:
         block stride (elements) and this rank's own rows ``payload[rank]`` (read in place)."""
         import triton
 
+        from .._launch import Launcher, addresses
         from ._kernel import ep_combine_send_kernel
-        from ._launch import Launcher, addresses
 
         a = self.a2a
         H = payload.shape[2]  # hidden_size, or combine(width=...)
