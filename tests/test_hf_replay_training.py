@@ -372,3 +372,22 @@ def test_no_tensor_outside_parameters_and_buffers(arch):
     ]
     assert stray == []
     assert set(model.state_dict()) == keys
+
+
+def test_replaying_the_same_traces_again_loads_no_table(monkeypatch):
+    # replaying(traces) around every training step: the policy's and an attached model's tables are
+    # loaded once and reused (set_replay of the very traces a pooled table holds), still replaying
+    from replaymoe.replay import ReplayTable
+
+    model, moe, seqs, traces = _rollout()
+    ref = moe.attach(build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32))
+    loads = []
+    real = ReplayTable.load
+    monkeypatch.setattr(ReplayTable, "load", lambda self, *a, **k: (loads.append(self), real(self, *a, **k)))
+    for _ in range(3):
+        with moe.replaying(traces), torch.no_grad():
+            model(input_ids=seqs, attention_mask=torch.ones_like(seqs))
+            ref.model(input_ids=seqs, attention_mask=torch.ones_like(seqs))
+            assert (moe.report().fallback_tokens_per_layer == len(traces)).all()
+            assert (ref.report().fallback_tokens_per_layer == len(traces)).all()
+    assert len(loads) == 2  # one per session

@@ -260,7 +260,7 @@ class ReplaySource:
             device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._tables:
             table = ReplayTable()
-            table.load(self.traces, list(range(self.num_layers)), self.num_experts or 0, device)
+            table.load(self.traces, list(range(self.num_layers)), device, match_content=False)
             self._tables[device] = table
         return device
 
@@ -351,13 +351,20 @@ class ReplayTable:
         return int(self.offsets.shape[0])
 
     def load(
-        self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], num_experts: int, device: torch.device
+        self,
+        traces: Sequence[RoutingTrace],
+        layer_of: Sequence[int],
+        device: torch.device,
+        *,
+        match_content: bool = True,
     ) -> None:
         """Fill the table from ``traces`` (one per batch row); ``layer_of[l]`` is the trace layer
-        that model MoE layer ``l`` replays. The rows are not checked again: a ``RoutingTrace`` checked
-        its rows (all -1 or K distinct ids) when it was made, and ``ReplaySource.check_model`` the
-        expert range. The host-to-device copies go through pinned memory, asynchronously, so a load
-        between training steps does not wait for the queued step."""
+        that model MoE layer ``l`` replays. ``match_content=False`` skips the content hashes (a
+        caller that looks rows up by batch row only, like :class:`ReplaySource`). The rows are not
+        checked again: a ``RoutingTrace`` checked its rows (all -1 or K distinct ids) when it was
+        made, and ``ReplaySource.check_model`` the expert range. The host-to-device copies go
+        through pinned memory, asynchronously, so a load between training steps does not wait for
+        the queued step."""
         self.source = (list(traces), list(layer_of))
         L, K = len(layer_of), traces[0].top_k
         lengths = [t.num_tokens for t in traces]
@@ -383,7 +390,9 @@ class ReplayTable:
             )
         for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta.numpy()):
             _upload(dst, src)
-        self.by_content = all(t.token_ids is not None and t.token_offset == 0 for t in traces)
+        self.by_content = match_content and all(
+            t.token_ids is not None and t.token_offset == 0 for t in traces
+        )
         if self.by_content:
             self._load_hashes(traces, bases, device)
         if tuple(self.seen.shape) != (L,) or self.seen.device != device:

@@ -27,6 +27,7 @@ from torch import nn
 
 from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, check_int, fail
+from replaymoe.routing import route
 
 from .aux_loss import install as install_aux_loss
 from .aux_loss import target_modules
@@ -370,7 +371,7 @@ class ReplayMoE:
             self._capture = CaptureBuffer(self._meta, device, *self._capacity)
         rep = self._replay
         if rep is not None and rep.source is not None and rep.table.device != device:
-            rep.load(*rep.source, self.num_experts, device)
+            rep.load(*rep.source, device)
 
     # ---------------------------------------------------------------- capture
     def set_capture(self, enabled: bool) -> None:
@@ -489,8 +490,11 @@ class ReplayMoE:
         """This (attached) session's table holding what ``table`` of its parent holds."""
         if table.source is None:
             return None
-        mine = self._spare_table(exclude=None)
-        mine.load(*table.source, self.num_experts, self._device())
+        mine = self._replay if self._replay is not None else self._spare_table(exclude=None)
+        if mine.holds(*table.source, self._device()):  # (replaying() around every step: no reload)
+            mine.reset_report()
+        else:
+            mine.load(*table.source, self._device())
         return mine
 
     # ---------------------------------------------------------------- reference models
@@ -546,8 +550,6 @@ class ReplayMoE:
 
     def _count_mismatch(self, index: int, logits: torch.Tensor, forced: torch.Tensor, used: torch.Tensor,
                         config: Any) -> None:  # fmt: skip
-        from replaymoe.routing import route
-
         if self._mismatch is None:
             return
         if self._mismatch.device != logits.device:
@@ -659,7 +661,7 @@ class ReplayMoE:
         if table.holds(src.traces, mapping, self._device()):  # the same traces again (e.g. replaying()
             table.reset_report()  # around every step): the table already holds them
         else:
-            table.load(src.traces, mapping, self.num_experts, self._device())
+            table.load(src.traces, mapping, self._device())
         self._set_replay_table(table)
 
     def _spare_table(self, exclude: Optional[ReplayTable]) -> ReplayTable:
