@@ -125,7 +125,9 @@ class ReplayMoE:
         self._rollout_mode = False  # set_rollout_replay: generate() captures, other forwards replay
         self._rollout: list = []  # the traces of the current rollout round
         self._rollout_stale = False  # a forward ran since the last generate: the next one starts a round
-        self._user_capturing = False
+        self._user_capturing = False  # capture as set_capture left it (rollout mode turns it on in generate)
+        self._kept = 0  # rollout mode: traces in _finished before the current generate call
+        self._replay_before: Optional[ReplayTable] = None  # rollout mode: the table before generate
         self._children: list[tuple[ReplayMoE, bool]] = []  # attach(): (session, replays)
         self._mismatch: Optional[torch.Tensor] = None  # int64 [L, 3] (see track_mismatch)
         self._used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # replayed forward: logits, ids
