@@ -42,7 +42,7 @@ def _tables(rng, traces_spec, device):
         ids = np.array([rng.permutation(E)[:K] for _ in range(n * L)], dtype=np.int16).reshape(n, L, K)
         traces.append(RoutingTrace(ids.astype(np.int16), num_experts=E, top_k=K, token_offset=off))
     table = ReplayTable()
-    table.load(traces, list(range(L)), E, torch.device(device))
+    table.load(traces, list(range(L)), torch.device(device))
     return table
 
 
