@@ -257,6 +257,52 @@ def test_rollout_replay_mode_reference_model_and_mismatch():
     assert getattr(ref_model, "_replaymoe", None) is None
 
 
+def test_add_rollout_traces_from_another_engine():
+    # traces another engine recorded (here: this model's own capture, copied without the session)
+    # join the rollout round: later forwards over any rows replay them; a forward ends the round
+    model, moe, seqs, traces = _rollout(seed=3, rows=3)
+    moe.set_rollout_replay(True)
+    moe.track_mismatch()
+    moe.add_rollout_traces([t.replace() for t in traces[:2]])
+    moe.add_rollout_traces([traces[2].replace()])  # the same round: no forward in between
+    assert len(moe.rollout_traces()) == 3
+    rows = seqs[[2, 0]]
+    with torch.no_grad():
+        model(input_ids=rows, attention_mask=torch.ones_like(rows))
+    stats = moe.mismatch()
+    assert stats["native_vs_rollout"] > 0 and stats["replayed_vs_rollout"] == 0.0
+    assert (moe.report().fallback_tokens_per_layer == 2).all()  # each row's last token only
+    moe.add_rollout_traces([traces[1].replace()])  # after a forward: a new round
+    assert len(moe.rollout_traces()) == 1
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("mode_off", "set_rollout_replay"),  # rollout mode off: nothing to add to
+        ("no_tokens", r"traces\[0\].*token_ids"),  # cannot be matched by content
+        ("offset", r"traces\[0\].*position 0"),  # a continuation without its prefix
+        ("not_a_trace", r"traces\[0\].*RoutingTrace"),
+        ("wrong_top_k", "top_k"),  # checked against the model before it is kept
+    ],
+)
+def test_add_rollout_traces_refuses_what_it_cannot_replay(case, match):
+    model, moe, seqs, traces = _rollout(seed=4, rows=1, new=2)
+    trace = traces[0]
+    if case != "mode_off":
+        moe.set_rollout_replay(True)
+    bad = {
+        "mode_off": trace,
+        "no_tokens": trace.replace(token_ids=None),
+        "offset": trace.replace(token_offset=1),
+        "not_a_trace": trace.ids,
+        "wrong_top_k": trace.replace(ids=trace.ids[..., :1], top_k=1),
+    }[case]
+    with pytest.raises(ValueError, match=match):
+        moe.add_rollout_traces([bad])
+    assert moe.rollout_traces() == []
+
+
 @pytest.mark.parametrize(
     "arch", ["qwen3_moe", "deepseek_v3"]
 )  # deepseek: the router's bias buffer is replaced

@@ -409,6 +409,46 @@ class ReplayMoE:
         """The traces of the current rollout round (:meth:`set_rollout_replay`), one per generated row."""
         return list(self._rollout)
 
+    def add_rollout_traces(self, traces: Sequence[Any]) -> None:
+        """Rollout mode: add traces that another engine recorded (e.g. vLLM's ``routed_experts``,
+        :func:`replaymoe.integrations.vllm_outputs.traces_from_vllm_outputs`) to the current round, as
+        if this model's ``generate`` had captured them; the following forwards replay them (matched
+        by content) together with the round's other traces.
+
+        Parameters
+        ----------
+        traces : sequence of RoutingTrace
+            Each from position 0 (``token_offset == 0``) with its ``token_ids``, this model's
+            ``top_k``, ``num_experts`` and MoE layers.
+
+        Raises
+        ------
+        ValueError
+            When rollout mode is off, a trace has no token ids or does not start at position 0, or
+            the traces do not fit the model (:meth:`set_replay`).
+        """
+        from replaymoe.trace import RoutingTrace
+
+        if not self._rollout_mode:
+            fail("set_rollout_replay", "on (set_rollout_replay(True)) before add_rollout_traces", "off")
+        traces = list(traces)
+        for i, trace in enumerate(traces):
+            if not isinstance(trace, RoutingTrace):
+                fail(f"traces[{i}]", "a RoutingTrace", type(trace).__name__, what="type")
+            if trace.token_ids is None or trace.token_offset != 0:
+                fail(
+                    f"traces[{i}]",
+                    "a trace from position 0 with its token_ids (rows are matched by content)",
+                    f"token_offset {trace.token_offset}, token_ids "
+                    f"{'None' if trace.token_ids is None else 'given'}",
+                )
+        if not traces:
+            return
+        if self._rollout_stale:  # a forward ran since the last rollout: this starts a new round
+            self._rollout, self._rollout_stale = [], False
+        self.set_replay(self._rollout + traces)  # (checked against the model before it is kept)
+        self._rollout.extend(traces)
+
     # ---------------------------------------------------------------- patches.SessionHooks
     @property
     def step(self) -> Optional[Step]:

@@ -22,21 +22,32 @@ What it does, on top of :func:`replaymoe.hf.enable`:
   (whose used ids differ from the rollout's: 0.0 when replay holds) and ``r3/fallback`` (lookups
   routed natively: each row's last token, never fed back in the rollout) to TRL's metrics.
 
-Tested with trl 1.16 (``pip install 'replaymoe[trl]'``). Generation must be transformers' ``generate``:
-with ``use_vllm=True`` the trainer refuses to start, since TRL 1.16 drops the engine's per-request
-outputs (and with them vLLM's ``routed_experts``) before they reach the trainer.
+Generation may be transformers' ``generate`` (captured by replaymoe) or vLLM in TRL's colocate mode
+(``use_vllm=True, vllm_mode="colocate"``): the trainer then starts TRL's engine with
+``enable_return_routed_experts=True`` and turns each ``LLM.generate`` output's ``routed_experts`` into
+the round's traces (:mod:`replaymoe.integrations.vllm_outputs`); an engine that returns none is an
+error at that generation. TRL's server mode (``vllm_mode="server"``) is refused at start: its
+``vllm-serve`` answers with token ids and log-probs only, so the routing never reaches the trainer.
+
+Tested with trl 1.16 (``pip install 'replaymoe[trl]'``); the vLLM colocate path is tested with an
+in-process stand-in engine, not a real vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import trl
+import trl.generation.vllm_generation as trl_vllm
 
 from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, fail
 from replaymoe.hf import ReplayMoE, enable
+from replaymoe.integrations.vllm_outputs import traces_from_vllm_outputs
 
 __all__ = ["R3Config", "R3GRPOTrainer"]
 
@@ -85,22 +96,46 @@ class R3GRPOTrainer(trl.GRPOTrainer):
             fail("r3", "an R3Config or None", type(r3).__name__, what="type")
         self.r3 = r3 or R3Config()
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if getattr(config, "use_vllm", False):  # before TRL starts an engine
+        use_vllm = bool(getattr(config, "use_vllm", False))
+        if use_vllm and getattr(config, "vllm_mode", None) != "colocate":  # before TRL starts an engine
             fail(
-                "args.use_vllm",
-                "False (R3GRPOTrainer captures routing in transformers' generate)",
-                "True: TRL 1.16 drops vLLM's routed_experts outputs before the trainer sees them",
+                "args.vllm_mode",
+                "'colocate' with use_vllm=True (or transformers generation)",
+                f"{getattr(config, 'vllm_mode', None)!r}: TRL's vllm-serve returns token ids and log-probs "
+                "only, so vLLM's routed_experts never reach the trainer",
             )
-        super().__init__(*args, **kwargs)
+        with _engine_returns_routing(use_vllm):
+            super().__init__(*args, **kwargs)
         policy = self.accelerator.unwrap_model(self.model)
         self.r3_session: ReplayMoE = enable(policy, backend=self.r3.backend)
         self.r3_session.set_rollout_replay(True)
+        if use_vllm:
+            self.r3_watch_engine(self.vllm_generation.llm)
         if self.r3.log_mismatch:
             self.r3_session.track_mismatch()
         self.r3_reference: ReplayMoE | None = None
         if self.ref_model is not None:
             reference = self.accelerator.unwrap_model(self.ref_model)
             self.r3_reference = self.r3_session.attach(reference, replay=self.r3.replay_reference)
+
+    def r3_watch_engine(self, engine: Any) -> None:
+        """Route every ``engine.generate`` output's ``routed_experts`` into the rollout round (done for
+        TRL's colocated vLLM engine at construction; call it for another in-process engine whose
+        ``generate`` returns vLLM's ``RequestOutput`` objects)."""
+        generate = engine.generate
+        session = self.r3_session
+
+        @functools.wraps(generate)
+        def generate_and_record(*args: Any, **kwargs: Any) -> Any:
+            outputs = generate(*args, **kwargs)
+            session.add_rollout_traces(
+                traces_from_vllm_outputs(
+                    outputs, num_experts=session.num_experts, layer_ids=session.layer_ids
+                )
+            )
+            return outputs
+
+        engine.generate = generate_and_record
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL's logging, with the routing-agreement metrics of the steps since the last call."""
@@ -114,3 +149,17 @@ class R3GRPOTrainer(trl.GRPOTrainer):
                 logs["r3/fallback"] = report.fallback_fraction
                 self.r3_session.reset_report()
         super().log(logs, start_time)
+
+
+@contextlib.contextmanager
+def _engine_returns_routing(use_vllm: bool) -> Iterator[None]:
+    """While TRL builds its colocated engine: ``vllm.LLM`` with ``enable_return_routed_experts=True``."""
+    engine = getattr(trl_vllm, "LLM", None)
+    if not use_vllm or engine is None:  # (no vllm installed: TRL itself says so)
+        yield
+        return
+    trl_vllm.LLM = functools.partial(engine, enable_return_routed_experts=True)
+    try:
+        yield
+    finally:
+        trl_vllm.LLM = engine
