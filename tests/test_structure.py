@@ -2,8 +2,8 @@
 
 * no import cycle among the modules of ``src/replaymoe`` (function-local imports included: a
   lazy import hides a cycle from Python, not from the reader);
-* one-way layering, kernels ← ops ← capture/trace/replay ← hf ← bench ← apps: no module imports
-  from a layer above its own (the CLI in ``apps`` may import the benchmarks' entry points; a
+* one-way layering, kernels ← ops ← record (capture/trace/replay/stats) ← hf ← bench ← apps: no module
+  imports from a layer above its own (the CLI in ``apps`` may import the benchmarks' entry points; a
   benchmark never imports ``replaymoe.apps``);
 * no source module over ``MAX_LINES`` lines unless its docstring says why (a line starting
   ``Size:``);
@@ -38,7 +38,8 @@ LAYERS = {
         "ep",
         "testing",
     },
-    2: {"capture", "capture_transfer", "trace", "replay", "stats"},
+    # record and replay: capture, transfer, trace, replay, stats
+    2: {"record"},
     3: {"hf"},
     4: {"bench", "integrations"},  # benchmarks (their entry points are run by the CLI); trainer integrations
     5: {"apps", "__main__"},  # applications: the CLI, demo, inspect

@@ -1,7 +1,8 @@
 """The routing-trace file format, version 1: atomic ``.npz`` writes and checked reads.
 
-This module's one job is the bytes on disk of :meth:`RoutingTrace.save <replaymoe.trace.RoutingTrace.save>`
-and :meth:`RoutingTrace.load <replaymoe.trace.RoutingTrace.load>` (which delegate here), plus
+This module's one job is the bytes on disk of
+:meth:`RoutingTrace.save <replaymoe.record.trace.RoutingTrace.save>` and
+:meth:`RoutingTrace.load <replaymoe.record.trace.RoutingTrace.load>` (which delegate here), plus
 :class:`TraceFormatError`, the error every damaged or foreign payload raises (the wire decoders reuse it).
 It knows nothing of :class:`RoutingTrace` itself: the writer takes the ids and metadata, the reader
 takes the class to build.

@@ -1,6 +1,6 @@
 """Feed recorded routing back into a forward pass.
 
-:class:`ReplaySource` turns one :class:`~replaymoe.trace.RoutingTrace` per sequence of a batch
+:class:`ReplaySource` turns one :class:`~replaymoe.record.trace.RoutingTrace` per sequence of a batch
 into the per-layer ``replay_ids`` that :func:`replaymoe.route` / :func:`replaymoe.fused_moe`
 take. Rows it cannot fill (padding, a position the trace does not cover, a row recorded as
 missing) come back as all -1, which the routing kernels treat as "route this token natively";
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import triton
 
-from ._validation import check_int, check_tensor, fail
+from .._validation import check_int, check_tensor, fail
 from .trace import RoutingTrace
 
 __all__ = ["ReplaySource", "ReplayReport", "ReplayTable", "prefix_hashes", "prefix_hashes_np"]

@@ -1,6 +1,6 @@
 """Statistics over recorded routing: expert load, balance, agreement, heatmaps.
 
-All functions take :class:`~replaymoe.trace.RoutingTrace` objects and ignore missing (-1) rows.
+All functions take :class:`~replaymoe.record.trace.RoutingTrace` objects and ignore missing (-1) rows.
 
 * :func:`expert_load` -- tokens per (layer, expert), int64 [L, E].
 * :func:`balance` -- per layer: max/mean load, coefficient of variation (population std / mean)
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validation import check_int, fail
+from .._validation import check_int, fail
 from .trace import RoutingTrace
 
 __all__ = ["expert_load", "balance", "agreement", "AgreementReport", "plot_heatmap", "heatmap_format"]

@@ -4,7 +4,7 @@ The model's MoE layers write the expert ids they choose into one device buffer
 (``routing_replay_out=cap.layer_buffer(l)``); after each step the serving loop tells the
 capturer which request and position each of the step's tokens was, and the ids end up in
 per-request host storage, from which :meth:`RoutedExpertsCapturer.finish` returns a
-:class:`~replaymoe.trace.RoutingTrace`::
+:class:`~replaymoe.record.trace.RoutingTrace`::
 
     cap = RoutedExpertsCapturer(num_layers=L, max_num_tokens=N, top_k=K, device="cuda",
                                 num_experts=E, layer_ids=moe_layer_numbers)
@@ -16,7 +16,7 @@ per-request host storage, from which :meth:`RoutedExpertsCapturer.finish` return
 
 Data path per step: a device gather of the step's rows into staging, an asynchronous copy to
 pinned host memory on a side stream, and a lazy host scatter into per-request pages
-(:mod:`replaymoe.capture_transfer` has the details).
+(:mod:`replaymoe.record.transfer` has the details).
 
 Memory: per 1k captured tokens ``1000 * L * K * 2`` bytes (1.02 MB at L=64, K=8) plus at most
 one partly used page per request; staging ``num_buffers * N * L * K * 2`` bytes pinned and
@@ -66,9 +66,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._validation import check_int, fail, is_capturing
-from .capture_transfer import CudaTransfer, SyncTransfer
+from .._validation import check_int, fail, is_capturing
 from .trace import RoutingTrace
+from .transfer import CudaTransfer, SyncTransfer
 
 __all__ = ["RoutedExpertsCapturer", "CaptureMemoryError"]
 

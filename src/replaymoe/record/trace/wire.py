@@ -1,9 +1,9 @@
 """vLLM and SGLang routed-experts wire formats: decoding responses, encoding payloads.
 
 This module's one job is the bytes servers send: :meth:`RoutingTrace.from_vllm
-<replaymoe.trace.RoutingTrace.from_vllm>`, ``to_vllm``, ``from_sglang`` and ``to_sglang`` delegate
+<replaymoe.record.trace.RoutingTrace.from_vllm>`, ``to_vllm``, ``from_sglang`` and ``to_sglang`` delegate
 here. Decoders take the class to build (this module never imports :class:`RoutingTrace`); encoders
-take the trace's int16 ids. Malformed payloads raise :class:`~replaymoe.trace.TraceFormatError`.
+take the trace's int16 ids. Malformed payloads raise :class:`~replaymoe.record.trace.TraceFormatError`.
 
 * vLLM (``--enable-return-routed-experts``): base64 of an ``.npy`` file of shape
   (tokens, layers, top_k); vLLM 0.33 sends uint8 when E <= 256, else uint16 or int32.
@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .._validation import check_choice, check_int, fail
+from ..._validation import check_choice, check_int, fail
 from .file import TraceFormatError
 
 __all__ = ["encode_vllm", "decode_vllm", "encode_sglang", "decode_sglang"]

@@ -1,4 +1,4 @@
-"""Device-to-host transfer of captured rows for :class:`replaymoe.capture.RoutedExpertsCapturer`.
+"""Device-to-host transfer of captured rows for :class:`replaymoe.record.capture.RoutedExpertsCapturer`.
 
 The only device-specific part of the capturer. Data path per step on CUDA (:class:`CudaTransfer`):
 

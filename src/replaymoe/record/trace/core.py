@@ -8,9 +8,9 @@ MoE layer chose for every token::
                               router's selection order; -1 = no routing recorded
                               (a whole [K] row is either -1 or K distinct ids in [0, E)).
 
-Its file-format methods (``save``, ``load``) delegate to :mod:`replaymoe.trace.file` and its wire-format
-methods (``to_vllm``, ``from_vllm``, ``to_sglang``, ``from_sglang``) to :mod:`replaymoe.trace.wire`;
-neither of those imports this module.
+Its file-format methods (``save``, ``load``) delegate to :mod:`replaymoe.record.trace.file` and its
+wire-format methods (``to_vllm``, ``from_vllm``, ``to_sglang``, ``from_sglang``) to
+:mod:`replaymoe.record.trace.wire`; neither of those imports this module.
 
 Size: over 450 lines; :class:`RoutingTrace`'s validation, its optional ``token_ids`` and the joining
 of traces (``concat``, ``merge``) are one data model, and its docstrings carry the format's contract.
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import check_choice, check_int, fail
+from ..._validation import check_choice, check_int, fail
 from . import file as _file
 from . import wire as _wire
 
@@ -266,7 +266,7 @@ class RoutingTrace:
 
     # ---------------------------------------------------------------- file format
     def save(self, path: str | os.PathLike, *, compress: bool = True) -> None:
-        """Write the trace to ``path`` atomically (the format: :mod:`replaymoe.trace.file`).
+        """Write the trace to ``path`` atomically (the format: :mod:`replaymoe.record.trace.file`).
 
         Parameters
         ----------
