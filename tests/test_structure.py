@@ -200,6 +200,23 @@ def test_bench_never_imports_apps():
     assert _layer(f"{PACKAGE}.bench.ep") < _layer(f"{PACKAGE}.apps.cli")
 
 
+def test_record_sits_between_the_ops_and_hf():
+    # record (capture, transfer, trace, replay, stats) is one layer: above the shared helpers and the
+    # ops (routing, moe, ep), below hf, the integrations, the benchmarks and the applications, none of
+    # which any of its modules imports
+    record = [m for m in MODULES if m.split(".")[1:2] == ["record"]]
+    moved = ("capture", "transfer", "trace", "trace.core", "trace.file", "trace.wire", "replay", "stats")
+    assert {f"{PACKAGE}.record.{m}" for m in moved} <= set(record)
+    assert all(_layer(m) == _layer(f"{PACKAGE}.record") for m in record)
+    for below in ("_validation", "routing", "moe", "ep"):
+        assert _layer(f"{PACKAGE}.{below}") < _layer(f"{PACKAGE}.record"), below
+    above = {"hf", "integrations", "bench", "apps"}
+    for name in above:
+        assert _layer(f"{PACKAGE}.record") < _layer(f"{PACKAGE}.{name}"), name
+    up = {m: sorted(d for d in GRAPH[m] if d.split(".")[1] in above) for m in record}
+    assert {m: d for m, d in up.items() if d} == {}
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_size(module):
     path = MODULES[module]
