@@ -6,9 +6,9 @@ device indexing ops on them (no host sync, fixed shapes), so the same code runs 
 ``torch.compile(fullgraph=True)`` and inside CUDA graphs. Host work (one
 :class:`~replaymoe.record.trace.RoutingTrace` per sequence) happens once, in :meth:`CaptureBuffer.harvest`.
 
-Size: over 450 lines; the capture buffer and the replay table are one contract (the rows a forward
-writes are the rows a replay reads, the tokens capture records are what content matching hashes),
-and issue 34 moves the replay table to ``record/replay.py`` where ``ReplaySource`` shares it.
+The capture buffer and the replay table are one contract (the rows a forward writes are the rows a
+replay reads, the tokens capture records are what content matching hashes); the replay table itself
+lives in :mod:`replaymoe.record.replay`, where ``ReplaySource`` shares it.
 """
 
 from __future__ import annotations
