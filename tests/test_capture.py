@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from replaymoe.capture import CaptureMemoryError, RoutedExpertsCapturer
-from replaymoe.capture_transfer import SyncTransfer as _SyncTransfer
+from replaymoe.record.capture import CaptureMemoryError, RoutedExpertsCapturer
+from replaymoe.record.trace import RoutingTrace
+from replaymoe.record.transfer import SyncTransfer as _SyncTransfer
 from replaymoe.routing import RoutingMethod, route
-from replaymoe.trace import RoutingTrace
 
 L, K, E, N = 3, 2, 8, 16
 
@@ -358,8 +358,8 @@ def _fake_cuda_capturer(monkeypatch, **kw):
     import contextlib
     import types
 
-    import replaymoe.capture as capmod
-    import replaymoe.capture_transfer as transfer_mod
+    import replaymoe.record.capture as capmod
+    import replaymoe.record.transfer as transfer_mod
 
     fake = _FakeCuda()
 

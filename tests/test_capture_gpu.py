@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from replaymoe.capture import RoutedExpertsCapturer
+from replaymoe.record.capture import RoutedExpertsCapturer
 from replaymoe.routing import RoutingMethod, route
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from replaymoe.apps import cli
-from replaymoe.trace import RoutingTrace
+from replaymoe.record.trace import RoutingTrace
 
 ROOT = Path(__file__).resolve().parents[1]
 

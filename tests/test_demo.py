@@ -13,7 +13,7 @@ pytest.importorskip("matplotlib")
 
 import replaymoe.apps.demo as demo_mod  # noqa: E402
 from replaymoe.apps.demo import main  # noqa: E402
-from replaymoe.trace import RoutingTrace  # noqa: E402
+from replaymoe.record.trace import RoutingTrace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every test here: one intra-op thread (conftest)
 

@@ -1,12 +1,13 @@
 """The old import paths of the move to one package per op (``routing/``, ``moe/``, the ``ep/`` and
-``hf/`` kernels) keep working for one release: each shim module warns (DeprecationWarning naming the
-new path) and re-exports the same objects as the modules that now hold the code, including every name
-the old module exported."""
+``hf/`` kernels, the record/replay layer in ``record/``) keep working for one release: each shim module
+warns (DeprecationWarning naming the new path) and re-exports the same objects as the modules that now
+hold the code, including every name the old module exported."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import pytest
 
@@ -105,6 +106,15 @@ SHIMS = {
     ),
     # the all-to-all's launcher joined the one fast launcher
     "replaymoe.ep._launch": (["replaymoe._launch"], ["ENABLED", "Launcher", "addresses"]),
+    # the record/replay layer, moved unchanged into replaymoe.record (the trace package with its modules)
+    "replaymoe.capture": (["replaymoe.record.capture"], None),
+    "replaymoe.capture_transfer": (["replaymoe.record.transfer"], None),
+    "replaymoe.trace": (["replaymoe.record.trace"], None),
+    "replaymoe.trace.core": (["replaymoe.record.trace.core"], None),
+    "replaymoe.trace.file": (["replaymoe.record.trace.file"], None),
+    "replaymoe.trace.wire": (["replaymoe.record.trace.wire"], None),
+    "replaymoe.replay": (["replaymoe.record.replay"], None),
+    "replaymoe.stats": (["replaymoe.record.stats"], None),
 }
 # names a shim defines itself, keeping an old result where the new function changed (see the shim)
 OWN = {
@@ -117,15 +127,24 @@ def _fresh_import(name: str):
     """Import ``name`` anew (a shim warns once, when it is first imported)."""
     sys.modules.pop(name, None)
     parent, _, child = name.rpartition(".")
-    if hasattr(sys.modules.get(parent), child):
+    if child in vars(sys.modules.get(parent, object)):  # the parent's own attribute, never a forwarded one
         delattr(sys.modules[parent], child)
     return importlib.import_module(name)
+
+
+def _is_submodule(module, name: str) -> bool:
+    value = vars(module)[name]
+    return isinstance(value, type(sys)) and value.__name__ == f"{module.__name__}.{name}"
 
 
 @pytest.mark.parametrize("old", sorted(SHIMS))
 def test_shim_warns_and_reexports_the_same_objects(old):
     new_names, old_exports = SHIMS[old]
     new = [importlib.import_module(n) for n in new_names]
+    if (parent := old.rpartition(".")[0]) in SHIMS:  # a module of an old package: the package warns itself
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            importlib.import_module(parent)
     with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated.*import {new_names[0]}"):
         shim = _fresh_import(old)
     own = OWN.get(old, set())
@@ -135,7 +154,45 @@ def test_shim_warns_and_reexports_the_same_objects(old):
         for name, value in vars(module).items():
             if name.startswith("__") or name in own or any(name in vars(m) for m in new[: new.index(module)]):
                 continue
+            if hasattr(shim, "__path__") and _is_submodule(module, name):
+                continue  # an old package's submodules are old paths (test_an_old_package_keeps_...)
             assert getattr(shim, name) is value, f"{old}.{name} is not {module.__name__}.{name}"
+
+
+def test_an_old_package_keeps_its_submodules_as_old_paths():
+    # replaymoe.trace was a package: replaymoe.trace.core, .file and .wire are deprecated paths too,
+    # reached by import or as attributes, and importing one leaves replaymoe.record.trace's own
+    # submodules alone; a RoutingTrace pickled before the move (its class at replaymoe.trace.core) loads
+    import subprocess
+
+    code = """
+import pickle, warnings
+import numpy as np
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    import replaymoe.trace.core as core
+    import replaymoe.trace as trace
+    from replaymoe.trace.wire import encode_vllm
+    file = trace.file
+import replaymoe.record.trace as new
+assert trace.core is core and core.__name__ == "replaymoe.trace.core"
+assert file.__name__ == "replaymoe.trace.file" and trace.wire.__name__ == "replaymoe.trace.wire"
+assert [m.__name__ for m in (new.core, new.file, new.wire)] == [
+    "replaymoe.record.trace.core", "replaymoe.record.trace.file", "replaymoe.record.trace.wire"]
+assert core.RoutingTrace is trace.RoutingTrace is new.RoutingTrace
+assert file.TraceFormatError is trace.TraceFormatError is new.TraceFormatError
+assert encode_vllm is new.wire.encode_vllm
+assert not hasattr(trace, "missing")
+t = new.RoutingTrace(np.array([[[0, 1]], [[2, 3]]], dtype=np.int16), num_experts=4, top_k=2)
+old = pickle.dumps(t, protocol=0).replace(b"replaymoe.record.trace.core\\n", b"replaymoe.trace.core\\n")
+assert b"replaymoe.trace.core" in old
+back = pickle.loads(old)
+assert type(back) is new.RoutingTrace and (back.ids == t.ids).all()
+print(sorted({str(w.message).split()[0] for w in seen if w.category is DeprecationWarning}))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[0] == str([f"replaymoe.trace{s}" for s in ("", ".core", ".file", ".wire")])
 
 
 def test_a_switch_set_on_a_shim_reaches_the_new_module(monkeypatch):
@@ -222,8 +279,10 @@ def test_nothing_in_the_repository_warns_on_import():
     code = (
         "import warnings; warnings.filterwarnings('error', 'replaymoe.* is deprecated', DeprecationWarning); "
         "import replaymoe, replaymoe.routing, replaymoe.moe, replaymoe.ep, replaymoe.hf, replaymoe.hf.step, "
-        "replaymoe.bench.moe, replaymoe.bench.routing, replaymoe.bench.train, replaymoe.apps.cli; "
-        "[getattr(replaymoe, n) for n in replaymoe.__all__]"
+        "replaymoe.bench.moe, replaymoe.bench.routing, replaymoe.bench.train, replaymoe.apps.cli, "
+        "replaymoe.record, replaymoe.record.capture, replaymoe.record.trace, replaymoe.record.replay, "
+        "replaymoe.record.stats; "
+        "[getattr(m, n) for m in (replaymoe, replaymoe.record) for n in m.__all__]"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 
 import replaymoe.hf as rhf  # noqa: E402
 from replaymoe.hf.models import ARCHITECTURES, build_model  # noqa: E402
+from replaymoe.record.trace import RoutingTrace  # noqa: E402
 from replaymoe.testing import assert_close  # noqa: E402
-from replaymoe.trace import RoutingTrace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every test here: one intra-op thread (conftest)
 

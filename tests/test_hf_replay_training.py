@@ -423,7 +423,7 @@ def test_no_tensor_outside_parameters_and_buffers(arch):
 def test_replaying_the_same_traces_again_loads_no_table(monkeypatch):
     # replaying(traces) around every training step: the policy's and an attached model's tables are
     # loaded once and reused (set_replay of the very traces a pooled table holds), still replaying
-    from replaymoe.replay import ReplayTable
+    from replaymoe.record.replay import ReplayTable
 
     model, moe, seqs, traces = _rollout()
     ref = moe.attach(build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32))

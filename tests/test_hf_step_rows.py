@@ -14,7 +14,7 @@ import torch
 from replaymoe.hf.positions import token_positions
 from replaymoe.hf.state import CaptureBuffer, ReplayTable, TraceMeta
 from replaymoe.hf.step import fused_rows_ok, step_rows
-from replaymoe.trace import RoutingTrace
+from replaymoe.record.trace import RoutingTrace
 
 L, K, E = 3, 4, 16
 

@@ -11,7 +11,7 @@ import pytest
 
 from replaymoe.apps import cli
 from replaymoe.apps.inspect import main
-from replaymoe.trace import RoutingTrace
+from replaymoe.record.trace import RoutingTrace
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from replaymoe.replay import ReplayReport, ReplaySource
-from replaymoe.trace import RoutingTrace
+from replaymoe.record.replay import ReplayReport, ReplaySource
+from replaymoe.record.trace import RoutingTrace
 
 
 def random_ids(rng, n, L, K, E):
@@ -167,7 +167,7 @@ def test_replay_drives_route(rng, generator):
 
 def test_capture_save_load_replay_round_trip(tmp_path, generator):
     """Rollout with capture -> trace file -> trainer forward with other logits replays the ids."""
-    from replaymoe.capture import RoutedExpertsCapturer
+    from replaymoe.record.capture import RoutedExpertsCapturer
     from replaymoe.routing import RoutingMethod, route
 
     L, K, E = 2, 2, 8

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from replaymoe.replay import ReplaySource
+from replaymoe.record.replay import ReplaySource
+from replaymoe.record.trace import RoutingTrace
 from replaymoe.routing import RoutingMethod, route
-from replaymoe.trace import RoutingTrace
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from replaymoe.stats import AgreementReport, agreement, balance, expert_load, plot_heatmap
-from replaymoe.trace import RoutingTrace
+from replaymoe.record.stats import AgreementReport, agreement, balance, expert_load, plot_heatmap
+from replaymoe.record.trace import RoutingTrace
 
 M = [-1, -1]  # a missing row
 

@@ -2,8 +2,8 @@
 
 * no import cycle among the modules of ``src/replaymoe`` (function-local imports included: a
   lazy import hides a cycle from Python, not from the reader);
-* one-way layering, kernels ← ops ← capture/trace/replay ← hf ← bench ← apps: no module imports
-  from a layer above its own (the CLI in ``apps`` may import the benchmarks' entry points; a
+* one-way layering, kernels ← ops ← record (capture/trace/replay/stats) ← hf ← bench ← apps: no module
+  imports from a layer above its own (the CLI in ``apps`` may import the benchmarks' entry points; a
   benchmark never imports ``replaymoe.apps``);
 * no source module over ``MAX_LINES`` lines unless its docstring says why (a line starting
   ``Size:``);
@@ -38,7 +38,8 @@ LAYERS = {
         "ep",
         "testing",
     },
-    2: {"capture", "capture_transfer", "trace", "replay", "stats"},
+    # record and replay: capture, transfer, trace, replay, stats
+    2: {"record"},
     3: {"hf"},
     4: {"bench", "integrations"},  # benchmarks (their entry points are run by the CLI); trainer integrations
     5: {"apps", "__main__"},  # applications: the CLI, demo, inspect
@@ -48,7 +49,7 @@ ROOT_LAYER = 4
 # ops that are one package each, their Triton code in ``<op>/_kernel*.py``
 OP_PACKAGES = {"routing", "moe", "ep", "hf"}
 # what a deprecation shim may import: the alias helper and the modules that replaced the old paths
-REPLACEMENTS = OP_PACKAGES | {"_deprecated", "_launch"}
+REPLACEMENTS = OP_PACKAGES | {"_deprecated", "_launch", "record"}
 # Python files outside the package that must not import a deprecated path either
 OUTSIDE = [p for d in ("tests", "scripts", "bench") for p in sorted((SRC.parent / d).rglob("*.py"))]
 SHIM_MAX_LINES = 40
@@ -199,6 +200,23 @@ def test_bench_never_imports_apps():
     assert _layer(f"{PACKAGE}.bench.ep") < _layer(f"{PACKAGE}.apps.cli")
 
 
+def test_record_sits_between_the_ops_and_hf():
+    # record (capture, transfer, trace, replay, stats) is one layer: above the shared helpers and the
+    # ops (routing, moe, ep), below hf, the integrations, the benchmarks and the applications, none of
+    # which any of its modules imports
+    record = [m for m in MODULES if m.split(".")[1:2] == ["record"]]
+    moved = ("capture", "transfer", "trace", "trace.core", "trace.file", "trace.wire", "replay", "stats")
+    assert {f"{PACKAGE}.record.{m}" for m in moved} <= set(record)
+    assert all(_layer(m) == _layer(f"{PACKAGE}.record") for m in record)
+    for below in ("_validation", "routing", "moe", "ep"):
+        assert _layer(f"{PACKAGE}.{below}") < _layer(f"{PACKAGE}.record"), below
+    above = {"hf", "integrations", "bench", "apps"}
+    for name in above:
+        assert _layer(f"{PACKAGE}.record") < _layer(f"{PACKAGE}.{name}"), name
+    up = {m: sorted(d for d in GRAPH[m] if d.split(".")[1] in above) for m in record}
+    assert {m: d for m, d in up.items() if d} == {}
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_size(module):
     path = MODULES[module]
@@ -229,6 +247,9 @@ def test_shims_are_small_and_nothing_imports_them():
         f"{PACKAGE}.moe_triton",
         f"{PACKAGE}._kernels.moe",
         f"{PACKAGE}.ep._launch",
+        f"{PACKAGE}.capture",
+        f"{PACKAGE}.trace",
+        f"{PACKAGE}.trace.core",
     } <= SHIMS
     for shim in sorted(SHIMS):
         lines = len(MODULES[shim].read_text().splitlines())

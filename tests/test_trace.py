@@ -14,7 +14,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from replaymoe.trace import FORMAT_VERSION, RoutingTrace, TraceFormatError
+from replaymoe.record.trace import FORMAT_VERSION, RoutingTrace, TraceFormatError
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -130,7 +130,7 @@ def _failing_writer(f, ids, meta, compress):
 
 
 def test_failed_save_leaves_nothing(tmp_path, trace, monkeypatch):
-    import replaymoe.trace.file as trace_mod
+    import replaymoe.record.trace.file as trace_mod
 
     monkeypatch.setattr(trace_mod, "_write_payload", _failing_writer)
     with pytest.raises(OSError, match="disk full"):
@@ -139,7 +139,7 @@ def test_failed_save_leaves_nothing(tmp_path, trace, monkeypatch):
 
 
 def test_failed_save_keeps_existing_file(tmp_path, trace, monkeypatch):
-    import replaymoe.trace.file as trace_mod
+    import replaymoe.record.trace.file as trace_mod
 
     path = tmp_path / "keep.trace"
     trace.save(path)

@@ -32,16 +32,16 @@ _EXPORTS: dict[str, str] = {
     # fp8 helpers
     "quantize_fp8_block": "moe.quant",
     "dequantize_fp8_block": "moe.quant",
-    # capture / trace / replay / stats
-    "RoutedExpertsCapturer": "capture",
-    "RoutingTrace": "trace",
-    "TraceFormatError": "trace",
-    "ReplaySource": "replay",
-    "expert_load": "stats",
-    "balance": "stats",
-    "agreement": "stats",
-    "AgreementReport": "stats",
-    "plot_heatmap": "stats",
+    # record and replay: capture, trace, replay, stats
+    "RoutedExpertsCapturer": "record.capture",
+    "RoutingTrace": "record.trace",
+    "TraceFormatError": "record.trace",
+    "ReplaySource": "record.replay",
+    "expert_load": "record.stats",
+    "balance": "record.stats",
+    "agreement": "record.stats",
+    "AgreementReport": "record.stats",
+    "plot_heatmap": "record.stats",
     # expert parallelism
     "MoeAlltoAll": "ep",
     "ep_moe": "ep",

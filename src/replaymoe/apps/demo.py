@@ -9,7 +9,7 @@ before any work; without the ``plot`` extra (matplotlib) it warns and writes eve
    supported architecture) with seeded random weights and a tiny vocabulary -- no tokenizer, the
    prompts are token ids;
 2. ``generate`` samples completions for a few left-padded prompts with capture on
-   (:func:`replaymoe.hf.enable`) and saves one :class:`~replaymoe.trace.RoutingTrace` per sequence;
+   (:func:`replaymoe.hf.enable`) and saves one :class:`~replaymoe.record.trace.RoutingTrace` per sequence;
 3. perturbs the router weights slightly (as one optimizer step would) and runs the "trainer"
    forward over prompt + completion twice: with native routing and with the rollout's routing
    replayed;

@@ -65,7 +65,7 @@ def prepare_out(path: str, num_prompts: int) -> Path:
 
 def read_vllm(path: str):
     """(prompt ids, completion ids, RoutingTrace) of a vLLM response file, or raise DemoError."""
-    from replaymoe.trace import RoutingTrace
+    from replaymoe.record.trace import RoutingTrace
 
     try:
         data = Path(path).read_bytes()

@@ -136,8 +136,8 @@ def run(args: argparse.Namespace, device: str) -> int:
 
 
 def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, plot: bool) -> int:
-    from replaymoe.replay import ReplaySource
-    from replaymoe.stats import agreement, plot_heatmap
+    from replaymoe.record.replay import ReplaySource
+    from replaymoe.record.stats import agreement, plot_heatmap
 
     cfg, dtype = model.config, next(model.parameters()).dtype
     new_tokens = args.tokens or (8 if args.fast else 24)

@@ -25,8 +25,8 @@ import sys
 
 import numpy as np
 
-from replaymoe.stats import agreement, balance, expert_load, plot_heatmap
-from replaymoe.trace import RoutingTrace, TraceFormatError
+from replaymoe.record.stats import agreement, balance, expert_load, plot_heatmap
+from replaymoe.record.trace import RoutingTrace, TraceFormatError
 
 __all__ = ["main", "load_any"]
 
@@ -263,7 +263,7 @@ def summarize(
 
 def _check_output(path: str) -> None:
     """Raise ValueError naming --heatmap for a suffix that is no image format or a place not writable."""
-    from replaymoe.stats import heatmap_format
+    from replaymoe.record.stats import heatmap_format
 
     try:
         heatmap_format(path)

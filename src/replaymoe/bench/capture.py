@@ -38,7 +38,7 @@ import torch
 
 from replaymoe.bench._text import strip_rest  # plain-text --help when run as python -m
 from replaymoe.bench._timing import NO_CUDA_EXIT, host_us, no_cuda, print_table, time_eager, write_results
-from replaymoe.capture import RoutedExpertsCapturer
+from replaymoe.record.capture import RoutedExpertsCapturer
 from replaymoe.routing import RoutingMethod, route
 
 

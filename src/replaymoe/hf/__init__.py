@@ -16,7 +16,7 @@ Two entry points:
 :func:`enable`
     Patches a loaded model in place: experts as above, every router through
     :func:`replaymoe.routing.route` with the matching :class:`~replaymoe.routing.RoutingMethod`,
-    and optional routing **capture** (one :class:`~replaymoe.trace.RoutingTrace` per sequence) and
+    and optional routing **capture** (one :class:`~replaymoe.record.trace.RoutingTrace` per sequence) and
     **replay** (forced expert ids per layer with weights recomputed from the model's own router
     logits, so gradients reach the router — the "rollout routing replay" (R3) recipe)::
 

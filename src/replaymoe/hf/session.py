@@ -683,7 +683,7 @@ class ReplayMoE:
         if replay is None:
             self._set_replay_table(None)
             return
-        from replaymoe.replay import ReplaySource
+        from replaymoe.record.replay import ReplaySource
 
         src = replay if isinstance(replay, ReplaySource) else ReplaySource(replay)
         src.check_model(len(self.layers), self.top_k, self.num_experts)

@@ -4,11 +4,11 @@ Both are indexed by what a forward already holds on the device: the batch row an
 position in its sequence (:func:`replaymoe.hf.positions.token_positions`). A forward only runs
 device indexing ops on them (no host sync, fixed shapes), so the same code runs eagerly, under
 ``torch.compile(fullgraph=True)`` and inside CUDA graphs. Host work (one
-:class:`~replaymoe.trace.RoutingTrace` per sequence) happens once, in :meth:`CaptureBuffer.harvest`.
+:class:`~replaymoe.record.trace.RoutingTrace` per sequence) happens once, in :meth:`CaptureBuffer.harvest`.
 
-Size: over 450 lines; the capture buffer and the replay table are one contract (the rows a forward
-writes are the rows a replay reads, the tokens capture records are what content matching hashes),
-and issue 34 moves the replay table to ``record/replay.py`` where ``ReplaySource`` shares it.
+The capture buffer and the replay table are one contract (the rows a forward writes are the rows a
+replay reads, the tokens capture records are what content matching hashes); the replay table itself
+lives in :mod:`replaymoe.record.replay`, where ``ReplaySource`` shares it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 import triton
 
 from replaymoe._validation import fail
-from replaymoe.replay import ReplayTable, _static, prefix_hashes, prefix_hashes_np
-from replaymoe.trace import RoutingTrace
+from replaymoe.record.replay import ReplayTable, _static, prefix_hashes, prefix_hashes_np
+from replaymoe.record.trace import RoutingTrace
 
-# ReplayTable and the prefix hashes live in replaymoe.replay (one replay table: ReplaySource uses it too);
-# they stay importable from here
+# ReplayTable and the prefix hashes live in replaymoe.record.replay (one replay table: ReplaySource uses it
+# too); they stay importable from here
 __all__ = ["CaptureBuffer", "ReplayTable", "TraceMeta", "prefix_hashes", "prefix_hashes_np"]
 
 

@@ -1,16 +1,10 @@
-"""Recorded MoE routing: :class:`RoutingTrace`, its file format, and vLLM/SGLang wire formats.
+"""Deprecated: moved to :mod:`replaymoe.record.trace` (this alias is kept for one release).
 
-This package's one job is the public face of recorded routing; it re-exports what the former
-``replaymoe.trace`` module offered, so ``from replaymoe.trace import RoutingTrace`` keeps working. The
-work is split in three modules that import one way only (``core`` -> ``wire`` -> ``file``):
-:mod:`~replaymoe.trace.core` is the data model (``RoutingTrace``, validation, concat/merge),
-:mod:`~replaymoe.trace.file` the on-disk format (``FORMAT_NAME``, ``FORMAT_VERSION``, atomic save,
-checked load, ``TraceFormatError``) and :mod:`~replaymoe.trace.wire` the vLLM/SGLang payloads.
+Its submodules ``core``, ``file`` and ``wire`` are deprecated aliases too (of
+:mod:`replaymoe.record.trace.core`, ``.file`` and ``.wire``), imported when first asked for.
 """
 
-from __future__ import annotations
+from replaymoe._deprecated import alias
+from replaymoe.record import trace
 
-from .core import RoutingTrace
-from .file import FORMAT_NAME, FORMAT_VERSION, TraceFormatError
-
-__all__ = ["RoutingTrace", "TraceFormatError", "FORMAT_NAME", "FORMAT_VERSION"]
+alias(globals(), trace)

@@ -1,0 +1,54 @@
+"""Record and replay MoE routing: capture the experts a rollout chose, keep them, replay them.
+
+The layer above the ops (``routing``, ``moe``, ``ep``) and below the transformers integration
+(``hf``), the trainer integrations and the applications; it imports none of those.
+
+* :mod:`~replaymoe.record.capture`: :class:`RoutedExpertsCapturer`, routing capture for a serving
+  loop (one device buffer per step, per-request host storage); :mod:`~replaymoe.record.transfer`:
+  its device-to-host copies (CUDA streams and pinned memory, or a plain copy on the CPU).
+* :mod:`~replaymoe.record.trace`: :class:`RoutingTrace` (``core``), its file format (``file``) and
+  the vLLM/SGLang wire formats (``wire``).
+* :mod:`~replaymoe.record.replay`: :class:`ReplayTable` (the one device replay table, by batch row
+  or by content) and :class:`ReplaySource` (per-layer ``replay_ids`` for a batch of traces).
+* :mod:`~replaymoe.record.stats`: expert load, balance, agreement and heatmaps of traces.
+
+The names below are resolved lazily (``replaymoe.record.ReplaySource`` imports
+``replaymoe.record.replay`` on first use), so importing one module of the package (the trace, say:
+numpy only) does not import torch or Triton for the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    "RoutedExpertsCapturer": "capture",
+    "CaptureMemoryError": "capture",
+    "RoutingTrace": "trace",
+    "TraceFormatError": "trace",
+    "ReplaySource": "replay",
+    "ReplayReport": "replay",
+    "ReplayTable": "replay",
+    "expert_load": "stats",
+    "balance": "stats",
+    "agreement": "stats",
+    "AgreementReport": "stats",
+    "plot_heatmap": "stats",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,492 @@
+"""Routing capture for a serving loop: :class:`RoutedExpertsCapturer`.
+
+The model's MoE layers write the expert ids they choose into one device buffer
+(``routing_replay_out=cap.layer_buffer(l)``); after each step the serving loop tells the
+capturer which request and position each of the step's tokens was, and the ids end up in
+per-request host storage, from which :meth:`RoutedExpertsCapturer.finish` returns a
+:class:`~replaymoe.record.trace.RoutingTrace`::
+
+    cap = RoutedExpertsCapturer(num_layers=L, max_num_tokens=N, top_k=K, device="cuda",
+                                num_experts=E, layer_ids=moe_layer_numbers)
+    # model forward (may be a CUDA graph replay): layer l calls
+    #     route(logits, K, ..., routing_replay_out=cap.layer_buffer(l))
+    cap.end_step(token_requests, token_positions)      # outside the graph, after the forward
+    ...
+    trace = cap.finish(request_id)                      # when the request completes
+
+Data path per step: a device gather of the step's rows into staging, an asynchronous copy to
+pinned host memory on a side stream, and a lazy host scatter into per-request pages
+(:mod:`replaymoe.record.transfer` has the details).
+
+Memory: per 1k captured tokens ``1000 * L * K * 2`` bytes (1.02 MB at L=64, K=8) plus at most
+one partly used page per request; staging ``num_buffers * N * L * K * 2`` bytes pinned and
+as much on the device, plus the [L, N, K] buffer itself.
+
+Not thread-safe: call it from the thread that runs the serving loop.
+
+``end_step`` reads nothing from the device: the request/position bookkeeping is host lists.
+The buffer is allocated once, so a whole step, model forward included, can be captured in
+a CUDA graph with it as a static input; ``end_step`` is called outside the graph.
+On ``device='cpu'`` there are no streams or pinned memory: step 1-2 are a plain copy at
+``end_step`` and step 3 is still deferred, so CI exercises the same bookkeeping.
+
+Data-parallel layouts
+---------------------
+* **This rank's tokens only** (attention DP without all-gather before the MoE, or no DP):
+  buffer rows ``0..T-1`` are the step's tokens; pass one entry per token (``None`` for
+  padding rows, e.g. CUDA-graph batch padding).
+* **All DP ranks' tokens concatenated** (the MoE runs on the all-gathered batch): either pass
+  ``dp_span=(start, length)`` with entries for this rank's ``length`` tokens only — just
+  rows ``[start, start+length)`` are copied — or pass one entry per row of the whole batch
+  with ``None`` for other ranks' tokens.
+
+Host storage
+------------
+Per-request storage is paged: positions are grouped in pages of ``page_size`` positions
+(int16 [page_size, L, K], all -1 when handed to a request) drawn from slabs of ordinary
+(pageable) host memory that grow on demand, ``slab_pages`` pages at a time, up to
+``max_host_bytes``; freed pages are refilled with -1 and reused, slabs are kept. A request's pages are
+allocated lazily for the positions it actually computes; positions never computed (served
+from a prefix cache, or by another rank) stay -1. ``finish`` assembles the request's
+[positions, L, K] array, returns it as a trace and frees the pages; ``abort`` frees them.
+Paging makes the per-step scatter one vectorised copy per slab instead of one per request.
+
+Size: over 450 lines because the step protocol (``end_step``, ``poll``, ``finish``, ``abort``), the
+host page pool and the draining of pending copies all work on the capturer's shared fields; a
+page-pool class of its own is the next split.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._validation import check_int, fail, is_capturing
+from .trace import RoutingTrace
+from .transfer import CudaTransfer, SyncTransfer
+
+__all__ = ["RoutedExpertsCapturer", "CaptureMemoryError"]
+
+
+class CaptureMemoryError(MemoryError):
+    """The capturer's host storage would exceed ``max_host_bytes``."""
+
+
+# --------------------------------------------------------------------------------------------
+# bookkeeping
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Request:
+    """Host state of one request: its page table (page index -> global page, -1 = none)."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # 1 + largest position recorded
+    last_step: int = -1  # id of the last step that carried one of its tokens
+    alive: bool = True
+
+
+@dataclass(eq=False)
+class _Pending:
+    step: int
+    slot: int
+    T: int
+    src: np.ndarray  # int64 [m]: row in the step's [T, L, K] staging
+    dst: np.ndarray  # int64 [m]: global row in the page pool (page * page_size + offset)
+    handle: Any
+
+
+class RoutedExpertsCapturer:
+    """Capture the routed expert ids of every token of a serving loop, per request.
+
+    Parameters
+    ----------
+    num_layers : int
+        L, the number of MoE layers (only MoE layers: ``layer_ids`` maps them to model layers).
+    max_num_tokens : int
+        N, the most tokens one step routes (all DP ranks' tokens when the MoE sees them all).
+    top_k : int
+        K.
+    device : torch.device or str
+        Where the buffer lives (``"cuda"``, ``"cuda:1"`` or ``"cpu"``).
+    layer_ids : sequence of int, optional
+        MoE-layer index -> model layer number, stored on the returned traces.
+    num_experts : int, optional
+        E, stored on the traces (and used to validate ids at ``finish``).
+    model_id : str, optional
+        Stored on the traces.
+    max_host_bytes : int, optional
+        Bound on host memory (page slabs plus staging buffers); a step needing more raises
+        :class:`CaptureMemoryError` before anything of that step is recorded. ``None`` = no bound.
+    page_size : int
+        Positions per host page (default 64).
+    num_buffers : int
+        Staging buffers in flight (default 2: double-buffered).
+    slab_pages : int
+        Pages allocated at once when the pool grows (default 256).
+    clear_after_copy : bool
+        Debug aid: after gathering a step's rows, refill them with -1 (one extra memset on the
+        step's stream), so a layer whose kernel skipped its ``routing_replay_out`` write shows up
+        as missing (-1) rather than as the previous step's stale ids.
+
+    Attributes
+    ----------
+    buffer : torch.Tensor int16 [L, N, K]
+        The device buffer, allocated once (static address, safe as a CUDA-graph input). Filled
+        with -1 at construction; rows the kernels did not write keep their previous content.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_num_tokens: int,
+        top_k: int,
+        *,
+        device: torch.device | str,
+        layer_ids: Sequence[int] | None = None,
+        num_experts: int | None = None,
+        model_id: str | None = None,
+        max_host_bytes: int | None = None,
+        page_size: int = 64,
+        num_buffers: int = 2,
+        slab_pages: int = 256,
+        clear_after_copy: bool = False,
+    ):
+        check_int("num_layers", num_layers, low=1)
+        check_int("max_num_tokens", max_num_tokens, low=1)
+        check_int("top_k", top_k, low=1, high=num_experts)
+        if num_experts is not None:
+            check_int("num_experts", num_experts, low=1, high=32768)
+        if layer_ids is not None and len(layer_ids) != num_layers:
+            fail("layer_ids", f"{num_layers} entries (one per MoE layer)", f"{len(layer_ids)} entries")
+        if max_host_bytes is not None:
+            check_int("max_host_bytes", max_host_bytes, low=0)
+        check_int("page_size", page_size, low=1)
+        check_int("num_buffers", num_buffers, low=1)
+        check_int("slab_pages", slab_pages, low=1)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cuda", "cpu"):
+            fail("device", "a cuda or cpu device", str(self.device))
+        self.num_layers, self.max_num_tokens, self.top_k = num_layers, max_num_tokens, top_k
+        self.layer_ids = None if layer_ids is None else tuple(int(x) for x in layer_ids)
+        self.num_experts, self.model_id = num_experts, model_id
+        self.max_host_bytes = max_host_bytes
+        self.page_size, self.num_buffers, self.slab_pages = page_size, num_buffers, slab_pages
+        self.clear_after_copy = bool(clear_after_copy)
+
+        self.buffer = torch.full(
+            (num_layers, max_num_tokens, top_k), -1, dtype=torch.int16, device=self.device
+        )
+        self._transfer = self._make_transfer()
+        if max_host_bytes is not None and self._transfer.nbytes() > max_host_bytes:
+            raise CaptureMemoryError(
+                f"max_host_bytes={max_host_bytes} is below the {self._transfer.nbytes()} bytes of staging "
+                f"buffers ({num_buffers} x [{max_num_tokens}, {num_layers}, {top_k}] int16)"
+            )
+        self._row_bytes = num_layers * top_k * 2
+        self._slabs: list[np.ndarray] = []  # each [slab_pages * page_size, L, K] int16
+        self._free_pages: list[int] = []
+        self._requests: dict[Hashable, _Request] = {}
+        self._zombies: list[_Request] = []  # aborted, pages freed once their pending copies land
+        self._pending: deque[_Pending] = deque()
+        self._slot_busy: list[_Pending | None] = [None] * num_buffers
+        self._step = 0
+        self._scattered_upto = -1  # every step <= this has been scattered
+
+    def _make_transfer(self) -> Any:
+        if self.device.type == "cuda":
+            return CudaTransfer(self.buffer, self.num_buffers)
+        return SyncTransfer(self.buffer, self.num_buffers)
+
+    # ------------------------------------------------------------------ device side
+    def layer_buffer(self, layer: int) -> torch.Tensor:
+        """The int16 [N, K] contiguous view for MoE layer ``layer``: pass it as ``routing_replay_out``."""
+        check_int("layer", layer, low=0, high=self.num_layers - 1)
+        return self.buffer[layer]
+
+    # ------------------------------------------------------------------ step protocol
+    def end_step(
+        self,
+        token_requests: Sequence[Hashable | None],
+        token_positions: Sequence[int] | np.ndarray | torch.Tensor,
+        *,
+        dp_span: tuple[int, int] | None = None,
+    ) -> None:
+        """Record the step just run: token i of the step belongs to ``token_requests[i]`` at
+        position ``token_positions[i]`` of that request's sequence.
+
+        Parameters
+        ----------
+        token_requests : sequence of hashable or None
+            One entry per token of the step, in the step's token order (the buffer's row order).
+            ``None`` marks a row to ignore (padding, another DP rank's token).
+        token_positions : sequence of int (list, numpy array or CPU tensor)
+            Position of each token in its request's sequence (ignored where the request is None).
+        dp_span : (start, length), optional
+            The buffer holds all DP ranks' tokens concatenated and this rank's are rows
+            ``[start, start + length)``; the two sequences then describe those ``length`` tokens.
+
+        Notes
+        -----
+        Enqueues one device gather on the current stream and one asynchronous copy on a side
+        stream; never reads device memory. Call it after the step's kernels were enqueued (after
+        the graph replay), on the same stream, and outside CUDA-graph capture.
+        """
+        if is_capturing():
+            fail(
+                "end_step", "a call outside CUDA-graph capture (after the graph replay)", "a capturing stream"
+            )
+        n = len(token_requests)
+        if isinstance(token_positions, torch.Tensor):
+            if token_positions.device.type != "cpu":
+                fail(
+                    "token_positions", "a host sequence (list, numpy array or CPU tensor)", "a device tensor"
+                )
+            token_positions = token_positions.numpy()
+        pos = np.asarray(token_positions)
+        if pos.ndim != 1 or len(pos) != n:
+            fail("token_positions", f"{n} positions (one per entry of token_requests)", f"shape {pos.shape}")
+        if n and not np.issubdtype(pos.dtype, np.integer):
+            fail("token_positions", "integer positions", f"dtype {pos.dtype}", what="dtype")
+        if dp_span is None:
+            start, T = 0, n
+        else:
+            if len(dp_span) != 2:
+                fail("dp_span", "(start, length)", dp_span)
+            start, T = check_int("dp_span[0]", dp_span[0], low=0), check_int("dp_span[1]", dp_span[1], low=0)
+            if T != n:
+                fail("dp_span", f"length == len(token_requests) == {n}", T)
+        if start + T > self.max_num_tokens:
+            fail("end_step", f"at most max_num_tokens={self.max_num_tokens} rows", f"rows up to {start + T}")
+
+        # host bookkeeping (one pass over the tokens): staging row -> pool row. Pages are taken
+        # as needed; if the memory bound stops the step, everything it changed is rolled back.
+        P = self.page_size
+        pos_list = pos.tolist()
+        requests = self._requests
+        touched: dict[Hashable, tuple[_Request, int, int]] = {}  # req -> (state, old length, old #pages)
+        taken: list[tuple[_Request, int]] = []  # (state, page index) pages taken by this step
+        src: list[int] = []
+        dst: list[int] = []
+        try:
+            for i, req in enumerate(token_requests):
+                if req is None:
+                    continue
+                p = pos_list[i]
+                if p < 0:
+                    fail(
+                        "token_positions",
+                        "non-negative positions for tokens of a request",
+                        f"{p} at index {i}",
+                    )
+                t = touched.get(req)
+                if t is None:
+                    st = requests.get(req)
+                    if st is None:
+                        st = _Request()
+                    touched[req] = t = (st, st.length, len(st.pages))
+                st = t[0]
+                pg, off = divmod(p, P)
+                pages = st.pages
+                g = pages[pg] if pg < len(pages) else -1
+                if g < 0:
+                    g = self._take_page()
+                    if pg >= len(pages):
+                        pages.extend([-1] * (pg + 1 - len(pages)))
+                    pages[pg] = g
+                    taken.append((st, pg))
+                src.append(i)
+                dst.append(g * P + off)
+                if p >= st.length:
+                    st.length = p + 1
+        except BaseException:
+            for st, pg in taken:
+                self._free_pages.append(st.pages[pg])
+                st.pages[pg] = -1
+            for st, length, npages in touched.values():
+                st.length = length
+                del st.pages[npages:]
+            raise
+        if not src:
+            self._drain(block=False)
+            return
+        step = self._step
+        self._step += 1
+        for req, (st, _, _) in touched.items():
+            st.last_step = step
+            requests[req] = st
+
+        # staging slot: the copy issued num_buffers steps ago must have landed and been scattered
+        slot = step % self.num_buffers
+        if self._slot_busy[slot] is not None:
+            self._drain(block=True, upto=self._slot_busy[slot].step)
+        handle = self._transfer.start(slot, start, T)
+        if self.clear_after_copy:
+            self.buffer[:, start : start + T].fill_(-1)
+        item = _Pending(step, slot, T, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), handle)
+        self._pending.append(item)
+        self._slot_busy[slot] = item
+        self._drain(block=False)
+
+    # ------------------------------------------------------------------ host side
+    def _slab_bytes(self) -> int:
+        return self.slab_pages * self.page_size * self._row_bytes
+
+    def _add_slab(self) -> None:
+        if self.max_host_bytes is not None and self.host_bytes() + self._slab_bytes() > self.max_host_bytes:
+            raise CaptureMemoryError(
+                f"RoutedExpertsCapturer: recording this step needs another {self._slab_bytes()}-byte "
+                f"slab of host pages, which would take host memory to "
+                f"{self.host_bytes() + self._slab_bytes()} bytes, over max_host_bytes={self.max_host_bytes} "
+                f"(in use: {self.host_bytes()} bytes; {len(self._requests)} live requests). finish() or "
+                f"abort() requests, or raise max_host_bytes. "
+                f"Nothing of this step was recorded."
+            )
+        base = len(self._slabs) * self.slab_pages
+        # filled with -1 here and on every free, so taking a page is O(1) on the step path
+        self._slabs.append(
+            np.full((self.slab_pages * self.page_size, self.num_layers, self.top_k), -1, dtype=np.int16)
+        )
+        self._free_pages.extend(range(base + self.slab_pages - 1, base - 1, -1))  # pop() gives low first
+
+    def _take_page(self) -> int:
+        if not self._free_pages:
+            self._add_slab()
+        return self._free_pages.pop()
+
+    def _free(self, st: _Request) -> None:
+        P = self.page_size
+        for g in st.pages:
+            if g >= 0:
+                s, r = divmod(g, self.slab_pages)
+                self._slabs[s][r * P : (r + 1) * P] = -1
+                self._free_pages.append(g)
+        st.pages = []
+
+    def _scatter(self, item: _Pending) -> None:
+        view = self._transfer.view(item.slot, item.T)  # [T, L, K] host
+        rows_per_slab = self.slab_pages * self.page_size
+        slab_of = item.dst // rows_per_slab
+        local = item.dst - slab_of * rows_per_slab
+        if len(self._slabs) == 1 or (slab_of == slab_of[0]).all():
+            self._slabs[int(slab_of[0])][local] = view[item.src]
+        else:
+            for s in np.unique(slab_of):
+                m = slab_of == s
+                self._slabs[int(s)][local[m]] = view[item.src[m]]
+
+    def _drain(self, *, block: bool, upto: int | None = None) -> None:
+        """Scatter pending copies in step order: all completed ones, and (block=True) every
+        step <= ``upto`` waiting for its copy."""
+        while self._pending:
+            item = self._pending[0]
+            must = block and upto is not None and item.step <= upto
+            if not self._transfer.ready(item.handle):
+                if not must:
+                    break
+                self._transfer.wait(item.handle)
+            self._scatter(item)
+            self._pending.popleft()
+            if self._slot_busy[item.slot] is item:
+                self._slot_busy[item.slot] = None
+            self._scattered_upto = item.step
+        if self._zombies:
+            keep = []
+            for z in self._zombies:
+                if z.last_step <= self._scattered_upto:
+                    self._free(z)
+                else:
+                    keep.append(z)
+            self._zombies = keep
+
+    def poll(self) -> None:
+        """Scatter every copy that has completed (``end_step`` does this too); never blocks."""
+        self._drain(block=False)
+
+    def finish(self, request_id: Hashable, *, num_positions: int | None = None) -> RoutingTrace:
+        """Return a request's routing and free its storage.
+
+        Waits for the copies of the steps that carried the request's tokens (a host wait on those
+        copies only). Positions never recorded are -1.
+
+        Parameters
+        ----------
+        request_id : hashable
+        num_positions : int, optional
+            Length of the returned trace: truncates positions recorded beyond it (e.g. rejected
+            speculative tokens) or pads with -1. Default: 1 + the largest position recorded.
+        """
+        st = self._requests.get(request_id)
+        if st is None:
+            fail(
+                "request_id",
+                "a request that has recorded tokens and is not finished/aborted",
+                repr(request_id),
+            )
+        if num_positions is not None:
+            check_int("num_positions", num_positions, low=0)
+        self._drain(block=True, upto=st.last_step)
+        del self._requests[request_id]
+        st.alive = False
+        n = st.length if num_positions is None else num_positions
+        L, K, P = self.num_layers, self.top_k, self.page_size
+        out = np.full((n, L, K), -1, dtype=np.int16)
+        for pg, g in enumerate(st.pages):
+            lo = pg * P
+            if g < 0 or lo >= n:
+                continue
+            s, r = divmod(g, self.slab_pages)
+            hi = min(lo + P, n)
+            out[lo:hi] = self._slabs[s][r * P : r * P + (hi - lo)]
+        self._free(st)
+        return RoutingTrace(
+            out, num_experts=self.num_experts, top_k=K, layer_ids=self.layer_ids, model_id=self.model_id
+        )
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop a request (preempted, cancelled) and free its storage; unknown ids are ignored.
+
+        Never waits: pages still targeted by an in-flight copy are freed once it has landed.
+        A new request may reuse the id at once.
+        """
+        st = self._requests.pop(request_id, None)
+        if st is None:
+            return
+        st.alive = False
+        if st.last_step <= self._scattered_upto:
+            self._free(st)
+        else:
+            self._zombies.append(st)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def live_requests(self) -> list[Hashable]:
+        """Ids of requests with recorded tokens that are neither finished nor aborted."""
+        return list(self._requests)
+
+    @property
+    def pending_steps(self) -> int:
+        """Steps whose copy has not been scattered yet."""
+        return len(self._pending)
+
+    def host_bytes(self) -> int:
+        """Host memory held: page slabs (used or free) plus staging buffers (pinned on CUDA)."""
+        return len(self._slabs) * self._slab_bytes() + self._transfer.nbytes()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Breakdown: ``staging_bytes``, ``pool_bytes``, ``used_page_bytes``, ``live_requests``."""
+        used = len(self._slabs) * self.slab_pages - len(self._free_pages)
+        return {
+            "staging_bytes": self._transfer.nbytes(),
+            "pool_bytes": len(self._slabs) * self._slab_bytes(),
+            "used_page_bytes": used * self.page_size * self._row_bytes,
+            "live_requests": len(self._requests),
+        }

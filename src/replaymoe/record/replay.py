@@ -1,0 +1,505 @@
+"""Feed recorded routing back into a forward pass.
+
+:class:`ReplaySource` turns one :class:`~replaymoe.record.trace.RoutingTrace` per sequence of a batch
+into the per-layer ``replay_ids`` that :func:`replaymoe.route` / :func:`replaymoe.fused_moe`
+take. Rows it cannot fill (padding, a position the trace does not cover, a row recorded as
+missing) come back as all -1, which the routing kernels treat as "route this token natively";
+the source counts those per layer so a trainer can tell how much of a batch was really replayed::
+
+    src = ReplaySource([trace_a, trace_b])            # one trace per sequence
+    src.check_model(num_layers=48, top_k=8, num_experts=128)
+    for layer in range(48):
+        ids = src.ids_for(layer, positions)           # int32 [B*S, K] on positions.device
+        out = route(logits[layer], 8, replay_ids=ids)
+    print(src.report())
+
+``ids_for`` is a pure device gather (no host synchronisation, fixed shapes), so it can run
+inside a CUDA graph once :meth:`ReplaySource.prepare` has put the tables on the device.
+
+:class:`ReplayTable` is the one device table behind every replay: ``ReplaySource`` looks its rows up by
+batch row and position, and the transformers integration (:mod:`replaymoe.hf`) by batch row or by
+content (each token's prefix hash: :func:`prefix_hashes`), all layers with one gather per forward.
+
+Size: over 450 lines; the replay table, its content hashes and the source that feeds it per layer
+are one contract (the rows a source fills are the rows the table serves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import triton
+
+from .._validation import check_int, check_tensor, fail
+from .trace import RoutingTrace
+
+__all__ = ["ReplaySource", "ReplayReport", "ReplayTable", "prefix_hashes", "prefix_hashes_np"]
+
+
+# Prefix hashes (content-addressed replay): two polynomial hashes modulo primes below 2^31, of the
+# tokens at positions 0..p, combined into 62 bits. Every step stays below 2^63 in int64 (a product
+# of two values below 2^31; a cumulative sum of fewer than 2^32 terms below 2^31), so the device
+# (torch) and the host (numpy) compute the same integers exactly.
+_PRIMES = (2147483647, 2147483629)
+_BASES = (1000003, 917513)
+
+
+def _powers(n: int) -> np.ndarray:
+    """int64 [2, n]: ``base^i mod prime`` for each hash, i < n."""
+    out = np.ones((2, max(n, 1)), dtype=np.int64)
+    for h, (p, a) in enumerate(zip(_PRIMES, _BASES)):
+        k, step = 1, a % p
+        while k < n:  # out[k:2k] = out[:k] * a^k
+            m = min(k, n - k)
+            out[h, k : k + m] = out[h, :m] * step % p
+            step = step * step % p
+            k += m
+    return out
+
+
+def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
+    """int64 [N]: hash of ``tokens[:p + 1]`` for each p (``tokens`` int [N] at positions 0..N-1);
+    -1 from the first unknown (-1) token on. Equal to :func:`prefix_hashes` on the same tokens."""
+    tok = np.asarray(tokens, dtype=np.int64)
+    n = tok.shape[0]
+    pw = _powers(n)[:, :n]
+    parts = [np.cumsum((tok + 1) % p * pw[h] % p) % p for h, p in enumerate(_PRIMES)]
+    out = parts[0] * (1 << 31) + parts[1]
+    unknown = np.cumsum(tok < 0) > 0
+    return np.where(unknown, -1, out)
+
+
+def _trace_hashes(trace: RoutingTrace) -> np.ndarray:
+    """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept on the trace)."""
+    cached = getattr(trace, "_replaymoe_prefix_hashes", None)
+    if cached is not None and cached[0] is trace.token_ids:
+        return cached[1]
+    hashes = prefix_hashes_np(trace.token_ids)
+    trace._replaymoe_prefix_hashes = (trace.token_ids, hashes)
+    return hashes
+
+
+def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
+    """Copy ``host`` into ``dst`` (same shape); to a GPU through pinned memory, without waiting (the
+    caching host allocator keeps the pinned block until the copy is done)."""
+    src = torch.from_numpy(np.ascontiguousarray(host))
+    if dst.is_cuda:
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=dst.is_cuda)
+
+
+def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S]: per token, the hash of its sequence's tokens at positions 0..p (the prefix the
+    model saw when it routed it); -1 for padding (``positions < 0``) and positions past
+    ``powers``' length. ``tokens``, ``positions``: int64 [B, S] with each row's positions increasing
+    (left or right padding); ``powers``: int64 [2, P] from :func:`_powers`. Device ops only."""
+    P = powers.shape[1]
+    valid = (positions >= 0) & (positions < P)
+    pos = positions.clamp(0, P - 1)
+    parts = []
+    for h, p in enumerate(_PRIMES):
+        term = torch.where(valid, (tokens + 1) % p * powers[h][pos] % p, 0)
+        parts.append(torch.cumsum(term, dim=1) % p)
+    return torch.where(valid, parts[0] * (1 << 31) + parts[1], -1)
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Mark a long-lived buffer as a static input of compiled graphs (no copy into CUDA graphs)."""
+    torch._dynamo.mark_static_address(t)
+    return t
+
+
+@dataclass
+class ReplayReport:
+    """How much of the replayed batches fell back to native routing.
+
+    Attributes
+    ----------
+    tokens_seen : int
+        Non-padding tokens looked up per layer (the maximum over layers, i.e. the tokens of all
+        ``ids_for`` calls of one layer since the last reset).
+    fallback_tokens_per_layer : np.ndarray int64 [L]
+        Per MoE layer, non-padding tokens that got a -1 row (not recorded, or beyond the trace).
+    layers_with_fallback : int
+        Number of layers with at least one fallback token.
+    tokens_seen_per_layer : np.ndarray int64 [L]
+        Non-padding tokens looked up per layer.
+    """
+
+    tokens_seen: int
+    fallback_tokens_per_layer: np.ndarray
+    layers_with_fallback: int
+    tokens_seen_per_layer: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def from_counts(cls, seen: np.ndarray, fallback: np.ndarray) -> ReplayReport:
+        """The report of per-layer counts: tokens looked up and tokens that fell back (int64 [L])."""
+        return cls(
+            tokens_seen=int(seen.max()) if seen.size else 0,
+            fallback_tokens_per_layer=fallback,
+            layers_with_fallback=int((fallback > 0).sum()),
+            tokens_seen_per_layer=seen,
+        )
+
+    @property
+    def fallback_fraction(self) -> float:
+        """Fallback tokens over tokens looked up, all layers together (0.0 when nothing was seen)."""
+        seen = int(self.tokens_seen_per_layer.sum())
+        return float(self.fallback_tokens_per_layer.sum()) / seen if seen else 0.0
+
+    def __str__(self) -> str:
+        L = len(self.fallback_tokens_per_layer)
+        fallback = int(self.fallback_tokens_per_layer.sum())
+        lines = [
+            f"replay: {self.tokens_seen} tokens looked up per MoE layer, {L} layers; {fallback} "
+            f"token-layer lookups routed natively (no recorded row: "
+            f"{100 * self.fallback_fraction:.2f}%), in {self.layers_with_fallback} of the {L} layers"
+        ]
+        worst = np.argsort(-self.fallback_tokens_per_layer, kind="stable")[: min(5, L)]
+        worst = [int(i) for i in worst if self.fallback_tokens_per_layer[i] > 0]
+        if worst:
+            lines.append(
+                "  tokens routed natively, by MoE-layer index: "
+                + ", ".join(f"{i}: {int(self.fallback_tokens_per_layer[i])}" for i in worst)
+            )
+        return "\n".join(lines)
+
+
+class ReplaySource:
+    """Per-layer ``replay_ids`` for a batch of sequences from recorded traces.
+
+    Parameters
+    ----------
+    traces : RoutingTrace or sequence of RoutingTrace
+        One trace per sequence of the batch (row b of ``positions`` reads ``traces[b]``). All must
+        have the same number of layers, top_k, layer_ids and (when known) num_experts. A trace's
+        ``token_offset`` is honoured: position p reads ``ids[p - token_offset]``.
+    """
+
+    def __init__(self, traces: RoutingTrace | Sequence[RoutingTrace]):
+        self._single = isinstance(traces, RoutingTrace)
+        tr = [traces] if self._single else list(traces)
+        if not tr:
+            fail("traces", "at least one RoutingTrace", "an empty sequence")
+        for i, t in enumerate(tr):
+            if not isinstance(t, RoutingTrace):
+                fail(f"traces[{i}]", "a RoutingTrace", type(t).__name__, what="type")
+        first = tr[0]
+        for i, t in enumerate(tr[1:], 1):
+            if (t.num_layers, t.top_k, t.model_layer_ids()) != (
+                first.num_layers,
+                first.top_k,
+                first.model_layer_ids(),
+            ):
+                fail(
+                    f"traces[{i}]",
+                    f"layers={first.num_layers}, top_k={first.top_k}, layer_ids as traces[0]",
+                    f"layers={t.num_layers}, top_k={t.top_k}, layer_ids={t.layer_ids}",
+                )
+        known = {t.num_experts for t in tr if t.num_experts is not None}
+        if len(known) > 1:
+            fail("traces", "one num_experts across traces", sorted(known))
+        self.traces: list[RoutingTrace] = tr
+        self.num_layers = first.num_layers
+        self.top_k = first.top_k
+        self.num_experts: int | None = known.pop() if known else None
+        self._layer_of = {m: i for i, m in enumerate(first.model_layer_ids())}
+        self._tables: dict[torch.device, ReplayTable] = {}  # the device tables, made by prepare()
+
+    @property
+    def batch_size(self) -> int:
+        """Number of sequences (traces)."""
+        return len(self.traces)
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, num_layers: int, top_k: int, num_experts: int) -> None:
+        """Raise ValueError naming the mismatch unless the traces fit a model of this shape.
+
+        ``num_layers`` counts the model's MoE layers (the trace's L). When the traces do not know
+        E (e.g. from a vLLM payload), every recorded id must lie below ``num_experts``.
+        """
+        check_int("num_layers", num_layers, low=1)
+        check_int("top_k", top_k, low=1)
+        check_int("num_experts", num_experts, low=1)
+        if num_layers != self.num_layers:
+            fail(
+                "num_layers",
+                f"the trace's {self.num_layers} MoE layers (layer_ids {list(self._layer_of)})",
+                f"a model with {num_layers} MoE layers",
+            )
+        if top_k != self.top_k:
+            fail("top_k", f"the trace's top_k {self.top_k}", f"a model with top_k {top_k}")
+        if self.num_experts is not None:
+            if num_experts != self.num_experts:
+                fail("num_experts", f"the trace's {self.num_experts} experts", f"a model with {num_experts}")
+        else:
+            top = max((int(t.ids.max()) for t in self.traces if t.ids.size), default=-1)
+            if top >= num_experts:
+                fail("num_experts", f"more than the trace's largest expert id {top}", num_experts)
+
+    def layer_for_model_layer(self, model_layer_number: int) -> int:
+        """MoE-layer index (trace order) of a model layer number, through the traces' ``layer_ids``."""
+        check_int("model_layer_number", model_layer_number, low=0)
+        if model_layer_number not in self._layer_of:
+            fail(
+                "model_layer_number",
+                f"one of the traced MoE layers {sorted(self._layer_of)}",
+                model_layer_number,
+            )
+        return self._layer_of[model_layer_number]
+
+    # ------------------------------------------------------------------ lookup
+    def prepare(self, device: torch.device | str) -> torch.device:
+        """Copy the id tables to ``device`` (done lazily by :meth:`ids_for`; call it before capturing
+        a CUDA graph, since a host-to-device copy cannot be captured)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._tables:
+            table = ReplayTable()
+            table.load(self.traces, list(range(self.num_layers)), device, match_content=False)
+            self._tables[device] = table
+        return device
+
+    def ids_for(
+        self, layer: int, positions: torch.Tensor, *, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Recorded expert ids of MoE layer ``layer`` for each token of a batch.
+
+        Parameters
+        ----------
+        layer : int
+            MoE-layer index in trace order, 0 .. L-1 (see :meth:`layer_for_model_layer`).
+        positions : torch.Tensor int64 (or int32) [B, S], or [S] when the source has one trace
+            Each token's position in its sequence; -1 (any negative) = padding.
+        device : optional
+            Where to return the ids (default: ``positions.device``).
+
+        Returns
+        -------
+        torch.Tensor int32 [positions.numel(), K]
+            Row-major over ``positions``; all -1 for padding, for positions outside the trace and
+            for rows recorded as missing (native-routing fallback per token).
+        """
+        check_int("layer", layer, low=0, high=self.num_layers - 1)
+        check_tensor("positions", positions, dtype=(torch.int64, torch.int32))
+        B = self.batch_size
+        if positions.dim() == 1 and B == 1:
+            pos2 = positions.reshape(1, -1)
+        elif positions.dim() == 2 and positions.shape[0] == B:
+            pos2 = positions
+        else:
+            want = f"[{B}, S]" + (" or [S]" if B == 1 else "")
+            fail("positions", f"{want} (one row per trace)", tuple(positions.shape), what="shape")
+        dev = self.prepare(device if device is not None else positions.device)
+        return self._tables[dev].gather_layer(layer, pos2.to(dev, torch.int64))
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> ReplayReport:
+        """Counts since construction or the last :meth:`reset_report` (one host sync)."""
+        seen = np.zeros(self.num_layers, dtype=np.int64)
+        fb = np.zeros(self.num_layers, dtype=np.int64)
+        for table in self._tables.values():
+            seen += table.seen.cpu().numpy()
+            fb += table.fallback.cpu().numpy()
+        return ReplayReport.from_counts(seen, fb)
+
+    def reset_report(self) -> None:
+        """Zero the counters of :meth:`report`."""
+        for table in self._tables.values():
+            table.reset_report()
+
+
+class ReplayTable:
+    """Recorded ids of a batch of sequences as one device table, gathered once per forward.
+
+    Attributes
+    ----------
+    table : torch.Tensor int32 [L, R_cap, K]
+        Model MoE layer ``l``'s ids: the traces' positions back to back (sequence ``b``'s
+        position ``p`` at row ``bases[b] + p - offsets[b]``), then all -1 rows; ``R_cap`` is a
+        power of two, so that new traces of a similar size reuse the buffer (same shapes, same
+        address: no recompile, no CUDA-graph re-record).
+    offsets, lengths, bases : torch.Tensor int64 [B]
+        Per trace: ``token_offset``, number of positions and first table row (``ends`` and
+        ``shift`` are ``offsets + lengths`` and ``bases - offsets``).
+    seen, fallback : torch.Tensor int64 [L]
+        Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
+    by_content : bool
+        Every trace carries its tokens and starts at position 0: forwards are matched to traces
+        by content (:meth:`gather_by_content`), whatever their rows' order, subset or padding.
+    hashes, hash_rows : torch.Tensor int64 [H_cap]
+        (content mode) Every recorded position's prefix hash, sorted (then a sentinel above any
+        hash), and the table row each one names.
+    powers : torch.Tensor int64 [2, P_cap]
+        (content mode) The hash's powers, for positions below the longest trace.
+    """
+
+    def __init__(self) -> None:
+        self.table = torch.empty(0)
+        self.by_content = False
+        self.source: tuple | None = None  # (traces, layer_of): what load() was given, to reload elsewhere
+        self.hashes = self.hash_rows = self.powers = torch.empty(0)
+        self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
+        self.seen = self.fallback = torch.empty(0)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.offsets.shape[0])
+
+    def load(
+        self,
+        traces: Sequence[RoutingTrace],
+        layer_of: Sequence[int],
+        device: torch.device,
+        *,
+        match_content: bool = True,
+    ) -> None:
+        """Fill the table from ``traces`` (one per batch row); ``layer_of[l]`` is the trace layer
+        that model MoE layer ``l`` replays. ``match_content=False`` skips the content hashes (a
+        caller that looks rows up by batch row only, like :class:`ReplaySource`). The rows are not
+        checked again: a ``RoutingTrace`` checked its rows (all -1 or K distinct ids) when it was
+        made, and ``ReplaySource.check_model`` the expert range. The host-to-device copies go
+        through pinned memory, asynchronously, so a load between training steps does not wait for
+        the queued step."""
+        self.source = (list(traces), list(layer_of))
+        L, K = len(layer_of), traces[0].top_k
+        lengths = [t.num_tokens for t in traces]
+        total = sum(lengths)
+        rows = max(triton.next_power_of_2(total + 1), 64)
+        host = np.full((L, rows, K), -1, dtype=np.int32)
+        base = 0
+        for t in traces:
+            host[:, base : base + t.num_tokens] = t.ids[:, list(layer_of)].transpose(1, 0, 2)
+            base += t.num_tokens
+        shape = (L, rows, K)
+        if tuple(self.table.shape) != shape or self.table.device != device:
+            self.table = _static(torch.empty(shape, dtype=torch.int32, device=device))
+        _upload(self.table, host)
+        bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        offsets = np.array([t.token_offset for t in traces], dtype=np.int64)
+        lengths = np.array(lengths, dtype=np.int64)
+        # offsets, lengths, bases; ends = offsets + lengths; shift = bases - offsets
+        meta = torch.from_numpy(np.stack([offsets, lengths, bases, offsets + lengths, bases - offsets]))
+        if tuple(self.offsets.shape) != (len(traces),) or self.offsets.device != device:
+            self.offsets, self.lengths, self.bases, self.ends, self.shift = (
+                _static(torch.empty(len(traces), dtype=torch.int64, device=device)) for _ in range(5)
+            )
+        for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta.numpy()):
+            _upload(dst, src)
+        self.by_content = match_content and all(
+            t.token_ids is not None and t.token_offset == 0 for t in traces
+        )
+        if self.by_content:
+            self._load_hashes(traces, bases, device)
+        if tuple(self.seen.shape) != (L,) or self.seen.device != device:
+            self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
+            self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
+        self.reset_report()
+
+    def holds(self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], device: torch.device) -> bool:
+        """Whether :meth:`load` of these very trace objects (same order, same layer mapping) on
+        ``device`` is what the table holds now (traces are not to be modified once replayed)."""
+        if self.source is None or self.table.device != device:
+            return False
+        held, mapping = self.source
+        return (
+            mapping == list(layer_of)
+            and len(held) == len(traces)
+            and all(a is b for a, b in zip(held, traces))
+        )
+
+    def _load_hashes(self, traces: Sequence[RoutingTrace], bases: np.ndarray, device: torch.device) -> None:
+        """Sorted prefix hashes of every recorded position (one host pass), for content matching. Of
+        equal hashes (the same prefix in several traces: a group's shared prompt) the earliest
+        trace's row comes first, and is the one replayed."""
+        hashes = np.concatenate([_trace_hashes(t) for t in traces]) if traces else np.zeros(0)
+        rows = (
+            np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
+        )
+        keep = hashes >= 0
+        hashes, rows = hashes[keep], rows[keep].astype(np.int64)
+        order = np.lexsort((rows, hashes))
+        cap = max(64, triton.next_power_of_2(len(hashes) + 1))
+        sorted_h = np.full(cap, np.iinfo(np.int64).max, dtype=np.int64)  # sentinel: above any hash
+        sorted_r = np.full(cap, self.table.shape[1] - 1, dtype=np.int64)  # (the all -1 last row)
+        sorted_h[: len(hashes)], sorted_r[: len(hashes)] = hashes[order], rows[order]
+        if tuple(self.hashes.shape) != (cap,) or self.hashes.device != device:
+            self.hashes = _static(torch.empty(cap, dtype=torch.int64, device=device))
+            self.hash_rows = _static(torch.empty(cap, dtype=torch.int64, device=device))
+        _upload(self.hashes, sorted_h)
+        _upload(self.hash_rows, sorted_r)
+        longest = max((t.num_tokens for t in traces), default=0)
+        pcap = max(64, triton.next_power_of_2(longest + 1))
+        if self.powers.shape[-1] != pcap or self.powers.device != device:
+            self.powers = _static(torch.from_numpy(_powers(pcap)).to(device))
+
+    def gather_by_content(
+        self, tokens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Forced ids ``int32 [L, B*S, K]`` for the tokens ``int64 [B, S]`` at ``positions`` (``int64
+        [B, S]``, -1 = padding), matched by content: a token gets the row some trace recorded for
+        the same token prefix (the prefix decides a causal model's routing), wherever its row sits
+        in this forward; a prefix no trace recorded gets a -1 row (routed natively). Device ops
+        only (a sort-free binary search in :attr:`hashes`). Counts both per layer, like
+        :meth:`gather`. Needs whole sequences (no KV cache): a row's prefix starts at position 0."""
+        key = prefix_hashes(tokens, positions, self.powers).reshape(-1)
+        idx = torch.searchsorted(self.hashes, key).clamp_(max=self.hashes.shape[0] - 1)
+        hit = self.hashes[idx] == key
+        row = torch.where(hit, self.hash_rows[idx], self.table.shape[1] - 1)
+        return self._take(row, positions, out)
+
+    def gather(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a
+        token with no recorded row gets a row of -1 (routed natively). Counts both per layer.
+        ``out``: a contiguous ``int32 [L, B*S, K]`` to write them to (returned)."""
+        return self._take(self._rows(positions), positions, out)
+
+    def gather_layer(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`gather` for one MoE layer: ``int32 [B*S, K]`` (counted for that layer alone)."""
+        return self._take(self._rows(positions), positions, None, layer=layer)
+
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Table row of every token, by batch row: ``int64 [B*S]`` (the all -1 last row where the
+        row's trace does not cover the position, and for padding)."""
+        # offsets >= 0, so a covered position is never padding
+        inside = (positions >= self.offsets[:, None]) & (positions < self.ends[:, None])
+        return torch.where(inside, positions + self.shift[:, None], self.table.shape[1] - 1).reshape(-1)
+
+    def _take(
+        self,
+        row: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor | None,
+        *,
+        layer: int | None = None,
+    ) -> torch.Tensor:
+        """The table's rows ``row`` (``int64 [B*S]``) of every layer (or of ``layer``), and the counts:
+        tokens looked up, and tokens that got a -1 row (every padding token reads one too: they are
+        taken out)."""
+        real = (positions >= 0).sum()
+        padding = positions.numel() - real
+        if layer is not None:
+            ids = self.table[layer].index_select(0, row)
+            self.seen[layer] += real
+            self.fallback[layer] += (ids[:, 0] < 0).sum() - padding
+            return ids
+        forced = (
+            self.table.index_select(1, row)
+            if out is None
+            else torch.index_select(self.table, 1, row, out=out)
+        )
+        self.seen.add_(real)
+        self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - padding)
+        return forced
+
+    def report(self) -> ReplayReport:
+        """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""
+        return ReplayReport.from_counts(self.seen.cpu().numpy(), self.fallback.cpu().numpy())
+
+    def reset_report(self) -> None:
+        self.seen.zero_()
+        self.fallback.zero_()

@@ -1,0 +1,474 @@
+"""The routing-trace data model: :class:`RoutingTrace`, its validation, and joining traces.
+
+This module's one job is the in-memory trace. A trace holds, for one sequence, the expert ids every
+MoE layer chose for every token::
+
+    ids : int16 [N, L, K]     N tokens (positions token_offset .. token_offset+N-1),
+                              L MoE layers (trace order), K = top_k columns in the
+                              router's selection order; -1 = no routing recorded
+                              (a whole [K] row is either -1 or K distinct ids in [0, E)).
+
+Its file-format methods (``save``, ``load``) delegate to :mod:`replaymoe.record.trace.file` and its
+wire-format methods (``to_vllm``, ``from_vllm``, ``to_sglang``, ``from_sglang``) to
+:mod:`replaymoe.record.trace.wire`; neither of those imports this module.
+
+Size: over 450 lines; :class:`RoutingTrace`'s validation, its optional ``token_ids`` and the joining
+of traces (``concat``, ``merge``) are one data model, and its docstrings carry the format's contract.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..._validation import check_choice, check_int, fail
+from . import file as _file
+from . import wire as _wire
+
+__all__ = ["RoutingTrace"]
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _as_int_array(name: str, ids: Any) -> np.ndarray:
+    """Return ``ids`` as a numpy integer array (torch tensors and nested lists accepted)."""
+    try:
+        import torch
+
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    arr = np.asarray(ids)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        if arr.size == 0 and arr.dtype == np.float64:  # an empty list
+            arr = arr.astype(np.int64)
+        else:
+            fail(name, "an integer array", f"dtype {arr.dtype}", what="dtype")
+    return arr
+
+
+def _check_ids(ids: np.ndarray, num_experts: int | None, name: str = "ids") -> np.ndarray:
+    """Validate an integer [N, L, K] array of expert ids and return it as C-contiguous int16."""
+    if ids.ndim != 3:
+        fail(name, "a 3-D array [tokens, layers, top_k]", f"shape {ids.shape}", what="shape")
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        top = (num_experts - 1) if num_experts is not None else np.iinfo(np.int16).max
+        if lo < -1 or hi > top:
+            bad = np.argwhere((ids < -1) | (ids > top))[0]
+            fail(
+                name,
+                f"expert ids in [0, {top}] or -1 (missing)",
+                f"{int(ids[tuple(bad)])} at [token, layer, k] = {bad.tolist()}",
+            )
+    out = np.ascontiguousarray(ids, dtype=np.int16)
+    if out.size:
+        missing = out < 0
+        mixed = missing.any(-1) & ~missing.all(-1)
+        if mixed.any():
+            t, layer = np.argwhere(mixed)[0].tolist()
+            fail(
+                name,
+                "each [top_k] row all -1 (missing) or all valid ids",
+                f"row {out[t, layer].tolist()} at token {t}, layer {layer}",
+            )
+        K = out.shape[2]
+        if K > 1:
+            if K <= 16:  # pairwise compares are much faster than a sort per row for small K
+                dup = np.zeros(out.shape[:2], dtype=bool)
+                for a in range(K - 1):
+                    col = out[..., a]
+                    for b in range(a + 1, K):
+                        dup |= col == out[..., b]
+                dup &= ~missing[..., 0]
+            else:
+                srt = np.sort(out, axis=-1)
+                dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)
+            if dup.any():
+                t, layer = np.argwhere(dup)[0].tolist()
+                fail(
+                    name,
+                    "distinct expert ids in a row",
+                    f"row {out[t, layer].tolist()} at token {t}, layer {layer}",
+                )
+    return out
+
+
+def _check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
+    if layer_ids is None:
+        return None
+    try:
+        vals = tuple(int(v) for v in layer_ids)
+    except (TypeError, ValueError):
+        fail("layer_ids", "a sequence of ints", repr(layer_ids))
+    if len(vals) != num_layers:
+        fail("layer_ids", f"{num_layers} entries (one per MoE layer of ids)", f"{len(vals)} entries")
+    if any(v < 0 for v in vals) or len(set(vals)) != len(vals):
+        fail("layer_ids", "distinct non-negative model layer numbers", list(vals))
+    return vals
+
+
+# --------------------------------------------------------------------------------------------
+# the trace
+# --------------------------------------------------------------------------------------------
+
+
+class RoutingTrace:
+    """Expert ids recorded for one sequence.
+
+    Parameters
+    ----------
+    ids : array-like of int, shape [N, L, K]
+        Expert ids per token (position ``token_offset + n``), MoE layer and top-k column; -1 = missing
+        (e.g. positions served from a prefix cache). Any integer dtype, numpy array or torch tensor;
+        stored as C-contiguous int16. A [K] row is either all -1 or K distinct ids in [0, num_experts).
+    num_experts : int or None
+        Number of routed experts E of the model; ``None`` when unknown (e.g. a vLLM payload without
+        model information), in which case consumers that need E infer ``max(id) + 1`` or take it as
+        an argument.
+    top_k : int
+        K; must equal ``ids.shape[2]``.
+    layer_ids : sequence of int, optional
+        MoE-layer index -> model layer number (length L, distinct). ``None`` = identity. Needed
+        because dense layers (e.g. DeepSeek-V3's first three) shift MoE indices.
+    model_id : str, optional
+        Free-form model identifier (e.g. the HF repo id or vLLM's ``model`` field).
+    token_offset : int
+        Position in the sequence of ``ids[0]`` (non-zero for a multi-turn continuation or a vLLM
+        request with ``routed_experts_prompt_start``).
+    token_ids : array-like of int, shape [N], optional
+        The token fed at each covered position (``token_offset + n``); -1 where unknown. Capture
+        records them (:func:`replaymoe.hf.enable`), and replay then matches a forward's tokens to
+        traces by content (the token prefix up to each position) instead of by batch row, so a
+        forward over any subset, permutation or chunk of the rollout's rows replays correctly.
+
+    Attributes
+    ----------
+    ids : np.ndarray int16 [N, L, K]
+    num_experts, top_k, layer_ids (tuple or None), model_id, token_offset
+    token_ids : np.ndarray int64 [N] or None
+    format_version : int
+        :data:`FORMAT_VERSION` of the file format this class writes.
+    """
+
+    format_version = _file.FORMAT_VERSION
+
+    def __init__(
+        self,
+        ids: Any,
+        *,
+        num_experts: int | None,
+        top_k: int,
+        layer_ids: Sequence[int] | None = None,
+        model_id: str | None = None,
+        token_offset: int = 0,
+        token_ids: Any = None,
+    ):
+        if num_experts is not None:
+            check_int("num_experts", num_experts, low=1, high=np.iinfo(np.int16).max + 1)
+        check_int("top_k", top_k, low=1, high=num_experts)
+        check_int("token_offset", token_offset, low=0)
+        if model_id is not None and not isinstance(model_id, str):
+            fail("model_id", "a str or None", type(model_id).__name__, what="type")
+        arr = _as_int_array("ids", ids)
+        if arr.ndim == 3 and arr.shape[2] != top_k:
+            fail("ids", f"shape[2] == top_k == {top_k}", f"shape {arr.shape}", what="shape")
+        self.ids: np.ndarray = _check_ids(arr, num_experts)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.layer_ids = _check_layer_ids(layer_ids, self.ids.shape[1])
+        self.model_id = model_id
+        self.token_offset = token_offset
+        self.token_ids: np.ndarray | None = None
+        if token_ids is not None:
+            tok = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
+            if tok.shape != (self.ids.shape[0],):
+                fail(
+                    "token_ids",
+                    f"shape ({self.ids.shape[0]},) (one per position)",
+                    f"shape {tok.shape}",
+                    what="shape",
+                )
+            if tok.size and int(tok.min()) < -1:
+                fail("token_ids", "token ids >= 0 (-1 = unknown)", int(tok.min()))
+            self.token_ids = tok
+
+    # ---------------------------------------------------------------- basic properties
+    @property
+    def num_tokens(self) -> int:
+        """N, the number of positions the trace covers."""
+        return int(self.ids.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        """L, the number of MoE layers."""
+        return int(self.ids.shape[1])
+
+    @property
+    def end(self) -> int:
+        """One past the last position covered: ``token_offset + num_tokens``."""
+        return self.token_offset + self.num_tokens
+
+    def missing_mask(self) -> np.ndarray:
+        """bool [N, L]: True where the (token, layer) row is missing (-1)."""
+        return self.ids[..., 0] < 0
+
+    def missing_fraction(self) -> float:
+        """Fraction of (token, layer) rows that are missing; 0.0 for an empty trace."""
+        m = self.missing_mask()
+        return float(m.mean()) if m.size else 0.0
+
+    def model_layer_ids(self) -> tuple[int, ...]:
+        """Model layer number of each MoE layer (``layer_ids`` or the identity)."""
+        return self.layer_ids if self.layer_ids is not None else tuple(range(self.num_layers))
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "layer_ids": list(self.layer_ids) if self.layer_ids is not None else None,
+            "model_id": self.model_id,
+            "token_offset": self.token_offset,
+            "token_ids": None if self.token_ids is None else self.token_ids.tolist(),
+        }
+
+    def replace(self, **changes: Any) -> RoutingTrace:
+        """A copy with some constructor arguments changed (``ids`` included)."""
+        kw = {"ids": self.ids.copy(), **self._meta()}
+        kw.update(changes)
+        ids = kw.pop("ids")
+        tok = kw["token_ids"]
+        n = len(ids)
+        if "token_ids" not in changes and tok is not None and len(tok) != n:  # ids cut or extended:
+            kw["token_ids"] = (list(tok) + [-1] * n)[:n]  # the tokens follow (unknown past the old end)
+        return RoutingTrace(ids, **kw)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoutingTrace):
+            return NotImplemented
+        return self._meta() == other._meta() and np.array_equal(self.ids, other.ids)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"RoutingTrace(tokens={self.num_tokens}, layers={self.num_layers}, top_k={self.top_k}, "
+            f"num_experts={self.num_experts}, token_offset={self.token_offset}, model_id={self.model_id!r}, "
+            f"missing={self.missing_fraction():.3f})"
+        )
+
+    # ---------------------------------------------------------------- file format
+    def save(self, path: str | os.PathLike, *, compress: bool = True) -> None:
+        """Write the trace to ``path`` atomically (the format: :mod:`replaymoe.record.trace.file`).
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Target file; written exactly there (no suffix is added). Its directory must exist.
+        compress : bool
+            Deflate the archive members (ids of < 256 experts typically shrink 2-3x).
+        """
+        _file.write_trace(path, self.ids, self._meta(), compress=compress)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RoutingTrace:
+        """Read a trace written by :meth:`save`.
+
+        Raises
+        ------
+        FileNotFoundError
+            ``path`` does not exist.
+        TraceFormatError
+            The file is truncated, corrupted (checksum or archive CRC), not a replaymoe trace, or of a
+            newer format version. The message names the file.
+        """
+        return _file.read_trace(path, cls)
+
+    # ---------------------------------------------------------------- vLLM
+    def to_vllm(self, dtype: str = "int32") -> str:
+        """Encode as vLLM does: base64 of an ``.npy`` file of shape (tokens, layers, top_k).
+
+        ``numpy.load(io.BytesIO(base64.b64decode(s)))`` reads it back. Unsigned dtypes (vLLM's compact
+        uint8 for <= 256 experts, uint16) cannot hold -1: a trace with missing rows or ids too large for
+        the dtype raises ``ValueError``.
+        """
+        return _wire.encode_vllm(self.ids, dtype)
+
+    @classmethod
+    def from_vllm(
+        cls,
+        obj: Any,
+        *,
+        num_experts: int | None = None,
+        choice: int = 0,
+        prompt_start: int | None = None,
+        layer_ids: Sequence[int] | None = None,
+        model_id: str | None = None,
+    ) -> RoutingTrace:
+        """Decode vLLM's ``routed_experts``.
+
+        Parameters
+        ----------
+        obj : str, bytes, dict, np.ndarray or nested list
+            * the base64 string of an ``.npy`` (what vLLM puts in ``routed_experts``), or the raw
+              ``.npy`` bytes, or an already-decoded array [tokens, layers, top_k] (offline API);
+            * a choice dict holding ``routed_experts`` (or ``completion_routed_experts``);
+            * a whole response (dict, or its JSON text): ``choices[choice]`` is used, and when the
+              response carries ``prompt_routed_experts`` (the split form) the trace is the prompt
+              rows followed by the choice's completion rows.
+        num_experts : int, optional
+            The model's E (vLLM does not send it). ``None`` leaves it unknown.
+        choice : int
+            Which choice of a whole response.
+        prompt_start : int, optional
+            ``routed_experts_prompt_start`` of the request: the first position the payload covers
+            (becomes ``token_offset``). Defaults to the value found in the response/choice, else 0.
+        layer_ids, model_id
+            Stored on the trace (``model_id`` defaults to the response's ``model`` field).
+
+        Notes
+        -----
+        A request of ``num_tokens`` tokens (prompt + completion) yields ``num_tokens - 1`` rows: the
+        last sampled token was never fed through the model. Rows of -1 (vLLM's prefix-cache sentinel)
+        are kept as missing.
+        """
+        return _wire.decode_vllm(
+            cls,
+            obj,
+            num_experts=num_experts,
+            choice=choice,
+            prompt_start=prompt_start,
+            layer_ids=layer_ids,
+            model_id=model_id,
+        )
+
+    # ---------------------------------------------------------------- SGLang
+    @classmethod
+    def from_sglang(
+        cls,
+        b64: str | bytes | Mapping[str, Any],
+        num_layers: int,
+        top_k: int,
+        *,
+        dtype: str = "int32",
+        num_experts: int | None = None,
+        start: int = 0,
+        layer_ids: Sequence[int] | None = None,
+        model_id: str | None = None,
+    ) -> RoutingTrace:
+        """Decode SGLang's flat ``meta_info.routed_experts``.
+
+        Parameters
+        ----------
+        b64 : str, bytes or dict
+            Base64 of the flat array, or the ``meta_info`` dict (then ``routed_experts`` is read from
+            it, and ``routed_experts_dtype`` overrides ``dtype`` when present).
+        num_layers, top_k : int
+            The logical shape [tokens, num_layers, top_k] (SGLang does not send it). When SGLang fuses
+            shared experts into the capture, top_k counts them too.
+        dtype : {"int32", "uint8", "uint16", "int16"}
+            Element type (SGLang's default int32; ``SGLANG_ROUTED_EXPERTS_DTYPE`` = uint8/uint16).
+        start : int
+            ``routed_experts_start_len``: the first position covered (becomes ``token_offset``).
+        """
+        return _wire.decode_sglang(
+            cls,
+            b64,
+            num_layers,
+            top_k,
+            dtype=dtype,
+            num_experts=num_experts,
+            start=start,
+            layer_ids=layer_ids,
+            model_id=model_id,
+        )
+
+    def to_sglang(self, dtype: str = "int32") -> str:
+        """Encode as SGLang does: base64 of the flat little-endian array (inverse of :meth:`from_sglang`)."""
+        return _wire.encode_sglang(self.ids, dtype)
+
+    # ---------------------------------------------------------------- combining
+    @classmethod
+    def concat(cls, traces: Sequence[RoutingTrace]) -> RoutingTrace:
+        """Join traces of consecutive position ranges (e.g. prompt then completion).
+
+        Each trace must start where the previous one ends (``t[i+1].token_offset == t[i].end``); the
+        result starts at ``traces[0].token_offset``. Metadata must agree (see :meth:`merge`).
+        """
+        traces = list(traces)
+        if not traces:
+            fail("traces", "at least one RoutingTrace", "an empty sequence")
+        meta = _common_meta(traces)
+        for prev, nxt in zip(traces, traces[1:]):
+            if nxt.token_offset != prev.end:
+                fail(
+                    "traces",
+                    f"consecutive position ranges (next token_offset == {prev.end})",
+                    f"token_offset {nxt.token_offset}; use RoutingTrace.merge for gaps or overlaps",
+                )
+        ids = np.concatenate([t.ids for t in traces], axis=0)
+        return cls(ids, **meta, token_offset=traces[0].token_offset)
+
+    @classmethod
+    def merge(cls, traces: Sequence[RoutingTrace], *, on_conflict: str = "error") -> RoutingTrace:
+        """Overlay traces by position (multi-turn: turn 2's payload starts at its prompt offset).
+
+        The result covers ``min(token_offset)`` .. ``max(end)``; positions no trace covers are -1. A
+        recorded row fills a missing one; where two traces record *different* experts for the same
+        (position, layer), ``on_conflict`` decides: ``"error"`` (ValueError naming the position),
+        ``"first"`` (keep the earlier trace's row) or ``"last"`` (take the later one's).
+        """
+        check_choice("on_conflict", on_conflict, ("error", "first", "last"))
+        traces = list(traces)
+        if not traces:
+            fail("traces", "at least one RoutingTrace", "an empty sequence")
+        meta = _common_meta(traces)
+        start = min(t.token_offset for t in traces)
+        stop = max(t.end for t in traces)
+        L, K = traces[0].num_layers, traces[0].top_k
+        out = np.full((stop - start, L, K), -1, dtype=np.int16)
+        for t in traces:
+            dst = out[t.token_offset - start : t.end - start]
+            have_new = t.ids[..., 0] >= 0
+            have_old = dst[..., 0] >= 0
+            clash = have_new & have_old & (dst != t.ids).any(-1)
+            if clash.any() and on_conflict == "error":
+                n, layer = np.argwhere(clash)[0].tolist()
+                fail(
+                    "traces",
+                    "the same experts where traces overlap (or on_conflict='first'/'last')",
+                    f"{dst[n, layer].tolist()} vs {t.ids[n, layer].tolist()} at position "
+                    f"{t.token_offset + n}, layer {layer}",
+                )
+            take = have_new & ~have_old if on_conflict != "last" else have_new
+            dst[take] = t.ids[take]
+        return cls(out, **meta, token_offset=start)
+
+
+def _common_meta(traces: Sequence[RoutingTrace]) -> dict[str, Any]:
+    """Metadata shared by ``traces`` (None = unknown is compatible with any value)."""
+    for i, t in enumerate(traces):
+        if not isinstance(t, RoutingTrace):
+            fail(f"traces[{i}]", "a RoutingTrace", type(t).__name__, what="type")
+    first = traces[0]
+    out: dict[str, Any] = {"top_k": first.top_k}
+    for i, t in enumerate(traces[1:], 1):
+        if (t.num_layers, t.top_k) != (first.num_layers, first.top_k):
+            fail(
+                f"traces[{i}]",
+                f"layers={first.num_layers}, top_k={first.top_k} like traces[0]",
+                f"layers={t.num_layers}, top_k={t.top_k}",
+            )
+    for key in ("num_experts", "layer_ids", "model_id"):
+        known = {getattr(t, key) for t in traces if getattr(t, key) is not None}
+        if len(known) > 1:
+            fail("traces", f"one {key} across traces", sorted(map(str, known)))
+        out[key] = known.pop() if known else None
+    return out

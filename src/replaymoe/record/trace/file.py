@@ -1,0 +1,160 @@
+"""The routing-trace file format, version 1: atomic ``.npz`` writes and checked reads.
+
+This module's one job is the bytes on disk of
+:meth:`RoutingTrace.save <replaymoe.record.trace.RoutingTrace.save>` and
+:meth:`RoutingTrace.load <replaymoe.record.trace.RoutingTrace.load>` (which delegate here), plus
+:class:`TraceFormatError`, the error every damaged or foreign payload raises (the wire decoders reuse it).
+It knows nothing of :class:`RoutingTrace` itself: the writer takes the ids and metadata, the reader
+takes the class to build.
+
+One file, a zip archive in numpy's ``.npz`` layout (readable with ``numpy.load``
+without pickle), holding exactly two members:
+
+``ids.npy``
+    int16 little-endian [N, L, K], C order.
+``meta.npy``
+    uint8 [M]: a UTF-8 JSON object::
+
+        {"format": "replaymoe-routing-trace", "version": 1,
+         "shape": [N, L, K], "dtype": "int16",
+         "num_experts": E or null, "top_k": K, "layer_ids": [..L ints..] or null,
+         "model_id": str or null, "token_offset": int,
+         "sha256": hex SHA-256 of the ids' raw bytes (int16 little-endian, C order)}
+
+Writes are atomic: the archive is written to a temporary file in the target
+directory, fsync'ed and renamed over the target, so a failing save leaves no file
+and never clobbers an existing one. Loading checks the archive, the format name,
+the version (newer versions are refused), the shape/dtype and the checksum; any
+failure raises :class:`TraceFormatError` (a ``ValueError``) naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+
+__all__ = ["TraceFormatError", "FORMAT_NAME", "FORMAT_VERSION", "write_trace", "read_trace"]
+
+FORMAT_NAME = "replaymoe-routing-trace"
+FORMAT_VERSION = 1
+
+T = TypeVar("T")
+
+
+class TraceFormatError(ValueError):
+    """A trace file (or wire payload) is truncated, corrupted, foreign or of an unsupported version.
+
+    ``path`` is the offending file (``None`` for in-memory payloads); it also appears in the message.
+    """
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+def _sha256(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i2").tobytes()).hexdigest()
+
+
+def write_trace(path: str | os.PathLike, ids: np.ndarray, meta: Mapping[str, Any], *, compress: bool) -> None:
+    """Write ``ids`` [N, L, K] and the trace's ``meta`` (constructor keywords) to ``path`` atomically."""
+    path = os.fspath(path)
+    ids = np.ascontiguousarray(ids, dtype="<i2")
+    meta = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "shape": list(ids.shape),
+        "dtype": "int16",
+        **meta,
+        "sha256": _sha256(ids),
+    }
+    meta_bytes = np.frombuffer(json.dumps(meta, sort_keys=True).encode("utf-8"), dtype=np.uint8)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _write_payload(f, ids, meta_bytes, compress)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
+    """Read a file written by :func:`write_trace`; ``build(ids, **meta)`` makes the trace (see ``load``)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+
+    def bad(why: str) -> TraceFormatError:
+        return TraceFormatError(f"{path}: {why}", path)
+
+    if not data.startswith(b"PK\x03\x04"):
+        raise bad("not a replaymoe routing trace (not an .npz/zip archive)")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            names = set(z.files)
+            if "meta" not in names or "ids" not in names:
+                raise bad(f"not a replaymoe routing trace (archive members {sorted(names)})")
+            meta_arr = z["meta"]
+            if meta_arr.dtype != np.uint8 or meta_arr.ndim != 1:
+                raise bad("not a replaymoe routing trace (meta is not a JSON byte string)")
+            meta = json.loads(meta_arr.tobytes().decode("utf-8"))
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+                raise bad(f"not a replaymoe routing trace (format {meta.get('format')!r})")
+            version = meta.get("version")
+            if not isinstance(version, int) or version < 1:
+                raise bad(f"invalid format version {version!r}")
+            if version > FORMAT_VERSION:
+                raise bad(
+                    f"format version {version} is newer than this replaymoe reads "
+                    f"(<= {FORMAT_VERSION}); upgrade replaymoe"
+                )
+            ids = z["ids"]
+    except TraceFormatError:
+        raise
+    except Exception as e:  # any decoding failure means a damaged file
+        raise bad(f"truncated or corrupted trace file ({type(e).__name__}: {e})") from e
+    if ids.dtype != np.dtype("<i2") or list(ids.shape) != meta.get("shape"):
+        raise bad(f"ids {ids.dtype} {list(ids.shape)} do not match the metadata {meta.get('shape')}")
+    if _sha256(ids) != meta.get("sha256"):
+        raise bad("checksum mismatch: the ids are corrupted")
+    try:
+        return build(
+            ids,
+            num_experts=meta["num_experts"],
+            top_k=meta["top_k"],
+            layer_ids=meta["layer_ids"],
+            model_id=meta["model_id"],
+            token_offset=meta["token_offset"],
+            **({"token_ids": meta["token_ids"]} if meta.get("token_ids") is not None else {}),
+        )
+    except (KeyError, ValueError) as e:
+        raise bad(f"invalid metadata ({type(e).__name__}: {e})") from e
+
+
+def _write_payload(f: Any, ids: np.ndarray, meta_bytes: np.ndarray, compress: bool) -> None:
+    """Write the npz archive (a separate function so tests can make it fail midway).
+
+    Same layout as ``numpy.savez[_compressed]`` (so ``numpy.load`` reads it), but deflate level 1:
+    routing ids compress nearly as well and several times faster than at numpy's default level.
+    """
+    mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with zipfile.ZipFile(f, "w", compression=mode, compresslevel=1 if compress else None) as zf:
+        for name, arr in (("ids.npy", ids), ("meta.npy", meta_bytes)):
+            with zf.open(name, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(arr), allow_pickle=False)
