@@ -427,7 +427,7 @@ class ReplayMoE:
             When rollout mode is off, a trace has no token ids or does not start at position 0, or
             the traces do not fit the model (:meth:`set_replay`).
         """
-        from replaymoe.trace import RoutingTrace
+        from replaymoe.record.trace import RoutingTrace
 
         if not self._rollout_mode:
             fail("set_rollout_replay", "on (set_rollout_replay(True)) before add_rollout_traces", "off")

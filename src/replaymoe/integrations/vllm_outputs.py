@@ -9,7 +9,7 @@ position was routed to. Depending on the vLLM version they arrive in one of two 
   the request's completions, plus each ``CompletionOutput.routed_experts`` over the completion only.
   A request may skip the first ``routed_experts_prompt_start`` prompt positions.
 
-:func:`traces_from_vllm_outputs` turns either into one :class:`~replaymoe.trace.RoutingTrace` per
+:func:`traces_from_vllm_outputs` turns either into one :class:`~replaymoe.record.trace.RoutingTrace` per
 completion, with the token ids of every covered position, so that replay matches rows by content
 (:meth:`replaymoe.hf.ReplayMoE.add_rollout_traces`). Positions the engine did not return (a skipped
 prompt prefix, vLLM's -1 prefix-cache sentinel) are kept as missing: replay routes them natively and
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from replaymoe._validation import check_int, fail
-from replaymoe.trace import RoutingTrace
+from replaymoe.record.trace import RoutingTrace
 
 __all__ = ["traces_from_vllm_outputs"]
 

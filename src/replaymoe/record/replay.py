@@ -31,12 +31,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import triton
 
 from .._validation import check_int, check_tensor, fail
 from .trace import RoutingTrace
 
 __all__ = ["ReplaySource", "ReplayReport", "ReplayTable", "prefix_hashes", "prefix_hashes_np"]
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1); replay needs no Triton to import."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 # Prefix hashes (content-addressed replay): two polynomial hashes modulo primes below 2^31, of the
@@ -369,7 +373,7 @@ class ReplayTable:
         L, K = len(layer_of), traces[0].top_k
         lengths = [t.num_tokens for t in traces]
         total = sum(lengths)
-        rows = max(triton.next_power_of_2(total + 1), 64)
+        rows = max(_next_power_of_2(total + 1), 64)
         host = np.full((L, rows, K), -1, dtype=np.int32)
         base = 0
         for t in traces:
@@ -423,7 +427,7 @@ class ReplayTable:
         keep = hashes >= 0
         hashes, rows = hashes[keep], rows[keep].astype(np.int64)
         order = np.lexsort((rows, hashes))
-        cap = max(64, triton.next_power_of_2(len(hashes) + 1))
+        cap = max(64, _next_power_of_2(len(hashes) + 1))
         sorted_h = np.full(cap, np.iinfo(np.int64).max, dtype=np.int64)  # sentinel: above any hash
         sorted_r = np.full(cap, self.table.shape[1] - 1, dtype=np.int64)  # (the all -1 last row)
         sorted_h[: len(hashes)], sorted_r[: len(hashes)] = hashes[order], rows[order]
@@ -433,7 +437,7 @@ class ReplayTable:
         _upload(self.hashes, sorted_h)
         _upload(self.hash_rows, sorted_r)
         longest = max((t.num_tokens for t in traces), default=0)
-        pcap = max(64, triton.next_power_of_2(longest + 1))
+        pcap = max(64, _next_power_of_2(longest + 1))
         if self.powers.shape[-1] != pcap or self.powers.device != device:
             self.powers = _static(torch.from_numpy(_powers(pcap)).to(device))
 
