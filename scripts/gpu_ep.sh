@@ -55,6 +55,7 @@ fi
 
 if [[ " $STEPS " == *" test "* ]]; then
   step test_2gpu 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
+  # (the EP variables set the process defaults of MoeAlltoAll(fused_barrier=, fused_plan=))
   if ! grep -q "1 passed" "$OUT/test_2gpu.log"; then  # the in-kernel barrier failed: torch's barrier from here on
     export REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_FAST_LAUNCH=0
     echo "REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_FAST_LAUNCH=0 from here on" | tee -a "$SUMMARY"

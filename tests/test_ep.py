@@ -286,6 +286,51 @@ def test_ep_moe_gloo():
 # ----------------------------------------------------------------------------------------------
 
 
+def _fused_plan_worker(rank, world):
+    import torch.distributed as dist
+
+    import replaymoe.ep.alltoall as a2a_mod
+    from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch
+
+    E, K, H, rt = 8, 2, 8, 5
+    g = torch.Generator().manual_seed(7)
+    Ts = [4, 3]
+    ids = [_make_ids(g, Ts[s], K, E, world, "random", s) for s in range(world)]
+    # 4-byte payloads only (int32 units): the first pack group may compute the plan itself
+    pays = [[torch.randn(Ts[s], H, generator=g), ids[s].clone(), torch.rand(Ts[s], K, generator=g)]
+            for s in range(world)]  # fmt: skip
+    ref, counts = dispatch_torch(ids, pays, E, rt, expert_id_payload_index=1)
+    got = {}
+    for fused in (True, False):
+        a2a_mod.FUSED_PLAN = not fused  # the process default, overridden by the argument
+        a2a = MoeAlltoAll(None, rt, K, E, H, kernel_backend="triton", fused_plan=fused)
+        assert a2a.fused_plan is fused
+        views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=1)
+        assert a2a._st.fused_plan is fused  # private: which launch plan the dispatch took
+        assert torch.equal(a2a.recv_counts, counts[rank])
+        for v, r in zip(views, ref[rank]):
+            for s in range(world):
+                c = int(counts[rank, s])
+                assert torch.equal(_bytes(v[s, :c]), _bytes(r[s, :c])), (fused, s)
+        assert torch.equal(views[1], ref[rank][1])
+        slots = a2a.send_counts.clone()
+        out = a2a.combine((views[0] * (rank + 1)).contiguous(), rt)
+        got[fused] = (a2a.recv_counts.clone(), slots, out)
+    expect = combine_torch([ref[r][0] * (r + 1) for r in range(world)], ids, E)[rank]
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)  # the same bits either way
+    assert torch.equal(got[True][2], expect)
+    dist.barrier()
+
+
+@pytest.mark.interpret
+def test_fused_plan_argument_same_results_gloo():
+    """MoeAlltoAll(fused_plan=True / False) with the Triton packing (interpreter): the pack kernel
+    computes the plan or the plan kernel does, against the opposite process default; identical
+    receive views, counts and combined outputs."""
+    run_distributed(_fused_plan_worker, 2)
+
+
 def _errors_worker(rank, world):
     import torch.distributed as dist
 
@@ -302,6 +347,19 @@ def _errors_worker(rank, world):
         MoeAlltoAll(None, 4, K, E, H, timeout=-1)
     with pytest.raises(ValueError, match="top_k"):
         MoeAlltoAll(None, 4, 9, E, H)
+    with pytest.raises(ValueError, match="type of fused_plan"):
+        MoeAlltoAll(None, 4, K, E, H, fused_plan=1)
+    with pytest.raises(ValueError, match="type of fused_barrier"):
+        MoeAlltoAll(None, 4, K, E, H, fused_barrier="off")
+    import replaymoe.ep.alltoall as a2a_mod
+
+    # None: the process defaults (REPLAYMOE_EP_FUSED_PLAN's module attribute; the barrier's is the
+    # symm transport's, so nccl keeps what it was given)
+    assert MoeAlltoAll(None, 4, K, E, H).fused_plan is a2a_mod.FUSED_PLAN
+    assert MoeAlltoAll(None, 4, K, E, H).fused_barrier is None
+    for v in (False, True):
+        b = MoeAlltoAll(None, 4, K, E, H, fused_plan=v, fused_barrier=v)
+        assert b.fused_plan is v and b.fused_barrier is v
     a2a = MoeAlltoAll(None, 4, K, E, H)
     ids = torch.tensor([[0, 5], [7, 1]], dtype=torch.int32)
     x = torch.randn(2, H)

@@ -68,12 +68,14 @@ def test_plan_invariants(generator):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None):
-    """A MoeAlltoAll of rank ``rank`` without a process group (fields only)."""
+def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None, fused_plan=True, fused_barrier=None):
+    """A MoeAlltoAll of rank ``rank`` without a process group (fields only; ``fused_plan`` and
+    ``fused_barrier`` as the constructor stores them)."""
     # private fields and phases (here and in the symm tests below): ranks simulated in one process
     # drive dispatch phase by phase, which no public API does
     a = MoeAlltoAll.__new__(MoeAlltoAll)
     a._num_sms, a._device_sms, a._dcache = num_sms, 4, {}
+    a._fused_plan, a._fused_barrier = fused_plan, fused_barrier
     a.ep, a.rank, a.max_num_tokens, a.top_k, a.num_experts, a.hidden_size = ep, rank, max_tokens, K, E, H
     a.transport, a.kernel_backend, a.device, a.timeout = "symm", "auto", torch.device("cpu"), None
     a.local_expert_offset, a.num_local_experts = expert_partition(E, ep)[rank]
@@ -89,19 +91,23 @@ def _fake_buffers(ep, nbytes):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "ep, E, K, Ts, num_sms, fused, mixed",
+    "ep, E, K, Ts, num_sms, fused, mixed, plan",
     [
-        (2, 8, 2, [3, 4], None, True, True),  # two ranks, dense grids, in-kernel barrier
-        (3, 10, 4, [5, 0, 2], 1, True, True),  # uneven split, a rank with zero tokens; one program loops
-        (4, 8, 8, [1, 3, 2, 4], 2, True, True),  # top-8 of 8: every token goes to every rank
-        (2, 8, 2, [0, 4], None, False, True),  # torch's barrier kernel (REPLAYMOE_EP_FUSED_BARRIER=0)
-        (3, 10, 4, [5, 0, 2], None, True, False),  # int32 units: the pack computes the plan (small T)
-        (2, 8, 2, [0, 4], 1, True, False),  # the same, zero tokens on rank 0 (counts zeroed by the pack)
-        (3, 10, 4, [5, 0, 2], None, False, False),  # plan in the pack, torch's barrier kernel
+        (2, 8, 2, [3, 4], None, True, True, True),  # two ranks, dense grids, in-kernel barrier
+        (3, 10, 4, [5, 0, 2], 1, True, True, True),  # uneven split, a rank without tokens; 1 program
+        (4, 8, 8, [1, 3, 2, 4], 2, True, True, True),  # top-8 of 8: every token goes to every rank
+        (2, 8, 2, [0, 4], None, False, True, True),  # torch's barrier kernel (fused_barrier=False)
+        (3, 10, 4, [5, 0, 2], None, True, False, True),  # int32 units: the pack computes the plan
+        (2, 8, 2, [0, 4], 1, True, False, True),  # the same, no tokens on rank 0 (counts zeroed by the pack)
+        (3, 10, 4, [5, 0, 2], None, False, False, True),  # plan in the pack, torch's barrier kernel
+        (3, 10, 4, [5, 0, 2], None, True, False, False),  # int32 units, fused_plan=False: the plan kernel
     ],
 )
-def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
+def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, generator, monkeypatch):
+    import replaymoe.ep.transport_symm as symm
     from replaymoe.ep.transport_symm import SymmTransport
+
+    monkeypatch.setattr(symm, "FUSED_BARRIER", not fused)  # the process default; the argument wins
 
     H, max_tokens, rt = 16, 6, 5
     ids = [
@@ -123,14 +129,14 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
         bf = [torch.randn(p[0].shape[0], 4, generator=generator).to(torch.bfloat16) for p in pays]
         pays = [[p[0], p[3], b] for p, b in zip(pays, bf)]
     layout = row_layout(pays[0])
-    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms=num_sms) for r in range(ep)]
+    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms, plan, fused) for r in range(ep)]
     trs = [SymmTransport(a) for a in a2as]
+    assert all(t.fused is fused for t in trs)
     disp = _fake_buffers(ep, ep * (max_tokens + 1) * layout.row_bytes)
     comb = _fake_buffers(ep, ep * max_tokens * H * 2)  # fp16 combine payload
     pads = [torch.zeros(16, dtype=torch.int32) for _ in range(ep)]  # the ranks' signal pads
     for r in range(ep):
         trs[r].disp, trs[r].row_cap, trs[r].comb = disp[r], layout.row_bytes, comb[r]
-        trs[r].fused = fused
         if fused:
             trs[r]._set_sync_args(pads, torch.zeros(8, dtype=torch.int32))
         a2as[r]._transport = trs[r]
@@ -139,7 +145,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, generator):
     states = []
     for s in range(ep):
         st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, None)
-        assert st.fused_plan == (not mixed)
+        assert st.fused_plan == (not mixed and plan)
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])

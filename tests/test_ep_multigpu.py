@@ -42,9 +42,13 @@ def _transports_worker(rank, world):
 
     dev = torch.device("cuda", rank)
     E, K, H, max_tokens = 64, 8, 1024, 256
-    # symm with a barrier timeout: a lost signal traps (naming both ranks) instead of hanging
-    a2a = {t: MoeAlltoAll(None, max_tokens, K, E, H, transport=t, timeout=60 if t == "symm" else None)
-           for t in ("nccl", "symm")}  # fmt: skip
+    # symm with a barrier timeout: a lost signal traps (naming both ranks) instead of hanging;
+    # symm_unfused: torch's barrier kernel and the plan kernel by argument (the same bits)
+    symm = dict(transport="symm", timeout=60)
+    kinds = {"nccl": dict(transport="nccl"), "symm": symm,
+             "symm_unfused": dict(symm, fused_barrier=False, fused_plan=False)}  # fmt: skip
+    a2a = {t: MoeAlltoAll(None, max_tokens, K, E, H, **kw) for t, kw in kinds.items()}
+    assert a2a["symm_unfused"].fused_barrier is False and a2a["symm_unfused"].fused_plan is False
     g = torch.Generator().manual_seed(11)
     # --- exactness over several shapes: T per rank incl. 0, skew, fp8 + scales payloads
     for case, (Ts, rt) in enumerate(
@@ -85,7 +89,7 @@ def _transports_worker(rank, world):
         expect = combine_torch(
             [(ref[r][0].float() * (r + 1)).to(torch.bfloat16) for r in range(world)], ids, E
         )
-        assert torch.equal(outs["nccl"], outs["symm"]), case
+        assert all(torch.equal(outs["nccl"], o) for o in outs.values()), case
         torch.testing.assert_close(outs["nccl"].cpu(), expect[rank], atol=0, rtol=0)
     # --- steady state: one signature repeated with fresh data (the cached plan and the direct
     # launches of the compiled kernels), then with fewer programs per kernel than tokens (num_sms)

@@ -460,6 +460,7 @@ def _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, *, offset=0, variant=None)
 
     outs = []
     for tma in (False, True):
+        monkeypatch.setattr(cfgs, "TMA_ENABLED", not tma)  # the configuration's tma wins either way
         made = _count_descs(monkeypatch)
         out = poison(torch.empty(x.shape[0], x.shape[1], dtype=x.dtype))
         experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=offset,
@@ -553,11 +554,30 @@ def test_tma_config_selection_and_config_lists():
     assert not moe_config(1, 8, 2048, 768, 128, tma=True).tma  # decode (direct mode)
     assert not moe_config(64, 8, 2048, 768, 128, tma=True).tma  # mid-size 16/32-row tiles: unchanged
     c = moe_config(*qwen, tma=True)
-    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[-1] == 1
+    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [1, -1, -1]  # switches: None
     old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
     assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
+    assert config_from_list(old + [1]) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, True)
+    for half in (None, False, True):  # the optional switches cross the custom ops as -1 / 0 / 1
+        for pdl in (None, False, True):
+            c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, half_tiles=half, pdl=pdl)
+            assert config_from_list(config_tuple(c)) == c
     assert not tma_ok(torch.device("cpu"))  # never chosen on CPU / in the interpreter
     assert not tma_ok(torch.device("cuda"), torch.float32)  # fp32: pointer loads (TMA tiles spill)
+
+
+def test_tma_process_default_reaches_the_configuration(monkeypatch):
+    # REPLAYMOE_TMA's module attribute is the default the wrapper's choice follows (tma_ok ->
+    # moe_config), on a device that allows TMA; a configuration given with the call says it itself
+    from replaymoe.moe.configs import moe_config, tma_ok
+
+    dev = torch.device("cuda", 7)
+    monkeypatch.setitem(cfgs._HOPPER_DEVICES, dev, True)  # as a Hopper GPU would
+    qwen = (4096, 8, 2048, 768, 128)
+    for default in (False, True):
+        monkeypatch.setattr(cfgs, "TMA_ENABLED", default)
+        assert tma_ok(dev) is default
+        assert moe_config(*qwen, tma=tma_ok(dev)).tma is default
 
 
 # ---------------------------------------------------------------- GPU
@@ -745,6 +765,29 @@ def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
     assert rel < 6e-3, rel
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2])
+def test_gpu_decode_pdl_argument_overrides_default(T, monkeypatch):
+    # MoEConfig.pdl against the opposite process default (PDL_ENABLED): the decode kernels launch as
+    # programmatic dependent launches exactly when the argument says so, with the same bits
+    H, I, E, K = MODELS["qwen3"]  # noqa: E741
+    w13, w2, _, _ = _gpu_weights("qwen3", False)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, ids, wts = _gpu_routing(T, E, K, 11)
+    base = cfgs.moe_config(T, K, H, I, E)
+    assert base.direct and base.pdl is None
+    outs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(cfgs, "PDL_ENABLED", not pdl)
+        seen = _record_launches(monkeypatch)
+        out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+        experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
+                       config=dataclasses.replace(base, pdl=pdl))  # fmt: skip
+        assert len(seen) == 3 and {kw["launch_pdl"] for _, kw in seen} == {pdl}
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 PREFILL = MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)  # moe_config's bf16 prefill tiles
 
 
@@ -832,10 +875,40 @@ def _counted_ids(counts, g):
 _HALF_COUNTS = [16, 17, 48, 1, 0, 33]
 
 
+class _LaunchSpy:
+    """``fast(kernel)`` that records ``(kernel name, launch keywords)`` before launching."""
+
+    def __init__(self, fn, real, seen):
+        self.fn, self.real, self.seen = fn, real, seen
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.seen.append((self.fn.fn.__name__, kwargs))
+            self.real(self.fn)[grid](*args, **kwargs)
+
+        return run
+
+
+def _record_launches(monkeypatch) -> list:
+    """Record every kernel launch of the forward and backward launchers (``_LaunchSpy``)."""
+    seen = []
+    for mod in (moe_fwd, moe_bwd):
+        monkeypatch.setattr(mod, "fast", lambda fn, real=mod.fast: _LaunchSpy(fn, real, seen))
+    return seen
+
+
+def _flags(seen, name: str) -> set:
+    """The values of launch keyword ``name`` over the recorded GEMM launches that take it."""
+    return {
+        kw[name] for k, kw in seen if name in kw and ("gemm" in k or k.endswith(("_da_kernel", "_dx_kernel")))
+    }
+
+
 def _half_tiles_pair(dtype, device, generator, monkeypatch, tma=False):
     """(with HALF_TILES, without, reference): (out, dx, dw13, dw2, dtopk_weights) of the forward and of
     the backward with GEMM1 recomputed, on experts whose row counts straddle a 32-row tile's half;
-    ``tma``: GEMM2's SwiGLU rows and dX's dh rows through descriptors (half-height ones for half tiles)."""
+    ``tma``: GEMM2's SwiGLU rows and dX's dh rows through descriptors (half-height ones for half tiles).
+    The configurations' ``half_tiles`` chooses, against the opposite process default."""
 
     E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
     ids = _counted_ids(_HALF_COUNTS, generator)
@@ -849,11 +922,15 @@ def _half_tiles_pair(dtype, device, generator, monkeypatch, tma=False):
     )
     got = []
     for half in (True, False):
-        monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", half)
+        monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", not half)  # the argument wins either way
+        seen = _record_launches(monkeypatch)
         out = poison(torch.empty(T, H, dtype=dtype, device=device))
         experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
-                       config=cfg)  # fmt: skip
-        got.append((out, *moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, None, 0, True, [True] * 4, bwd)))
+                       config=dataclasses.replace(cfg, half_tiles=half))  # fmt: skip
+        c = dataclasses.replace(bwd, half_tiles=half)
+        got.append((out, *moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, None, 0, True, [True] * 4, c)))
+        # GEMM1, GEMM2, GEMM1 recomputed, dA, dX: each took the argument's HALF_TILES
+        assert _flags(seen, "HALF_TILES") == {half} and sum("HALF_TILES" in kw for _, kw in seen) == 5
     ref = fused_moe_torch(x.float(), w13.float(), w2.float(), topk_ids=ids, topk_weights=wts)
     return got[0], got[1], ref
 
@@ -873,6 +950,76 @@ def test_half_tiles_match_full_tiles(dtype, tma, generator, monkeypatch):
     for name, a, b in zip(_GRAD_NAMES, half, full):
         assert_close(a, b, dtype=dtype, name=name)  # fp16: 1 ulp where numpy's fp32 sums differ
     assert_close(half[0], ref, dtype=dtype)
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+@pytest.mark.parametrize("default", [False, True], ids=["default-off", "default-on"])
+@pytest.mark.parametrize("half", [None, False, True], ids=["none", "off", "on"])
+def test_half_tiles_argument_overrides_process_default(half, default, generator, monkeypatch):
+    # MoEConfig.half_tiles through the custom op (the config list torch.compile passes): True / False
+    # win over HALF_TILES_ENABLED (REPLAYMOE_HALF_TILES) in both directions, None follows it
+    from replaymoe.moe.configs import config_tuple
+
+    monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", default)
+    E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
+    ids = _counted_ids(_HALF_COUNTS, generator)
+    T = ids.shape[0]
+    x, w13, w2, _, wts = _problem(T, H, I, E, 1, generator, torch.float32)
+    cfg = MoEConfig(False, 32, 16, 32, 4, 2, 32, 32, 4, 2, half_tiles=half)
+    seen = _record_launches(monkeypatch)
+    out = poison(torch.empty(T, H))
+    torch.ops.replaymoe.moe_experts(x, w13, w2, ids, wts, None, None, 0, out, config_tuple(cfg))
+    assert _flags(seen, "HALF_TILES") == {default if half is None else half}
+    assert_close(out, fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts), dtype=torch.float32)
+    if half is None:  # the backward's configuration the same way
+        c = dataclasses.replace(cfgs.moe_bwd_config(T, 1, H, I, E), block_m=32)
+        assert cfgs._half_tiles(c, False) is default
+        assert cfgs._half_tiles(dataclasses.replace(c, half_tiles=not default), False) is (not default)
+
+
+@pytest.mark.interpret
+@_GARBAGE_ROWS
+def test_switch_arguments_under_torch_compile_fullgraph(generator, monkeypatch):
+    # a configuration with its switches traced by dynamo (fullgraph: no graph break; aot_eager: no C++
+    # compiler needed on CPU): it crosses the custom op as its int list, and its half_tiles still wins
+    # over the process default inside the op
+    torch._dynamo.reset()
+    monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", False)
+    E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
+    ids = _counted_ids(_HALF_COUNTS, generator)
+    T = ids.shape[0]
+    x, w13, w2, _, wts = _problem(T, H, I, E, 1, generator, torch.float32)
+    cfg = MoEConfig(False, 32, 16, 32, 4, 2, 32, 32, 4, 2, half_tiles=True, pdl=False)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def run(x, w13, w2, ids, wts):
+        return experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0,
+                              out=None, config=cfg)  # fmt: skip
+
+    seen = _record_launches(monkeypatch)
+    out = run(x, w13, w2, ids, wts)
+    torch._dynamo.reset()
+    assert _flags(seen, "HALF_TILES") == {True}
+    eager = experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0,
+                           out=None, config=cfg)  # fmt: skip
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("default", [False, True], ids=["default-off", "default-on"])
+@pytest.mark.parametrize("pdl", [None, False, True], ids=["none", "off", "on"])
+def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
+    # MoEConfig.pdl: True / False win over PDL_ENABLED (REPLAYMOE_PDL) in both directions, None follows
+    # it; only the direct mode, not fp8, on a Hopper device outside the interpreter takes it
+    monkeypatch.setattr(cfgs, "PDL_ENABLED", default)
+    hopper = torch.device("cuda", 7)
+    monkeypatch.setitem(cfgs._HOPPER_DEVICES, hopper, True)  # as a Hopper GPU would
+    direct = MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4, pdl=pdl)
+    want = default if pdl is None else pdl
+    assert cfgs._pdl(direct, False, hopper) is want
+    assert not cfgs._pdl(direct, True, hopper)  # fp8
+    assert not cfgs._pdl(direct, False, torch.device("cpu"))  # no PDL in the interpreter / on CPU
+    assert not cfgs._pdl(dataclasses.replace(direct, direct=False), False, hopper)  # tile mode
 
 
 @pytest.mark.gpu

@@ -90,6 +90,7 @@ _TRANSPORTS = ("nccl", "symm")
 
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
 _FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack kernel computes the plan (one launch less)
+# the process default of MoeAlltoAll(fused_plan=None); REPLAYMOE_EP_FUSED_PLAN=0 turns it off
 FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
 
 
@@ -181,6 +182,20 @@ class MoeAlltoAll:
         copies are persistent loops over tokens, so this bounds the SMs the all-to-all occupies
         (DeepEP's ``Buffer.num_sms``). Default: every SM of the device. May be changed between calls
         (attribute ``num_sms``); a captured CUDA graph keeps the value it was captured with.
+    fused_plan : bool, optional
+        Triton packing (``symm``, or ``kernel_backend`` resolving to Triton): up to 256 tokens whose
+        first payload group moves in 4-byte units, the pack kernel computes the dispatch plan itself
+        (one launch less); ``False``: the plan kernel runs first. The same results either way.
+        Default (``None``): :data:`replaymoe.ep.alltoall.FUSED_PLAN`, on unless the environment
+        variable ``REPLAYMOE_EP_FUSED_PLAN=0`` was set at import. Fixed for the object's life
+        (attribute ``fused_plan``).
+    fused_barrier : bool, optional
+        ``symm`` (ep > 1; other transports ignore it): the barrier between the phases runs inside
+        the kernels (signal pads; no extra launch); ``False``: torch's signal-pad barrier kernel runs
+        between them. The same results either way. Default (``None``):
+        :data:`replaymoe.ep.transport_symm.FUSED_BARRIER`, on unless
+        ``REPLAYMOE_EP_FUSED_BARRIER=0`` was set at import. Must be the same on every rank; fixed for
+        the object's life (attribute ``fused_barrier``, resolved by the ``symm`` transport).
 
     Notes
     -----
@@ -214,6 +229,8 @@ class MoeAlltoAll:
         device: torch.device | str | None = None,
         kernel_backend: str = "auto",
         num_sms: int | None = None,
+        fused_plan: bool | None = None,
+        fused_barrier: bool | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             fail(
@@ -255,6 +272,11 @@ class MoeAlltoAll:
         self._runtime_max: int | None = None
         self._num_tokens: int | None = None
         self.num_sms = num_sms  # validated by the property setter
+        for name, value in (("fused_plan", fused_plan), ("fused_barrier", fused_barrier)):
+            if value is not None and not isinstance(value, bool):
+                fail(name, "a bool or None (the process default)", type(value).__name__, what="type")
+        self._fused_plan = FUSED_PLAN if fused_plan is None else fused_plan
+        self._fused_barrier = fused_barrier  # None: the symm transport's process default
         if self.device.type == "cuda":
             self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -288,6 +310,17 @@ class MoeAlltoAll:
         if value is not None:
             check_int("num_sms", value, low=1)
         self._num_sms = value
+
+    @property
+    def fused_plan(self) -> bool:
+        """The pack kernel computes the dispatch plan at small token counts (see the class docstring)."""
+        return self._fused_plan
+
+    @property
+    def fused_barrier(self) -> bool | None:
+        """``symm``: the barrier runs inside the kernels (see the class docstring); other transports:
+        the value given (``None`` when none was)."""
+        return getattr(self._transport, "fused", self._fused_barrier)
 
     def _programs(self, work: int, chunks: int = 1) -> int:
         """Programs along the first grid axis of a persistent kernel with ``work`` independent items
@@ -478,7 +511,7 @@ class MoeAlltoAll:
             last = g0 + 4 >= len(live)
             # small T: the first group's pack computes the plan itself (one launch less; int32 units
             # so that it can store the counts into the headers)
-            fplan = g0 == 0 and unit == torch.int32 and T <= _FUSED_PLAN_MAX_T and FUSED_PLAN
+            fplan = g0 == 0 and unit == torch.int32 and T <= _FUSED_PLAN_MAX_T and self._fused_plan
             st.fused_plan = st.fused_plan or fplan
             hdr_units = (rt * layout.row_bytes + layout.count_offset) // 4
             plan_b = (st.send_counts, self.num_experts, base, rem, hdr_units)

@@ -13,13 +13,14 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
   source ``s``'s combine buffer ``[this rank, j]``; barrier; the fp32 per-token sum reads the local
   buffer, and this rank's own rows in place in the payload (they never move).
 
-The barrier runs inside the kernels (``REPLAYMOE_EP_FUSED_BARRIER=1``, the default): the producing
+The barrier runs inside the kernels (``MoeAlltoAll(..., fused_barrier=True)``; the default, unless
+``REPLAYMOE_EP_FUSED_BARRIER=0`` set :data:`FUSED_BARRIER`, the process default, off): the producing
 kernel's last program to finish (an acq_rel arrival counter, after a CTA barrier) bumps a
 device-side epoch and stores it into every peer's signal pad (release, system scope); every program
 of the consuming kernel first waits until each peer's flag in its own pad reaches its epoch
 (acquire, system scope; after ``timeout`` it prints the two ranks and traps). No barrier kernel is
 launched, and the epochs live in device memory, so CUDA-graph replays and eager calls stay in step.
-With ``REPLAYMOE_EP_FUSED_BARRIER=0`` torch's signal-pad barrier kernel runs between the phases.
+With ``fused_barrier=False`` torch's signal-pad barrier kernel runs between the phases.
 
 Buffer reuse is ordered by those two barriers per round (a peer writes into our dispatch buffer only
 after our previous combine barrier, i.e. after we consumed the received views; it writes into our
@@ -47,7 +48,8 @@ from .packing import _Targets, row_tiling  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
-# the barrier runs inside the kernels (no extra launch per phase); 0 = torch's signal-pad barrier kernel
+# the process default of MoeAlltoAll(fused_barrier=None): the barrier runs inside the kernels (no extra
+# launch per phase); REPLAYMOE_EP_FUSED_BARRIER=0: torch's signal-pad barrier kernel
 FUSED_BARRIER = os.environ.get("REPLAYMOE_EP_FUSED_BARRIER", "1") != "0"
 
 
@@ -89,7 +91,7 @@ class SymmTransport:
         self.comb: _SymmBuffer | None = None
         self._retired: list[_SymmBuffer] = []  # grown-out buffers stay mapped (peers may be in flight)
         self._ckeys: dict = {}  # combine launch plans per (dtype, rt, payload strides)
-        self.fused = FUSED_BARRIER
+        self.fused = FUSED_BARRIER if a2a._fused_barrier is None else a2a._fused_barrier
         self.sig: _SymmBuffer | None = None  # signal pads (fused barrier)
         self.signal_args: tuple = ()
         self.wait_args: tuple = ()

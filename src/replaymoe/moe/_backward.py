@@ -32,7 +32,9 @@ from .configs import (
 def experts_triton_train(
     x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None, variant=STANDARD
 ):
-    """Differentiable Triton experts (``torch.ops.replaymoe.moe_experts_train`` + its backward)."""
+    """Differentiable Triton experts (``torch.ops.replaymoe.moe_experts_train`` + its backward);
+    ``config``: the forward's :class:`MoEConfig` (as :func:`~replaymoe.moe._forward.experts_triton`'s);
+    the backward picks its own (:func:`launch_bwd_config`)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape

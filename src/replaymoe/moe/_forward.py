@@ -16,7 +16,7 @@ import triton
 
 from .._launch import fast
 from .._validation import is_capturing
-from .configs import MoEConfig, _half_tiles, _pdl_ok, config_from_list, config_tuple, moe_config, tma_ok
+from .configs import MoEConfig, _half_tiles, _pdl, config_from_list, config_tuple, moe_config, tma_ok
 
 _FP8 = torch.float8_e4m3fn
 
@@ -65,7 +65,9 @@ def experts_triton(
     batch_invariant=True,
     variant=STANDARD,
 ):
-    """Run the Triton experts into ``out`` (allocated when None); returns it."""
+    """Run the Triton experts into ``out`` (allocated when None); returns it. ``config``: the
+    :class:`MoEConfig` of this call, its data-movement switches (``tma``, ``half_tiles``, ``pdl``)
+    included; None: :func:`moe_config`'s choice for the shape, with the process defaults."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
@@ -237,9 +239,9 @@ def _launch(
     if num_pid_m == 0:
         out.zero_()
         return
-    # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper), so that GEMM2
-    # prefetches its weights while GEMM1 finishes and no launch gap separates the three
-    pdl = c.direct and not fp8 and _pdl_ok(dev)
+    # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper; c.pdl, opt-in), so
+    # that GEMM2 prefetches its weights while GEMM1 finishes and no launch gap separates the three
+    pdl = _pdl(c, fp8, dev)
     grid1 = (num_pid_m * triton.cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter

@@ -2,12 +2,18 @@
 
 :class:`MoEConfig` / :func:`moe_config` (forward) and :class:`MoEBwdConfig` / :func:`moe_bwd_config`
 (backward) pick the tiles of a call from its shape; the tables were tuned on the H200
-(bench/moe_notes.md, bench/train_notes.md). The module-level switches choose which hardware features the
-kernels may use, all bit-neutral (the same results either way): :data:`TMA_ENABLED`,
-:data:`DW_TMA_ENABLED`, :data:`BWD_GEMM_TMA_ENABLED`, :data:`HALF_TILES_ENABLED` (on by default) and
-:data:`PDL_ENABLED` (off), each read from its ``REPLAYMOE_*`` environment variable at import and read
-here at call time (patch this module to change one in a process). :func:`tma_ok`, :func:`dw_tma_ok` and
-:func:`_hopper` say what the device allows.
+(bench/moe_notes.md, bench/train_notes.md).
+
+Which hardware features the kernels use is chosen per call by fields of those configurations, all
+bit-neutral (the same results either way): :attr:`MoEConfig.tma`, :attr:`MoEConfig.half_tiles`,
+:attr:`MoEConfig.pdl`, :attr:`MoEBwdConfig.dw_tma`, :attr:`MoEBwdConfig.gemm_tma` and
+:attr:`MoEBwdConfig.half_tiles`. The module attributes :data:`TMA_ENABLED`, :data:`DW_TMA_ENABLED`,
+:data:`BWD_GEMM_TMA_ENABLED`, :data:`HALF_TILES_ENABLED` (on by default) and :data:`PDL_ENABLED` (off)
+are only their process defaults: each is read from its ``REPLAYMOE_*`` environment variable at import,
+and read here where a configuration is chosen (:func:`moe_config` through :func:`tma_ok`,
+:func:`moe_bwd_config`) or where a field is left ``None`` (:func:`_half_tiles`, :func:`_pdl`); a field
+given explicitly wins. :func:`tma_ok`, :func:`dw_tma_ok` and :func:`_hopper` say what the device
+allows.
 """
 
 from __future__ import annotations
@@ -25,10 +31,22 @@ class MoEConfig:
     ``direct``: decode mode (one tile per slot, no layout; GEMM2 writes one row per slot and the
     reduce kernel sums each token's rows); otherwise tiles of ``block_m`` rows from
     :func:`replaymoe.moe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
-    + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection). ``tma`` (tile mode):
-    read the weights (both GEMMs) and GEMM2's SwiGLU rows through TMA tensor descriptors where the
-    operands allow it (bf16 / fp16 / fp32, unit stride along K, 16-byte aligned rows; otherwise,
-    and for fp8, pointer loads); the same bits either way.
+    + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection).
+
+    The data-movement switches (the same bits either way; each the per-call form of a
+    ``REPLAYMOE_*`` variable, DESIGN "Environment switches"):
+
+    * ``tma`` (tile mode): read the weights (both GEMMs) and GEMM2's SwiGLU rows through TMA tensor
+      descriptors where the operands allow it (bf16 / fp16 / fp32, unit stride along K, 16-byte
+      aligned rows; otherwise, and for fp8, pointer loads). :func:`moe_config` sets it for the
+      prefill tiles where the device allows it (:func:`tma_ok`, whose :data:`TMA_ENABLED` is the
+      process default, ``REPLAYMOE_TMA``); a configuration built by hand says it explicitly.
+    * ``half_tiles`` (tile mode, not fp8, ``block_m >= 32``): a tile with at most half its rows real
+      (an expert's last) computes only that half; ``None``: the process default
+      :data:`HALF_TILES_ENABLED` (``REPLAYMOE_HALF_TILES``).
+    * ``pdl`` (direct mode, not fp8, Hopper and newer outside the interpreter): GEMM1, GEMM2 and the
+      reduce as programmatic dependent launches; ``None``: the process default :data:`PDL_ENABLED`
+      (``REPLAYMOE_PDL``, off).
     """
 
     direct: bool
@@ -43,18 +61,32 @@ class MoEConfig:
     stages2: int
     group_m: int = 8
     tma: bool = False
+    half_tiles: bool | None = None
+    pdl: bool | None = None
+
+
+def _switch_code(v: bool | None) -> int:
+    """An optional switch as an int of a config list: -1 = None (the process default), 0, 1."""
+    return -1 if v is None else int(v)
+
+
+def _switch_value(v: int) -> bool | None:
+    return None if v < 0 else bool(v)
 
 
 def config_from_list(config: list[int]) -> MoEConfig:
-    """The inverse of :func:`config_tuple` (11 entries, without ``tma``, are accepted too)."""
-    return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]))
+    """The inverse of :func:`config_tuple` (11 entries, without the switches, and 12, without
+    ``half_tiles`` and ``pdl``, are accepted too)."""
+    return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]),
+                     *(_switch_value(v) for v in config[12:14]))  # fmt: skip
 
 
 def config_tuple(c: MoEConfig) -> list[int]:
     """``c`` as the int list the ``replaymoe::moe_experts*`` custom ops take (a dataclass cannot
-    cross the op boundary)."""
+    cross the op boundary; a switch left ``None`` travels as -1 and is resolved by the launcher)."""
     return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
-            c.warps2, c.stages2, c.group_m, int(c.tma)]  # fmt: skip
+            c.warps2, c.stages2, c.group_m, int(c.tma), _switch_code(c.half_tiles),
+            _switch_code(c.pdl)]  # fmt: skip
 
 
 # Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
@@ -200,6 +232,12 @@ class MoEBwdConfig:
     partial step (else pointer loads; the same operand values either way). ``maxnreg_w`` (with
     ``dw_tma``): a cap on the dW kernel's registers per thread (0: the compiler's choice); 168 lets
     three 4-warp programs share an SM (65536 / (3 * 128) = 170) where the compiler's 199 allowed two.
+
+    The data-movement switches (the same bits either way): ``dw_tma`` (process default
+    :data:`DW_TMA_ENABLED`, ``REPLAYMOE_DW_TMA``, through :func:`dw_tma_ok`) and ``gemm_tma``
+    (:data:`BWD_GEMM_TMA_ENABLED`, ``REPLAYMOE_BWD_GEMM_TMA``), set by :func:`moe_bwd_config`;
+    ``half_tiles``: the dA and dX GEMMs (and GEMM1 recomputed) take half tiles as the forward does
+    (:attr:`MoEConfig.half_tiles`), ``None``: the process default :data:`HALF_TILES_ENABLED`.
     """
 
     block_m: int
@@ -223,6 +261,7 @@ class MoEBwdConfig:
     dw_c_desc: bool = True
     gemm_tma: bool = False
     maxnreg_w: int = 0
+    half_tiles: bool | None = None
 
 
 def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = False) -> MoEBwdConfig:  # noqa: E741
@@ -256,22 +295,26 @@ def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = Fal
 
 
 # Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer: opt-in (True, or
-# the environment variable REPLAYMOE_PDL=1). Results are the same either way. Off by default because it
-# measured slower on the H200 at every decode point (scripts/pdl_decode_check.py, graph replay: Qwen3
-# T=1 36.7 -> 40.1 us, Mixtral T=1 189 -> 288 us, DSv3 T=8 1278 -> 1549 us): GEMM2's programs sit
-# resident while GEMM1 still runs, and its L2 prefetch of weights larger than L2 reads them twice.
+# the environment variable REPLAYMOE_PDL=1; per call MoEConfig.pdl). Results are the same either way.
+# Off by default because it measured slower on the H200 at every decode point
+# (scripts/pdl_decode_check.py, graph replay: Qwen3 T=1 36.7 -> 40.1 us, Mixtral T=1 189 -> 288 us,
+# DSv3 T=8 1278 -> 1549 us): GEMM2's programs sit resident while GEMM1 still runs, and its L2
+# prefetch of weights larger than L2 reads them twice.
 PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "0") == "1"
 
 
-def _pdl_ok(dev: torch.device) -> bool:
-    """Programmatic dependent launch is used on ``dev``: :data:`PDL_ENABLED`, a CUDA device of
-    compute capability 9.0 or newer, and not Triton's interpreter."""
-    return PDL_ENABLED and _hopper(dev)
+def _pdl(c, fp8: bool, dev: torch.device) -> bool:
+    """Configuration ``c``'s kernels run as programmatic dependent launches on ``dev``: ``c.pdl``
+    (``None``: :data:`PDL_ENABLED`), direct mode, not fp8, a CUDA device of compute capability 9.0
+    or newer, and not Triton's interpreter."""
+    want = PDL_ENABLED if c.pdl is None else c.pdl
+    return want and c.direct and not fp8 and _hopper(dev)
 
 
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
 # (:attr:`MoEConfig.tma`, chosen by :func:`moe_config` where :func:`tma_ok`); False (or the environment
-# variable REPLAYMOE_TMA=0) keeps pointer loads. Results are the same either way. H200 A/B
+# variable REPLAYMOE_TMA=0) keeps pointer loads where the configuration is chosen for the call (a
+# configuration given with tma=True still uses TMA). Results are the same either way. H200 A/B
 # (scripts/fwd_tma_check.py, graph replay): 1.04-1.11x at T >= 4096 (Mixtral T=16384 22.5 -> 20.3 ms).
 TMA_ENABLED = os.environ.get("REPLAYMOE_TMA", "1") != "0"
 
@@ -295,13 +338,17 @@ DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
 # T=16384 8.38-8.43 -> 8.27-8.35 (peaks unchanged); DSv3 T=4096 19.5 -> 19.4.
 BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
 # Tile mode, bf16 / fp16 / fp32: a tile with at most half its rows real (an expert's last) computes
-# only that half (the kernels' HALF_TILES; the same bits). REPLAYMOE_HALF_TILES=0 turns it off.
+# only that half (the kernels' HALF_TILES; the same bits). REPLAYMOE_HALF_TILES=0 turns it off where a
+# configuration leaves MoEConfig.half_tiles / MoEBwdConfig.half_tiles None (the default).
 HALF_TILES_ENABLED = os.environ.get("REPLAYMOE_HALF_TILES", "1") != "0"
 
 
 def _half_tiles(c, fp8: bool) -> bool:
-    """The tile kernels of configuration ``c`` take HALF_TILES (tile mode, not fp8, >= 32-row tiles)."""
-    return HALF_TILES_ENABLED and not fp8 and not getattr(c, "direct", False) and c.block_m >= 32
+    """The tile kernels of configuration ``c`` (a :class:`MoEConfig` or :class:`MoEBwdConfig`) take
+    HALF_TILES: ``c.half_tiles`` (``None``: :data:`HALF_TILES_ENABLED`), tile mode, not fp8, >= 32-row
+    tiles."""
+    want = HALF_TILES_ENABLED if c.half_tiles is None else c.half_tiles
+    return want and not fp8 and not getattr(c, "direct", False) and c.block_m >= 32
 
 
 _HOPPER_DEVICES: dict = {}
