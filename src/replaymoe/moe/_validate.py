@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .._validation import check_choice, check_int, check_tensor, fail
-from ..routing import RoutingConfig, as_config
+from ..routing import RoutingConfig, as_routing
 from ..routing._checks import validate as validate_routing
 from ..routing.methods import Params
 from ._reference import ClampedSwiGLU
@@ -172,13 +172,13 @@ def _validate(
                 f"router_logits over {E} experts and w13 for {E_local}",
                 what="expert count",
             )
-        cfg = as_config(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+        routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
         # route()'s per-call checks, here once (the routing after validation checks nothing again):
         # top_k and the grouping against E, the capture buffer, the replay ids (any strides: the small
         # [T, K] tensor comes back contiguous)
-        route_params, replay_ids = validate_routing(router_logits, cfg, routing_replay_out, replay_ids)
+        route_params, replay_ids = validate_routing(router_logits, routing, routing_replay_out, replay_ids)
     else:
-        cfg, route_params = None, None
+        route_params = None
         if topk_ids is None or topk_weights is None:
             fail(
                 "topk_ids" if topk_ids is None else "topk_weights",
@@ -210,5 +210,5 @@ def _validate(
     out_dtype = torch.bfloat16 if fp8 else hidden_states.dtype
     if out is not None:
         check_tensor("out", out, shape=(T, H), dtype=out_dtype, device=dev, contiguous=True)
-    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=cfg,
+    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=routing,
                     route_params=route_params, replay_ids=replay_ids)  # fmt: skip
