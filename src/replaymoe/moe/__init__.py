@@ -41,7 +41,7 @@ from torch import nn
 
 from .._backend import BACKENDS, resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail
-from ..routing import RoutingConfig, RoutingMethod, route_unchecked
+from ..routing import RoutingConfig, RoutingMethod, as_routing, route_unchecked
 from ._backward import experts_triton_train
 from ._forward import STANDARD, ExpertsVariant, experts_triton
 from ._reference import ClampedSwiGLU as ClampedSwiGLU  # re-exported: replaymoe.moe.ClampedSwiGLU
@@ -379,6 +379,9 @@ class MoELayer(nn.Module):
     w13 : Parameter [E_local, 2I, H] (gate rows first)
     w2 : Parameter [E_local, H, I]
     w13_bias, w2_bias : Parameter [E_local, 2I] / [E_local, H], or None without ``expert_bias``
+    routing : RoutingConfig
+        The routing arguments folded into one object (validated once, here), passed to
+        :func:`fused_moe` as ``routing=``; its ``bias`` is the ``router_bias`` buffer.
     """
 
     def __init__(
@@ -433,13 +436,8 @@ class MoELayer(nn.Module):
         else:
             self.router_bias = None
         # validated once here; rebuilt only when the bias buffer is replaced (.to(), load_state_dict)
-        self.routing = RoutingConfig(
-            top_k,
-            RoutingMethod.RENORMALIZE if method is None else method,
-            self.router_bias,
-            n_group,
-            topk_group,
-            routed_scaling_factor,
+        self.routing = as_routing(
+            None, top_k, method, self.router_bias, n_group, topk_group, routed_scaling_factor
         )
         self.reset_parameters()
 
