@@ -120,22 +120,9 @@ def _validate(
         if H % 128 or I % 128:
             fail("w13", "H and I multiples of 128 for fp8 block-scale", f"H={H}, I={I}", what="shape")
         # contiguous: the kernels step through the scale blocks with unit stride along the last dim
-        check_tensor(
-            "w13_scale",
-            w13_scale,
-            shape=(E_local, two_i // 128, H // 128),
-            dtype=torch.float32,
-            device=dev,
-            contiguous=True,
-        )
-        check_tensor(
-            "w2_scale",
-            w2_scale,
-            shape=(E_local, H // 128, I // 128),
-            dtype=torch.float32,
-            device=dev,
-            contiguous=True,
-        )
+        for name, scale, rows, cols in (("w13_scale", w13_scale, two_i, H), ("w2_scale", w2_scale, H, I)):
+            shape = (E_local, rows // 128, cols // 128)
+            check_tensor(name, scale, shape=shape, dtype=torch.float32, device=dev, contiguous=True)
     check_int("local_expert_offset", local_expert_offset, low=0)
 
     routing_args = {
