@@ -120,6 +120,7 @@ SHIMS = {
 OWN = {
     "replaymoe.routing_table": {"GRAD_KIND"},
     "replaymoe.routing_checks": {"validate", "compiled_replay_check"},
+    "replaymoe.routing_config": {"as_config"},
 }
 
 
@@ -227,6 +228,11 @@ def test_shims_keep_their_old_results():
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]]).t().contiguous().t()  # not contiguous
     assert checks.compiled_replay_check(ids, 8).is_contiguous()
     assert checks.compiled_replay_check(None, 8) is None
+    with pytest.warns(DeprecationWarning):
+        config = _fresh_import("replaymoe.routing_config")
+    cfg = RoutingConfig(2)  # as_config, now routing.as_routing: the object, or one built from keywords
+    assert config.as_config(cfg, None, None, None, None, None, None) is cfg
+    assert config.as_config(None, 2, None, None, None, None, None) == cfg
 
 
 def test_the_ep_fast_launch_switch_is_a_deprecated_synonym():

@@ -177,7 +177,7 @@ def _moe_worker(rank, world):
     from replaymoe.ep import MoeAlltoAll, ep_moe, expert_partition
     from replaymoe.moe import fused_moe_torch
     from replaymoe.moe.quant import quantize_fp8_block
-    from replaymoe.routing import RoutingMethod
+    from replaymoe.routing import RoutingConfig, RoutingMethod
     from replaymoe.testing import assert_close, tie_free_logits
 
     groups = _groups(rank)
@@ -263,10 +263,9 @@ def _moe_worker(rank, world):
             w13[lo : lo + n],
             w2[lo : lo + n],
             a2a,
-            top_k=K,
+            routing=RoutingConfig(K, **kw),  # the routing as one object (the keywords above fold into it)
             replay_ids=replay[rank],
             runtime_max_tokens_per_rank=max(Ts),
-            **kw,
             **loc,
         )
         expect = fused_moe_torch(
@@ -335,6 +334,7 @@ def _errors_worker(rank, world):
     import torch.distributed as dist
 
     from replaymoe.ep import MoeAlltoAll, ep_moe
+    from replaymoe.routing import RoutingConfig
 
     E, K, H = 8, 2, 16
     with pytest.raises(ValueError, match="num_experts"):
@@ -398,6 +398,8 @@ def _errors_worker(rank, world):
     logits = torch.randn(2, E)
     with pytest.raises(ValueError, match="top_k"):
         ep_moe(x, logits, w13, w2, a2a, top_k=3)
+    with pytest.raises(ValueError, match="top_k.*not given together with routing"):
+        ep_moe(x, logits, w13, w2, a2a, top_k=K, routing=RoutingConfig(K))
     with pytest.raises(ValueError, match="w13_local"):
         ep_moe(x, logits, w13[:3], w2, a2a, top_k=K)
     with pytest.raises(ValueError, match="router_logits"):

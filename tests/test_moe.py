@@ -17,7 +17,7 @@ from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
 from replaymoe.moe._forward import experts_triton
 from replaymoe.moe.configs import MoEConfig
 from replaymoe.moe.quant import quantize_fp8_block
-from replaymoe.routing import RoutingMethod, route_torch
+from replaymoe.routing import RoutingConfig, RoutingMethod, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits
 
 
@@ -165,6 +165,11 @@ def test_routing_inside_deepseek_method(generator):
     assert torch.equal(
         out, fused_moe(x, w13, w2, topk_ids=r.topk_ids, topk_weights=r.topk_weights, backend="torch")
     )
+    # the same routing as one object (routing=): the keywords are folded into exactly this
+    routing = RoutingConfig(**kw)
+    assert torch.equal(out, fused_moe(x, w13, w2, router_logits=logits, routing=routing, backend="torch"))
+    with pytest.raises(ValueError, match="top_k.*not given together with routing"):
+        fused_moe(x, w13, w2, router_logits=logits, routing=routing, top_k=K, backend="torch")
 
 
 def test_empty_batch_and_out_param(generator):
@@ -211,6 +216,8 @@ def test_moelayer_forward_matches_reference(generator):
     ref_part = per_token_formula(x.reshape(6, 32), layer.w13[4:].detach(), layer.w2[4:].detach(), r.topk_ids,
                                  r.topk_weights, offset=4)  # fmt: skip
     assert_close(part(x).reshape(6, 32), ref_part.float(), dtype=torch.float32)
+    # the layer's routing object: its keywords folded once (method None = RENORMALIZE)
+    assert layer.routing == RoutingConfig(2, RoutingMethod.RENORMALIZE)
 
 
 # ---------------------------------------------------------------- rejections
@@ -238,6 +245,7 @@ REJECT = [
     (lambda a: a.update(topk_ids=None, topk_weights=None), "topk_ids"),  # no routing at all
     (lambda a: a.update(top_k=2), "top_k"),  # routing args with topk tensors
     (lambda a: a.update(n_group=2), "n_group"),
+    (lambda a: a.update(routing=RoutingConfig(2)), "routing"),
     (lambda a: a.update(routing_replay_out=torch.zeros(3, 2, dtype=torch.int16)), "routing_replay_out"),
     (lambda a: a.update(router_logits=torch.zeros(3, 4)), "topk_ids"),  # logits and topk tensors together
     (lambda a: a.update(activation="gelu"), "activation"),

@@ -409,3 +409,83 @@ def test_triton_backend_expert_limit():
     # the kernel keeps a token's experts in registers: explicit 'triton' beyond 4096 is refused
     with pytest.raises(ValueError, match="router_logits.*4096"):
         route(torch.zeros(1, 4097), 2, backend="triton")
+
+
+# --------------------------------------------------------------------------------------------------
+# the routing object: one name (routing=), the loose keywords folded into it, config= deprecated
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", list(M))
+@pytest.mark.parametrize("fn", ["route", "route_torch"])
+def test_routing_object_equals_the_keywords(fn, method, generator):
+    x = tie_free_logits(6, 16, generator=generator)
+    kw = routing_kwargs(method, 16, generator, groups=(4, 2))
+    f = getattr(routing_mod, fn)
+    got = f(x, routing=routing_mod.RoutingConfig(method=method, **kw))
+    want = f(x, method=method, **kw)
+    assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
+
+
+@pytest.mark.parametrize("method", [M.RENORMALIZE, M.DEEPSEEK_V3])
+@pytest.mark.parametrize("fn", ["route", "route_torch"])
+def test_config_is_the_deprecated_name_of_routing(fn, method, generator):
+    x = tie_free_logits(6, 16, generator=generator)
+    cfg = routing_mod.RoutingConfig(method=method, **routing_kwargs(method, 16, generator, groups=(4, 2)))
+    f = getattr(routing_mod, fn)
+    cap, cap_old = (torch.full((8, cfg.top_k), -5, dtype=torch.int16) for _ in range(2))
+    want = f(x, routing=cfg, routing_replay_out=cap)
+    with pytest.warns(DeprecationWarning, match=rf"{fn}\(config=\.\.\.\) is deprecated.*routing=") as seen:
+        got = f(x, config=cfg, routing_replay_out=cap_old)
+    assert seen[0].filename == __file__  # the warning points at the caller's line
+    assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
+    assert torch.equal(cap_old, cap)
+    with pytest.raises(ValueError, match=r"config.*routing.*both config= and routing="):
+        f(x, config=cfg, routing=cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"top_k": 2}, "top_k.*not given together with routing"),
+        ({"method": M.TOPK}, "method.*not given together with routing"),
+        ({"bias": torch.zeros(16)}, "bias.*not given together with routing"),
+        ({"n_group": 2}, "n_group.*not given together with routing"),
+        ({"topk_group": 1}, "topk_group.*not given together with routing"),
+        ({"routed_scaling_factor": 1.0}, "routed_scaling_factor.*not given together with routing"),
+        ({"routing": "renormalize"}, "type of routing: expected a RoutingConfig, got str"),
+        ({"routing": None}, r"top_k: expected an int \(or routing=RoutingConfig"),  # neither given
+    ],
+)
+@pytest.mark.parametrize("fn", ["route", "route_torch"])
+def test_routing_and_its_keywords_are_one_or_the_other(fn, kwargs, match):
+    kwargs = {"routing": routing_mod.RoutingConfig(2), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        getattr(routing_mod, fn)(X, **kwargs)
+
+
+def test_the_default_method_beside_the_routing_object_is_no_conflict(generator):
+    x = tie_free_logits(4, 16, generator=generator)
+    got = route(x, routing=routing_mod.RoutingConfig(2), method=M.RENORMALIZE)
+    assert torch.equal(got.topk_ids, route(x, 2).topk_ids)
+
+
+def test_route_torch_is_route_on_the_torch_backend():
+    with pytest.raises(ValueError, match="backend.*route_torch"):
+        route_torch(X, 2, backend="torch")
+
+
+def test_routing_object_under_torch_compile_fullgraph(generator):
+    # the object (a frozen dataclass holding the bias tensor) traces without a graph break, through
+    # route and route_torch alike; the deprecated config= branch is never entered without config=
+    x = tie_free_logits(6, 32, generator=generator)
+    kw = routing_kwargs(M.DEEPSEEK_V3, 32, generator, groups=(4, 2))
+    cfg = routing_mod.RoutingConfig(method=M.DEEPSEEK_V3, **kw)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def fwd(x):
+        return route(x, routing=cfg, backend="torch"), route_torch(x, routing=cfg)
+
+    want = route_torch(x, method=M.DEEPSEEK_V3, **kw)
+    for got in fwd(x):
+        assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)

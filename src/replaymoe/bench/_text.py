@@ -1,4 +1,5 @@
-"""Plain text for the benchmarks' ``--help`` (shared with :mod:`replaymoe.apps.cli`).
+"""Plain text for the benchmarks' command lines: ``--help`` (shared with :mod:`replaymoe.apps.cli`) and
+the comma-list options.
 
 It lives in the bench package because the benchmarks need it and never import :mod:`replaymoe.apps`
 (apps may import bench's entry points, not the reverse; ``tests/test_structure.py`` enforces it).
@@ -6,9 +7,11 @@ It lives in the bench package because the benchmarks need it and never import :m
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Iterable
 
-__all__ = ["strip_rest"]
+__all__ = ["choice_list", "strip_rest"]
 
 
 def strip_rest(text: str) -> str:
@@ -25,3 +28,14 @@ def strip_rest(text: str) -> str:
     text = re.sub(r"\s*::$", ":", text, flags=re.M)  # "Run it::" -> "Run it:"
     text = re.sub(r"^\s*\.\. [\w-]+::.*\n", "", text, flags=re.M)
     return text
+
+
+def choice_list(parser: argparse.ArgumentParser, text: str, allowed: Iterable[str], what: str) -> list[str]:
+    """The items of the comma list ``text`` (empty items dropped); ``parser.error`` (exit 2) naming the
+    ones not in ``allowed``: ``unknown {what} [...]; choose from [...]``."""
+    allowed = list(allowed)
+    items = [s for s in text.split(",") if s]
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        parser.error(f"unknown {what} {bad}; choose from {allowed}")
+    return items

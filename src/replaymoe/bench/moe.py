@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from replaymoe.bench._text import strip_rest  # plain-text --help when run as python -m
+from replaymoe.bench._text import choice_list, strip_rest  # strip_rest: plain-text --help as python -m
 
 from ._timing import (
     BF16_FLOPS_PER_S,
@@ -257,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(exc))
     if no_cuda("replaymoe bench moe"):
         return NO_CUDA_EXIT
-    shapes = [s for s in a.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad:
-        p.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    shapes = choice_list(p, a.shapes, SHAPES, "shapes")
     tokens = [int(t) for t in a.tokens.split(",") if t]
     rows = run(shapes, tokens, load_vllm_peer(peer_root) if a.peer_dir else None)
     write_results(rows, a.out, "moe")

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._text import choice_list
 from ._timing import BF16_FLOPS_PER_S, print_table, time_eager, write_results
 
 # name -> (H, I, E, K)
@@ -298,10 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("replaymoe bench train needs a CUDA GPU", file=sys.stderr)
         return 2
-    shapes = [s for s in a.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad:
-        p.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    shapes = choice_list(p, a.shapes, SHAPES, "shapes")
     tokens = [int(t) for t in a.tokens.split(",") if t]
     impls = [s for s in a.impls.split(",") if s]
     rows: list[dict] = []

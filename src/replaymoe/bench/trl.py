@@ -29,6 +29,7 @@ import tempfile
 
 import torch
 
+from ._text import choice_list
 from ._timing import print_table, write_results
 
 IMPLS = ("grouped_mm", "replaymoe", "r3")
@@ -93,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("replaymoe bench trl needs a CUDA GPU", file=sys.stderr)
         return 2
-    impls = [s for s in a.impls.split(",") if s]
-    bad = [s for s in impls if s not in IMPLS]
-    if bad:
-        p.error(f"unknown impls {bad}; choose from {list(IMPLS)}")
+    impls = choice_list(p, a.impls, IMPLS, "impls")
     rows: list[dict] = []
     med: dict[str, float] = {}
     for impl in impls:

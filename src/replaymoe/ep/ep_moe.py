@@ -74,10 +74,13 @@ def ep_moe(
         fp8 ``float8_e4m3fn`` with ``w13_scale``/``w2_scale`` for the block-scale path.
     a2a : MoeAlltoAll
         Built with the same ``top_k``, ``num_experts = E`` and ``hidden_size = H``.
-    top_k, method, bias, n_group, topk_group, routed_scaling_factor, routing_replay_out, replay_ids
-        As in :func:`replaymoe.route` (``top_k``, ``method`` … ``routed_scaling_factor`` may be
-        given as one :class:`~replaymoe.routing.RoutingConfig`, ``routing=``).
-        Routing arguments, as for :func:`replaymoe.route`.
+    top_k, method, bias, n_group, topk_group, routed_scaling_factor : optional
+        Routing arguments, as for :func:`replaymoe.route` (``top_k`` must equal ``a2a.top_k``).
+    routing : RoutingConfig, optional
+        The routing arguments above as one object, validated once when it was built; give it or
+        them, not both.
+    routing_replay_out, replay_ids : torch.Tensor, optional
+        Capture and replay, as for :func:`replaymoe.route` (on this rank's tokens).
     w13_scale, w2_scale : torch.Tensor, optional
         fp8 block scales of the local experts.
     runtime_max_tokens_per_rank : int, optional
@@ -140,7 +143,7 @@ def ep_moe(
     the forward's: the buffers grow once on its first call (pass ``payload_bytes_per_token`` to
     :class:`MoeAlltoAll` to size them up front).
     """
-    from ..routing import as_config, route
+    from ..routing import as_routing, route
 
     if not isinstance(a2a, MoeAlltoAll):
         fail("a2a", "a MoeAlltoAll", type(a2a).__name__, what="type")
@@ -154,9 +157,9 @@ def ep_moe(
             what="shape",
         )
     check_tensor("router_logits", router_logits, shape=(T, a2a.num_experts), device=a2a.device)
-    cfg = as_config(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    if cfg.top_k != a2a.top_k:
-        fail("top_k", f"a2a.top_k = {a2a.top_k}", cfg.top_k)
+    routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    if routing.top_k != a2a.top_k:
+        fail("top_k", f"a2a.top_k = {a2a.top_k}", routing.top_k)
     check_tensor("w13_local", w13_local, ndim=3, device=a2a.device)
     if w13_local.shape[0] != a2a.num_local_experts:
         fail(
@@ -171,7 +174,7 @@ def ep_moe(
 
     r = route(
         router_logits,
-        config=cfg,
+        routing=routing,
         routing_replay_out=routing_replay_out,
         replay_ids=replay_ids,
         backend=backend,

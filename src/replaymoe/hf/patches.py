@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
-from replaymoe.routing import route
+from replaymoe.routing import RoutingConfig, route
 
 from .discovery import MoELayerInfo
 
@@ -48,8 +48,9 @@ class SessionHooks(Protocol):
         """(replay ids ``int32 [T, K]`` or None, capture slab ``int16 [T, K]`` or None) of one router call."""
 
     def routed(self, info: MoELayerInfo, logits: torch.Tensor, replay_ids: Optional[torch.Tensor],
-               used: torch.Tensor, config: Any) -> None:  # fmt: skip
-        """After a router call in the model's forward: what it was forced to and what it used."""
+               used: torch.Tensor, routing: RoutingConfig) -> None:  # fmt: skip
+        """After a router call in the model's forward: what it was forced to and what it used (routed
+        with ``routing``)."""
 
     def generate_begin(self) -> None:
         """``generate`` was called: its first forward starts a capture batch (rollout mode: a round)."""
@@ -131,12 +132,12 @@ def block_forward(state: SessionHooks, graphs: Any) -> Callable:
 
 def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Callable:
     plan = info.plan
-    routing = [plan.routing]  # rebound when the module's bias tensor is replaced (to_empty, .to())
+    bound = [plan.routing]  # rebound when the module's bias tensor is replaced (to_empty, .to())
 
     def forward(router: nn.Module, hidden_states: torch.Tensor):
-        config = routing[0]
-        if config.bias is not None and config.bias is not router.e_score_correction_bias:
-            config = routing[0] = dataclasses.replace(config, bias=router.e_score_correction_bias)
+        routing = bound[0]
+        if routing.bias is not None and routing.bias is not router.e_score_correction_bias:
+            routing = bound[0] = dataclasses.replace(routing, bias=router.e_score_correction_bias)
         logits = plan.logits(router, hidden_states)
         replay_ids, staged = state.layer_io(info, logits.shape[0])
         dev = logits.device
@@ -147,7 +148,7 @@ def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Call
             replay_ids = replay_ids.to(dev)
         out = route(
             logits,
-            config=config,
+            routing=routing,
             routing_replay_out=out_buf,
             replay_ids=replay_ids,
             backend=state.backend,
@@ -156,7 +157,7 @@ def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Call
         if out_buf is not staged:
             staged.copy_(out_buf)
         if replay_ids is not None:
-            state.routed(info, logits, replay_ids, out.topk_ids, config)
+            state.routed(info, logits, replay_ids, out.topk_ids, routing)
         weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=fused)
         # the fused experts take int32 ids as they are; transformers' own experts index with int64
         return logits, weights, out.topk_ids if fused else out.topk_ids.long()

@@ -2,8 +2,9 @@
 
 A :class:`RouterSpec` is per router *class* (one per architecture family); :meth:`RouterSpec.plan`
 binds it to one router *module* once, at :func:`replaymoe.hf.enable` time, so that a forward pays
-no per-call lookups: a :class:`RouterPlan` holds the method, the keyword arguments of ``route`` and
-the post-processing of the weights.
+no per-call lookups: a :class:`RouterPlan` holds the routing (one
+:class:`~replaymoe.routing.RoutingConfig`, passed to ``route`` as ``routing=``) and the
+post-processing of the weights.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class RouterPlan:
         ``"gptoss"``.
     routing : RoutingConfig
         What ``route`` computes for this router (method, top-k, DeepSeek's bias, grouping and
-        scale), validated once.
+        scale), validated once; passed as ``route(..., routing=...)``.
     sigmoid_scale : float or None
         DeepSeek/GLM4 with ``norm_topk_prob=False``: weights are ``sigmoid(logits)[ids] * scale``
         instead of route's renormalised ones. None otherwise.

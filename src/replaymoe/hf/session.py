@@ -27,7 +27,7 @@ from torch import nn
 
 from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, check_int, fail
-from replaymoe.routing import route
+from replaymoe.routing import RoutingConfig, route
 
 from .aux_loss import install as install_aux_loss
 from .aux_loss import target_modules
@@ -481,14 +481,14 @@ class ReplayMoE:
         self._rollout_generate_end()
 
     def routed(self, info: MoELayerInfo, logits: torch.Tensor, replay_ids: Optional[torch.Tensor],
-               used: torch.Tensor, config: Any) -> None:  # fmt: skip
+               used: torch.Tensor, routing: RoutingConfig) -> None:  # fmt: skip
         """A router call with ``replay_ids`` used ``used``: kept for this forward's aux loss, and counted
         (:meth:`track_mismatch`); recomputes (outside the model's forward) are not."""
         if replay_ids is None or self._step is None or torch.compiler.is_compiling():
             return
         self._used[info.index] = (logits, used)
         if self._mismatch is not None:
-            self._count_mismatch(info.index, logits, replay_ids, used, config)
+            self._count_mismatch(info.index, logits, replay_ids, used, routing)
 
     def layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any]:
         """(replay ids int32 [T, K] or None, capture slab int16 [T, K] or None) for one router call."""
@@ -591,13 +591,13 @@ class ReplayMoE:
         )
 
     def _count_mismatch(self, index: int, logits: torch.Tensor, forced: torch.Tensor, used: torch.Tensor,
-                        config: Any) -> None:  # fmt: skip
+                        routing: RoutingConfig) -> None:  # fmt: skip
         if self._mismatch is None:
             return
         if self._mismatch.device != logits.device:
             self._mismatch = self._mismatch.to(logits.device)
         with torch.no_grad():
-            native = route(logits.detach(), config=config, backend=self.backend).topk_ids
+            native = route(logits.detach(), routing=routing, backend=self.backend).topk_ids
             replayed = forced[:, 0] >= 0
             want = torch.sort(forced.long(), dim=1).values
             differs_native = (torch.sort(native.long(), dim=1).values != want).any(dim=1) & replayed

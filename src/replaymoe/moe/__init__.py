@@ -41,7 +41,7 @@ from torch import nn
 
 from .._backend import BACKENDS, resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail
-from ..routing import RoutingConfig, RoutingMethod, route_unchecked
+from ..routing import RoutingConfig, RoutingMethod, as_routing, route_unchecked
 from ._backward import experts_triton_train
 from ._forward import STANDARD, ExpertsVariant, experts_triton
 from ._reference import ClampedSwiGLU as ClampedSwiGLU  # re-exported: replaymoe.moe.ClampedSwiGLU
@@ -271,55 +271,35 @@ def fused_moe(
             res = res + sum(t.reshape(-1)[:0].sum().to(p.out_dtype)
                             for t in grad_inputs if t.requires_grad)  # fmt: skip
         return out.copy_(res) if out is not None else res
-    if use_triton and needs_grad:
-        res = experts_triton_train(
-            hidden_states,
-            w13,
-            w2,
-            topk_ids,
-            topk_weights,
-            local_expert_offset=local_expert_offset,
-            recompute=recompute,
-            variant=_variant(w13_bias, w2_bias, activation, gate_up_layout),
-        )
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
+    args = (hidden_states, w13, w2, topk_ids, topk_weights)
     if use_triton:
-        res = experts_triton(
-            hidden_states,
-            w13,
-            w2,
-            topk_ids,
-            topk_weights,
+        variant = _variant(w13_bias, w2_bias, activation, gate_up_layout)
+        if not needs_grad:  # inference: writes into out itself
+            return experts_triton(
+                *args,
+                w13_scale=w13_scale,
+                w2_scale=w2_scale,
+                local_expert_offset=local_expert_offset,
+                out=out,
+                batch_invariant=batch_invariant,
+                variant=variant,
+            )
+        res = experts_triton_train(
+            *args, local_expert_offset=local_expert_offset, recompute=recompute, variant=variant
+        )
+    else:
+        res = experts_torch(
+            *args,
             w13_scale=w13_scale,
             w2_scale=w2_scale,
             local_expert_offset=local_expert_offset,
-            out=out,
-            batch_invariant=batch_invariant,
-            variant=_variant(w13_bias, w2_bias, activation, gate_up_layout),
+            out_dtype=p.out_dtype,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
+            activation=activation,
+            gate_up_layout=gate_up_layout,
         )
-        return res
-    res = experts_torch(
-        hidden_states,
-        w13,
-        w2,
-        topk_ids,
-        topk_weights,
-        w13_scale=w13_scale,
-        w2_scale=w2_scale,
-        local_expert_offset=local_expert_offset,
-        out_dtype=p.out_dtype,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-        activation=activation,
-        gate_up_layout=gate_up_layout,
-    )
-    if out is not None:
-        out.copy_(res)
-        return out
-    return res
+    return res if out is None else out.copy_(res)
 
 
 def swap_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor | None = None):
@@ -379,6 +359,9 @@ class MoELayer(nn.Module):
     w13 : Parameter [E_local, 2I, H] (gate rows first)
     w2 : Parameter [E_local, H, I]
     w13_bias, w2_bias : Parameter [E_local, 2I] / [E_local, H], or None without ``expert_bias``
+    routing : RoutingConfig
+        The routing arguments folded into one object (validated once, here), passed to
+        :func:`fused_moe` as ``routing=``; its ``bias`` is the ``router_bias`` buffer.
     """
 
     def __init__(
@@ -433,13 +416,8 @@ class MoELayer(nn.Module):
         else:
             self.router_bias = None
         # validated once here; rebuilt only when the bias buffer is replaced (.to(), load_state_dict)
-        self.routing = RoutingConfig(
-            top_k,
-            RoutingMethod.RENORMALIZE if method is None else method,
-            self.router_bias,
-            n_group,
-            topk_group,
-            routed_scaling_factor,
+        self.routing = as_routing(
+            None, top_k, method, self.router_bias, n_group, topk_group, routed_scaling_factor
         )
         self.reset_parameters()
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .._validation import check_choice, check_int, check_tensor, fail
-from ..routing import RoutingConfig, as_config
+from ..routing import RoutingConfig, as_routing
 from ..routing._checks import validate as validate_routing
 from ..routing.methods import Params
 from ._reference import ClampedSwiGLU
@@ -120,22 +120,9 @@ def _validate(
         if H % 128 or I % 128:
             fail("w13", "H and I multiples of 128 for fp8 block-scale", f"H={H}, I={I}", what="shape")
         # contiguous: the kernels step through the scale blocks with unit stride along the last dim
-        check_tensor(
-            "w13_scale",
-            w13_scale,
-            shape=(E_local, two_i // 128, H // 128),
-            dtype=torch.float32,
-            device=dev,
-            contiguous=True,
-        )
-        check_tensor(
-            "w2_scale",
-            w2_scale,
-            shape=(E_local, H // 128, I // 128),
-            dtype=torch.float32,
-            device=dev,
-            contiguous=True,
-        )
+        for name, scale, rows, cols in (("w13_scale", w13_scale, two_i, H), ("w2_scale", w2_scale, H, I)):
+            shape = (E_local, rows // 128, cols // 128)
+            check_tensor(name, scale, shape=shape, dtype=torch.float32, device=dev, contiguous=True)
     check_int("local_expert_offset", local_expert_offset, low=0)
 
     routing_args = {
@@ -172,13 +159,13 @@ def _validate(
                 f"router_logits over {E} experts and w13 for {E_local}",
                 what="expert count",
             )
-        cfg = as_config(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+        routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
         # route()'s per-call checks, here once (the routing after validation checks nothing again):
         # top_k and the grouping against E, the capture buffer, the replay ids (any strides: the small
         # [T, K] tensor comes back contiguous)
-        route_params, replay_ids = validate_routing(router_logits, cfg, routing_replay_out, replay_ids)
+        route_params, replay_ids = validate_routing(router_logits, routing, routing_replay_out, replay_ids)
     else:
-        cfg, route_params = None, None
+        route_params = None
         if topk_ids is None or topk_weights is None:
             fail(
                 "topk_ids" if topk_ids is None else "topk_weights",
@@ -210,5 +197,5 @@ def _validate(
     out_dtype = torch.bfloat16 if fp8 else hidden_states.dtype
     if out is not None:
         check_tensor("out", out, shape=(T, H), dtype=out_dtype, device=dev, contiguous=True)
-    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=cfg,
+    return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=routing,
                     route_params=route_params, replay_ids=replay_ids)  # fmt: skip

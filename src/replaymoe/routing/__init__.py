@@ -23,6 +23,7 @@ Semantics shared by every method and backend
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -65,10 +66,11 @@ class RoutingOutput(NamedTuple):
 class RoutingConfig:
     """How tokens choose experts (see :mod:`replaymoe.routing.methods` for the math of each method).
 
-    Validated once, when it is built; ``route``, ``fused_moe``, ``ep_moe``, ``MoELayer`` and the
-    transformers integration take one (``config=`` / ``routing=``) instead of repeating the routing
-    arguments, and check per call only what depends on the logits (the number of experts). The keyword
-    arguments of those functions remain as a convenience that builds one.
+    Validated once, when it is built; ``route``, ``route_torch``, ``fused_moe`` and ``ep_moe`` take
+    one as ``routing=`` (``MoELayer`` and the transformers integration hold one as ``.routing``)
+    instead of repeating the routing arguments, and check per call only what depends on the logits
+    (the number of experts). The loose keyword arguments of those functions remain a convenience that
+    builds one at once (:func:`as_routing`).
 
     Attributes
     ----------
@@ -114,8 +116,8 @@ class RoutingConfig:
         object.__setattr__(self, "scale", scale)
 
 
-def as_config(
-    config: object,
+def as_routing(
+    routing: object,
     top_k: object,
     method: object,
     bias: object,
@@ -123,21 +125,25 @@ def as_config(
     topk_group: object,
     routed_scaling_factor: object,
 ) -> RoutingConfig:
-    """``config``, or a :class:`RoutingConfig` built from the keyword arguments (exactly one of the two;
-    ``method`` None means RENORMALIZE).
+    """The routing object of a public entry point: ``routing``, or a :class:`RoutingConfig` built from
+    the loose keyword arguments (exactly one of the two; ``method`` None means RENORMALIZE).
+
+    Every entry point that takes the routing keywords (``route``, ``route_torch``, ``fused_moe``,
+    ``ep_moe``, ``MoELayer``) folds them here, once, so that their list and its validation exist
+    once.
 
     Raises
     ------
     ValueError
-        Both or neither given, ``config`` not a RoutingConfig, or an invalid routing argument.
+        Both or neither given, ``routing`` not a RoutingConfig, or an invalid routing argument.
     """
-    if config is None:
+    if routing is None:
         if top_k is None:
-            fail("top_k", "an int (or config=RoutingConfig(...))", None)
+            fail("top_k", "an int (or routing=RoutingConfig(...))", None)
         method = RoutingMethod.RENORMALIZE if method is None else method
         return RoutingConfig(top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    if not isinstance(config, RoutingConfig):
-        fail("config", "a RoutingConfig", type(config).__name__, what="type")
+    if not isinstance(routing, RoutingConfig):
+        fail("routing", "a RoutingConfig", type(routing).__name__, what="type")
     given = [
         name
         for name, value in (
@@ -152,7 +158,24 @@ def as_config(
     if method is not RoutingMethod.RENORMALIZE and method is not None:
         given.append("method")
     if given:
-        fail(given[0], "not given together with config (the config holds it)", given[0] + " given")
+        fail(given[0], "not given together with routing (the RoutingConfig holds it)", given[0] + " given")
+    return routing
+
+
+def _renamed_config(routing: Optional[RoutingConfig], config: RoutingConfig, func: str) -> RoutingConfig:
+    """``config=``, the deprecated name of ``routing=`` (kept for one release): warns and returns it.
+    Only called when ``config`` is given, so a compiled call without it never reaches the warning."""
+    if routing is not None:
+        fail(
+            "config",
+            "routing= alone (config= is its deprecated name)",
+            "both config= and routing=",
+        )
+    warnings.warn(
+        f"{func}(config=...) is deprecated and will be removed in the next release; pass routing=...",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of route / route_torch
+    )
     return config
 
 
@@ -187,24 +210,19 @@ def route_torch(
     router_logits: torch.Tensor,
     top_k: Optional[int] = None,
     method: Optional[RoutingMethod] = None,
-    *,
-    config: Optional[RoutingConfig] = None,
-    bias: Optional[torch.Tensor] = None,
-    n_group: Optional[int] = None,
-    topk_group: Optional[int] = None,
-    routed_scaling_factor: Optional[float] = None,
-    routing_replay_out: Optional[torch.Tensor] = None,
-    replay_ids: Optional[torch.Tensor] = None,
+    **kwargs,
 ) -> RoutingOutput:
-    """Pure-PyTorch reference of :func:`route` (the executable spec).
+    """Pure-PyTorch reference of :func:`route` (the executable spec): ``route(..., backend="torch")``.
 
-    Same arguments, validation and results as :func:`route` (see there); computes in fp32
-    with plain torch ops on any device and is differentiable with respect to
+    Same arguments (minus ``backend``), validation and results as :func:`route` (see there);
+    computes in fp32 with plain torch ops on any device and is differentiable with respect to
     ``router_logits`` (with and without ``replay_ids``).
     """
-    cfg = as_config(config, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    p, replay_ids = validate(router_logits, cfg, routing_replay_out, replay_ids)
-    return _route_torch_impl(router_logits, p, cfg.bias, routing_replay_out, replay_ids)
+    if "backend" in kwargs:
+        fail("backend", "not given to route_torch (it is the torch backend)", kwargs["backend"])
+    if kwargs.get("config") is not None:  # the deprecated name, warned about at the caller's line
+        kwargs["routing"] = _renamed_config(kwargs.get("routing"), kwargs.pop("config"), "route_torch")
+    return route(router_logits, top_k, method, backend="torch", **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +249,7 @@ def route(
     top_k: Optional[int] = None,
     method: Optional[RoutingMethod] = None,
     *,
-    config: Optional[RoutingConfig] = None,
+    routing: Optional[RoutingConfig] = None,
     bias: Optional[torch.Tensor] = None,
     n_group: Optional[int] = None,
     topk_group: Optional[int] = None,
@@ -240,6 +258,7 @@ def route(
     replay_ids: Optional[torch.Tensor] = None,
     backend: str = "auto",
     check_replay: bool = True,
+    config: Optional[RoutingConfig] = None,
 ) -> RoutingOutput:
     """Select the top-k experts of every token and their weights (one fused kernel on the GPU).
 
@@ -250,13 +269,14 @@ def route(
     top_k : int
         Experts per token, ``1 <= top_k <= E`` (LLAMA4: exactly 1; DEEPSEEK_V3: at most
         ``topk_group * E / n_group``). Give either ``top_k`` (with ``method`` and the routing
-        keywords below) or ``config``.
+        keywords below) or ``routing``.
     method : RoutingMethod, optional
         The router (module docstring has the math of every method); None (the default) means
         ``RENORMALIZE``, as in :func:`replaymoe.fused_moe`, :func:`replaymoe.ep_moe` and ``MoELayer``.
-    config : RoutingConfig, optional
+    routing : RoutingConfig, optional
         ``top_k``, ``method``, ``bias``, ``n_group``, ``topk_group`` and
-        ``routed_scaling_factor`` together, validated once when it was built.
+        ``routed_scaling_factor`` together, validated once when it was built; give it or them,
+        not both.
     bias : torch.Tensor, optional
         ``[E]`` float32/bfloat16/float16 selection bias, DEEPSEEK_V3 and MINIMAX2 only
         (None = zero bias). Affects selection only, never the weights.
@@ -284,6 +304,9 @@ def route(
         under ``torch.compile``). Pass False only for ids already checked once with
         :func:`check_replay_ids` (e.g. a replay table built from validated traces), so that a
         forward replaying them pays no sync.
+    config : RoutingConfig, optional
+        Deprecated name of ``routing`` (kept for one release): warns (DeprecationWarning) and
+        behaves the same; giving both is a ValueError.
 
     Returns
     -------
@@ -294,11 +317,14 @@ def route(
     Raises
     ------
     ValueError
-        Naming the argument, for any invalid dtype, shape, device, layout or value.
+        Naming the argument, for any invalid dtype, shape, device, layout or value; ``routing``
+        together with a routing keyword it holds, or with ``config``.
     """
-    cfg = as_config(config, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    p, replay_ids = validate(router_logits, cfg, routing_replay_out, replay_ids, check_replay)
-    return route_unchecked(router_logits, p, cfg.bias, routing_replay_out, replay_ids, backend)
+    if config is not None:
+        routing = _renamed_config(routing, config, "route")
+    routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay)
+    return route_unchecked(router_logits, p, routing.bias, routing_replay_out, replay_ids, backend)
 
 
 def route_unchecked(
@@ -311,7 +337,7 @@ def route_unchecked(
 ) -> RoutingOutput:
     """:func:`route` past its validation, for public entry points that validated the routing
     arguments themselves (``fused_moe``): ``p`` and ``replay_ids`` as
-    :func:`replaymoe.routing._checks.validate` returns them, ``bias`` the config's."""
+    :func:`replaymoe.routing._checks.validate` returns them, ``bias`` the routing's."""
     be = _resolve_backend(backend, router_logits)
     if be == "torch":
         return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)

@@ -4,7 +4,7 @@ Two moments, each checked once: :func:`validate_config` when a
 :class:`~replaymoe.routing.RoutingConfig` is built (everything that needs no logits), and
 :func:`validate` per call of :func:`replaymoe.routing.route` (or of ``fused_moe`` with routing inside):
 the logits and the other per-call arguments (cheap predicates first: it runs on every eager call)
-against the config, returning the normalised :class:`~replaymoe.routing.methods.Params` and the
+against the routing, returning the normalised :class:`~replaymoe.routing.methods.Params` and the
 replay ids as the kernels read them. Replay ids are checked by value where that needs a host sync:
 eagerly here, and under ``torch.compile`` through the custom op ``replaymoe::check_replay_ids``,
 skipped while a CUDA graph is being captured. What the checks say about a method comes from its row
@@ -102,12 +102,12 @@ def validate_config(
 
 def validate(
     router_logits: object,
-    config: RoutingConfig,
+    routing: RoutingConfig,
     routing_replay_out: object,
     replay_ids: object,
     check_replay: bool = True,
 ) -> tuple[Params, Optional[torch.Tensor]]:
-    """The per-call checks of ``route``: the logits, and ``config`` against their number of experts.
+    """The per-call checks of ``route``: the logits, and ``routing`` against their number of experts.
 
     Returns the normalised :class:`Params` and ``replay_ids`` as the kernels read them
     (:func:`_replay_ids_for_kernels`).
@@ -127,12 +127,12 @@ def validate(
     if num_experts < 1:
         fail("router_logits", "at least one expert (shape[1] >= 1)", tuple(x.shape), what="shape")
     dev = x.device
-    top_k, bias, ng, tg = config.top_k, config.bias, config.num_groups, config.groups_kept
+    top_k, bias, ng, tg = routing.top_k, routing.bias, routing.num_groups, routing.groups_kept
     if top_k > num_experts:
         check_int("top_k", top_k, low=1, high=num_experts)
     if bias is not None and not (bias.device == dev and bias.shape[0] == num_experts):
         check_tensor("bias", bias, shape=(num_experts,), dtype=BIAS_DTYPES, device=dev, contiguous=True)
-    if ng > 1 or config.n_group is not None:
+    if ng > 1 or routing.n_group is not None:
         if num_experts % ng != 0:
             fail("n_group", f"a divisor of the number of experts {num_experts}", ng)
         if top_k > tg * (num_experts // ng):
@@ -177,7 +177,7 @@ def validate(
         # under torch.compile the check runs inside the graph, in the op from _replay_ids_for_kernels
         replay_ids = _replay_ids_for_kernels(replay_ids, num_experts, check_replay)
 
-    return Params(config.method, top_k, ng, tg, config.scale), replay_ids
+    return Params(routing.method, top_k, ng, tg, routing.scale), replay_ids
 
 
 @torch.library.custom_op("replaymoe::check_replay_ids", mutates_args=())
