@@ -220,6 +220,31 @@ def test_moelayer_forward_matches_reference(generator):
     assert layer.routing == RoutingConfig(2, RoutingMethod.RENORMALIZE)
 
 
+def test_moelayer_takes_the_routing_object(generator):
+    # MoELayer(routing=RoutingConfig(...)) is the keyword layer: same object, same output; a routing
+    # bias becomes the router_bias buffer (fp32 copy); the object and a loose keyword together fail
+    ds = dict(method=RoutingMethod.DEEPSEEK_V3, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    bias = torch.randn(8, generator=generator).to(torch.bfloat16)
+    by_keywords = MoELayer(32, 16, 8, 2, router_bias=True, backend="torch", **ds)
+    torch.manual_seed(0)
+    by_object = MoELayer(32, 16, 8, routing=RoutingConfig(2, bias=bias, **ds), backend="torch")
+    by_keywords.load_state_dict(by_object.state_dict())
+    assert by_object.router_bias.dtype == torch.float32 and torch.equal(by_object.router_bias, bias.float())
+    assert by_object.routing == by_keywords.routing and by_object.routing.bias is by_object.router_bias
+    x = torch.randn(5, 32, generator=generator)
+    assert torch.equal(by_object(x), by_keywords(x))
+    with pytest.raises(ValueError, match="top_k"):  # both
+        MoELayer(32, 16, 8, 2, routing=RoutingConfig(2))
+    with pytest.raises(ValueError, match="n_group"):  # the object and a loose keyword
+        MoELayer(32, 16, 8, routing=RoutingConfig(2, **ds), n_group=2)
+    with pytest.raises(ValueError, match="top_k"):  # neither
+        MoELayer(32, 16, 8)
+    with pytest.raises(ValueError, match=r"routing\.top_k"):  # K over E
+        MoELayer(32, 16, 2, routing=RoutingConfig(4))
+    with pytest.raises(ValueError, match=r"routing\.bias.*\(8,\)"):  # a bias of another E
+        MoELayer(32, 16, 8, routing=RoutingConfig(2, bias=torch.zeros(6), **ds))
+
+
 # ---------------------------------------------------------------- rejections
 
 

@@ -332,15 +332,21 @@ class MoELayer(nn.Module):
 
     Parameters
     ----------
-    hidden_size, intermediate_size, num_experts, top_k : int
-        H, I, E (all ranks), K.
+    hidden_size, intermediate_size, num_experts : int
+        H, I, E (all ranks).
+    top_k : int, optional
+        K; or give ``routing``.
+    routing : RoutingConfig, optional
+        The routing as one object (as :func:`fused_moe` takes it), instead of ``top_k`` and the
+        keywords below; its ``bias``, when it has one, becomes the ``router_bias`` buffer (an fp32
+        copy, [E]).
     method : RoutingMethod, optional
         Default ``RENORMALIZE`` (softmax, top-k, renormalize).
     n_group, topk_group, routed_scaling_factor : optional
         DeepSeek-V3 style routing arguments, passed to ``route``.
     router_bias : bool
         Keep a per-expert fp32 selection bias (DeepSeek-V3's ``e_score_correction_bias``) as buffer
-        ``router_bias`` [E] (zeros at init).
+        ``router_bias`` [E] (zeros at init; implied by a ``routing`` with a bias).
     num_local_experts, local_expert_offset : int, optional
         Expert-parallel slice held by this module (default: all experts); the output is then a partial
         sum over this slice.
@@ -369,8 +375,9 @@ class MoELayer(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         num_experts: int,
-        top_k: int,
+        top_k: int | None = None,
         *,
+        routing: RoutingConfig | None = None,
         method: RoutingMethod | None = None,
         n_group: int | None = None,
         topk_group: int | None = None,
@@ -393,14 +400,18 @@ class MoELayer(nn.Module):
         H = check_int("hidden_size", hidden_size, low=1)
         I = check_int("intermediate_size", intermediate_size, low=1)  # noqa: E741
         E = check_int("num_experts", num_experts, low=1)
-        check_int("top_k", top_k, low=1, high=E)
+        # the one fold of the routing keywords (both or neither of routing / top_k: a ValueError)
+        folded = as_routing(routing, top_k, method, None, n_group, topk_group, routed_scaling_factor)
+        top_k = check_int("top_k" if routing is None else "routing.top_k", folded.top_k, low=1, high=E)
+        if folded.bias is not None and tuple(folded.bias.shape) != (E,):
+            fail("routing.bias", f"shape ({E},) (num_experts)", tuple(folded.bias.shape), what="shape")
         check_int("local_expert_offset", local_expert_offset, low=0, high=E - 1)
         E_local = E - local_expert_offset if num_local_experts is None else num_local_experts
         check_int("num_local_experts", E_local, low=1, high=E - local_expert_offset)
         check_choice("backend", backend, BACKENDS)
         self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, I, E, top_k
-        self.method, self.n_group, self.topk_group = method, n_group, topk_group
-        self.routed_scaling_factor = routed_scaling_factor
+        self.method, self.n_group, self.topk_group = folded.method, folded.n_group, folded.topk_group
+        self.routed_scaling_factor = folded.routed_scaling_factor
         self.local_expert_offset, self.num_local_experts, self.backend = local_expert_offset, E_local, backend
         if not isinstance(recompute, bool):
             fail("recompute", "a bool", type(recompute).__name__, what="type")
@@ -411,14 +422,15 @@ class MoELayer(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E_local, H, I, **kw))
         self.w13_bias = nn.Parameter(torch.empty(E_local, 2 * I, **kw)) if expert_bias else None
         self.w2_bias = nn.Parameter(torch.empty(E_local, H, **kw)) if expert_bias else None
-        if router_bias:
+        if folded.bias is not None:
+            bias = folded.bias.detach().to(device=device, dtype=torch.float32, copy=True)
+            self.register_buffer("router_bias", bias)
+        elif router_bias:
             self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32, device=device))
         else:
             self.router_bias = None
         # validated once here; rebuilt only when the bias buffer is replaced (.to(), load_state_dict)
-        self.routing = as_routing(
-            None, top_k, method, self.router_bias, n_group, topk_group, routed_scaling_factor
-        )
+        self.routing = dataclasses.replace(folded, bias=self.router_bias)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
