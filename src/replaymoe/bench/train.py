@@ -173,7 +173,8 @@ def _layer_rows(name: str, tokens, impls) -> list[dict]:
     return rows
 
 
-HF_ROUNDS = 3  # rounds of the HF rows, each implementation once per round in a rotated order
+HF_ROUNDS = 5  # rounds of the HF rows, each implementation once per round in a rotated order
+HF_REP_MS = 500  # timed steps per implementation and round (the host-bound step drifts: more samples)
 HF_WARMUP_MS = 250  # untimed steps before each implementation's timed steps in a round
 
 
@@ -256,7 +257,7 @@ def _hf_rows(
                 # warm-up of a few steps after each switch of implementation: the first steps of an
                 # implementation grow the caching allocator's segments (cudaMalloc, synchronous); the
                 # figure is the steady state of a training loop
-                times[impl].append(time_eager(run, warmup_ms=HF_WARMUP_MS, rep_ms=1000 / rounds) / 1e3)
+                times[impl].append(time_eager(run, warmup_ms=HF_WARMUP_MS, rep_ms=HF_REP_MS) / 1e3)
             finally:
                 if moe is not None:
                     moe.disable()
