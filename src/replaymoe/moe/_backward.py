@@ -27,6 +27,7 @@ from .configs import (
     moe_config,
     tma_ok,
 )
+from .tuned import table_for
 
 
 def experts_triton_train(
@@ -38,7 +39,9 @@ def experts_triton_train(
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
-    c = config or moe_config(T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype))
+    c = config or moe_config(
+        T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype), table=table_for(x.device)
+    )
     if torch.compiler.is_compiling():
         args = (x, w13, w2, topk_ids, topk_weights, local_expert_offset, config_tuple(c), recompute)
         out, _ = torch.ops.replaymoe.moe_experts_train(*args, *variant.op_args())

@@ -17,6 +17,7 @@ import triton
 from .._launch import fast
 from .._validation import is_capturing
 from .configs import MoEConfig, _half_tiles, _pdl, config_from_list, config_tuple, moe_config, tma_ok
+from .tuned import table_for
 
 _FP8 = torch.float8_e4m3fn
 
@@ -78,7 +79,7 @@ def experts_triton(
     compiling = torch.compiler.is_compiling()
     eager = not compiling and not is_capturing()
     c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager, batch_invariant=batch_invariant,
-                             tma=tma_ok(x.device, x.dtype))  # fmt: skip
+                             tma=tma_ok(x.device, x.dtype), table=table_for(x.device))  # fmt: skip
     if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,

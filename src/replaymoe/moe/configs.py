@@ -1,8 +1,9 @@
 """Kernel configurations of the fused MoE: the tuned tables, the heuristics and the hardware switches.
 
 :class:`MoEConfig` / :func:`moe_config` (forward) and :class:`MoEBwdConfig` / :func:`moe_bwd_config`
-(backward) pick the tiles of a call from its shape; the tables were tuned on the H200
-(bench/moe_notes.md, bench/train_notes.md).
+(backward) pick the tiles of a call from its shape: the forward from the device's tuned table
+(:mod:`replaymoe.moe.tuned`) and heuristics tuned on the H200 (bench/moe_notes.md,
+bench/train_notes.md), the backward from heuristics.
 
 Which hardware features the kernels use is chosen per call by fields of those configurations, all
 bit-neutral (the same results either way): :attr:`MoEConfig.tma`, :attr:`MoEConfig.half_tiles`,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -95,34 +97,14 @@ def config_tuple(c: MoEConfig) -> list[int]:
 FP8_BLOCK_M = 64
 
 
-# Tuned on the H200 (bench/moe_tune.py, bench/moe_notes.md); key (H, I, E_local, K, fp8, token bucket).
-_TUNED: dict[tuple, MoEConfig] = {
-    (7168, 2048, 256, 8, False, 1): MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4),  # DeepSeek-V3 decode
-    # fp8 decode. Qwen3 T=1: GEMM1 on 64-column blocks (96 programs; 128-column blocks, which let GEMM1
-    # write e4m3 rows, give it only 48: 32.4 vs 32.9 us), GEMM2 on 128 (diag/s10_fp8_sweep_h200.txt)
-    (2048, 768, 128, 8, True, 1): MoEConfig(True, FP8_BLOCK_M, 64, 128, 4, 6, 128, 128, 8, 4),
-    # H200 sweep, session 15 (bench/results/diag/s15/fp8_direct_sweep_h200.log): Qwen3 T=2 / 4
-    # 50.1 / 81.6 -> 42.4 / 66.7 us, Mixtral T=1 178.2 -> 124.2 us (DeepSeek-V3 takes the default)
-    **{
-        (2048, 768, 128, 8, True, b): MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 64, 128, 4, 3)
-        for b in (2, 4)
-    },
-    (4096, 14336, 8, 2, True, 1): MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 64, 128, 4, 6),
-    # bf16 small batches, H200 sweep, session 15 (bench/results/diag/s15/bf16_mid_sweep_*_h200.log):
-    # Mixtral T=64 712.9 -> 654.8 us, T=128 776.2 -> 755.4; Qwen3 T=8 / 32 / 64 143.1 / 266.0 / 301.0 ->
-    # 139.8 / 262.0 / 297.8
-    (4096, 14336, 8, 2, False, 64): MoEConfig(False, 32, 128, 128, 8, 3, 128, 128, 4, 3),
-    (4096, 14336, 8, 2, False, 128): MoEConfig(False, 32, 64, 256, 4, 3, 64, 256, 4, 3),
-    (2048, 768, 128, 8, False, 8): MoEConfig(False, 16, 32, 256, 4, 3, 64, 128, 4, 3),
-    **{(2048, 768, 128, 8, False, b): MoEConfig(False, 16, 32, 256, 4, 3, 128, 128, 4, 3) for b in (32, 64)},
-}
-# fp8 entries for batch_invariant=False (16-row tiles)
-_TUNED_FP8_FAST: dict[tuple, MoEConfig] = {
-    (2048, 768, 128, 8, True, 1): MoEConfig(True, 16, 64, 128, 4, 4, 64, 128, 4, 4),  # Qwen3 fp8 decode
-}
+class ConfigTable(Protocol):
+    """What :func:`moe_config` reads of a tuned table (:class:`replaymoe.moe.tuned.TunedTable`)."""
+
+    def lookup(self, key: tuple, *, fp8_fast: bool = False) -> MoEConfig | None: ...
 
 
-def _bucket(T: int) -> int:
+def token_bucket(T: int) -> int:
+    """T rounded up to a power of two: the token count a tuned-table entry stands for."""
     return 1 << max(0, (T - 1).bit_length())
 
 
@@ -154,6 +136,7 @@ def moe_config(
     eager: bool = False,
     batch_invariant: bool = True,
     tma: bool = False,
+    table: ConfigTable | None = None,
 ) -> MoEConfig:
     """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I.
 
@@ -171,12 +154,14 @@ def moe_config(
     the bf16/fp16 prefill configuration (128-row tiles) then sets :attr:`MoEConfig.tma` (H200:
     1.04-1.11x at T >= 4096, bench/moe_notes.md session 6); the bits are the same either way.
 
-    Tuned entries (measured on the H200, bench/moe_notes.md) override the heuristics for the shapes
-    they name, on any GPU; every one keeps the batch-invariance guarantee (fp8: 64-row tiles). A tuned
-    tile-mode entry yields to the eager direct mode where that applies (``eager``).
+    ``table``: the :class:`~replaymoe.moe.tuned.TunedTable` of the device (the launchers pass
+    :func:`~replaymoe.moe.tuned.table_for`); None: no tuned entries, the heuristics alone. Its
+    entries override the heuristics for the problems they name; every one keeps the batch-invariance
+    guarantee (fp8: 64-row tiles) unless ``batch_invariant=False``. A tuned tile-mode entry yields to
+    the eager direct mode where that applies (``eager``). The heuristics were tuned on the H200.
     """
-    table = _TUNED if not fp8 or batch_invariant else _TUNED_FP8_FAST
-    tuned = table.get((H, I, E_local, K, fp8, _bucket(T)))
+    key = (H, I, E_local, K, fp8, token_bucket(T))
+    tuned = None if table is None else table.lookup(key, fp8_fast=fp8 and not batch_invariant)
     slots = T * K
     eager_direct = eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)
     if tuned is not None and (tuned.direct or not eager_direct):  # an eager decode keeps the direct mode
