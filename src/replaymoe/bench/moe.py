@@ -190,7 +190,10 @@ def _point(name: str, T: int, bf16w, fp8w, peer=None) -> dict:
     rkw = dict(router_logits=logits, top_k=K, method=method, bias=bias, **kw)
     floor_ms, bound = layer_floor_ms(name, T, ids, 2)
     floor8, _ = layer_floor_ms(name, T, ids, 1)
-    row = {"shape": name, "T": T, "floor_ms": floor_ms, "bound": bound}
+    from ..moe.tuned import table_for
+
+    table = table_for(x.device).name
+    row = {"shape": name, "T": T, "table": table, "floor_ms": floor_ms, "bound": bound}
 
     def fb():
         return fused_moe(x, w13, w2, **rkw)
@@ -259,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         return NO_CUDA_EXIT
     shapes = choice_list(p, a.shapes, SHAPES, "shapes")
     tokens = [int(t) for t in a.tokens.split(",") if t]
+    from ..moe.tuned import table_for
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    table = table_for(dev)
+    base = f", base {table.base}" if table.base else ""
+    print(f"card: {torch.cuda.get_device_name(dev)}; tuned table: {table.name} (tuned on "
+          f"{table.tuned_on or 'nothing'}{base})", flush=True)  # fmt: skip
     rows = run(shapes, tokens, load_vllm_peer(peer_root) if a.peer_dir else None)
     write_results(rows, a.out, "moe")
     cols = ["shape", "T", "floor_ms", "rmoe_bf16_ms", "rmoe_fp8_ms", "grouped_mm_ms", "naive_ms",

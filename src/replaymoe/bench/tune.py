@@ -1,0 +1,203 @@
+"""``replaymoe bench tune``: time the fused MoE's kernel configurations on this card, write its table.
+
+For each token count of one shape, the configurations of a candidate grid (direct decode tiles where
+the batch is small; tile heights, GEMM tiles, warps and stages around the heuristics' choice
+elsewhere) run the experts of a routed layer, each checked against the heuristics' output and timed
+as the median of CUDA-graph replays with the L2 flushed (``bench._timing.time_graph``). Where the
+fastest beats the configuration the card uses today (its current table, else the heuristics) by at
+least ``--min-gain``, it becomes the entry of that problem (keyed by T rounded up to a power of two:
+tune at powers of two). The result is the card's current table with these entries merged, written to
+``--out``/``tuned_<name>.json`` with every timing in ``tune.csv``/``tune.json``.
+
+Use it with ``replaymoe.moe.set_tuned_table(path)``, or copy it over
+``src/replaymoe/moe/tables/<name>.json`` to ship it. fp8 entries keep the batch-invariance guarantee
+(64-row tiles) unless ``--fast`` (``batch_invariant=False`` entries).
+
+One shape fits the 10-minute device limit: each distinct configuration is one Triton compile (seconds),
+so ``--max-minutes`` (default 8) stops the sweep in time, keeping what it measured.
+
+Usage: ``replaymoe bench tune --shape qwen3 [--tokens 1,8,64,256,1024,4096,16384] [--dtype bf16|fp8]
+[--fast] [--name h100] [--min-gain 0.02] [--max-minutes 8] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from replaymoe.bench._text import strip_rest
+
+from ._timing import NO_CUDA_EXIT, no_cuda, print_table, time_graph, write_results
+from .moe import SHAPES, TOKENS, make_weights, routing_inputs
+
+# direct (decode) mode: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2)
+DIRECT_GRID = [
+    (32, 128, 4, 4, 32, 128, 4, 4),
+    (64, 128, 4, 4, 64, 128, 4, 4),
+    (32, 256, 4, 3, 64, 128, 4, 3),
+    (64, 128, 4, 6, 128, 128, 8, 4),
+    (128, 128, 4, 3, 128, 128, 4, 3),
+    (128, 128, 8, 4, 128, 128, 8, 4),
+]
+# tile mode, per tile height: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2,
+# group_m)
+TILE_GRID = {
+    16: [(32, 256, 4, 3, 64, 128, 4, 3, 8), (64, 256, 4, 3, 64, 256, 4, 3, 8),
+         (128, 128, 4, 3, 128, 128, 4, 3, 8)],
+    32: [(64, 128, 4, 4, 64, 128, 4, 4, 8), (128, 128, 4, 3, 128, 128, 4, 3, 8),
+         (64, 256, 4, 3, 64, 256, 4, 3, 8)],
+    64: [(128, 64, 4, 4, 128, 64, 4, 4, 8), (128, 128, 8, 3, 128, 128, 8, 3, 8),
+         (128, 128, 8, 4, 128, 128, 4, 4, 8), (64, 128, 4, 4, 64, 128, 4, 4, 8)],
+    128: [(128, 64, 8, 4, 256, 64, 8, 4, 4), (128, 64, 8, 4, 256, 64, 8, 4, 8),
+          (128, 64, 8, 4, 256, 64, 8, 4, 16), (128, 32, 8, 6, 256, 64, 8, 4, 4),
+          (128, 64, 8, 3, 128, 64, 4, 4, 8), (64, 64, 4, 4, 128, 64, 4, 4, 8)],
+}  # fmt: skip
+
+
+def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool, tma: bool):  # noqa: E741
+    """The configurations tried for one problem: the heuristics' first, then the grid (deduplicated).
+    fp8 keeps 64-row tiles (and 128-deep K tiles, the block scales') unless ``fast``."""
+    from replaymoe.moe.configs import FP8_BLOCK_M, MoEConfig, moe_config
+
+    base = moe_config(T, K, H, I, E, fp8=fp8, batch_invariant=not fast, tma=tma)
+    out = [base]
+    slots = T * K
+    m_avg = slots / min(E, slots)
+    heights = [FP8_BLOCK_M] if fp8 and not fast else [16, 32] if m_avg < 48 else [64, 128]
+    if slots <= 256:  # decode-sized: the direct mode, one tile per slot
+        direct_bm = FP8_BLOCK_M if fp8 and not fast else 16
+        out += [MoEConfig(True, direct_bm, *g) for g in DIRECT_GRID if not fp8 or g[1] == g[5] == 128]
+    for bm in heights:
+        for g in TILE_GRID[bm]:
+            if fp8 and (g[1] != 128 or g[5] != 128):
+                g = (g[0], 128, g[2], min(g[3], 4), g[4], 128, g[6], min(g[7], 4), g[8])
+            out.append(MoEConfig(False, bm, *g[:8], group_m=g[8], tma=tma and not fp8 and bm >= 64))
+    seen, unique = set(), []
+    for c in out:
+        key = dataclasses.astuple(c)
+        if key not in seen:
+            seen.add(key)
+            unique.append(c)
+    return unique
+
+
+def tune(
+    shape: str, tokens: list[int], *, fp8: bool, fast: bool, min_gain: float, deadline: float, log=print
+):
+    """Sweep ``candidates`` for every T of ``shape``; returns (rows, winners {table key: MoEConfig})."""
+    from replaymoe.moe._forward import experts_triton
+    from replaymoe.moe.configs import moe_config, tma_ok
+    from replaymoe.moe.tuned import table_for, table_key
+
+    H, I, E, K, _ = SHAPES[shape]  # noqa: E741
+    dev = torch.device("cuda", torch.cuda.current_device())
+    current_table = table_for(dev)
+    tma = tma_ok(dev, torch.bfloat16)
+    w13, w2, s13, s2 = make_weights(H, I, E, fp8=fp8)
+    rows, winners = [], {}
+    for T in tokens:
+        if time.monotonic() > deadline:
+            log(f"time budget spent: T={T} and later not tuned")
+            break
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        *_, ids, wts = routing_inputs(shape, T)
+
+        def run(c, x=x, ids=ids, wts=wts):
+            return experts_triton(x, w13, w2, ids, wts, w13_scale=s13, w2_scale=s2, local_expert_offset=0,
+                                  out=None, config=c, batch_invariant=not fast)  # fmt: skip
+
+        current = moe_config(T, K, H, I, E, fp8=fp8, batch_invariant=not fast, tma=tma, table=current_table)
+        cands = candidates(T, K, H, I, E, fp8=fp8, fast=fast, tma=tma)
+        heuristic = cands[0]
+        ref = run(heuristic).float()
+        if current not in cands:
+            cands.insert(0, current)
+        timed = {}
+        for i, c in enumerate(cands):
+            if time.monotonic() > deadline:
+                log(f"time budget spent at T={T}: {len(cands) - i} candidates not timed")
+                break
+            try:
+                err = ((run(c).float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                if not err < 2e-2:  # a wrong configuration (or NaN) never wins
+                    log(f"T={T} {c}: rel. error {err:.2e} against the heuristics' output: skipped")
+                    continue
+                timed[c] = time_graph(lambda c=c: run(c), warmup_ms=5, rep_ms=20)
+            except Exception as exc:  # noqa: BLE001 (shared memory over the card's limit, ...)
+                log(f"T={T} {c}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            rows.append({"shape": shape, "T": T, "fp8": fp8, "fast": fast, "us": timed[c],
+                         "current": c == current, "heuristic": c == heuristic, "config": str(c)})  # fmt: skip
+        if current not in timed or not timed:
+            continue
+        best = min(timed, key=timed.get)
+        gain = timed[current] / timed[best] - 1
+        log(f"{shape} T={T} fp8={fp8}: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
+            f"({gain:+.1%}) of {len(timed)} timed")  # fmt: skip
+        for r in rows:
+            if r["T"] == T:
+                r["vs_current"] = timed[current] / r["us"]
+        if best != current and gain >= min_gain:
+            winners[table_key(H, I, E, K, fp8, T)] = best
+    return rows, winners
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="replaymoe bench tune", description=strip_rest(__doc__.split("\n")[0]))
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="the layer shape to tune")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
+    p.add_argument(
+        "--dtype", default="bf16", choices=("bf16", "fp8"), help="weights: bf16 or fp8 block-scale"
+    )
+    p.add_argument("--fast", action="store_true", help="fp8: tune batch_invariant=False (fp8_fast) entries")
+    p.add_argument("--name", default=None, help="the table's name (default: the card's current table's)")
+    p.add_argument("--min-gain", type=float, default=0.02, help="least gain over the current choice to keep")
+    p.add_argument("--max-minutes", type=float, default=8.0, help="time budget of the sweep")
+    p.add_argument("--out", default="bench_results", help="output directory")
+    a = p.parse_args(argv)
+    try:
+        tokens = [int(t) for t in a.tokens.split(",") if t]
+    except ValueError:
+        p.error(f"--tokens: expected a comma list of positive ints, got {a.tokens!r}")
+    if not tokens or min(tokens) < 1:
+        p.error(f"--tokens: expected a comma list of positive ints, got {a.tokens!r}")
+    if a.fast and a.dtype != "fp8":
+        p.error("--fast: only with --dtype fp8 (bf16 is batch-invariant in every configuration)")
+    if not (0 <= a.min_gain < 1) or a.max_minutes <= 0:
+        p.error(f"--min-gain in [0, 1) and --max-minutes > 0, got {a.min_gain} and {a.max_minutes}")
+    if no_cuda("replaymoe bench tune"):
+        return NO_CUDA_EXIT
+    from replaymoe.moe.tuned import table_for
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    current = table_for(dev)
+    device_name = torch.cuda.get_device_name(dev)
+    print(f"card: {device_name}; current table: {current.name} (tuned on {current.tuned_on or 'nothing'})")
+    deadline = time.monotonic() + a.max_minutes * 60
+    rows, winners = tune(a.shape, tokens, fp8=a.dtype == "fp8", fast=a.fast, min_gain=a.min_gain,
+                         deadline=deadline)  # fmt: skip
+    name = a.name or current.name
+    fast = " --fast" if a.fast else ""
+    note = f"bench tune --shape {a.shape} --tokens {a.tokens} --dtype {a.dtype}{fast} on {device_name}: "
+    note += f"{len(winners)} entries."
+    notes = f"{current.notes} {note}" if current.notes else note
+    table = current.with_entries(winners, fp8_fast=a.fast, name=name, tuned_on=device_name,
+                                 base=current.base or current.name, notes=notes)  # fmt: skip
+    out = Path(a.out)
+    write_results(rows, out, "tune")
+    out.mkdir(parents=True, exist_ok=True)
+    table.save(out / f"tuned_{name}.json")
+    print_table([r for r in rows if r.get("vs_current", 0) >= 1.0 or r["current"]],
+                ["shape", "T", "fp8", "us", "current", "vs_current", "config"])  # fmt: skip
+    for key, c in winners.items():
+        print(f"new entry {key}: {c}")
+    print(f"wrote {out / f'tuned_{name}.json'} ({len(winners)} new entries over {current.name})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
