@@ -66,6 +66,15 @@ def test_moe_config_reads_the_table():
     assert moe_config(*qwen_decode, table=table) == mine
     assert moe_config(*qwen_decode) == moe_config(*qwen_decode, table=builtin_table("generic"))  # heuristics
     assert moe_config(2, 8, 2048, 768, 128, table=table) != mine  # another token bucket
+    # a tuned TMA entry (the H100's Mixtral prefill) where TMA is off: the same tiles, pointer loads
+    h100 = builtin_table("h100")
+    mixtral = (16384, 2, 4096, 14336, 8)
+    assert moe_config(*mixtral, tma=True, table=h100) == h100.lookup(
+        table_key(4096, 14336, 8, 2, False, 16384)
+    )
+    assert moe_config(*mixtral, tma=True, table=h100).tma
+    off = moe_config(*mixtral, tma=False, table=h100)
+    assert not off.tma and off.block_k1 == moe_config(*mixtral, tma=True, table=h100).block_k1
     # fp8: the batch-invariant entries, or fp8_fast with batch_invariant=False
     h200 = builtin_table("h200")
     assert moe_config(1, 8, 2048, 768, 128, fp8=True, table=h200).block_m == FP8_BLOCK_M

@@ -19,6 +19,7 @@ allows.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -165,7 +166,8 @@ def moe_config(
     slots = T * K
     eager_direct = eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)
     if tuned is not None and (tuned.direct or not eager_direct):  # an eager decode keeps the direct mode
-        return tuned
+        # a tuned TMA entry where the device or the caller says no TMA: the same tiles, pointer loads
+        return tuned if tma or not tuned.tma else dataclasses.replace(tuned, tma=False)
     if T == 1 or slots * 4 <= E_local or eager_direct:
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8 and batch_invariant:
