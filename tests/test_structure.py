@@ -28,9 +28,9 @@ MAX_LINES = 600
 
 # layer of a module by its first name below the package; higher layers may import lower ones
 LAYERS = {
-    # Triton code and the helpers every op uses
+    # Triton code, the helpers every op uses and the packages' lazy facade (``_lazy``)
     # (``_kernels/`` holds only deprecation aliases, layered as such: see ``_layer``)
-    0: {"_launch", "_validation", "_backend", "_deprecated"},
+    0: {"_launch", "_validation", "_backend", "_deprecated", "_lazy"},
     # ops
     1: {
         "routing",

@@ -7,8 +7,7 @@ matplotlib) are only imported when used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -49,14 +48,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'replaymoe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"replaymoe.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

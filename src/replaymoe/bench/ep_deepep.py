@@ -70,33 +70,28 @@ class DeepEPPeer:
         deep_ep = self.deep_ep
         recv_x, handle = self._dispatch(idx, x, w, self.dcfg)
         rows = []
-        best_d, best_c = (None, float("inf")), (None, float("inf"))
-        for chunk in (8, 16, 24, 32):
-            cfg = deep_ep.Config(self.num_sms, chunk, 256, 6, 128)
+        T = ids.shape[0]
+        tuned = {  # op -> (NVLink chunk sizes tried, the cached-mode call with a config)
+            "dispatch": ((8, 16, 24, 32), lambda cfg: self.buf.dispatch(x, handle=handle, config=cfg)),
+            "combine": ((4, 8, 12, 16), lambda cfg: self.buf.combine(recv_x, handle, config=cfg)),
+        }
+        best = {}
+        for op, (chunks, call) in tuned.items():
+            best[op] = (None, float("inf"))
+            for chunk in chunks:
+                cfg = deep_ep.Config(self.num_sms, chunk, 256, 6, 128)
 
-            def it(ev, cfg=cfg):
-                ev[0].record()
-                self.buf.dispatch(x, handle=handle, config=cfg)
-                ev[1].record()
+                def it(ev, cfg=cfg, call=call):
+                    ev[0].record()
+                    call(cfg)
+                    ev[1].record()
 
-            us = time_phases(it, 1, iters, warmup)[0][0]
-            rows.append({"impl": "deepep-tune", "op": "dispatch", "mode": "cached", "nvl_chunk": chunk,
-                         "num_sms": self.num_sms, "tokens": ids.shape[0], "us": round(us, 2)})  # fmt: skip
-            if us < best_d[1]:
-                best_d = (cfg, us, chunk)
-        for chunk in (4, 8, 12, 16):
-            cfg = deep_ep.Config(self.num_sms, chunk, 256, 6, 128)
-
-            def itc(ev, cfg=cfg):
-                ev[0].record()
-                self.buf.combine(recv_x, handle, config=cfg)
-                ev[1].record()
-
-            us = time_phases(itc, 1, iters, warmup)[0][0]
-            rows.append({"impl": "deepep-tune", "op": "combine", "mode": "cached", "nvl_chunk": chunk,
-                         "num_sms": self.num_sms, "tokens": ids.shape[0], "us": round(us, 2)})  # fmt: skip
-            if us < best_c[1]:
-                best_c = (cfg, us, chunk)
+                us = time_phases(it, 1, iters, warmup)[0][0]
+                rows.append({"impl": "deepep-tune", "op": op, "mode": "cached", "nvl_chunk": chunk,
+                             "num_sms": self.num_sms, "tokens": T, "us": round(us, 2)})  # fmt: skip
+                if us < best[op][1]:
+                    best[op] = (cfg, us, chunk)
+        best_d, best_c = best["dispatch"], best["combine"]
         self.dcfg, self.ccfg = best_d[0], best_c[0]
         self.chunks = (best_d[2], best_c[2])
         self.log(f"[rank {self.rank}] DeepEP tuned: dispatch chunk {best_d[2]}, combine chunk {best_c[2]}")

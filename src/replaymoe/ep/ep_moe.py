@@ -39,6 +39,7 @@ def ep_moe(
     w2_local: torch.Tensor,
     a2a: MoeAlltoAll,
     *,
+    # the routing keywords spelled out as in fused_moe and route (public signatures; as_routing folds them)
     top_k: int | None = None,
     method: RoutingMethod | None = None,
     bias: torch.Tensor | None = None,

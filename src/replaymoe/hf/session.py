@@ -778,6 +778,7 @@ def enable(
     *,
     capture: bool = False,
     replay: Any = None,
+    # ReplayMoE's keywords spelled out: the public entry point's signature documents them
     backend: str = "auto",
     experts: bool = True,
     max_batch_size: int = 1,

@@ -61,6 +61,7 @@ def _moe_train_op(
     local_expert_offset: int,
     config: list[int],
     recompute: bool,
+    # ExpertsVariant's fields spelled out: custom_op infers the op's schema from these annotations
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     act: int = 0,
@@ -218,6 +219,7 @@ def _moe_bwd_op(
     local_expert_offset: int,
     recompute: bool,
     need: list[bool],
+    # ExpertsVariant's fields spelled out: custom_op infers the op's schema from these annotations
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     act: int = 0,

@@ -103,6 +103,7 @@ def _moe_experts_op(
     local_expert_offset: int,
     out: torch.Tensor,
     config: list[int],
+    # ExpertsVariant's fields spelled out: custom_op infers the op's schema from these annotations
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     act: int = 0,

@@ -156,6 +156,7 @@ def expert_layout(
                                    with_compact)  # fmt: skip
 
 
+# expert_layout's parameters again, positional for the hot path (the public one keeps block_m keyword-only)
 def expert_layout_unchecked(
     topk_ids: torch.Tensor,
     num_local_experts: int,

@@ -73,12 +73,7 @@ def _check_ids(ids: np.ndarray, num_experts: int | None, name: str = "ids") -> n
         missing = out < 0
         mixed = missing.any(-1) & ~missing.all(-1)
         if mixed.any():
-            t, layer = np.argwhere(mixed)[0].tolist()
-            fail(
-                name,
-                "each [top_k] row all -1 (missing) or all valid ids",
-                f"row {out[t, layer].tolist()} at token {t}, layer {layer}",
-            )
+            _fail_row(name, "each [top_k] row all -1 (missing) or all valid ids", out, mixed)
         K = out.shape[2]
         if K > 1:
             if K <= 16:  # pairwise compares are much faster than a sort per row for small K
@@ -92,13 +87,14 @@ def _check_ids(ids: np.ndarray, num_experts: int | None, name: str = "ids") -> n
                 srt = np.sort(out, axis=-1)
                 dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)
             if dup.any():
-                t, layer = np.argwhere(dup)[0].tolist()
-                fail(
-                    name,
-                    "distinct expert ids in a row",
-                    f"row {out[t, layer].tolist()} at token {t}, layer {layer}",
-                )
+                _fail_row(name, "distinct expert ids in a row", out, dup)
     return out
+
+
+def _fail_row(name: str, expected: str, ids: np.ndarray, bad: np.ndarray) -> None:
+    """ValueError naming the first [token, layer] row of ``ids`` where ``bad`` [N, L] holds."""
+    t, layer = np.argwhere(bad)[0].tolist()
+    fail(name, expected, f"row {ids[t, layer].tolist()} at token {t}, layer {layer}")
 
 
 def _check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
