@@ -5,9 +5,10 @@ the batch is small; tile heights, GEMM tiles, warps and stages around the heuris
 elsewhere) run the experts of a routed layer, each checked against the heuristics' output and timed
 as the median of CUDA-graph replays with the L2 flushed (``bench._timing.time_graph``). Where the
 fastest beats the configuration the card uses today (its current table, else the heuristics) by at
-least ``--min-gain``, it becomes the entry of that problem (keyed by T rounded up to a power of two:
-tune at powers of two). The result is the card's current table with these entries merged, written to
-``--out``/``tuned_<name>.json`` with every timing in ``tune.csv``/``tune.json``.
+least ``--min-gain``, both in the sweep and in 6 more rounds of the two alone in alternating order (the
+card's clock drifts with power and heat), it becomes the entry of that problem (keyed by T rounded up
+to a power of two: tune at powers of two). The result is the card's current table with these entries
+merged, written to ``--out``/``tuned_<name>.json`` with every timing in ``tune.csv``/``tune.json``.
 
 Use it with ``replaymoe.moe.set_tuned_table(path)``, or copy it over
 ``src/replaymoe/moe/tables/<name>.json`` to ship it. fp8 entries keep the batch-invariance guarantee
@@ -85,6 +86,23 @@ def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool,
     return unique
 
 
+CONFIRM_ROUNDS = 6
+
+
+def confirm(run, current, best, rounds: int = CONFIRM_ROUNDS) -> float:
+    """The sweep's winner against the current choice again, in ``rounds`` rounds of alternating order
+    (a card's clock drifts with power and heat over a sweep, by 10 % at large T): the median of the
+    paired ratios, minus one (the gain)."""
+    import statistics
+
+    ratios = []
+    for r in range(rounds):
+        pair = (current, best) if r % 2 == 0 else (best, current)
+        t = {c: time_graph(lambda c=c: run(c), warmup_ms=5, rep_ms=20) for c in pair}
+        ratios.append(t[current] / t[best])
+    return statistics.median(ratios) - 1
+
+
 def tune(
     shape: str, tokens: list[int], *, fp8: bool, fast: bool, min_gain: float, deadline: float, log=print
 ):
@@ -136,13 +154,17 @@ def tune(
             continue
         best = min(timed, key=timed.get)
         gain = timed[current] / timed[best] - 1
-        log(f"{shape} T={T} fp8={fp8}: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
-            f"({gain:+.1%}) of {len(timed)} timed")  # fmt: skip
         for r in rows:
             if r["T"] == T:
                 r["vs_current"] = timed[current] / r["us"]
-        if best != current and gain >= min_gain:
-            winners[table_key(H, I, E, K, fp8, T)] = best
+        confirmed = 0.0
+        if best != current and gain >= min_gain:  # confirm against the clock's drift (power, heat)
+            confirmed = confirm(lambda c: run(c), current, best)
+            if confirmed >= min_gain:
+                winners[table_key(H, I, E, K, fp8, T)] = best
+        log(f"{shape} T={T} fp8={fp8}: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
+            f"({gain:+.1%} in the sweep, {confirmed:+.1%} in {CONFIRM_ROUNDS} alternating rounds) "
+            f"of {len(timed)} timed")  # fmt: skip
     return rows, winners
 
 
