@@ -166,14 +166,14 @@ def tune(
         for r in rows:
             if r["T"] == T:
                 r["vs_current"] = timed[current] / r["us"]
-        confirmed = 0.0
+        verdict = "the current choice stays"
         if best != current and gain >= min_gain:  # confirm against the clock's drift (power, heat)
             confirmed = confirm(lambda c: run(c), current, best)
+            verdict = f"{confirmed:+.1%} in {CONFIRM_ROUNDS} alternating rounds"
             if confirmed >= min_gain:
                 winners[table_key(H, I, E, K, fp8, T)] = best
         log(f"{shape} T={T} fp8={fp8}: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
-            f"({gain:+.1%} in the sweep, {confirmed:+.1%} in {CONFIRM_ROUNDS} alternating rounds) "
-            f"of {len(timed)} timed")  # fmt: skip
+            f"({gain:+.1%} in the sweep; {verdict}) of {len(timed)} timed")  # fmt: skip
     return rows, winners
 
 
