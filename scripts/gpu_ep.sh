@@ -2,7 +2,8 @@
 # Expert parallelism on a multi-GPU machine (nvidia-h200-x2, -x4 or -x8), in one go:
 #   1. environment facts (GPUs, NVLink topology, versions); DeepEP v1.2.1 built in the background
 #      (from .peers_ep/, git-ignored and carried: DeepEP-v1.2.1.tar.gz + build_deepep.sh), if present
-#   2. multigpu tests at world = every GPU (and 2): nccl vs symm vs references, steady state, CUDA graph, ep_moe
+#   2. multigpu tests at world = every GPU (and 2): nccl vs symm vs references, steady state, CUDA graph, ep_moe,
+#      and the EP backward (world 2 and every GPU)
 #   3. `replaymoe bench ep` on every GPU, DeepSeek-V3 shape, bf16 payload, 128/1024/4096 tokens/rank, eager and
 #      graph, symm at num_sms 24/32/66/132 (persistent kernels) and unset (dense grids), nccl, DeepEP side by
 #      side (--peer deepep, 24 SMs)
@@ -64,6 +65,13 @@ if [[ " $STEPS " == *" test "* ]]; then
   if [ "$NGPU" -ge 4 ]; then
     step "test_${NGPU}gpu" 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[$NGPU]"
   fi
+  # the EP backward (ep_moe's gradients against fp64 single-GPU autograd; nccl and symm bitwise equal)
+  for w in 2 4 8; do
+    if [ "$NGPU" -ge "$w" ] && { [ "$w" -eq 2 ] || [ "$w" -eq "$NGPU" ]; }; then
+      step "test_backward_${w}gpu" 320 "$PY" -m pytest -q -x -rA -m multigpu \
+        "tests/test_ep_backward_multigpu.py::test_ep_moe_backward_multigpu[$w]"
+    fi
+  done
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
   step profile 90 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe bench ep \

@@ -202,3 +202,23 @@ def test_ep_moe_gradients_gloo():
     fused_moe's on the full weights at world 2 (torch and Triton-interpreter kernels) and 4; two
     backward passes are bitwise equal; combine(width=); rejections."""
     run_distributed(_worker, 4, timeout_s=120)
+
+
+# world 8 (the DeepSeek-V3 deployment size): one expert per rank (E_local = 1)
+CASES_8 = [
+    (2, [3, 0, 2, 1, 0, 4, 1, 2], False, "renorm"),  # tokens split over two of eight ranks; two idle ranks
+    (8, [1, 2, 0, 1, 3, 0, 0, 1], True, "renorm"),  # top-8 = E with replay: every token on every rank
+]
+
+
+def _worker8(rank, world):
+    import torch.distributed as dist
+
+    _cases(rank, world, None, CASES_8, False)
+    dist.barrier()
+
+
+def test_ep_moe_gradients_gloo_world8():
+    """ep_moe's gradients at world 8 (one expert per rank, idle ranks, top-8 over all ranks with replay)
+    equal single-device fused_moe's, two backward passes bitwise equal."""
+    run_distributed(_worker8, 8, timeout_s=180)

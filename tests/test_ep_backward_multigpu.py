@@ -120,7 +120,7 @@ def _worker(rank, world):
     dist.barrier()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])  # 8: the DeepSeek-V3 deployment size (issue 38)
 def test_ep_moe_backward_multigpu(world):
     """ep_moe gradients (bf16, Triton) against fp64 single-GPU autograd on ``world`` GPUs, both
     transports bitwise equal, deterministic backward."""
