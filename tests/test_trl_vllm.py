@@ -64,6 +64,7 @@ def test_traces_follow_the_engine_order_and_keep_sentinel_rows_missing():
     a = _request([4, 5, 6], [7, 2], rows, "whole")
     b = SimpleNamespace(prompt_token_ids=[9, 10], outputs=[])  # n=0 completions: nothing
     c = _request([4, 5], [8, 8, 2], _rows(4, seed=2), "split")
+    c.prompt_token_ids = np.array(c.prompt_token_ids)  # arrays as well as lists
     traces = traces_from_vllm_outputs([a, b, c], num_experts=E, layer_ids=[1, 3], model_id="m")
     assert [t.token_ids.tolist() for t in traces] == [[4, 5, 6, 7], [4, 5, 8, 8]]
     assert traces[0].missing_mask()[:, 0].tolist() == [False, True, False, False]

@@ -126,14 +126,16 @@ def traces_from_vllm_outputs(
     traces: list[RoutingTrace] = []
     for r, request in enumerate(outputs):
         where = f"outputs[{r}]"
-        prompt = np.asarray(getattr(request, "prompt_token_ids", None) or [], dtype=np.int64)
+        prompt_ids = getattr(request, "prompt_token_ids", None)
+        prompt = np.asarray([] if prompt_ids is None else prompt_ids, dtype=np.int64).reshape(-1)
         if prompt.size == 0:
             fail(f"{where}.prompt_token_ids", "the request's prompt token ids", "none")
         prompt_routes = _routes(
             getattr(request, "prompt_routed_experts", None), f"{where}.prompt_routed_experts"
         )
         start = getattr(request, "routed_experts_prompt_start", None) or 0
-        for c, completion in enumerate(getattr(request, "outputs", None) or []):
+        completions = getattr(request, "outputs", None)
+        for c, completion in enumerate([] if completions is None else completions):
             routes = _routes(
                 getattr(completion, "routed_experts", None), f"{where}.outputs[{c}].routed_experts"
             )
