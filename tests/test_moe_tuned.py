@@ -108,6 +108,7 @@ def test_json_round_trip_and_merge(tmp_path):
         (lambda o: next(iter(o["entries"].values())).pop("warps1"), r"fields of MoEConfig.*missing.*warps1"),
         (lambda o: next(iter(o["entries"].values())).update(block_m=0), "positive ints"),  # a zero tile
         (lambda o: next(iter(o["entries"].values())).update(stages1="4"), "positive ints"),  # text
+        (lambda o: next(iter(o["entries"].values())).update(block_n1=96), "powers of two"),  # Triton's tiles
         (
             lambda o: o["entries"].update({"H=2048,I=768,E=128,K=8,fp8=1,T<=8": {**_row(o), "block_m": 16}}),
             "block_m.*fp8 batch invariance",  # an fp8 entry that would break batch invariance

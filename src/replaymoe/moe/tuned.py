@@ -45,6 +45,7 @@ HOPPER_CARDS: dict[str, tuple[str, float]] = {"h100": ("H100", 80.0), "h200": ("
 _FIELDS = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in ("half_tiles", "pdl")]
 _REQUIRED = [f.name for f in dataclasses.fields(MoEConfig) if f.default is dataclasses.MISSING]
 _FLAGS = ("direct", "tma")
+_POW2 = ("block_m", "block_n1", "block_k1", "warps1", "block_n2", "block_k2", "warps2")
 
 
 def table_key(H: int, I: int, E_local: int, K: int, fp8: bool, T: int) -> tuple:  # noqa: E741
@@ -136,10 +137,11 @@ class TunedTable:
                     fail(f"{what}[{text}]", f"the fields of MoEConfig ({', '.join(_FIELDS)})",
                          f"unknown {sorted(unknown)}, missing {sorted(missing)}")  # fmt: skip
                 bad = [f for f, v in fields.items() if not isinstance(v, int) or (v < 1 and f not in _FLAGS)]
+                bad += [f for f in _POW2 if f not in bad and fields[f] & (fields[f] - 1)]
                 if bad:
                     fail(
                         f"{what}[{text}]",
-                        "positive ints (direct, tma: true/false)",
+                        "positive ints, tiles and warps powers of two (direct, tma: true/false)",
                         {f: fields[f] for f in bad},
                     )
                 out[key] = MoEConfig(**fields)
