@@ -109,6 +109,11 @@ def token_bucket(T: int) -> int:
     return 1 << max(0, (T - 1).bit_length())
 
 
+def table_key(H: int, I: int, E_local: int, K: int, fp8: bool, T: int) -> tuple:  # noqa: E741
+    """The tuned-table key of a problem of ``T`` tokens (T rounded up to a power of two, its token bucket)."""
+    return (H, I, E_local, K, bool(fp8), token_bucket(T))
+
+
 # Eager calls: the host time that the direct mode saves (the 2 layout launches and their buffers),
 # measured on the H200 host at decode sizes (scripts/host_profile.py).
 EAGER_LAUNCH_SAVING_S = 40e-6
@@ -161,8 +166,9 @@ def moe_config(
     guarantee (fp8: 64-row tiles) unless ``batch_invariant=False``. A tuned tile-mode entry yields to
     the eager direct mode where that applies (``eager``). The heuristics were tuned on the H200.
     """
-    key = (H, I, E_local, K, fp8, token_bucket(T))
-    tuned = None if table is None else table.lookup(key, fp8_fast=fp8 and not batch_invariant)
+    tuned = None
+    if table is not None:
+        tuned = table.lookup(table_key(H, I, E_local, K, fp8, T), fp8_fast=fp8 and not batch_invariant)
     slots = T * K
     eager_direct = eager and _direct_pays_off_eagerly(slots, H, I, E_local, fp8)
     if tuned is not None and (tuned.direct or not eager_direct):  # an eager decode keeps the direct mode

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .._validation import fail
-from .configs import FP8_BLOCK_M, MoEConfig, token_bucket
+from .configs import FP8_BLOCK_M, MoEConfig, table_key
 
 __all__ = ["TunedTable", "builtin_table", "set_tuned_table", "table_for", "table_key"]
 
@@ -46,11 +46,6 @@ _FIELDS = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in ("half
 _REQUIRED = [f.name for f in dataclasses.fields(MoEConfig) if f.default is dataclasses.MISSING]
 _FLAGS = ("direct", "tma")
 _POW2 = ("block_m", "block_n1", "block_k1", "warps1", "block_n2", "block_k2", "warps2")
-
-
-def table_key(H: int, I: int, E_local: int, K: int, fp8: bool, T: int) -> tuple:  # noqa: E741
-    """The key of a problem of ``T`` tokens: T rounded up to a power of two (its token bucket)."""
-    return (H, I, E_local, K, bool(fp8), token_bucket(T))
 
 
 def _key_text(key: tuple) -> str:
