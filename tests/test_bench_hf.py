@@ -125,3 +125,23 @@ def test_bench_train_hf_rows_record_checkpointing_and_replay(replay, monkeypatch
     assert all(r["checkpointing"] is True for r in rows)
     assert [r["replay"] for r in rows] == [False, replay] + ([] if replay else [True])
     assert all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_bench_train_hf_rows_compiled_replay(monkeypatch):
+    # `bench train --checkpointing --replay --compile`: one compiled model per implementation (the
+    # rounds recompile nothing), the replaymoe row's compiled checkpointed step replaying the traces
+    # of grouped_mm's routing (same weights, same batch), so both losses agree; aot_eager keeps the
+    # CPU compile short
+    from replaymoe.bench import train as bench_train
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(bench_train, "time_eager", lambda fn, **kw: (fn(), 1000.0)[1])
+    rows = bench_train._hf_rows(
+        "qwen3_moe", 2, 6, rounds=2, checkpointing=True, replay=True, compile="aot_eager", size="tiny",
+        device="cpu",
+    )  # fmt: skip
+    torch._dynamo.reset()
+    assert [r["impl"] for r in rows] == ["grouped_mm", "replaymoe"]
+    assert all(r["compiled"] == "aot_eager" and r["compile_s"] > 0 for r in rows)
+    assert [r["replay"] for r in rows] == [False, True]
+    assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)

@@ -1,5 +1,6 @@
-"""``replaymoe._launch.FastLaunch.launch_fixed`` on the GPU: after a key's first call the binder is
-skipped, and the launches still get every call's own tensors, integers and constexprs."""
+"""``replaymoe._launch.FastLaunch`` on the GPU: after a key's first call the binder is skipped
+(``launch_fixed``'s caller key, ``launch``'s argument key), and the launches still get every call's
+own tensors, integers and constexprs, and a call that specializes otherwise gets its own kernel."""
 
 from __future__ import annotations
 
@@ -32,3 +33,38 @@ def test_launch_fixed_uses_each_calls_arguments(scale):
         assert (dst[n:] == 12345).all()  # nothing past n
     if ENABLED:
         assert ("int32", scale) in fl._fixed and fl._fixed[("int32", scale)] is not None
+
+
+@triton.jit
+def _strided_axpy(src, dst, n, stride, alpha, BLOCK: tl.constexpr):
+    # specializes on everything Triton can: n and stride (== 1, % 16), both pointers' alignment
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    v = tl.load(src + i * stride, mask=ok)
+    tl.store(dst + i, (v * alpha).to(dst.dtype.element_ty), mask=ok)
+
+
+def test_launch_memo_binds_once_per_specialization(monkeypatch):
+    fl = FastLaunch(_strided_axpy)
+    binds = []
+    real = FastLaunch._bind_and_launch
+    monkeypatch.setattr(FastLaunch, "_bind_and_launch", lambda self, *a: (binds.append(1), real(self, *a)))
+    buf = torch.randn(4096, device="cuda")
+    cases = [  # (n, stride, dtype, src offset): 1 and 16 specialize, an odd offset unaligns src
+        (16, 1, torch.float32, 0),
+        (16, 1, torch.float32, 0),  # a repeat: no binder
+        (17, 1, torch.float32, 0),  # n no longer divisible by 16
+        (17, 1, torch.float32, 1),  # src unaligned
+        (17, 16, torch.float32, 0),  # stride divisible by 16
+        (1, 3, torch.bfloat16, 0),  # n == 1, another output dtype
+        (17, 1, torch.float32, 1),  # repeats of earlier keys
+        (16, 1, torch.float32, 0),
+    ]
+    for n, stride, dtype, off in cases:
+        src = buf[off:]
+        dst = torch.full((n,), -7.0, dtype=dtype, device="cuda")
+        fl[(triton.cdiv(n, 64),)](src, dst, n, stride, 2.5, BLOCK=64)
+        want = (src[: n * stride : stride] * 2.5).to(dtype)
+        torch.testing.assert_close(dst, want, rtol=0, atol=0)
+    if ENABLED:
+        assert len(fl._memo) == 5 and len(binds) == 5 + 1  # each key once (+1: the first launch compiles)

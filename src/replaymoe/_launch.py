@@ -13,7 +13,13 @@ the hf step bookkeeping). It launches exactly the kernel Triton would pick:
 * the first call of every specialization goes through Triton (compiling it if needed) and its
   compiled kernel is kept; later calls launch it directly on the current stream, with tensors passed
   as their addresses (Triton's launcher would otherwise query the driver about every pointer), through
-  the launcher's native entry point when the kernel needs no scratch memory.
+  the launcher's native entry point when the kernel needs no scratch memory;
+* a call whose arguments repeat an earlier call's in everything Triton specializes on skips the binder
+  too: the call is keyed by its scalars' exact values (bools, ints, floats, strings, None), its
+  tensors' dtypes and 16-byte alignment and its tensor descriptors' dtypes, blocks, padding and
+  alignment, a superset of what the binder reads, so two calls with one key bind alike. The key costs
+  a fraction of the binder's per-argument specialization (tens of microseconds per launch of a
+  50-argument GEMM on a slow host). A new key (a new T, say) binds once through Triton.
 
 :meth:`FastLaunch.launch_fixed` skips the binder as well, for a kernel whose caller's key fixes the
 compiled variant (it does not specialize on integer values or pointer alignment).
@@ -39,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FastLaunch", "Launcher", "addresses", "fast", "hooks_off"]
+__all__ = ["FastLaunch", "Launcher", "addresses", "cdiv", "fast", "hooks_off", "next_power_of_2"]
 
 if "REPLAYMOE_EP_FAST_LAUNCH" in os.environ:
     warnings.warn(
@@ -55,6 +61,18 @@ ENABLED = (
 )
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers: ``triton.cdiv`` on the host, without its cost (Triton's is a
+    ``constexpr_function``, about 1.5 µs a call, and a training step sizes hundreds of grids)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (0 for ``n <= 0``): ``triton.next_power_of_2`` on the
+    host, without its cost."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 class FastLaunch:
     """A ``@triton.jit`` function with a cache of compiled kernels keyed by specialization.
 
@@ -62,12 +80,13 @@ class FastLaunch:
     ``kernel[grid](*args, **kwargs)`` (launch options such as ``num_warps`` included).
     """
 
-    __slots__ = ("fn", "_compiled", "_fixed")
+    __slots__ = ("fn", "_compiled", "_fixed", "_memo")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self._compiled: dict[tuple, Any] = {}
         self._fixed: dict[Any, tuple] = {}  # launch_fixed: caller's key -> compiled entry, parameter order
+        self._memo: dict[tuple, tuple] = {}  # launch: arguments' key -> compiled entry, parameter order
 
     def __getitem__(self, grid: tuple[int, ...]):
         return _Bound(self, grid)
@@ -77,6 +96,20 @@ class FastLaunch:
             self.fn[grid](*args, **kwargs)
             return
         device = torch._C._cuda_getDevice()
+        memo_key = (device, *map(_arg_key, args), *[(n, _arg_key(v)) for n, v in kwargs.items()])
+        entry = self._memo.get(memo_key)
+        if entry is not None:
+            self._launch_entry(entry, grid, args, kwargs, device)
+            return
+        self._bind_and_launch(grid, args, kwargs, device)
+        entry = self._fixed_entry(args, kwargs)
+        if entry is not None:
+            if len(self._memo) >= _MEMO_LIMIT:  # shapes that never repeat: start over, stay bounded
+                self._memo.clear()
+            self._memo[memo_key] = entry
+
+    def _bind_and_launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict, device: int) -> None:
+        """Launch through Triton's binder (and compile the specialization on its first call)."""
         caches = self.fn.device_caches.get(device)
         if caches is None:  # first launch on this device: Triton builds its binder
             self._compile(grid, args, kwargs, None)
@@ -126,13 +159,18 @@ class FastLaunch:
             if ENABLED and hooks_off():
                 self._fixed[key] = self._fixed_entry(args, kwargs)
             return
+        self._launch_entry(entry, grid, args, kwargs, torch._C._cuda_getDevice())
+
+    @staticmethod
+    def _launch_entry(entry: tuple, grid: tuple[int, ...], args: tuple, kwargs: dict, device: int) -> None:
+        """Launch an entry of :meth:`_fixed_entry` with this call's arguments (no binder)."""
         kernel, launch, flags, names, rest = entry
         values = [*args, *[kwargs[n] if n in kwargs else v for n, v in rest]]
         launch(
             grid[0],
             grid[1] if len(grid) > 1 else 1,
             grid[2] if len(grid) > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()),
+            torch._C._cuda_getCurrentRawStream(device),
             kernel.function,
             *flags,
             kernel.packed_metadata,
@@ -177,6 +215,23 @@ def _native_launch(kernel: Any) -> tuple[Any, tuple]:
         return native, (run.launch_cooperative_grid, run.launch_pdl, None, None)
     except AttributeError:
         return run, ()
+
+
+_MEMO_LIMIT = 4096  # keys kept per kernel before the memo starts over
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _arg_key(a: Any) -> Any:
+    """What of one argument can change Triton's specialization (a superset; see the module docstring)."""
+    t = type(a)
+    if t in _SCALARS:
+        return (t, a)  # the type too: True == 1 and 1 == 1.0 specialize differently
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    base = getattr(a, "base", None)  # a host-side TensorDescriptor
+    if isinstance(base, torch.Tensor):
+        return (t, base.dtype, base.data_ptr() & 15 == 0, tuple(a.block_shape), a.padding)
+    return (t, id(a))  # anything else: only the very same object repeats (e.g. a dtype, a constexpr)
 
 
 class _Bound:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,7 @@ def _hf_rows(
     *,
     checkpointing: bool = False,
     replay: bool = False,
+    compile: str | None = None,
     size: str = "bench",
     device: str = "cuda",
 ) -> list[dict]:
@@ -200,6 +202,12 @@ def _hf_rows(
         Gradient checkpointing (non-reentrant) on for every row.
     replay : bool
         The ``replaymoe`` row steps inside ``moe.replaying(traces)``; no ``replaymoe+replay`` row.
+    compile : str or None
+        A ``torch.compile`` backend (``"inductor"``; graph breaks allowed): every row steps through
+        ``torch.compile(model, backend=compile)``, one model
+        per implementation (same seed, same weights), enabled once and compiled by its first step
+        (``compile_s``), so that rotating the rounds recompiles nothing. No ``replaymoe+replay`` row
+        (``replay`` decides whether the ``replaymoe`` row replays).
     size, device : str
         The model's ``build_model`` size and device (``"tiny"`` / ``"cpu"`` for the CPU test).
     """
@@ -210,47 +218,79 @@ def _hf_rows(
 
     gc.collect()  # the layer rows' buffers, then their cached blocks: the model starts on a clean pool
     torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    model = build_model(arch, size, dtype=torch.bfloat16, device=device)
-    model.train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def new_model():
+        torch.manual_seed(0)
+        m = build_model(arch, size, dtype=torch.bfloat16, device=device)
+        m.train()
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
+    model = new_model()
     cfg = model.config
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, cfg.vocab_size, (B, S), generator=g).to(device)
-
-    def step():
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        model.zero_grad(set_to_none=True)
-        return out.loss.detach()
-
     model.set_experts_implementation("grouped_mm")
     cap = rhf.enable(model, capture=True, max_batch_size=B, max_positions=S)
     with torch.no_grad():
         model(input_ids=ids)
     traces = cap.traces()
     cap.disable()
-    enable = {
-        "grouped_mm": lambda: None,
-        "replaymoe": lambda: rhf.enable(model),
-        "replaymoe+replay": lambda: rhf.enable(model, replay=traces, max_batch_size=B, max_positions=S),
-    }
-    if replay:  # the replaymoe row replays: the enable(replay=) row would repeat it
-        del enable["replaymoe+replay"]
-    impls = list(enable)
 
-    def replayed_step(moe):
-        with moe.replaying(traces):
-            return step()
+    def step_of(m, moe=None):
+        def step():
+            out = m(input_ids=ids, labels=ids, use_cache=False)
+            out.loss.backward()
+            model_of[id(m)].zero_grad(set_to_none=True)
+            return out.loss.detach()
+
+        if moe is None or not replay:
+            return step
+
+        def replayed_step():
+            with moe.replaying(traces):
+                return step()
+
+        return replayed_step
+
+    model_of = {id(model): model}
+    if compile:  # one compiled model per implementation, enabled once: nothing recompiles across rounds
+        steps, compile_s, handles = {}, {}, []
+        for impl in ("grouped_mm", "replaymoe"):
+            m = model if impl == "grouped_mm" else new_model()
+            m.set_experts_implementation("grouped_mm")
+            moe = rhf.enable(m) if impl == "replaymoe" else None
+            handles.append(moe)
+            compiled = torch.compile(m, backend=compile)
+            model_of[id(compiled)] = m
+            steps[impl] = step_of(compiled, moe)
+            t0 = time.perf_counter()
+            steps[impl]()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            compile_s[impl] = time.perf_counter() - t0
+        impls = list(steps)
+        enable = {impl: (lambda: None) for impl in impls}
+    else:
+        enable = {
+            "grouped_mm": lambda: None,
+            "replaymoe": lambda: rhf.enable(model),
+            "replaymoe+replay": lambda: rhf.enable(model, replay=traces, max_batch_size=B, max_positions=S),
+        }
+        if replay:  # the replaymoe row replays: the enable(replay=) row would repeat it
+            del enable["replaymoe+replay"]
+        impls = list(enable)
 
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     losses: dict[str, float] = {}
+    device_ms: dict[str, float] = {}
     for r in range(rounds):
         for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
-            model.set_experts_implementation("grouped_mm")
+            if not compile:
+                model.set_experts_implementation("grouped_mm")
             moe = enable[impl]()
-            run = step if moe is None or not replay else (lambda moe=moe: replayed_step(moe))
+            run = steps[impl] if compile else step_of(model, moe)
             try:
                 if impl not in losses:
                     losses[impl] = float(run())
@@ -258,21 +298,48 @@ def _hf_rows(
                 # implementation grow the caching allocator's segments (cudaMalloc, synchronous); the
                 # figure is the steady state of a training loop
                 times[impl].append(time_eager(run, warmup_ms=HF_WARMUP_MS, rep_ms=HF_REP_MS) / 1e3)
+                if r == rounds - 1 and device == "cuda":
+                    device_ms[impl] = _device_ms(run)
             finally:
                 if moe is not None:
                     moe.disable()
+    if compile:
+        for h in handles:
+            if h is not None:
+                h.disable()
     rows = []
     for impl in impls:
         t = statistics.median(times[impl])
         row = {"shape": f"hf:{arch}", "T": B * S, "impl": impl, "fwdbwd_ms": t,
                "tokens_per_s": B * S / t * 1e3, "loss": losses[impl], "checkpointing": checkpointing,
                "replay": impl == "replaymoe+replay" or (replay and impl != "grouped_mm"),
-               "fwdbwd_ms_rounds": times[impl]}  # fmt: skip
+               "compiled": compile or "", "fwdbwd_ms_rounds": times[impl]}  # fmt: skip
+        if compile:
+            row["compile_s"] = compile_s[impl]
+        if impl in device_ms:
+            row["device_ms"] = device_ms[impl]
         if impl != "grouped_mm":
             row["fwdbwd_speedup"] = statistics.median(a / b for a, b in zip(times["grouped_mm"], times[impl]))
+            if impl in device_ms and "grouped_mm" in device_ms:
+                row["device_speedup"] = device_ms["grouped_mm"] / device_ms[impl]
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def _device_ms(run, steps: int = 3) -> float:
+    """The GPU's busy time per ``run()`` in ms: the sum of its kernels' durations under the torch
+    profiler (what the step costs the device with the host's launch gaps taken out: the step a fast
+    enough host would time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +363,15 @@ def main(argv: list[str] | None = None) -> int:
         help="HF rows: the replaymoe row steps inside moe.replaying(traces) (traces of a no-grad forward "
         "of the same batch; grouped_mm never replays); no separate replaymoe+replay row",
     )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="HF rows: step through torch.compile(model, backend=BACKEND) (default inductor; one model per "
+        "implementation, compiled once)",
+    )
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("replaymoe bench train needs a CUDA GPU", file=sys.stderr)
@@ -308,10 +384,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += _layer_rows(name, tokens, impls)
         write_results(rows, a.out, "train")
     if not a.no_hf:
-        rows += _hf_rows(a.hf_arch, a.batch, a.seq, checkpointing=a.checkpointing, replay=a.replay)
+        rows += _hf_rows(
+            a.hf_arch, a.batch, a.seq, checkpointing=a.checkpointing, replay=a.replay, compile=a.compile
+        )
     write_results(rows, a.out, "train")
     cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
-            "peak_vs_grouped_mm", "tokens_per_s", "checkpointing", "replay", "err_dx", "err_dw13",
+            "peak_vs_grouped_mm", "tokens_per_s", "device_ms", "device_speedup", "checkpointing", "replay",
+            "compiled", "err_dx", "err_dw13",
             "bitwise_repeatable"]  # fmt: skip
     print_table(rows, cols)
     return 0

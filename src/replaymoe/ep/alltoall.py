@@ -59,9 +59,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import triton
 
 from .._backend import BACKENDS, resolve_backend
+from .._launch import cdiv, next_power_of_2
 from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
 from .packing import (
     _DENSE_CHUNK,
@@ -479,7 +479,6 @@ class MoeAlltoAll:
         st.send_counts = torch.empty(self.ep, dtype=torch.int32, device=self.device)
         if not use_triton:
             return st
-        import triton
 
         from .._launch import Launcher
         from ._kernel import ep_pack_kernel, ep_plan_kernel, ep_sanitize_kernel
@@ -487,7 +486,7 @@ class MoeAlltoAll:
         st.plan_launch = Launcher(ep_plan_kernel, num_warps=4)
         # plan kernel (+ the counts into every destination's header row)
         base, rem = divmod(self.num_experts, self.ep)
-        ep_p2 = max(2, triton.next_power_of_2(self.ep))
+        ep_p2 = max(2, next_power_of_2(self.ep))
         hdrs = [h.view(torch.int32) for h in tg.dsts]
         hdrs = hdrs + [hdrs[0]] * (8 - len(hdrs))
         hdr_off = tg.dst_base + rt * layout.row_bytes + layout.count_offset
@@ -526,8 +525,8 @@ class MoeAlltoAll:
                 # dense (num_sms unset): one program per (token, 1024-unit chunk), many resident per SM;
                 # persistent (num_sms set): at most num_sms programs, 4 tokens x 4096 units per iteration
                 cap = _PACK_CHUNK if persistent else _DENSE_CHUNK
-                NBs = [min(triton.next_power_of_2(n), cap) for n in Ns]
-                chunks = max(triton.cdiv(n, b) for n, b in zip(Ns, NBs))
+                NBs = [min(next_power_of_2(n), cap) for n in Ns]
+                chunks = max(cdiv(n, b) for n, b in zip(Ns, NBs))
                 if persistent:
                     TT = 4 if max(NBs) >= 2048 else 2 if max(NBs) >= 1024 else 16
                 else:
@@ -557,11 +556,11 @@ class MoeAlltoAll:
             wait = tg.wait if tg.wait is not None else (self.recv_counts, self.recv_counts, 0, 0, False)
             st.sanitize = (
                 Launcher(ep_sanitize_kernel, num_warps=4),
-                max(1, triton.cdiv(n, blk)),
+                max(1, cdiv(n, blk)),
                 (flat, hdr, self.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
                  counts.storage_offset() - hdr.storage_offset(), self.local_expert_offset,
                  self.local_expert_offset + self.num_local_experts, invalid, *wait[:4], K,
-                 max(2, triton.next_power_of_2(K)), self.ep, ep_p2, blk, self.rank, idx is not None,
+                 max(2, next_power_of_2(K)), self.ep, ep_p2, blk, self.rank, idx is not None,
                  tg.wait is not None, wait[4]),
             )  # fmt: skip
         from .._launch import addresses
@@ -596,7 +595,7 @@ class MoeAlltoAll:
             persistent = self._num_sms is not None
             for variants in st.packs:
                 g = variants[persistent]
-                work = triton.cdiv(T, g.TT)
+                work = cdiv(T, g.TT)
                 if persistent:
                     grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
                 else:

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
+
+from .._launch import cdiv, next_power_of_2
 
 _ALIGN = 64  # bytes: payload regions and rows are aligned so Triton sees 16-unit divisibility
 _PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration
@@ -26,8 +27,8 @@ def row_tiling(H: int, persistent: bool) -> tuple[int, int, int, int]:
     ``ep_combine_reduce_kernel``) for rows of ``H`` elements: ``nb`` columns per chunk (a power of
     two), ``chunks`` of them per row, ``tt`` rows per program, ``num_warps``. ``persistent`` (a
     ``num_sms`` cap): longer chunks and programs that loop."""
-    nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, triton.next_power_of_2(H))
-    chunks = triton.cdiv(H, nb)
+    nb = min(_REDUCE_CHUNK if persistent else _DENSE_CHUNK, next_power_of_2(H))
+    chunks = cdiv(H, nb)
     if persistent:
         tt = 4 if nb >= 2048 else 2 if nb >= 1024 else 8
     else:

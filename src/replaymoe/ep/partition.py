@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._launch import next_power_of_2
 from .._validation import check_int
 
 __all__ = ["expert_partition", "expert_owner"]
@@ -58,15 +59,13 @@ def make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool 
     ``ep_plan_kernel`` alone (the all-to-all fuses it with its header writes)."""
     T = ids.shape[0]
     if use_triton:
-        import triton
-
         from ._kernel import ep_plan_kernel
 
         ids = ids.contiguous()
         slot = torch.empty(T, ep, dtype=torch.int32, device=ids.device)
         counts = torch.empty(ep, dtype=torch.int32, device=ids.device)
         base, rem = divmod(num_experts, ep)
-        ep_p2 = max(2, triton.next_power_of_2(ep))
+        ep_p2 = max(2, next_power_of_2(ep))
         ep_plan_kernel[(1,)](
             ids, slot, counts, *([counts] * 8), 0, 0, T, num_experts, base, rem,
             K=ids.shape[1], EP=ep, EP_P2=ep_p2, BLOCK_T=max(16, min(1024, 4096 // ep_p2)), PUT=False,

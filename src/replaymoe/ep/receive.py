@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._launch import cdiv, next_power_of_2
 from .packing import row_tiling
 
 
@@ -16,7 +17,6 @@ def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
     """Launch ``ep_sanitize_kernel`` alone on the received id rows ``flat`` (``[n, K]`` int32 over
     all blocks of ``recv``): ids outside ``[lo, hi)`` and rows past each source's count (read from
     ``counts``) become ``invalid``. The all-to-all fuses this into its receive; tests call it."""
-    import triton
 
     from ._kernel import ep_sanitize_kernel
 
@@ -25,10 +25,10 @@ def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
     hdr_block = counts.stride(0)
     hdr_off = counts.storage_offset() - hdr.storage_offset()
     block = 128
-    ep_sanitize_kernel[(triton.cdiv(n, block),)](
+    ep_sanitize_kernel[(cdiv(n, block),)](
         flat, hdr, a2a.recv_counts, n, flat.stride(0), rt + 1, hdr_block, hdr_off, lo, hi, invalid,
-        counts, counts, 0, 0, K=K, K_P2=max(2, triton.next_power_of_2(K)), EP=a2a.ep,
-        EP_P2=max(2, triton.next_power_of_2(a2a.ep)), BLOCK=block, RANK=a2a.rank, HAS_IDS=True, WAIT=False,
+        counts, counts, 0, 0, K=K, K_P2=max(2, next_power_of_2(K)), EP=a2a.ep,
+        EP_P2=max(2, next_power_of_2(a2a.ep)), BLOCK=block, RANK=a2a.rank, HAS_IDS=True, WAIT=False,
         TIMER=False,
     )  # fmt: skip
 

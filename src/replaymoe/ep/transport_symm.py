@@ -43,6 +43,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import torch  # noqa: E402
 
+from .._launch import cdiv
 from .._validation import fail  # noqa: E402
 from .packing import _Targets, row_tiling  # noqa: E402
 
@@ -153,7 +154,6 @@ class SymmTransport:
         """Send row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to source ``s``'s combine
         buffer at ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]``, the
         block stride (elements) and this rank's own rows ``payload[rank]`` (read in place)."""
-        import triton
 
         from .._launch import Launcher, addresses
         from ._kernel import ep_combine_send_kernel
@@ -179,7 +179,7 @@ class SymmTransport:
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
             nb, chunks, tt, warps = row_tiling(H, persistent)
             rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
-            work = triton.cdiv((a.ep - 1) * rt, tt)
+            work = cdiv((a.ep - 1) * rt, tt)
             sig = self.signal_args[1] if self.fused else (a.recv_counts,) * 10 + (0,)
             tail = (a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
                     *sig, a.ep, a.rank, nb, tt, self.fused)  # fmt: skip

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
 
 from replaymoe._validation import fail
 from replaymoe.record.replay import ReplayTable, _static, prefix_hashes, prefix_hashes_np
 from replaymoe.record.trace import RoutingTrace
+
+from .._launch import next_power_of_2
 
 # ReplayTable and the prefix hashes live in replaymoe.record.replay (one replay table: ReplaySource uses it
 # too); they stay importable from here
@@ -112,7 +113,7 @@ class CaptureBuffer:
         if rows > self.batch_cap or positions > self.seq_cap:
             self._grow(
                 max(self.batch_cap, rows),
-                max(self.seq_cap, triton.next_power_of_2(max(positions, 1))),
+                max(self.seq_cap, next_power_of_2(max(positions, 1))),
                 keep=True,
             )
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import triton
 
 from replaymoe._backend import INTERPRET
 from replaymoe._launch import fast
 from replaymoe.hf._kernel_step_rows import decode_rows_kernel, step_rows_kernel
+
+from .._launch import next_power_of_2
 
 __all__ = [
     "DecodeChain",
@@ -173,7 +174,7 @@ def step_rows(
     )  # fmt: skip
     ints = [a for a in args if isinstance(a, int)]
     nxt = next_pos_out is not None
-    consts = dict(K=K, KP=triton.next_power_of_2(K), CAPTURE=cap, REPLAY=rep, BLOCK=128, PENDING=pend,
+    consts = dict(K=K, KP=next_power_of_2(K), CAPTURE=cap, REPLAY=rep, BLOCK=128, PENDING=pend,
                   next_pos_ptr=next_pos_out, NEXT_POS=nxt)  # fmt: skip
     if max(ints) < 2**31 and min(ints) >= -(2**31):  # the int32 variant (the key's promise)
         _STEP_ROWS.launch_fixed((dev.index, attention_mask.dtype, K, cap, rep, pend, nxt), (B,), args, consts)
@@ -216,7 +217,7 @@ class DecodeHead:
             forced if rep else d, B * K, replay.seen if rep else d, replay.fallback if rep else d, L,
             staged if cap else d, capture.ids if cap else d, capture.ids.stride(0) if cap else 0,
         )  # fmt: skip
-        self.consts = dict(K=K, KP=triton.next_power_of_2(K), CAPTURE=cap, REPLAY=rep, PENDING=cap)
+        self.consts = dict(K=K, KP=next_power_of_2(K), CAPTURE=cap, REPLAY=rep, PENDING=cap)
         self.grid = (B,)
         self.key = (
             "decode",

@@ -11,9 +11,8 @@ backward, dX, dW13, dW2, bias gradients; kernels in ``_kernel_bwd.py``), also th
 from __future__ import annotations
 
 import torch
-import triton
 
-from .._launch import fast
+from .._launch import cdiv, fast, next_power_of_2
 from ._forward import STANDARD, ExpertsVariant, _bias_args, _descriptor, _launch, _rows_desc
 from .configs import (
     MoEBwdConfig,
@@ -351,7 +350,7 @@ def launch_bwd(
         saved = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
         if num_pid_m:
             bn1, bk1 = (128, 64) if bm >= 64 else (64, 128)
-            fast(moe_gemm1_kernel)[(num_pid_m * triton.cdiv(I, bn1),)](
+            fast(moe_gemm1_kernel)[(num_pid_m * cdiv(I, bn1),)](
                 x, x, w13, w13, b13_args[0], saved, saved, saved, ids, lay.sorted_slots, lay.tile_expert,
                 lay.num_tiles, num_pid_m, H, I, K, slots, offset, E_local, float(v.alpha), float(v.limit),
                 x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), 0, 0, *b13_args[1:],
@@ -364,7 +363,7 @@ def launch_bwd(
     dh = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
     aw = torch.empty(slots, I, dtype=x.dtype, device=dev)
     bn_e = 128
-    nb = triton.cdiv(I, bn_e)
+    nb = cdiv(I, bn_e)
     # per slot: the d topk_weights partials of each I-block (+ dO·b2 in a last column with a w2 bias),
     # summed by moe_reduce_kernel (with dX's reduce, or alone), which reads the local slots' rows only
     dwp = torch.empty(slots, nb + (b2 is not None), dtype=torch.float32, device=dev)
@@ -374,7 +373,7 @@ def launch_bwd(
         dwp[:, nb] = torch.where(local, dob2, 0.0).reshape(-1)
     if num_pid_m:
         w2_desc = _rows_desc(w2, c.bk_a, c.bn_a) if c.gemm_tma and H % c.bk_a == 0 else None
-        fast(moe_bwd_da_kernel)[(num_pid_m * triton.cdiv(I, c.bn_a),)](
+        fast(moe_bwd_da_kernel)[(num_pid_m * cdiv(I, c.bn_a),)](
             dout, w2, dh, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m, H, I,
             K, slots, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
             INTERLEAVED=v.interleaved, EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a,
@@ -382,7 +381,7 @@ def launch_bwd(
             HALF_TILES=_half_tiles(c, False), num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
-        fast(moe_bwd_swiglu_kernel)[(triton.cdiv(slots, br), nb)](
+        fast(moe_bwd_swiglu_kernel)[(cdiv(slots, br), nb)](
             dh, saved, wts, aw, dwp, cl.compact_slots, I, slots, float(v.alpha), float(v.limit),
             dh.stride(0), saved.stride(0), aw.stride(0), dwp.stride(0), INTERLEAVED=v.interleaved,
             ACT=v.act, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
@@ -397,7 +396,7 @@ def launch_bwd(
         has_dx = dxs is not None
         rows, dst = (dxs, dx) if has_dx else (parts, parts)
         on = parts if parts is not None else rows
-        fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh) if has_dx else 1)](
+        fast(moe_reduce_kernel)[(T, cdiv(H, bh) if has_dx else 1)](
             rows, ids, dst, H, K, offset, E_local, rows.stride(0), dst.stride(0), BLOCK_H=bh, PDL=False,
             dwp_ptr=on, dwts_ptr=res[3] if parts is not None else on, num_parts=on.shape[1],
             stride_dwp=on.stride(0), DWTS=parts is not None, DX=has_dx, num_warps=4,
@@ -414,8 +413,8 @@ def launch_bwd(
         g = torch.empty(slots, n, dtype=t.dtype, device=dev)
         # H200 sweep (bench/results/diag/s10_gather_rows_sweep_h200.txt): 512-column blocks, 8 warps and
         # streaming stores, Qwen3 T=16384 226 -> 185 us per gather
-        bn_g = min(512, triton.next_power_of_2(n))
-        fast(moe_bwd_gather_rows_kernel)[(triton.cdiv(slots, 8), triton.cdiv(n, bn_g))](
+        bn_g = min(512, next_power_of_2(n))
+        fast(moe_bwd_gather_rows_kernel)[(cdiv(slots, 8), cdiv(n, bn_g))](
             t, g, cl.compact_slots, slots, K, n, t.stride(0), g.stride(0), BLOCK_R=8, BLOCK_N=bn_g,
             num_warps=8,
         )  # fmt: skip
@@ -426,7 +425,7 @@ def launch_bwd(
         if c.dw_tma and not (a_t or a_g or b_g or c_t) and dw_tma_gemm(a, b, dw, m, n):
             res[i] = dw
             return
-        fast(moe_bwd_dw_kernel)[(E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w),)](
+        fast(moe_bwd_dw_kernel)[(E_local * cdiv(m, c.bm_w) * cdiv(n, c.bn_w),)](
             a, b, dw, cl.compact_slots, cl.exact_start, lay.expert_counts, m, n, K, a.stride(0),
             b.stride(0), dw.stride(0), dw.stride(1), A_T=a_t, A_GATHER=a_g, B_GATHER=b_g, C_T=c_t,
             BLOCK_M=c.bm_w, BLOCK_N=c.bn_w, BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec,
@@ -440,7 +439,7 @@ def launch_bwd(
         c_desc = _dw_desc(dw, E_local * m, [c.bm_w, c.bn_w]) if c.dw_c_desc and m % c.bm_w == 0 else None
         if a_desc is None or b_desc is None:
             return False
-        tiles = E_local * triton.cdiv(m, c.bm_w) * triton.cdiv(n, c.bn_w)
+        tiles = E_local * cdiv(m, c.bm_w) * cdiv(n, c.bn_w)
         progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
         fast(moe_bwd_dw_tma_kernel)[(progs or tiles,)](
             a_desc, b_desc, c_desc, dw, cl.exact_start, lay.expert_counts, m,
@@ -460,7 +459,7 @@ def launch_bwd(
             dh_desc = _rows_desc(dh, bm, c.bk_x) if w13_desc is not None else None
             half = _half_tiles(c, False)
             dh_desc_half = _rows_desc(dh, bm // 2, c.bk_x) if half and dh_desc is not None else None
-            fast(moe_bwd_dx_kernel)[(num_pid_m * triton.cdiv(H, c.bn_x),)](
+            fast(moe_bwd_dx_kernel)[(num_pid_m * cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m,
                 H, two_i, slots, dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),
                 EVEN_K=two_i % c.bk_x == 0, BLOCK_M=bm, BLOCK_N=c.bn_x, BLOCK_K=c.bk_x, GROUP_M=c.group_m,
@@ -503,7 +502,7 @@ def _bias_grad(kernel, src, wts, lay, cl, bias, K, *, gather):
     E_local, N = bias.shape
     db = torch.empty(E_local, N, dtype=torch.float32, device=src.device)
     bn = min(256, max(16, 1 << (N - 1).bit_length()))
-    fast(kernel)[(E_local, triton.cdiv(N, bn))](
+    fast(kernel)[(E_local, cdiv(N, bn))](
         src, wts, db, cl.compact_slots, cl.exact_start, lay.expert_counts, N, K, src.stride(0),
         db.stride(0), GATHER=gather, BLOCK_R=16, BLOCK_N=bn, num_warps=4,
     )  # fmt: skip

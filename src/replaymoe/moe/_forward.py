@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from .._launch import fast
+from .._launch import cdiv, fast
 from .._validation import is_capturing
 from .configs import MoEConfig, _half_tiles, _pdl, config_from_list, config_tuple, moe_config, tma_ok
 from .tuned import table_for
@@ -227,9 +226,7 @@ def _launch(
         xq = torch.empty(T, H, dtype=_FP8, device=dev)
         xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
         g = 8
-        fast(quant_groups_kernel)[(T, triton.cdiv(H // 128, g))](
-            x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4
-        )
+        fast(quant_groups_kernel)[(T, cdiv(H // 128, g))](x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4)
     else:
         xq, xs = x, x
     if preq:
@@ -244,7 +241,7 @@ def _launch(
     # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper; c.pdl, opt-in), so
     # that GEMM2 prefetches its weights while GEMM1 finishes and no launch gap separates the three
     pdl = _pdl(c, fp8, dev)
-    grid1 = (num_pid_m * triton.cdiv(I, c.block_n1),)
+    grid1 = (num_pid_m * cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
     b13, b13_se, b13_sn = _bias_args(v.w13_bias, w13)
@@ -261,7 +258,7 @@ def _launch(
         num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
-    grid2 = (num_pid_m * triton.cdiv(H, c.block_n2),)
+    grid2 = (num_pid_m * cdiv(H, c.block_n2),)
     b2, b2_se, b2_sn = _bias_args(v.w2_bias, w2)
     w2_desc = _rows_desc(w2, c.block_n2, c.block_k2) if tma else None
     inter_desc = _rows_desc(inter, c.block_m, c.block_k2) if w2_desc is not None else None
@@ -277,7 +274,7 @@ def _launch(
         num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-    fast(moe_reduce_kernel)[(T, triton.cdiv(H, bh))](
+    fast(moe_reduce_kernel)[(T, cdiv(H, bh))](
         y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,
         launch_pdl=pdl,
     )  # fmt: skip

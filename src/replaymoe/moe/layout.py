@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from .._launch import cdiv, next_power_of_2
 from .._validation import check_int, check_tensor, fail
 
 __all__ = [
@@ -174,9 +174,9 @@ def expert_layout_unchecked(
     num_slots = T * K
     max_padded, max_tiles = layout_sizes(num_slots, num_local_experts, block_m, cluster)
     dev = topk_ids.device
-    e_pad = triton.next_power_of_2(max(num_local_experts, 2))
+    e_pad = next_power_of_2(max(num_local_experts, 2))
     nc_max = max(1, 8192 // e_pad)
-    ch = max(64, triton.next_power_of_2(-(-num_slots // nc_max)))
+    ch = max(64, next_power_of_2(-(-num_slots // nc_max)))
     if (e_pad + 1) * ch >= 2**31:  # the kernel's int32 sort key (expert * CH + slot) would wrap
         fail(
             "topk_ids",
@@ -186,8 +186,8 @@ def expert_layout_unchecked(
             what="shape",
         )
     num_chunks = max(1, -(-num_slots // ch))
-    nc_pad = triton.next_power_of_2(max(num_chunks, 2))
-    tile_block = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(max(max_tiles, 1))))
+    nc_pad = next_power_of_2(max(num_chunks, 2))
+    tile_block = max(1, min(64, 4096 // e_pad, next_power_of_2(max(max_tiles, 1))))
     grid = max(num_chunks, -(-max_tiles // tile_block))
     i32 = torch.int32
     hist = torch.empty(num_chunks, e_pad, dtype=i32, device=dev)
@@ -335,10 +335,10 @@ def compact_layout(layout: ExpertLayout) -> CompactLayout:
     bm = layout.block_m
     out = _empty_compact(n, num_local, layout.sorted_slots.device)
     compact = out.compact_slots
-    e_pad = triton.next_power_of_2(max(num_local, 2))
+    e_pad = next_power_of_2(max(num_local, 2))
     tile_block = max(1, min(4096 // e_pad, 4096 // bm))
     max_tiles = layout.max_tiles
-    fast(layout_compact_kernel)[(max(1, triton.cdiv(max_tiles, tile_block)),)](
+    fast(layout_compact_kernel)[(max(1, cdiv(max_tiles, tile_block)),)](
         layout.sorted_slots, layout.tile_expert, layout.expert_offsets, layout.expert_counts, compact,
         out.exact_start, out.expert_shift, n, num_local, max_tiles, E_PAD=e_pad, BLOCK_M=bm,
         TILE_BLOCK=tile_block, num_warps=4,

@@ -16,9 +16,10 @@ import os
 from typing import Optional
 
 import torch
-import triton
 
 from replaymoe.routing.methods import EPS, KERNEL_FLAGS, METHODS, Params, RoutingMethod, weights_torch
+
+from .._launch import cdiv, next_power_of_2
 
 __all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
 
@@ -57,7 +58,7 @@ def _launch(
     if num_tokens == 0:
         return ids, weights
     gs = num_experts // n_group
-    ngp, gsp = triton.next_power_of_2(n_group), triton.next_power_of_2(gs)
+    ngp, gsp = next_power_of_2(n_group), next_power_of_2(gs)
     block_t, num_warps, algo = _launch_config(ngp * gsp)
     grid = ((num_tokens + block_t - 1) // block_t,)
     fast(route_kernel)[grid](
@@ -72,7 +73,7 @@ def _launch(
         scale,
         **KERNEL_FLAGS[method],
         K=top_k,
-        KP=triton.next_power_of_2(top_k),
+        KP=next_power_of_2(top_k),
         NG=n_group,
         GS=gs,
         NGP=ngp,
@@ -172,9 +173,9 @@ def _grad_launch(
     x = router_logits.detach()
     if x.stride(1) != 1:
         x = x.contiguous()
-    ep, kp = triton.next_power_of_2(E), triton.next_power_of_2(K)
+    ep, kp = next_power_of_2(E), next_power_of_2(K)
     block_t = max(1, min(8, 8192 // (ep * kp)))
-    fast(route_weights_grad_kernel)[(triton.cdiv(T, block_t),)](
+    fast(route_weights_grad_kernel)[(cdiv(T, block_t),)](
         x, ids.contiguous(), grad_w.contiguous(), out, T, E, x.stride(0), out.stride(0), float(scale), EPS,
         KIND=kind, K=K, KP=kp, EP=ep, BLOCK_T=block_t, num_warps=4,
     )  # fmt: skip
