@@ -68,3 +68,22 @@ def test_launch_memo_binds_once_per_specialization(monkeypatch):
         torch.testing.assert_close(dst, want, rtol=0, atol=0)
     if ENABLED:
         assert len(fl._memo) == 5 and len(binds) == 5 + 1  # each key once (+1: the first launch compiles)
+
+
+def test_launch_memo_keeps_no_tensor_of_a_call():
+    # a tensor passed by keyword is part of the memo's parameter list, not kept in it: its memory
+    # (and a CUDA graph's pool) is free once the caller drops it
+    import gc
+    import weakref
+
+    fl = FastLaunch(_strided_axpy)
+    src = torch.randn(64, device="cuda")
+    refs = []
+    for _ in range(3):  # compile, memoize, hit
+        dst = torch.empty(64, device="cuda")
+        fl[(1,)](src, n=64, stride=1, alpha=2.0, dst=dst, BLOCK=64)
+        torch.testing.assert_close(dst, src * 2.0, rtol=0, atol=0)
+        refs.append(weakref.ref(dst))
+        del dst
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -151,7 +151,8 @@ class FastLaunch:
         first call of a key goes through :meth:`launch` and records the compiled kernel and the
         parameter order; later calls only build the argument list (saving the binder's few
         microseconds of host time per launch). ``kwargs`` must name the same parameters on every call
-        of a key; parameters left out take the value they had on its first call (their defaults).
+        of a key; parameters left out take the value they had on its first call (their defaults;
+        scalars only: no entry keeps a call's tensors).
         """
         entry = self._fixed.get(key) if ENABLED else None
         if entry is None or not hooks_off():
@@ -188,7 +189,9 @@ class FastLaunch:
         if entry is None:
             return None
         names = list(bound)
-        rest = [(n, bound[n]) for n in names[len(args) :]]  # keyword parameters and defaults
+        # keyword parameters and defaults; a call's own tensors and descriptors are not kept (the
+        # entry outlives the call: it would hold their memory, and a CUDA graph's pool, alive)
+        rest = [(n, bound[n] if type(bound[n]) in _SCALARS else _GIVEN) for n in names[len(args) :]]
         return (*entry[:3], names, rest)
 
     def _compile(self, grid: tuple[int, ...], args: tuple, kwargs: dict, key: tuple | None) -> None:
@@ -218,6 +221,7 @@ def _native_launch(kernel: Any) -> tuple[Any, tuple]:
 
 
 _MEMO_LIMIT = 4096  # keys kept per kernel before the memo starts over
+_GIVEN = object()  # in an entry: a parameter every call of the key passes itself (by keyword)
 _SCALARS = (bool, int, float, str, type(None))
 
 
