@@ -103,7 +103,7 @@ class FastLaunch:
             return
         self._bind_and_launch(grid, args, kwargs, device)
         entry = self._fixed_entry(args, kwargs)
-        if entry is not None:
+        if entry is not None and not any(k is _UNKEYED or k[-1] is _UNKEYED for k in memo_key[1:]):
             if len(self._memo) >= _MEMO_LIMIT:  # shapes that never repeat: start over, stay bounded
                 self._memo.clear()
             self._memo[memo_key] = entry
@@ -221,6 +221,7 @@ def _native_launch(kernel: Any) -> tuple[Any, tuple]:
 
 
 _MEMO_LIMIT = 4096  # keys kept per kernel before the memo starts over
+_UNKEYED = object()  # _arg_key of an argument it cannot key: such a call is not memoized
 _GIVEN = object()  # in an entry: a parameter every call of the key passes itself (by keyword)
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -235,7 +236,9 @@ def _arg_key(a: Any) -> Any:
     base = getattr(a, "base", None)  # a host-side TensorDescriptor
     if isinstance(base, torch.Tensor):
         return (t, base.dtype, base.data_ptr() & 15 == 0, tuple(a.block_shape), a.padding)
-    return (t, id(a))  # anything else: only the very same object repeats (e.g. a dtype, a constexpr)
+    # anything else (a tuple, a constexpr object): no key; a call holding one always binds through
+    # Triton and is never memoized (see FastLaunch.launch)
+    return _UNKEYED
 
 
 class _Bound:

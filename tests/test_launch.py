@@ -1,0 +1,62 @@
+"""``replaymoe._launch`` host helpers on the CPU: the host ``cdiv`` / ``next_power_of_2`` equal Triton's,
+and the launch memo's argument key separates whatever Triton's binder specializes on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from replaymoe._launch import _UNKEYED, _arg_key, cdiv, next_power_of_2
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 15, 16, 17, 1000, 4096, 4097, 2**31 + 5])  # 0 and 1 are edges
+def test_next_power_of_2_is_tritons(n):
+    assert next_power_of_2(n) == triton.next_power_of_2(n)
+
+
+@pytest.mark.parametrize("a,b", [(0, 7), (1, 7), (7, 7), (8, 7), (4096, 128), (4097, 128), (2**40 + 1, 3)])
+def test_cdiv_is_tritons(a, b):
+    assert cdiv(a, b) == triton.cdiv(a, b)
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        (1, True),  # equal in Python, specialized differently by Triton
+        (1, 1.0),
+        (1, 2),  # 1 is a specialization
+        (16, 32),  # both divisible by 16, still other values: keyed apart (a superset)
+        (None, 0),
+        ("tf32", "ieee"),
+    ],
+)
+def test_scalar_keys_differ(a, b):
+    assert _arg_key(a) != _arg_key(b)
+    assert _arg_key(a) == _arg_key(a)
+
+
+def test_tensor_keys_are_dtype_and_alignment():
+    buf = torch.zeros(64, dtype=torch.float32)
+    other = torch.zeros(64, dtype=torch.float32)
+    assert _arg_key(buf) == _arg_key(other)  # another tensor, same dtype and alignment: one key
+    assert _arg_key(buf[1:]) != _arg_key(buf)  # 4 bytes off: not 16-byte aligned
+    assert _arg_key(buf[4:]) == _arg_key(buf)  # 16 bytes off: aligned again
+    assert _arg_key(buf.view(torch.int32)) != _arg_key(buf)
+
+
+def test_descriptor_keys_are_dtype_block_padding_alignment():
+    t = torch.zeros(64, 64, dtype=torch.float16)
+    d = TensorDescriptor(t, [64, 64], [64, 1], [16, 32])
+    assert _arg_key(d) == _arg_key(
+        TensorDescriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64], [64, 1], [16, 32])
+    )
+    assert _arg_key(d) != _arg_key(TensorDescriptor(t, [64, 64], [64, 1], [32, 32]))  # block
+    assert _arg_key(d) != _arg_key(TensorDescriptor(t.float(), [64, 64], [64, 1], [16, 32]))  # dtype
+    assert _arg_key(d) != _arg_key(TensorDescriptor(t, [64, 64], [64, 1], [16, 32], padding="nan"))
+
+
+@pytest.mark.parametrize("arg", [(1, 2), [torch.zeros(2)], object()])  # tuples, lists, anything else
+def test_unknown_arguments_are_not_keyed(arg):
+    assert _arg_key(arg) is _UNKEYED
