@@ -179,7 +179,7 @@ class SymmTransport:
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
             nb, chunks, tt, warps = row_tiling(H, persistent)
             rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
-            work = cdiv((a.ep - 1) * rt, tt)
+            work = (a.ep - 1) * cdiv(rt, tt)  # the kernel's work items: row tiles of one source each
             sig = self.signal_args[1] if self.fused else (a.recv_counts,) * 10 + (0,)
             tail = (a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
                     *sig, a.ep, a.rank, nb, tt, self.fused)  # fmt: skip
