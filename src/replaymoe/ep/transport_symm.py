@@ -10,7 +10,8 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
   program, so every peer is written concurrently with 128-bit stores and only real rows cross
   NVLink. Then the barrier, and the receive side (sanitize the ids, copy the counts).
 * combine: one Triton kernel sends row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to
-  source ``s``'s combine buffer ``[this rank, j]``; barrier; the fp32 per-token sum reads the local
+  source ``s``'s combine buffer ``[this rank, j]``, its work items (row tiles of one source) interleaved
+  over the sources so that every peer is written at once; barrier; the fp32 per-token sum reads the local
   buffer, and this rank's own rows in place in the payload (they never move).
 
 The barrier runs inside the kernels (``MoeAlltoAll(..., fused_barrier=True)``; the default, unless
