@@ -31,6 +31,12 @@ Phase timing uses internals (kept to the minimum, marked ``# internal``): the tr
 halves of ``MoeAlltoAll.combine``, plus resetting ``_phase`` / ``_st`` after a split round (what
 ``combine`` itself does at its end), and the symm combine buffer's peer mappings for the variants.
 
+``r_*`` (graph): copies of the combine's reduce without its wait (``probe_reduce_kernel``): ``r_lib`` the
+library's, ``r_slots`` the slots of all ranks loaded first, ``r_tt8`` 8 tokens per iteration,
+``r_slots_tt8_nb2k`` both on 2048-column chunks; each checked bitwise against the library's reduce of
+the same rows (a ``!`` marks a mismatch; on the CPU dry run every bf16 reduce variant shows one,
+as Triton's interpreter rounds bf16 otherwise: the check means something on the GPU only).
+
 ``--cpu-dry-run``: gloo ranks, the nccl transport with torch ops, a tiny shape, host timers, and the
 variant kernel under Triton's interpreter on local stand-ins for the peers' buffers (checked against
 the expected rows). ``python3 -m torch.distributed.run --nproc-per-node 2 scripts/ep_combine_probe.py
@@ -155,6 +161,75 @@ def variant_launch(a2a, comb, T, dsts, order, live):
         probe_send_kernel[(nprog, chunks)](
             comb, a2a.recv_counts, *d, T, H, comb.stride(0), comb.stride(1), rank * T * H, H,
             EP=ep, EP_P2=ep_p2, RANK=rank, NB=nb, TT=tt, ORDER=order, LIVE=live, num_warps=warps,
+        )  # fmt: skip
+
+    return launch, (nprog, chunks, tt, nb, warps)
+
+
+REDUCE_VARIANTS = {  # name -> (slots first, rows per iteration (None: the library's), columns per chunk)
+    "r_lib": (False, None, None),
+    "r_slots": (True, None, None),
+    "r_tt8": (False, 8, None),
+    "r_slots_tt8": (True, 8, None),
+    "r_slots_tt8_nb2k": (True, 8, 2048),
+}
+
+
+@triton.jit
+def probe_reduce_kernel(recv_ptr, slot_ptr, out_ptr, own_ptr, T, H, stride_recv_block, stride_recv_row,
+                        stride_own_row, EP: tl.constexpr, EP_P2: tl.constexpr, OWN: tl.constexpr,
+                        NB: tl.constexpr, TT: tl.constexpr, SLOTS_FIRST: tl.constexpr):  # fmt: skip
+    """The library's ``ep_combine_reduce_kernel`` without its wait, with two knobs: SLOTS_FIRST loads
+    the tokens' slots on every rank as one [TT, EP] tile before any row load (so the EP row loads do not
+    each wait for their own slot load), and TT / NB set the tile. The same fp32 sum in rank order, so
+    the same bits as the library's."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.program_id(1) * NB + tl.arange(0, NB)
+    cm = cols < H
+    rk = tl.arange(0, EP_P2)
+    for t0 in range(pid * TT, T, nprog * TT):
+        toks = (t0 + tl.arange(0, TT)).to(tl.int64)
+        tmask = toks < T
+        slots = tl.load(slot_ptr + toks[:, None] * EP + rk[None, :], mask=tmask[:, None] & (rk[None, :] < EP),
+                        other=-1)  # fmt: skip
+        acc = tl.zeros([TT, NB], dtype=tl.float32)
+        for r in tl.static_range(EP):
+            if SLOTS_FIRST:
+                slot = tl.sum(tl.where(rk[None, :] == r, slots, 0), axis=1).to(tl.int64)
+            else:
+                slot = tl.load(slot_ptr + toks * EP + r, mask=tmask, other=-1).to(tl.int64)
+            m = (slot >= 0)[:, None] & cm[None, :]
+            if r == OWN:
+                v = tl.load(own_ptr + (slot * stride_own_row)[:, None] + cols[None, :], mask=m, other=0.0)
+            else:
+                row = stride_recv_block.to(tl.int64) * r + slot * stride_recv_row
+                v = tl.load(recv_ptr + row[:, None] + cols[None, :], mask=m, other=0.0)
+            acc += v.to(tl.float32)
+        om = tmask[:, None] & cm[None, :]
+        tl.store(out_ptr + toks[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=om)
+
+
+def reduce_variant_launch(a2a, rows, bs, slot, own, out, slots_first, tt_v, nb_v):
+    """A launcher of :func:`probe_reduce_kernel` on the grid the library would use for this tile."""
+    T, H = out.shape
+    persistent = a2a.num_sms is not None
+    nb, chunks, tt, warps = row_tiling(H, persistent)
+    if nb_v is not None:
+        nb, chunks = nb_v, cdiv(H, nb_v)
+    tt = tt_v or tt
+    warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
+    work = max(1, cdiv(T, tt))
+    nprog = (
+        a2a._programs(work * chunks, chunks) if persistent else a2a._dense_programs(work, chunks)
+    )  # internal
+    own_t, own_rs, own_r = (rows, 0, -1) if own is None else (own, own.stride(0), a2a.rank)
+    ep_p2 = max(2, triton.next_power_of_2(a2a.ep))
+
+    def launch():
+        probe_reduce_kernel[(nprog, chunks)](
+            rows, slot, out, own_t, T, H, bs, rows.stride(0), own_rs, EP=a2a.ep, EP_P2=ep_p2, OWN=own_r,
+            NB=nb, TT=tt, SLOTS_FIRST=slots_first, num_warps=warps,
         )  # fmt: skip
 
     return launch, (nprog, chunks, tt, nb, warps)
@@ -377,8 +452,55 @@ def probe_point(a2a, T, n_sms, a, log) -> list[dict]:
         r["v_" + name + "_ok"] = ok
         r["grid_tt_nb_warps"] = list(geo)
     rows_out.append(r)
+    rows_out.append(reduce_variants(a2a, T, comb, pays, ids, a, log, base))
     del gs_all
     return rows_out
+
+
+def reduce_variants(a2a, T, comb, pays, ids, a, log, base) -> dict:
+    """Variants of the combine's reduce (no wait) on one library round's rows, each checked bitwise
+    against the library's reduce of the same rows, then timed (graph replays on the GPU)."""
+    H, dev = SHAPE.H, device()
+    a2a.dispatch(ids, pays, T, expert_id_payload_index=len(pays) - 2)
+    st = a2a._st  # internal: the dispatch state
+    rows, bs, own, wait = a2a._transport.combine(comb, T)  # internal: the send (+ fused signal)
+    out_w = torch.empty(T, H, device=dev, dtype=comb.dtype)
+    combine_reduce(a2a, rows, bs, st.slot, out_w, st.reduce, own, wait)  # the round's own wait + reduce
+    ref = torch.empty_like(out_w)
+    combine_reduce(a2a, rows, bs, st.slot, ref, st.reduce, own, None)
+    sync()
+    r = {**base, "mode": "reduce_variants_graph" if on_cuda() and not a.no_graph else "reduce_variants_eager"}
+    try:
+        for name, (sf, tt, nb) in REDUCE_VARIANTS.items():
+            out = torch.full_like(ref, float("nan"))
+            launch, geo = reduce_variant_launch(a2a, rows, bs, st.slot, own, out, sf, tt, nb)
+            try:
+                launch()
+                sync()
+                okt = torch.tensor([0 if torch.equal(out, ref) else 1], device=dev)
+                dist.all_reduce(okt)
+                if on_cuda() and not a.no_graph:
+                    gv, _ = graph(launch)
+                    res = time_iters(replays([gv]), 1, a.iters, a.warmup)[0]
+                    del gv
+                else:
+
+                    def one(ev, launch=launch):
+                        ev[0].record()
+                        launch()
+                        ev[1].record()
+
+                    res = time_iters(one, 1, a.iters, a.warmup)[0]
+                r[name] = round(res["us"], 2)
+                r[name + "_per_rank"] = res["per_rank_us"]
+                r[name + "_ok"] = okt.item() == 0
+                r[name + "_grid_tt_nb_warps"] = list(geo)
+            except Exception as e:
+                log(f"[rank {a2a.rank}] reduce variant {name} T={T}: {err(e)}\n{traceback.format_exc()}")
+                r[name] = "error"
+    finally:
+        a2a._phase, a2a._st = "idle", None  # internal: what combine does at its end
+    return r
 
 
 def _parse(argv):
@@ -453,11 +575,11 @@ def _print(rows, ep):
     print(f"\nep_combine_probe, ep={ep}: µs, median over iterations of the max over ranks "
           "(per-rank figures in ep_combine_probe.json)")  # fmt: skip
     cols = ["tokens", "num_sms", "mode", "dispatch", "combine", "combine_host", "send", "wait+red", "reduce",
-            "v_lib", "v_rot", "v_ilv", "v_ilv+live", "send_MB_max"]  # fmt: skip
+            "v_lib", "v_rot", "v_ilv", "v_ilv+live", *REDUCE_VARIANTS, "send_MB_max"]  # fmt: skip
     table = []
     for r in rows:
         r = dict(r)
-        for name in ("v_lib", "v_rot", "v_ilv", "v_ilv+live"):
+        for name in ("v_lib", "v_rot", "v_ilv", "v_ilv+live", *REDUCE_VARIANTS):
             if name in r and r.get(name + "_ok") is False:
                 r[name] = f"{r[name]}!"  # a variant whose rows did not match the library's
         table.append(r)
