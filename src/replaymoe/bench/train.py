@@ -30,10 +30,17 @@ gradient checkpointing (``use_reentrant=False``) for every HF row; ``--replay`` 
 ``replaymoe`` row's step inside ``moe.replaying(traces)`` (the traces of a no-grad forward of the
 same batch, so that loading and gathering them each step is timed; the backward's recomputes replay
 through the session's checkpoint bindings) and drops the ``replaymoe+replay`` row it would repeat;
-grouped_mm never replays. Each HF row records ``checkpointing`` and ``replay``.
+grouped_mm never replays. Each HF row records ``checkpointing`` and ``replay``. ``--compile [BACKEND]``
+steps every HF row through ``torch.compile(model, backend=BACKEND)`` (default inductor): one model per
+implementation, enabled once and compiled by its first step (``compile_s``). Every HF row also records
+``device_ms``, the GPU's busy time per step (the sum of its kernel times under the torch profiler), and
+``device_speedup`` = grouped_mm's ``device_ms`` / the row's: what a host fast enough to keep the GPU busy
+would time (the eager step at 4096 tokens is bound by the host; docs/TUNING.md). The step passes
+``use_cache=False``, as trainers do.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
-[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf] [--checkpointing] [--replay]``. Needs CUDA.
+[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf] [--checkpointing] [--replay] [--compile [BACKEND]]``.
+Needs CUDA.
 """
 
 from __future__ import annotations
