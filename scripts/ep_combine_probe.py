@@ -72,6 +72,7 @@ from replaymoe._launch import cdiv  # noqa: E402
 from replaymoe.bench._timing import print_table, write_results  # noqa: E402
 from replaymoe.bench.ep_shape import SHAPE, inputs, set_shape  # noqa: E402
 from replaymoe.bench.ep_timing import device, err, event, graph, on_cuda, sync  # noqa: E402
+from replaymoe.ep._kernel import _pick  # noqa: E402  (the library's peer-pointer choice)
 from replaymoe.ep.packing import row_tiling  # noqa: E402
 from replaymoe.ep.receive import combine_reduce  # noqa: E402
 
@@ -81,26 +82,6 @@ VARIANTS = {"lib": (0, False), "rot": (1, False), "ilv": (2, False), "ilv+live":
 # ----------------------------------------------------------------------------------------------
 # the send with another row order (probe only; the library's kernel is untouched)
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _peer(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
-    p = p0
-    if r == 1:
-        p = p1
-    if r == 2:
-        p = p2
-    if r == 3:
-        p = p3
-    if r == 4:
-        p = p4
-    if r == 5:
-        p = p5
-    if r == 6:
-        p = p6
-    if r == 7:
-        p = p7
-    return p
-
-
 @triton.jit
 def probe_send_kernel(src_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, rows, n_cols, stride_src_block,
                       stride_src_row, dst_offset, stride_dst_row, EP: tl.constexpr, EP_P2: tl.constexpr,
@@ -141,7 +122,7 @@ def probe_send_kernel(src_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, rows,
         dst = dst_offset + j * stride_dst_row
         for r in tl.static_range(EP):
             if r != RANK:
-                base = _peer(r, p0, p1, p2, p3, p4, p5, p6, p7)
+                base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
                 tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
 
 
@@ -277,6 +258,22 @@ def replays(graphs):
             ev[i + 1].record()
 
     return run_iter
+
+
+def time_launch(launch, a) -> dict:
+    """One launch timed as :func:`time_iters` does: CUDA-graph replays on the GPU, else eager."""
+    if on_cuda() and not a.no_graph:
+        gv, _ = graph(launch)
+        res = time_iters(replays([gv]), 1, a.iters, a.warmup)[0]
+        del gv
+        return res
+
+    def one(ev):
+        ev[0].record()
+        launch()
+        ev[1].record()
+
+    return time_iters(one, 1, a.iters, a.warmup)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,18 +422,7 @@ def probe_point(a2a, T, n_sms, a, log) -> list[dict]:
             okt = torch.tensor([0 if ok else 1], device=dev)
             dist.all_reduce(okt)
             ok = okt.item() == 0
-            if on_cuda() and not a.no_graph:
-                gv, _ = graph(launch)
-                res = time_iters(replays([gv]), 1, a.iters, a.warmup)[0]
-                del gv
-            else:
-
-                def one(ev, launch=launch):
-                    ev[0].record()
-                    launch()
-                    ev[1].record()
-
-                res = time_iters(one, 1, a.iters, a.warmup)[0]
+            res = time_launch(launch, a)
             vres[name] = (res, ok, geo)
         except Exception as e:
             log(f"[rank {rank}] variant {name} T={T} sms={n_sms}: {err(e)}\n{traceback.format_exc()}")
@@ -479,18 +465,7 @@ def reduce_variants(a2a, T, comb, pays, ids, a, log, base) -> dict:
                 sync()
                 okt = torch.tensor([0 if torch.equal(out, ref) else 1], device=dev)
                 dist.all_reduce(okt)
-                if on_cuda() and not a.no_graph:
-                    gv, _ = graph(launch)
-                    res = time_iters(replays([gv]), 1, a.iters, a.warmup)[0]
-                    del gv
-                else:
-
-                    def one(ev, launch=launch):
-                        ev[0].record()
-                        launch()
-                        ev[1].record()
-
-                    res = time_iters(one, 1, a.iters, a.warmup)[0]
+                res = time_launch(launch, a)
                 r[name] = round(res["us"], 2)
                 r[name + "_per_rank"] = res["per_rank_us"]
                 r[name + "_ok"] = okt.item() == 0
