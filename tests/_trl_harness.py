@@ -125,6 +125,7 @@ class CountLowTokens:
 
     threshold: int = 32
     calls: list[list[list[int]]] = field(default_factory=list)
+    __name__ = "CountLowTokens"  # trl < 1.9 names a reward function's metrics by its __name__
 
     def __call__(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
         self.calls.append([list(c) for c in completion_ids])

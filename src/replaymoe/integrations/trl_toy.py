@@ -53,6 +53,7 @@ class CountLowTokens:
 
     threshold: int = 32
     calls: int = field(default=0)
+    __name__ = "CountLowTokens"  # trl < 1.9 names a reward function's metrics by its __name__
 
     def __call__(self, prompts: Any, completions: Any, completion_ids: Any, **kwargs: Any) -> list[float]:
         self.calls += 1
