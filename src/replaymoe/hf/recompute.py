@@ -18,6 +18,14 @@ as the autograd graph that may recompute it. A recompute looks its ids up by the
 that finds nothing while any replayed forward's bindings are alive raises: it never routes natively
 in silence.
 
+Where the recompute runs the layer's hooks too (transformers before 5.23 checkpoints the layer's
+``__call__``), the layer's pre-hook finds the ids. From 5.23 on, transformers checkpoints the layer's
+``forward`` and keeps module hooks outside the checkpoint (so that FSDP2's do not run twice): the
+recompute then calls the bare ``forward`` and only the MoE block's hook runs, on a recomputed input
+that no forward bound. :func:`find_in_checkpoint` covers both: it wraps the layer's checkpoint
+function (``_gradient_checkpointing_func``, which transformers sets per layer) so that the function
+it checkpoints looks the ids up by the layer's input before it runs, in every recompute.
+
 Only Python bookkeeping runs per layer call (no device work, no host sync); under
 ``torch.compile`` nothing is bound, since a compiled graph replays its recorded ops, forced ids
 included.
@@ -26,11 +34,12 @@ included.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 
-__all__ = ["RecomputeBindings", "MISSING"]
+__all__ = ["MISSING", "RecomputeBindings", "find_in_checkpoint", "unwrap_checkpoint"]
 
 
 class _Missing:
@@ -98,3 +107,38 @@ class RecomputeBindings:
 
     def clear_pending(self) -> None:
         self._pending.clear()
+
+
+_WRAPPED = "_replaymoe_finds_recompute"  # marks a checkpoint function wrapped by find_in_checkpoint
+
+
+def find_in_checkpoint(layer: torch.nn.Module, find: Callable[[torch.Tensor], None]) -> None:
+    """Wrap ``layer``'s checkpoint function so that every run of what it checkpoints first calls
+    ``find(hidden_states)`` (the layer's input: the first positional argument, or the
+    ``hidden_states`` keyword bound into the checkpointed callable). Idempotent; a layer without
+    checkpointing on, or whose function transformers replaces later (``gradient_checkpointing_enable``
+    again), is left as it is until the next call. ``find`` decides whether the run is a recompute."""
+    func = layer.__dict__.get("_gradient_checkpointing_func")
+    if func is None or getattr(func, _WRAPPED, False) or not getattr(layer, "gradient_checkpointing", False):
+        return
+
+    def checkpointed(fn, *args, **kwargs):
+        def run(*a, **k):
+            if not torch.compiler.is_compiling():
+                hidden = a[0] if a else getattr(fn, "keywords", {}).get("hidden_states")
+                if isinstance(hidden, torch.Tensor):
+                    find(hidden)
+            return fn(*a, **k)
+
+        return func(run, *args, **kwargs)
+
+    setattr(checkpointed, _WRAPPED, True)
+    checkpointed.__wrapped__ = func
+    layer._gradient_checkpointing_func = checkpointed
+
+
+def unwrap_checkpoint(layer: torch.nn.Module) -> None:
+    """Undo :func:`find_in_checkpoint` on ``layer`` (nothing if it is not wrapped)."""
+    func = layer.__dict__.get("_gradient_checkpointing_func")
+    if func is not None and getattr(func, _WRAPPED, False):
+        layer._gradient_checkpointing_func = func.__wrapped__

@@ -36,7 +36,7 @@ from .experts import IMPLEMENTATION_NAME, fused_compatible, register
 from .graphs import BlockGraphs, graphable
 from .patches import block_forward, mark_batch_start, refuse_paged, router_forward
 from .positions import cache_length, token_positions
-from .recompute import MISSING, RecomputeBindings
+from .recompute import MISSING, RecomputeBindings, find_in_checkpoint, unwrap_checkpoint
 from .state import CaptureBuffer, ReplayTable, TraceMeta
 from .static_cache import StaticCacheKeeper
 from .step import DecodeChain, Step, StepBuffers, fused_rows_ok, positions_bound, step_rows
@@ -216,6 +216,12 @@ class ReplayMoE:
                 self._bindings.lookup(index, hidden, overwrite=not is_block)
             elif torch.is_grad_enabled() or module.training:  # (reentrant checkpoints run under no_grad)
                 self._bindings.bind(index, hidden, None if step.forced is None else step.forced[index])
+                if not is_block:  # transformers >= 5.23 recomputes the bare forward, without this hook
+                    find_in_checkpoint(module, find)
+
+        def find(hidden: torch.Tensor) -> None:  # a run of the layer's checkpointed forward
+            if self._step is None:  # outside the model's forward: a recompute
+                self._bindings.lookup(index, hidden, overwrite=True)
 
         return hook
 
@@ -232,6 +238,10 @@ class ReplayMoE:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for info in self.layers:
+            layer = self._decoder_layer(info)
+            if layer is not None:
+                unwrap_checkpoint(layer)
         for info in self.layers:
             info.router.__dict__.pop("forward", None)
             info.experts.__dict__.pop("_replaymoe_backend", None)
