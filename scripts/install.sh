@@ -22,7 +22,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_PIP_ARGS=${TORCH_PIP_ARGS:-}
 EXTRAS=${EXTRAS:-dev,plot,hf,trl}
 # the transformers release the CPU suite runs against (the hf extra allows a range; CI tests this one,
-# TRANSFORMERS_VERSION=5.23.0 make test the range's other end)
+# TRANSFORMERS_VERSION=5.24.0 make test the range's other end)
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.17.0}
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install -q)
@@ -72,7 +72,7 @@ if "$PYTHON" -c "$reuse_check" 2>/dev/null; then
     missing=$("$PY" - <<'EOF'
 import importlib.util
 need = {"numpy": "numpy", "pytest": "pytest>=8", "xdist": "pytest-xdist", "matplotlib": "matplotlib",
-        "transformers": "transformers>=5.16.1,<5.24", "tqdm": "tqdm"}
+        "transformers": "transformers>=5.16.1,<5.25", "tqdm": "tqdm"}
 print(" ".join(req for mod, req in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 )

@@ -42,6 +42,7 @@ class _CacheSpy:
 
     def __call__(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache") if cache is None else cache  # transformers >= 5.24's name
         layer = cache.layers[0]
         self.seen.append((cache, layer.keys.data_ptr() if layer.is_initialized else None))
 

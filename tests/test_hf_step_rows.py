@@ -272,3 +272,25 @@ def test_decode_chain_decides_which_forward_takes_the_head():
     assert chain.head(2, B, 1, P + 3, past + 3, None, table, None, forced) is not h1
     chain.reset()
     assert chain.head(2, B, 1, P + 4, past + 4, None, table, None, forced) is None
+
+
+@pytest.mark.parametrize(
+    "position_ids,want",
+    [
+        ([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]], [[0, 1, 2, 3, 4], [-1, -1, 0, 1, 2]]),  # left pads start at 0
+        ([[0, 0, 0, 0, 0], [0, 1, 2, 3, 4]], [[-1, -1, -1, -1, 0], [0, 1, 2, 3, 4]]),  # one real token
+        ([[5], [3]], [[5], [3]]),  # a decode step: the unpadded positions as they are
+    ],
+)
+def test_padding_in_positions(position_ids, want):
+    # transformers >= 5.24's generate passes no attention mask: a left pad token gets position 0 (a
+    # sequence of its own), so a row's tokens before its last position 0 are padding
+    from replaymoe.hf.positions import token_positions
+
+    pos = torch.tensor(position_ids)
+    B, S = pos.shape
+    got = token_positions(B, S, attention_mask=None, past_length=0, device="cpu", position_ids=pos,
+                          padding_in_positions=True)  # fmt: skip
+    assert got.tolist() == want
+    plain = token_positions(B, S, attention_mask=None, past_length=0, device="cpu", position_ids=pos)
+    assert plain.tolist() == position_ids  # the switch off (older transformers): positions as given

@@ -36,6 +36,7 @@ def token_positions(
     past_length: PastLength,
     device: torch.device | str,
     position_ids: Optional[torch.Tensor] = None,
+    padding_in_positions: bool = False,
 ) -> torch.Tensor:
     """Positions ``int64 [B, S]`` of a forward's tokens in their sequences, padding excluded (-1).
 
@@ -59,6 +60,10 @@ def token_positions(
     position_ids : torch.Tensor, optional
         ``[B, S]`` or ``[1, S]`` rotary positions, which ``generate`` computes as the unpadded
         position of every kept token. Used with 4-D or no masks.
+    padding_in_positions : bool
+        With no mask and ``position_ids``: the padding is in the positions, as transformers >= 5.24's
+        ``generate`` passes it (no attention mask; a left pad token gets position 0, so each starts a
+        sequence of its own): the tokens of a row before its last position 0 are padding (-1).
 
     Returns
     -------
@@ -74,6 +79,10 @@ def token_positions(
         return torch.where(m[:, -seq_len:], pos, -1)
     if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[1] == seq_len:
         pos = position_ids.to(device=device, dtype=torch.int64).expand(batch_size, seq_len)
+        if padding_in_positions and attention_mask is None:
+            idx = torch.arange(seq_len, device=device, dtype=torch.int64)
+            start = torch.where(pos == 0, idx, 0).amax(1, keepdim=True)  # the row's last position 0
+            return torch.where(idx < start, -1, pos)
     else:
         base = torch.arange(seq_len, device=device, dtype=torch.int64) + past_length
         pos = base.unsqueeze(0).expand(batch_size, seq_len)

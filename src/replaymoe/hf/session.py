@@ -285,7 +285,12 @@ class ReplayMoE:
             self._decode.reset()
             self._step = Step(B * S, None, None, None, graphed)
             return
-        past = cache_length(kwargs.get("past_key_values"))
+        # transformers >= 5.24 names the cache `cache` and, in generate, passes no attention mask: the
+        # padding is in the position ids (a pad token starts a sequence of its own)
+        cache = kwargs.get("past_key_values")
+        cache_kw = cache is None and kwargs.get("cache") is not None
+        cache = kwargs.get("cache") if cache_kw else cache
+        past = cache_length(cache)
         mask, eager = kwargs.get("attention_mask"), not torch.compiler.is_compiling()
         # replay matched by content: whole sequences (no cache) of traces that carry their tokens
         content = (
@@ -305,6 +310,7 @@ class ReplayMoE:
                 past_length=past,
                 device=ref.device,
                 position_ids=kwargs.get("position_ids"),
+                padding_in_positions=cache_kw and mask is None,
             )
         forced = forced_out = staged = slot = None
         if self._replay is not None:
@@ -324,7 +330,7 @@ class ReplayMoE:
                 forced = self._replay.gather(positions, out=forced_out)
         if self._capturing:
             cap = self._capture
-            needed = positions_bound(kwargs.get("past_key_values"), past, S) if eager else None
+            needed = positions_bound(cache, past, S) if eager else None
             cap.prepare(B, past, needed, new_batch=self._begin_pending, eager=eager)
             self._begin_pending = False
             if not fused:

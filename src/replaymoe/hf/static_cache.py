@@ -94,5 +94,9 @@ class StaticCacheKeeper:
 
     def release_if_returned(self, output: Any) -> None:
         """Forget the kept cache when ``generate`` handed it to its caller in ``output``."""
-        if self.cache is not None and getattr(output, "past_key_values", None) is self.cache:
+        if self.cache is None:
+            return
+        # `past_key_values` before transformers 5.24, `cache` from 5.24 on
+        returned = (getattr(output, "past_key_values", None), getattr(output, "cache", None))
+        if any(c is self.cache for c in returned):
             self.release()
