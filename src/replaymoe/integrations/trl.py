@@ -29,7 +29,7 @@ the round's traces (:mod:`replaymoe.integrations.vllm_outputs`); an engine that 
 error at that generation. TRL's server mode (``vllm_mode="server"``) is refused at start: its
 ``vllm-serve`` answers with token ids and log-probs only, so the routing never reaches the trainer.
 
-Tested with trl 1.7.1 to 1.16.0 (``pip install 'replaymoe[trl]'``; ``scripts/check_trl_range.sh`` runs
+Tested with trl 1.7.1 to 1.16.0 (``pip install 'replaymoe[trl]'``; ``scripts/check_range.sh trl`` runs
 the TRL tests against each release given); the vLLM colocate path is tested with an in-process
 stand-in engine, not a real vLLM.
 """
