@@ -287,9 +287,9 @@ class ReplayMoE:
             return
         # transformers >= 5.24 names the cache `cache` and, in generate, passes no attention mask: the
         # padding is in the position ids (a pad token starts a sequence of its own)
-        cache = kwargs.get("past_key_values")
-        cache_kw = cache is None and kwargs.get("cache") is not None
-        cache = kwargs.get("cache") if cache_kw else cache
+        cache, cache_kw = kwargs.get("past_key_values"), False
+        if cache is None and kwargs.get("cache") is not None:
+            cache, cache_kw = kwargs["cache"], True
         past = cache_length(cache)
         mask, eager = kwargs.get("attention_mask"), not torch.compiler.is_compiling()
         # replay matched by content: whole sequences (no cache) of traces that carry their tokens
