@@ -287,6 +287,50 @@ def test_triton_backward_twice_through_one_graph(recompute, generator):
     assert torch.equal(w13.grad, 2 * first)
 
 
+def _live_rows(shape) -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and tuple(o.shape) == shape)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "hooks",
+    [
+        "checkpoint",  # torch.utils.checkpoint (non-reentrant): the rows are dropped, then recomputed
+        "save_on_cpu",  # saved tensors moved to the host: the rows must go through the hooks too
+    ],
+)
+def test_saved_rows_go_through_saved_tensor_hooks(hooks, generator):
+    # the gate/up rows [T*K, 2I] are the largest thing the experts save; under saved-tensor hooks a
+    # forward must not keep them on the side (a checkpointed model would hold every layer's rows until
+    # its backward), and the backward through the hooks gives the unhooked gradients, twice over
+    from torch.utils.checkpoint import checkpoint
+
+    T, H, I, E, K = 9, 32, 16, 4, 2  # noqa: E741
+    x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E, 0, K, generator, torch.float32)
+    ref = _grads(x, w13, w2, ids, wts, dout, E=E, offset=0, backend="triton")
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2, wts)]
+
+    def f(a, b, c, d):
+        return fused_moe(a, b, c, topk_ids=ids, topk_weights=d, backend="triton")
+
+    before = _live_rows((T * K, 2 * I))
+    if hooks == "checkpoint":
+        out = checkpoint(f, *leaves, use_reentrant=False)
+        assert _live_rows((T * K, 2 * I)) == before  # dropped after the forward
+    else:
+        with torch.autograd.graph.save_on_cpu():
+            out = f(*leaves)
+    out.backward(dout, retain_graph=True)
+    got = [out.detach()] + [t.grad.clone() for t in leaves]
+    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dtopk_weights"), got, ref):
+        assert torch.equal(a, b), name
+    out.backward(dout)  # the hooks hold the rows: a second backward works
+    assert torch.equal(leaves[1].grad, 2 * got[2])
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_replay_gradients_reach_the_router(backend, generator):

@@ -115,6 +115,14 @@ def _(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute
     return x.new_empty((T, H)), x.new_empty((0 if recompute else T * topk_ids.shape[1], w13.shape[1]))
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved tensors pass through hooks now (``torch.utils.checkpoint``'s non-reentrant
+    checkpoint, ``torch.autograd.graph.save_on_cpu`` ...): those hooks must see every tensor the
+    backward needs, or a checkpointed forward would keep it alive to the end of the backward."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
 def _train_setup_context(ctx, inputs, output):
     x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs[:8]
     b13, b2, act, alpha, limit, interleaved = (
@@ -123,14 +131,18 @@ def _train_setup_context(ctx, inputs, output):
     saved = output[1]
     ctx.offset, ctx.recompute = local_expert_offset, recompute
     ctx.variant = (act, alpha, limit, interleaved)
+    ctx.eager = type(saved) is torch.Tensor  # not traced by torch.compile (fake / functional tensors)
     # the saved gate/up rows are an output only to be saved: no zero gradient [T*K, 2I] for them
     ctx.set_materialize_grads(False)
-    if type(saved) is torch.Tensor and not recompute:
+    if ctx.eager and not recompute and not _saved_tensor_hooks_active():
         # eager: the rows are handed to the backward, which frees them once the SwiGLU backward has
         # read them (before the weight gradients are allocated) instead of holding them to the end
         ctx.consumable = [saved]
         ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, b13, b2)
-    else:  # traced (torch.compile) or recompute: an ordinary saved tensor
+    else:
+        # traced (torch.compile), recompute, or saved-tensor hooks (activation checkpointing drops the
+        # rows after the forward and recomputes them for the backward; save_on_cpu moves them): an
+        # ordinary saved tensor, so that the hooks see it
         ctx.consumable = None
         ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, b13, b2, saved)
 
@@ -139,14 +151,13 @@ def _train_backward(ctx, grad_out, _grad_saved):
     need = ctx.needs_input_grad
     flags = [bool(need[0]), bool(need[1]), bool(need[2]), bool(need[4])]
     flags += [bool(need[8]), bool(need[9])] if len(need) > 8 else [False, False]
+    # the forward's expert layout (eager; small: int32 rows per slot and tile), built from the ids that
+    # the backward reads (a checkpoint's recompute reproduces them)
+    layout = getattr(ctx, "layout", None)
     if ctx.consumable is None:
         x, w13, w2, topk_ids, topk_weights, b13, b2, saved = ctx.saved_tensors
-        if grad_out is None:  # out unused by the loss
-            grad_out = torch.zeros_like(x)
-        dx, dw13, dw2, dwts, db13, db2 = torch.ops.replaymoe.moe_experts_bwd(
-            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, saved, ctx.offset, ctx.recompute,
-            flags, b13, b2, *ctx.variant,
-        )  # fmt: skip
+        holder = [saved]
+        del saved
     else:
         x, w13, w2, topk_ids, topk_weights, b13, b2 = ctx.saved_tensors
         if not ctx.consumable:
@@ -156,23 +167,19 @@ def _train_backward(ctx, grad_out, _grad_saved):
                 "recompute=True) for graphs that are differentiated more than once."
             )
         holder = [ctx.consumable.pop()]  # the only reference left: launch_bwd drops it when done
-        if grad_out is None:
-            grad_out = torch.zeros_like(x)
+    if grad_out is None:  # out unused by the loss
+        grad_out = torch.zeros_like(x)
+    if not ctx.eager:
+        dx, dw13, dw2, dwts, db13, db2 = torch.ops.replaymoe.moe_experts_bwd(
+            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, holder.pop(), ctx.offset,
+            ctx.recompute, flags, b13, b2, *ctx.variant,
+        )  # fmt: skip
+    else:  # eager: the same launches without the op's dispatch
         v = ExpertsVariant(b13, b2, *ctx.variant)
         dx, dw13, dw2, dwts, db13, db2 = launch_bwd_config(
-            grad_out.contiguous(),
-            x,
-            w13,
-            w2,
-            topk_ids,
-            topk_weights,
-            holder,
-            ctx.offset,
-            False,
-            flags,
-            v=v,
-            layout=getattr(ctx, "layout", None),
-        )
+            grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, holder, ctx.offset, ctx.recompute,
+            flags, v=v, layout=layout,
+        )  # fmt: skip
     grads = (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
              dwts if need[4] else None, None, None, None)  # fmt: skip
     if len(need) > 8:
