@@ -8,7 +8,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from replaymoe._launch import _UNKEYED, _arg_key, cdiv, next_power_of_2
+from replaymoe._launch import _UNKEYED, _arg_key, _call_key, cdiv, next_power_of_2
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 15, 16, 17, 1000, 4096, 4097, 2**31 + 5])  # 0 and 1 are edges
@@ -60,3 +60,40 @@ def test_descriptor_keys_are_dtype_block_padding_alignment():
 @pytest.mark.parametrize("arg", [(1, 2), [torch.zeros(2)], object()])  # tuples, lists, anything else
 def test_unknown_arguments_are_not_keyed(arg):
     assert _arg_key(arg) is _UNKEYED
+
+
+def _flat(*args, **kwargs):
+    return _call_key(0, args, kwargs)
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ((1,), (True,)),  # equal in Python, specialized differently by Triton
+        ((1,), (1.0,)),
+        ((16,), (32,)),  # other values: keyed apart (a superset of the binder's == 1 / % 16)
+        ((torch.zeros(8),), (torch.zeros(8)[1:],)),  # 16-byte alignment
+        ((torch.zeros(8),), (torch.zeros(8, dtype=torch.int32),)),  # dtype
+        ((torch.zeros(8), 1), (1, torch.zeros(8))),  # positions
+        ((None, 0), (0, None)),
+    ],
+)
+def test_call_keys_separate_what_the_binder_reads(a, b):
+    assert _flat(*a) != _flat(*b)
+    assert _flat(*a) == _flat(*a)
+
+
+def test_call_key_reads_keywords_and_parameters():
+    t = torch.zeros(8)
+    assert _flat(t, n=4) == _flat(torch.ones(8), n=4)  # another tensor, same dtype and alignment
+    assert _flat(t, n=4) != _flat(t, m=4)  # the keyword's name counts
+    assert _flat(t, 4) != _flat(t, n=4)  # positional and keyword bind differently
+    assert _flat(torch.nn.Parameter(t)) == _flat(t)  # a parameter is keyed as its tensor
+    d = TensorDescriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64], [64, 1], [16, 32])
+    assert _flat(d, 1) == (0, (), _arg_key(d), int, 1)  # anything else: its _arg_key
+
+
+@pytest.mark.parametrize("arg", [(1, 2), [torch.zeros(2)], object()])
+def test_call_key_of_an_unkeyable_argument_is_none(arg):
+    assert _flat(torch.zeros(2), arg) is None
+    assert _flat(torch.zeros(2), x=arg) is None

@@ -87,3 +87,34 @@ def test_launch_memo_keeps_no_tensor_of_a_call():
         del dst
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@triton.jit
+def _desc_scale(desc, dst, n_cols, alpha, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one [BLOCK_R, BLOCK_C] block per program, read through a host-side TMA descriptor
+    r, c = tl.program_id(0) * BLOCK_R, tl.program_id(1) * BLOCK_C
+    v = desc.load([r, c])
+    rows = r + tl.arange(0, BLOCK_R)[:, None]
+    cols = c + tl.arange(0, BLOCK_C)[None, :]
+    tl.store(dst + rows * n_cols + cols, (v.to(tl.float32) * alpha).to(dst.dtype.element_ty))
+
+
+def test_launch_memo_encodes_each_calls_descriptor():
+    # the memo launches descriptor kernels through the native entry with cached encodings: a new
+    # tensor, a new shape, or an address reused for another shape must each read what this call gave
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("host-side TMA descriptors need sm_90")
+    fl = FastLaunch(_desc_scale)
+    cases = [(64, 64), (64, 64), (128, 64), (64, 128), (64, 64), (128, 64)]  # repeats hit the memo
+    for i, (rows, cols) in enumerate(cases):
+        src = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+        dst = torch.full((rows, cols), -1.0, device="cuda", dtype=torch.bfloat16)
+        d = TensorDescriptor(src, [rows, cols], [cols, 1], [32, 64])
+        fl[(rows // 32, cols // 64)](d, dst, cols, 2.0, BLOCK_R=32, BLOCK_C=64)
+        torch.testing.assert_close(dst, src * 2.0, rtol=0, atol=0, msg=f"case {i}")
+        del src, d  # the next case may land at this address with another shape
+    if ENABLED:
+        entries = list(fl._memo.values())
+        assert entries and all(e.descs for e in entries)  # the cached-encoding path ran

@@ -96,14 +96,16 @@ class FastLaunch:
             self.fn[grid](*args, **kwargs)
             return
         device = torch._C._cuda_getDevice()
-        memo_key = (device, *map(_arg_key, args), *[(n, _arg_key(v)) for n, v in kwargs.items()])
-        entry = self._memo.get(memo_key)
+        memo_key = _call_key(device, args, kwargs)
+        entry = self._memo.get(memo_key) if memo_key is not None else None
         if entry is not None:
-            self._launch_entry(entry, grid, args, kwargs, device)
+            entry.run(grid, args, kwargs, device)
             return
         self._bind_and_launch(grid, args, kwargs, device)
-        entry = self._fixed_entry(args, kwargs)
-        if entry is not None and not any(k is _UNKEYED or k[-1] is _UNKEYED for k in memo_key[1:]):
+        if memo_key is None:  # an argument it cannot key: always through the binder
+            return
+        entry = self._fixed_entry(args, kwargs, typed=True)
+        if entry is not None:
             if len(self._memo) >= _MEMO_LIMIT:  # shapes that never repeat: start over, stay bounded
                 self._memo.clear()
             self._memo[memo_key] = entry
@@ -160,39 +162,28 @@ class FastLaunch:
             if ENABLED and hooks_off():
                 self._fixed[key] = self._fixed_entry(args, kwargs)
             return
-        self._launch_entry(entry, grid, args, kwargs, torch._C._cuda_getDevice())
+        entry.run(grid, args, kwargs, torch._C._cuda_getDevice())
 
-    @staticmethod
-    def _launch_entry(entry: tuple, grid: tuple[int, ...], args: tuple, kwargs: dict, device: int) -> None:
-        """Launch an entry of :meth:`_fixed_entry` with this call's arguments (no binder)."""
-        kernel, launch, flags, names, rest = entry
-        values = [*args, *[kwargs[n] if n in kwargs else v for n, v in rest]]
-        launch(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(device),
-            kernel.function,
-            *flags,
-            kernel.packed_metadata,
-            None,
-            None,
-            None,
-            *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values],
-        )
-
-    def _fixed_entry(self, args: tuple, kwargs: dict) -> tuple | None:
-        """What :meth:`launch_fixed` replays for calls like this one (which has just been launched)."""
+    def _fixed_entry(self, args: tuple, kwargs: dict, typed: bool = False) -> _Entry | None:
+        """What :meth:`launch_fixed` / the memo replays for calls like this one (which has just been
+        launched). ``typed``: the caller's key fixes every argument's type (the memo's does), so the
+        entry converts the tensors and descriptors of this call's positions only."""
         device = torch._C._cuda_getDevice()
         bound, specialization, options = self.fn.device_caches[device][4](*args, **kwargs)
-        entry = self._compiled.get((device, tuple(specialization), tuple(options.items())))
-        if entry is None:
+        compiled = self._compiled.get((device, tuple(specialization), tuple(options.items())))
+        if compiled is None:
             return None
+        kernel, launch, flags, _ = compiled
         names = list(bound)
         # keyword parameters and defaults; a call's own tensors and descriptors are not kept (the
         # entry outlives the call: it would hold their memory, and a CUDA graph's pool, alive)
         rest = [(n, bound[n] if type(bound[n]) in _SCALARS else _GIVEN) for n in names[len(args) :]]
-        return (*entry[:3], names, rest)
+        if not typed:
+            return _Entry(kernel, launch, flags, rest, None, ())
+        values = list(bound.values())
+        tensors = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
+        descs = tuple(i for i, v in enumerate(values) if _descriptor_base(v) is not None)
+        return _Entry(kernel, launch, flags, rest, tensors, descs)
 
     def _compile(self, grid: tuple[int, ...], args: tuple, kwargs: dict, key: tuple | None) -> None:
         kernel = self.fn[grid](*args, **kwargs)
@@ -224,6 +215,132 @@ _MEMO_LIMIT = 4096  # keys kept per kernel before the memo starts over
 _UNKEYED = object()  # _arg_key of an argument it cannot key: such a call is not memoized
 _GIVEN = object()  # in an entry: a parameter every call of the key passes itself (by keyword)
 _SCALARS = (bool, int, float, str, type(None))
+
+
+def _call_key(device: int, args: tuple, kwargs: dict) -> tuple | None:
+    """The memo key of one call: ``_arg_key`` of every argument, flattened (each group starts with a
+    type, a dtype or a tuple, so the sequence reads back one way), after the device and the keyword
+    names; None when an argument cannot be keyed. The common arguments (plain tensors and scalars)
+    are keyed inline: this runs on every launch."""
+    key = [device, tuple(kwargs)]
+    add = key.append
+    for a in (*args, *kwargs.values()):
+        t = type(a)
+        if t is torch.Tensor or t is _PARAMETER:
+            add(a.dtype)
+            add(a.data_ptr() & 15 == 0)
+        elif t in _SCALARS:
+            add(t)  # the type too: True == 1 and 1 == 1.0 specialize differently
+            add(a)
+        else:
+            k = _arg_key(a)
+            if k is _UNKEYED:
+                return None
+            add(k)
+    return tuple(key)
+
+
+_PARAMETER = torch.nn.Parameter
+
+
+def _descriptor_base(a: Any) -> torch.Tensor | None:
+    """The tensor of a host-side TensorDescriptor (None for anything else)."""
+    base = getattr(a, "base", None) if hasattr(a, "block_shape") else None
+    return base if isinstance(base, torch.Tensor) else None
+
+
+class _Entry:
+    """One compiled specialization, ready to launch with a call's arguments (no binder).
+
+    ``rest``: the parameters after the positional ones, with their scalar defaults (``_GIVEN``: the
+    call passes it); ``tensors``: the parameter positions holding tensors when the key fixes them
+    (None: look at each value); ``descs``: the positions of host-side tensor descriptors, encoded here
+    through a cache (:func:`_encode_descriptor`) when the kernel's launcher is Triton's descriptor
+    wrapper around its native entry point, which is then called directly."""
+
+    __slots__ = ("function", "packed", "launch", "flags", "rest", "tensors", "descs", "metas")
+
+    def __init__(self, kernel: Any, launch: Any, flags: tuple, rest: list, tensors: tuple | None,
+                 descs: tuple) -> None:  # fmt: skip
+        self.function, self.packed = kernel.function, kernel.packed_metadata
+        self.launch, self.flags, self.rest, self.tensors = launch, flags, rest, tensors
+        self.descs, self.metas = (), ()
+        if descs:
+            unwrapped = _unwrap_descriptor_launch(launch, len(descs))
+            if unwrapped is not None:
+                self.launch, self.metas = unwrapped
+                self.descs = descs
+
+    def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict, device: int) -> None:
+        rest = self.rest
+        values = [*args, *[kwargs[n] if n in kwargs else v for n, v in rest]] if rest else list(args)
+        if self.tensors is None:
+            values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+        else:
+            for i in self.tensors:
+                values[i] = values[i].data_ptr()
+        if self.descs:
+            values = _expand_descriptors(values, self.descs, self.metas)
+        self.launch(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device),
+            self.function,
+            *self.flags,
+            self.packed,
+            None,
+            None,
+            None,
+            *values,
+        )
+
+
+def _unwrap_descriptor_launch(launch: Any, n: int) -> tuple[Any, tuple] | None:
+    """``(native launch, metadata per descriptor)`` under Triton 3.6's ``wrap_handle_tensordesc``
+    wrapper (which encodes every descriptor again on every launch), or None where ``launch`` is not
+    that wrapper or a descriptor has no TMA metadata (then the wrapper runs as it is)."""
+    code = getattr(launch, "__code__", None)
+    if code is None or launch.__name__ != "inner" or launch.__closure__ is None:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+    native, metas = cells.get("launcher"), cells.get("tensordesc_meta")
+    if native is None or not metas or len(metas) != n or any(m is None for m in metas):
+        return None
+    return native, tuple(metas)
+
+
+_ENCODED: dict[tuple, list] = {}  # descriptor key -> [CUtensorMap, *shape, *strides]
+_ENCODED_LIMIT = 4096
+
+
+def _expand_descriptors(values: list, descs: tuple, metas: tuple) -> list:
+    """``values`` with each descriptor replaced by what Triton's wrapper would pass in its place."""
+    out: list = []
+    prev = 0
+    for pos, meta in zip(descs, metas):
+        out.extend(values[prev:pos])
+        out.extend(_encode_descriptor(values[pos], meta))
+        prev = pos + 1
+    out.extend(values[prev:])
+    return out
+
+
+def _encode_descriptor(d: Any, meta: dict) -> list:
+    """Triton's ``make_tensordesc_arg(d, meta)``, cached by everything the encoding reads (the base
+    address, shape, strides, padding and the kernel's TMA metadata): the encoding is a pure function
+    of those values, so a hit is the same bits (no tensor is kept: only its address is)."""
+    key = (d.base.data_ptr(), *d.shape, None, *d.strides, d.padding, meta["swizzle"], meta["elem_size"],
+           meta["elem_type"], *meta["block_size"], meta["fp4_padded"])  # fmt: skip
+    enc = _ENCODED.get(key)
+    if enc is None:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        enc = make_tensordesc_arg(d, meta)
+        if len(_ENCODED) >= _ENCODED_LIMIT:
+            _ENCODED.clear()
+        _ENCODED[key] = enc
+    return enc
 
 
 def _arg_key(a: Any) -> Any:

@@ -189,24 +189,36 @@ def expert_layout_unchecked(
     nc_pad = next_power_of_2(max(num_chunks, 2))
     tile_block = max(1, min(64, 4096 // e_pad, next_power_of_2(max(max_tiles, 1))))
     grid = max(num_chunks, -(-max_tiles // tile_block))
-    i32 = torch.int32
-    hist = torch.empty(num_chunks, e_pad, dtype=i32, device=dev)
-    # padded (and, with the compact order, unpadded) destinations per chunk and expert
-    base = torch.empty(2 if with_compact else 1, num_chunks, e_pad, dtype=i32, device=dev)
+    # every int32 buffer of the call in one allocation (one allocator call instead of ten; each part
+    # starts on a 16-byte boundary, as the kernels' pointer specialization expects of fresh tensors)
+    n_base = (2 if with_compact else 1) * num_chunks * e_pad
+    n_slots_c = max(num_slots, 1) if with_compact else 0
+    sizes = (num_chunks * e_pad, n_base, max(max_padded, 1), max_tiles, max_tiles, num_local_experts + 1,
+             num_local_experts, 1, n_slots_c, num_local_experts + 1 if with_compact else 0,
+             num_local_experts if with_compact else 0)  # fmt: skip
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += -(-n // 4) * 4
+    buf = torch.empty(total, dtype=torch.int32, device=dev)
+    hist, base, sorted_slots, tile_expert, tile_row_end, offsets, counts, num_tiles, cs, es, sh = (
+        buf[a : a + n] for a, n in zip(starts, sizes)
+    )
+    base = base.view(2 if with_compact else 1, num_chunks, e_pad)
     out = ExpertLayout(
-        sorted_slots=torch.empty(max(max_padded, 1), dtype=i32, device=dev),
-        tile_expert=torch.empty(max_tiles, dtype=i32, device=dev),
-        tile_row_end=torch.empty(max_tiles, dtype=i32, device=dev),
-        expert_offsets=torch.empty(num_local_experts + 1, dtype=i32, device=dev),
-        expert_counts=torch.empty(num_local_experts, dtype=i32, device=dev),
-        num_tiles=torch.empty(1, dtype=i32, device=dev),
+        sorted_slots=sorted_slots,
+        tile_expert=tile_expert,
+        tile_row_end=tile_row_end,
+        expert_offsets=offsets,
+        expert_counts=counts,
+        num_tiles=num_tiles,
         block_m=block_m,
         cluster=cluster,
         num_slots=num_slots,
     )
     compact_args = {}
     if with_compact:
-        out.compact = _empty_compact(num_slots, num_local_experts, dev)
+        out.compact = CompactLayout(compact_slots=cs[:num_slots], exact_start=es, expert_shift=sh)
         compact_args = dict(compact_ptr=out.compact.compact_slots, cbase_ptr=base[1],
                             exact_start_ptr=out.compact.exact_start, shift_ptr=out.compact.expert_shift,
                             COMPACT=True)  # fmt: skip
