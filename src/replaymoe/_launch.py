@@ -129,19 +129,7 @@ class FastLaunch:
             self._compiled[key] = (kernel, launch, flags, tensors)
         for i in tensors:  # tensors as their addresses: Triton's launcher then skips a driver query each
             values[i] = values[i].data_ptr()
-        launch(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(device),
-            kernel.function,
-            *flags,
-            kernel.packed_metadata,
-            None,
-            None,
-            None,
-            *values,
-        )
+        _launch_native(launch, grid, device, kernel.function, flags, kernel.packed_metadata, values)
 
     def launch_fixed(self, key: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
         """:meth:`launch` without Triton's binder, for a kernel whose compiled variant ``key`` fixes.
@@ -281,19 +269,25 @@ class _Entry:
                 values[i] = values[i].data_ptr()
         if self.descs:
             values = _expand_descriptors(values, self.descs, self.metas)
-        self.launch(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(device),
-            self.function,
-            *self.flags,
-            self.packed,
-            None,
-            None,
-            None,
-            *values,
-        )
+        _launch_native(self.launch, grid, device, self.function, self.flags, self.packed, values)
+
+
+def _launch_native(launch: Any, grid: tuple[int, ...], device: int, function: Any, flags: tuple, packed: Any,
+                   values: list) -> None:  # fmt: skip
+    """One launch on the current stream through ``launch`` (see :func:`_native_launch`)."""
+    launch(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(device),
+        function,
+        *flags,
+        packed,
+        None,
+        None,
+        None,
+        *values,
+    )
 
 
 def _unwrap_descriptor_launch(launch: Any, n: int) -> tuple[Any, tuple] | None:
