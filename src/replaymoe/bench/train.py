@@ -35,7 +35,9 @@ steps every HF row through ``torch.compile(model, backend=BACKEND)`` (default in
 implementation, enabled once and compiled by its first step (``compile_s``). Every HF row also records
 ``device_ms``, the GPU's busy time per step (the sum of its kernel times under the torch profiler), and
 ``device_speedup`` = grouped_mm's ``device_ms`` / the row's: what a host fast enough to keep the GPU busy
-would time (the eager step at 4096 tokens is bound by the host; docs/TUNING.md). The step passes
+would time (the eager step at 4096 tokens is bound by the host; docs/TUNING.md), and ``held_gib``, the
+memory the forward allocated and still holds when the backward starts (activations; with checkpointing,
+what the checkpoints keep). The step passes
 ``use_cache=False``, as trainers do.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
@@ -245,9 +247,16 @@ def _hf_rows(
     traces = cap.traces()
     cap.disable()
 
+    held: dict[str, float] = {}  # GiB allocated by the forward and still held when the backward starts
+    measuring = [None]  # the implementation whose next step records held[...]
+
     def step_of(m, moe=None):
         def step():
+            impl = measuring[0]
+            before = torch.cuda.memory_allocated() if impl is not None else 0
             out = m(input_ids=ids, labels=ids, use_cache=False)
+            if impl is not None:
+                held[impl] = (torch.cuda.memory_allocated() - before) / 2**30
             out.loss.backward()
             model_of[id(m)].zero_grad(set_to_none=True)
             return out.loss.detach()
@@ -307,6 +316,11 @@ def _hf_rows(
                 times[impl].append(time_eager(run, warmup_ms=HF_WARMUP_MS, rep_ms=HF_REP_MS) / 1e3)
                 if r == rounds - 1 and device == "cuda":
                     device_ms[impl] = _device_ms(run)
+                    measuring[0] = impl
+                    try:
+                        run()
+                    finally:
+                        measuring[0] = None
             finally:
                 if moe is not None:
                     moe.disable()
@@ -325,6 +339,8 @@ def _hf_rows(
             row["compile_s"] = compile_s[impl]
         if impl in device_ms:
             row["device_ms"] = device_ms[impl]
+        if impl in held:
+            row["held_gib"] = held[impl]
         if impl != "grouped_mm":
             row["fwdbwd_speedup"] = statistics.median(a / b for a, b in zip(times["grouped_mm"], times[impl]))
             if impl in device_ms and "grouped_mm" in device_ms:
@@ -396,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     write_results(rows, a.out, "train")
     cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
-            "peak_vs_grouped_mm", "tokens_per_s", "device_ms", "device_speedup", "checkpointing", "replay",
-            "compiled", "err_dx", "err_dw13",
+            "peak_vs_grouped_mm", "tokens_per_s", "device_ms", "device_speedup", "held_gib", "checkpointing",
+            "replay", "compiled", "err_dx", "err_dw13",
             "bitwise_repeatable"]  # fmt: skip
     print_table(rows, cols)
     return 0
