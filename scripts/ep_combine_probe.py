@@ -71,7 +71,7 @@ from replaymoe import MoeAlltoAll  # noqa: E402
 from replaymoe._launch import cdiv  # noqa: E402
 from replaymoe.bench._timing import print_table, write_results  # noqa: E402
 from replaymoe.bench.ep_shape import SHAPE, inputs, set_shape  # noqa: E402
-from replaymoe.bench.ep_timing import device, err, event, graph, on_cuda, sync  # noqa: E402
+from replaymoe.bench.ep_timing import device, err, graph, on_cuda, phase_samples, sync  # noqa: E402
 from replaymoe.ep._kernel import _pick  # noqa: E402  (the library's peer-pointer choice)
 from replaymoe.ep.packing import row_tiling  # noqa: E402
 from replaymoe.ep.receive import combine_reduce  # noqa: E402
@@ -220,23 +220,9 @@ def reduce_variant_launch(a2a, rows, bs, slot, own, out, slots_first, tt_v, nb_v
 # timing: per phase the median over iterations of the max over ranks, and each rank's median
 # ----------------------------------------------------------------------------------------------
 def time_iters(run_iter, n: int, iters: int, warmup: int) -> list[dict]:
-    """``run_iter(events)`` records ``n + 1`` events (and may return n host seconds); every iteration
-    starts after a sync and a barrier (as ``bench.ep_timing.time_phases``, whose figure ``us`` is)."""
-    for _ in range(warmup):
-        run_iter([event() for _ in range(n + 1)])
-    sync()
-    t = torch.zeros(iters, 2 * n, dtype=torch.float64)
-    for i in range(iters):
-        ev = [event() for _ in range(n + 1)]
-        sync()
-        dist.barrier()
-        h = run_iter(ev)
-        ev[-1].synchronize()
-        for p in range(n):
-            t[i, p] = ev[p].elapsed_time(ev[p + 1]) * 1e3
-            if h is not None:
-                t[i, n + p] = h[p] * 1e6
-    td = t.to(device())
+    """``run_iter(events)`` records ``n + 1`` events (and may return n host seconds); the samples of
+    ``bench.ep_timing.phase_samples`` (whose figure ``us`` is), with each rank's median as well."""
+    td, has_host = phase_samples(run_iter, n, iters, warmup)
     allt = [torch.zeros_like(td) for _ in range(dist.get_world_size())]
     dist.all_gather(allt, td)
     a = torch.stack(allt).cpu()  # [ranks, iters, 2n]
@@ -245,7 +231,7 @@ def time_iters(run_iter, n: int, iters: int, warmup: int) -> list[dict]:
         res.append({
             "us": statistics.median(a[:, :, p].max(0).values.tolist()),
             "per_rank_us": [round(statistics.median(a[r, :, p].tolist()), 2) for r in range(a.shape[0])],
-            "host_us": statistics.median(a[:, :, n + p].max(0).values.tolist()) if h is not None else None,
+            "host_us": statistics.median(a[:, :, n + p].max(0).values.tolist()) if has_host else None,
         })  # fmt: skip
     return res
 

@@ -54,6 +54,16 @@ def time_phases(run_iter, n_phases: int, iters: int, warmup: int):
     phases of it, and the figure is the max over ranks per iteration; ``do_bench`` picks its
     iteration count from a local estimate (ranks would disagree and hang in a collective), times
     one span, and flushes the L2 between calls (a peer's flush would overlap this rank's call)."""
+    times, host = phase_samples(run_iter, n_phases, iters, warmup)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    med = [statistics.median(times[:, p].tolist()) for p in range(2 * n_phases)]
+    return med[:n_phases], (med[n_phases:] if host else None)
+
+
+def phase_samples(run_iter, n_phases: int, iters: int, warmup: int) -> tuple[torch.Tensor, bool]:
+    """This rank's samples for :func:`time_phases`: ``[iters, 2 * n_phases]`` float64 on :func:`device`
+    (device µs per phase, then host µs per phase), and whether ``run_iter`` returned host times. Every
+    iteration starts after a sync and a barrier, so that the ranks' iterations line up."""
     for _ in range(warmup):
         ev = [event() for _ in range(n_phases + 1)]
         run_iter(ev)
@@ -72,9 +82,7 @@ def time_phases(run_iter, n_phases: int, iters: int, warmup: int):
             host = True
             for p in range(n_phases):
                 times[i, n_phases + p] = h[p] * 1e6
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    med = [statistics.median(times[:, p].tolist()) for p in range(2 * n_phases)]
-    return med[:n_phases], (med[n_phases:] if host else None)
+    return times, host
 
 
 def time_replays(graphs, iters: int, warmup: int) -> tuple[float, ...]:
