@@ -95,18 +95,18 @@ def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
     import replaymoe.hf.patches as rsession
     import replaymoe.moe as rmoe
 
-    real_route, real_fused = rsession.route, rmoe.fused_moe
+    def spy(key, real):
+        def f(*a, **k):
+            calls[key] += 1
+            return real(*a, **k)
 
-    def spy_route(*a, **k):
-        calls["route"] += 1
-        return real_route(*a, **k)
+        return f
 
-    def spy_fused(*a, **k):
-        calls["fused"] += 1
-        return real_fused(*a, **k)
-
-    monkeypatch.setattr(rsession, "route", spy_route)
-    monkeypatch.setattr(rmoe, "fused_moe", spy_fused)
+    # a router routes through route(), or past its checks once they passed (route_unchecked); the
+    # experts through fused_moe(), or on CUDA past its checks (fused_moe_unchecked)
+    for mod, name, key in ((rsession, "route", "route"), (rsession, "route_unchecked", "route"),
+                           (rmoe, "fused_moe", "fused"), (rmoe, "fused_moe_unchecked", "fused")):  # fmt: skip
+        monkeypatch.setattr(mod, name, spy(key, getattr(mod, name)))
     moe = rhf.enable(model)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask).logits

@@ -102,6 +102,33 @@ def _grouped_mm_forward(experts, hidden_states, top_k_index, top_k_weights):
     return ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, hidden_states, top_k_index, top_k_weights)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _unchecked_ok(x, w13, w2, ids, weights) -> bool:
+    """This call is one :func:`replaymoe.moe.fused_moe_unchecked` takes as it is (its preconditions,
+    by metadata only: the weights' layout was checked once by :func:`fused_compatible`). Anything else
+    goes through :func:`replaymoe.moe.fused_moe`, which checks every argument and names the wrong one.
+    Not under ``torch.compile`` (which traces ``fused_moe``; host time does not matter there)."""
+    if x.dim() != 2 or ids.dim() != 2 or not w13.is_cuda or x.dtype not in _HALF:
+        return False
+    T, H = x.shape
+    dev = w13.device
+    return (
+        T > 0
+        and x.dtype == w13.dtype == w2.dtype
+        and H == w13.shape[2]
+        and ids.shape[0] == T
+        and ids.shape[1] <= w13.shape[0]
+        and weights.shape == ids.shape
+        and x.device == dev
+        and w2.device == dev
+        and ids.device == dev
+        and weights.device == dev
+        and not torch.compiler.is_compiling()
+    )
+
+
 def replaymoe_experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -157,6 +184,11 @@ def replaymoe_experts_forward(
     ids = top_k_index if top_k_index.dtype == torch.int32 else top_k_index.to(torch.int32)
     weights = top_k_weights if top_k_weights.dtype == torch.float32 else top_k_weights.float()
     x = hidden_states if hidden_states.dtype == w13.dtype else hidden_states.to(w13.dtype)
+    if backend == "auto" and gptoss is None and _unchecked_ok(x, w13, w2, ids, weights):
+        from replaymoe.moe import fused_moe_unchecked
+
+        out = fused_moe_unchecked(x, w13, w2, ids, weights)
+        return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
     out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend, **extra)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 

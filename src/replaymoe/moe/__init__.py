@@ -71,6 +71,39 @@ def _variant(w13_bias, w2_bias, activation, gate_up_layout) -> ExpertsVariant:
     )
 
 
+def fused_moe_unchecked(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`fused_moe` with given routing on the Triton backend, past its argument checks.
+
+    For library callers that hold the checks' results already (the transformers integration checks a
+    module's weights once and each call's metadata in a few comparisons: host time per layer call
+    matters in an eager training step). The call must be one that :func:`fused_moe` accepts with these
+    arguments and its defaults (standard experts, no offset, ``recompute=False``), with:
+
+    * ``hidden_states`` [T, H], T >= 1, bfloat16 or float16, on a CUDA device;
+    * ``w13`` [E, 2I, H] and ``w2`` [E, H, I] of that dtype and device;
+    * ``topk_ids`` int32 [T, K] (K <= E) and ``topk_weights`` float32 [T, K] on that device.
+
+    Returns the same tensor, bits and autograd as ``fused_moe(hidden_states, w13, w2,
+    topk_ids=topk_ids, topk_weights=topk_weights)``.
+    """
+    if torch.is_grad_enabled() and (
+        hidden_states.requires_grad or w13.requires_grad or w2.requires_grad or topk_weights.requires_grad
+    ):
+        return experts_triton_train(
+            hidden_states, w13, w2, topk_ids, topk_weights, local_expert_offset=0, recompute=False
+        )
+    return experts_triton(
+        hidden_states, w13, w2, topk_ids, topk_weights, w13_scale=None, w2_scale=None, local_expert_offset=0,
+        out=None,
+    )  # fmt: skip
+
+
 def fused_moe_torch(
     hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, **kwargs
 ) -> torch.Tensor:

@@ -14,6 +14,7 @@ CUDA-graph capturable; the device tells how much of them is used (``num_tiles``)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,60 @@ def expert_layout(
                                    with_compact)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _HostPlan:
+    """What the Triton layout's host side derives from the sizes of a call alone (cached per sizes)."""
+
+    num_slots: int
+    max_tiles: int
+    e_pad: int  # experts padded to a power of two (one histogram row per chunk)
+    ch: int  # slots per chunk
+    num_chunks: int
+    nc_pad: int
+    tile_block: int
+    grid: int
+    total: int  # int32 elements of the call's one buffer
+    rounded: tuple[int, ...]  # each part's length, rounded up to 16 bytes (``buf.split``)
+    sizes: tuple[tuple[int, bool], ...]  # each part's length, and whether it equals the rounded one
+
+
+@functools.lru_cache(maxsize=256)
+def _host_plan(num_slots: int, num_local_experts: int, block_m: int, cluster: int, with_compact: bool):
+    max_padded, max_tiles = layout_sizes(num_slots, num_local_experts, block_m, cluster)
+    e_pad = next_power_of_2(max(num_local_experts, 2))
+    nc_max = max(1, 8192 // e_pad)
+    ch = max(64, next_power_of_2(-(-num_slots // nc_max)))
+    if (e_pad + 1) * ch >= 2**31:  # the kernel's int32 sort key (expert * CH + slot) would wrap
+        fail(
+            "topk_ids",
+            f"fewer (token, k) slots for {num_local_experts} local experts (the Triton layout's int32 "
+            "sort key, expert * chunk + slot, must stay below 2**31); split the call",
+            f"{num_slots} (token, k) slots",
+            what="shape",
+        )
+    num_chunks = max(1, -(-num_slots // ch))
+    tile_block = max(1, min(64, 4096 // e_pad, next_power_of_2(max(max_tiles, 1))))
+    n_base = (2 if with_compact else 1) * num_chunks * e_pad
+    n_slots_c = max(num_slots, 1) if with_compact else 0
+    sizes = (num_chunks * e_pad, n_base, max(max_padded, 1), max_tiles, max_tiles, num_local_experts + 1,
+             num_local_experts, 1, n_slots_c, num_local_experts + 1 if with_compact else 0,
+             num_local_experts if with_compact else 0)  # fmt: skip
+    rounded = tuple(-(-n // 4) * 4 for n in sizes)
+    return _HostPlan(
+        num_slots=num_slots,
+        max_tiles=max_tiles,
+        e_pad=e_pad,
+        ch=ch,
+        num_chunks=num_chunks,
+        nc_pad=next_power_of_2(max(num_chunks, 2)),
+        tile_block=tile_block,
+        grid=max(num_chunks, -(-max_tiles // tile_block)),
+        total=sum(rounded),
+        rounded=rounded,
+        sizes=tuple((n, n == r) for n, r in zip(sizes, rounded)),
+    )
+
+
 # expert_layout's parameters again, positional for the hot path (the public one keeps block_m keyword-only)
 def expert_layout_unchecked(
     topk_ids: torch.Tensor,
@@ -171,40 +226,16 @@ def expert_layout_unchecked(
     from ._kernel_layout import layout_hist_kernel, layout_scatter_kernel
 
     T, K = topk_ids.shape
-    num_slots = T * K
-    max_padded, max_tiles = layout_sizes(num_slots, num_local_experts, block_m, cluster)
-    dev = topk_ids.device
-    e_pad = next_power_of_2(max(num_local_experts, 2))
-    nc_max = max(1, 8192 // e_pad)
-    ch = max(64, next_power_of_2(-(-num_slots // nc_max)))
-    if (e_pad + 1) * ch >= 2**31:  # the kernel's int32 sort key (expert * CH + slot) would wrap
-        fail(
-            "topk_ids",
-            f"fewer (token, k) slots for {num_local_experts} local experts (the Triton layout's int32 "
-            "sort key, expert * chunk + slot, must stay below 2**31); split the call",
-            f"{num_slots} slots ({T} x {K})",
-            what="shape",
-        )
-    num_chunks = max(1, -(-num_slots // ch))
-    nc_pad = next_power_of_2(max(num_chunks, 2))
-    tile_block = max(1, min(64, 4096 // e_pad, next_power_of_2(max(max_tiles, 1))))
-    grid = max(num_chunks, -(-max_tiles // tile_block))
+    plan = _host_plan(T * K, num_local_experts, block_m, cluster, with_compact)
+    num_slots, max_tiles = plan.num_slots, plan.max_tiles
     # every int32 buffer of the call in one allocation (one allocator call instead of ten; each part
     # starts on a 16-byte boundary, as the kernels' pointer specialization expects of fresh tensors)
-    n_base = (2 if with_compact else 1) * num_chunks * e_pad
-    n_slots_c = max(num_slots, 1) if with_compact else 0
-    sizes = (num_chunks * e_pad, n_base, max(max_padded, 1), max_tiles, max_tiles, num_local_experts + 1,
-             num_local_experts, 1, n_slots_c, num_local_experts + 1 if with_compact else 0,
-             num_local_experts if with_compact else 0)  # fmt: skip
-    starts, total = [], 0
-    for n in sizes:
-        starts.append(total)
-        total += -(-n // 4) * 4
-    buf = torch.empty(total, dtype=torch.int32, device=dev)
+    buf = torch.empty(plan.total, dtype=torch.int32, device=topk_ids.device)
+    parts = buf.split(plan.rounded)
     hist, base, sorted_slots, tile_expert, tile_row_end, offsets, counts, num_tiles, cs, es, sh = (
-        buf[a : a + n] for a, n in zip(starts, sizes)
+        parts[i] if exact else parts[i][:n] for i, (n, exact) in enumerate(plan.sizes)
     )
-    base = base.view(2 if with_compact else 1, num_chunks, e_pad)
+    base = base.view(2 if with_compact else 1, plan.num_chunks, plan.e_pad)
     out = ExpertLayout(
         sorted_slots=sorted_slots,
         tile_expert=tile_expert,
@@ -222,14 +253,15 @@ def expert_layout_unchecked(
         compact_args = dict(compact_ptr=out.compact.compact_slots, cbase_ptr=base[1],
                             exact_start_ptr=out.compact.exact_start, shift_ptr=out.compact.expert_shift,
                             COMPACT=True)  # fmt: skip
-    fast(layout_hist_kernel)[(num_chunks,)](
+    ch, e_pad = plan.ch, plan.e_pad
+    fast(layout_hist_kernel)[(plan.num_chunks,)](
         topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
     )
-    fast(layout_scatter_kernel)[(grid,)](
+    fast(layout_scatter_kernel)[(plan.grid,)](
         topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
-        out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, num_chunks,
-        max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,
-        TILE_BLOCK=tile_block, **compact_args, num_warps=8,
+        out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, plan.num_chunks,
+        max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=plan.nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,
+        TILE_BLOCK=plan.tile_block, **compact_args, num_warps=8,
     )  # fmt: skip
     return out
 
