@@ -97,14 +97,20 @@ def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
     import replaymoe.moe as rmoe
 
     calls = {"fused": 0}
-    real = rmoe.fused_moe
+    real, real_unchecked = rmoe.fused_moe, rmoe.fused_moe_unchecked
 
     def spy(*a, **k):
         calls["fused"] += 1
         assert k.get("backend") == "auto" and a[0].is_cuda  # -> the Triton kernels
         return real(*a, **k)
 
+    def spy_unchecked(*a):  # the standard experts past fused_moe's checks (always the Triton kernels)
+        calls["fused"] += 1
+        assert a[0].is_cuda
+        return real_unchecked(*a)
+
     monkeypatch.setattr(rmoe, "fused_moe", spy)
+    monkeypatch.setattr(rmoe, "fused_moe_unchecked", spy_unchecked)
     moe = rhf.enable(model, capture=True)
     own = _OwnRouter(moe)
     with torch.no_grad():
