@@ -41,7 +41,7 @@ what the checkpoints keep). The step passes
 ``use_cache=False``, as trainers do.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
-[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--no-hf] [--checkpointing] [--replay] [--compile [BACKEND]]``.
+[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--rounds 5] [--no-hf] [--checkpointing] [--replay] [--compile [BACKEND]]``.
 Needs CUDA.
 """
 
@@ -376,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=512, help="HF rows: tokens per sequence")
     p.add_argument("--no-hf", action="store_true", help="skip the HF training-step rows")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=HF_ROUNDS,
+        help=f"HF rows: rounds (each implementation timed once per round, order rotated; default {HF_ROUNDS})",
+    )
+    p.add_argument(
         "--checkpointing",
         action="store_true",
         help="HF rows: gradient checkpointing on (non-reentrant) for every implementation",
@@ -396,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         "implementation, compiled once)",
     )
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds: expected an int >= 1, got {a.rounds}")
     if not torch.cuda.is_available():
         print("replaymoe bench train needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -408,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         write_results(rows, a.out, "train")
     if not a.no_hf:
         rows += _hf_rows(
-            a.hf_arch, a.batch, a.seq, checkpointing=a.checkpointing, replay=a.replay, compile=a.compile
+            a.hf_arch, a.batch, a.seq, a.rounds, checkpointing=a.checkpointing, replay=a.replay,
+            compile=a.compile,
         )
     write_results(rows, a.out, "train")
     cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
