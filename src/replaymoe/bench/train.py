@@ -41,7 +41,8 @@ what the checkpoints keep). The step passes
 ``use_cache=False``, as trainers do.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
-[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--rounds 5] [--no-hf] [--checkpointing] [--replay] [--compile [BACKEND]]``.
+[--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--rounds 5] [--no-hf] [--checkpointing] [--replay]
+[--compile [BACKEND]]``.
 Needs CUDA.
 """
 
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=HF_ROUNDS,
-        help=f"HF rows: rounds (each implementation timed once per round, order rotated; default {HF_ROUNDS})",
+        help=f"HF rows: rounds, each implementation once per round in a rotated order (default {HF_ROUNDS})",
     )
     p.add_argument(
         "--checkpointing",
@@ -416,7 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         write_results(rows, a.out, "train")
     if not a.no_hf:
         rows += _hf_rows(
-            a.hf_arch, a.batch, a.seq, a.rounds, checkpointing=a.checkpointing, replay=a.replay,
+            a.hf_arch,
+            a.batch,
+            a.seq,
+            a.rounds,
+            checkpointing=a.checkpointing,
+            replay=a.replay,
             compile=a.compile,
         )
     write_results(rows, a.out, "train")
