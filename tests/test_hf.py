@@ -558,3 +558,61 @@ def test_interleaved_dense_layers_keep_model_layer_numbers(generator):
     # a trace of the same depth recorded on other layer numbers is refused
     with pytest.raises(ValueError, match="layer_ids"):
         moe.set_replay([t.replace(layer_ids=[0, 1]) for t in traces])
+
+
+# each case: (what this call changes after a first, validated call; validated again?; error's argument)
+_ROUTER_CALLS = [
+    ("nothing", False, None),
+    ("replay ids of the right shape", False, None),
+    ("int64 replay ids (converted by the checks)", True, None),
+    ("non-contiguous replay ids (copied by the checks)", True, None),
+    ("replay ids of another shape", True, "replay_ids"),
+    ("float32 logits after bfloat16 ones", True, None),
+    ("a capture slab with too few rows", True, "routing_replay_out"),
+]
+
+
+@pytest.mark.parametrize("case, validated, error", _ROUTER_CALLS, ids=[c for c, _, _ in _ROUTER_CALLS])
+def test_patched_router_checks_once_then_per_call_metadata(case, validated, error, monkeypatch):
+    # a patched router validates its routing once per logits dtype, device and expert count, and per
+    # call compares only what can change (replay ids, capture slab); anything else goes through the
+    # full checks again, which name the wrong argument; results always equal route()'s
+    from replaymoe.hf import patches
+    from replaymoe.routing import RoutingConfig, RoutingMethod, route
+
+    T, E, K = 6, 8, 2
+    routing = RoutingConfig(K, RoutingMethod.RENORMALIZE)
+    checked = patches._CheckedRouting(routing)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(T, E, generator=g).bfloat16()
+    checked.route(logits, None, None, "torch")  # the first call: validated
+    counts = {"validate": 0}
+    real = patches.validate
+
+    def spy(*a, **k):
+        counts["validate"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(patches, "validate", spy)
+    replay = torch.rand(T, E, generator=g).argsort(1)[:, :K].to(torch.int32)
+    slab = None
+    if case == "nothing":
+        replay = None
+    elif case.startswith("int64"):
+        replay = replay.long()
+    elif case.startswith("non-contiguous"):
+        replay = torch.rand(T, E, generator=g).argsort(1)[:, :K].to(torch.int32).t().contiguous().t()
+    elif case.startswith("replay ids of another"):
+        replay = replay[1:]
+    elif case.startswith("float32"):
+        logits = logits.float()
+    elif case.startswith("a capture slab"):
+        slab = torch.zeros(T - 1, K, dtype=torch.int16)
+    if error is not None:
+        with pytest.raises(ValueError, match=error):
+            checked.route(logits, slab, replay, "torch")
+        return
+    out = checked.route(logits, slab, replay, "torch")
+    assert counts["validate"] == int(validated)
+    ref = route(logits, routing=routing, replay_ids=replay, backend="torch")
+    assert torch.equal(out.topk_ids, ref.topk_ids) and torch.equal(out.topk_weights, ref.topk_weights)

@@ -344,3 +344,63 @@ def test_gpu_forward_has_no_host_sync(mode):
     if mode == "capture":
         assert [t.num_tokens for t in moe.traces()][-2:] == [24 + 3, 24 + 3]
     moe.disable()
+
+
+# each case: (what the call changes, whether it still takes the unchecked path)
+_EXPERT_CALLS = [
+    ("as the router gives it", True),
+    ("int64 ids and bf16 weights (converted first)", True),
+    ("fp32 activations (cast to the weights' dtype)", True),
+    ("no tokens (T = 0)", False),
+    ("ids of another batch (T mismatch: fused_moe's error)", False),
+]
+
+
+@pytest.mark.parametrize("case, unchecked", _EXPERT_CALLS, ids=[c for c, _ in _EXPERT_CALLS])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_gpu_experts_past_checks_match_fused_moe(case, unchecked, grad, monkeypatch):
+    # the "replaymoe" experts function skips fused_moe's checks only where the call's metadata is one
+    # fused_moe accepts; there it returns fused_moe's bits and gradients, elsewhere fused_moe runs (and
+    # raises)
+    import replaymoe.moe as rmoe
+    from replaymoe.hf import experts as hx
+
+    model = _model("qwen3_moe")
+    exp = model.model.layers[0].mlp.experts
+    T, K, E = 48, model.config.num_experts_per_tok, exp.gate_up_proj.shape[0]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(T, exp.gate_up_proj.shape[2], device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(1)[:, :K].to(torch.int32)
+    w = torch.rand(T, K, device="cuda", generator=g).softmax(1)
+    if case.startswith("int64"):
+        ids, w = ids.long(), w.bfloat16()
+    elif case.startswith("fp32"):
+        x = x.float()
+    elif case.startswith("no tokens"):
+        x, ids, w = x[:0], ids[:0], w[:0]
+    calls = {"unchecked": 0}
+    real = rmoe.fused_moe_unchecked
+
+    def spy(*a):
+        calls["unchecked"] += 1
+        return real(*a)
+
+    monkeypatch.setattr(rmoe, "fused_moe_unchecked", spy)
+    if case.startswith("ids of another batch"):
+        with pytest.raises(ValueError, match="topk"):
+            hx.replaymoe_experts_forward(exp, x, ids[1:], w[1:])
+        return
+    exp.requires_grad_(grad)
+    xs = x.detach().requires_grad_(grad)
+    out = hx.replaymoe_experts_forward(exp, xs, ids, w)
+    assert calls["unchecked"] == int(unchecked)
+    ref_x = x.detach().requires_grad_(grad)
+    ref = rmoe.fused_moe(ref_x.to(torch.bfloat16), exp.gate_up_proj, exp.down_proj, topk_ids=ids.int(),
+                         topk_weights=w.float()).to(x.dtype)  # fmt: skip
+    assert out.dtype == x.dtype and torch.equal(out, ref)
+    if grad and T:
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (xs, exp.gate_up_proj, exp.down_proj), dout)
+        want = torch.autograd.grad(ref, (ref_x, exp.gate_up_proj, exp.down_proj), dout)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
