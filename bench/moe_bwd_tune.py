@@ -1,12 +1,20 @@
-"""Device script: per-kernel times of the fused-MoE backward for config variants (torch.profiler).
+"""Device script: per-kernel device times of the fused-MoE backward for configuration variants.
 
-PYTHONPATH=src PYTHONUNBUFFERED=1 python3 bench/moe_bwd_tune.py [shape:T ...]
-Routing given (random top-k), bf16; prints one line per (shape, T, variant) with each backward
-kernel's mean time and TFLOP/s, and the whole backward's CUDA-event time.
+PYTHONPATH=src PYTHONUNBUFFERED=1 python3 bench/moe_bwd_tune.py [--vary groups|dx] [shape:T ...]
+
+Routing given (random top-k), bf16, one training forward; then, for the configuration this card runs
+(``moe_bwd_config`` with the device's TMA switch and tuned table: ``table``) and the heuristics alone
+(``heuristics``) and each variant around the heuristics, one line per (shape, T, variant) with the summed
+device time of the backward's kernels and each kernel's (torch profiler, mean of 4 backwards) and the
+relative error of its gradients against the first configuration's (0 where the variant keeps the bits).
+``--vary groups`` (default) changes one kernel group at a time (dA, dX, dW, group_m); ``--vary dx`` only
+the dX GEMM's stages (the backward entries of ``src/replaymoe/moe/tables/h100.json`` came from it,
+bench/moe_notes.md, session 20). Writes ``$OUT/bwd_tune.txt``.
 """
 
+import argparse
+import dataclasses
 import os
-import statistics
 import sys
 
 import torch
@@ -15,85 +23,94 @@ from torch.profiler import ProfilerActivity, profile
 import replaymoe.moe.configs as M
 from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
 from replaymoe.moe._backward import launch_bwd
+from replaymoe.moe.tuned import table_for
 
 OUT = os.environ.get("OUT", "/tmp")
-
-# (block_m, dA: bn bk warps stages, dX: bn bk warps stages, dW: bm bn bk warps stages, group_m, dw_mode)
-C = M.MoEBwdConfig
-VARIANTS = {
-    "w5": C(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1),
-    "s1": C(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1),
-    "s7": C(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 32, 8, 4, 8, 1),
-    "s8": C(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 5, 8, 1),
-}
+KERNELS = ("bwd_da", "bwd_swiglu", "bwd_dx", "bwd_dw", "gather", "reduce", "gemm1")
+R = dataclasses.replace
 
 
-def main(points):
+def variants(c0: M.MoEBwdConfig, vary: str) -> list[tuple[str, M.MoEBwdConfig]]:
+    """(name, configuration) around ``c0``, one kernel group varied at a time."""
+    out = []
+    if vary == "dx":
+        return [(f"dX stages {s}", R(c0, stages_x=s)) for s in (2, 3, 4, 5) if s != c0.stages_x]
+    gemm = [(256, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (256, 32, 8, 6)]
+    for bn, bk, w, s in gemm:
+        out.append((f"dA {bn}x{bk} w{w} s{s}", R(c0, bn_a=bn, bk_a=bk, warps_a=w, stages_a=s)))
+    for bn, bk, w, s in gemm:
+        out.append((f"dX {bn}x{bk} w{w} s{s}", R(c0, bn_x=bn, bk_x=bk, warps_x=w, stages_x=s)))
+    dw = [(128, 256, 32, 8, 6, 0, 0), (128, 256, 64, 8, 3, -1, 0), (128, 128, 32, 4, 6, -1, 168),
+          (256, 128, 32, 8, 6, -1, 0), (128, 256, 32, 8, 4, -1, 0), (128, 128, 64, 8, 4, -1, 0)]  # fmt: skip
+    for bm, bn, bk, w, s, p, r in dw:
+        name = f"dW {bm}x{bn}x{bk} w{w} s{s} progs{p} maxnreg{r}"
+        out.append((name, R(c0, bm_w=bm, bn_w=bn, bk_w=bk, warps_w=w, stages_w=s, dw_progs=p, maxnreg_w=r)))
+    return out + [(f"group_m {g}", R(c0, group_m=g)) for g in (4, 16)]
+
+
+def time_backward(args: tuple, cfg: M.MoEBwdConfig, ref):
+    """(gradients, per-kernel ms, relative error against ``ref``) of ``launch_bwd(*args, cfg)``."""
+    got = launch_bwd(*args, 0, False, [True] * 4, cfg)
+    torch.cuda.synchronize()
+    ref = got if ref is None else ref
+    err = max(float((g.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+              for g, r in zip(got, ref))  # fmt: skip
+    for _ in range(2):
+        launch_bwd(*args, 0, False, [True] * 4, cfg)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            launch_bwd(*args, 0, False, [True] * 4, cfg)
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for ev in prof.key_averages():
+        for k in KERNELS:
+            if k in ev.key:
+                per[k] = per.get(k, 0.0) + ev.device_time_total / 4 / 1e3
+    return ref, per, err
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vary", choices=("groups", "dx"), default="groups")
+    p.add_argument("points", nargs="*", default=["qwen3:4096", "qwen3:16384", "mixtral:16384", "dsv3:16384"])
+    a = p.parse_args(argv)
     lines = []
-    for pt in points:
+
+    def say(line):
+        lines.append(line)
+        print(line, flush=True)
+
+    for pt in a.points:
         name, T = pt.split(":")
         T = int(T)
         H, I, E, K = SHAPES[name]  # noqa: E741
         w13, w2 = layer_weights(H, I, E)
         x, ids, wts, dout = layer_inputs(T, H, E, K)
         w13, w2, x, wts = (t.detach() for t in (w13, w2, x, wts))
-        c0 = M.moe_config(T, K, H, I, E)
-        out, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, M.config_tuple(c0), False)
-        S = T * K
-        flops = {"da": 2 * S * H * I, "dx": 4 * S * H * I, "dw": 6 * S * H * I, "gemm1": 4 * S * H * I}
+        c_fwd = M.moe_config(T, K, H, I, E, tma=M.tma_ok(x.device, x.dtype), table=table_for(x.device))
+        fwd = (x, w13, w2, ids, wts, 0, M.config_tuple(c_fwd), False)
+        out, saved = torch.ops.replaymoe.moe_experts_train(*fwd)
+        tma = M.dw_tma_ok(x.device, x.dtype)
+        heur = M.moe_bwd_config(T, K, H, I, E, tma=tma)
+        card = M.moe_bwd_config(T, K, H, I, E, tma=tma, table=table_for(x.device))
+        say(f"{pt} table {table_for(x.device).name}: {card}")
         ref = None
-        for vname, cfg in [("default", M.moe_bwd_config(T, K, H, I, E))] + list(VARIANTS.items()):
-            for rec in (False, True) if vname == "default" else (False,):
-
-                def f(cfg=cfg, rec=rec, args=(dout, x, w13, w2, ids, wts, saved)):
-                    return launch_bwd(*args, 0, rec, [True] * 4, cfg)
-
-                try:
-                    got = f()
-                    torch.cuda.synchronize()
-                    if ref is None:
-                        ref = got
-                    err = max(
-                        float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-                        for a, b in zip(got, ref)
-                    )
-                    del got
-                except Exception as exc:  # a config may not fit
-                    lines.append(f"{name} T={T} {vname} FAILED {type(exc).__name__}: {str(exc)[:120]}")
-                    print(lines[-1], flush=True)
-                    continue
-                times = []
-                for _ in range(5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    f()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        f()
-                    torch.cuda.synchronize()
-                per = {}
-                for ev in prof.key_averages():
-                    key = ev.key
-                    tag = "other"
-                    for t in ("bwd_da", "bwd_swiglu", "bwd_dx", "bwd_dw", "gemm1", "reduce", "layout"):
-                        if t in key:
-                            tag = t.replace("bwd_", "")
-                    per[tag] = per.get(tag, 0.0) + ev.device_time_total / 3 / 1e3  # ms per backward
-                desc = " ".join(
-                    f"{k}={v:.3f}ms" + (f"({flops[k] / v / 1e9:.0f}TF)" if k in flops else "")
-                    for k, v in sorted(per.items())
-                )
-                line = (f"{name} T={T} {vname}{'+rec' if rec else ''} total={statistics.median(times):.3f}ms "
-                        f"err_vs_default={err:.1e} {desc}")  # fmt: skip
-                lines.append(line)
-                print(line, flush=True)
+        args = (dout, x, w13, w2, ids, wts, saved)
+        for vname, cfg in [("table", card), ("heuristics", heur)] + variants(heur, a.vary):
+            try:
+                ref, per, err = time_backward(args, cfg, ref)
+            except Exception as exc:  # a variant may not fit (shared memory)
+                say(f"{pt} {vname}: FAILED {type(exc).__name__}: {str(exc)[:100]}")
+                continue
+            desc = " ".join(f"{k}={v:.3f}" for k, v in sorted(per.items()))
+            say(f"{pt} {vname:36s} total={sum(per.values()):.3f}ms {desc} err={err:.1e}")
+        del args
+        del out, saved
         torch.cuda.empty_cache()
     with open(os.path.join(OUT, "bwd_tune.txt"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["qwen3:4096", "qwen3:16384", "mixtral:16384", "dsv3:16384"])
+    main(sys.argv[1:])

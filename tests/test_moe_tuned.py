@@ -1,17 +1,19 @@
 """Tuned tables of the fused MoE (``replaymoe.moe.tuned``): the shipped tables, the choice by device,
-JSON round trips and their errors, ``moe_config`` reading a table, and the launcher taking the table of
-the input's device (interpreter)."""
+JSON round trips and their errors, ``moe_config`` and ``moe_bwd_config`` reading a table, and the
+launchers (forward and backward) taking the table of the input's device (interpreter)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from replaymoe.moe import _backward as bwd
 from replaymoe.moe import _forward as fwd
-from replaymoe.moe import fused_moe_torch
-from replaymoe.moe.configs import FP8_BLOCK_M, MoEConfig, moe_config
+from replaymoe.moe import fused_moe, fused_moe_torch
+from replaymoe.moe.configs import BWD_TILE_FIELDS, FP8_BLOCK_M, MoEConfig, moe_bwd_config, moe_config
 from replaymoe.moe.tuned import (
     TunedTable,
     builtin_table,
@@ -167,3 +169,111 @@ def test_the_launcher_takes_the_table_of_the_device(generator, monkeypatch):
     )
     assert seen == [mine]
     assert_close(out, fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts), dtype=torch.float32)
+
+
+MIXTRAL = (4096, 14336, 8, 2)  # H, I, E, K
+
+
+def _tiles(**changes):
+    """A backward entry: the heuristics' tiles of Mixtral at T=4096 (TMA on), with ``changes``."""
+    H, I, E, K = MIXTRAL  # noqa: E741
+    c = moe_bwd_config(4096, K, H, I, E, tma=True)
+    return {**{f: int(getattr(c, f)) for f in BWD_TILE_FIELDS}, **changes}
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer loads"])
+def test_moe_bwd_config_reads_the_backward_section(tma):
+    # an entry measured with TMA (Hopper) is also read where TMA is off (fp32, REPLAYMOE_DW_TMA=0): the
+    # same tiles with pointer loads, as the forward's entries
+    H, I, E, K = MIXTRAL  # noqa: E741
+    entry = _tiles(stages_x=3, group_m=4)
+    table = TunedTable("mine", backward={table_key(H, I, E, K, False, 4096): entry})
+    heuristics = moe_bwd_config(4096, K, H, I, E, tma=tma)
+    got = moe_bwd_config(4096, K, H, I, E, tma=tma, table=table)
+    # the entry's tiles, the device's switches (TMA for dW and the GEMMs as the heuristics chose them)
+    assert got == dataclasses.replace(heuristics, **entry)
+    assert (got.dw_tma, got.gemm_tma) == (heuristics.dw_tma, heuristics.gemm_tma)
+    assert moe_bwd_config(3000, K, H, I, E, tma=tma, table=table) == got  # T=3000: the bucket of 4096
+    assert moe_bwd_config(8192, K, H, I, E, tma=tma, table=table) == moe_bwd_config(8192, K, H, I, E, tma=tma)
+    assert moe_bwd_config(4096, K, H, I, E, tma=tma, table=builtin_table("generic")) == heuristics
+
+
+def test_shipped_backward_entries():
+    # the H100's Mixtral entries (bench/moe_notes.md, session 20): the heuristics with the dX GEMM in 3
+    # stages, at each bench token count; the H200 keeps its heuristics (they were swept there)
+    H, I, E, K = MIXTRAL  # noqa: E741
+    h100 = builtin_table("h100")
+    for T in (1024, 4096, 16384):
+        c = moe_bwd_config(T, K, H, I, E, tma=True, table=h100)
+        assert c == dataclasses.replace(moe_bwd_config(T, K, H, I, E, tma=True), stages_x=3)
+    assert builtin_table("h200").backward == {}
+    qwen3 = (4096, 8, 2048, 768, 128)  # lost with 3 stages on the H100: no entry
+    assert moe_bwd_config(*qwen3, tma=True, table=h100) == moe_bwd_config(*qwen3, tma=True)
+
+
+def test_backward_section_round_trip(tmp_path):
+    H, I, E, K = MIXTRAL  # noqa: E741
+    table = builtin_table("h100").with_entries({}, name="mine")
+    table = dataclasses.replace(
+        table, backward={**table.backward, table_key(64, 32, 4, 2, False, 8): _tiles()}
+    )
+    path = tmp_path / "mine.json"
+    table.save(path)
+    again = TunedTable.load(path)
+    assert again == table and again.lookup_backward(table_key(64, 32, 4, 2, False, 5)) == _tiles()
+    del_backward = table.to_json()
+    del del_backward["backward"]  # a table written before backward entries existed
+    assert TunedTable.from_json(del_backward).backward == {}
+
+
+def _bwd_row(obj):
+    return next(iter(obj["backward"].values()))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda o: o["backward"].update({"H=1,I=2": {}}), "table entry key"),  # a broken key
+        (lambda o: o["backward"].update({"H=64,I=32,E=4,K=2,fp8=1,T<=8": _tiles()}), "fp8=0"),  # fp8
+        (lambda o: _bwd_row(o).pop("stages_x"), r"backward\[.*the fields"),  # a field missing
+        (lambda o: _bwd_row(o).update(dw_tma=1), r"backward\[.*the fields"),  # a switch: not a tile
+        (lambda o: _bwd_row(o).update(bn_x=96), "powers of two"),  # Triton's tiles
+        (lambda o: _bwd_row(o).update(stages_x=0), "the rest >= 1"),  # no stages
+        (lambda o: _bwd_row(o).update(dw_mode=3), "dw_mode 0-2"),
+        (lambda o: _bwd_row(o).update(dw_progs=-2), "dw_progs >= -1"),
+        (lambda o: _bwd_row(o).update(warps_x="8"), "ints"),  # text
+    ],
+)
+def test_bad_backward_entries_fail_clearly(edit, match, tmp_path):
+    obj = builtin_table("h100").to_json()
+    edit(obj)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=match):
+        TunedTable.load(path)
+
+
+@pytest.mark.interpret
+def test_the_backward_launcher_takes_the_table_of_the_device(generator, monkeypatch):
+    # a backward entry for this small problem, set as the table: fused_moe's Triton backward runs it
+    T, H, I, E, K = 5, 64, 32, 4, 2  # noqa: E741
+    c = moe_bwd_config(T, K, H, I, E)
+    mine = {**{f: int(getattr(c, f)) for f in BWD_TILE_FIELDS}, "bn_x": 32, "stages_x": 2, "group_m": 2}
+    set_tuned_table(TunedTable("mine", backward={table_key(H, I, E, K, False, T): mine}))
+    seen = []
+    launch = bwd.launch_bwd
+    monkeypatch.setattr(bwd, "launch_bwd", lambda *a, **k: (seen.append(a[10]), launch(*a, **k))[1])
+    x = torch.randn(T, H, generator=generator).requires_grad_()
+    w13 = (torch.randn(E, 2 * I, H, generator=generator) / H**0.5).requires_grad_()
+    w2 = (torch.randn(E, H, I, generator=generator) / I**0.5).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).int()
+    wts = torch.rand(T, K, generator=generator).requires_grad_()
+    dout = torch.randn(T, H, generator=generator)
+    got = torch.autograd.grad(fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, backend="triton"),
+                              (x, w13, w2, wts), dout)  # fmt: skip
+    assert seen == [dataclasses.replace(c, bn_x=32, stages_x=2, group_m=2)]
+    want = torch.autograd.grad(
+        fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts), (x, w13, w2, wts), dout
+    )
+    for a, b, name in zip(got, want, ("dx", "dw13", "dw2", "dwts")):
+        assert_close(a, b, dtype=torch.float32, name=name)

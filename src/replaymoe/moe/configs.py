@@ -257,15 +257,38 @@ class MoEBwdConfig:
     half_tiles: bool | None = None
 
 
-def moe_bwd_config(T: int, K: int, H: int, I: int, E_local: int, tma: bool = False) -> MoEBwdConfig:  # noqa: E741
+# the fields of MoEBwdConfig a tuned table's backward entry holds (its kernel tiles); the rest are the
+# device's data-movement switches (dw_tma, dw_c_desc, gemm_tma, half_tiles), kept from the heuristics
+BWD_TILE_FIELDS = ("block_m", "bn_a", "bk_a", "warps_a", "stages_a", "bn_x", "bk_x", "warps_x", "stages_x",
+                   "bm_w", "bn_w", "bk_w", "warps_w", "stages_w", "group_m", "dw_mode", "dw_progs",
+                   "maxnreg_w")  # fmt: skip
+
+
+def moe_bwd_config(
+    T: int,
+    K: int,
+    H: int,
+    I: int,  # noqa: E741
+    E_local: int,
+    tma: bool = False,
+    table=None,
+) -> MoEBwdConfig:
     """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I.
 
     ``tma``: the device and dtype allow TMA descriptors (:func:`dw_tma_ok`); sets
     :attr:`MoEBwdConfig.dw_tma`, and for the large-expert tiles a persistent dW grid (one program
     per SM). H200, scripts/dw_tma_check.py: dW kernels 1.08-1.42x the pointer kernel's speed
     (Qwen3 T=16384 2.56 -> 2.16 ms, Mixtral 25.2 -> 17.8, DSv3 26.7 -> 19.9), the persistent grid a
-    further 1-4 %.
+    further 1-4 %. ``table``: a :class:`~replaymoe.moe.tuned.TunedTable`; where its ``backward``
+    section has the problem's token bucket, its kernel tiles (:data:`BWD_TILE_FIELDS`) replace the
+    heuristics' and the switches stay as chosen here.
     """
+    c = _bwd_heuristics(T, K, H, I, E_local, tma)
+    tiles = table.lookup_backward(table_key(H, I, E_local, K, False, T)) if table is not None else None
+    return c if tiles is None else dataclasses.replace(c, **tiles)
+
+
+def _bwd_heuristics(T: int, K: int, H: int, I: int, E_local: int, tma: bool) -> MoEBwdConfig:  # noqa: E741
     slots = max(T * K, 1)
     m_avg = slots / min(E_local, slots)
     # H200 sweep (bench/moe_bwd_tune.py, bench/results/train_bwd_tune.txt): dW over pre-gathered rows

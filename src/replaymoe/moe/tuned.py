@@ -3,12 +3,15 @@
 A :class:`TunedTable` maps a problem ``(H, I, E_local, K, fp8, token bucket)`` to the
 :class:`~replaymoe.moe.configs.MoEConfig` measured fastest for it on one card; :func:`moe_config
 <replaymoe.moe.configs.moe_config>` takes an entry where the table has one and its heuristics
-elsewhere. The tables ship as JSON beside this module (``tables/<name>.json``, written by
-``replaymoe bench tune``):
+elsewhere. Its ``backward`` section does the same for the training backward's kernel tiles
+(:class:`~replaymoe.moe.configs.MoEBwdConfig` less its data-movement switches, which stay the device's),
+read by :func:`moe_bwd_config <replaymoe.moe.configs.moe_bwd_config>`. The tables ship as JSON beside
+this module (``tables/<name>.json``, written by ``replaymoe bench tune``; backward entries come from
+``bench/moe_bwd_tune.py`` sweeps):
 
 * ``h200``: tuned on the H200 (bench/moe_notes.md);
 * ``h100``: tuned on the H100; the problems it was not re-tuned for keep the H200's entries (its
-  ``base``);
+  ``base``); backward entries for Mixtral (the dX GEMM in 3 stages);
 * ``generic``: no entries, the heuristics alone: what a GPU other than Hopper, and the CPU
   (Triton's interpreter), get.
 
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .._validation import fail
-from .configs import FP8_BLOCK_M, MoEConfig, table_key
+from .configs import BWD_TILE_FIELDS, FP8_BLOCK_M, MoEConfig, table_key
 
 __all__ = ["TunedTable", "builtin_table", "set_tuned_table", "table_for", "table_key"]
 
@@ -46,6 +49,10 @@ _FIELDS = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in ("half
 _REQUIRED = [f.name for f in dataclasses.fields(MoEConfig) if f.default is dataclasses.MISSING]
 _FLAGS = ("direct", "tma")
 _POW2 = ("block_m", "block_n1", "block_k1", "warps1", "block_n2", "block_k2", "warps2")
+# backward entries: tiles and warps powers of two, the rest positive except these (their ranges)
+_BWD_POW2 = ("block_m", "bn_a", "bk_a", "warps_a", "bn_x", "bk_x", "warps_x", "bm_w", "bn_w", "bk_w",
+             "warps_w")  # fmt: skip
+_BWD_RANGES = {"dw_mode": (0, 2), "dw_progs": (-1, None), "maxnreg_w": (0, None)}
 
 
 def _key_text(key: tuple) -> str:
@@ -76,6 +83,11 @@ class TunedTable:
         :func:`table_key` -> configuration (fp8 entries batch-invariant: 64-row tiles).
     fp8_fast : Mapping[tuple, MoEConfig]
         fp8 entries for ``batch_invariant=False`` (any tile height).
+    backward : Mapping[tuple, Mapping[str, int]]
+        :func:`table_key` (``fp8`` False) -> the backward's kernel tiles
+        (:data:`~replaymoe.moe.configs.BWD_TILE_FIELDS`: tiles, warps, stages, ``group_m``, ``dw_mode``,
+        ``dw_progs``, ``maxnreg_w``); :func:`~replaymoe.moe.configs.moe_bwd_config` keeps the device's
+        switches (TMA, half tiles) around them.
     base : str
         The table whose entries this one started from ("" if none); informative.
     notes : str
@@ -88,15 +100,22 @@ class TunedTable:
     fp8_fast: Mapping[tuple, MoEConfig] = field(default_factory=dict)
     base: str = ""
     notes: str = ""
+    backward: Mapping[tuple, Mapping[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key, c in self.entries.items():
             if key[4] and c.block_m != FP8_BLOCK_M:
                 fail(f"entries[{_key_text(key)}].block_m", f"{FP8_BLOCK_M} (fp8 batch invariance)", c.block_m)
+        for key, fields in self.backward.items():
+            _check_backward_entry(f"backward[{_key_text(key)}]", key, fields)
 
     def lookup(self, key: tuple, *, fp8_fast: bool = False) -> MoEConfig | None:
         """The entry of ``key`` (from ``fp8_fast`` for fp8 with ``batch_invariant=False``), or None."""
         return (self.fp8_fast if fp8_fast else self.entries).get(key)
+
+    def lookup_backward(self, key: tuple) -> Mapping[str, int] | None:
+        """The backward's kernel tiles for ``key`` (a :func:`table_key` with ``fp8`` False), or None."""
+        return self.backward.get(key)
 
     def with_entries(
         self, entries: Mapping[tuple, MoEConfig], *, fp8_fast: bool = False, **changes
@@ -111,9 +130,11 @@ class TunedTable:
         def rows(table):
             return {_key_text(k): {f: getattr(c, f) for f in _FIELDS} for k, c in sorted(table.items())}
 
+        backward = {_key_text(k): {f: int(fields[f]) for f in BWD_TILE_FIELDS}
+                    for k, fields in sorted(self.backward.items())}  # fmt: skip
         return {"format": FORMAT, "version": FORMAT_VERSION, "name": self.name, "tuned_on": self.tuned_on,
                 "base": self.base, "notes": self.notes, "entries": rows(self.entries),
-                "fp8_fast": rows(self.fp8_fast)}  # fmt: skip
+                "fp8_fast": rows(self.fp8_fast), "backward": backward}  # fmt: skip
 
     @classmethod
     def from_json(cls, obj: Mapping) -> TunedTable:
@@ -144,7 +165,8 @@ class TunedTable:
 
         text = {k: str(obj.get(k, "")) for k in ("name", "tuned_on", "base", "notes")}
         entries, fast = configs(obj.get("entries"), "entries"), configs(obj.get("fp8_fast"), "fp8_fast")
-        return cls(text["name"], text["tuned_on"], entries, fast, text["base"], text["notes"])
+        backward = {_key_from_text(t): dict(fields) for t, fields in (obj.get("backward") or {}).items()}
+        return cls(text["name"], text["tuned_on"], entries, fast, text["base"], text["notes"], backward)
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -156,6 +178,23 @@ class TunedTable:
         except (OSError, json.JSONDecodeError) as exc:
             fail("path", "a readable tuned-table JSON file", f"{str(path)!r} ({exc})")
         return cls.from_json(obj)
+
+
+def _check_backward_entry(what: str, key: tuple, fields: Mapping) -> None:
+    """A backward entry: fp8 False in its key, exactly :data:`BWD_TILE_FIELDS`, ints in range."""
+    if key[4]:
+        fail(what, "a key with fp8=0 (the training backward is bf16 / fp16 / fp32)", _key_text(key))
+    if not isinstance(fields, Mapping) or set(fields) != set(BWD_TILE_FIELDS):
+        got = sorted(fields) if isinstance(fields, Mapping) else type(fields).__name__
+        fail(what, f"the fields {', '.join(BWD_TILE_FIELDS)}", got)
+    bad = {}
+    for f, v in fields.items():
+        low, high = _BWD_RANGES.get(f, (1, None))
+        out_of_range = v < low or (high is not None and v > high) if type(v) is int else True
+        if out_of_range or (f in _BWD_POW2 and v & (v - 1)):
+            bad[f] = v
+    if bad:
+        fail(what, "ints: tiles and warps powers of two, dw_mode 0-2, dw_progs >= -1, the rest >= 1", bad)
 
 
 _BUILTIN: dict[str, TunedTable] = {}
