@@ -32,10 +32,8 @@ def profile_point(name: str, T: int) -> None:
             for _ in range(3):
                 run()
             torch.cuda.synchronize()
-        rows = sorted(
-            ((ev.device_time_total / 3 / 1e3, ev.key[:70]) for ev in prof.key_averages() if ev.device_time_total),
-            reverse=True,
-        )
+        events = [ev for ev in prof.key_averages() if ev.device_time_total]
+        rows = sorted(((ev.device_time_total / 3 / 1e3, ev.key[:70]) for ev in events), reverse=True)
         print(f"== {name} T={T} {impl}: kernels {sum(t for t, _ in rows):.3f} ms per fwd+bwd")
         for t, key in rows[:12]:
             print(f"   {t:8.3f} ms  {key}")
