@@ -1,16 +1,19 @@
-"""``replaymoe bench tune``: its candidate grid (CPU) and a short sweep on the GPU that writes a table
-the library then reads."""
+"""``replaymoe bench tune``: its candidate grids (CPU), the backward sweep with a stand-in timer in
+Triton's interpreter, and short sweeps on the GPU that write a table the library then reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
 
 from replaymoe.bench import tune as bench_tune
-from replaymoe.moe.configs import FP8_BLOCK_M, moe_config
-from replaymoe.moe.tuned import TunedTable, set_tuned_table, table_for
+from replaymoe.bench import tune_bwd
+from replaymoe.moe.configs import BWD_TILE_FIELDS, FP8_BLOCK_M, moe_bwd_config, moe_config
+from replaymoe.moe.tuned import TunedTable, set_tuned_table, table_for, table_key
 
 QWEN3 = (2048, 768, 128)  # H, I, E (top-8)
 
@@ -45,12 +48,64 @@ def test_candidates_start_with_the_heuristics_and_keep_the_guarantees(T, fp8, fa
         (["--shape", "qwen3", "--fast"], "--fast"),  # bf16 has no fp8_fast entries
         (["--shape", "qwen3", "--min-gain", "1.5"], "--min-gain"),
         (["--shape", "llama"], "--shape"),
+        (["--shape", "qwen3", "--backward", "--dtype", "fp8"], "--backward"),  # fp8 is inference-only
     ],
 )
 def test_bad_options_fail_before_any_work(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_tune.main(argv)
     assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "T, K, E",
+    [
+        (4096, 2, 8),  # Mixtral: long expert segments, 128-row tiles, the dW tile grid
+        (64, 8, 128),  # Qwen3 T=64: 4 rows per expert, 16-row tiles (the dW grid is left out)
+    ],
+)
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer loads"])
+def test_backward_candidates_start_with_the_heuristics(T, K, E, tma):
+    H, I = 4096, 1024  # noqa: E741
+    cands = tune_bwd.backward_candidates(T, K, H, I, E, tma=tma)
+    base = moe_bwd_config(T, K, H, I, E, tma=tma)
+    assert cands[0] == base and len(cands) == len(set(cands)) > 10
+    # every candidate keeps the device's switches and the layout's tile height (the forward's layout)
+    assert all((c.dw_tma, c.gemm_tma, c.block_m) == (base.dw_tma, base.gemm_tma, base.block_m) for c in cands)
+    assert any(c.stages_x != base.stages_x for c in cands) and any(c.group_m != base.group_m for c in cands)
+    assert any(c.dw_progs != base.dw_progs for c in cands) == tma
+
+
+@pytest.mark.interpret
+def test_backward_sweep_keeps_a_confirmed_winner(monkeypatch):
+    # a tiny layer in the interpreter; a stand-in timer makes the dX GEMM in 2 stages 1.5x faster: it is
+    # the sweep's winner, confirmed in alternating rounds, and its kernel tiles become the entry
+    H, I, E, K, T = 64, 32, 4, 2, 5  # noqa: E741
+
+    def fake_time(config, fn, timer=None):
+        fn()  # the configuration runs (and must give the heuristics' bits to be timed at all)
+        return 1.0 if config.stages_x == 2 else 1.5
+
+    monkeypatch.setattr(tune_bwd, "time_config", fake_time)
+    logged = []
+    rows, winners = tune_bwd.tune_backward(
+        "tiny", (H, I, E, K), [T], min_gain=0.02, deadline=math.inf, log=logged.append, device="cpu"
+    )
+    best = dataclasses.replace(moe_bwd_config(T, K, H, I, E), stages_x=2)
+    assert winners == {table_key(H, I, E, K, False, T): {f: getattr(best, f) for f in BWD_TILE_FIELDS}}
+    assert any(r["current"] for r in rows) and all(r["pass"] == "backward" for r in rows)
+    assert any("+50.0%" in line for line in logged)  # the confirmation's median gain
+    table = TunedTable("mine").with_entries(winners, backward=True)
+    assert moe_bwd_config(T, K, H, I, E, table=table) == best
+
+
+@pytest.mark.interpret
+def test_backward_sweep_keeps_the_current_choice_without_a_gain(monkeypatch):
+    monkeypatch.setattr(tune_bwd, "time_config", lambda config, fn, timer=None: (fn(), 1.0)[1])
+    rows, winners = tune_bwd.tune_backward(
+        "tiny", (64, 32, 4, 2), [3], min_gain=0.02, deadline=math.inf, log=lambda _: None, device="cpu"
+    )
+    assert winners == {} and rows
 
 
 @pytest.mark.gpu
@@ -65,5 +120,23 @@ def test_gpu_short_sweep_writes_a_table_the_library_reads(tmp_path):
         assert table.name == "mine" and table.tuned_on == torch.cuda.get_device_name()
         set_tuned_table(tmp_path / "tuned_mine.json")
         assert table_for(torch.device("cuda", 0)) == table
+    finally:
+        set_tuned_table(None)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_sweep_writes_backward_entries(tmp_path):
+    # a short backward sweep (Qwen3, T=64) writes the card's table with its backward section intact
+    try:
+        argv = ["--shape", "qwen3", "--tokens", "64", "--backward", "--max-minutes", "2", "--min-gain", "0",
+                "--name", "mine", "--out", str(tmp_path)]  # fmt: skip
+        assert bench_tune.main(argv) == 0
+        rows = json.loads((tmp_path / "tune.json").read_text())
+        rows = rows["rows"] if isinstance(rows, dict) else rows
+        assert any(r["current"] for r in rows) and all(r["us"] > 0 and r["pass"] == "backward" for r in rows)
+        table = TunedTable.load(tmp_path / "tuned_mine.json")
+        current = table_for(torch.device("cuda", 0))
+        assert table.entries == current.entries  # the forward entries as they were
+        assert set(current.backward) <= set(table.backward)
     finally:
         set_tuned_table(None)

@@ -18,8 +18,11 @@ Use it with ``replaymoe.moe.set_tuned_table(path)``, or copy it over
 One shape fits the 10-minute device limit: each distinct configuration is one Triton compile (seconds),
 so ``--max-minutes`` (default 8) stops the sweep in time, keeping what it measured.
 
+``--backward`` tunes the training backward's kernel tiles instead (bf16; :mod:`replaymoe.bench.tune_bwd`),
+written to the table's ``backward`` section.
+
 Usage: ``replaymoe bench tune --shape qwen3 [--tokens 1,8,64,256,1024,4096,16384] [--dtype bf16|fp8]
-[--fast] [--name h100] [--min-gain 0.02] [--max-minutes 8] [--out DIR]``.
+[--fast] [--backward] [--name h100] [--min-gain 0.02] [--max-minutes 8] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from replaymoe.bench._text import strip_rest
 
 from ._timing import NO_CUDA_EXIT, no_cuda, print_table, time_graph, write_results
+from ._tuning import CONFIRM_ROUNDS, confirm
 from .moe import SHAPES, TOKENS, make_weights, routing_inputs
 
 # direct (decode) mode: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2)
@@ -85,23 +89,6 @@ def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool,
             seen.add(key)
             unique.append(c)
     return unique
-
-
-CONFIRM_ROUNDS = 6
-
-
-def confirm(run, current, best, rounds: int = CONFIRM_ROUNDS) -> float:
-    """The sweep's winner against the current choice again, in ``rounds`` rounds of alternating order
-    (a card's clock drifts with power and heat over a sweep, by 10 % at large T): the median of the
-    paired ratios, minus one (the gain)."""
-    import statistics
-
-    ratios = []
-    for r in range(rounds):
-        pair = (current, best) if r % 2 == 0 else (best, current)
-        t = {c: time_graph(lambda c=c: run(c), warmup_ms=5, rep_ms=20) for c in pair}
-        ratios.append(t[current] / t[best])
-    return statistics.median(ratios) - 1
 
 
 def tune(
@@ -185,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", default="bf16", choices=("bf16", "fp8"), help="weights: bf16 or fp8 block-scale"
     )
     p.add_argument("--fast", action="store_true", help="fp8: tune batch_invariant=False (fp8_fast) entries")
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="tune the training backward's kernel tiles (bf16; the table's backward section) instead",
+    )
     p.add_argument("--name", default=None, help="the table's name (default: the card's current table's)")
     p.add_argument("--min-gain", type=float, default=0.02, help="least gain over the current choice to keep")
     p.add_argument("--max-minutes", type=float, default=8.0, help="time budget of the sweep")
@@ -198,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--tokens: expected a comma list of positive ints, got {a.tokens!r}")
     if a.fast and a.dtype != "fp8":
         p.error("--fast: only with --dtype fp8 (bf16 is batch-invariant in every configuration)")
+    if a.backward and a.dtype != "bf16":
+        p.error("--backward: only with --dtype bf16 (the fp8 block-scale path is inference-only)")
     if not (0 <= a.min_gain < 1) or a.max_minutes <= 0:
         p.error(f"--min-gain in [0, 1) and --max-minutes > 0, got {a.min_gain} and {a.max_minutes}")
     if no_cuda("replaymoe bench tune"):
@@ -209,21 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(dev)
     print(f"card: {device_name}; current table: {current.name} (tuned on {current.tuned_on or 'nothing'})")
     deadline = time.monotonic() + a.max_minutes * 60
-    rows, winners = tune(a.shape, tokens, fp8=a.dtype == "fp8", fast=a.fast, min_gain=a.min_gain,
-                         deadline=deadline)  # fmt: skip
+    if a.backward:
+        from .tune_bwd import tune_backward
+
+        H, I, E, K, _ = SHAPES[a.shape]  # noqa: E741
+        rows, winners = tune_backward(a.shape, (H, I, E, K), tokens, min_gain=a.min_gain, deadline=deadline)
+    else:
+        rows, winners = tune(a.shape, tokens, fp8=a.dtype == "fp8", fast=a.fast, min_gain=a.min_gain,
+                             deadline=deadline)  # fmt: skip
     name = a.name or current.name
-    fast = " --fast" if a.fast else ""
-    note = f"bench tune --shape {a.shape} --tokens {a.tokens} --dtype {a.dtype}{fast} on {device_name}: "
-    note += f"{len(winners)} entries."
+    flags = (" --fast" if a.fast else "") + (" --backward" if a.backward else "")
+    note = f"bench tune --shape {a.shape} --tokens {a.tokens} --dtype {a.dtype}{flags} on {device_name}: "
+    note += f"{len(winners)} {'backward ' if a.backward else ''}entries."
     notes = f"{current.notes} {note}" if current.notes else note
-    table = current.with_entries(winners, fp8_fast=a.fast, name=name, tuned_on=device_name,
-                                 base=current.base or current.name, notes=notes)  # fmt: skip
+    table = current.with_entries(winners, fp8_fast=a.fast, backward=a.backward, name=name,
+                                 tuned_on=device_name, base=current.base or current.name,
+                                 notes=notes)  # fmt: skip
     out = Path(a.out)
     write_results(rows, out, "tune")
     out.mkdir(parents=True, exist_ok=True)
     table.save(out / f"tuned_{name}.json")
     print_table([r for r in rows if r.get("vs_current", 0) >= 1.0 or r["current"]],
-                ["shape", "T", "fp8", "us", "current", "vs_current", "config"])  # fmt: skip
+                ["shape", "T", "fp8", "pass", "us", "current", "vs_current", "config"])  # fmt: skip
     for key, c in winners.items():
         print(f"new entry {key}: {c}")
     print(f"wrote {out / f'tuned_{name}.json'} ({len(winners)} new entries over {current.name})")

@@ -118,10 +118,11 @@ class TunedTable:
         return self.backward.get(key)
 
     def with_entries(
-        self, entries: Mapping[tuple, MoEConfig], *, fp8_fast: bool = False, **changes
+        self, entries: Mapping[tuple, MoEConfig], *, fp8_fast: bool = False, backward: bool = False, **changes
     ) -> TunedTable:
-        """A copy with ``entries`` added (they win over this table's), and other fields changed."""
-        which = "fp8_fast" if fp8_fast else "entries"
+        """A copy with ``entries`` added (they win over this table's; ``backward``: backward entries, kernel
+        tiles per key), and other fields changed."""
+        which = "backward" if backward else "fp8_fast" if fp8_fast else "entries"
         merged = {**getattr(self, which), **entries}
         return dataclasses.replace(self, **{which: merged}, **changes)
 

@@ -1,0 +1,155 @@
+"""The backward half of ``replaymoe bench tune`` (``--backward``): the training backward's kernel tiles.
+
+For each token count of one shape (bf16), one training forward of a routed layer
+(``replaymoe::moe_experts_train``), then the backward (:func:`replaymoe.moe._backward.launch_bwd`) under
+each configuration of :func:`backward_candidates`: the heuristics' first, then one kernel group varied
+at a time (each GEMM's stages and warps, the dA / dX column tiles, the dW tiles and grid, ``group_m``).
+Each must give the heuristics' gradients bit for bit (DESIGN, "Fused MoE": the tiles change time only)
+and is timed as the median of CUDA-graph replays with the L2 flushed (``bench._timing.time_graph``).
+A winner by at least ``--min-gain`` over the configuration the card uses today, in the sweep and again
+in alternating rounds (:func:`replaymoe.bench._tuning.confirm`), becomes the problem's ``backward`` entry
+of the card's table (its kernel tiles, :data:`replaymoe.moe.configs.BWD_TILE_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from ._timing import time_graph
+from ._tuning import confirm
+
+# the dW GEMMs' (bm_w, bn_w, bk_w, warps_w, stages_w) around the heuristics' (Hopper shared memory: 228 KB)
+DW_TILES = [(128, 128, 32, 4, 4), (128, 256, 32, 8, 6), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4),
+            (128, 256, 64, 8, 3)]  # fmt: skip
+
+
+def backward_candidates(T: int, K: int, H: int, I: int, E: int, *, tma: bool) -> list:  # noqa: E741
+    """The backward configurations tried for one problem: the heuristics' first (deduplicated)."""
+    from replaymoe.moe.configs import moe_bwd_config
+
+    base = moe_bwd_config(T, K, H, I, E, tma=tma)
+    R = dataclasses.replace
+    out = [base]
+    for s in (2, 3, 4, 5):
+        out += [R(base, stages_a=s), R(base, stages_x=s)]
+    for w in (4, 8):
+        out += [R(base, warps_a=w), R(base, warps_x=w)]
+    for bn in (128, 256):
+        out += [R(base, bn_a=bn), R(base, bn_x=bn)]
+    for bm, bn, bk, w, s in DW_TILES:
+        if base.block_m >= 64:  # the long-segment tiles; short segments keep the heuristics' small dW tiles
+            out.append(R(base, bm_w=bm, bn_w=bn, bk_w=bk, warps_w=w, stages_w=s, maxnreg_w=0))
+    if base.dw_tma:
+        out += [R(base, dw_progs=p) for p in (0, -1)]
+    out += [R(base, group_m=g) for g in (4, 8, 16)]
+    seen, unique = set(), []
+    for c in out:
+        key = dataclasses.astuple(c)
+        if key not in seen:
+            seen.add(key)
+            unique.append(c)
+    return unique
+
+
+def time_config(config, fn: Callable[[], object], timer: Callable = time_graph) -> float:
+    """µs of one ``fn()`` (which runs ``config``): ``timer(fn)`` on a short budget (a sweep times dozens)."""
+    return timer(fn, warmup_ms=5, rep_ms=20)
+
+
+def _layer(H: int, I: int, E: int, K: int, T: int, device: torch.device, seed: int = 0):  # noqa: E741
+    """bf16 weights, activations and output gradient, distinct random top-K ids and softmax weights."""
+    g = torch.Generator(device=device).manual_seed(seed + T)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=device).mul_(H**-0.5).bfloat16()
+    w2 = torch.randn(E, H, I, generator=g, device=device).mul_(I**-0.5).bfloat16()
+    x = torch.randn(T, H, generator=g, device=device).bfloat16()
+    dout = torch.randn(T, H, generator=g, device=device).bfloat16()
+    logits = torch.randn(T, E, generator=g, device=device)
+    vals, ids = logits.topk(K, dim=1)
+    return w13, w2, x, dout, ids.to(torch.int32), torch.softmax(vals, dim=1)
+
+
+def tune_backward(
+    shape: str,
+    dims: tuple[int, int, int, int],
+    tokens: list[int],
+    *,
+    min_gain: float,
+    deadline: float,
+    log=print,
+    device: str | torch.device = "cuda",
+):
+    """Sweep :func:`backward_candidates` for every T of a layer ``dims`` = (H, I, E, K) named ``shape``;
+    returns (rows, winners {table key: the winner's kernel tiles})."""
+    from replaymoe.moe._backward import launch_bwd
+    from replaymoe.moe.configs import (
+        BWD_TILE_FIELDS,
+        config_tuple,
+        dw_tma_ok,
+        moe_bwd_config,
+        moe_config,
+        tma_ok,
+    )
+    from replaymoe.moe.tuned import table_for, table_key
+
+    H, I, E, K = dims  # noqa: E741
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    table = table_for(dev)
+    tma = dw_tma_ok(dev, torch.bfloat16)
+    rows, winners = [], {}
+    for T in tokens:
+        if time.monotonic() > deadline:
+            log(f"time budget spent: T={T} and later not tuned")
+            break
+        w13, w2, x, dout, ids, wts = _layer(H, I, E, K, T, dev)
+        c_fwd = moe_config(T, K, H, I, E, tma=tma_ok(dev, torch.bfloat16), table=table)
+        _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, 0, config_tuple(c_fwd), False)
+
+        def run(c, x=x, w13=w13, w2=w2, ids=ids, wts=wts, dout=dout, saved=saved):
+            return launch_bwd(dout, x, w13, w2, ids, wts, saved, 0, False, [True] * 4, c)
+
+        current = moe_bwd_config(T, K, H, I, E, tma=tma, table=table)
+        cands = backward_candidates(T, K, H, I, E, tma=tma)
+        heuristic = cands[0]
+        ref = run(heuristic)
+        if current not in cands:
+            cands.insert(0, current)
+        timed = {}
+        for i, c in enumerate(cands):
+            if time.monotonic() > deadline:
+                log(f"time budget spent at T={T}: {len(cands) - i} candidates not timed")
+                break
+            try:
+                got = run(c)
+                if not all(torch.equal(a, b) for a, b in zip(got, ref)):  # the tiles change time only
+                    log(f"T={T} {c}: not the heuristics' gradient bits: skipped")
+                    continue
+                del got
+                timed[c] = time_config(c, lambda c=c: run(c))
+            except Exception as exc:  # noqa: BLE001 (shared memory over the card's limit, ...)
+                log(f"T={T} {c}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            rows.append({"shape": shape, "T": T, "pass": "backward", "us": timed[c], "current": c == current,
+                         "heuristic": c == heuristic, "config": str(c)})  # fmt: skip
+        if current not in timed:
+            continue
+        best = min(timed, key=timed.get)
+        gain = timed[current] / timed[best] - 1
+        for r in rows:
+            if r["T"] == T:
+                r["vs_current"] = timed[current] / r["us"]
+        verdict = "the current choice stays"
+        if best != current and gain >= min_gain:
+            confirmed = confirm(run, current, best, timer=time_config)
+            verdict = f"{confirmed:+.1%} in alternating rounds"
+            if confirmed >= min_gain:
+                winners[table_key(H, I, E, K, False, T)] = {f: int(getattr(best, f)) for f in BWD_TILE_FIELDS}
+        log(f"{shape} T={T} backward: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
+            f"({gain:+.1%} in the sweep; {verdict}) of {len(timed)} timed")  # fmt: skip
+        del saved, ref
+    return rows, winners
