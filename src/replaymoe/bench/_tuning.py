@@ -1,6 +1,10 @@
-"""What the forward and backward sweeps of ``replaymoe bench tune`` share: the confirmation of a winner."""
+"""What the forward and backward sweeps of ``replaymoe bench tune`` share: timing one token count's
+candidates (:func:`sweep`) and confirming a winner (:func:`confirm`)."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from ._timing import time_graph
 
@@ -23,3 +27,60 @@ def confirm(run, current, best, rounds: int = CONFIRM_ROUNDS, *, timer=_time_con
         t = {c: timer(c, lambda c=c: run(c)) for c in pair}
         ratios.append(t[current] / t[best])
     return statistics.median(ratios) - 1
+
+
+def sweep(
+    T: int,
+    cands: list,
+    current,
+    heuristic,
+    run: Callable,
+    check: Callable,
+    row: Callable,
+    *,
+    min_gain: float,
+    deadline: float,
+    log: Callable,
+    label: str,
+    timer: Callable = _time_config,
+):
+    """Time ``cands`` (``run(c)`` runs one) at one token count; returns (rows, winner or None).
+
+    ``check(run(c))`` gives a reason to skip a candidate (wrong bits) or None; ``row(c)`` the row's own
+    fields (shape, T, ...), to which each timed candidate adds ``us``, ``current``, ``heuristic``,
+    ``config`` and ``vs_current``. The winner is the fastest, where it beats ``current`` by at least
+    ``min_gain`` in the sweep and again in :func:`confirm`'s alternating rounds. A candidate that fails
+    (shared memory over the card's limit, ...) is logged and skipped; past ``deadline``
+    (``time.monotonic()``) the rest are not timed.
+    """
+    rows, timed = [], {}
+    for i, c in enumerate(cands):
+        if time.monotonic() > deadline:
+            log(f"time budget spent at T={T}: {len(cands) - i} candidates not timed")
+            break
+        try:
+            reason = check(run(c))
+            if reason is not None:
+                log(f"T={T} {c}: {reason}: skipped")
+                continue
+            timed[c] = timer(c, lambda c=c: run(c))
+        except Exception as exc:  # noqa: BLE001 (shared memory over the card's limit, ...)
+            log(f"T={T} {c}: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        rows.append({**row(c), "us": timed[c], "current": c == current, "heuristic": c == heuristic,
+                     "config": str(c)})  # fmt: skip
+    if current not in timed:
+        return rows, None
+    best = min(timed, key=timed.get)
+    gain = timed[current] / timed[best] - 1
+    for r in rows:
+        r["vs_current"] = timed[current] / r["us"]
+    verdict, winner = "the current choice stays", None
+    if best != current and gain >= min_gain:  # confirm against the clock's drift (power, heat)
+        confirmed = confirm(run, current, best, timer=timer)
+        verdict = f"{confirmed:+.1%} in {CONFIRM_ROUNDS} alternating rounds"
+        if confirmed >= min_gain:
+            winner = best
+    log(f"{label} T={T}: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
+        f"({gain:+.1%} in the sweep; {verdict}) of {len(timed)} timed")  # fmt: skip
+    return rows, winner

@@ -28,7 +28,6 @@ Usage: ``replaymoe bench tune --shape qwen3 [--tokens 1,8,64,256,1024,4096,16384
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
@@ -36,8 +35,8 @@ import torch
 
 from replaymoe.bench._text import strip_rest
 
-from ._timing import NO_CUDA_EXIT, no_cuda, print_table, time_graph, write_results
-from ._tuning import CONFIRM_ROUNDS, confirm
+from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
+from ._tuning import sweep
 from .moe import SHAPES, TOKENS, make_weights, routing_inputs
 
 # direct (decode) mode: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2)
@@ -82,13 +81,7 @@ def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool,
             if fp8 and (g[1] != 128 or g[5] != 128):
                 g = (g[0], 128, g[2], min(g[3], 4), g[4], 128, g[6], min(g[7], 4), g[8])
             out.append(MoEConfig(False, bm, *g[:8], group_m=g[8], tma=tma and not fp8 and bm >= 64))
-    seen, unique = set(), []
-    for c in out:
-        key = dataclasses.astuple(c)
-        if key not in seen:
-            seen.add(key)
-            unique.append(c)
-    return unique
+    return list(dict.fromkeys(out))  # without repeats, in order (configurations compare by value)
 
 
 def tune(
@@ -124,43 +117,24 @@ def tune(
         exact = not fast
         if current not in cands:
             cands.insert(0, current)
-        timed = {}
-        for i, c in enumerate(cands):
-            if time.monotonic() > deadline:
-                log(f"time budget spent at T={T}: {len(cands) - i} candidates not timed")
-                break
-            try:
-                y = run(c).float()
-                if exact and not torch.equal(y, ref):  # every configuration gives the same bits (DESIGN)
-                    err = ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                    log(f"T={T} {c}: not the heuristics' bits (rel. error {err:.2e}): skipped")
-                    continue
-                if not exact:
-                    err = ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                    if not err < 2e-2:  # a wrong configuration (or NaN) never wins
-                        log(f"T={T} {c}: rel. error {err:.2e} against the heuristics' output: skipped")
-                        continue
-                timed[c] = time_graph(lambda c=c: run(c), warmup_ms=5, rep_ms=20)
-            except Exception as exc:  # noqa: BLE001 (shared memory over the card's limit, ...)
-                log(f"T={T} {c}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            rows.append({"shape": shape, "T": T, "fp8": fp8, "fast": fast, "us": timed[c],
-                         "current": c == current, "heuristic": c == heuristic, "config": str(c)})  # fmt: skip
-        if current not in timed or not timed:
-            continue
-        best = min(timed, key=timed.get)
-        gain = timed[current] / timed[best] - 1
-        for r in rows:
-            if r["T"] == T:
-                r["vs_current"] = timed[current] / r["us"]
-        verdict = "the current choice stays"
-        if best != current and gain >= min_gain:  # confirm against the clock's drift (power, heat)
-            confirmed = confirm(lambda c: run(c), current, best)
-            verdict = f"{confirmed:+.1%} in {CONFIRM_ROUNDS} alternating rounds"
-            if confirmed >= min_gain:
-                winners[table_key(H, I, E, K, fp8, T)] = best
-        log(f"{shape} T={T} fp8={fp8}: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
-            f"({gain:+.1%} in the sweep; {verdict}) of {len(timed)} timed")  # fmt: skip
+
+        def check(y, ref=ref, exact=exact):
+            y = y.float()
+            if exact and torch.equal(y, ref):  # every configuration gives the same bits (DESIGN)
+                return None
+            err = ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if exact:
+                return f"not the heuristics' bits (rel. error {err:.2e})"
+            # fp8 --fast: a wrong configuration (or NaN) never wins
+            return None if err < 2e-2 else f"rel. error {err:.2e} against the heuristics' output"
+
+        point_rows, best = sweep(T, cands, current, heuristic, run, check,
+                                 lambda c, T=T: {"shape": shape, "T": T, "fp8": fp8, "fast": fast},
+                                 min_gain=min_gain, deadline=deadline, log=log,
+                                 label=f"{shape} fp8={fp8}")  # fmt: skip
+        rows += point_rows
+        if best is not None:
+            winners[table_key(H, I, E, K, fp8, T)] = best
     return rows, winners
 
 

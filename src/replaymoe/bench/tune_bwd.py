@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ._timing import time_graph
-from ._tuning import confirm
+from ._tuning import sweep
 
 # the dW GEMMs' (bm_w, bn_w, bk_w, warps_w, stages_w) around the heuristics' (Hopper shared memory: 228 KB)
 DW_TILES = [(128, 128, 32, 4, 4), (128, 256, 32, 8, 6), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4),
@@ -46,13 +46,7 @@ def backward_candidates(T: int, K: int, H: int, I: int, E: int, *, tma: bool) ->
     if base.dw_tma:
         out += [R(base, dw_progs=p) for p in (0, -1)]
     out += [R(base, group_m=g) for g in (4, 8, 16)]
-    seen, unique = set(), []
-    for c in out:
-        key = dataclasses.astuple(c)
-        if key not in seen:
-            seen.add(key)
-            unique.append(c)
-    return unique
+    return list(dict.fromkeys(out))  # without repeats, in order (configurations compare by value)
 
 
 def time_config(config, fn: Callable[[], object], timer: Callable = time_graph) -> float:
@@ -119,37 +113,20 @@ def tune_backward(
         ref = run(heuristic)
         if current not in cands:
             cands.insert(0, current)
-        timed = {}
-        for i, c in enumerate(cands):
-            if time.monotonic() > deadline:
-                log(f"time budget spent at T={T}: {len(cands) - i} candidates not timed")
-                break
-            try:
-                got = run(c)
-                if not all(torch.equal(a, b) for a, b in zip(got, ref)):  # the tiles change time only
-                    log(f"T={T} {c}: not the heuristics' gradient bits: skipped")
-                    continue
-                del got
-                timed[c] = time_config(c, lambda c=c: run(c))
-            except Exception as exc:  # noqa: BLE001 (shared memory over the card's limit, ...)
-                log(f"T={T} {c}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            rows.append({"shape": shape, "T": T, "pass": "backward", "us": timed[c], "current": c == current,
-                         "heuristic": c == heuristic, "config": str(c)})  # fmt: skip
-        if current not in timed:
-            continue
-        best = min(timed, key=timed.get)
-        gain = timed[current] / timed[best] - 1
-        for r in rows:
-            if r["T"] == T:
-                r["vs_current"] = timed[current] / r["us"]
-        verdict = "the current choice stays"
-        if best != current and gain >= min_gain:
-            confirmed = confirm(run, current, best, timer=time_config)
-            verdict = f"{confirmed:+.1%} in alternating rounds"
-            if confirmed >= min_gain:
-                winners[table_key(H, I, E, K, False, T)] = {f: int(getattr(best, f)) for f in BWD_TILE_FIELDS}
-        log(f"{shape} T={T} backward: current {timed[current]:.1f} us, best {timed[best]:.1f} us "
-            f"({gain:+.1%} in the sweep; {verdict}) of {len(timed)} timed")  # fmt: skip
+
+        def check(got, ref=ref):  # the tiles change time only
+            return (
+                None
+                if all(torch.equal(a, b) for a, b in zip(got, ref))
+                else "not the heuristics' gradient bits"
+            )
+
+        point_rows, best = sweep(T, cands, current, heuristic, run, check,
+                                 lambda c, T=T: {"shape": shape, "T": T, "pass": "backward"},
+                                 min_gain=min_gain, deadline=deadline, log=log, label=f"{shape} backward",
+                                 timer=time_config)  # fmt: skip
+        rows += point_rows
+        if best is not None:
+            winners[table_key(H, I, E, K, False, T)] = {f: int(getattr(best, f)) for f in BWD_TILE_FIELDS}
         del saved, ref
     return rows, winners
