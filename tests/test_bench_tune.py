@@ -100,6 +100,24 @@ def test_backward_sweep_keeps_a_confirmed_winner(monkeypatch):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("gain, kept", [(0.5, True), (0.01, False)], ids=["a gain", "below --min-gain"])
+def test_forward_sweep_keeps_a_confirmed_winner(gain, kept, monkeypatch):
+    # a tiny layer in the interpreter, two candidates of the same tiles (the same bits there): the second
+    # one, timed faster by a stand-in timer, becomes the entry where it gains at least min_gain
+    from replaymoe.bench import _tuning
+
+    H, I, E, K, T = 64, 32, 4, 2, 5  # noqa: E741
+    base = moe_config(T, K, H, I, E)
+    other = dataclasses.replace(base, stages1=base.stages1 + 1)
+    monkeypatch.setattr(bench_tune, "candidates", lambda *a, **k: [base, other])
+    monkeypatch.setattr(_tuning, "_time_config", lambda c, fn: (fn(), 1.0 if c == other else 1.0 + gain)[1])
+    rows, winners = bench_tune.tune("tiny", [T], fp8=False, fast=False, min_gain=0.02, deadline=math.inf,
+                                    log=lambda _: None, device="cpu", dims=(H, I, E, K))  # fmt: skip
+    assert winners == ({table_key(H, I, E, K, False, T): other} if kept else {})
+    assert [r["current"] for r in rows] == [True, False] and rows[1]["vs_current"] == pytest.approx(1 + gain)
+
+
+@pytest.mark.interpret
 def test_backward_sweep_keeps_the_current_choice_without_a_gain(monkeypatch):
     monkeypatch.setattr(tune_bwd, "time_config", lambda config, fn, timer=None: (fn(), 1.0)[1])
     rows, winners = tune_bwd.tune_backward(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from ._timing import time_graph
 
 CONFIRM_ROUNDS = 6
@@ -15,12 +17,20 @@ def _time_config(config, fn) -> float:
     return time_graph(fn, warmup_ms=5, rep_ms=20)
 
 
-def confirm(run, current, best, rounds: int = CONFIRM_ROUNDS, *, timer=_time_config) -> float:
+def random_routing(T: int, E: int, K: int, device, seed: int = 1):
+    """``(ids int32 [T, K], weights fp32 [T, K])``: the top-K of random logits and their softmax."""
+    g = torch.Generator(device=device).manual_seed(seed + T)
+    vals, ids = torch.randn(T, E, generator=g, device=device).topk(K, dim=1)
+    return ids.to(torch.int32), torch.softmax(vals, dim=1)
+
+
+def confirm(run, current, best, rounds: int = CONFIRM_ROUNDS, *, timer=None) -> float:
     """The sweep's winner against the current choice again, in ``rounds`` rounds of alternating order
     (a card's clock drifts with power and heat over a sweep, by 10 % at large T): the median of the
     paired ratios, minus one (the gain). ``timer(config, fn)``: µs of one ``fn()`` running ``config``."""
     import statistics
 
+    timer = timer or _time_config
     ratios = []
     for r in range(rounds):
         pair = (current, best) if r % 2 == 0 else (best, current)
@@ -42,7 +52,7 @@ def sweep(
     deadline: float,
     log: Callable,
     label: str,
-    timer: Callable = _time_config,
+    timer: Callable | None = None,
 ):
     """Time ``cands`` (``run(c)`` runs one) at one token count; returns (rows, winner or None).
 
@@ -51,8 +61,10 @@ def sweep(
     ``config`` and ``vs_current``. The winner is the fastest, where it beats ``current`` by at least
     ``min_gain`` in the sweep and again in :func:`confirm`'s alternating rounds. A candidate that fails
     (shared memory over the card's limit, ...) is logged and skipped; past ``deadline``
-    (``time.monotonic()``) the rest are not timed.
+    (``time.monotonic()``) the rest are not timed. ``timer(config, fn)``: µs of one ``fn()`` (default: a
+    short CUDA-graph timing, :func:`replaymoe.bench._timing.time_graph`).
     """
+    timer = timer or _time_config
     rows, timed = [], {}
     for i, c in enumerate(cands):
         if time.monotonic() > deadline:

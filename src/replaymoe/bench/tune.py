@@ -36,7 +36,7 @@ import torch
 from replaymoe.bench._text import strip_rest
 
 from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
-from ._tuning import sweep
+from ._tuning import random_routing, sweep
 from .moe import SHAPES, TOKENS, make_weights, routing_inputs
 
 # direct (decode) mode: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2)
@@ -85,25 +85,40 @@ def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool,
 
 
 def tune(
-    shape: str, tokens: list[int], *, fp8: bool, fast: bool, min_gain: float, deadline: float, log=print
+    shape: str,
+    tokens: list[int],
+    *,
+    fp8: bool,
+    fast: bool,
+    min_gain: float,
+    deadline: float,
+    log=print,
+    device: str | torch.device = "cuda",
+    dims: tuple[int, int, int, int] | None = None,
 ):
-    """Sweep ``candidates`` for every T of ``shape``; returns (rows, winners {table key: MoEConfig})."""
+    """Sweep ``candidates`` for every T of ``shape``; returns (rows, winners {table key: MoEConfig}).
+    ``dims`` = (H, I, E, K): another layer than the bench's ``shape`` (random top-K routing)."""
     from replaymoe.moe._forward import experts_triton
     from replaymoe.moe.configs import moe_config, tma_ok
     from replaymoe.moe.tuned import table_for, table_key
 
-    H, I, E, K, _ = SHAPES[shape]  # noqa: E741
-    dev = torch.device("cuda", torch.cuda.current_device())
+    H, I, E, K = SHAPES[shape][:4] if dims is None else dims  # noqa: E741
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     current_table = table_for(dev)
     tma = tma_ok(dev, torch.bfloat16)
-    w13, w2, s13, s2 = make_weights(H, I, E, fp8=fp8)
+    w13, w2, s13, s2 = make_weights(H, I, E, fp8=fp8, device=dev)
     rows, winners = [], {}
     for T in tokens:
         if time.monotonic() > deadline:
             log(f"time budget spent: T={T} and later not tuned")
             break
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        *_, ids, wts = routing_inputs(shape, T)
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        if dims is None:
+            *_, ids, wts = routing_inputs(shape, T, device=dev)
+        else:
+            ids, wts = random_routing(T, E, K, dev)
 
         def run(c, x=x, ids=ids, wts=wts):
             return experts_triton(x, w13, w2, ids, wts, w13_scale=s13, w2_scale=s2, local_expert_offset=0,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ._timing import time_graph
-from ._tuning import sweep
+from ._tuning import random_routing, sweep
 
 # the dW GEMMs' (bm_w, bn_w, bk_w, warps_w, stages_w) around the heuristics' (Hopper shared memory: 228 KB)
 DW_TILES = [(128, 128, 32, 4, 4), (128, 256, 32, 8, 6), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4),
@@ -61,9 +61,7 @@ def _layer(H: int, I: int, E: int, K: int, T: int, device: torch.device, seed: i
     w2 = torch.randn(E, H, I, generator=g, device=device).mul_(I**-0.5).bfloat16()
     x = torch.randn(T, H, generator=g, device=device).bfloat16()
     dout = torch.randn(T, H, generator=g, device=device).bfloat16()
-    logits = torch.randn(T, E, generator=g, device=device)
-    vals, ids = logits.topk(K, dim=1)
-    return w13, w2, x, dout, ids.to(torch.int32), torch.softmax(vals, dim=1)
+    return (w13, w2, x, dout, *random_routing(T, E, K, device, seed))
 
 
 def tune_backward(
