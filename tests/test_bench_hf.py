@@ -125,6 +125,7 @@ def test_bench_train_hf_rows_record_checkpointing_and_replay(replay, monkeypatch
     assert all(r["checkpointing"] is True for r in rows)
     assert [r["replay"] for r in rows] == [False, replay] + ([] if replay else [True])
     assert all(np.isfinite(r["loss"]) for r in rows)
+    assert all(r["host_ms"] > 0 for r in rows)  # the host's time to issue a step (the CPU: the step)
 
 
 def test_bench_train_hf_rows_compiled_replay(monkeypatch):

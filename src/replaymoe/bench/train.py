@@ -35,7 +35,9 @@ steps every HF row through ``torch.compile(model, backend=BACKEND)`` (default in
 implementation, enabled once and compiled by its first step (``compile_s``). Every HF row also records
 ``device_ms``, the GPU's busy time per step (the sum of its kernel times under the torch profiler), and
 ``device_speedup`` = grouped_mm's ``device_ms`` / the row's: what a host fast enough to keep the GPU busy
-would time (the eager step at 4096 tokens is bound by the host; docs/TUNING.md), and ``held_gib``, the
+would time (the eager step at 4096 tokens is bound by the host; docs/TUNING.md), ``host_ms``, the host's
+time to issue one step with the device idle at its start (about ``fwdbwd_ms`` where the host bounds the
+step, below it where the device does), and ``held_gib``, the
 memory the forward allocated and still holds when the backward starts (activations; with checkpointing,
 what the checkpoints keep). The step passes
 ``use_cache=False``, as trainers do.
@@ -302,6 +304,7 @@ def _hf_rows(
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     losses: dict[str, float] = {}
     device_ms: dict[str, float] = {}
+    host_ms: dict[str, float] = {}
     for r in range(rounds):
         for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
             if not compile:
@@ -315,6 +318,8 @@ def _hf_rows(
                 # implementation grow the caching allocator's segments (cudaMalloc, synchronous); the
                 # figure is the steady state of a training loop
                 times[impl].append(time_eager(run, warmup_ms=HF_WARMUP_MS, rep_ms=HF_REP_MS) / 1e3)
+                if r == rounds - 1:
+                    host_ms[impl] = _host_ms(run, cuda=device == "cuda")
                 if r == rounds - 1 and device == "cuda":
                     device_ms[impl] = _device_ms(run)
                     measuring[0] = impl
@@ -338,6 +343,8 @@ def _hf_rows(
                "compiled": compile or "", "fwdbwd_ms_rounds": times[impl]}  # fmt: skip
         if compile:
             row["compile_s"] = compile_s[impl]
+        if impl in host_ms:
+            row["host_ms"] = host_ms[impl]
         if impl in device_ms:
             row["device_ms"] = device_ms[impl]
         if impl in held:
@@ -349,6 +356,25 @@ def _hf_rows(
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def _host_ms(run, steps: int = 5, *, cuda: bool = True) -> float:
+    """The host's time to issue one ``run()`` in ms: from the call to its return, the device idle at the
+    call (a synchronize before each, none inside), median of ``steps``. Next to ``fwdbwd_ms``: a step whose
+    host time is about its wall time is bound by the host; one whose host time is well below it, by the
+    device (any host synchronization inside the step counts as host time)."""
+    import statistics
+
+    times = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def _device_ms(run, steps: int = 3) -> float:
@@ -427,9 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     write_results(rows, a.out, "train")
     cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
-            "peak_vs_grouped_mm", "tokens_per_s", "device_ms", "device_speedup", "held_gib", "checkpointing",
-            "replay", "compiled", "err_dx", "err_dw13",
-            "bitwise_repeatable"]  # fmt: skip
+            "peak_vs_grouped_mm", "tokens_per_s", "host_ms", "device_ms", "device_speedup", "held_gib",
+            "checkpointing", "replay", "compiled", "err_dx", "err_dw13", "bitwise_repeatable"]  # fmt: skip
     print_table(rows, cols)
     return 0
 
