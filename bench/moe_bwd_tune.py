@@ -7,8 +7,9 @@ Routing given (random top-k), bf16, one training forward; then, for the configur
 (``heuristics``) and each variant around the heuristics, one line per (shape, T, variant) with the summed
 device time of the backward's kernels and each kernel's (torch profiler, mean of 4 backwards) and the
 relative error of its gradients against the first configuration's (0 where the variant keeps the bits).
-``--vary groups`` (default) changes one kernel group at a time (dA, dX, dW, group_m); ``--vary dx`` only
-the dX GEMM's stages (the backward entries of ``src/replaymoe/moe/tables/h100.json`` came from it,
+``--vary groups`` (default) times the candidates of ``replaymoe bench tune --backward`` (one kernel
+group varied at a time: each GEMM's stages and warps, dA / dX column tiles, dW tiles and grid,
+group_m); ``--vary dx`` only the dX GEMM's stages (the backward entries of ``src/replaymoe/moe/tables/h100.json`` came from it,
 bench/moe_notes.md, session 20). Writes ``$OUT/bwd_tune.txt``.
 """
 
@@ -22,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import replaymoe.moe.configs as M
 from replaymoe.bench.train import SHAPES, layer_inputs, layer_weights
+from replaymoe.bench.tune_bwd import backward_candidates
 from replaymoe.moe._backward import launch_bwd
 from replaymoe.moe.tuned import table_for
 
@@ -30,22 +32,17 @@ KERNELS = ("bwd_da", "bwd_swiglu", "bwd_dx", "bwd_dw", "gather", "reduce", "gemm
 R = dataclasses.replace
 
 
-def variants(c0: M.MoEBwdConfig, vary: str) -> list[tuple[str, M.MoEBwdConfig]]:
-    """(name, configuration) around ``c0``, one kernel group varied at a time."""
-    out = []
+def variants(c0: M.MoEBwdConfig, vary: str, T: int, K: int, H: int, I: int, E: int, tma: bool):  # noqa: E741
+    """(name, configuration) around the heuristics ``c0``: ``dx`` the dX GEMM's stages; ``groups`` the
+    candidates of ``replaymoe bench tune --backward`` (one kernel group varied at a time), each named by
+    the fields it changes."""
     if vary == "dx":
         return [(f"dX stages {s}", R(c0, stages_x=s)) for s in (2, 3, 4, 5) if s != c0.stages_x]
-    gemm = [(256, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (256, 32, 8, 6)]
-    for bn, bk, w, s in gemm:
-        out.append((f"dA {bn}x{bk} w{w} s{s}", R(c0, bn_a=bn, bk_a=bk, warps_a=w, stages_a=s)))
-    for bn, bk, w, s in gemm:
-        out.append((f"dX {bn}x{bk} w{w} s{s}", R(c0, bn_x=bn, bk_x=bk, warps_x=w, stages_x=s)))
-    dw = [(128, 256, 32, 8, 6, 0, 0), (128, 256, 64, 8, 3, -1, 0), (128, 128, 32, 4, 6, -1, 168),
-          (256, 128, 32, 8, 6, -1, 0), (128, 256, 32, 8, 4, -1, 0), (128, 128, 64, 8, 4, -1, 0)]  # fmt: skip
-    for bm, bn, bk, w, s, p, r in dw:
-        name = f"dW {bm}x{bn}x{bk} w{w} s{s} progs{p} maxnreg{r}"
-        out.append((name, R(c0, bm_w=bm, bn_w=bn, bk_w=bk, warps_w=w, stages_w=s, dw_progs=p, maxnreg_w=r)))
-    return out + [(f"group_m {g}", R(c0, group_m=g)) for g in (4, 16)]
+    out = []
+    for c in backward_candidates(T, K, H, I, E, tma=tma)[1:]:
+        changed = [f"{f}={getattr(c, f)}" for f in M.BWD_TILE_FIELDS if getattr(c, f) != getattr(c0, f)]
+        out.append((" ".join(changed), c))
+    return out
 
 
 def time_backward(args: tuple, cfg: M.MoEBwdConfig, ref):
@@ -97,7 +94,8 @@ def main(argv: list[str]) -> None:
         say(f"{pt} table {table_for(x.device).name}: {card}")
         ref = None
         args = (dout, x, w13, w2, ids, wts, saved)
-        for vname, cfg in [("table", card), ("heuristics", heur)] + variants(heur, a.vary):
+        around = variants(heur, a.vary, T, K, H, I, E, tma)
+        for vname, cfg in [("table", card), ("heuristics", heur)] + around:
             try:
                 ref, per, err = time_backward(args, cfg, ref)
             except Exception as exc:  # a variant may not fit (shared memory)
