@@ -9,8 +9,9 @@ device time of the backward's kernels and each kernel's (torch profiler, mean of
 relative error of its gradients against the first configuration's (0 where the variant keeps the bits).
 ``--vary groups`` (default) times the candidates of ``replaymoe bench tune --backward`` (one kernel
 group varied at a time: each GEMM's stages and warps, dA / dX column tiles, dW tiles and grid,
-group_m); ``--vary dx`` only the dX GEMM's stages (the backward entries of ``src/replaymoe/moe/tables/h100.json`` came from it,
-bench/moe_notes.md, session 20). Writes ``$OUT/bwd_tune.txt``.
+group_m); ``--vary dx`` only the dX GEMM's stages (the backward entries of
+``src/replaymoe/moe/tables/h100.json`` came from it, bench/moe_notes.md, session 20).
+Writes ``$OUT/bwd_tune.txt``.
 """
 
 import argparse
