@@ -24,7 +24,9 @@ max over ranks, as ``replaymoe bench ep``; per-rank medians go to the JSON):
   in the same peer order); ``rot`` = each rank starts at the peer after itself (a permutation per
   step: no incast); ``ilv`` = tiles interleaved over the peers (every program cycles through all
   peers); ``ilv+live`` = ``ilv`` with the loop bounded by the largest count (no iterations over rows
-  past the counts). Each variant is checked once against the library's rows (``ok`` column).
+  past the counts); ``_pf`` = the next tile loaded before this tile's stores (two tiles in flight per
+  program), ``_ttN`` = N rows per tile, ``_w32`` = 32 warps. Each variant is checked once against the
+  library's rows (``ok`` column). ``--send-variants`` / ``--reduce-variants`` choose which run.
 
 Phase timing uses internals (kept to the minimum, marked ``# internal``): the transport's
 ``combine`` (the send launch) and ``receive.combine_reduce`` (the reduce launch), which are the two
@@ -76,22 +78,59 @@ from replaymoe.ep._kernel import _pick  # noqa: E402  (the library's peer-pointe
 from replaymoe.ep.packing import row_tiling  # noqa: E402
 from replaymoe.ep.receive import combine_reduce  # noqa: E402
 
-VARIANTS = {"lib": (0, False), "rot": (1, False), "ilv": (2, False), "ilv+live": (2, True)}
+# name -> (row order, loop bounded by the largest count, prefetch the next tile, rows per tile, warps (None:
+# the library's)); lib / rot were the session-18 comparison (the library now runs ilv's order)
+VARIANTS = {
+    "lib": (0, False, False, None, None),
+    "rot": (1, False, False, None, None),
+    "ilv": (2, False, False, None, None),
+    "ilv+live": (2, True, False, None, None),
+    "ilv_pf": (2, False, True, None, None),
+    "ilv_tt8": (2, False, False, 8, None),
+    "ilv_tt8_w32": (2, False, False, 8, 32),
+    "ilv_pf_tt2": (2, False, True, 2, None),
+    "ilv_pf_tt8": (2, False, True, 8, None),
+    "ilv_pf_w32": (2, False, True, None, 32),
+}
+SEND_VARIANTS_DEFAULT = "ilv,ilv_pf,ilv_tt8,ilv_tt8_w32,ilv_pf_tt2,ilv_pf_tt8,ilv_pf_w32"
 
 
 # ----------------------------------------------------------------------------------------------
 # the send with another row order (probe only; the library's kernel is untouched)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _send_item(k, src_ptr, counts_ptr, rows, ntj, stride_src_block, stride_src_row, cm,
+               EP: tl.constexpr, RANK: tl.constexpr, TT: tl.constexpr, ORDER: tl.constexpr):  # fmt: skip
+    """Work item ``k``: its peer ``s``, its rows ``j`` [TT] and the tile's source offsets / mask."""
+    if ORDER == 2:
+        q = k % (EP - 1)
+        jt = k // (EP - 1)
+    else:
+        q = k // ntj
+        jt = k % ntj
+    if ORDER == 1:
+        s = (RANK + 1 + q) % EP
+    else:
+        s = q + (q >= RANK).to(tl.int32)
+    j = (jt * TT + tl.arange(0, TT)).to(tl.int64)
+    cnt = tl.load(counts_ptr + s)
+    m = ((j < rows) & (j < cnt))[:, None] & cm[None, :]
+    off = s.to(tl.int64) * stride_src_block + j[:, None] * stride_src_row
+    return s, j, m, off
+
+
+@triton.jit
 def probe_send_kernel(src_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, rows, n_cols, stride_src_block,
                       stride_src_row, dst_offset, stride_dst_row, EP: tl.constexpr, EP_P2: tl.constexpr,
                       RANK: tl.constexpr, NB: tl.constexpr, TT: tl.constexpr, ORDER: tl.constexpr,
-                      LIVE: tl.constexpr):  # fmt: skip
+                      LIVE: tl.constexpr, PF: tl.constexpr):  # fmt: skip
     """Row ``[s, j]`` (``j < counts[s]``, ``s != RANK``) of ``src`` to ``p_s`` at
     ``dst_offset + j * stride_dst_row``.
     Work item ``k`` = (peer index ``q`` in ``[0, EP-1)``, row tile ``jt``); ORDER 0: ``q``-major, peers in
     rank order (the library's order when ``rows % TT == 0``); 1: ``q``-major, peer ``(RANK + 1 + q) % EP``;
-    2: ``jt``-major (consecutive items go to different peers). LIVE: ``jt`` only up to the largest count."""
+    2: ``jt``-major (consecutive items go to different peers). LIVE: ``jt`` only up to the largest count.
+    PF: the next item's tile is loaded before this one's stores (two tiles in registers), so its load
+    latency overlaps the stores' drain."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.program_id(1) * NB + tl.arange(0, NB)
@@ -102,35 +141,47 @@ def probe_send_kernel(src_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, rows,
         ntj = (tl.max(c, axis=0) + TT - 1) // TT
     else:
         ntj = (rows + TT - 1) // TT
-    for k in range(pid, (EP - 1) * ntj, nprog):
-        if ORDER == 2:
-            q = k % (EP - 1)
-            jt = k // (EP - 1)
-        else:
-            q = k // ntj
-            jt = k % ntj
-        if ORDER == 1:
-            s = (RANK + 1 + q) % EP
-        else:
-            s = q + (q >= RANK).to(tl.int32)
-        j = (jt * TT + tl.arange(0, TT)).to(tl.int64)
-        cnt = tl.load(counts_ptr + s)
-        m = ((j < rows) & (j < cnt))[:, None] & cm[None, :]
-        v = tl.load(
-            src_ptr + s.to(tl.int64) * stride_src_block + j[:, None] * stride_src_row + cols[None, :], mask=m
-        )
-        dst = dst_offset + j * stride_dst_row
-        for r in tl.static_range(EP):
-            if r != RANK:
-                base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-                tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
+    total = (EP - 1) * ntj
+    if PF:
+        s, j, m, off = _send_item(pid, src_ptr, counts_ptr, rows, ntj, stride_src_block, stride_src_row, cm,
+                                  EP, RANK, TT, ORDER)  # fmt: skip
+        m = m & (pid < total)
+        v = tl.load(src_ptr + off + cols[None, :], mask=m)
+        for k in range(pid, total, nprog):
+            kn = k + nprog
+            sn, jn, mn, offn = _send_item(kn, src_ptr, counts_ptr, rows, ntj, stride_src_block,
+                                          stride_src_row, cm, EP, RANK, TT, ORDER)  # fmt: skip
+            mn = mn & (kn < total)
+            vn = tl.load(src_ptr + offn + cols[None, :], mask=mn)
+            dst = dst_offset + j * stride_dst_row
+            for r in tl.static_range(EP):
+                if r != RANK:
+                    base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+                    tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
+            v, s, j, m = vn, sn, jn, mn
+    else:
+        for k in range(pid, total, nprog):
+            s, j, m, off = _send_item(k, src_ptr, counts_ptr, rows, ntj, stride_src_block, stride_src_row, cm,
+                                      EP, RANK, TT, ORDER)  # fmt: skip
+            v = tl.load(src_ptr + off + cols[None, :], mask=m)
+            dst = dst_offset + j * stride_dst_row
+            for r in tl.static_range(EP):
+                if r != RANK:
+                    base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+                    tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
 
 
-def variant_launch(a2a, comb, T, dsts, order, live):
-    """A launcher of :func:`probe_send_kernel` with the library's tiling and grid for this ``num_sms``."""
+def variant_launch(a2a, comb, T, dsts, order, live, pf=False, tt_v=None, warps_v=None):
+    """A launcher of :func:`probe_send_kernel` with the library's tiling and grid for this ``num_sms``
+    (``tt_v``: another number of rows per tile, the warps scaled as the library scales them, or
+    ``warps_v``)."""
     ep, rank, H = a2a.ep, a2a.rank, comb.shape[2]
     persistent = a2a.num_sms is not None
     nb, chunks, tt, warps = row_tiling(H, persistent)
+    if tt_v is not None:
+        tt = tt_v
+        warps = 16 if tt * nb >= 8192 else 8 if tt * nb >= 2048 else 4
+    warps = warps_v or warps
     work = cdiv((ep - 1) * T, tt)
     nprog = (
         a2a._programs(work * chunks, chunks) if persistent else a2a._dense_programs(work, chunks)
@@ -141,7 +192,7 @@ def variant_launch(a2a, comb, T, dsts, order, live):
     def launch():
         probe_send_kernel[(nprog, chunks)](
             comb, a2a.recv_counts, *d, T, H, comb.stride(0), comb.stride(1), rank * T * H, H,
-            EP=ep, EP_P2=ep_p2, RANK=rank, NB=nb, TT=tt, ORDER=order, LIVE=live, num_warps=warps,
+            EP=ep, EP_P2=ep_p2, RANK=rank, NB=nb, TT=tt, ORDER=order, LIVE=live, PF=pf, num_warps=warps,
         )  # fmt: skip
 
     return launch, (nprog, chunks, tt, nb, warps)
@@ -382,8 +433,8 @@ def probe_point(a2a, T, n_sms, a, log) -> list[dict]:
         dsts = [torch.zeros(ep * T * H, dtype=comb.dtype) for _ in range(ep)]
         local = None
     vres = {}
-    for name, (order, live) in VARIANTS.items():
-        launch, geo = variant_launch(a2a, comb, T, dsts, order, live)
+    for name in a.send_variants:
+        launch, geo = variant_launch(a2a, comb, T, dsts, *VARIANTS[name])
         ok = True
         try:
             if local is not None:  # every rank: zero its buffer, all send, compare with the library's rows
@@ -422,7 +473,7 @@ def probe_point(a2a, T, n_sms, a, log) -> list[dict]:
         r["v_" + name] = round(res["us"], 2)
         r["v_" + name + "_per_rank"] = res["per_rank_us"]
         r["v_" + name + "_ok"] = ok
-        r["grid_tt_nb_warps"] = list(geo)
+        r["v_" + name + "_grid_tt_nb_warps"] = list(geo)
     rows_out.append(r)
     rows_out.append(reduce_variants(a2a, T, comb, pays, ids, a, log, base))
     del gs_all
@@ -443,7 +494,8 @@ def reduce_variants(a2a, T, comb, pays, ids, a, log, base) -> dict:
     sync()
     r = {**base, "mode": "reduce_variants_graph" if on_cuda() and not a.no_graph else "reduce_variants_eager"}
     try:
-        for name, (sf, tt, nb) in REDUCE_VARIANTS.items():
+        for name in a.reduce_variants:
+            sf, tt, nb = REDUCE_VARIANTS[name]
             out = torch.full_like(ref, float("nan"))
             launch, geo = reduce_variant_launch(a2a, rows, bs, st.slot, own, out, sf, tt, nb)
             try:
@@ -474,6 +526,8 @@ def _parse(argv):
     p.add_argument("--transport", help="symm (default on GPU) or nccl (default with --cpu-dry-run)")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--send-variants", default=SEND_VARIANTS_DEFAULT, help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--reduce-variants", default=",".join(REDUCE_VARIANTS), help="of the r_* names")
     p.add_argument(
         "--cpu-dry-run", action="store_true", help="gloo, tiny shape, host timers (under torchrun)"
     )
@@ -484,6 +538,14 @@ def _parse(argv):
     a.iters = a.iters or (2 if dry else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if dry else 3)
     a.transport = a.transport or ("nccl" if dry else "symm")
+    a.send_variants = [v for v in a.send_variants.split(",") if v]
+    a.reduce_variants = [v for v in a.reduce_variants.split(",") if v]
+    for v in a.send_variants:
+        if v not in VARIANTS:
+            p.error(f"--send-variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    for v in a.reduce_variants:
+        if v not in REDUCE_VARIANTS:
+            p.error(f"--reduce-variants: {v!r} is not one of {', '.join(REDUCE_VARIANTS)}")
     return a
 
 
@@ -536,11 +598,12 @@ def _print(rows, ep):
     print(f"\nep_combine_probe, ep={ep}: µs, median over iterations of the max over ranks "
           "(per-rank figures in ep_combine_probe.json)")  # fmt: skip
     cols = ["tokens", "num_sms", "mode", "dispatch", "combine", "combine_host", "send", "wait+red", "reduce",
-            "v_lib", "v_rot", "v_ilv", "v_ilv+live", *REDUCE_VARIANTS, "send_MB_max"]  # fmt: skip
+            *("v_" + v for v in VARIANTS), *REDUCE_VARIANTS, "send_MB_max"]  # fmt: skip
+    cols = [c for c in cols if any(c in r for r in rows)]
     table = []
     for r in rows:
         r = dict(r)
-        for name in ("v_lib", "v_rot", "v_ilv", "v_ilv+live", *REDUCE_VARIANTS):
+        for name in (*("v_" + v for v in VARIANTS), *REDUCE_VARIANTS):
             if name in r and r.get(name + "_ok") is False:
                 r[name] = f"{r[name]}!"  # a variant whose rows did not match the library's
         table.append(r)

@@ -75,7 +75,7 @@ def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None, fused_plan=True, fuse
     # drive dispatch phase by phase, which no public API does
     a = MoeAlltoAll.__new__(MoeAlltoAll)
     a._num_sms, a._device_sms, a._dcache = num_sms, 4, {}
-    a._fused_plan, a._fused_barrier = fused_plan, fused_barrier
+    a._fused_plan, a._fused_barrier, a._pipelined_combine = fused_plan, fused_barrier, True
     a.ep, a.rank, a.max_num_tokens, a.top_k, a.num_experts, a.hidden_size = ep, rank, max_tokens, K, E, H
     a.transport, a.kernel_backend, a.device, a.timeout = "symm", "auto", torch.device("cpu"), None
     a.local_expert_offset, a.num_local_experts = expert_partition(E, ep)[rank]
@@ -187,6 +187,71 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         out = poison(torch.empty(Ts[s], H, dtype=torch.float16))
         combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2], rows[s][3])
         torch.testing.assert_close(out, expect[s], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "ep, Ts, K, max_tokens, num_sms, dtype",
+    [
+        (2, [150, 70], 2, 160, 4, torch.float16),  # 3 chunks of 64 rows from rank 0, the last one partial
+        (3, [5, 0, 130], 3, 140, 2, torch.float16),  # a rank without tokens; one sender, one reducer
+        (4, [40, 3, 70, 1], 4, 80, 6, torch.float32),  # fp32 rows (the backward's combine); T=1 rank
+        (2, [0, 0], 2, 8, 2, torch.float16),  # nothing anywhere: the epoch still moves
+    ],
+)
+def test_pipelined_combine_matches_two_kernel_combine(ep, Ts, K, max_tokens, num_sms, dtype, generator):
+    """``ep_combine_kernel`` (send, then reduce as chunks land) gives the two-kernel combine's rows,
+    flags every chunk a reducer waits for, and moves the epoch. The ranks run one after another
+    (Triton's interpreter runs one program at a time): every rank's send (roles 1), then every rank's
+    reduce (roles 2), which finds every flag it waits for already set."""
+    from replaymoe.ep.transport_symm import _FLAG_BASE, PIPE_CHUNK, SymmTransport
+
+    E, H, rt = 2 * ep, 24, max(max(Ts), 1)
+    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms, True, True) for r in range(ep)]
+    trs = [SymmTransport(a) for a in a2as]
+    for a, t in zip(a2as, trs):
+        a._transport = t
+    assert all(a.pipelined_combine for a in a2as)
+    es = torch.tensor([], dtype=dtype).element_size()
+    comb = _fake_buffers(ep, ep * max_tokens * H * es)
+    pads = [torch.zeros(_FLAG_BASE + 8 * trs[0].ncmax, dtype=torch.int32) for _ in range(ep)]
+    ids, plans = [], []
+    for r, T in enumerate(Ts):
+        ids.append(torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).to(torch.int32)
+                   if T else torch.zeros(0, K, dtype=torch.int32))  # fmt: skip
+        plans.append(make_plan(ids[r], E, ep))
+    for r in range(ep):
+        trs[r].comb = comb[r]
+        trs[r]._set_sync_args(pads, torch.zeros(8, dtype=torch.int32))
+        # rows rank r received from each source s in the dispatch: s's send count to r
+        a2as[r].recv_counts.copy_(torch.stack([plans[s].send_counts[r] for s in range(ep)]))
+    # payload rows: any values for live rows, NaN past each source's count (never sent, never read)
+    payloads = []
+    for r in range(ep):
+        p = torch.randn(ep, rt, H, generator=generator).to(dtype)
+        for s in range(ep):
+            p[s, int(a2as[r].recv_counts[s]) :] = float("nan")
+        payloads.append(p)
+    outs = [poison(torch.empty(T, H, dtype=dtype)) for T in Ts]
+    for r in range(ep):
+        trs[r].combine_pipelined(payloads[r], rt, plans[r].slot, outs[r], roles=1)
+    for r in range(ep):  # every live chunk of every (source, receiver) pair is flagged with epoch 1
+        for s in range(ep):
+            if s != r:
+                n = int(a2as[s].recv_counts[r])  # rows s sends back to r
+                flags = pads[r][_FLAG_BASE + s * trs[0].ncmax :][: -(-n // PIPE_CHUNK)]
+                assert flags.tolist() == [1] * len(flags), (r, s, flags)
+        assert int(trs[r].state[1]) == 1 and int(trs[r].state[3]) == 0  # epoch moved, arrivals reset
+    for r in range(ep):
+        trs[r].combine_pipelined(payloads[r], rt, plans[r].slot, outs[r], roles=2)
+    for r in range(ep):  # the same sums as the torch reduction of the same rows, in rank order
+        expect = torch.zeros(Ts[r], H, dtype=torch.float32)
+        for t in range(Ts[r]):
+            for q in range(ep):
+                j = int(plans[r].slot[t, q])
+                if j >= 0:
+                    expect[t] += payloads[q][r, j].float()
+        torch.testing.assert_close(outs[r], expect.to(dtype), atol=0, rtol=0)
 
 
 @pytest.mark.interpret

@@ -45,10 +45,14 @@ def _transports_worker(rank, world):
     # symm with a barrier timeout: a lost signal traps (naming both ranks) instead of hanging;
     # symm_unfused: torch's barrier kernel and the plan kernel by argument (the same bits)
     symm = dict(transport="symm", timeout=60)
+    # symm_pipe: 4 programs per kernel, so combine is the pipelined launch (2 senders, 2 reducers:
+    # several chunks per sender and per reducer at the larger sizes)
     kinds = {"nccl": dict(transport="nccl"), "symm": symm,
-             "symm_unfused": dict(symm, fused_barrier=False, fused_plan=False)}  # fmt: skip
+             "symm_unfused": dict(symm, fused_barrier=False, fused_plan=False),
+             "symm_pipe": dict(symm, num_sms=4)}  # fmt: skip
     a2a = {t: MoeAlltoAll(None, max_tokens, K, E, H, **kw) for t, kw in kinds.items()}
     assert a2a["symm_unfused"].fused_barrier is False and a2a["symm_unfused"].fused_plan is False
+    assert a2a["symm_pipe"].pipelined_combine and not a2a["symm"].pipelined_combine
     g = torch.Generator().manual_seed(11)
     # --- exactness over several shapes: T per rank incl. 0, skew, fp8 + scales payloads
     for case, (Ts, rt) in enumerate(
@@ -97,7 +101,8 @@ def _transports_worker(rank, world):
 
     Ts = [(96, 0, 33, 5)[s % 4] for s in range(world)]
     for t, a in a2a.items():
-        for it, n_sms in enumerate((None, None, None, 3)):
+        base = a.num_sms
+        for it, n_sms in enumerate((base, base, base, 3)):
             a.num_sms = n_sms
             gi = torch.Generator().manual_seed(500 + it)
             all_ids = [_ids(gi, T, K, E) for T in Ts]
@@ -110,7 +115,7 @@ def _transports_worker(rank, world):
             n_dest = torch.stack([(owners == r).any(1) for r in range(world)], 1).sum(1)
             expect = (x.float() * 2 * n_dest[:, None]).to(torch.bfloat16)
             assert torch.equal(out.cpu(), expect), (t, it, n_sms)
-        a.num_sms = None
+        a.num_sms = base
         assert len(a._dcache) >= 1  # private: the steady-state plan cache is what is checked
     # --- back-to-back rounds, no host sync in between (buffer reuse), then check every round
 
@@ -170,14 +175,14 @@ def _moe_worker(rank, world):
     dist.barrier()
 
 
-def _graph_worker(rank, world):
+def _graph_worker(rank, world, **kw):
     import torch.distributed as dist
 
     from replaymoe.ep import MoeAlltoAll, expert_owner
 
     dev = torch.device("cuda", rank)
     E, K, H, rt = 64, 8, 1024, 32
-    a2a = MoeAlltoAll(None, rt, K, E, H, transport="nccl")
+    a2a = MoeAlltoAll(None, rt, K, E, H, **(kw or dict(transport="nccl")))
     ids = torch.zeros(rt, K, dtype=torch.int32, device=dev)
     x = torch.zeros(rt, H, dtype=torch.bfloat16, device=dev)
 
@@ -211,10 +216,15 @@ def _graph_worker(rank, world):
 
 def _all_worker(rank, world):
     # nccl-only first, so a symm failure cannot hide them; PASS lines show how far it got
+    import functools
+
+    _pipe_graph = functools.partial(_graph_worker, transport="symm", timeout=60, num_sms=4)
     for name, fn in (
         ("nccl CUDA graph", _graph_worker),
         ("transports", _transports_worker),
         ("ep_moe", _moe_worker),
+        # the pipelined combine replayed: its epochs and chunk flags live on the device
+        ("symm pipelined CUDA graph", _pipe_graph),
     ):
         fn(rank, world)
         if rank == 0:

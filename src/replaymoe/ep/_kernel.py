@@ -17,8 +17,8 @@ Grids: the copy kernels loop over their rows with a grid stride, so any grid is 
 occupy) and each iteration moves several rows; without it the grids are dense (one short program per
 row chunk, up to 16 per SM). All loads of an iteration are issued before its stores.
 
-Size: over 450 lines because these are all of the all-to-all's kernels (plan, pack, sanitize,
-combine, barrier), kept in one module beside their op.
+Size: over 600 lines because these are all of the all-to-all's kernels (plan, pack, sanitize,
+combine, the pipelined combine, barrier), kept in one module beside their op.
 """
 
 from __future__ import annotations
@@ -389,6 +389,178 @@ def ep_combine_reduce_kernel(
             acc += v.to(tl.float32)
         om = tmask[:, None] & cm[None, :]
         tl.store(out_ptr + toks[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=om)
+
+
+# ----------------------------------------------------------------------------------------------
+# The pipelined combine (symm, fused barrier, num_sms >= 2): send and reduce in one launch. The
+# first S programs send, the rest reduce while the rows land. A sender's work item is one chunk of
+# CHUNK rows of one source (items interleaved over the sources, chunks in ascending order); after
+# its stores it publishes the call's epoch into the source's pad at flag ``r * NCMAX + c`` (release,
+# system scope, after a CTA barrier: the pattern of ``_signal_done``). A reducer takes token blocks
+# in ascending order; the slot plan is a prefix sum over tokens, so a block's rows on rank ``r`` lie
+# in one ascending slot range, and the reducer waits only for the chunks that cover it (acquire,
+# system scope), remembering per rank the highest chunk it has seen complete.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wait_flag(ptr, e, timeout_ns, RANK: tl.constexpr, PEER: tl.constexpr, TIMER: tl.constexpr):
+    """Spin until ``*ptr >= e`` (acquire, system scope); with ``TIMER`` print and trap after the timeout."""
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    if TIMER:
+        t0 = _globaltimer(v)
+        while v < e:
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            if _globaltimer(v) - t0 > timeout_ns:
+                tl.device_print("replaymoe MoeAlltoAll(symm): combine chunk timeout, rank/peer", RANK, PEER)
+                v = _trap(v) + e
+    else:
+        while v < e:
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def ep_combine_kernel(
+    src_ptr,  # combine payload [EP, rows, W], strides (stride_src_block, stride_src_row, 1)
+    counts_ptr,  # int32 [EP]: rows received from each source in the dispatch (only these go back)
+    p0,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    p6,
+    p7,  # each rank's combine receive buffer (payload dtype), block r at r * stride_recv_block
+    q0,
+    q1,
+    q2,
+    q3,
+    q4,
+    q5,
+    q6,
+    q7,  # each rank's int32 signal pad; chunk flags at flag_base + source * NCMAX + chunk
+    slot_ptr,  # int32 [T, EP]: slot of token t on rank r, -1 = not sent there
+    out_ptr,  # [T, W] contiguous
+    own_ptr,  # this rank's rows [rows, W] (row stride stride_own_row): read in place, never sent
+    rows,  # runtime_max_tokens_per_rank
+    W,
+    T,
+    stride_src_block,
+    stride_src_row,
+    stride_recv_block,  # elements: one source's block in a receive buffer (rows * W)
+    stride_own_row,
+    flag_base,
+    arrive_ptr,  # int32: programs finished (the last one stores the epoch)
+    epoch_ptr,  # int32: this rank's combine epoch
+    timeout_ns,
+    EP: tl.constexpr,
+    EP_P2: tl.constexpr,
+    RANK: tl.constexpr,
+    SENDERS: tl.constexpr,  # programs [0, SENDERS) send, the rest reduce
+    NCMAX: tl.constexpr,  # chunk flags per source in a pad (cdiv(max_num_tokens, CHUNK))
+    CHUNK: tl.constexpr,  # rows per flag (a multiple of TT)
+    NB: tl.constexpr,  # columns per tile (power of 2)
+    TT: tl.constexpr,  # rows (send) / tokens (reduce) per tile
+    ROLES: tl.constexpr,  # 0: both in this launch; 1: send only; 2: reduce only (the CPU tests run the
+    # ranks one after another in Triton's interpreter, all sends first)
+    TIMER: tl.constexpr,
+):
+    """Row ``[s, j]`` (``j < counts[s]``, ``s != RANK``) goes to rank ``s``'s receive buffer at block
+    ``RANK``, row ``j``; then ``out[t] = sum over ranks r that received t of row slot[t, r] of r's
+    block`` (this rank's own rows from ``own_ptr``), accumulated in fp32 in rank order: the same bits as
+    ``ep_combine_send_kernel`` + ``ep_combine_reduce_kernel``. The epoch of this call is the stored
+    epoch + 1 (ROLES 2: the stored one); the last program to finish stores it (ROLES 0 and 1)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    e = tl.load(epoch_ptr)
+    if ROLES != 2:
+        e = e + 1
+    do_send = (pid < SENDERS) & (ROLES != 2)
+    if ROLES == 1:
+        do_send = pid >= 0
+    if do_send:
+        n_send = SENDERS
+        if ROLES == 1:
+            n_send = nprog
+        P: tl.constexpr = EP - 1
+        nch = (rows + CHUNK - 1) // CHUNK
+        for k in range(pid, P * nch, n_send):
+            q = k % P
+            c = k // P
+            s = q + (q >= RANK).to(q.dtype)
+            cnt = tl.load(counts_ptr + s)
+            j_hi = tl.minimum(cnt, (c + 1) * CHUNK)
+            if c * CHUNK < cnt:
+                for j0 in range(c * CHUNK, j_hi, TT):
+                    j = (j0 + tl.arange(0, TT)).to(tl.int64)
+                    jm = j < j_hi
+                    src_row = s.to(tl.int64) * stride_src_block + j * stride_src_row
+                    dst_row = stride_recv_block.to(tl.int64) * RANK + j * W
+                    for c0 in range(0, W, NB):
+                        cols = c0 + tl.arange(0, NB)
+                        m = jm[:, None] & (cols < W)[None, :]
+                        v = tl.load(src_ptr + src_row[:, None] + cols[None, :], mask=m)
+                        for r in tl.static_range(EP):
+                            if r != RANK:
+                                base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+                                tl.store(base + dst_row[:, None] + cols[None, :], v, mask=m & (s == r))
+                tl.debug_barrier()  # every thread's stores of the chunk before the flag
+                for r in tl.static_range(EP):
+                    if r != RANK:
+                        fq = _pick(r, q0, q1, q2, q3, q4, q5, q6, q7)
+                        tl.atomic_xchg(fq + flag_base + RANK * NCMAX + c, e, mask=s == r, sem="release",
+                                       scope="sys")  # fmt: skip
+    else:
+        rid = pid - SENDERS
+        n_red = nprog - SENDERS
+        if ROLES == 2:
+            rid = pid
+            n_red = nprog
+        rk = tl.arange(0, EP_P2)
+        seen = tl.full([EP_P2], -1, dtype=tl.int32)  # per rank: chunks up to here are known complete
+        pad = _pick(RANK, q0, q1, q2, q3, q4, q5, q6, q7) + flag_base
+        for t0 in range(rid * TT, T, n_red * TT):
+            toks = (t0 + tl.arange(0, TT)).to(tl.int64)
+            tmask = toks < T
+            sm = tmask[:, None] & (rk < EP)[None, :]
+            sl = tl.load(slot_ptr + toks[:, None] * EP + rk[None, :], mask=sm, other=-1)
+            mx = tl.max(sl, axis=0)  # [EP_P2]: the block's last slot on each rank, -1: none there
+            hi = tl.where(mx >= 0, mx // CHUNK, -1)
+            lo = tl.min(tl.where(sl >= 0, sl, 2147483647), axis=0) // CHUNK
+            first = tl.maximum(lo, seen + 1)
+            for r in tl.static_range(EP):
+                if r != RANK:
+                    a = tl.sum(tl.where(rk == r, first, 0))
+                    b = tl.sum(tl.where(rk == r, hi, 0))
+                    for c in range(a, b + 1):
+                        _wait_flag(pad + r * NCMAX + c, e, timeout_ns, RANK, r, TIMER)
+            seen = tl.maximum(seen, hi)
+            for c0 in range(0, W, NB):
+                cols = c0 + tl.arange(0, NB)
+                cm = cols < W
+                acc = tl.zeros([TT, NB], dtype=tl.float32)
+                for r in tl.static_range(EP):
+                    slot = tl.sum(tl.where(rk[None, :] == r, sl, 0), axis=1).to(tl.int64)
+                    m = (slot >= 0)[:, None] & cm[None, :]
+                    if r == RANK:
+                        own = own_ptr + (slot * stride_own_row)[:, None]
+                        v = tl.load(own + cols[None, :], mask=m, other=0.0)
+                    else:
+                        recv = _pick(RANK, p0, p1, p2, p3, p4, p5, p6, p7)
+                        row = stride_recv_block.to(tl.int64) * r + slot * W
+                        # (L2 only: the rows were written by peers during this launch)
+                        v = tl.load(recv + row[:, None] + cols[None, :], mask=m, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                    acc += v.to(tl.float32)
+                om = tmask[:, None] & cm[None, :]
+                res = acc.to(out_ptr.dtype.element_ty)
+                tl.store(out_ptr + toks[:, None] * W + cols[None, :], res, mask=om)
+    if ROLES != 2:
+        tl.debug_barrier()
+        old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
+        if old == nprog - 1:
+            tl.store(arrive_ptr, 0)
+            tl.store(epoch_ptr, e)
 
 
 @triton.jit

@@ -196,6 +196,13 @@ class MoeAlltoAll:
         :data:`replaymoe.ep.transport_symm.FUSED_BARRIER`, on unless
         ``REPLAYMOE_EP_FUSED_BARRIER=0`` was set at import. Must be the same on every rank; fixed for
         the object's life (attribute ``fused_barrier``, resolved by the ``symm`` transport).
+    pipelined_combine : bool
+        ``symm`` with the fused barrier and ``num_sms`` >= 2: ``combine`` is one launch in which half
+        of the ``num_sms`` programs send the rows back, chunk by chunk (64 rows, each chunk flagged in
+        its source's signal pad), while the other half sum each token's rows as soon as the chunks
+        holding them have landed; ``False``: the send kernel, the barrier, then the reduce kernel. The
+        same bits either way. Default ``True``. Must be the same on every rank; fixed for the
+        object's life (attribute ``pipelined_combine``: whether a combine now runs pipelined).
 
     Notes
     -----
@@ -231,6 +238,7 @@ class MoeAlltoAll:
         num_sms: int | None = None,
         fused_plan: bool | None = None,
         fused_barrier: bool | None = None,
+        pipelined_combine: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             fail(
@@ -272,6 +280,9 @@ class MoeAlltoAll:
         self._runtime_max: int | None = None
         self._num_tokens: int | None = None
         self.num_sms = num_sms  # validated by the property setter
+        if not isinstance(pipelined_combine, bool):
+            fail("pipelined_combine", "a bool", type(pipelined_combine).__name__, what="type")
+        self._pipelined_combine = pipelined_combine
         for name, value in (("fused_plan", fused_plan), ("fused_barrier", fused_barrier)):
             if value is not None and not isinstance(value, bool):
                 fail(name, "a bool or None (the process default)", type(value).__name__, what="type")
@@ -321,6 +332,13 @@ class MoeAlltoAll:
         """``symm``: the barrier runs inside the kernels (see the class docstring); other transports:
         the value given (``None`` when none was)."""
         return getattr(self._transport, "fused", self._fused_barrier)
+
+    @property
+    def pipelined_combine(self) -> bool:
+        """Whether ``combine`` now runs as one pipelined launch (see the class docstring): the argument,
+        the ``symm`` transport's fused barrier and the current ``num_sms`` (at least 2)."""
+        p = getattr(self._transport, "pipelines", None)
+        return bool(p is not None and p())
 
     def _programs(self, work: int, chunks: int = 1) -> int:
         """Programs along the first grid axis of a persistent kernel with ``work`` independent items
@@ -695,9 +713,14 @@ class MoeAlltoAll:
         assert st is not None
         self._phase = "combining"
         try:
-            rows, block_stride, own, wait = self._transport.combine(payload, rt)
+            tr = self._transport
             out = torch.empty(st.T, W, dtype=payload.dtype, device=self.device)
-            combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own, wait)
+            pipelines = getattr(tr, "pipelines", None)  # the symm transport (ep > 1)
+            if pipelines is not None and pipelines():
+                tr.combine_pipelined(payload, rt, st.slot, out)
+            else:
+                rows, block_stride, own, wait = tr.combine(payload, rt)
+                combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own, wait)
         except BaseException:
             self._phase = "broken"
             raise

@@ -50,6 +50,9 @@ from .packing import _Targets, row_tiling  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
+# the pipelined combine: rows per arrival flag, and where the flags start in a signal pad (int32 units)
+PIPE_CHUNK = 64
+_FLAG_BASE = 64
 # the process default of MoeAlltoAll(fused_barrier=None): the barrier runs inside the kernels (no extra
 # launch per phase); REPLAYMOE_EP_FUSED_BARRIER=0: torch's signal-pad barrier kernel
 FUSED_BARRIER = os.environ.get("REPLAYMOE_EP_FUSED_BARRIER", "1") != "0"
@@ -97,17 +100,21 @@ class SymmTransport:
         self.sig: _SymmBuffer | None = None  # signal pads (fused barrier)
         self.signal_args: tuple = ()
         self.wait_args: tuple = ()
+        self.ncmax = cdiv(a2a.max_num_tokens, PIPE_CHUNK)  # chunk flags per source in a pad
+        self.pads: list[torch.Tensor] = []
+        self._pkeys: dict = {}  # pipelined combine launch plans
 
     def _barrier(self) -> None:
         assert self.disp is not None
         self.disp.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
     def _init_signal(self) -> None:
-        """Signal pads for the fused barrier (collective: every rank's first dispatch): int32 [16] per
-        rank, slot ``s`` = source s's dispatch epoch, ``8 + s`` its combine epoch; and this rank's
-        counters [dispatch epoch, combine epoch, pack arrivals, send arrivals]."""
+        """Signal pads for the fused barrier (collective: every rank's first dispatch): int32 per rank,
+        slot ``s`` = source s's dispatch epoch, ``8 + s`` its combine epoch, and from ``_FLAG_BASE`` the
+        pipelined combine's chunk flags (``ncmax`` per source); and this rank's counters [dispatch epoch,
+        combine epoch, pack arrivals, send arrivals]."""
         a = self.a2a
-        self.sig = _SymmBuffer(a, 256, "signal")
+        self.sig = _SymmBuffer(a, 4 * (_FLAG_BASE + _MAX_EP * self.ncmax), "signal")
         self.sig.local.zero_()
         self.state = torch.zeros(8, dtype=torch.int32, device=a.device)
         self.sig.handle.barrier(channel=0, timeout_ms=self.timeout_ms)  # zeroed everywhere before use
@@ -117,6 +124,7 @@ class SymmTransport:
         a = self.a2a
         st = self.state = state
         pads = pads + [pads[0]] * (_MAX_EP - len(pads))
+        self.pads = pads
         timer = a.device.type == "cuda"
         tns = self.timeout_ms * 1_000_000
         # (arrive, epoch, q0..q7, pad_off) for the producers; (epoch, pad, pad_base, timeout_ns) + TIMER
@@ -197,3 +205,59 @@ class SymmTransport:
             self._barrier()
             return rows, rt * H, payload[a.rank], None
         return rows, rt * H, payload[a.rank], self.wait_args[1]
+
+    # ------------------------------------------------------------------------------------------
+    def pipelines(self) -> bool:
+        """Whether ``combine`` runs as one pipelined launch (:meth:`combine_pipelined`): the fused
+        barrier, a ``num_sms`` cap of at least 2 (one sender and one reducer program at least; all of
+        them resident at once, which the reducers' waits need), and ``pipelined_combine`` not off."""
+        a = self.a2a
+        return bool(self.fused and a._pipelined_combine and a._num_sms is not None and a._num_sms >= 2)
+
+    def combine_pipelined(self, payload: torch.Tensor, rt: int, slot: torch.Tensor, out: torch.Tensor,
+                          *, roles: int = 0) -> None:  # fmt: skip
+        """Send this rank's rows back and sum the returned rows per token into ``out`` [T, W] in one
+        launch (``ep_combine_kernel``): half of the ``num_sms`` programs send, chunk by chunk, each
+        chunk flagged in its source's pad; the others reduce token blocks as their chunks land.
+        ``roles`` 1 / 2: the send or the reduce alone (the CPU tests run the ranks in turn)."""
+        from .._launch import Launcher, addresses
+        from ._kernel import ep_combine_kernel
+
+        a = self.a2a
+        W = payload.shape[2]
+        es = payload.element_size()
+        nbytes = a.ep * a.max_num_tokens * W * es
+        if self.comb is None or self.comb.nbytes < nbytes:
+            a._guard_growth("combine")
+            if self.comb is not None:
+                self._retired.append(self.comb)
+            self.comb = _SymmBuffer(a, nbytes, "combine")
+            self._pkeys = {}
+        T = out.shape[0]
+        key = (payload.dtype, rt, W, T, payload.stride(), payload.data_ptr() & 15, slot.data_ptr() & 15,
+               out.data_ptr() & 15, roles)  # fmt: skip
+        c = self._pkeys.get(key)
+        if c is None:
+            dst = [p.view(payload.dtype) for p in self.comb.peers]
+            dst = dst + [dst[0]] * (_MAX_EP - len(dst))
+            nb, _, tt, warps = row_tiling(W, True)
+            n = min(a._num_sms, a._device_sms)  # every program resident: the reducers wait on senders
+            st = self.state
+            bufs = (*dst, *self.pads)  # the receive buffers and signal pads (fixed addresses)
+            ep_p2 = max(2, 1 << (a.ep - 1).bit_length())
+            scalars = (rt, W, T, payload.stride(0), payload.stride(1), rt * W, payload.stride(1), _FLAG_BASE,
+                       st[3:4], st[1:2], self.timeout_ms * 1_000_000, a.ep, ep_p2, a.rank, max(1, n // 2),
+                       self.ncmax, PIPE_CHUNK, nb, tt, roles, a.device.type == "cuda")  # fmt: skip
+            grid = (n if roles == 0 else max(1, n // 2),)
+            c = (Launcher(ep_combine_kernel, num_warps=warps), grid, bufs, addresses(bufs), scalars,
+                 addresses(scalars))  # fmt: skip
+            if len(self._pkeys) >= 64:
+                self._pkeys.pop(next(iter(self._pkeys)))
+            self._pkeys[key] = c
+        launch, grid, bufs, bufs_i, scalars, scalars_i = c
+        own = payload.data_ptr() + a.rank * payload.stride(0) * payload.element_size()  # payload[rank]
+        if launch.ready():
+            head = (payload.data_ptr(), a.recv_counts.data_ptr())
+            launch.fast(grid, (*head, *bufs_i, slot.data_ptr(), out.data_ptr(), own, *scalars_i))
+        else:
+            launch(grid, (payload, a.recv_counts, *bufs, slot, out, payload[a.rank], *scalars))
