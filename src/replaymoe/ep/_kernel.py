@@ -404,17 +404,27 @@ def ep_combine_reduce_kernel(
 
 
 @triton.jit
+def _ld_acquire(ptr):
+    """``*ptr`` as an acquire load at system scope (no read-modify-write)."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _wait_flag(ptr, e, timeout_ns, RANK: tl.constexpr, PEER: tl.constexpr, TIMER: tl.constexpr):
-    """Spin until ``*ptr >= e`` (acquire, system scope); with ``TIMER`` print and trap after the timeout."""
-    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    """Spin until ``*ptr >= e`` (acquire, system scope); with ``TIMER`` (CUDA) print and trap after the
+    timeout. On CUDA the polls are acquire loads, in the interpreter acquire atomics."""
     if TIMER:
+        v = _ld_acquire(ptr)
         t0 = _globaltimer(v)
         while v < e:
-            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            v = _ld_acquire(ptr)
             if _globaltimer(v) - t0 > timeout_ns:
                 tl.device_print("replaymoe MoeAlltoAll(symm): combine chunk timeout, rank/peer", RANK, PEER)
                 v = _trap(v) + e
     else:
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         while v < e:
             v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
@@ -461,6 +471,7 @@ def ep_combine_kernel(
     CHUNK: tl.constexpr,  # rows per flag (a multiple of TT)
     NB: tl.constexpr,  # columns per tile (power of 2)
     TT: tl.constexpr,  # rows (send) / tokens (reduce) per tile
+    GROUP: tl.constexpr,  # tiles per reducer step: its chunk waits cover GROUP * TT tokens at once
     ROLES: tl.constexpr,  # 0: both in this launch; 1: send only; 2: reduce only (the CPU tests run the
     # ranks one after another in Triton's interpreter, all sends first)
     TIMER: tl.constexpr,
@@ -519,8 +530,9 @@ def ep_combine_kernel(
         rk = tl.arange(0, EP_P2)
         seen = tl.full([EP_P2], -1, dtype=tl.int32)  # per rank: chunks up to here are known complete
         pad = _pick(RANK, q0, q1, q2, q3, q4, q5, q6, q7) + flag_base
-        for t0 in range(rid * TT, T, n_red * TT):
-            toks = (t0 + tl.arange(0, TT)).to(tl.int64)
+        SB: tl.constexpr = GROUP * TT
+        for t0 in range(rid * SB, T, n_red * SB):
+            toks = (t0 + tl.arange(0, SB)).to(tl.int64)
             tmask = toks < T
             sm = tmask[:, None] & (rk < EP)[None, :]
             sl = tl.load(slot_ptr + toks[:, None] * EP + rk[None, :], mask=sm, other=-1)
@@ -535,26 +547,29 @@ def ep_combine_kernel(
                     for c in range(a, b + 1):
                         _wait_flag(pad + r * NCMAX + c, e, timeout_ns, RANK, r, TIMER)
             seen = tl.maximum(seen, hi)
-            for c0 in range(0, W, NB):
-                cols = c0 + tl.arange(0, NB)
-                cm = cols < W
-                acc = tl.zeros([TT, NB], dtype=tl.float32)
-                for r in tl.static_range(EP):
-                    slot = tl.sum(tl.where(rk[None, :] == r, sl, 0), axis=1).to(tl.int64)
-                    m = (slot >= 0)[:, None] & cm[None, :]
-                    if r == RANK:
-                        own = own_ptr + (slot * stride_own_row)[:, None]
-                        v = tl.load(own + cols[None, :], mask=m, other=0.0)
-                    else:
-                        recv = _pick(RANK, p0, p1, p2, p3, p4, p5, p6, p7)
-                        row = stride_recv_block.to(tl.int64) * r + slot * W
-                        # (L2 only: the rows were written by peers during this launch)
-                        v = tl.load(recv + row[:, None] + cols[None, :], mask=m, other=0.0,
-                                    cache_modifier=".cg")  # fmt: skip
-                    acc += v.to(tl.float32)
-                om = tmask[:, None] & cm[None, :]
-                res = acc.to(out_ptr.dtype.element_ty)
-                tl.store(out_ptr + toks[:, None] * W + cols[None, :], res, mask=om)
+            for b0 in range(t0, tl.minimum(t0 + SB, T), TT):
+                tb = (b0 + tl.arange(0, TT)).to(tl.int64)
+                bm = tb < T
+                for c0 in range(0, W, NB):
+                    cols = c0 + tl.arange(0, NB)
+                    cm = cols < W
+                    acc = tl.zeros([TT, NB], dtype=tl.float32)
+                    for r in tl.static_range(EP):
+                        slot = tl.load(slot_ptr + tb * EP + r, mask=bm, other=-1).to(tl.int64)
+                        m = (slot >= 0)[:, None] & cm[None, :]
+                        if r == RANK:
+                            own = own_ptr + (slot * stride_own_row)[:, None]
+                            v = tl.load(own + cols[None, :], mask=m, other=0.0)
+                        else:
+                            recv = _pick(RANK, p0, p1, p2, p3, p4, p5, p6, p7)
+                            row = stride_recv_block.to(tl.int64) * r + slot * W
+                            # (L2 only: the rows were written by peers during this launch)
+                            v = tl.load(recv + row[:, None] + cols[None, :], mask=m, other=0.0,
+                                        cache_modifier=".cg")  # fmt: skip
+                        acc += v.to(tl.float32)
+                    om = bm[:, None] & cm[None, :]
+                    res = acc.to(out_ptr.dtype.element_ty)
+                    tl.store(out_ptr + tb[:, None] * W + cols[None, :], res, mask=om)
     if ROLES != 2:
         tl.debug_barrier()
         old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
