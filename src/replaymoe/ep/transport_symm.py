@@ -12,7 +12,10 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
 * combine: one Triton kernel sends row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to
   source ``s``'s combine buffer ``[this rank, j]``, its work items (row tiles of one source) interleaved
   over the sources so that every peer is written at once; barrier; the fp32 per-token sum reads the local
-  buffer, and this rank's own rows in place in the payload (they never move).
+  buffer, and this rank's own rows in place in the payload (they never move). With the fused barrier and
+  ``num_sms`` >= 2 both halves are one launch (:meth:`SymmTransport.combine_pipelined`): senders flag
+  each 64-row chunk in its source's pad, and reducers sum a block of tokens once the chunks it reads
+  have landed.
 
 The barrier runs inside the kernels (``MoeAlltoAll(..., fused_barrier=True)``; the default, unless
 ``REPLAYMOE_EP_FUSED_BARRIER=0`` set :data:`FUSED_BARRIER`, the process default, off): the producing
