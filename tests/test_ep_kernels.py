@@ -189,6 +189,36 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         torch.testing.assert_close(out, expect[s], atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize(
+    "n, ep, senders",
+    [
+        (24, 2, 8),  # ep = 2: a third send (one peer to send to, two rows to sum per token)
+        (24, 4, 12),  # larger ep: half
+        (2, 2, 1),  # the fewest: one sender and one reducer
+        (3, 8, 2),  # rounding never leaves no reducer
+    ],
+)
+def test_pipelined_combine_sender_split(n, ep, senders):
+    from replaymoe.ep.transport_symm import pipe_senders
+
+    assert pipe_senders(n, ep) == senders
+
+
+@pytest.mark.parametrize(
+    "T, reducers, group",
+    [
+        (4096, 12, 8),  # large: the most tiles per step (fewest flag waits), still >= 8 steps each
+        (1024, 12, 2),  # mid: steps shrink to keep ~8 per reducer (an even tail)
+        (128, 12, 1),  # decode sizes: one tile per step
+        (0, 12, 1),  # no tokens
+    ],
+)
+def test_pipelined_combine_reducer_group(T, reducers, group):
+    from replaymoe.ep.transport_symm import pipe_group
+
+    assert pipe_group(T, 4, reducers) == group
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize(
     "ep, Ts, K, max_tokens, num_sms, dtype",
