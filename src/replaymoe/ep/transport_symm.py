@@ -186,6 +186,19 @@ class SymmTransport:
         if not self.fused:
             self._barrier()
 
+    def _combine_buffer(self, payload: torch.Tensor) -> _SymmBuffer:
+        """The combine receive buffer, grown (collectively; refused during graph capture) to hold
+        ``ep * max_num_tokens`` rows of ``payload``'s width and dtype; growth drops the launch plans."""
+        a = self.a2a
+        nbytes = a.ep * a.max_num_tokens * payload.shape[2] * payload.element_size()
+        if self.comb is None or self.comb.nbytes < nbytes:
+            a._guard_growth("combine")
+            if self.comb is not None:
+                self._retired.append(self.comb)
+            self.comb = _SymmBuffer(a, nbytes, "combine")
+            self._ckeys, self._pkeys = {}, {}
+        return self.comb
+
     def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, torch.Tensor, tuple | None]:
         """Send row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to source ``s``'s combine
         buffer at ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]``, the
@@ -197,14 +210,7 @@ class SymmTransport:
         a = self.a2a
         H = payload.shape[2]  # hidden_size, or combine(width=...)
         es = payload.element_size()
-        nbytes = a.ep * a.max_num_tokens * H * es
-        if self.comb is None or self.comb.nbytes < nbytes:
-            a._guard_growth("combine")
-            if self.comb is not None:
-                self._retired.append(self.comb)
-            self.comb = _SymmBuffer(a, nbytes, "combine")
-            self._ckeys = {}
-        buf = self.comb
+        buf = self._combine_buffer(payload)
         persistent = a._num_sms is not None
         key = (payload.dtype, rt, H, payload.stride(), payload.data_ptr() & 15, persistent)
         c = self._ckeys.get(key)
@@ -252,14 +258,7 @@ class SymmTransport:
 
         a = self.a2a
         W = payload.shape[2]
-        es = payload.element_size()
-        nbytes = a.ep * a.max_num_tokens * W * es
-        if self.comb is None or self.comb.nbytes < nbytes:
-            a._guard_growth("combine")
-            if self.comb is not None:
-                self._retired.append(self.comb)
-            self.comb = _SymmBuffer(a, nbytes, "combine")
-            self._pkeys = {}
+        self._combine_buffer(payload)
         T = out.shape[0]
         key = (payload.dtype, rt, W, T, payload.stride(), payload.data_ptr() & 15, slot.data_ptr() & 15,
                out.data_ptr() & 15, roles)  # fmt: skip
