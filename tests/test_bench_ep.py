@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from _dist import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,3 +90,36 @@ def test_bench_ep_dry_run_under_torchrun_takes_seconds(tmp_path):
     assert rows and not [r for r in rows if r.get("error")]
     assert "# goal 4 (overlap)" in proc.stdout
     assert seconds < 90, seconds  # a few seconds on 2 idle cores
+
+
+@pytest.mark.parametrize(
+    "impls, shown",
+    [
+        (("symm", "symm_2k"), True),  # both combines ran: the comparison table, ratio pipelined / two-kernel
+        (("symm",), False),  # only one: no table
+    ],
+)
+def test_summary_compares_pipelined_and_two_kernel_combine(impls, shown, capsys):
+    from replaymoe.bench.ep_summary import print_summary
+
+    us = {"symm": 611.2, "symm_2k": 978.3}
+    rows = [
+        {
+            "impl": i,
+            "payload": "bf16",
+            "tokens": 4096,
+            "num_sms": 24,
+            "op": "combine",
+            "mode": m,
+            "us": us[i],
+            "GBps_per_rank": 160e3 / us[i],
+        }  # fmt: skip
+        for i in impls
+        for m in ("graph", "eager")
+    ]
+    print_summary(rows)
+    out = capsys.readouterr().out
+    assert ("pipelined (symm) / two kernels (symm_2k)" in out) is shown
+    if shown:
+        line = [ln for ln in out.splitlines() if ln.split()[:3] == ["24", "4096", "graph"]]
+        assert line and line[0].split()[3:] == ["611.2", "978.3", "0.62"]

@@ -120,8 +120,10 @@ def run(
         if t == "naive":
             continue
         try:
-            a2as[t] = MoeAlltoAll(None, maxT, K, E, H, transport=t, payload_bytes_per_token=2 * H + 256,
-                                  timeout=120 if t == "symm" else None)  # fmt: skip
+            # symm_2k: symm with the two-kernel combine (send, barrier, reduce), for comparison
+            kw = {"transport": "symm", "pipelined_combine": False} if t == "symm_2k" else {"transport": t}
+            a2as[t] = MoeAlltoAll(None, maxT, K, E, H, payload_bytes_per_token=2 * H + 256,
+                                  timeout=120 if t.startswith("symm") else None, **kw)  # fmt: skip
         except Exception as e:  # report and go on with the others
             log(f"[rank {rank}] transport {t} unavailable: {err(e)}")
             rows.append({"impl": t, "error": err(e)})
@@ -165,7 +167,7 @@ def run(
             d_bytes, c_bytes = pairs * bpt, pairs * 2 * H
             runs = []  # (impl, num_sms: 0 = every SM)
             for impl in impls:
-                for n_sms in num_sms if impl == "symm" else (0,):
+                for n_sms in num_sms if impl.startswith("symm") else (0,):
                     runs.append((impl, n_sms))
             if deepep is not None and vname == "bf16":
                 runs.append(("deepep", peer_sms))
@@ -316,7 +318,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", help="tokens per rank, comma list (" + default("tokens") + ")")
     p.add_argument("--iters", type=int, help="timed iterations per point (" + default("iters") + ")")
     p.add_argument("--warmup", type=int, help="untimed iterations before them (" + default("warmup") + ")")
-    p.add_argument("--impls", help="comma list of nccl, symm, naive (" + default("impls") + ")")
+    p.add_argument(
+        "--impls",
+        help="comma list of nccl, symm, symm_2k (symm with the two-kernel combine), naive ("
+        + default("impls")
+        + ")",
+    )
     p.add_argument("--payloads", help="comma list of bf16, fp8 (" + default("payloads") + ")")
     p.add_argument("--num-sms", default="0", help="comma list of num_sms for symm (0 = every SM)")
     p.add_argument(

@@ -53,6 +53,16 @@ def print_summary(rows: list[dict]) -> None:
                 good = e["us"] <= bound and (e.get("host_us") or 0) <= 30
                 print(f"{impl:>6} {sms:>4} {T:>6} {op:>9} {e['us']:>8.1f} {g['us']:>8.1f} {bound:>8.1f} "
                       f"{e.get('host_us') or 0:>6.1f} {'yes' if good else 'NO'}")  # fmt: skip
+    # the pipelined combine against the two-kernel one (symm vs symm_2k), when both ran
+    two = [r for r in ok if r["impl"] == "symm_2k" and r["op"] == "combine" and r["payload"] == "bf16"]
+    if two:
+        print("\n# symm combine: pipelined (symm) / two kernels (symm_2k), bf16, µs")
+        print(f"{'sms':>4} {'tokens':>6} {'mode':>6} {'pipelined':>10} {'two-kernel':>10} {'ratio':>6}")
+        for r2 in sorted(two, key=lambda r: (r.get("num_sms", 0), r["tokens"], r["mode"])):
+            p = get("symm", r2["tokens"], "combine", r2["mode"], r2.get("num_sms", 0))
+            if p is not None:
+                print(f"{r2.get('num_sms', 0):>4} {r2['tokens']:>6} {r2['mode']:>6} {p['us']:>10.1f} "
+                      f"{r2['us']:>10.1f} {p['us'] / r2['us']:>6.2f}")  # fmt: skip
     # goal 2: ours <= DeepEP, no more SMs
     peer = [r for r in ok if r["impl"] == "deepep"]
     if peer:
