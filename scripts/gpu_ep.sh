@@ -84,7 +84,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
     grep -q "DeepEP built" "$OUT/deepep_build_step.log" || PEER=none
   fi
   step bench 200 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe bench ep \
-    --out "$OUT/bench" --name ep_x"$NGPU" --impls nccl,symm --payloads bf16 --tokens "$TOKENS" \
+    --out "$OUT/bench" --name ep_x"$NGPU" --impls "${IMPLS:-nccl,symm,symm_2k}" --payloads bf16 --tokens "$TOKENS" \
     --num-sms "${NUM_SMS:-24,32,66,132,0}" --peer "$PEER" --peer-sms 24 --no-layer --iters 20 --warmup 3
   if [ "${REPLAYMOE_EP_FUSED_BARRIER:-1}" != 0 ] && [ "${VARIANTS:-1}" = 1 ]; then
     # the same machine, symm without the in-kernel barrier / without the fused plan (for comparison)
