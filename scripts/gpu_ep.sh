@@ -5,8 +5,8 @@
 #   2. multigpu tests at world = every GPU (and 2): nccl vs symm vs references, steady state, CUDA graph, ep_moe,
 #      and the EP backward (world 2 and every GPU)
 #   3. `replaymoe bench ep` on every GPU, DeepSeek-V3 shape, bf16 payload, 128/1024/4096 tokens/rank, eager and
-#      graph, symm at num_sms 24/32/66/132 (persistent kernels) and unset (dense grids), nccl, DeepEP side by
-#      side (--peer deepep, 24 SMs)
+#      graph, symm at num_sms 24/32/66/132 (persistent kernels) and unset (dense grids), symm_2k (the same
+#      with the two-kernel combine), nccl, DeepEP side by side (--peer deepep, 24 SMs); IMPLS= narrows ours
 # Each step has its own time limit (`timeout` signals the step's whole process group) and the next one
 # runs whatever happened before. Everything is written under $OUT; a short table is printed last.
 #   (profile: where the host time of a steady-state eager call goes, `bench ep --host-profile`)
