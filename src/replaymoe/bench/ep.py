@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.host_profile:
         try:
             host_profile([int(t) for t in a.tokens.split(",") if t], [t for t in a.impls.split(",") if t],
-                         calls=max(50, a.iters * 5), log=log)  # fmt: skip
+                         calls=max(50, a.iters * 5), log=log,
+                         num_sms=[int(v) for v in a.num_sms.split(",") if v])  # fmt: skip
         finally:
             if own_pg:
                 _destroy()

@@ -18,17 +18,22 @@ from .ep_shape import SHAPE, inputs
 from .ep_timing import HostEvent, device, on_cuda, sync
 
 
-def host_profile(tokens, transports, *, calls: int, log) -> None:
+def host_profile(tokens, transports, *, calls: int, log, num_sms=(0,)) -> None:
     """Where the host time of a steady-state eager call goes (rank 0 prints): per call host µs with
     and without the direct launches, the pieces alone (event record, barrier, a bare launch), and a
-    cProfile of ``calls`` dispatch+combine calls."""
+    cProfile of ``calls`` dispatch+combine calls. ``symm`` / ``symm_2k`` (the two-kernel combine) run
+    at every ``num_sms`` (0 = unset), so the pipelined combine's host time shows at a cap."""
     from ..ep import MoeAlltoAll
 
     for t in transports:
-        if t != "naive":
-            a2a = MoeAlltoAll(None, max(tokens), SHAPE.K, SHAPE.E, SHAPE.H, transport=t)
+        if t == "naive":
+            continue
+        kw = {"transport": "symm", "pipelined_combine": False} if t == "symm_2k" else {"transport": t}
+        a2a = MoeAlltoAll(None, max(tokens), SHAPE.K, SHAPE.E, SHAPE.H, **kw)
+        for n in num_sms if t.startswith("symm") else (0,):
+            a2a.num_sms = n or None
             for T in tokens:
-                _host_profile_one(a2a, t, T, calls)
+                _host_profile_one(a2a, f"{t} num_sms={n}" if n else t, T, calls)
 
 
 def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
@@ -93,7 +98,7 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
     ev = torch.cuda.Event(enable_timing=True) if on_cuda() else HostEvent()
     t_ev = host_us(ev.record, calls=calls)
     t_bar = float("nan")
-    if t == "symm":
+    if a2a.transport == "symm":
         dist.barrier()
         t_bar = host_us(a2a._transport._barrier, calls=calls)  # every rank makes the same calls
         sync()
