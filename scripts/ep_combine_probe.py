@@ -120,6 +120,17 @@ def _send_item(k, src_ptr, counts_ptr, rows, ntj, stride_src_block, stride_src_r
 
 
 @triton.jit
+def _store_peer(v, s, j, m, cols, p0, p1, p2, p3, p4, p5, p6, p7, dst_offset, stride_dst_row,
+                EP: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
+    """Store tile ``v`` (rows ``j`` of source ``s``) into peer ``s``'s buffer (one live masked store)."""
+    dst = dst_offset + j * stride_dst_row
+    for r in tl.static_range(EP):
+        if r != RANK:
+            base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+            tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
+
+
+@triton.jit
 def probe_send_kernel(src_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, rows, n_cols, stride_src_block,
                       stride_src_row, dst_offset, stride_dst_row, EP: tl.constexpr, EP_P2: tl.constexpr,
                       RANK: tl.constexpr, NB: tl.constexpr, TT: tl.constexpr, ORDER: tl.constexpr,
@@ -153,22 +164,16 @@ def probe_send_kernel(src_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, rows,
                                           stride_src_row, cm, EP, RANK, TT, ORDER)  # fmt: skip
             mn = mn & (kn < total)
             vn = tl.load(src_ptr + offn + cols[None, :], mask=mn)
-            dst = dst_offset + j * stride_dst_row
-            for r in tl.static_range(EP):
-                if r != RANK:
-                    base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-                    tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
+            _store_peer(v, s, j, m, cols, p0, p1, p2, p3, p4, p5, p6, p7, dst_offset, stride_dst_row,
+                        EP, RANK)  # fmt: skip
             v, s, j, m = vn, sn, jn, mn
     else:
         for k in range(pid, total, nprog):
             s, j, m, off = _send_item(k, src_ptr, counts_ptr, rows, ntj, stride_src_block, stride_src_row, cm,
                                       EP, RANK, TT, ORDER)  # fmt: skip
             v = tl.load(src_ptr + off + cols[None, :], mask=m)
-            dst = dst_offset + j * stride_dst_row
-            for r in tl.static_range(EP):
-                if r != RANK:
-                    base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-                    tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
+            _store_peer(v, s, j, m, cols, p0, p1, p2, p3, p4, p5, p6, p7, dst_offset, stride_dst_row,
+                        EP, RANK)  # fmt: skip
 
 
 def variant_launch(a2a, comb, T, dsts, order, live, pf=False, tt_v=None, warps_v=None):

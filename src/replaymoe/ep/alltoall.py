@@ -197,12 +197,13 @@ class MoeAlltoAll:
         ``REPLAYMOE_EP_FUSED_BARRIER=0`` was set at import. Must be the same on every rank; fixed for
         the object's life (attribute ``fused_barrier``, resolved by the ``symm`` transport).
     pipelined_combine : bool
-        ``symm`` with the fused barrier and ``num_sms`` >= 2: ``combine`` is one launch in which half
-        of the ``num_sms`` programs send the rows back, chunk by chunk (64 rows, each chunk flagged in
-        its source's signal pad), while the other half sum each token's rows as soon as the chunks
-        holding them have landed; ``False``: the send kernel, the barrier, then the reduce kernel. The
-        same bits either way. Default ``True``. Must be the same on every rank; fixed for the
-        object's life (attribute ``pipelined_combine``: whether a combine now runs pipelined).
+        ``symm`` with the fused barrier and ``num_sms`` >= 2: ``combine`` is one launch in which some
+        of the ``num_sms`` programs (a third at ep = 2, half at larger ep) send the rows back, chunk by
+        chunk (64 rows, each chunk flagged in its source's signal pad), while the others sum each
+        token's rows as soon as the chunks holding them have landed; ``False``: the send kernel, the
+        barrier, then the reduce kernel. The same bits either way. Default ``True``. Must be the same
+        on every rank; fixed for the object's life (attribute ``pipelined_combine``: whether a combine
+        now runs pipelined).
 
     Notes
     -----

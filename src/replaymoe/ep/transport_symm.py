@@ -47,7 +47,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import torch  # noqa: E402
 
-from .._launch import cdiv
+from .._launch import cdiv, next_power_of_2
 from .._validation import fail  # noqa: E402
 from .packing import _Targets, row_tiling  # noqa: E402
 
@@ -250,8 +250,8 @@ class SymmTransport:
     def combine_pipelined(self, payload: torch.Tensor, rt: int, slot: torch.Tensor, out: torch.Tensor,
                           *, roles: int = 0) -> None:  # fmt: skip
         """Send this rank's rows back and sum the returned rows per token into ``out`` [T, W] in one
-        launch (``ep_combine_kernel``): half of the ``num_sms`` programs send, chunk by chunk, each
-        chunk flagged in its source's pad; the others reduce token blocks as their chunks land.
+        launch (``ep_combine_kernel``): :func:`pipe_senders` of the ``num_sms`` programs send, chunk by
+        chunk, each chunk flagged in its source's pad; the others reduce token blocks as their chunks land.
         ``roles`` 1 / 2: the send or the reduce alone (the CPU tests run the ranks in turn)."""
         from .._launch import Launcher, addresses
         from ._kernel import ep_combine_kernel
@@ -273,7 +273,7 @@ class SymmTransport:
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
             st = self.state
             bufs = (*dst, *self.pads)  # the receive buffers and signal pads (fixed addresses)
-            ep_p2 = max(2, 1 << (a.ep - 1).bit_length())
+            ep_p2 = max(2, next_power_of_2(a.ep))
             after_t = (payload.stride(0), payload.stride(1), rt * W, payload.stride(1), _FLAG_BASE, st[3:4],
                        st[1:2], self.timeout_ms * 1_000_000, a.ep, ep_p2, a.rank, senders, self.ncmax,
                        self.chunk, nb, tt, group, roles, a.device.type == "cuda")  # fmt: skip
