@@ -587,14 +587,17 @@ def test_tma_config_selection_and_config_lists():
     assert not moe_config(1, 8, 2048, 768, 128, tma=True).tma  # decode (direct mode)
     assert not moe_config(64, 8, 2048, 768, 128, tma=True).tma  # mid-size 16/32-row tiles: unchanged
     c = moe_config(*qwen, tma=True)
-    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [1, -1, -1]  # switches: None
+    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [1, -1, -1, -1]  # switches: None
     old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
     assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
     assert config_from_list(old + [1]) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, True)
     for half in (None, False, True):  # the optional switches cross the custom ops as -1 / 0 / 1
         for pdl in (None, False, True):
-            c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, half_tiles=half, pdl=pdl)
-            assert config_from_list(config_tuple(c)) == c
+            for swap in (None, False, True):
+                c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, half_tiles=half, pdl=pdl, swap_ab=swap)
+                assert config_from_list(config_tuple(c)) == c
+    # a 14-entry list from before swap_ab
+    assert config_from_list(config_tuple(c)[:14]) == dataclasses.replace(c, swap_ab=None)
     assert not tma_ok(torch.device("cpu"))  # never chosen on CPU / in the interpreter
     assert not tma_ok(torch.device("cuda"), torch.float32)  # fp32: pointer loads (TMA tiles spill)
 

@@ -150,3 +150,42 @@ def test_gpu_bench_shapes_token_output_independent_of_batch(shape, fp8):
         out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
         fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, out=out, **kw)
         assert torch.equal(out[rows], alone), T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3, MIXTRAL, DSV3], ids=["qwen3", "mixtral", "dsv3"])
+def test_gpu_fp8_decode_swapped_operands_same_bits(shape):
+    # the swapped fp8 decode kernels (weights on the MMA's 64-row side, x quantized inside GEMM1 or by
+    # its own launch) give the unswapped direct kernels' bits, and so the tile mode's: whole and as
+    # an EP slice whose slots partly fall outside it, at T = 1 and at a few tokens in one call
+    import dataclasses
+
+    import replaymoe.moe._forward as fwd
+    from replaymoe.moe._forward import experts_triton
+    from replaymoe.moe.quant import quantize_fp8_block
+
+    H, I, E, K = shape  # noqa: E741
+    w13, w2 = _weights(shape, seed=7)
+    (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    del w13, w2
+    g = torch.Generator(device="cuda").manual_seed(8)
+    direct = moe_config(1, K, H, I, E, fp8=True)
+    assert direct.direct and direct.block_n1 == 128
+    for T, (lo, hi) in ((1, (0, E)), (3, (0, E)), (3, (E // 4, E // 2 + 1))):
+        x = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].int()
+        wts = torch.rand(T, K, device="cuda", generator=g)
+        outs = []
+        for swap, quant_x in ((False, True), (True, True), (True, False)):
+            fwd.DECODE_QUANT_X = quant_x
+            try:
+                out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+                experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
+                               local_expert_offset=lo, out=out,
+                               config=dataclasses.replace(direct, swap_ab=swap))  # fmt: skip
+            finally:
+                fwd.DECODE_QUANT_X = True
+            outs.append(out)
+        assert torch.isfinite(outs[0].float()).all()
+        assert torch.equal(outs[1], outs[0]), (T, lo, hi)
+        assert torch.equal(outs[2], outs[0]), (T, lo, hi)

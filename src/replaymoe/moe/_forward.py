@@ -15,7 +15,16 @@ import torch
 
 from .._launch import cdiv, fast
 from .._validation import is_capturing
-from .configs import MoEConfig, _half_tiles, _pdl, config_from_list, config_tuple, moe_config, tma_ok
+from .configs import (
+    MoEConfig,
+    _half_tiles,
+    _pdl,
+    _swap_ab,
+    config_from_list,
+    config_tuple,
+    moe_config,
+    tma_ok,
+)
 from .tuned import table_for
 
 _FP8 = torch.float8_e4m3fn
@@ -66,7 +75,7 @@ def experts_triton(
     variant=STANDARD,
 ):
     """Run the Triton experts into ``out`` (allocated when None); returns it. ``config``: the
-    :class:`MoEConfig` of this call, its data-movement switches (``tma``, ``half_tiles``, ``pdl``)
+    :class:`MoEConfig` of this call, its data-movement switches (``tma``, ``half_tiles``, ``pdl``, ``swap_ab``)
     included; None: :func:`moe_config`'s choice for the shape, with the process defaults."""
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -219,6 +228,9 @@ def _launch(
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
+    if _swap_ab(c, fp8):
+        _launch_decode_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c)
+        return
     # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
     # quantize its activation tiles again in every N-block program (the same bits)
     preq = fp8 and c.block_n1 == 128
@@ -278,3 +290,50 @@ def _launch(
         y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,
         launch_pdl=pdl,
     )  # fmt: skip
+
+
+# The fp8 decode's GEMM1 quantizes x itself (no quant_groups_kernel launch; the same bits). A module
+# switch for A/B probes only.
+DECODE_QUANT_X = True
+# token columns of the swapped decode MMA (column 0 real): tl.dot's smallest N
+_DECODE_TN = 16
+
+
+def _launch_decode_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
+    """The fp8 direct mode with swapped operands (``c.swap_ab``, ``_kernel_decode.py``): GEMM1 (x
+    quantized inside unless :data:`DECODE_QUANT_X` is off) -> GEMM2 -> reduce. Arguments as
+    :func:`_launch`'s after its normalization (contiguous x, ids, wts; unit K stride weights)."""
+    from ._kernel_decode import moe_gemm1_decode_fp8_kernel, moe_gemm2_decode_fp8_kernel
+    from ._kernel_fwd import moe_reduce_kernel, quant_groups_kernel
+
+    T, H = x.shape
+    K = ids.shape[1]
+    E_local, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    slots = T * K
+    dev = x.device
+    if DECODE_QUANT_X:
+        xq, xs = x, x
+    else:
+        xq = torch.empty(T, H, dtype=_FP8, device=dev)
+        xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
+        fast(quant_groups_kernel)[(T, cdiv(H // 128, 8))](x, xq, xs, H // 128, x.stride(0), G=8, num_warps=4)
+    inter = torch.empty(slots, I, dtype=_FP8, device=dev)
+    inter_s = torch.empty(slots, I // 128, dtype=torch.float32, device=dev)
+    fast(moe_gemm1_decode_fp8_kernel)[(slots * (I // 128),)](
+        xq, xs, w13, w13_scale, inter, inter_s, ids, slots, H, I, K, offset, E_local, xq.stride(0),
+        w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0),
+        QUANT_X=DECODE_QUANT_X, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m, num_warps=c.warps1,
+        num_stages=c.stages1,
+    )  # fmt: skip
+    y = torch.empty(slots, H, dtype=out.dtype, device=dev)
+    fast(moe_gemm2_decode_fp8_kernel)[(slots * cdiv(H, c.block_n2),)](
+        inter, inter_s, w2, w2_scale, y, ids, wts, slots, H, I, offset, E_local, inter.stride(0),
+        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
+        BLOCK_N=c.block_n2, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m, num_warps=c.warps2,
+        num_stages=c.stages2,
+    )  # fmt: skip
+    bh = min(1024, max(16, 1 << (H - 1).bit_length()))
+    fast(moe_reduce_kernel)[(T, cdiv(H, bh))](
+        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
+    )

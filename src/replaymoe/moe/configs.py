@@ -50,6 +50,10 @@ class MoEConfig:
     * ``pdl`` (direct mode, not fp8, Hopper and newer outside the interpreter): GEMM1, GEMM2 and the
       reduce as programmatic dependent launches; ``None``: the process default :data:`PDL_ENABLED`
       (``REPLAYMOE_PDL``, off).
+    * ``swap_ab`` (direct mode, fp8, 128-column GEMM1 blocks): the decode kernels of
+      ``_kernel_decode.py``, which put the weight rows on the MMA's 64-row side and the token on its
+      narrow side (a quarter of the MMA work of a 64-row tile with one real row) and quantize x
+      inside GEMM1 (one launch less); ``None``: on where it applies (:func:`_swap_ab`).
     """
 
     direct: bool
@@ -66,6 +70,7 @@ class MoEConfig:
     tma: bool = False
     half_tiles: bool | None = None
     pdl: bool | None = None
+    swap_ab: bool | None = None
 
 
 def _switch_code(v: bool | None) -> int:
@@ -78,10 +83,10 @@ def _switch_value(v: int) -> bool | None:
 
 
 def config_from_list(config: list[int]) -> MoEConfig:
-    """The inverse of :func:`config_tuple` (11 entries, without the switches, and 12, without
-    ``half_tiles`` and ``pdl``, are accepted too)."""
+    """The inverse of :func:`config_tuple` (11 entries, without the switches, 12, without
+    ``half_tiles``, ``pdl`` and ``swap_ab``, and 14, without ``swap_ab``, are accepted too)."""
     return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]),
-                     *(_switch_value(v) for v in config[12:14]))  # fmt: skip
+                     *(_switch_value(v) for v in config[12:15]))  # fmt: skip
 
 
 def config_tuple(c: MoEConfig) -> list[int]:
@@ -89,7 +94,7 @@ def config_tuple(c: MoEConfig) -> list[int]:
     cross the op boundary; a switch left ``None`` travels as -1 and is resolved by the launcher)."""
     return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
             c.warps2, c.stages2, c.group_m, int(c.tma), _switch_code(c.half_tiles),
-            _switch_code(c.pdl)]  # fmt: skip
+            _switch_code(c.pdl), _switch_code(c.swap_ab)]  # fmt: skip
 
 
 # Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
@@ -325,6 +330,18 @@ def _pdl(c, fp8: bool, dev: torch.device) -> bool:
     or newer, and not Triton's interpreter."""
     want = PDL_ENABLED if c.pdl is None else c.pdl
     return want and c.direct and not fp8 and _hopper(dev)
+
+
+def _swap_ab(c, fp8: bool) -> bool:
+    """Configuration ``c`` runs the fp8 decode kernels with swapped operands (``_kernel_decode.py``):
+    ``c.swap_ab`` (``None``: on), direct mode, fp8, GEMM1 on 128-column blocks (its SwiGLU rows leave
+    quantized) and 128-deep K chunks in both GEMMs, GEMM2's columns a divisor of 128 (one weight scale
+    per dot). The same bits as the unswapped direct kernels (GPU test), on any device."""
+    want = True if c.swap_ab is None else c.swap_ab
+    return (
+        want and c.direct and fp8 and c.block_n1 == 128 and c.block_k1 == 128 and c.block_k2 == 128
+        and 128 % c.block_n2 == 0
+    )  # fmt: skip
 
 
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer

@@ -1,0 +1,172 @@
+"""Triton kernels of the fp8 decode (direct mode) with swapped operands: weights on the MMA's rows.
+
+In the direct mode every tile holds one slot: one real token row. The fp8 path keeps
+:data:`~replaymoe.moe.configs.FP8_BLOCK_M`-row tiles for batch invariance (Hopper's fp8 dot rounds
+differently on fewer rows), so the unswapped kernels run a 64-row MMA for one real row. These kernels
+compute the transposed product instead: ``w_tile [BLOCK_N, BLOCK_K] @ a^T [BLOCK_K, TN]``, the weight
+rows on the MMA's M side (64-row instructions, as in tile mode) and ``TN`` token columns (column 0
+real) on its N side, a quarter of the MMA work at ``TN = 16``. An output element is the same sum of
+the same products in the same K chunks, scaled by the same ``scale_a * scale_w`` product and
+accumulated in the same order, so the bits are those of the unswapped kernels (a GPU test checks it).
+
+* ``moe_gemm1_decode_fp8_kernel``: one program per (slot, 128-column block of I): gate and up
+  accumulators, SwiGLU, then the 128 columns quantized to e4m3 with one scale (``PREQ``'s format).
+  ``QUANT_X``: x arrives in bf16 / fp16 and each program quantizes its token's 1×128 groups as it
+  loads them (the arithmetic of ``quant_groups_kernel``, so the same bits, and one launch less);
+  otherwise x arrives quantized with its scales.
+* ``moe_gemm2_decode_fp8_kernel``: one program per (slot, ``BLOCK_N`` columns of H): the e4m3 SwiGLU
+  row times w2, scaled by the slot's routing weight, one row per slot (the reduce kernel sums them).
+
+Only the standard experts variant (no biases, SwiGLU, gate rows then up rows), as every fp8 call.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._kernel_fwd import _act, _grouped_pid
+
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _quant_cols(a):
+    """Quantize fp32 columns [128, TN] to e4m3 with one scale per column; returns (q, scale [TN]).
+    The arithmetic of ``_quant_rows`` on the transposed tile (so the same bits)."""
+    amax = tl.max(tl.abs(a), axis=0)
+    s = tl.maximum(amax / FP8_MAX, 1e-12)
+    q = tl.clamp(a / s[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    return q, s
+
+
+@triton.jit
+def moe_gemm1_decode_fp8_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    inter_ptr,
+    inter_s_ptr,
+    ids_ptr,
+    num_slots,
+    H,
+    I,
+    TOP_K,
+    expert_offset,
+    num_local,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_im,
+    QUANT_X: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """inter[slot, n] = e4m3(silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n])) per 128-column block
+    (scale in ``inter_s[slot, n // 128]``), computed transposed (module docstring).
+
+    x [T, H] (``QUANT_X``: bf16 / fp16; otherwise e4m3 with ``xs`` [T, H // 128] fp32); w13 [E, 2I, H]
+    e4m3 with unit stride along H, ``ws`` [E, 2I // 128, H // 128] fp32; ``ids`` [T * K] int; inter
+    [T * K, I] e4m3, ``inter_s`` [T * K, I // 128] fp32. H and I are multiples of 128 (BLOCK_K)."""
+    BLOCK_N: tl.constexpr = 128
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_slots, tl.cdiv(I, BLOCK_N), GROUP_M)
+    slot = pid_m
+    e = tl.load(ids_ptr + slot).to(tl.int32) - expert_offset
+    if (e < 0) | (e >= num_local):
+        return
+    tok = (slot // TOP_K).to(tl.int64)
+    rt = tl.arange(0, TN)
+    col_ok = rt == 0  # token column 0 is the slot's; the others stay zero
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok * stride_xm + rk[:, None] + rt[None, :] * 0  # x^T: [BLOCK_K, TN]
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + rn[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+    u_ptrs = g_ptrs + I * stride_wn
+    s_base = ws_ptr + e.to(tl.int64) * stride_se
+    sg_ptr = s_base + pid_n * stride_sn
+    su_ptr = sg_ptr + (I // 128) * stride_sn
+    acc_g = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if QUANT_X:
+            aq, sa = _quant_cols(tl.load(a_ptrs, mask=col_ok[None, :], other=0.0).to(tl.float32))
+        else:
+            aq = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+            sa = tl.load(xs_ptr + tok * (H // 128) + k + rt * 0, mask=col_ok, other=0.0)
+        bg = tl.load(g_ptrs)
+        bu = tl.load(u_ptrs)
+        sg = tl.load(sg_ptr + k)
+        su = tl.load(su_ptr + k)
+        acc_g += tl.dot(bg, aq) * (sa[None, :] * sg)
+        acc_u += tl.dot(bu, aq) * (sa[None, :] * su)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = _act(acc_g, acc_u, 0.0, 0.0, 0)
+    hq, hs = _quant_cols(h.to(tl.bfloat16).to(tl.float32))  # rounded to bf16 first, as the reference
+    o_ptrs = inter_ptr + slot.to(tl.int64) * stride_im + rn[:, None] + rt[None, :] * 0
+    tl.store(o_ptrs, hq, mask=col_ok[None, :])
+    tl.store(inter_s_ptr + slot.to(tl.int64) * (I // 128) + pid_n + rt * 0, hs, mask=col_ok)
+
+
+@triton.jit
+def moe_gemm2_decode_fp8_kernel(
+    inter_ptr,
+    inter_s_ptr,
+    w_ptr,
+    ws_ptr,
+    y_ptr,
+    ids_ptr,
+    wts_ptr,
+    num_slots,
+    H,
+    I,
+    expert_offset,
+    num_local,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ym,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """y[slot, n] = w[slot] * (inter[slot] @ w2[e, n]^T), computed transposed (module docstring).
+
+    inter [T * K, I] e4m3 with ``inter_s`` [T * K, I // 128] fp32; w2 [E, H, I] e4m3 with unit
+    stride along I, ``ws`` [E, H // 128, I // 128] fp32; ``wts`` [T * K] fp32; y [T * K, H]. BLOCK_N
+    divides 128; H and I are multiples of 128 (BLOCK_K)."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_slots, tl.cdiv(H, BLOCK_N), GROUP_M)
+    slot = pid_m
+    e = tl.load(ids_ptr + slot).to(tl.int32) - expert_offset
+    if (e < 0) | (e >= num_local):
+        return
+    rt = tl.arange(0, TN)
+    col_ok = rt == 0
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row = slot.to(tl.int64)
+    a_ptrs = inter_ptr + row * stride_im + rk[:, None] + rt[None, :] * 0  # [BLOCK_K, TN]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
+    acc = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(I, BLOCK_K)):
+        a = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs)
+        sa = tl.load(inter_s_ptr + row * (I // 128) + k + rt * 0, mask=col_ok, other=0.0)
+        sb = tl.load(bs_ptr + k)
+        acc += tl.dot(b, a) * (sa[None, :] * sb)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    wt = tl.load(wts_ptr + slot + rt * 0, mask=col_ok, other=0.0).to(tl.float32)
+    acc = acc * wt[None, :]
+    o_ptrs = y_ptr + row * stride_ym + rn[:, None] + rt[None, :] * 0
+    tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok[None, :])
