@@ -155,9 +155,11 @@ def test_gpu_bench_shapes_token_output_independent_of_batch(shape, fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [QWEN3, MIXTRAL, DSV3], ids=["qwen3", "mixtral", "dsv3"])
 def test_gpu_fp8_decode_swapped_operands_same_bits(shape):
-    # the swapped fp8 decode kernels (weights on the MMA's 64-row side, x quantized inside GEMM1 or by
-    # its own launch) give the unswapped direct kernels' bits, and so the tile mode's: whole and as
-    # an EP slice whose slots partly fall outside it, at T = 1 and at a few tokens in one call
+    # the swapped fp8 decode kernels (weights on the MMA's >= 64-row side) give the unswapped direct
+    # kernels' bits, and so the tile mode's: GEMM1 on 128 columns (quantized SwiGLU rows), 64 (bf16
+    # rows, GEMM2 quantizes them) and 32 (gate and up rows stacked into one dot), GEMM2 on 64 / 128
+    # columns, x quantized by its own launch or inside GEMM1; whole, and as an EP slice whose slots
+    # partly fall outside it, at T = 1 and at a few tokens in one call
     import dataclasses
 
     import replaymoe.moe._forward as fwd
@@ -169,23 +171,25 @@ def test_gpu_fp8_decode_swapped_operands_same_bits(shape):
     (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
     del w13, w2
     g = torch.Generator(device="cuda").manual_seed(8)
-    direct = moe_config(1, K, H, I, E, fp8=True)
-    assert direct.direct and direct.block_n1 == 128
+    direct = dataclasses.replace(moe_config(1, K, H, I, E, fp8=True), block_n1=128, swap_ab=False)
+    assert direct.direct
+    swapped = [(dict(block_n1=n1, block_n2=n2, swap_ab=True), qx)
+               for n1, n2, qx in ((128, 128, False), (128, 64, True), (64, 128, False), (32, 64, False))]  # fmt: skip
+    quant_x = fwd.DECODE_QUANT_X
     for T, (lo, hi) in ((1, (0, E)), (3, (0, E)), (3, (E // 4, E // 2 + 1))):
         x = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
         ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].int()
         wts = torch.rand(T, K, device="cuda", generator=g)
         outs = []
-        for swap, quant_x in ((False, True), (True, True), (True, False)):
-            fwd.DECODE_QUANT_X = quant_x
+        for kw, qx in [({}, False), *swapped]:
+            fwd.DECODE_QUANT_X = qx
             try:
                 out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
                 experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
-                               local_expert_offset=lo, out=out,
-                               config=dataclasses.replace(direct, swap_ab=swap))  # fmt: skip
+                               local_expert_offset=lo, out=out, config=dataclasses.replace(direct, **kw))  # fmt: skip
             finally:
-                fwd.DECODE_QUANT_X = True
+                fwd.DECODE_QUANT_X = quant_x
             outs.append(out)
         assert torch.isfinite(outs[0].float()).all()
-        assert torch.equal(outs[1], outs[0]), (T, lo, hi)
-        assert torch.equal(outs[2], outs[0]), (T, lo, hi)
+        for (kw, qx), out in zip(swapped, outs[1:]):
+            assert torch.equal(out, outs[0]), (T, lo, hi, kw, qx)

@@ -9,13 +9,14 @@ real) on its N side, a quarter of the MMA work at ``TN = 16``. An output element
 the same products in the same K chunks, scaled by the same ``scale_a * scale_w`` product and
 accumulated in the same order, so the bits are those of the unswapped kernels (a GPU test checks it).
 
-* ``moe_gemm1_decode_fp8_kernel``: one program per (slot, 128-column block of I): gate and up
-  accumulators, SwiGLU, then the 128 columns quantized to e4m3 with one scale (``PREQ``'s format).
+* ``moe_gemm1_decode_fp8_kernel``: one program per (slot, ``BLOCK_N`` columns of I): gate and up
+  accumulators, SwiGLU, then (``PREQ``, 128 columns) quantized to e4m3 with one scale, or stored in
+  bf16 for GEMM2 to quantize.
   ``QUANT_X``: x arrives in bf16 / fp16 and each program quantizes its token's 1×128 groups as it
   loads them (the arithmetic of ``quant_groups_kernel``, so the same bits, and one launch less);
   otherwise x arrives quantized with its scales.
-* ``moe_gemm2_decode_fp8_kernel``: one program per (slot, ``BLOCK_N`` columns of H): the e4m3 SwiGLU
-  row times w2, scaled by the slot's routing weight, one row per slot (the reduce kernel sums them).
+* ``moe_gemm2_decode_fp8_kernel``: one program per (slot, ``BLOCK_N`` columns of H): the SwiGLU
+  row (e4m3, or bf16 quantized as loaded) times w2, scaled by the slot's routing weight, one row per slot (the reduce kernel sums them).
 
 Only the standard experts variant (no biases, SwiGLU, gate rows then up rows), as every fp8 call.
 """
@@ -62,17 +63,26 @@ def moe_gemm1_decode_fp8_kernel(
     stride_sn,
     stride_im,
     QUANT_X: tl.constexpr,
+    PREQ: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TN: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """inter[slot, n] = e4m3(silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n])) per 128-column block
-    (scale in ``inter_s[slot, n // 128]``), computed transposed (module docstring).
+    """inter[slot, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for ``BLOCK_N`` columns n,
+    computed transposed (module docstring).
+
+    ``PREQ`` (``BLOCK_N == 128``): the 128 columns leave quantized to e4m3 with one scale in
+    ``inter_s[slot, n // 128]``; otherwise in bf16 (GEMM2 quantizes them). ``BLOCK_N == 32``: the
+    gate and up rows are stacked into one 64-row dot (a dot of fewer weight rows would take another
+    MMA kind, which rounds differently).
 
     x [T, H] (``QUANT_X``: bf16 / fp16; otherwise e4m3 with ``xs`` [T, H // 128] fp32); w13 [E, 2I, H]
     e4m3 with unit stride along H, ``ws`` [E, 2I // 128, H // 128] fp32; ``ids`` [T * K] int; inter
-    [T * K, I] e4m3, ``inter_s`` [T * K, I // 128] fp32. H and I are multiples of 128 (BLOCK_K)."""
-    BLOCK_N: tl.constexpr = 128
+    [T * K, I] (e4m3 and ``inter_s`` [T * K, I // 128] fp32 with ``PREQ``, else bf16). H and I are
+    multiples of 128 (BLOCK_K); BLOCK_N is 32, 64 or 128."""
+    tl.static_assert(not PREQ or BLOCK_N == 128)
+    STACK: tl.constexpr = BLOCK_N < 64
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_slots, tl.cdiv(I, BLOCK_N), GROUP_M)
     slot = pid_m
     e = tl.load(ids_ptr + slot).to(tl.int32) - expert_offset
@@ -85,33 +95,48 @@ def moe_gemm1_decode_fp8_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok * stride_xm + rk[:, None] + rt[None, :] * 0  # x^T: [BLOCK_K, TN]
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    g_ptrs = w_base + rn[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
-    u_ptrs = g_ptrs + I * stride_wn
     s_base = ws_ptr + e.to(tl.int64) * stride_se
-    sg_ptr = s_base + pid_n * stride_sn
+    sg_ptr = s_base + (pid_n * BLOCK_N // 128) * stride_sn
     su_ptr = sg_ptr + (I // 128) * stride_sn
-    acc_g = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
+    if STACK:  # rows 0..BLOCK_N-1: gate rows rn; BLOCK_N..2 BLOCK_N-1: up rows I + rn
+        r2 = tl.arange(0, 2 * BLOCK_N)
+        up = r2 >= BLOCK_N
+        w_rows = pid_n * BLOCK_N + tl.where(up, r2 - BLOCK_N + I, r2)
+        gu_ptrs = w_base + w_rows[:, None] * stride_wn + rk[None, :]
+        acc = tl.zeros((2 * BLOCK_N, TN), dtype=tl.float32)
+    else:
+        g_ptrs = w_base + rn[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+        u_ptrs = g_ptrs + I * stride_wn
+        acc_g = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if QUANT_X:
             aq, sa = _quant_cols(tl.load(a_ptrs, mask=col_ok[None, :], other=0.0).to(tl.float32))
         else:
             aq = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
             sa = tl.load(xs_ptr + tok * (H // 128) + k + rt * 0, mask=col_ok, other=0.0)
-        bg = tl.load(g_ptrs)
-        bu = tl.load(u_ptrs)
         sg = tl.load(sg_ptr + k)
         su = tl.load(su_ptr + k)
-        acc_g += tl.dot(bg, aq) * (sa[None, :] * sg)
-        acc_u += tl.dot(bu, aq) * (sa[None, :] * su)
+        if STACK:
+            s_rows = tl.where(up, su, sg)
+            acc += tl.dot(tl.load(gu_ptrs), aq) * (sa[None, :] * s_rows[:, None])
+            gu_ptrs += BLOCK_K
+        else:
+            acc_g += tl.dot(tl.load(g_ptrs), aq) * (sa[None, :] * sg)
+            acc_u += tl.dot(tl.load(u_ptrs), aq) * (sa[None, :] * su)
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if STACK:
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, TN)), (1, 2, 0)))
     h = _act(acc_g, acc_u, 0.0, 0.0, 0)
-    hq, hs = _quant_cols(h.to(tl.bfloat16).to(tl.float32))  # rounded to bf16 first, as the reference
     o_ptrs = inter_ptr + slot.to(tl.int64) * stride_im + rn[:, None] + rt[None, :] * 0
-    tl.store(o_ptrs, hq, mask=col_ok[None, :])
-    tl.store(inter_s_ptr + slot.to(tl.int64) * (I // 128) + pid_n + rt * 0, hs, mask=col_ok)
+    if PREQ:
+        hq, hs = _quant_cols(h.to(tl.bfloat16).to(tl.float32))  # rounded to bf16 first, as the reference
+        tl.store(o_ptrs, hq, mask=col_ok[None, :])
+        tl.store(inter_s_ptr + slot.to(tl.int64) * (I // 128) + pid_n + rt * 0, hs, mask=col_ok)
+    else:
+        tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
 @triton.jit
@@ -134,6 +159,7 @@ def moe_gemm2_decode_fp8_kernel(
     stride_se,
     stride_sn,
     stride_ym,
+    PREQ: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TN: tl.constexpr,
@@ -141,7 +167,8 @@ def moe_gemm2_decode_fp8_kernel(
 ):
     """y[slot, n] = w[slot] * (inter[slot] @ w2[e, n]^T), computed transposed (module docstring).
 
-    inter [T * K, I] e4m3 with ``inter_s`` [T * K, I // 128] fp32; w2 [E, H, I] e4m3 with unit
+    inter [T * K, I]: e4m3 with ``inter_s`` [T * K, I // 128] fp32 (``PREQ``), or bf16, quantized here
+    per 1×128 group as it is loaded (GEMM1's ``PREQ`` arithmetic, so the same bits); w2 [E, H, I] e4m3 with unit
     stride along I, ``ws`` [E, H // 128, I // 128] fp32; ``wts`` [T * K] fp32; y [T * K, H]. BLOCK_N
     divides 128; H and I are multiples of 128 (BLOCK_K)."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_slots, tl.cdiv(H, BLOCK_N), GROUP_M)
@@ -159,9 +186,12 @@ def moe_gemm2_decode_fp8_kernel(
     bs_ptr = ws_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
     acc = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
     for k in range(0, tl.cdiv(I, BLOCK_K)):
-        a = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+        if PREQ:
+            a = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+            sa = tl.load(inter_s_ptr + row * (I // 128) + k + rt * 0, mask=col_ok, other=0.0)
+        else:
+            a, sa = _quant_cols(tl.load(a_ptrs, mask=col_ok[None, :], other=0.0).to(tl.float32))
         b = tl.load(b_ptrs)
-        sa = tl.load(inter_s_ptr + row * (I // 128) + k + rt * 0, mask=col_ok, other=0.0)
         sb = tl.load(bs_ptr + k)
         acc += tl.dot(b, a) * (sa[None, :] * sb)
         a_ptrs += BLOCK_K

@@ -50,7 +50,7 @@ class MoEConfig:
     * ``pdl`` (direct mode, not fp8, Hopper and newer outside the interpreter): GEMM1, GEMM2 and the
       reduce as programmatic dependent launches; ``None``: the process default :data:`PDL_ENABLED`
       (``REPLAYMOE_PDL``, off).
-    * ``swap_ab`` (direct mode, fp8, 128-column GEMM1 blocks): the decode kernels of
+    * ``swap_ab`` (direct mode, fp8): the decode kernels of
       ``_kernel_decode.py``, which put the weight rows on the MMA's 64-row side and the token on its
       narrow side (a quarter of the MMA work of a 64-row tile with one real row) and quantize x
       inside GEMM1 (one launch less); ``None``: on where it applies (:func:`_swap_ab`).
@@ -334,13 +334,14 @@ def _pdl(c, fp8: bool, dev: torch.device) -> bool:
 
 def _swap_ab(c, fp8: bool) -> bool:
     """Configuration ``c`` runs the fp8 decode kernels with swapped operands (``_kernel_decode.py``):
-    ``c.swap_ab`` (``None``: on), direct mode, fp8, GEMM1 on 128-column blocks (its SwiGLU rows leave
-    quantized) and 128-deep K chunks in both GEMMs, GEMM2's columns a divisor of 128 (one weight scale
-    per dot). The same bits as the unswapped direct kernels (GPU test), on any device."""
+    ``c.swap_ab`` (``None``: on), direct mode, fp8, 128-deep K chunks in both GEMMs, GEMM1 on 32, 64
+    or 128 columns and GEMM2 on 64 or 128 (one weight scale per dot, and at least 64 weight rows per
+    dot: Hopper's narrower fp8 MMA rounds differently). The same bits as the unswapped direct kernels
+    (GPU test), on any device."""
     want = True if c.swap_ab is None else c.swap_ab
     return (
-        want and c.direct and fp8 and c.block_n1 == 128 and c.block_k1 == 128 and c.block_k2 == 128
-        and 128 % c.block_n2 == 0
+        want and c.direct and fp8 and c.block_n1 in (32, 64, 128) and c.block_k1 == 128 and c.block_k2 == 128
+        and c.block_n2 in (64, 128)
     )  # fmt: skip
 
 
