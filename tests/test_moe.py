@@ -587,7 +587,12 @@ def test_tma_config_selection_and_config_lists():
     assert not moe_config(1, 8, 2048, 768, 128, tma=True).tma  # decode (direct mode)
     assert not moe_config(64, 8, 2048, 768, 128, tma=True).tma  # mid-size 16/32-row tiles: unchanged
     c = moe_config(*qwen, tma=True)
-    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [1, -1, -1, -1]  # switches: None
+    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [
+        1,
+        -1,
+        -1,
+        -1,
+    ]  # switches: None
     old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
     assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
     assert config_from_list(old + [1]) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, True)
@@ -1056,6 +1061,63 @@ def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
     assert not cfgs._pdl(direct, True, hopper)  # fp8
     assert not cfgs._pdl(direct, False, torch.device("cpu"))  # no PDL in the interpreter / on CPU
     assert not cfgs._pdl(dataclasses.replace(direct, direct=False), False, hopper)  # tile mode
+
+
+@pytest.mark.parametrize(
+    "change,takes",
+    [
+        ({}, True),  # the fp8 decode default
+        ({"swap_ab": False}, False),  # turned off by the call's configuration
+        ({"direct": False}, False),  # tile mode keeps its kernels
+        ({"block_n1": 64}, True),  # bf16 SwiGLU rows, GEMM2 quantizes them
+        ({"block_n1": 128}, True),  # e4m3 SwiGLU rows
+        ({"block_n1": 16}, False),  # gate + up = 32 weight rows: a narrower MMA kind, other bits
+        ({"block_n2": 32}, False),  # the same for GEMM2
+        ({"block_k1": 64}, False),  # one weight scale per 128-deep chunk
+    ],
+)
+def test_swap_ab_applies_where_the_bits_stay(change, takes):
+    # MoEConfig.swap_ab (None: on) takes the swapped decode kernels only where each dot keeps >= 64
+    # weight rows and 128-deep K chunks; never for bf16
+    c = dataclasses.replace(cfgs.moe_config(1, 8, 2048, 768, 128, fp8=True), **change)
+    assert cfgs._swap_ab(c, True) is takes
+    assert not cfgs._swap_ab(c, False)
+
+
+SWAP_CASES = [
+    # (T, E_local slice, block_n1, block_n2) -- edge each hits
+    (1, (0, 4), 128, 128),  # e4m3 SwiGLU rows, one token
+    (3, (0, 4), 64, 64),  # bf16 SwiGLU rows quantized in GEMM2, several tokens
+    (2, (0, 4), 32, 128),  # gate and up rows stacked in one dot
+    (3, (1, 3), 32, 64),  # an EP slice: slots outside it write nothing
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("T,sl,n1,n2", SWAP_CASES)
+def test_triton_interpreter_fp8_decode_swapped_matches_unswapped(T, sl, n1, n2, generator):
+    # the swapped fp8 decode kernels against the unswapped direct kernels on the interpreter (its dot
+    # order is numpy's, so closeness; the GPU test checks the bits)
+    H, I, E, K = 256, 256, 4, 2  # noqa: E741
+    x = torch.randn(T, H, generator=generator).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=generator) * H**-0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=generator) * I**-0.5).bfloat16()
+    (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).int()
+    wts = torch.rand(T, K, generator=generator)
+    lo, hi = sl
+    outs = []
+    for swap in (False, True):
+        c = MoEConfig(True, 64, n1, 128, 4, 2, n2, 128, 4, 2, swap_ab=swap)
+        out = poison(torch.empty(T, H, dtype=torch.bfloat16))
+        experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
+                       local_expert_offset=lo, out=out, config=c)  # fmt: skip
+        outs.append(out)
+    assert torch.isfinite(outs[1].float()).all()
+    assert_close(outs[1], outs[0], dtype=torch.bfloat16)
+    # a token none of whose slots fall in the slice gets zeros, not poison
+    local = ((ids >= lo) & (ids < hi)).any(dim=1)
+    assert (outs[1][~local] == 0).all()
 
 
 @pytest.mark.gpu

@@ -158,11 +158,10 @@ def test_gpu_fp8_decode_swapped_operands_same_bits(shape):
     # the swapped fp8 decode kernels (weights on the MMA's >= 64-row side) give the unswapped direct
     # kernels' bits, and so the tile mode's: GEMM1 on 128 columns (quantized SwiGLU rows), 64 (bf16
     # rows, GEMM2 quantizes them) and 32 (gate and up rows stacked into one dot), GEMM2 on 64 / 128
-    # columns, x quantized by its own launch or inside GEMM1; whole, and as an EP slice whose slots
-    # partly fall outside it, at T = 1 and at a few tokens in one call
+    # columns; whole, and as an EP slice whose slots partly fall outside it, at T = 1 and at a few
+    # tokens in one call
     import dataclasses
 
-    import replaymoe.moe._forward as fwd
     from replaymoe.moe._forward import experts_triton
     from replaymoe.moe.quant import quantize_fp8_block
 
@@ -173,23 +172,21 @@ def test_gpu_fp8_decode_swapped_operands_same_bits(shape):
     g = torch.Generator(device="cuda").manual_seed(8)
     direct = dataclasses.replace(moe_config(1, K, H, I, E, fp8=True), block_n1=128, swap_ab=False)
     assert direct.direct
-    swapped = [(dict(block_n1=n1, block_n2=n2, swap_ab=True), qx)
-               for n1, n2, qx in ((128, 128, False), (128, 64, True), (64, 128, False), (32, 64, False))]  # fmt: skip
-    quant_x = fwd.DECODE_QUANT_X
+    swapped = [
+        dict(block_n1=n1, block_n2=n2, swap_ab=True)
+        for n1, n2 in ((128, 128), (128, 64), (64, 128), (32, 64))
+    ]
     for T, (lo, hi) in ((1, (0, E)), (3, (0, E)), (3, (E // 4, E // 2 + 1))):
         x = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
         ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].int()
         wts = torch.rand(T, K, device="cuda", generator=g)
         outs = []
-        for kw, qx in [({}, False), *swapped]:
-            fwd.DECODE_QUANT_X = qx
-            try:
-                out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
-                experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
-                               local_expert_offset=lo, out=out, config=dataclasses.replace(direct, **kw))  # fmt: skip
-            finally:
-                fwd.DECODE_QUANT_X = quant_x
+        for kw in [{}, *swapped]:
+            out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+            c = dataclasses.replace(direct, **kw)
+            experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
+                           local_expert_offset=lo, out=out, config=c)  # fmt: skip
             outs.append(out)
         assert torch.isfinite(outs[0].float()).all()
-        for (kw, qx), out in zip(swapped, outs[1:]):
-            assert torch.equal(out, outs[0]), (T, lo, hi, kw, qx)
+        for kw, out in zip(swapped, outs[1:]):
+            assert torch.equal(out, outs[0]), (T, lo, hi, kw)

@@ -75,8 +75,8 @@ def experts_triton(
     variant=STANDARD,
 ):
     """Run the Triton experts into ``out`` (allocated when None); returns it. ``config``: the
-    :class:`MoEConfig` of this call, its data-movement switches (``tma``, ``half_tiles``, ``pdl``, ``swap_ab``)
-    included; None: :func:`moe_config`'s choice for the shape, with the process defaults."""
+    :class:`MoEConfig` of this call, its data-movement switches (``tma``, ``half_tiles``, ``pdl``,
+    ``swap_ab``) included; None: :func:`moe_config`'s choice for the shape, with the process defaults."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
@@ -292,17 +292,14 @@ def _launch(
     )  # fmt: skip
 
 
-# The fp8 decode's GEMM1 quantizes x itself (no quant_groups_kernel launch; the same bits). A module
-# switch for A/B probes only.
-DECODE_QUANT_X = False
 # token columns of the swapped decode MMA (column 0 real): tl.dot's smallest N
 _DECODE_TN = 16
 
 
 def _launch_decode_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
-    """The fp8 direct mode with swapped operands (``c.swap_ab``, ``_kernel_decode.py``): GEMM1 (x
-    quantized inside unless :data:`DECODE_QUANT_X` is off) -> GEMM2 -> reduce. Arguments as
-    :func:`_launch`'s after its normalization (contiguous x, ids, wts; unit K stride weights)."""
+    """The fp8 direct mode with swapped operands (``c.swap_ab``, ``_kernel_decode.py``): x quantized
+    per 1×128 group -> GEMM1 -> GEMM2 -> reduce. Arguments as :func:`_launch`'s after its
+    normalization (contiguous x, ids, wts; weights with unit stride along K)."""
     from ._kernel_decode import moe_gemm1_decode_fp8_kernel, moe_gemm2_decode_fp8_kernel
     from ._kernel_fwd import moe_reduce_kernel, quant_groups_kernel
 
@@ -312,27 +309,24 @@ def _launch_decode_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c
     I = two_i // 2  # noqa: E741
     slots = T * K
     dev = x.device
-    if DECODE_QUANT_X:
-        xq, xs = x, x
-    else:
-        xq = torch.empty(T, H, dtype=_FP8, device=dev)
-        xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
-        fast(quant_groups_kernel)[(T, cdiv(H // 128, 8))](x, xq, xs, H // 128, x.stride(0), G=8, num_warps=4)
+    xq = torch.empty(T, H, dtype=_FP8, device=dev)
+    xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
+    fast(quant_groups_kernel)[(T, cdiv(H // 128, 8))](x, xq, xs, H // 128, x.stride(0), G=8, num_warps=4)
     preq = c.block_n1 == 128
     inter = torch.empty(slots, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(slots, I // 128, dtype=torch.float32, device=dev) if preq else inter
     fast(moe_gemm1_decode_fp8_kernel)[(slots * (I // c.block_n1),)](
         xq, xs, w13, w13_scale, inter, inter_s, ids, slots, H, I, K, offset, E_local, xq.stride(0),
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0),
-        QUANT_X=DECODE_QUANT_X, PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m, num_warps=c.warps1,
+        PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m, num_warps=c.warps1,
         num_stages=c.stages1,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     fast(moe_gemm2_decode_fp8_kernel)[(slots * cdiv(H, c.block_n2),)](
         inter, inter_s, w2, w2_scale, y, ids, wts, slots, H, I, offset, E_local, inter.stride(0),
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
-        PREQ=preq, BLOCK_N=c.block_n2, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m, num_warps=c.warps2,
-        num_stages=c.stages2,
+        PREQ=preq, BLOCK_N=c.block_n2, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m,
+        num_warps=c.warps2, num_stages=c.stages2,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, cdiv(H, bh))](

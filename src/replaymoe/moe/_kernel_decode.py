@@ -11,14 +11,14 @@ accumulated in the same order, so the bits are those of the unswapped kernels (a
 
 * ``moe_gemm1_decode_fp8_kernel``: one program per (slot, ``BLOCK_N`` columns of I): gate and up
   accumulators, SwiGLU, then (``PREQ``, 128 columns) quantized to e4m3 with one scale, or stored in
-  bf16 for GEMM2 to quantize.
-  ``QUANT_X``: x arrives in bf16 / fp16 and each program quantizes its token's 1×128 groups as it
-  loads them (the arithmetic of ``quant_groups_kernel``, so the same bits, and one launch less);
-  otherwise x arrives quantized with its scales.
+  bf16 for GEMM2 to quantize. x arrives quantized per 1×128 group with its scales.
 * ``moe_gemm2_decode_fp8_kernel``: one program per (slot, ``BLOCK_N`` columns of H): the SwiGLU
-  row (e4m3, or bf16 quantized as loaded) times w2, scaled by the slot's routing weight, one row per slot (the reduce kernel sums them).
+  row (e4m3, or bf16 quantized as loaded) times w2, scaled by the slot's routing weight, one row per
+  slot (the reduce kernel sums them).
 
 Only the standard experts variant (no biases, SwiGLU, gate rows then up rows), as every fp8 call.
+The gain is the narrower GEMM1 blocks more than the smaller MMA (H100, bench/moe_notes.md session 22):
+the decode is bound by load latency, not by the tensor cores.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def moe_gemm1_decode_fp8_kernel(
     stride_se,
     stride_sn,
     stride_im,
-    QUANT_X: tl.constexpr,
     PREQ: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -77,7 +76,7 @@ def moe_gemm1_decode_fp8_kernel(
     gate and up rows are stacked into one 64-row dot (a dot of fewer weight rows would take another
     MMA kind, which rounds differently).
 
-    x [T, H] (``QUANT_X``: bf16 / fp16; otherwise e4m3 with ``xs`` [T, H // 128] fp32); w13 [E, 2I, H]
+    x [T, H] e4m3 with ``xs`` [T, H // 128] fp32 (``quant_groups_kernel``'s); w13 [E, 2I, H]
     e4m3 with unit stride along H, ``ws`` [E, 2I // 128, H // 128] fp32; ``ids`` [T * K] int; inter
     [T * K, I] (e4m3 and ``inter_s`` [T * K, I // 128] fp32 with ``PREQ``, else bf16). H and I are
     multiples of 128 (BLOCK_K); BLOCK_N is 32, 64 or 128."""
@@ -110,11 +109,8 @@ def moe_gemm1_decode_fp8_kernel(
         acc_g = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if QUANT_X:
-            aq, sa = _quant_cols(tl.load(a_ptrs, mask=col_ok[None, :], other=0.0).to(tl.float32))
-        else:
-            aq = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
-            sa = tl.load(xs_ptr + tok * (H // 128) + k + rt * 0, mask=col_ok, other=0.0)
+        aq = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+        sa = tl.load(xs_ptr + tok * (H // 128) + k + rt * 0, mask=col_ok, other=0.0)
         sg = tl.load(sg_ptr + k)
         su = tl.load(su_ptr + k)
         if STACK:
@@ -167,10 +163,10 @@ def moe_gemm2_decode_fp8_kernel(
 ):
     """y[slot, n] = w[slot] * (inter[slot] @ w2[e, n]^T), computed transposed (module docstring).
 
-    inter [T * K, I]: e4m3 with ``inter_s`` [T * K, I // 128] fp32 (``PREQ``), or bf16, quantized here
-    per 1×128 group as it is loaded (GEMM1's ``PREQ`` arithmetic, so the same bits); w2 [E, H, I] e4m3 with unit
-    stride along I, ``ws`` [E, H // 128, I // 128] fp32; ``wts`` [T * K] fp32; y [T * K, H]. BLOCK_N
-    divides 128; H and I are multiples of 128 (BLOCK_K)."""
+    inter [T * K, I]: e4m3 with ``inter_s`` [T * K, I // 128] fp32 (``PREQ``), or bf16, quantized
+    here per 1×128 group as it is loaded (GEMM1's ``PREQ`` arithmetic, so the same bits); w2 [E, H, I]
+    e4m3 with unit stride along I, ``ws`` [E, H // 128, I // 128] fp32; ``wts`` [T * K] fp32; y
+    [T * K, H]. BLOCK_N is 64 or 128; H and I are multiples of 128 (BLOCK_K)."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_slots, tl.cdiv(H, BLOCK_N), GROUP_M)
     slot = pid_m
     e = tl.load(ids_ptr + slot).to(tl.int32) - expert_offset

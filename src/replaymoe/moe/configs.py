@@ -52,8 +52,8 @@ class MoEConfig:
       (``REPLAYMOE_PDL``, off).
     * ``swap_ab`` (direct mode, fp8): the decode kernels of
       ``_kernel_decode.py``, which put the weight rows on the MMA's 64-row side and the token on its
-      narrow side (a quarter of the MMA work of a 64-row tile with one real row) and quantize x
-      inside GEMM1 (one launch less); ``None``: on where it applies (:func:`_swap_ab`).
+      narrow side (a quarter of the MMA work of a 64-row tile with one real row) and may split
+      GEMM1 into 32- or 64-column blocks; ``None``: on where it applies (:func:`_swap_ab`).
     """
 
     direct: bool
@@ -182,10 +182,11 @@ def moe_config(
     if T == 1 or slots * 4 <= E_local or eager_direct:
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8 and batch_invariant:
-            # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows, so GEMM2 reads them as they are instead
-            # of quantizing its activation tiles in every program. H200 (bench/moe_notes.md, session 15):
-            # DeepSeek-V3 T=1 / 8 146.9 / 908.9 -> 116.3 / 726.0 us
-            return MoEConfig(True, FP8_BLOCK_M, 128, 128, 8, 4, 128, 128, 8, 4)
+            # the swapped decode kernels (swap_ab) with GEMM1 on 32-column blocks (gate and up rows stacked
+            # in one 64-row dot), both GEMMs on 4 warps. H100 (bench/moe_notes.md, session 22), against
+            # the unswapped 128-column blocks on 8 warps: DeepSeek-V3 T=1 / 4 / 8 152.5 / 511.7 / 988.1 ->
+            # 148.2 / 502.6 / 979.3 us
+            return MoEConfig(True, FP8_BLOCK_M, 32, 128, 4, 4, 64, 128, 4, 4)
         if fp8:
             return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
         return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
