@@ -1,0 +1,110 @@
+"""Device script: the fp8 decode (direct mode) with and without swapped operands, against vLLM's kernels.
+
+REPLAYMOE_PEERS=.peers PYTHONPATH=src:.peers python3 bench/fp8_decode_probe.py [--shapes q,m,d]
+    [--tokens 1,4,8] [--sweep 1]
+
+For each shape and token count: the configuration this card runs (``moe_config`` with its tuned table) with
+``swap_ab=False`` (the 64-row-tile direct kernels, or tile mode where the configuration is not direct), the
+same configuration swapped, swapped decode configurations at each GEMM1 block width, and at the ``--sweep``
+token counts GEMM1 / GEMM2 warps and stages around them. Each line: graph-replay time (L2 flushed, median
+of ``do_bench``), whether the output is bitwise equal to the first configuration's, and the ratio to vLLM
+0.33's two fp8 kernels (vk8) in the same process. The peer driver (``moe_side_by_side.py``) is not in this
+repository: ``../shared/peers/README.md``. Writes ``$OUT/fp8_decode_probe.json``. Results:
+``bench/results/fp8_decode_swap_h100.txt`` (bench/moe_notes.md, session 22).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, ".peers")
+import moe_side_by_side as S  # noqa: E402
+import vllm_moe_peer as P  # noqa: E402
+
+from replaymoe.moe._forward import experts_triton  # noqa: E402
+from replaymoe.moe.configs import MoEConfig, moe_config  # noqa: E402
+from replaymoe.moe.quant import quantize_fp8_block  # noqa: E402
+from replaymoe.moe.tuned import table_for  # noqa: E402
+
+SHAPES = {
+    "q": ("qwen3", 2048, 768, 128, 8),
+    "m": ("mixtral", 4096, 14336, 8, 2),
+    "d": ("dsv3", 7168, 2048, 256, 8),
+}
+# the swapped decode configuration the variants start from (GEMM1 block width varied)
+BASE = MoEConfig(True, 64, 64, 128, 4, 4, 128, 128, 8, 4, swap_ab=True)
+
+
+def variants(c0: MoEConfig, sweep: bool, full: bool) -> dict:
+    v = {"default, unswapped": dataclasses.replace(c0, swap_ab=False)}
+    if c0.direct:
+        v["default, swapped"] = dataclasses.replace(c0, swap_ab=True)
+    for n1 in (32, 64, 128):
+        v[f"swap n1={n1}"] = dataclasses.replace(BASE, block_n1=n1)
+    if sweep:
+        for n1 in (32, 64, 128):
+            for w1 in (4, 8):
+                for s1 in (3, 4, 5) if full else (4,):
+                    v[f"g1 n{n1} w{w1} s{s1}"] = dataclasses.replace(BASE, block_n1=n1, warps1=w1, stages1=s1)
+        for n2 in (64, 128):
+            for w2 in (4, 8):
+                for s2 in (3, 4, 5) if full else (4,):
+                    v[f"g2 n{n2} w{w2} s{s2}"] = dataclasses.replace(BASE, block_n2=n2, warps2=w2, stages2=s2)
+    return v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="q,m,d")
+    ap.add_argument("--tokens", default="1,4,8")
+    ap.add_argument("--sweep", default="1", help="token counts that get the warps / stages sweep")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    t0 = time.time()
+    print(torch.cuda.get_device_name(), flush=True)
+    rows = []
+    for key in a.shapes.split(","):
+        name, H, I, E, K = SHAPES[key]  # noqa: E741
+        g = torch.Generator(device=dev).manual_seed(0)
+        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=g).mul_(H**-0.5)
+        q13, s13 = quantize_fp8_block(w13)
+        del w13
+        w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=g).mul_(I**-0.5)
+        q2, s2 = quantize_fp8_block(w2)
+        del w2
+        torch.cuda.empty_cache()
+        for T in map(int, a.tokens.split(",")):
+            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
+            wts, ids = P.route(T, E, K, dev, g)
+            c0 = moe_config(T, K, H, I, E, fp8=True, table=table_for(dev))
+
+            def run(c, x=x, ids=ids, wts=wts, w=(q13, s13, q2, s2)):
+                return lambda: experts_triton(x, w[0], w[2], ids, wts, w13_scale=w[1], w2_scale=w[3],
+                                              local_expert_offset=0, out=None, config=c)  # fmt: skip
+
+            vs = variants(c0, str(T) in a.sweep.split(","), key == "q")
+            ref = run(vs["default, unswapped"])()
+            r = {"shape": name, "T": T, "default": str(c0)}
+            cfg8, _ = S.fp8_cfg(T, E, I, H, K)
+            r["vk8"] = P.bench_graph(S.vllm_fp8_kernels(x, q13, s13, q2, s2, wts, ids, cfg8, E)) * 1e3
+            print(f"[{time.time() - t0:5.0f}s] {name} T={T} vk8={r['vk8']:.2f} us", flush=True)
+            for vn, c in vs.items():
+                same = bool(torch.equal(run(c)(), ref))
+                t = P.bench_graph(run(c)) * 1e3
+                r[vn] = [round(t, 2), same]
+                bits = "same" if same else "DIFF"
+                print(f"    {vn:22s} {t:8.2f}  bits={bits}  /vk8={t / r['vk8']:.3f}", flush=True)
+            rows.append(r)
+        q13 = q2 = s13 = s2 = None
+        torch.cuda.empty_cache()
+    (Path(os.environ.get("OUT", ".")) / "fp8_decode_probe.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
