@@ -47,6 +47,13 @@ def variants(c0: MoEConfig, sweep: bool, full: bool) -> dict:
         v["default, swapped"] = dataclasses.replace(c0, swap_ab=True)
     for n1 in (32, 64, 128):
         v[f"swap n1={n1}"] = dataclasses.replace(BASE, block_n1=n1)
+    if not c0.direct:  # tile mode: the swapped kernels on 16- and 32-row tiles
+        for bm in (16, 32):
+            for n1 in (32, 64, 128):
+                v[f"tile{bm} n1={n1}"] = dataclasses.replace(BASE, direct=False, block_m=bm, block_n1=n1)
+            v[f"tile{bm} n1=128 w8"] = dataclasses.replace(
+                BASE, direct=False, block_m=bm, block_n1=128, warps1=8
+            )
     if sweep:
         for n1 in (32, 64, 128):
             for w1 in (4, 8):

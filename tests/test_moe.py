@@ -1068,7 +1068,9 @@ def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
     [
         ({}, True),  # the fp8 decode default
         ({"swap_ab": False}, False),  # turned off by the call's configuration
-        ({"direct": False}, False),  # tile mode keeps its kernels
+        ({"direct": False}, False),  # tile mode: only when asked for
+        ({"direct": False, "swap_ab": True, "block_m": 16}, True),  # 16-row tiles on the MMA's N side
+        ({"direct": False, "swap_ab": True, "block_m": 128}, False),  # wider than the swapped kernels take
         ({"block_n1": 64}, True),  # bf16 SwiGLU rows, GEMM2 quantizes them
         ({"block_n1": 128}, True),  # e4m3 SwiGLU rows
         ({"block_n1": 16}, False),  # gate + up = 32 weight rows: a narrower MMA kind, other bits
@@ -1077,27 +1079,29 @@ def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
     ],
 )
 def test_swap_ab_applies_where_the_bits_stay(change, takes):
-    # MoEConfig.swap_ab (None: on) takes the swapped decode kernels only where each dot keeps >= 64
-    # weight rows and 128-deep K chunks; never for bf16
+    # MoEConfig.swap_ab (None: on in the direct mode) takes the swapped kernels only where each dot
+    # keeps >= 64 weight rows and 128-deep K chunks; never for bf16
     c = dataclasses.replace(cfgs.moe_config(1, 8, 2048, 768, 128, fp8=True), **change)
     assert cfgs._swap_ab(c, True) is takes
     assert not cfgs._swap_ab(c, False)
 
 
 SWAP_CASES = [
-    # (T, E_local slice, block_n1, block_n2) -- edge each hits
-    (1, (0, 4), 128, 128),  # e4m3 SwiGLU rows, one token
-    (3, (0, 4), 64, 64),  # bf16 SwiGLU rows quantized in GEMM2, several tokens
-    (2, (0, 4), 32, 128),  # gate and up rows stacked in one dot
-    (3, (1, 3), 32, 64),  # an EP slice: slots outside it write nothing
+    # (T, E_local slice, block_m (0: direct), block_n1, block_n2) -- edge each hits
+    (1, (0, 4), 0, 128, 128),  # decode: e4m3 SwiGLU rows, one token
+    (3, (0, 4), 0, 64, 64),  # decode: bf16 SwiGLU rows quantized in GEMM2, several tokens
+    (2, (0, 4), 0, 32, 128),  # decode: gate and up rows stacked in one dot
+    (3, (1, 3), 0, 32, 64),  # decode, an EP slice: slots outside it write nothing
+    (9, (0, 4), 16, 128, 128),  # tile mode, 16-row tiles: several tiles per expert, padding columns
+    (40, (1, 3), 32, 32, 64),  # tile mode, 32-row tiles, an EP slice
 ]
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("T,sl,n1,n2", SWAP_CASES)
-def test_triton_interpreter_fp8_decode_swapped_matches_unswapped(T, sl, n1, n2, generator):
-    # the swapped fp8 decode kernels against the unswapped direct kernels on the interpreter (its dot
-    # order is numpy's, so closeness; the GPU test checks the bits)
+@pytest.mark.parametrize("T,sl,bm,n1,n2", SWAP_CASES)
+def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, generator):
+    # the swapped fp8 kernels (decode and tile mode) against the unswapped 64-row tiles on the
+    # interpreter (its dot order is numpy's, so closeness; the GPU test checks the bits)
     H, I, E, K = 256, 256, 4, 2  # noqa: E741
     x = torch.randn(T, H, generator=generator).bfloat16()
     w13 = (torch.randn(E, 2 * I, H, generator=generator) * H**-0.5).bfloat16()
@@ -1106,9 +1110,11 @@ def test_triton_interpreter_fp8_decode_swapped_matches_unswapped(T, sl, n1, n2, 
     ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).int()
     wts = torch.rand(T, K, generator=generator)
     lo, hi = sl
+    configs = (MoEConfig(bm == 0, 64, 128, 128, 4, 2, 128, 128, 4, 2, swap_ab=False),
+               MoEConfig(bm == 0, bm or 64, n1, 128, 4, 2, n2, 128, 4, 2, swap_ab=True))  # fmt: skip
+    assert cfgs._swap_ab(configs[1], True)
     outs = []
-    for swap in (False, True):
-        c = MoEConfig(True, 64, n1, 128, 4, 2, n2, 128, 4, 2, swap_ab=swap)
+    for c in configs:
         out = poison(torch.empty(T, H, dtype=torch.bfloat16))
         experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
                        local_expert_offset=lo, out=out, config=c)  # fmt: skip

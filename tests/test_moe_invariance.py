@@ -154,12 +154,12 @@ def test_gpu_bench_shapes_token_output_independent_of_batch(shape, fp8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [QWEN3, MIXTRAL, DSV3], ids=["qwen3", "mixtral", "dsv3"])
-def test_gpu_fp8_decode_swapped_operands_same_bits(shape):
-    # the swapped fp8 decode kernels (weights on the MMA's >= 64-row side) give the unswapped direct
-    # kernels' bits, and so the tile mode's: GEMM1 on 128 columns (quantized SwiGLU rows), 64 (bf16
-    # rows, GEMM2 quantizes them) and 32 (gate and up rows stacked into one dot), GEMM2 on 64 / 128
-    # columns; whole, and as an EP slice whose slots partly fall outside it, at T = 1 and at a few
-    # tokens in one call
+def test_gpu_fp8_swapped_operands_same_bits(shape):
+    # the swapped fp8 kernels (weights on the MMA's >= 64-row side) give the 64-row tiles' bits:
+    # decode (direct mode) with GEMM1 on 128 columns (quantized SwiGLU rows), 64 (bf16 rows, GEMM2
+    # quantizes them) and 32 (gate and up rows stacked into one dot), GEMM2 on 64 / 128 columns, at
+    # T = 1 and 3; tile mode with 16- and 32-row tiles at T = 3, 24 and 200 (one or several rows per
+    # expert); whole, and as an EP slice whose slots partly fall outside it
     import dataclasses
 
     from replaymoe.moe._forward import experts_triton
@@ -171,22 +171,30 @@ def test_gpu_fp8_decode_swapped_operands_same_bits(shape):
     del w13, w2
     g = torch.Generator(device="cuda").manual_seed(8)
     direct = dataclasses.replace(moe_config(1, K, H, I, E, fp8=True), block_n1=128, swap_ab=False)
-    assert direct.direct
-    swapped = [
+    tile = dataclasses.replace(moe_config(4096, K, H, I, E, fp8=True), swap_ab=False)
+    assert direct.direct and not tile.direct and tile.block_m == FP8_BLOCK_M
+    swapped_direct = [
         dict(block_n1=n1, block_n2=n2, swap_ab=True)
         for n1, n2 in ((128, 128), (128, 64), (64, 128), (32, 64))
     ]
-    for T, (lo, hi) in ((1, (0, E)), (3, (0, E)), (3, (E // 4, E // 2 + 1))):
+    swapped_tile = [
+        dict(block_m=bm, block_n1=n1, block_n2=n2, swap_ab=True)
+        for bm, n1, n2 in ((16, 128, 128), (16, 32, 64), (32, 64, 128))
+    ]
+    cases = [(1, (0, E), direct, swapped_direct), (3, (0, E), direct, swapped_direct),
+             (3, (E // 4, E // 2 + 1), direct, swapped_direct), (3, (0, E), tile, swapped_tile),
+             (24, (0, E), tile, swapped_tile), (200, (E // 4, E // 2 + 1), tile, swapped_tile)]  # fmt: skip
+    for T, (lo, hi), base, variants in cases:
         x = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
         ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].int()
         wts = torch.rand(T, K, device="cuda", generator=g)
         outs = []
-        for kw in [{}, *swapped]:
+        for kw in [{}, *variants]:
             out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
-            c = dataclasses.replace(direct, **kw)
+            c = dataclasses.replace(base, **kw)
             experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
                            local_expert_offset=lo, out=out, config=c)  # fmt: skip
             outs.append(out)
         assert torch.isfinite(outs[0].float()).all()
-        for kw, out in zip(swapped, outs[1:]):
+        for kw, out in zip(variants, outs[1:]):
             assert torch.equal(out, outs[0]), (T, lo, hi, kw)

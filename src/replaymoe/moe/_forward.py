@@ -229,7 +229,7 @@ def _launch(
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
     if _swap_ab(c, fp8):
-        _launch_decode_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c)
+        _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c)
         return
     # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
     # quantize its activation tiles again in every N-block program (the same bits)
@@ -296,12 +296,14 @@ def _launch(
 _DECODE_TN = 16
 
 
-def _launch_decode_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
-    """The fp8 direct mode with swapped operands (``c.swap_ab``, ``_kernel_decode.py``): x quantized
-    per 1×128 group -> GEMM1 -> GEMM2 -> reduce. Arguments as :func:`_launch`'s after its
-    normalization (contiguous x, ids, wts; weights with unit stride along K)."""
-    from ._kernel_decode import moe_gemm1_decode_fp8_kernel, moe_gemm2_decode_fp8_kernel
+def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
+    """The fp8 experts with swapped operands (``c.swap_ab``, ``_kernel_swapped.py``): x quantized per
+    1×128 group -> (tile mode: the layout of ``c.block_m``-row tiles) -> GEMM1 -> GEMM2 -> reduce.
+    Arguments as :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit
+    stride along K)."""
     from ._kernel_fwd import moe_reduce_kernel, quant_groups_kernel
+    from ._kernel_swapped import moe_gemm1_swapped_fp8_kernel, moe_gemm2_swapped_fp8_kernel
+    from .layout import expert_layout_unchecked
 
     T, H = x.shape
     K = ids.shape[1]
@@ -309,24 +311,34 @@ def _launch_decode_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c
     I = two_i // 2  # noqa: E741
     slots = T * K
     dev = x.device
+    if c.direct:
+        tn, num_pid_m, rows = _DECODE_TN, slots, slots
+        sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
+    else:
+        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, False)
+        sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
+        tn, num_pid_m, rows = c.block_m, lay.max_tiles, max(lay.sorted_slots.shape[0], 1)
+    if num_pid_m == 0:
+        out.zero_()
+        return
     xq = torch.empty(T, H, dtype=_FP8, device=dev)
     xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
     fast(quant_groups_kernel)[(T, cdiv(H // 128, 8))](x, xq, xs, H // 128, x.stride(0), G=8, num_warps=4)
     preq = c.block_n1 == 128
-    inter = torch.empty(slots, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
-    inter_s = torch.empty(slots, I // 128, dtype=torch.float32, device=dev) if preq else inter
-    fast(moe_gemm1_decode_fp8_kernel)[(slots * (I // c.block_n1),)](
-        xq, xs, w13, w13_scale, inter, inter_s, ids, slots, H, I, K, offset, E_local, xq.stride(0),
-        w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0),
-        PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m, num_warps=c.warps1,
-        num_stages=c.stages1,
+    inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
+    inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
+    fast(moe_gemm1_swapped_fp8_kernel)[(num_pid_m * (I // c.block_n1),)](
+        xq, xs, w13, w13_scale, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, slots,
+        H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
+        w13_scale.stride(1), inter.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128,
+        TN=tn, GROUP_M=c.group_m, num_warps=c.warps1, num_stages=c.stages1,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
-    fast(moe_gemm2_decode_fp8_kernel)[(slots * cdiv(H, c.block_n2),)](
-        inter, inter_s, w2, w2_scale, y, ids, wts, slots, H, I, offset, E_local, inter.stride(0),
-        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
-        PREQ=preq, BLOCK_N=c.block_n2, BLOCK_K=128, TN=_DECODE_TN, GROUP_M=c.group_m,
-        num_warps=c.warps2, num_stages=c.stages2,
+    fast(moe_gemm2_swapped_fp8_kernel)[(num_pid_m * cdiv(H, c.block_n2),)](
+        inter, inter_s, w2, w2_scale, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, slots, H,
+        I, K, offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
+        w2_scale.stride(1), y.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n2, BLOCK_K=128,
+        TN=tn, GROUP_M=c.group_m, num_warps=c.warps2, num_stages=c.stages2,
     )  # fmt: skip
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, cdiv(H, bh))](

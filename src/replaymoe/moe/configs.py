@@ -50,10 +50,11 @@ class MoEConfig:
     * ``pdl`` (direct mode, not fp8, Hopper and newer outside the interpreter): GEMM1, GEMM2 and the
       reduce as programmatic dependent launches; ``None``: the process default :data:`PDL_ENABLED`
       (``REPLAYMOE_PDL``, off).
-    * ``swap_ab`` (direct mode, fp8): the decode kernels of
-      ``_kernel_decode.py``, which put the weight rows on the MMA's 64-row side and the token on its
-      narrow side (a quarter of the MMA work of a 64-row tile with one real row) and may split
-      GEMM1 into 32- or 64-column blocks; ``None``: on where it applies (:func:`_swap_ab`).
+    * ``swap_ab`` (fp8): the kernels of ``_kernel_swapped.py``, which put the weight rows on the MMA's
+      64-row side and the tokens on its narrow side (a quarter of the MMA work of a 64-row tile with
+      one real row at decode), which lets GEMM1 run 32- or 64-column blocks and tile mode run 16- or
+      32-row tiles without changing bits; ``None``: on in the direct mode, off in tile mode
+      (:func:`_swap_ab`).
     """
 
     direct: bool
@@ -334,14 +335,15 @@ def _pdl(c, fp8: bool, dev: torch.device) -> bool:
 
 
 def _swap_ab(c, fp8: bool) -> bool:
-    """Configuration ``c`` runs the fp8 decode kernels with swapped operands (``_kernel_decode.py``):
-    ``c.swap_ab`` (``None``: on), direct mode, fp8, 128-deep K chunks in both GEMMs, GEMM1 on 32, 64
-    or 128 columns and GEMM2 on 64 or 128 (one weight scale per dot, and at least 64 weight rows per
-    dot: Hopper's narrower fp8 MMA rounds differently). The same bits as the unswapped direct kernels
-    (GPU test), on any device."""
-    want = True if c.swap_ab is None else c.swap_ab
+    """Configuration ``c`` runs the fp8 kernels with swapped operands (``_kernel_swapped.py``): fp8,
+    128-deep K chunks in both GEMMs, GEMM1 on 32, 64 or 128 columns and GEMM2 on 64 or 128 (one weight
+    scale per dot, and at least 64 weight rows per dot: Hopper's narrower fp8 MMA rounds differently);
+    in the direct mode ``c.swap_ab`` (``None``: on), in tile mode ``c.swap_ab=True`` with 16-, 32- or
+    64-row tiles (the tile's rows are the MMA's N side). The same bits as the unswapped 64-row-tile
+    kernels (GPU test), on any device."""
+    want = (c.swap_ab is not False) if c.direct else (c.swap_ab is True and c.block_m in (16, 32, 64))
     return (
-        want and c.direct and fp8 and c.block_n1 in (32, 64, 128) and c.block_k1 == 128 and c.block_k2 == 128
+        want and fp8 and c.block_n1 in (32, 64, 128) and c.block_k1 == 128 and c.block_k2 == 128
         and c.block_n2 in (64, 128)
     )  # fmt: skip
 
