@@ -42,6 +42,8 @@ from .moe import SHAPES, TOKENS, make_weights, routing_inputs
 # direct (decode) mode: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2)
 DIRECT_GRID = [
     (32, 128, 4, 4, 32, 128, 4, 4),
+    (32, 128, 4, 5, 64, 128, 4, 4),  # fp8: the swapped decode kernels' H100 winners (session 22)
+    (64, 128, 4, 4, 128, 128, 8, 4),
     (64, 128, 4, 4, 64, 128, 4, 4),
     (32, 256, 4, 3, 64, 128, 4, 3),
     (64, 128, 4, 6, 128, 128, 8, 4),
