@@ -100,7 +100,9 @@ def config_tuple(c: MoEConfig) -> list[int]:
 
 # Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
 # fewer rows (the mma.sync path, through fp16) round differently, so one tile height for every T is
-# what keeps the fp8 path batch-invariant (a token's bits do not depend on T); see DESIGN.
+# what keeps the fp8 path batch-invariant (a token's bits do not depend on T); see DESIGN. The swapped
+# kernels (MoEConfig.swap_ab) put the tokens on the MMA's other side, so their 16- or 32-row tiles (and
+# the decode's one row) still run 64-row wgmma instructions: the same bits.
 FP8_BLOCK_M = 64
 
 
