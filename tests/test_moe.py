@@ -1071,6 +1071,8 @@ def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
         ({"direct": False}, False),  # tile mode: only when asked for
         ({"direct": False, "swap_ab": True, "block_m": 16}, True),  # 16-row tiles on the MMA's N side
         ({"direct": False, "swap_ab": True, "block_m": 128}, False),  # wider than the swapped kernels take
+        ({"block_m": 16}, False),  # batch_invariant=False's decode tiles keep their mma.sync kernels
+        ({"block_m": 16, "swap_ab": True}, True),  # ... unless the configuration asks
         ({"block_n1": 64}, True),  # bf16 SwiGLU rows, GEMM2 quantizes them
         ({"block_n1": 128}, True),  # e4m3 SwiGLU rows
         ({"block_n1": 16}, False),  # gate + up = 32 weight rows: a narrower MMA kind, other bits
@@ -1079,8 +1081,8 @@ def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
     ],
 )
 def test_swap_ab_applies_where_the_bits_stay(change, takes):
-    # MoEConfig.swap_ab (None: on in the direct mode) takes the swapped kernels only where each dot
-    # keeps >= 64 weight rows and 128-deep K chunks; never for bf16
+    # MoEConfig.swap_ab (None: on for the invariant decode) takes the swapped kernels only where each
+    # dot keeps >= 64 weight rows and 128-deep K chunks; never for bf16
     c = dataclasses.replace(cfgs.moe_config(1, 8, 2048, 768, 128, fp8=True), **change)
     assert cfgs._swap_ab(c, True) is takes
     assert not cfgs._swap_ab(c, False)

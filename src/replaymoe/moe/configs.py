@@ -53,8 +53,8 @@ class MoEConfig:
     * ``swap_ab`` (fp8): the kernels of ``_kernel_swapped.py``, which put the weight rows on the MMA's
       64-row side and the tokens on its narrow side (a quarter of the MMA work of a 64-row tile with
       one real row at decode), which lets GEMM1 run 32- or 64-column blocks and tile mode run 16- or
-      32-row tiles without changing bits; ``None``: on in the direct mode, off in tile mode
-      (:func:`_swap_ab`).
+      32-row tiles without changing bits; ``None``: on for the invariant decode (direct mode, 64-row
+      tiles), off elsewhere (:func:`_swap_ab`).
     """
 
     direct: bool
@@ -340,10 +340,14 @@ def _swap_ab(c, fp8: bool) -> bool:
     """Configuration ``c`` runs the fp8 kernels with swapped operands (``_kernel_swapped.py``): fp8,
     128-deep K chunks in both GEMMs, GEMM1 on 32, 64 or 128 columns and GEMM2 on 64 or 128 (one weight
     scale per dot, and at least 64 weight rows per dot: Hopper's narrower fp8 MMA rounds differently);
-    in the direct mode ``c.swap_ab`` (``None``: on), in tile mode ``c.swap_ab=True`` with 16-, 32- or
-    64-row tiles (the tile's rows are the MMA's N side). The same bits as the unswapped 64-row-tile
-    kernels (GPU test), on any device."""
-    want = (c.swap_ab is not False) if c.direct else (c.swap_ab is True and c.block_m in (16, 32, 64))
+    ``c.swap_ab=True`` in the direct mode or with 16-, 32- or 64-row tiles (the tile's rows are the
+    MMA's N side); ``None``: on in the direct mode with :data:`FP8_BLOCK_M`-row tiles (the invariant
+    decode; ``batch_invariant=False``'s 16/32-row decode tiles keep their mma.sync kernels), off
+    otherwise. The same bits as the unswapped 64-row-tile kernels (GPU test), on any device."""
+    if c.swap_ab is None:
+        want = c.direct and c.block_m == FP8_BLOCK_M
+    else:
+        want = c.swap_ab and (c.direct or c.block_m in (16, 32, 64))
     return (
         want and fp8 and c.block_n1 in (32, 64, 128) and c.block_k1 == 128 and c.block_k2 == 128
         and c.block_n2 in (64, 128)
