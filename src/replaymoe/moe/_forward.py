@@ -193,7 +193,7 @@ def _launch(
     receives GEMM1's gate/up outputs per slot for the backward; ``v``: the experts variant (bf16 /
     fp16 / fp32 weights of any strides; fp8 takes the standard variant only); ``layout_out`` (a list)
     receives the expert layout in tile mode."""
-    from ._kernel_fwd import moe_gemm1_kernel, moe_gemm2_kernel, moe_reduce_kernel, quant_groups_kernel
+    from ._kernel_fwd import moe_gemm1_kernel, moe_gemm2_kernel
     from .layout import expert_layout_unchecked
 
     T, H = x.shape
@@ -234,13 +234,8 @@ def _launch(
     # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
     # quantize its activation tiles again in every N-block program (the same bits)
     preq = fp8 and c.block_n1 == 128
-    if fp8:  # x quantized once per 1x128 group (every fp8 mode: the same bits as in-tile quantization)
-        xq = torch.empty(T, H, dtype=_FP8, device=dev)
-        xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
-        g = 8
-        fast(quant_groups_kernel)[(T, cdiv(H // 128, g))](x, xq, xs, H // 128, x.stride(0), G=g, num_warps=4)
-    else:
-        xq, xs = x, x
+    # x quantized once per 1x128 group (every fp8 mode: the same bits as in-tile quantization)
+    xq, xs = _quantize_x(x) if fp8 else (x, x)
     if preq:
         inter = torch.empty(rows, I, dtype=_FP8, device=dev)
         inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev)
@@ -285,6 +280,27 @@ def _launch(
         w_desc=w2_desc if inter_desc is not None else None, HALF_TILES=half, a_desc_half=inter_desc_half,
         num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl,
     )  # fmt: skip
+    _reduce_slots(y, ids, out, offset, E_local, pdl)
+
+
+def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (H a multiple of 128) quantized per 1×128 group: (e4m3 [T, H], fp32 scales [T, H // 128])."""
+    from ._kernel_fwd import quant_groups_kernel
+
+    T, H = x.shape
+    xq = torch.empty(T, H, dtype=_FP8, device=x.device)
+    xs = torch.empty(T, H // 128, dtype=torch.float32, device=x.device)
+    fast(quant_groups_kernel)[(T, cdiv(H // 128, 8))](x, xq, xs, H // 128, x.stride(0), G=8, num_warps=4)
+    return xq, xs
+
+
+def _reduce_slots(y, ids, out, offset: int, E_local: int, pdl: bool = False) -> None:
+    """out[t] = the sum in k order of the slot rows y[t * K + k] of the token's local experts
+    (``moe_reduce_kernel``; ``pdl``: as a programmatic dependent launch)."""
+    from ._kernel_fwd import moe_reduce_kernel
+
+    T, K = ids.shape
+    H = y.shape[1]
     bh = min(1024, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, cdiv(H, bh))](
         y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,
@@ -301,7 +317,6 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     1×128 group -> (tile mode: the layout of ``c.block_m``-row tiles) -> GEMM1 -> GEMM2 -> reduce.
     Arguments as :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit
     stride along K)."""
-    from ._kernel_fwd import moe_reduce_kernel, quant_groups_kernel
     from ._kernel_swapped import moe_gemm1_swapped_fp8_kernel, moe_gemm2_swapped_fp8_kernel
     from .layout import expert_layout_unchecked
 
@@ -321,9 +336,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     if num_pid_m == 0:
         out.zero_()
         return
-    xq = torch.empty(T, H, dtype=_FP8, device=dev)
-    xs = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
-    fast(quant_groups_kernel)[(T, cdiv(H // 128, 8))](x, xq, xs, H // 128, x.stride(0), G=8, num_warps=4)
+    xq, xs = _quantize_x(x)
     preq = c.block_n1 == 128
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
@@ -340,7 +353,4 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
         w2_scale.stride(1), y.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n2, BLOCK_K=128,
         TN=tn, GROUP_M=c.group_m, num_warps=c.warps2, num_stages=c.stages2,
     )  # fmt: skip
-    bh = min(1024, max(16, 1 << (H - 1).bit_length()))
-    fast(moe_reduce_kernel)[(T, cdiv(H, bh))](
-        y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, num_warps=4
-    )
+    _reduce_slots(y, ids, out, offset, E_local)
