@@ -128,6 +128,40 @@ def test_bench_train_hf_rows_record_checkpointing_and_replay(replay, monkeypatch
     assert all(r["host_ms"] > 0 for r in rows)  # the host's time to issue a step (the CPU: the step)
 
 
+@pytest.mark.parametrize("compile", [None, "aot_eager"])
+def test_bench_train_floor_row_is_free_experts(compile, monkeypatch):
+    # `bench train --floor`: the free_experts row runs the model with experts that do no work (each
+    # token's output is its input times its summed routing weight), eager and compiled; its step
+    # differs from grouped_mm's (a different loss), reaches the routers in the backward, and its
+    # speed-up column is the ceiling next to the others
+    from replaymoe.bench import train as bench_train
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(bench_train, "time_eager", lambda fn, **kw: (fn(), 1000.0)[1])
+    rows = bench_train._hf_rows(
+        "qwen3_moe", 2, 6, rounds=1, checkpointing=True, replay=True, compile=compile, size="tiny",
+        device="cpu", floor=True,
+    )  # fmt: skip
+    torch._dynamo.reset()
+    assert [r["impl"] for r in rows] == ["grouped_mm", "replaymoe", "free_experts"]
+    free = rows[2]
+    assert free["replay"] is False and np.isfinite(free["loss"])
+    assert free["loss"] != pytest.approx(rows[0]["loss"], rel=1e-3)  # the experts really were replaced
+    assert free["fwdbwd_speedup"] == 1.0  # the stubbed timing: every step 1 s
+
+
+def test_free_experts_forward_scales_by_summed_weight():
+    # the floor row's experts function: [T, H] out = x * sum_k w[t, k], gradients to x and w
+    from replaymoe.bench.train import _free_experts_forward
+
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(5, 3, dtype=torch.float64, requires_grad=True)
+    out = _free_experts_forward(None, x, torch.zeros(5, 3, dtype=torch.long), w)
+    torch.testing.assert_close(out, x * w.sum(-1, keepdim=True))
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(-1, keepdim=True).detach().expand(5, 3))
+
+
 def test_bench_train_hf_rows_compiled_replay(monkeypatch):
     # `bench train --checkpointing --replay --compile`: one compiled model per implementation (the
     # rounds recompile nothing), the replaymoe row's compiled checkpointed step replaying the traces

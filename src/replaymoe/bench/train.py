@@ -40,11 +40,16 @@ time to issue one step with the device idle at its start (about ``fwdbwd_ms`` wh
 step, below it where the device does), and ``held_gib``, the
 memory the forward allocated and still holds when the backward starts (activations; with checkpointing,
 what the checkpoints keep). The step passes
-``use_cache=False``, as trainers do.
+``use_cache=False``, as trainers do. ``--floor`` adds a ``free_experts`` row: the same model with its
+experts replaced by a function that does no expert work (each token's output is its input scaled by its
+summed routing weight, so the backward still reaches the routers), transformers' own router, so its
+step is the floor that transformers' code around the experts sets on this host and card. Its
+``fwdbwd_speedup`` is therefore the ceiling of any experts implementation's speed-up over grouped_mm
+in the same run: where it is below a goal, no experts code can meet that goal on this machine.
 
 Usage: ``replaymoe bench train [--out DIR] [--shapes qwen3,mixtral,dsv3] [--tokens 1024,4096,16384]
 [--hf-arch qwen3_moe] [--batch 8] [--seq 512] [--rounds 5] [--no-hf] [--checkpointing] [--replay]
-[--compile [BACKEND]]``.
+[--compile [BACKEND]] [--floor]``.
 Needs CUDA.
 """
 
@@ -187,8 +192,24 @@ def _layer_rows(name: str, tokens, impls) -> list[dict]:
 
 
 HF_ROUNDS = 5  # rounds of the HF rows, each implementation once per round in a rotated order
+FREE_EXPERTS = "replaymoe_bench_free"  # the --floor row's experts implementation (ExpertsInterface key)
 HF_REP_MS = 500  # timed steps per implementation and round (the host-bound step drifts: more samples)
 HF_WARMUP_MS = 250  # untimed steps before each implementation's timed steps in a round
+
+
+def _free_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``--floor`` row's experts function (transformers' ``ExpertsInterface`` signature): no expert
+    work. ``hidden_states [T, H]`` scaled by each token's summed ``top_k_weights [T, K]``, so that the
+    router's logits still get a gradient and the step's backward keeps its shape."""
+    return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
+
+
+def _register_free_experts() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(FREE_EXPERTS, _free_experts_forward)
 
 
 def _hf_rows(
@@ -202,6 +223,7 @@ def _hf_rows(
     compile: str | None = None,
     size: str = "bench",
     device: str = "cuda",
+    floor: bool = False,
 ) -> list[dict]:
     """The HF training-step rows: each implementation timed once per round, the order rotated
     round to round (a host that slows down over a run no longer penalises the one timed last);
@@ -222,6 +244,9 @@ def _hf_rows(
         (``replay`` decides whether the ``replaymoe`` row replays).
     size, device : str
         The model's ``build_model`` size and device (``"tiny"`` / ``"cpu"`` for the CPU test).
+    floor : bool
+        Add the ``free_experts`` row (experts that do no work; the module docstring): the floor of the
+        step around the experts, whose speed-up over grouped_mm is the ceiling of any experts code's.
     """
     import statistics
 
@@ -239,6 +264,8 @@ def _hf_rows(
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return m
 
+    if floor:
+        _register_free_experts()
     model = new_model()
     cfg = model.config
     g = torch.Generator().manual_seed(1)
@@ -276,9 +303,9 @@ def _hf_rows(
     model_of = {id(model): model}
     if compile:  # one compiled model per implementation, enabled once: nothing recompiles across rounds
         steps, compile_s, handles = {}, {}, []
-        for impl in ("grouped_mm", "replaymoe"):
+        for impl in ("grouped_mm", "replaymoe") + (("free_experts",) if floor else ()):
             m = model if impl == "grouped_mm" else new_model()
-            m.set_experts_implementation("grouped_mm")
+            m.set_experts_implementation(FREE_EXPERTS if impl == "free_experts" else "grouped_mm")
             moe = rhf.enable(m) if impl == "replaymoe" else None
             handles.append(moe)
             compiled = torch.compile(m, backend=compile)
@@ -299,6 +326,8 @@ def _hf_rows(
         }
         if replay:  # the replaymoe row replays: the enable(replay=) row would repeat it
             del enable["replaymoe+replay"]
+        if floor:
+            enable["free_experts"] = lambda: (model.set_experts_implementation(FREE_EXPERTS), None)[1]
         impls = list(enable)
 
     times: dict[str, list[float]] = {impl: [] for impl in impls}
@@ -339,7 +368,7 @@ def _hf_rows(
         t = statistics.median(times[impl])
         row = {"shape": f"hf:{arch}", "T": B * S, "impl": impl, "fwdbwd_ms": t,
                "tokens_per_s": B * S / t * 1e3, "loss": losses[impl], "checkpointing": checkpointing,
-               "replay": impl == "replaymoe+replay" or (replay and impl != "grouped_mm"),
+               "replay": impl == "replaymoe+replay" or (replay and impl.startswith("replaymoe")),
                "compiled": compile or "", "fwdbwd_ms_rounds": times[impl]}  # fmt: skip
         if compile:
             row["compile_s"] = compile_s[impl]
@@ -428,6 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         help="HF rows: step through torch.compile(model, backend=BACKEND) (default inductor; one model per "
         "implementation, compiled once)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="HF rows: add a free_experts row (experts that do no work): the floor of the step around the "
+        "experts on this machine; its speed-up is the ceiling of any experts implementation's",
+    )
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds: expected an int >= 1, got {a.rounds}")
@@ -450,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpointing=a.checkpointing,
             replay=a.replay,
             compile=a.compile,
+            floor=a.floor,
         )
     write_results(rows, a.out, "train")
     cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
