@@ -56,6 +56,8 @@ def compile_dw(bm, bn, bk, warps, stages, maxnreg, c_desc, progs):
     types = dict(
         a_desc=f"tensordesc<bf16[{bk}, {bm}]>",
         b_desc=f"tensordesc<bf16[{bk}, {bn}]>",
+        a_tail_desc=f"tensordesc<bf16[{min(bk, 16)}, {bm}]>",
+        b_tail_desc=f"tensordesc<bf16[{min(bk, 16)}, {bn}]>",
         c_desc=f"tensordesc<bf16[{bm}, {bn}]>" if c_desc else "constexpr",
         c_ptr="*bf16",
         starts_ptr="*i32",
@@ -67,7 +69,14 @@ def compile_dw(bm, bn, bk, warps, stages, maxnreg, c_desc, progs):
         stride_cm="i32",
     )
     consts = dict(
-        C_DESC=c_desc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_PREC="tf32", NUM_PROGS=progs
+        C_DESC=c_desc,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        TAIL_K=min(bk, 16),
+        GROUP_M=8,
+        DOT_PREC="tf32",
+        NUM_PROGS=progs,
     )
     if not c_desc:
         consts["c_desc"] = None

@@ -439,19 +439,23 @@ def _ids_counts(counts, E, offset, K, g):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "dtype,progs,c_desc",
-    [(torch.float32, 0, True), (torch.float16, 0, True), (torch.float16, 3, False)],
-    ids=["fp32-tile-grid", "fp16-tile-grid", "fp16-persistent-3-ptr-stores"],
-)
+    "dtype,progs,c_desc,bk",
+    [(torch.float32, 0, True, 16), (torch.float16, 0, True, 16), (torch.float16, 3, False, 16),
+     (torch.float16, 0, True, 32)],
+    ids=["fp32-tile-grid", "fp16-tile-grid", "fp16-persistent-3-ptr-stores", "fp16-bk32-tail-pieces"],
+)  # fmt: skip
 @pytest.mark.usefixtures("poisoned_empty")
-def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, generator):
+def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, bk, generator):
     # the TMA dW kernel against the pointer kernel (same config, pre-gathered rows): equal up to the
     # summation order of tl.dot here (bitwise on the GPU, test_moe_backward_gpu)
     # over local experts of 0 rows, 1 row, exactly BLOCK_K rows, 21 and 5 rows (a partial last chunk,
     # the next expert's rows, NaN-poisoned rows of non-local slots and the buffer's end after it), an
     # EP slice with a -1 row; dW13's M = 2I = 48 is a multiple of BLOCK_M (descriptor stores), dW2's M
     # = H = 40 is not (pointer stores); N (H = 40, I = 24) not a multiple of BLOCK_N (zero fill);
-    # persistent-3: 3 programs walk the tiles; ptr-stores: no C descriptor (dw_c_desc=False)
+    # persistent-3: 3 programs walk the tiles; ptr-stores: no C descriptor (dw_c_desc=False);
+    # bk32-tail-pieces: 32-row chunks, so every expert's rows end in a partial chunk that the TMA
+    # kernel computes in 16-row pieces (1 / 16 / 21 / 5 rows: one piece, one full piece, a full and a
+    # partial piece, one partial piece) against the pointer kernel's one masked 32-row chunk
     import dataclasses
 
     H, I, E, offset, K = 40, 24, 8, 2, 2  # noqa: E741
@@ -461,7 +465,7 @@ def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, genera
     x, w13, w2, _, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, dtype)
     c0 = cfgs.config_tuple(cfgs.moe_config(T, K, H, I, E_local))
     base = dataclasses.replace(cfgs.moe_bwd_config(T, K, H, I, E_local), block_m=16, dw_mode=1, bm_w=16,
-                               bn_w=16, bk_w=16)  # fmt: skip
+                               bn_w=16, bk_w=bk)  # fmt: skip
     need = [False, True, True, False]
 
     def run(cfg):

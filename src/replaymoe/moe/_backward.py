@@ -264,6 +264,9 @@ def _(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, 
     )
 
 
+DW_TAIL_K = 16  # rows per piece of an expert's partial last chunk in the TMA dW GEMM (the narrowest dot)
+
+
 def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
     """A TMA descriptor of the row-major 2-D view ``[rows, t.shape[-1]]`` of ``t`` with blocks
     ``block``, or None where TMA cannot address it: the last dimension not unit-stride, the rows not one
@@ -448,13 +451,20 @@ def launch_bwd(
         c_desc = _dw_desc(dw, E_local * m, [c.bm_w, c.bn_w]) if c.dw_c_desc and m % c.bm_w == 0 else None
         if a_desc is None or b_desc is None:
             return False
+        # each expert's partial last chunk in 16-row pieces (the narrowest dot): H100, Mixtral T=1024,
+        # dW13 / dW2 1289 / 726 -> 1194 / 696 us, the same bits (.probe/dw_tail.py, bench/moe_notes.md)
+        tail_k = min(c.bk_w, DW_TAIL_K)
+        a_tail = a_desc if tail_k == c.bk_w else _dw_desc(a, slots, [tail_k, c.bm_w])
+        b_tail = b_desc if tail_k == c.bk_w else _dw_desc(b, slots, [tail_k, c.bn_w])
+        if a_tail is None or b_tail is None:
+            tail_k, a_tail, b_tail = c.bk_w, a_desc, b_desc
         tiles = E_local * cdiv(m, c.bm_w) * cdiv(n, c.bn_w)
         progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
         fast(moe_bwd_dw_tma_kernel)[(progs or tiles,)](
-            a_desc, b_desc, c_desc, dw, cl.exact_start, lay.expert_counts, m,
+            a_desc, b_desc, a_tail, b_tail, c_desc, dw, cl.exact_start, lay.expert_counts, m,
             n, tiles, dw.stride(0), dw.stride(1), C_DESC=c_desc is not None, BLOCK_M=c.bm_w, BLOCK_N=c.bn_w,
-            BLOCK_K=c.bk_w, GROUP_M=c.group_m, DOT_PREC=prec, NUM_PROGS=progs, num_warps=c.warps_w,
-            num_stages=c.stages_w, maxnreg=c.maxnreg_w or None,
+            BLOCK_K=c.bk_w, TAIL_K=tail_k, GROUP_M=c.group_m, DOT_PREC=prec, NUM_PROGS=progs,
+            num_warps=c.warps_w, num_stages=c.stages_w, maxnreg=c.maxnreg_w or None,
         )  # fmt: skip
         return True
 
