@@ -264,7 +264,7 @@ def _(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, 
     )
 
 
-DW_TAIL_K = 16  # rows per piece of an expert's partial last chunk in the TMA dW GEMM (the narrowest dot)
+DW_TAIL_K = 16  # rows of the narrow last chunk of the TMA dW GEMM (the narrowest dot)
 
 
 def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
@@ -451,8 +451,8 @@ def launch_bwd(
         c_desc = _dw_desc(dw, E_local * m, [c.bm_w, c.bn_w]) if c.dw_c_desc and m % c.bm_w == 0 else None
         if a_desc is None or b_desc is None:
             return False
-        # each expert's partial last chunk in 16-row pieces (the narrowest dot): H100, Mixtral T=1024,
-        # dW13 / dW2 1289 / 726 -> 1194 / 696 us, the same bits (.probe/dw_tail.py, bench/moe_notes.md)
+        # an expert's last chunk of at most 16 rows (the narrowest dot) in a 16-row block: about half
+        # the experts' partial chunks at half the width (bench/moe_notes.md, session 23)
         tail_k = min(c.bk_w, DW_TAIL_K)
         a_tail = a_desc if tail_k == c.bk_w else _dw_desc(a, slots, [tail_k, c.bm_w])
         b_tail = b_desc if tail_k == c.bk_w else _dw_desc(b, slots, [tail_k, c.bn_w])
