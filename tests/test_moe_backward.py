@@ -442,7 +442,7 @@ def _ids_counts(counts, E, offset, K, g):
     "dtype,progs,c_desc,bk",
     [(torch.float32, 0, True, 16), (torch.float16, 0, True, 16), (torch.float16, 3, False, 16),
      (torch.float16, 0, True, 32)],
-    ids=["fp32-tile-grid", "fp16-tile-grid", "fp16-persistent-3-ptr-stores", "fp16-bk32-narrow-tail"],
+    ids=["fp32-tile-grid", "fp16-tile-grid", "fp16-persistent-3-ptr-stores", "fp16-bk32-tail-pieces"],
 )  # fmt: skip
 @pytest.mark.usefixtures("poisoned_empty")
 def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, bk, generator):
@@ -453,9 +453,9 @@ def test_triton_dw_tma_bitwise_equal_pointer_kernel(dtype, progs, c_desc, bk, ge
     # EP slice with a -1 row; dW13's M = 2I = 48 is a multiple of BLOCK_M (descriptor stores), dW2's M
     # = H = 40 is not (pointer stores); N (H = 40, I = 24) not a multiple of BLOCK_N (zero fill);
     # persistent-3: 3 programs walk the tiles; ptr-stores: no C descriptor (dw_c_desc=False);
-    # bk32-narrow-tail: 32-row chunks, so every expert's rows end in a partial chunk, which the TMA
-    # kernel computes in one 16-row chunk where it fits (1, 16 and 5 rows) and in a masked 32-row chunk
-    # where it does not (21 rows), against the pointer kernel's masked 32-row chunk every time
+    # bk32-tail-pieces: 32-row chunks, so every expert's rows end in a partial chunk that the TMA
+    # kernel computes in 16-row pieces (1 / 16 / 21 / 5 rows: one partial piece, one full piece, a full
+    # and a partial piece, one partial piece) against the pointer kernel's one masked 32-row chunk
     import dataclasses
 
     H, I, E, offset, K = 40, 24, 8, 2, 2  # noqa: E741

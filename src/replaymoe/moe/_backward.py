@@ -264,7 +264,7 @@ def _(grad_out, x, w13, w2, topk_ids, topk_weights, saved, local_expert_offset, 
     )
 
 
-DW_TAIL_K = 16  # rows of the narrow last chunk of the TMA dW GEMM (the narrowest dot)
+DW_TAIL_K = 16  # rows per piece of an expert's partial last chunk in the TMA dW GEMM (the narrowest dot)
 
 
 def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
@@ -451,15 +451,17 @@ def launch_bwd(
         c_desc = _dw_desc(dw, E_local * m, [c.bm_w, c.bn_w]) if c.dw_c_desc and m % c.bm_w == 0 else None
         if a_desc is None or b_desc is None:
             return False
-        # an expert's last chunk of at most 16 rows (the narrowest dot) in a 16-row block: about half
-        # the experts' partial chunks at half the width (bench/moe_notes.md, session 23)
-        tail_k = min(c.bk_w, DW_TAIL_K)
+        tiles = E_local * cdiv(m, c.bm_w) * cdiv(n, c.bn_w)
+        progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
+        # an expert's partial last chunk in 16-row pieces (the narrowest dot) on the tile grid; the
+        # persistent grid keeps one masked full chunk (H100, bench/moe_notes.md, session 23: pieces
+        # take Mixtral T=1024's dW13 / dW2 from 1305-1414 / 741-744 to 1221-1243 / 704 us and lose 2-8 %
+        # on the persistent 128x256 tiles at T=4096)
+        tail_k = DW_TAIL_K if progs == 0 and c.bk_w > DW_TAIL_K else c.bk_w
         a_tail = a_desc if tail_k == c.bk_w else _dw_desc(a, slots, [tail_k, c.bm_w])
         b_tail = b_desc if tail_k == c.bk_w else _dw_desc(b, slots, [tail_k, c.bn_w])
         if a_tail is None or b_tail is None:
             tail_k, a_tail, b_tail = c.bk_w, a_desc, b_desc
-        tiles = E_local * cdiv(m, c.bm_w) * cdiv(n, c.bn_w)
-        progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
         fast(moe_bwd_dw_tma_kernel)[(progs or tiles,)](
             a_desc, b_desc, a_tail, b_tail, c_desc, dw, cl.exact_start, lay.expert_counts, m,
             n, tiles, dw.stride(0), dw.stride(1), C_DESC=c_desc is not None, BLOCK_M=c.bm_w, BLOCK_N=c.bn_w,

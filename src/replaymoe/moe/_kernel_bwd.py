@@ -565,10 +565,10 @@ def _dw_tma_tile(
     """One ``BLOCK_M × BLOCK_N`` block of C[e] (tile = e * per_e + grouped block index, as
     ``moe_bwd_dw_kernel``'s program id): the expert's full BLOCK_K row chunks straight from the
     descriptors, then its last partial chunk with the rows past the expert's end zeroed in both operands
-    (they are the next expert's rows or, past the buffer, zero fill): a chunk of ``TAIL_K`` rows (the
-    ``*_tail_desc`` blocks) where the remainder fits one, else a full BLOCK_K chunk. The narrow chunk
-    skips all-zero rows that a full-width one would multiply and adds the same products in the same
-    order. One dot either way, outside the pipelined loop."""
+    (they are the next expert's rows or, past the buffer, zero fill): one masked BLOCK_K chunk where
+    ``TAIL_K == BLOCK_K``, else ``TAIL_K``-row pieces (the ``*_tail_desc`` blocks; TAIL_K divides
+    BLOCK_K), which skip the all-zero rows a full-width chunk would multiply and add the same products
+    in the same order."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_e = num_m * num_n
@@ -587,16 +587,18 @@ def _dw_tma_tile(
         acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
     tail = cnt - n_full * BLOCK_K
     r = start + n_full * BLOCK_K
-    if tail > TAIL_K:  # (never where TAIL_K == BLOCK_K)
-        ok = tl.arange(0, BLOCK_K) < tail
-        a = tl.where(ok[:, None], a_desc.load([r, m0]), 0.0)
-        b = tl.where(ok[:, None], b_desc.load([r, n0]), 0.0)
-        acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
-    elif tail > 0:
-        ok = tl.arange(0, TAIL_K) < tail
-        a = tl.where(ok[:, None], a_tail_desc.load([r, m0]), 0.0)
-        b = tl.where(ok[:, None], b_tail_desc.load([r, n0]), 0.0)
-        acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
+    if TAIL_K == BLOCK_K:
+        if tail > 0:
+            ok = tl.arange(0, BLOCK_K) < tail
+            a = tl.where(ok[:, None], a_desc.load([r, m0]), 0.0)
+            b = tl.where(ok[:, None], b_desc.load([r, n0]), 0.0)
+            acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
+    else:
+        for j in range(0, tl.cdiv(tail, TAIL_K)):
+            ok = tl.arange(0, TAIL_K) < tail - j * TAIL_K
+            a = tl.where(ok[:, None], a_tail_desc.load([r + j * TAIL_K, m0]), 0.0)
+            b = tl.where(ok[:, None], b_tail_desc.load([r + j * TAIL_K, n0]), 0.0)
+            acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
     out = acc.to(c_ptr.dtype.element_ty)
     if C_DESC:  # C viewed [E*M, N] with M % BLOCK_M == 0: the block never crosses into expert e + 1
         c_desc.store([e * M + m0, n0], out)
@@ -634,11 +636,11 @@ def moe_bwd_dw_tma_kernel(
     """``moe_bwd_dw_kernel`` for pre-gathered rows (A [T*K, M] and B [T*K, N] row-major, C not
     transposed) through TMA tensor descriptors: ``a_desc`` over A with blocks ``[BLOCK_K, BLOCK_M]``
     (transposed in shared memory for the dot), ``b_desc`` over B with blocks ``[BLOCK_K, BLOCK_N]``,
-    ``a_tail_desc`` / ``b_tail_desc`` over the same A and B with ``[TAIL_K, *]`` blocks for an
-    expert's last chunk of at most TAIL_K rows (the same descriptors where ``TAIL_K == BLOCK_K``), and,
+    ``a_tail_desc`` / ``b_tail_desc`` over the same A and B with ``[TAIL_K, *]`` blocks for the pieces
+    of an expert's partial last chunk (unused where ``TAIL_K == BLOCK_K``), and,
     with ``C_DESC``, ``c_desc`` over C viewed ``[E*M, N]`` with blocks ``[BLOCK_M, BLOCK_N]`` (pointer
     stores otherwise). The same BLOCK_K row chunks in the same order with the same operand values
-    (masked rows and columns are zeros either way; a narrow last chunk leaves out only all-zero rows),
+    (masked rows and columns are zeros either way; a narrow piece leaves out only all-zero rows),
     so the same values as the pointer kernel.
 
     ``NUM_PROGS`` 0: one program per (expert, block) tile (grid ``num_tiles``); otherwise a
