@@ -118,3 +118,25 @@ def test_launch_memo_encodes_each_calls_descriptor():
     if ENABLED:
         entries = list(fl._memo.values())
         assert entries and all(e.descs for e in entries)  # the cached-encoding path ran
+
+
+def test_launcher_fast_path_launches_each_calls_addresses():
+    # Launcher (the all-to-all's fixed-specialization launcher): the first call compiles through
+    # Triton, later calls launch the compiled kernel with integer addresses through the launcher's
+    # native entry point (no scratch memory here), on the current stream, with each call's buffers
+    from replaymoe._launch import Launcher, addresses
+
+    launcher = Launcher(_shifted_copy, num_warps=4)
+    n, shift = 300, 3
+    for i in range(4):
+        src = torch.randint(-100, 100, (n,), dtype=torch.int32, device="cuda")
+        dst = torch.full((n + 3,), 12345, dtype=torch.int32, device="cuda")[1:]  # unaligned
+        args = (src, dst, n, shift, 2, 128)
+        if i and launcher.ready():
+            launcher.fast((triton.cdiv(n, 128),), addresses(args))
+        else:
+            launcher((triton.cdiv(n, 128),), args)
+        torch.testing.assert_close(dst[:n], (src + shift) * 2, rtol=0, atol=0)
+        assert (dst[n:] == 12345).all()
+    if ENABLED:
+        assert launcher.ready() and launcher._native is not launcher.compiled.run  # the native entry

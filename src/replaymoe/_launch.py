@@ -406,13 +406,14 @@ class Launcher:
     (profiler) is installed, and while :data:`ENABLED` holds when the kernel is first launched.
     """
 
-    __slots__ = ("fn", "num_warps", "compiled", "device")
+    __slots__ = ("fn", "num_warps", "compiled", "device", "_native", "_flags")
 
     def __init__(self, fn, num_warps: int = 4) -> None:
         self.fn = fn
         self.num_warps = num_warps
         self.compiled = None
         self.device = -1
+        self._native, self._flags = None, ()  # the compiled kernel's launch entry (see _native_launch)
 
     def ready(self) -> bool:
         """Whether :meth:`fast` may be used now (compiled here, on the current device, no hooks)."""
@@ -420,11 +421,13 @@ class Launcher:
 
     def fast(self, grid: tuple[int, ...], args: tuple) -> None:
         """Launch the compiled kernel directly (only after :meth:`ready`). Pointer arguments may be
-        given as integer addresses: Triton's launcher then skips its per-pointer driver query."""
+        given as integer addresses: Triton's launcher then skips its per-pointer driver query. The
+        launch goes through the launcher's native entry point where the kernel needs no scratch memory
+        (as :class:`FastLaunch` does), else through Triton's launcher object."""
         ck = self.compiled
         g1 = grid[1] if len(grid) > 1 else 1
-        ck.run(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(self.device), ck.function,
-               ck.packed_metadata, None, None, None, *args)  # fmt: skip
+        self._native(grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(self.device), ck.function,
+                     *self._flags, ck.packed_metadata, None, None, None, *args)  # fmt: skip
 
     def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
         if self.compiled is not None and self.ready():
@@ -435,6 +438,7 @@ class Launcher:
             if hasattr(ck, "result"):  # an asynchronous compile's future
                 ck = ck.result()
             if getattr(ck, "function", None) is not None and hasattr(ck, "packed_metadata"):
+                self._native, self._flags = _native_launch(ck)
                 self.compiled = ck
                 self.device = torch.cuda.current_device()
 
