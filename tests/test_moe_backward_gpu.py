@@ -205,6 +205,43 @@ def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(("ep-slice", 700, 384, 192, 8, 3, 3, 2), id="ep-slice"),  # I=192: partial 128-wide tiles
+        pytest.param(("qwen3", 1024), id="qwen3"),  # the bench shape, I = 768
+    ],
+)
+def test_da_tile_width_keeps_gradient_bits(case):
+    # dA's tile width, warps and W2 loads (TMA or pointers) are speed switches: tiles 64, 128 and 256
+    # wide give every gradient bitwise the same (a row's dot does not depend on the tile's width)
+    import dataclasses
+
+    if case[0] == "qwen3":
+        x, w13, w2, ids, wts, dout, cfg = _bench_problem("qwen3", T=case[1])
+        offset = 0
+    else:
+        T, H, I, E, E_local, offset, K = case[1:]  # noqa: E741
+        x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, seed=5)
+        cfg = cfgs.moe_bwd_config(T, K, H, I, E_local, tma=cfgs.dw_tma_ok(x.device, x.dtype))
+    T, H = x.shape
+    E_local, two_i, _ = w13.shape
+    c0 = cfgs.config_tuple(cfgs.moe_config(T, ids.shape[1], H, two_i // 2, E_local))
+    got = {}
+    for bn_a, warps, tma in ((64, 4, False), (128, 4, True), (128, 8, False), (256, 8, True)):
+        _, saved = torch.ops.replaymoe.moe_experts_train(x, w13, w2, ids, wts, offset, c0, False)
+        c = dataclasses.replace(cfg, bn_a=bn_a, warps_a=warps, gemm_tma=tma and cfg.gemm_tma)
+        need = [True] * 4
+        got[bn_a, warps, tma] = moe_bwd.launch_bwd(dout, x, w13, w2, ids, wts, saved, offset, False, need, c)
+        del saved
+    first = next(iter(got.values()))
+    for key, grads in got.items():
+        for name, a, b in zip(("dx", "dw13", "dw2", "dtopk_weights"), grads, first):
+            assert torch.equal(a, b), (name, key)
+    del got, first
+    torch.cuda.empty_cache()
+
+
 def test_cuda_graph_forward_and_backward_dw_tma(monkeypatch):
     # forward + backward captured in a CUDA graph with the TMA dW kernel picked (host descriptors built
     # at capture): the replay equals eager, and eager equals the pointer kernel's backward

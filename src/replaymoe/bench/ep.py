@@ -13,7 +13,10 @@ Implementations: ``nccl`` and ``symm`` (:class:`replaymoe.MoeAlltoAll`), timed a
 (``graph``) and eagerly (``eager``); ``naive`` = the usual NCCL recipe (exchange counts, host sync,
 variable-size ``all_to_all_single``, index_add), eager only.
 
-Each iteration: all ranks synchronize, then CUDA events around dispatch and combine (and around the
+Each iteration: all ranks synchronize (a host barrier, then a one-element all-reduce on the stream so
+that the ranks start together on the devices; before a CUDA-graph replay also a device-side wait long
+enough for every host to enqueue it: ``bench.ep_timing.align_ranks``; ``--no-align`` keeps the host
+barrier alone, as before session 24), then CUDA events around dispatch and combine (and around the
 whole layer). The reported time is the **median over iterations of the maximum over ranks**.
 Algorithmic bandwidth per rank counts only bytes that must cross between ranks: for each (token,
 remote destination rank) pair, the dispatch payload bytes, and 2·H bytes for the combine; the
@@ -45,6 +48,7 @@ for _k, _v in (
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from . import ep_timing  # noqa: E402
 from .ep_deepep import DeepEPPeer  # noqa: E402
 from .ep_host import host_profile  # noqa: E402
 from .ep_layer import time_layer, time_local, weights_floor_us  # noqa: E402
@@ -335,6 +339,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer-sms", type=int, default=24, help="SMs given to DeepEP (even)")
     p.add_argument("--no-layer", action="store_true", help="skip the whole ep_moe layer")
     p.add_argument("--no-graph", action="store_true", help="eager timings only")
+    p.add_argument(
+        "--no-align",
+        action="store_true",
+        help="start timed iterations after the host barrier only (a rank's time then includes how much later "
+        "its peers left the barrier)",
+    )
     p.add_argument("--hidden", type=int, help="hidden size (" + default("hidden") + ", DeepSeek-V3's)")
     p.add_argument("--experts", type=int, help="experts over all ranks (" + default("experts") + ")")
     p.add_argument("--top-k", type=int, help="experts per token (" + default("top_k") + ")")
@@ -366,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(rows)
         return 0
     set_shape(a.hidden, a.experts, a.top_k, a.inter)
+    ep_timing.ALIGN_RANKS = not a.no_align
     if not torch.cuda.is_available() and not a.cpu_dry_run:
         print(
             "replaymoe bench ep: error: needs CUDA GPUs, and torch sees none (--cpu-dry-run checks the "

@@ -44,7 +44,34 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_cuda() else torch.device("cpu")
 
 
-def time_phases(run_iter, n_phases: int, iters: int, warmup: int):
+# device cycles that a timed CUDA-graph replay waits after the aligning all-reduce (about 100 µs at 2 GHz):
+# longer than any rank's host takes to enqueue the replay after it, so that the replays start together
+SETTLE_CYCLES = 200_000
+# align_ranks on (bench ep's default; its --no-align turns it off)
+ALIGN_RANKS = True
+_ONE: dict = {}
+
+
+def align_ranks(*, settle: bool) -> None:
+    """Line the ranks up on the device before a timed iteration (after the host barrier): a one-element
+    all-reduce on the current stream, which ends on every rank within a few µs of the last rank's
+    arrival, and with ``settle`` a device-side wait of :data:`SETTLE_CYCLES`, so that the work each host
+    enqueues next starts together on every GPU (graph replays). Without ``settle`` (eager calls) a rank
+    whose host is slower to issue the call still shows that in its time, as it should. A host barrier
+    alone leaves the ranks as far apart as their hosts leave it (tens of µs), and a rank's first
+    exchange then also times its wait for the slowest peer. No-op off CUDA (the gloo dry run) and with
+    :data:`ALIGN_RANKS` off."""
+    if not on_cuda() or not ALIGN_RANKS:
+        return
+    one = _ONE.get(torch.cuda.current_device())
+    if one is None:
+        one = _ONE[torch.cuda.current_device()] = torch.zeros(1, device=device())
+    dist.all_reduce(one)
+    if settle:
+        torch.cuda._sleep(SETTLE_CYCLES)
+
+
+def time_phases(run_iter, n_phases: int, iters: int, warmup: int, *, settle: bool = False):
     """``run_iter(events)`` records ``n_phases + 1`` events and may return the host seconds of each
     phase; returns (per phase the median over iterations of the max over ranks of the device time,
     the same for the host time or None), in microseconds.
@@ -53,17 +80,21 @@ def time_phases(run_iter, n_phases: int, iters: int, warmup: int):
     rank must run the same number of iterations, start each one after a barrier and time several
     phases of it, and the figure is the max over ranks per iteration; ``do_bench`` picks its
     iteration count from a local estimate (ranks would disagree and hang in a collective), times
-    one span, and flushes the L2 between calls (a peer's flush would overlap this rank's call)."""
-    times, host = phase_samples(run_iter, n_phases, iters, warmup)
+    one span, and flushes the L2 between calls (a peer's flush would overlap this rank's call).
+    ``settle``: see :func:`align_ranks` (graph replays)."""
+    times, host = phase_samples(run_iter, n_phases, iters, warmup, settle=settle)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     med = [statistics.median(times[:, p].tolist()) for p in range(2 * n_phases)]
     return med[:n_phases], (med[n_phases:] if host else None)
 
 
-def phase_samples(run_iter, n_phases: int, iters: int, warmup: int) -> tuple[torch.Tensor, bool]:
+def phase_samples(
+    run_iter, n_phases: int, iters: int, warmup: int, *, settle: bool = False
+) -> tuple[torch.Tensor, bool]:
     """This rank's samples for :func:`time_phases`: ``[iters, 2 * n_phases]`` float64 on :func:`device`
     (device µs per phase, then host µs per phase), and whether ``run_iter`` returned host times. Every
-    iteration starts after a sync and a barrier, so that the ranks' iterations line up."""
+    iteration starts after a sync, a barrier and :func:`align_ranks`, so that the ranks' iterations
+    line up on the devices."""
     for _ in range(warmup):
         ev = [event() for _ in range(n_phases + 1)]
         run_iter(ev)
@@ -74,6 +105,7 @@ def phase_samples(run_iter, n_phases: int, iters: int, warmup: int) -> tuple[tor
         ev = [event() for _ in range(n_phases + 1)]
         sync()
         dist.barrier()
+        align_ranks(settle=settle)
         h = run_iter(ev)
         ev[-1].synchronize()
         for p in range(n_phases):
@@ -87,7 +119,8 @@ def phase_samples(run_iter, n_phases: int, iters: int, warmup: int) -> tuple[tor
 
 def time_replays(graphs, iters: int, warmup: int) -> tuple[float, ...]:
     """Per CUDA graph, the median over iterations of the max over ranks of its replay time (µs): the
-    graphs replay back to back, an event before the first and after each (:func:`time_phases`)."""
+    graphs replay back to back, an event before the first and after each (:func:`time_phases`; the
+    replays start together on every rank, :func:`align_ranks` with ``settle``)."""
 
     def run_iter(ev):
         ev[0].record()
@@ -95,7 +128,7 @@ def time_replays(graphs, iters: int, warmup: int) -> tuple[float, ...]:
             g.replay()
             ev[i + 1].record()
 
-    return tuple(time_phases(run_iter, len(graphs), iters, warmup)[0])
+    return tuple(time_phases(run_iter, len(graphs), iters, warmup, settle=True)[0])
 
 
 def graph(fn, pool=None):
