@@ -44,9 +44,12 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_cuda() else torch.device("cpu")
 
 
-# device cycles that a timed CUDA-graph replay waits after the aligning all-reduce (about 100 µs at 2 GHz):
+# device cycles that a timed CUDA-graph replay waits after the aligning all-reduce (about 1 ms at 2 GHz):
 # longer than any rank's host takes to enqueue the replay after it, so that the replays start together
-SETTLE_CYCLES = 200_000
+# (2 x H100, session 24: with 100 µs the rank that reached the all-reduce last still started its replays
+# about 35 µs late in some configurations, its host not done with the all-reduce call, the event record
+# and the graph launch)
+SETTLE_CYCLES = 2_000_000
 # align_ranks on (bench ep's default; its --no-align turns it off)
 ALIGN_RANKS = True
 _ONE: dict = {}
