@@ -44,12 +44,11 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_cuda() else torch.device("cpu")
 
 
-# device cycles that a timed CUDA-graph replay waits after the aligning all-reduce (about 1 ms at 2 GHz):
-# longer than any rank's host takes to enqueue the replay after it, so that the replays start together
-# (2 x H100, session 24: with 100 µs the rank that reached the all-reduce last still started its replays
-# about 35 µs late in some configurations, its host not done with the all-reduce call, the event record
-# and the graph launch)
-SETTLE_CYCLES = 2_000_000
+# device cycles that a timed CUDA-graph replay waits between the two aligning all-reduces (about 200 µs
+# at 2 GHz): longer than any rank's host takes to enqueue the second all-reduce, the event and the replay
+# (2 x H100, session 24: 100 µs and one all-reduce left the last rank's replays about 35 µs late; a 1 ms
+# wait ended up to 30 µs apart on 4 x H200, the cycle count running at each card's own clock)
+SETTLE_CYCLES = 400_000
 # align_ranks on (bench ep's default; its --no-align turns it off)
 ALIGN_RANKS = True
 _ONE: dict = {}
@@ -58,8 +57,9 @@ _ONE: dict = {}
 def align_ranks(*, settle: bool) -> None:
     """Line the ranks up on the device before a timed iteration (after the host barrier): a one-element
     all-reduce on the current stream, which ends on every rank within a few µs of the last rank's
-    arrival, and with ``settle`` a device-side wait of :data:`SETTLE_CYCLES`, so that the work each host
-    enqueues next starts together on every GPU (graph replays). Without ``settle`` (eager calls) a rank
+    arrival. With ``settle`` (graph replays) a device-side wait of :data:`SETTLE_CYCLES` follows, long
+    enough for every host to enqueue what comes next, then a second all-reduce, so that the replays
+    start together whatever each card's clock made of the wait. Without ``settle`` (eager calls) a rank
     whose host is slower to issue the call still shows that in its time, as it should. A host barrier
     alone leaves the ranks as far apart as their hosts leave it (tens of µs), and a rank's first
     exchange then also times its wait for the slowest peer. No-op off CUDA (the gloo dry run) and with
@@ -72,6 +72,7 @@ def align_ranks(*, settle: bool) -> None:
     dist.all_reduce(one)
     if settle:
         torch.cuda._sleep(SETTLE_CYCLES)
+        dist.all_reduce(one)
 
 
 def time_phases(run_iter, n_phases: int, iters: int, warmup: int, *, settle: bool = False):
