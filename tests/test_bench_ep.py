@@ -37,7 +37,7 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     for T in ("3", "8"):
         for op in ("dispatch", "combine", "dispatch+combine"):
             assert ("nccl", T, op, "eager") in got and ("naive", T, op, "eager") in got
-        # the layer, and the compute it is measured against (goal 4): whole and split by source
+        # the layer, and the compute it is measured against (goal 6): whole and split by source
         for op in ("layer", "layer_local", "layer_local_split"):
             assert ("nccl", T, op, "eager") in got
         assert ("naive", T, "layer", "eager") in got
@@ -45,7 +45,7 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     layer = [r for r in rows if r["op"] == "layer"]
     assert all(float(r["weights_floor_us"]) > 0 for r in layer)
     printed = capfd.readouterr().out
-    assert "# goal 4 (overlap)" in printed and "# goal 1 (eager calls)" in printed
+    assert "# goal 6 (overlap)" in printed and "# goal 4 (eager calls)" in printed
 
 
 def test_bench_ep_dry_run_without_torchrun_says_how(monkeypatch, capsys):
@@ -88,7 +88,7 @@ def test_bench_ep_dry_run_under_torchrun_takes_seconds(tmp_path):
     assert "CPU dry run, 2 gloo ranks: hidden 128, 8 experts, top-2, I = 64" in proc.stderr
     rows = list(csv.DictReader(open(tmp_path / "ep.csv")))
     assert rows and not [r for r in rows if r.get("error")]
-    assert "# goal 4 (overlap)" in proc.stdout
+    assert "# goal 6 (overlap)" in proc.stdout
     assert seconds < 90, seconds  # a few seconds on 2 idle cores
 
 

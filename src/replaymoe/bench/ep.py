@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         save(rows)
         if rank == 0:
-            print_summary(rows)
+            print_summary([{**r, "ep": dist.get_world_size()} for r in rows])
     finally:
         if own_pg:
             _destroy()
