@@ -123,3 +123,23 @@ def test_summary_compares_pipelined_and_two_kernel_combine(impls, shown, capsys)
     if shown:
         line = [ln for ln in out.splitlines() if ln.split()[:3] == ["24", "4096", "graph"]]
         assert line and line[0].split()[3:] == ["611.2", "978.3", "0.62"]
+
+
+@pytest.mark.parametrize(
+    "ep, us, verdict",
+    [
+        (2, 39.0, "yes"),  # ep = 2: the 40 µs bound
+        (2, 41.0, "NO"),
+        (4, 49.0, "yes"),  # larger ep: 50 µs
+        (4, 51.0, "NO"),
+    ],
+)
+def test_summary_decode_bound_follows_ep(ep, us, verdict, capsys):
+    from replaymoe.bench.ep_summary import print_summary
+
+    row = {"impl": "symm", "payload": "bf16", "tokens": 128, "num_sms": 0, "op": "dispatch+combine",
+           "mode": "graph", "us": us, "GBps_per_rank": 1.0, "ep": ep}  # fmt: skip
+    print_summary([row])
+    out = capsys.readouterr().out
+    line = [ln for ln in out.splitlines() if ln.strip().startswith("num_sms")]
+    assert f"(ep = {ep})" in out and line and line[0].split()[-1] == verdict
