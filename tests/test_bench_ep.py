@@ -93,16 +93,19 @@ def test_bench_ep_dry_run_under_torchrun_takes_seconds(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "impls, shown",
+    "impls, shown, auto",
     [
-        (("symm", "symm_2k"), True),  # both combines ran: the comparison table, ratio pipelined / two-kernel
-        (("symm",), False),  # only one: no table
+        # both forced combines and symm ran: the table, ratio pipelined / two-kernel, symm's time beside
+        (("symm_pipe", "symm_2k", "symm"), True, "611.0"),
+        (("symm_pipe", "symm_2k"), True, "-"),  # symm did not run: a dash in its column
+        (("symm", "symm_2k"), False, None),  # no forced pipelined run: no table
+        (("symm_pipe",), False, None),  # only one: no table
     ],
 )
-def test_summary_compares_pipelined_and_two_kernel_combine(impls, shown, capsys):
+def test_summary_compares_pipelined_and_two_kernel_combine(impls, shown, auto, capsys):
     from replaymoe.bench.ep_summary import print_summary
 
-    us = {"symm": 611.2, "symm_2k": 978.3}
+    us = {"symm_pipe": 611.2, "symm_2k": 978.3, "symm": 611.0}
     rows = [
         {
             "impl": i,
@@ -119,10 +122,10 @@ def test_summary_compares_pipelined_and_two_kernel_combine(impls, shown, capsys)
     ]
     print_summary(rows)
     out = capsys.readouterr().out
-    assert ("pipelined (symm) / two kernels (symm_2k)" in out) is shown
+    assert ("pipelined (symm_pipe) / two kernels (symm_2k)" in out) is shown
     if shown:
         line = [ln for ln in out.splitlines() if ln.split()[:3] == ["24", "4096", "graph"]]
-        assert line and line[0].split()[3:] == ["611.2", "978.3", "0.62"]
+        assert line and line[0].split()[3:] == ["611.2", "978.3", "0.62", auto]
 
 
 @pytest.mark.parametrize(

@@ -352,9 +352,10 @@ def _errors_worker(rank, world):
     with pytest.raises(ValueError, match="type of fused_barrier"):
         MoeAlltoAll(None, 4, K, E, H, fused_barrier="off")
     with pytest.raises(ValueError, match="type of pipelined_combine"):
-        MoeAlltoAll(None, 4, K, E, H, pipelined_combine=None)
+        MoeAlltoAll(None, 4, K, E, H, pipelined_combine="on")
     # the nccl transport never pipelines its combine (symm only), whatever the argument
-    assert MoeAlltoAll(None, 4, K, E, H, num_sms=8).pipelined_combine is False
+    a = MoeAlltoAll(None, 4, K, E, H, num_sms=8, pipelined_combine=True)
+    assert a.pipelined_combine is True and a.combine_pipelines(4) is False
     import replaymoe.ep.alltoall as a2a_mod
 
     # None: the process defaults (REPLAYMOE_EP_FUSED_PLAN's module attribute; the barrier's is the

@@ -205,6 +205,31 @@ def test_pipelined_combine_sender_split(n, ep, senders):
 
 
 @pytest.mark.parametrize(
+    "mode, fused, num_sms, ep, rt, pipelined",
+    [
+        (None, True, 24, 2, 1024, False),  # by size, ep = 2: 1024 rows back, at the threshold: two kernels
+        (None, True, 24, 2, 1025, True),  # one row past it: the pipelined launch
+        (None, True, 24, 4, 256, False),  # ep = 4: 768 rows, two kernels (measured faster)
+        (None, True, 24, 4, 512, True),  # 1536 rows: pipelined
+        (None, True, 24, 8, 147, True),  # ep = 8: 1029 rows (the rule counts rows, not tokens)
+        (True, True, 24, 2, 1, True),  # forced on: any size
+        (False, True, 24, 4, 4096, False),  # forced off
+        (None, True, None, 4, 4096, False),  # no num_sms cap: the dense two kernels
+        (True, True, 1, 4, 4096, False),  # one program cannot both send and reduce
+        (True, False, 24, 4, 4096, False),  # torch's barrier kernel: the phases are separate launches
+    ],
+)
+def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, pipelined):
+    from replaymoe.ep.transport_symm import PIPE_MIN_ROWS, SymmTransport
+
+    assert PIPE_MIN_ROWS == 1024  # the cases above sit on either side of it
+    a = _fake_a2a(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
+    a._pipelined_combine = mode
+    a._transport = SymmTransport(a)
+    assert a.combine_pipelines(rt) is pipelined
+
+
+@pytest.mark.parametrize(
     "T, reducers, group",
     [
         (4096, 12, 8),  # large: the most tiles per step (fewest flag waits), still >= 8 steps each
@@ -241,7 +266,7 @@ def test_pipelined_combine_matches_two_kernel_combine(ep, Ts, K, max_tokens, num
     trs = [SymmTransport(a) for a in a2as]
     for a, t in zip(a2as, trs):
         a._transport = t
-    assert all(a.pipelined_combine for a in a2as)
+    assert all(a.combine_pipelines(rt) for a in a2as)  # _fake_a2a: pipelined_combine=True
     es = torch.tensor([], dtype=dtype).element_size()
     comb = _fake_buffers(ep, ep * max_tokens * H * es)
     pads = [torch.zeros(_FLAG_BASE + 8 * trs[0].ncmax, dtype=torch.int32) for _ in range(ep)]
@@ -272,6 +297,9 @@ def test_pipelined_combine_matches_two_kernel_combine(ep, Ts, K, max_tokens, num
                 flags = pads[r][_FLAG_BASE + s * trs[0].ncmax :][: -(-n // PIPE_CHUNK)]
                 assert flags.tolist() == [1] * len(flags), (r, s, flags)
         assert int(trs[r].state[1]) == 1 and int(trs[r].state[3]) == 0  # epoch moved, arrivals reset
+        # every peer's "sends done" flag (what the reducers wait on last), sender arrivals reset
+        assert [int(pads[r][8 + s]) for s in range(ep) if s != r] == [1] * (ep - 1), r
+        assert int(trs[r].state[4]) == 0
     for r in range(ep):
         trs[r].combine_pipelined(payloads[r], rt, plans[r].slot, outs[r], roles=2)
     for r in range(ep):  # the same sums as the torch reduction of the same rows, in rank order

@@ -38,21 +38,26 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _transports_worker(rank, world):
     import torch.distributed as dist
 
-    from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch
+    from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch, transport_symm
 
     dev = torch.device("cuda", rank)
     E, K, H, max_tokens = 64, 8, 1024, 256
     # symm with a barrier timeout: a lost signal traps (naming both ranks) instead of hanging;
     # symm_unfused: torch's barrier kernel and the plan kernel by argument (the same bits)
     symm = dict(transport="symm", timeout=60)
-    # symm_pipe: 4 programs per kernel, so combine is the pipelined launch (2 senders, 2 reducers:
-    # several chunks per sender and per reducer at the larger sizes)
+    # symm_pipe: 4 programs per kernel and pipelined_combine=True, so combine is the pipelined launch
+    # (2 senders, 2 reducers: several chunks per sender and per reducer at the larger sizes);
+    # symm_auto: the same by size, with the threshold lowered so that one object switches between the
+    # two-kernel combine (runtime_max 128 and below) and the pipelined one (256) from call to call
     kinds = {"nccl": dict(transport="nccl"), "symm": symm,
              "symm_unfused": dict(symm, fused_barrier=False, fused_plan=False),
-             "symm_pipe": dict(symm, num_sms=4)}  # fmt: skip
+             "symm_pipe": dict(symm, num_sms=4, pipelined_combine=True),
+             "symm_auto": dict(symm, num_sms=4)}  # fmt: skip
+    transport_symm.PIPE_MIN_ROWS = (world - 1) * 200
     a2a = {t: MoeAlltoAll(None, max_tokens, K, E, H, **kw) for t, kw in kinds.items()}
     assert a2a["symm_unfused"].fused_barrier is False and a2a["symm_unfused"].fused_plan is False
-    assert a2a["symm_pipe"].pipelined_combine and not a2a["symm"].pipelined_combine
+    assert a2a["symm_pipe"].combine_pipelines(1) and not a2a["symm"].combine_pipelines(max_tokens)
+    assert a2a["symm_auto"].combine_pipelines(256) and not a2a["symm_auto"].combine_pipelines(128)
     g = torch.Generator().manual_seed(11)
     # --- exactness over several shapes: T per rank incl. 0, skew, fp8 + scales payloads
     for case, (Ts, rt) in enumerate(
@@ -117,7 +122,8 @@ def _transports_worker(rank, world):
             assert torch.equal(out.cpu(), expect), (t, it, n_sms)
         a.num_sms = base
         assert len(a._dcache) >= 1  # private: the steady-state plan cache is what is checked
-    # --- back-to-back rounds, no host sync in between (buffer reuse), then check every round
+    # --- back-to-back rounds, no host sync in between (buffer reuse), then check every round; the
+    # runtime_max alternates between 128 and 256, so symm_auto alternates between its two combines
 
     rounds = []
     for it in range(12):
@@ -125,15 +131,15 @@ def _transports_worker(rank, world):
         all_ids = [_ids(gi, (it * 37 + s * 11) % 129, K, E) for s in range(world)]
         T = all_ids[rank].shape[0]
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(1000 * it + rank)).to(torch.bfloat16)
-        rounds.append((x, all_ids[rank], x.to(dev), all_ids[rank].to(dev)))
+        rounds.append((x, all_ids[rank], x.to(dev), all_ids[rank].to(dev), (128, 256)[it % 2]))
     torch.cuda.synchronize()
     for t, a in a2a.items():
         results = []
-        for _, _, xd, idd in rounds:  # launches only: the ranks race ahead of each other
-            views = a.dispatch(idd, [xd], 128)
-            results.append(a.combine(views[0] * 2, 128))  # out = 2 * x * (number of ranks sent to)
+        for _, _, xd, idd, rt in rounds:  # launches only: the ranks race ahead of each other
+            views = a.dispatch(idd, [xd], rt)
+            results.append(a.combine(views[0] * 2, rt))  # out = 2 * x * (number of ranks sent to)
         torch.cuda.synchronize()
-        for it, (out, (x, ids, _, _)) in enumerate(zip(results, rounds)):
+        for it, (out, (x, ids, *_)) in enumerate(zip(results, rounds)):
             if len(ids) == 0:
                 assert out.shape == (0, H)
                 continue

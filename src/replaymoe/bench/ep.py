@@ -54,7 +54,7 @@ from .ep_deepep import DeepEPPeer  # noqa: E402
 from .ep_host import host_profile  # noqa: E402
 from .ep_layer import time_layer, time_local, weights_floor_us  # noqa: E402
 from .ep_naive import NaiveEP, time_naive  # noqa: E402
-from .ep_shape import SHAPE, inputs, set_shape  # noqa: E402
+from .ep_shape import SHAPE, a2a_kwargs, inputs, set_shape  # noqa: E402
 from .ep_summary import NAIVE_ANCHOR_MS, print_summary  # noqa: E402
 from .ep_timing import device, err, graph, on_cuda, sync, time_phases, time_replays  # noqa: E402
 
@@ -125,8 +125,7 @@ def run(
         if t == "naive":
             continue
         try:
-            # symm_2k: symm with the two-kernel combine (send, barrier, reduce), for comparison
-            kw = {"transport": "symm", "pipelined_combine": False} if t == "symm_2k" else {"transport": t}
+            kw = a2a_kwargs(t)  # symm_2k / symm_pipe: symm with the combine forced one way
             a2as[t] = MoeAlltoAll(None, maxT, K, E, H, payload_bytes_per_token=2 * H + 256,
                                   timeout=120 if t.startswith("symm") else None, **kw)  # fmt: skip
         except Exception as e:  # report and go on with the others
@@ -325,9 +324,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="untimed iterations before them (" + default("warmup") + ")")
     p.add_argument(
         "--impls",
-        help="comma list of nccl, symm, symm_2k (symm with the two-kernel combine), naive ("
-        + default("impls")
-        + ")",
+        help="comma list of nccl, symm, symm_2k / symm_pipe (symm with the two-kernel / pipelined combine "
+        "forced; symm chooses by size), naive (" + default("impls") + ")",
     )
     p.add_argument("--payloads", help="comma list of bf16, fp8 (" + default("payloads") + ")")
     p.add_argument("--num-sms", default="0", help="comma list of num_sms for symm (0 = every SM)")

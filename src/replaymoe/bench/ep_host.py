@@ -14,21 +14,21 @@ import torch
 import torch.distributed as dist
 
 from ._timing import host_us
-from .ep_shape import SHAPE, inputs
+from .ep_shape import SHAPE, a2a_kwargs, inputs
 from .ep_timing import HostEvent, device, on_cuda, sync
 
 
 def host_profile(tokens, transports, *, calls: int, log, num_sms=(0,)) -> None:
     """Where the host time of a steady-state eager call goes (rank 0 prints): per call host µs with
     and without the direct launches, the pieces alone (event record, barrier, a bare launch), and a
-    cProfile of ``calls`` dispatch+combine calls. ``symm`` / ``symm_2k`` (the two-kernel combine) run
-    at every ``num_sms`` (0 = unset), so the pipelined combine's host time shows at a cap."""
+    cProfile of ``calls`` dispatch+combine calls. ``symm`` / ``symm_2k`` / ``symm_pipe`` (the combine
+    forced) run at every ``num_sms`` (0 = unset), so the pipelined combine's host time shows at a cap."""
     from ..ep import MoeAlltoAll
 
     for t in transports:
         if t == "naive":
             continue
-        kw = {"transport": "symm", "pipelined_combine": False} if t == "symm_2k" else {"transport": t}
+        kw = a2a_kwargs(t)  # symm_2k / symm_pipe: symm with the combine forced one way
         a2a = MoeAlltoAll(None, max(tokens), SHAPE.K, SHAPE.E, SHAPE.H, **kw)
         for n in num_sms if t.startswith("symm") else (0,):
             a2a.num_sms = n or None

@@ -24,6 +24,20 @@ def set_shape(hidden: int, experts: int, top_k: int, inter: int) -> None:
     SHAPE.H, SHAPE.E, SHAPE.K, SHAPE.INTER = hidden, experts, top_k, inter
 
 
+# ``--impls`` names of MoeAlltoAll configurations beyond the transports themselves: symm with the
+# combine forced to two kernels (send, barrier, reduce) or to the pipelined launch; plain ``symm``
+# chooses by size (``pipelined_combine=None``)
+IMPL_KWARGS = {
+    "symm_2k": {"transport": "symm", "pipelined_combine": False},
+    "symm_pipe": {"transport": "symm", "pipelined_combine": True},
+}
+
+
+def a2a_kwargs(impl: str) -> dict:
+    """MoeAlltoAll keyword arguments of an ``--impls`` name (nccl, symm, symm_2k, symm_pipe)."""
+    return dict(IMPL_KWARGS.get(impl, {"transport": impl}))
+
+
 def inputs(T: int, rank: int, dev):
     """``(ids, x, wts, x8, s8, logits)`` for ``T`` tokens of ``rank`` (seeded by rank and ``T``)."""
     H, E, K = SHAPE.H, SHAPE.E, SHAPE.K

@@ -71,16 +71,21 @@ def print_summary(rows: list[dict]) -> None:
                 good = e["us"] <= bound and (e.get("host_us") or 0) <= HOST_US
                 print(f"{impl:>6} {sms:>4} {T:>6} {op:>9} {e['us']:>8.1f} {g['us']:>8.1f} {bound:>8.1f} "
                       f"{e.get('host_us') or 0:>6.1f} {'yes' if good else 'NO'}")  # fmt: skip
-    # the pipelined combine against the two-kernel one (symm vs symm_2k), when both ran
+    # the pipelined combine against the two-kernel one (symm_pipe vs symm_2k, both forced), when both
+    # ran; symm (chosen by size) beside them when it ran too
     two = [r for r in ok if r["impl"] == "symm_2k" and r["op"] == "combine" and r["payload"] == "bf16"]
-    if two:
-        print("\n# symm combine: pipelined (symm) / two kernels (symm_2k), bf16, µs")
-        print(f"{'sms':>4} {'tokens':>6} {'mode':>6} {'pipelined':>10} {'two-kernel':>10} {'ratio':>6}")
+    if two and any(r["impl"] == "symm_pipe" for r in ok):
+        print("\n# symm combine: pipelined (symm_pipe) / two kernels (symm_2k), bf16, µs; "
+              "symm chooses by size")  # fmt: skip
+        cols = ("sms", 4), ("tokens", 6), ("mode", 6), ("pipelined", 10), ("two-kernel", 10), ("ratio", 6)
+        print(" ".join(f"{c:>{w}}" for c, w in (*cols, ("symm", 8))))
         for r2 in sorted(two, key=lambda r: (r.get("num_sms", 0), r["tokens"], r["mode"])):
-            p = get("symm", r2["tokens"], "combine", r2["mode"], r2.get("num_sms", 0))
+            key = (r2["tokens"], "combine", r2["mode"], r2.get("num_sms", 0))
+            p, a = get("symm_pipe", *key), get("symm", *key)
             if p is not None:
+                auto = f"{a['us']:>8.1f}" if a is not None else f"{'-':>8}"
                 print(f"{r2.get('num_sms', 0):>4} {r2['tokens']:>6} {r2['mode']:>6} {p['us']:>10.1f} "
-                      f"{r2['us']:>10.1f} {p['us'] / r2['us']:>6.2f}")  # fmt: skip
+                      f"{r2['us']:>10.1f} {p['us'] / r2['us']:>6.2f} {auto}")  # fmt: skip
     # goal 1: ours <= 0.95 x DeepEP, no more SMs
     peer = [r for r in ok if r["impl"] == "deepep"]
     if peer:

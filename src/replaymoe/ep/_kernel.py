@@ -421,7 +421,7 @@ def _wait_flag(ptr, e, timeout_ns, RANK: tl.constexpr, PEER: tl.constexpr, TIMER
         while v < e:
             v = _ld_acquire(ptr)
             if _globaltimer(v) - t0 > timeout_ns:
-                tl.device_print("replaymoe MoeAlltoAll(symm): combine chunk timeout, rank/peer", RANK, PEER)
+                tl.device_print("replaymoe MoeAlltoAll(symm): combine flag timeout, rank/peer", RANK, PEER)
                 v = _trap(v) + e
     else:
         v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
@@ -462,6 +462,8 @@ def ep_combine_kernel(
     flag_base,
     arrive_ptr,  # int32: programs finished (the last one stores the epoch)
     epoch_ptr,  # int32: this rank's combine epoch
+    send_arrive_ptr,  # int32: sender programs finished (the last one signals every peer)
+    done_base,  # int32 slot of source s's "sends done" epoch in a pad: done_base + s
     timeout_ns,
     EP: tl.constexpr,
     EP_P2: tl.constexpr,
@@ -480,7 +482,14 @@ def ep_combine_kernel(
     ``RANK``, row ``j``; then ``out[t] = sum over ranks r that received t of row slot[t, r] of r's
     block`` (this rank's own rows from ``own_ptr``), accumulated in fp32 in rank order: the same bits as
     ``ep_combine_send_kernel`` + ``ep_combine_reduce_kernel``. The epoch of this call is the stored
-    epoch + 1 (ROLES 2: the stored one); the last program to finish stores it (ROLES 0 and 1)."""
+    epoch + 1 (ROLES 2: the stored one); the last program to finish stores it (ROLES 0 and 1).
+
+    The last sender to finish stores the epoch into every peer's pad at ``done_base + RANK``, and every
+    reducer, once its tokens are summed, waits until each peer's flag there reaches the epoch: the
+    launch ends only after every peer has sent all its rows (and so had consumed this round's dispatch,
+    its received counts included), as with the two kernels, whose reduce waits on the same flags. Without
+    it a rank that received nothing from a peer could run ahead into the next dispatch and overwrite
+    the header row that peer had not yet read."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     e = tl.load(epoch_ptr)
@@ -521,6 +530,15 @@ def ep_combine_kernel(
                         fq = _pick(r, q0, q1, q2, q3, q4, q5, q6, q7)
                         tl.atomic_xchg(fq + flag_base + RANK * NCMAX + c, e, mask=s == r, sem="release",
                                        scope="sys")  # fmt: skip
+        # the last sender tells every peer that this rank's sends are done (after every chunk's flag)
+        tl.debug_barrier()
+        done = tl.atomic_add(send_arrive_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == n_send - 1:
+            tl.store(send_arrive_ptr, 0)
+            for r in tl.static_range(EP):
+                if r != RANK:
+                    fq = _pick(r, q0, q1, q2, q3, q4, q5, q6, q7)
+                    tl.atomic_xchg(fq + done_base + RANK, e, sem="release", scope="sys")
     else:
         rid = pid - SENDERS
         n_red = nprog - SENDERS
@@ -570,6 +588,11 @@ def ep_combine_kernel(
                     om = bm[:, None] & cm[None, :]
                     res = acc.to(out_ptr.dtype.element_ty)
                     tl.store(out_ptr + tb[:, None] * W + cols[None, :], res, mask=om)
+        # every peer's sends done (see the docstring)
+        mine = _pick(RANK, q0, q1, q2, q3, q4, q5, q6, q7) + done_base
+        for r in tl.static_range(EP):
+            if r != RANK:
+                _wait_flag(mine + r, e, timeout_ns, RANK, r, TIMER)
     if ROLES != 2:
         tl.debug_barrier()
         old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")

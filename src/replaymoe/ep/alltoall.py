@@ -196,14 +196,18 @@ class MoeAlltoAll:
         :data:`replaymoe.ep.transport_symm.FUSED_BARRIER`, on unless
         ``REPLAYMOE_EP_FUSED_BARRIER=0`` was set at import. Must be the same on every rank; fixed for
         the object's life (attribute ``fused_barrier``, resolved by the ``symm`` transport).
-    pipelined_combine : bool
-        ``symm`` with the fused barrier and ``num_sms`` >= 2: ``combine`` is one launch in which some
-        of the ``num_sms`` programs (a third at ep = 2, half at larger ep) send the rows back, chunk by
-        chunk (64 rows, each chunk flagged in its source's signal pad), while the others sum each
-        token's rows as soon as the chunks holding them have landed; ``False``: the send kernel, the
-        barrier, then the reduce kernel. The same bits either way. Default ``True``. Must be the same
-        on every rank; fixed for the object's life (attribute ``pipelined_combine``: whether a combine
-        now runs pipelined).
+    pipelined_combine : bool, optional
+        ``symm`` with the fused barrier and ``num_sms`` >= 2: ``True``: ``combine`` is one launch in
+        which some of the ``num_sms`` programs (a third at ep = 2, half at larger ep) send the rows
+        back, chunk by chunk (64 rows, each chunk flagged in its source's signal pad), while the others
+        sum each token's rows as soon as the chunks holding them have landed; ``False``: the send
+        kernel, the barrier, then the reduce kernel. The same bits either way. Default (``None``): the
+        pipelined launch where a rank sends back more than
+        :data:`replaymoe.ep.transport_symm.PIPE_MIN_ROWS` (1024) rows, ``(ep - 1) *
+        runtime_max_tokens_per_rank``, and the two kernels below, where they measured faster (24 SMs:
+        up to 1024 tokens/rank at ep = 2, 256 at ep = 4). Must be the same on every rank; fixed for the
+        object's life (attribute ``pipelined_combine``; :meth:`combine_pipelines` says which a call
+        runs).
 
     Notes
     -----
@@ -239,7 +243,7 @@ class MoeAlltoAll:
         num_sms: int | None = None,
         fused_plan: bool | None = None,
         fused_barrier: bool | None = None,
-        pipelined_combine: bool = True,
+        pipelined_combine: bool | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             fail(
@@ -281,14 +285,16 @@ class MoeAlltoAll:
         self._runtime_max: int | None = None
         self._num_tokens: int | None = None
         self.num_sms = num_sms  # validated by the property setter
-        if not isinstance(pipelined_combine, bool):
-            fail("pipelined_combine", "a bool", type(pipelined_combine).__name__, what="type")
-        self._pipelined_combine = pipelined_combine
-        for name, value in (("fused_plan", fused_plan), ("fused_barrier", fused_barrier)):
+        for name, value in (
+            ("fused_plan", fused_plan),
+            ("fused_barrier", fused_barrier),
+            ("pipelined_combine", pipelined_combine),
+        ):
             if value is not None and not isinstance(value, bool):
-                fail(name, "a bool or None (the process default)", type(value).__name__, what="type")
+                fail(name, "a bool or None (the default)", type(value).__name__, what="type")
         self._fused_plan = FUSED_PLAN if fused_plan is None else fused_plan
         self._fused_barrier = fused_barrier  # None: the symm transport's process default
+        self._pipelined_combine = pipelined_combine  # None: by size (SymmTransport.pipelines)
         if self.device.type == "cuda":
             self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -335,11 +341,17 @@ class MoeAlltoAll:
         return getattr(self._transport, "fused", self._fused_barrier)
 
     @property
-    def pipelined_combine(self) -> bool:
-        """Whether ``combine`` now runs as one pipelined launch (see the class docstring): the argument,
-        the ``symm`` transport's fused barrier and the current ``num_sms`` (at least 2)."""
+    def pipelined_combine(self) -> bool | None:
+        """The ``pipelined_combine`` argument (``None``: by size; see the class docstring)."""
+        return self._pipelined_combine
+
+    def combine_pipelines(self, runtime_max_tokens_per_rank: int) -> bool:
+        """Whether ``combine`` at this ``runtime_max_tokens_per_rank`` now runs as one pipelined launch
+        (see ``pipelined_combine`` in the class docstring): ``symm`` only, with the fused barrier, the
+        current ``num_sms`` (at least 2), and the argument (``None``: more than
+        :data:`~replaymoe.ep.transport_symm.PIPE_MIN_ROWS` rows to send back)."""
         p = getattr(self._transport, "pipelines", None)
-        return bool(p is not None and p())
+        return bool(p is not None and p(runtime_max_tokens_per_rank))
 
     def _programs(self, work: int, chunks: int = 1) -> int:
         """Programs along the first grid axis of a persistent kernel with ``work`` independent items
@@ -717,7 +729,7 @@ class MoeAlltoAll:
             tr = self._transport
             out = torch.empty(st.T, W, dtype=payload.dtype, device=self.device)
             pipelines = getattr(tr, "pipelines", None)  # the symm transport (ep > 1)
-            if pipelines is not None and pipelines():
+            if pipelines is not None and pipelines(rt):
                 tr.combine_pipelined(payload, rt, st.slot, out)
             else:
                 rows, block_stride, own, wait = tr.combine(payload, rt)

@@ -13,9 +13,10 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
   source ``s``'s combine buffer ``[this rank, j]``, its work items (row tiles of one source) interleaved
   over the sources so that every peer is written at once; barrier; the fp32 per-token sum reads the local
   buffer, and this rank's own rows in place in the payload (they never move). With the fused barrier and
-  ``num_sms`` >= 2 both halves are one launch (:meth:`SymmTransport.combine_pipelined`): senders flag
-  each 64-row chunk in its source's pad, and reducers sum a block of tokens once the chunks it reads
-  have landed.
+  ``num_sms`` >= 2 both halves can be one launch (:meth:`SymmTransport.combine_pipelined`): senders
+  flag each 64-row chunk in its source's pad, and reducers sum a block of tokens once the chunks it
+  reads have landed. By default that launch runs only where a rank sends back more than
+  :data:`PIPE_MIN_ROWS` rows (the two kernels are faster below).
 
 The barrier runs inside the kernels (``MoeAlltoAll(..., fused_barrier=True)``; the default, unless
 ``REPLAYMOE_EP_FUSED_BARRIER=0`` set :data:`FUSED_BARRIER`, the process default, off): the producing
@@ -57,6 +58,12 @@ _DEFAULT_TIMEOUT_MS = 600_000
 PIPE_CHUNK = 64
 _FLAG_BASE = 64
 PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them all)
+# pipelined_combine=None (the default): one pipelined launch only where a rank sends back more rows than
+# this, (ep - 1) * runtime_max; below, the send kernel + reduce kernel are faster. Measured with 24 SMs on
+# 4 x H200 (session 25, bench/results/ep_combine_threshold_h200x4_s25.txt): two kernels won up to 1024
+# tokens/rank at ep = 2 (1024 rows: 95.9 vs 100.3 µs) and up to 256 at ep = 4 (768 rows), the pipelined
+# launch from 2048 at ep = 2 (2048 rows) and from 512 at ep = 4 (1536 rows).
+PIPE_MIN_ROWS = 1024
 
 
 def pipe_senders(n: int, ep: int) -> int:
@@ -139,7 +146,7 @@ class SymmTransport:
         """Signal pads for the fused barrier (collective: every rank's first dispatch): int32 per rank,
         slot ``s`` = source s's dispatch epoch, ``8 + s`` its combine epoch, and from ``_FLAG_BASE`` the
         pipelined combine's chunk flags (``ncmax`` per source); and this rank's counters [dispatch epoch,
-        combine epoch, pack arrivals, send arrivals]."""
+        combine epoch, pack arrivals, send arrivals, the pipelined combine's sender arrivals]."""
         a = self.a2a
         self.sig = _SymmBuffer(a, 4 * (_FLAG_BASE + _MAX_EP * self.ncmax), "signal")
         self.sig.local.zero_()
@@ -240,12 +247,17 @@ class SymmTransport:
         return rows, rt * H, payload[a.rank], self.wait_args[1]
 
     # ------------------------------------------------------------------------------------------
-    def pipelines(self) -> bool:
-        """Whether ``combine`` runs as one pipelined launch (:meth:`combine_pipelined`): the fused
-        barrier, a ``num_sms`` cap of at least 2 (one sender and one reducer program at least; all of
-        them resident at once, which the reducers' waits need), and ``pipelined_combine`` not off."""
+    def pipelines(self, rt: int) -> bool:
+        """Whether ``combine`` at ``runtime_max_tokens_per_rank = rt`` runs as one pipelined launch
+        (:meth:`combine_pipelined`): the fused barrier, a ``num_sms`` cap of at least 2 (one sender and
+        one reducer program at least; all of them resident at once, which the reducers' waits need), and
+        ``pipelined_combine`` True, or None (the default) with more than :data:`PIPE_MIN_ROWS` rows to
+        send back, ``(ep - 1) * rt``. Every input is the same on every rank, so every rank chooses alike."""
         a = self.a2a
-        return bool(self.fused and a._pipelined_combine and a._num_sms is not None and a._num_sms >= 2)
+        mode = a._pipelined_combine
+        if mode is False or not self.fused or a._num_sms is None or a._num_sms < 2:
+            return False
+        return mode is True or (a.ep - 1) * rt > PIPE_MIN_ROWS
 
     def combine_pipelined(self, payload: torch.Tensor, rt: int, slot: torch.Tensor, out: torch.Tensor,
                           *, roles: int = 0) -> None:  # fmt: skip
@@ -275,8 +287,8 @@ class SymmTransport:
             bufs = (*dst, *self.pads)  # the receive buffers and signal pads (fixed addresses)
             ep_p2 = max(2, next_power_of_2(a.ep))
             after_t = (payload.stride(0), payload.stride(1), rt * W, payload.stride(1), _FLAG_BASE, st[3:4],
-                       st[1:2], self.timeout_ms * 1_000_000, a.ep, ep_p2, a.rank, senders, self.ncmax,
-                       self.chunk, nb, tt, group, roles, a.device.type == "cuda")  # fmt: skip
+                       st[1:2], st[4:5], 8, self.timeout_ms * 1_000_000, a.ep, ep_p2, a.rank, senders,
+                       self.ncmax, self.chunk, nb, tt, group, roles, a.device.type == "cuda")  # fmt: skip
             c = (Launcher(ep_combine_kernel, num_warps=warps), (n,), bufs, addresses(bufs), after_t,
                  addresses(after_t))  # fmt: skip
             if len(self._pkeys) >= 64:
