@@ -14,7 +14,7 @@ import torch
 from replaymoe.ep import combine_torch, dispatch_torch, expert_owner, expert_partition
 from replaymoe.ep.alltoall import MoeAlltoAll
 from replaymoe.ep.packing import recv_views, row_layout
-from replaymoe.ep.partition import make_plan
+from replaymoe.ep.partition import PLAN_SCRATCH, make_plan
 from replaymoe.ep.receive import combine_reduce
 from replaymoe.testing import poison
 
@@ -80,6 +80,7 @@ def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None, fused_plan=True, fuse
     a.transport, a.kernel_backend, a.device, a.timeout = "symm", "auto", torch.device("cpu"), None
     a.local_expert_offset, a.num_local_experts = expert_partition(E, ep)[rank]
     a.recv_counts = torch.zeros(ep, dtype=torch.int32)
+    a._plan_scratch = torch.zeros(PLAN_SCRATCH, dtype=torch.int32)
     return a
 
 
@@ -346,9 +347,12 @@ def test_combine_reduce_kernel_matches_torch(generator):
     [
         (8, 1, 5, 2),  # one rank
         (10, 3, 40, 4),  # uneven split
-        (6, 4, 1500, 1),  # T above the kernel's token block (the running prefix carries over)
+        (6, 4, 1500, 1),  # 12 blocks of 128 tokens, the last partial: the look-back prefix
         (256, 4, 33, 8),  # DeepSeek-V3 experts, top-8
         (16, 4, 0, 8),  # no tokens: counts are zero
+        (16, 2, 128, 2),  # exactly one full block
+        (16, 8, 129, 3),  # one token into a second block; ep = 8
+        (12, 3, 16385, 2),  # past PLAN_BLOCKS x 128 tokens: 256-token blocks, 65 programs
     ],
 )
 def test_plan_kernel_matches_torch(E, ep, T, K, generator):
@@ -362,6 +366,45 @@ def test_plan_kernel_matches_torch(E, ep, T, K, generator):
     got = make_plan(ids, E, ep, use_triton=True)
     assert torch.equal(got.slot, ref.slot)
     assert torch.equal(got.send_counts, ref.send_counts)
+
+
+@pytest.mark.interpret
+def test_plan_kernel_reuses_its_scratch(generator):
+    """Three calls of different sizes on one scratch (as one MoeAlltoAll makes them): each gives the
+    torch plan, and each leaves the ticket and arrivals at zero and the epoch one higher, so the next
+    call's flags wait for its own blocks."""
+    from replaymoe.ep._kernel import ep_plan_kernel
+    from replaymoe.ep.partition import PLAN_BLOCKS, PLAN_SCRATCH, plan_grid
+
+    E, ep, K = 16, 4, 2
+    scratch = torch.zeros(PLAN_SCRATCH, dtype=torch.int32)
+    for call, T in enumerate((300, 129, 700)):
+        ids = torch.randint(0, E, (T, K), generator=generator, dtype=torch.int32)
+        slot = poison(torch.empty(T, ep, dtype=torch.int32))
+        counts = poison(torch.empty(ep, dtype=torch.int32))
+        bt, nprog = plan_grid(T)
+        ep_plan_kernel[(nprog,)](ids, slot, counts, *([counts] * 8), 0, 0, T, E, E // ep, E % ep, scratch,
+                                 K=K, EP=ep, EP_P2=ep, BLOCK_T=bt, NBLK=PLAN_BLOCKS, PUT=False)  # fmt: skip
+        ref = make_plan(ids, E, ep)
+        assert torch.equal(slot, ref.slot) and torch.equal(counts, ref.send_counts), call
+        assert scratch[:3].tolist() == [0, 0, call + 1]
+        assert scratch[3 : 3 + nprog].tolist() == [call + 1] * nprog  # this call's flags
+
+
+@pytest.mark.parametrize(
+    "T, block, programs",
+    [
+        (0, 128, 1),  # no tokens: one program stores the zero counts
+        (1, 128, 1),  # decode
+        (4096, 128, 32),  # the EP bench's largest: 32 programs in parallel
+        (16384, 128, 128),  # PLAN_BLOCKS blocks of the smallest size
+        (16385, 256, 65),  # past it: larger blocks, never more than PLAN_BLOCKS programs
+    ],
+)
+def test_plan_grid(T, block, programs):
+    from replaymoe.ep.partition import plan_grid
+
+    assert plan_grid(T) == (block, programs)
 
 
 @pytest.mark.interpret

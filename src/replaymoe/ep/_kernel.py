@@ -620,38 +620,69 @@ def ep_plan_kernel(
     E,
     base,  # E // EP
     rem,  # E % EP (ranks below own base + 1 experts)
+    scratch_ptr,  # int32 [PLAN_SCRATCH]: ticket, arrivals, epoch, block flags [NBLK], block counts [NBLK, 8]
     K: tl.constexpr,
     EP: tl.constexpr,
     EP_P2: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    NBLK: tl.constexpr,  # most programs (a power of 2; the grid is cdiv(T, BLOCK_T), at least 1)
     PUT: tl.constexpr,
 ):
-    """One program: owner rank of every id, one mark per distinct (token, rank), slots by a running
-    prefix sum over tokens (token order), and the per-rank totals (also stored into each rank's
-    header when ``PUT``: the nccl send buffer's blocks, or the peers' symm receive buffers)."""
+    """Owner rank of every id, one mark per distinct (token, rank), slots by a prefix sum over tokens
+    (token order), and the per-rank totals (also stored into each rank's header when ``PUT``: the
+    nccl send buffer's blocks, or the peers' symm receive buffers).
+
+    One block of ``BLOCK_T`` tokens per program, the prefix across blocks by look-back: a program takes
+    its block index from a ticket (so every lower block's program has started: its waits cannot starve
+    one that is not resident), publishes its block's per-rank counts with a flag (this call's epoch,
+    release), waits for the flags of all lower blocks (acquire) and sums their counts. The last program
+    to finish resets the ticket and the arrivals and stores the epoch, so graph replays and eager calls
+    stay in step without a reset launch; flags only grow."""
+    ticket_ptr = scratch_ptr
+    arrive_ptr = scratch_ptr + 1
+    epoch_ptr = scratch_ptr + 2
+    flag_ptr = scratch_ptr + 3
+    agg_ptr = scratch_ptr + 3 + NBLK
+    nprog = tl.num_programs(0)
+    e = tl.load(epoch_ptr) + 1
+    blk = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
     ranks = tl.arange(0, EP_P2)
-    carry = tl.zeros([EP_P2], dtype=tl.int32)
-    cut = rem * (base + 1)
-    for start in range(0, T, BLOCK_T):
-        toks = start + tl.arange(0, BLOCK_T)
-        tmask = toks < T
-        m = tl.zeros([BLOCK_T, EP_P2], dtype=tl.int32)
-        for k in tl.static_range(K):
-            e = tl.load(ids_ptr + toks.to(tl.int64) * K + k, mask=tmask, other=-1)
-            owner = tl.where(e < cut, e // (base + 1), rem + (e - cut) // base)
-            owner = tl.where((e >= 0) & (e < E), owner, -1)
-            m = m | (owner[:, None] == ranks[None, :]).to(tl.int32)
-        cs = tl.cumsum(m, axis=0) + carry[None, :]
-        slot = tl.where(m > 0, cs - 1, -1)
-        smask = tmask[:, None] & (ranks[None, :] < EP)
-        tl.store(slot_ptr + toks.to(tl.int64)[:, None] * EP + ranks[None, :], slot, mask=smask)
-        carry += tl.sum(m, axis=0)
-    tl.store(counts_ptr + ranks, carry, mask=ranks < EP)
-    if PUT:
-        for r in tl.static_range(EP):
-            base = _pick(r, h0, h1, h2, h3, h4, h5, h6, h7)
-            c = tl.sum(tl.where(ranks == r, carry, 0))
-            tl.store(base + r * stride_hdr_rank + hdr_offset, c)
+    toks = (blk * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tmask = toks < T
+    m = _marks(ids_ptr, toks, tmask, ranks, E, base, rem, K, BLOCK_T, EP_P2)
+    cnt = tl.sum(m, axis=0)
+    tl.store(agg_ptr + blk * 8 + ranks, cnt, mask=ranks < EP)
+    tl.debug_barrier()  # every thread's counts before the flag
+    tl.atomic_xchg(flag_ptr + blk, e, sem="release", scope="gpu")
+    # the lower blocks' counts
+    js = tl.arange(0, NBLK)
+    lower = js < blk
+    waiting = blk > 0
+    while waiting:  # (a scalar carried through the loop: a tensor one breaks Triton's layout pass)
+        f = tl.atomic_add(flag_ptr + js, 0, mask=lower, sem="acquire", scope="gpu")
+        waiting = tl.min(tl.where(lower, f, e)) < e
+    tl.debug_barrier()
+    am = lower[:, None] & (ranks < EP)[None, :]
+    aggs = tl.load(agg_ptr + js[:, None] * 8 + ranks[None, :], mask=am, other=0, cache_modifier=".cg")
+    prefix = tl.sum(aggs, axis=0)
+    cs = tl.cumsum(m, axis=0) + prefix[None, :]
+    slot = tl.where(m > 0, cs - 1, -1)
+    smask = tmask[:, None] & (ranks[None, :] < EP)
+    tl.store(slot_ptr + toks[:, None] * EP + ranks[None, :], slot, mask=smask)
+    if blk == nprog - 1:  # the last block: the totals
+        tot = prefix + cnt
+        tl.store(counts_ptr + ranks, tot, mask=ranks < EP)
+        if PUT:
+            for r in tl.static_range(EP):
+                dst = _pick(r, h0, h1, h2, h3, h4, h5, h6, h7)
+                c = tl.sum(tl.where(ranks == r, tot, 0))
+                tl.store(dst + r * stride_hdr_rank + hdr_offset, c)
+    tl.debug_barrier()
+    old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == nprog - 1:
+        tl.store(ticket_ptr, 0)
+        tl.store(arrive_ptr, 0)
+        tl.store(epoch_ptr, e)
 
 
 @triton.jit

@@ -73,7 +73,7 @@ from .packing import (
     recv_views,
     row_layout,
 )
-from .partition import expert_owner, expert_partition, make_plan
+from .partition import PLAN_BLOCKS, PLAN_SCRATCH, expert_owner, expert_partition, make_plan, plan_grid
 from .receive import combine_reduce
 from .reference import combine_torch, dispatch_torch
 
@@ -127,6 +127,7 @@ class _DState:
     plan_args: tuple = ()
     plan_args_i: tuple = ()  # the same with addresses for tensors (direct launches)
     plan_launch: object = None
+    plan_programs: int = 1
     packs: list = field(default_factory=list)
     sanitize: tuple | None = None
     reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
@@ -280,6 +281,8 @@ class MoeAlltoAll:
         parts = expert_partition(self.num_experts, self.ep)
         self.local_expert_offset, self.num_local_experts = parts[self.rank]
         self.recv_counts = torch.zeros(self.ep, dtype=torch.int32, device=self.device)
+        # the plan kernel's look-back state (ticket, arrivals, epoch, per-block flags and counts)
+        self._plan_scratch = torch.zeros(PLAN_SCRATCH, dtype=torch.int32, device=self.device)
         self.send_counts: torch.Tensor | None = None
         self._phase = "idle"
         self._runtime_max: int | None = None
@@ -521,9 +524,10 @@ class MoeAlltoAll:
         hdrs = [h.view(torch.int32) for h in tg.dsts]
         hdrs = hdrs + [hdrs[0]] * (8 - len(hdrs))
         hdr_off = tg.dst_base + rt * layout.row_bytes + layout.count_offset
+        bt, st.plan_programs = plan_grid(T)
         st.plan_args = (
             st.slot, st.send_counts, *hdrs, tg.stride_dst_rank // 4, hdr_off // 4, T, self.num_experts,
-            base, rem, K, self.ep, ep_p2, max(16, min(1024, 4096 // ep_p2)), True,
+            base, rem, self._plan_scratch, K, self.ep, ep_p2, bt, PLAN_BLOCKS, True,
         )  # fmt: skip
         # pack kernel: payloads in groups of four, each group in one unit dtype
         specs = layout.specs
@@ -618,9 +622,9 @@ class MoeAlltoAll:
         if st.fused_plan:
             pass  # the first pack computes it
         elif st.plan_launch.ready():
-            st.plan_launch.fast((1,), (ids.data_ptr(), *st.plan_args_i))
+            st.plan_launch.fast((st.plan_programs,), (ids.data_ptr(), *st.plan_args_i))
         else:
-            st.plan_launch((1,), (ids, *st.plan_args))
+            st.plan_launch((st.plan_programs,), (ids, *st.plan_args))
         T = st.T
         if T > 0 or st.targets.signal is not None or st.fused_plan:  # (signal / counts need the launch)
             persistent = self._num_sms is not None

@@ -2,7 +2,8 @@
 
 The contiguous expert split (:func:`expert_partition`, :func:`expert_owner`) and the dispatch plan
 built from it (:func:`make_plan`: per token and destination rank, the token's row in that rank's
-block, and the rows sent to each rank), in torch ops or one Triton kernel.
+block, and the rows sent to each rank), in torch ops or one Triton kernel (``ep_plan_kernel``: one
+program per block of tokens, the prefix across blocks by look-back; :func:`plan_grid`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .._launch import next_power_of_2
+from .._launch import cdiv, next_power_of_2
 from .._validation import check_int
 
 __all__ = ["expert_partition", "expert_owner"]
+
+# ep_plan_kernel: at most PLAN_BLOCKS programs (all resident at once on any GPU it runs on: 4 warps each),
+# at least 128 tokens each; its scratch (int32): ticket, arrivals, epoch, a flag and 8 counts per block
+PLAN_BLOCKS = 128
+PLAN_SCRATCH = 3 + 9 * PLAN_BLOCKS
+
+
+def plan_grid(T: int) -> tuple[int, int]:
+    """``(tokens per program, programs)`` of ``ep_plan_kernel`` for ``T`` tokens (one program at T = 0,
+    to store the zero counts)."""
+    bt = max(128, next_power_of_2(cdiv(max(T, 1), PLAN_BLOCKS)))
+    return bt, max(1, cdiv(T, bt))
 
 
 def expert_partition(num_experts: int, ep: int) -> list[tuple[int, int]]:
@@ -64,11 +77,13 @@ def make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool 
         ids = ids.contiguous()
         slot = torch.empty(T, ep, dtype=torch.int32, device=ids.device)
         counts = torch.empty(ep, dtype=torch.int32, device=ids.device)
+        scratch = torch.zeros(PLAN_SCRATCH, dtype=torch.int32, device=ids.device)
         base, rem = divmod(num_experts, ep)
         ep_p2 = max(2, next_power_of_2(ep))
-        ep_plan_kernel[(1,)](
-            ids, slot, counts, *([counts] * 8), 0, 0, T, num_experts, base, rem,
-            K=ids.shape[1], EP=ep, EP_P2=ep_p2, BLOCK_T=max(16, min(1024, 4096 // ep_p2)), PUT=False,
+        bt, nprog = plan_grid(T)
+        ep_plan_kernel[(nprog,)](
+            ids, slot, counts, *([counts] * 8), 0, 0, T, num_experts, base, rem, scratch,
+            K=ids.shape[1], EP=ep, EP_P2=ep_p2, BLOCK_T=bt, NBLK=PLAN_BLOCKS, PUT=False,
         )  # fmt: skip
         return _Plan(slot=slot, send_counts=counts)
     owner = expert_owner(ids, num_experts, ep)  # [T, K] in [0, ep]
