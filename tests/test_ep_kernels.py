@@ -208,22 +208,23 @@ def test_pipelined_combine_sender_split(n, ep, senders):
 @pytest.mark.parametrize(
     "mode, fused, num_sms, ep, rt, pipelined",
     [
-        (None, True, 24, 2, 1024, False),  # by size, ep = 2: 1024 rows back, at the threshold: two kernels
-        (None, True, 24, 2, 1025, True),  # one row past it: the pipelined launch
-        (None, True, 24, 4, 256, False),  # ep = 4: 768 rows, two kernels (measured faster)
-        (None, True, 24, 4, 512, True),  # 1536 rows: pipelined
+        (None, True, 24, 2, 128, False),  # by size, ep = 2: 128 rows back, at the threshold: two kernels
+        (None, True, 24, 2, 129, True),  # one row past it: the pipelined launch
+        (None, True, 24, 4, 341, False),  # ep = 4: 1023 rows, two kernels
+        (None, True, 24, 4, 342, True),  # 1026 rows: pipelined
         (None, True, 24, 8, 147, True),  # ep = 8: 1029 rows (the rule counts rows, not tokens)
         (True, True, 24, 2, 1, True),  # forced on: any size
         (False, True, 24, 4, 4096, False),  # forced off
-        (None, True, None, 4, 4096, False),  # no num_sms cap: the dense two kernels
+        (None, True, None, 4, 4096, True),  # no num_sms cap: one program per SM (4 on the CPU)
+        (None, True, None, 4, 256, False),  # ... and the dense two kernels below the threshold
         (True, True, 1, 4, 4096, False),  # one program cannot both send and reduce
         (True, False, 24, 4, 4096, False),  # torch's barrier kernel: the phases are separate launches
     ],
 )
 def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, pipelined):
-    from replaymoe.ep.transport_symm import PIPE_MIN_ROWS, SymmTransport
+    from replaymoe.ep.transport_symm import SymmTransport, pipe_min_rows
 
-    assert PIPE_MIN_ROWS == 1024  # the cases above sit on either side of it
+    assert (pipe_min_rows(2), pipe_min_rows(4), pipe_min_rows(8)) == (128, 1024, 1024)  # the cases' edges
     a = _fake_a2a(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
     a._pipelined_combine = mode
     a._transport = SymmTransport(a)

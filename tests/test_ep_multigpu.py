@@ -45,19 +45,22 @@ def _transports_worker(rank, world):
     # symm with a barrier timeout: a lost signal traps (naming both ranks) instead of hanging;
     # symm_unfused: torch's barrier kernel and the plan kernel by argument (the same bits)
     symm = dict(transport="symm", timeout=60)
-    # symm_pipe: 4 programs per kernel and pipelined_combine=True, so combine is the pipelined launch
-    # (2 senders, 2 reducers: several chunks per sender and per reducer at the larger sizes);
-    # symm_auto: the same by size, with the threshold lowered so that one object switches between the
-    # two-kernel combine (runtime_max 128 and below) and the pipelined one (256) from call to call
+    # symm: the defaults (dense grids; the combine by size, with the threshold lowered so that one object
+    # switches between the two-kernel combine, runtime_max 128 and below, and the pipelined launch on every
+    # SM, 256, from call to call); symm_2k: always the two kernels; symm_pipe: 4 programs per kernel and
+    # always the pipelined launch (2 senders, 2 reducers: several chunks per sender and per reducer at the
+    # larger sizes); symm_auto: 4 programs, by size
     kinds = {"nccl": dict(transport="nccl"), "symm": symm,
+             "symm_2k": dict(symm, pipelined_combine=False),
              "symm_unfused": dict(symm, fused_barrier=False, fused_plan=False),
              "symm_pipe": dict(symm, num_sms=4, pipelined_combine=True),
              "symm_auto": dict(symm, num_sms=4)}  # fmt: skip
-    transport_symm.PIPE_MIN_ROWS = (world - 1) * 200
+    transport_symm.PIPE_MIN_ROWS = {world: (world - 1) * 200}
     a2a = {t: MoeAlltoAll(None, max_tokens, K, E, H, **kw) for t, kw in kinds.items()}
     assert a2a["symm_unfused"].fused_barrier is False and a2a["symm_unfused"].fused_plan is False
-    assert a2a["symm_pipe"].combine_pipelines(1) and not a2a["symm"].combine_pipelines(max_tokens)
-    assert a2a["symm_auto"].combine_pipelines(256) and not a2a["symm_auto"].combine_pipelines(128)
+    assert a2a["symm_pipe"].combine_pipelines(1) and not a2a["symm_2k"].combine_pipelines(max_tokens)
+    for t in ("symm", "symm_auto"):
+        assert a2a[t].combine_pipelines(256) and not a2a[t].combine_pipelines(128), t
     g = torch.Generator().manual_seed(11)
     # --- exactness over several shapes: T per rank incl. 0, skew, fp8 + scales payloads
     for case, (Ts, rt) in enumerate(

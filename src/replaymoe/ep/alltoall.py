@@ -198,17 +198,16 @@ class MoeAlltoAll:
         ``REPLAYMOE_EP_FUSED_BARRIER=0`` was set at import. Must be the same on every rank; fixed for
         the object's life (attribute ``fused_barrier``, resolved by the ``symm`` transport).
     pipelined_combine : bool, optional
-        ``symm`` with the fused barrier and ``num_sms`` >= 2: ``True``: ``combine`` is one launch in
-        which some of the ``num_sms`` programs (a third at ep = 2, half at larger ep) send the rows
-        back, chunk by chunk (64 rows, each chunk flagged in its source's signal pad), while the others
-        sum each token's rows as soon as the chunks holding them have landed; ``False``: the send
-        kernel, the barrier, then the reduce kernel. The same bits either way. Default (``None``): the
-        pipelined launch where a rank sends back more than
-        :data:`replaymoe.ep.transport_symm.PIPE_MIN_ROWS` (1024) rows, ``(ep - 1) *
-        runtime_max_tokens_per_rank``, and the two kernels below, where they measured faster (24 SMs:
-        up to 1024 tokens/rank at ep = 2, 256 at ep = 4). Must be the same on every rank; fixed for the
-        object's life (attribute ``pipelined_combine``; :meth:`combine_pipelines` says which a call
-        runs).
+        ``symm`` with the fused barrier: ``True``: ``combine`` is one launch in which some of its
+        programs (``num_sms`` of them, or one per SM when unset, at least 2; a third at ep = 2, half at
+        larger ep) send the rows back, chunk by chunk (16 rows, each chunk flagged in its source's
+        signal pad), while the others sum each token's rows as soon as the chunks holding them have
+        landed; ``False``: the send kernel, the barrier, then the reduce kernel. The same bits either
+        way. Default (``None``): the pipelined launch where a rank sends back more than
+        :func:`replaymoe.ep.transport_symm.pipe_min_rows` rows, ``(ep - 1) *
+        runtime_max_tokens_per_rank``, and the two kernels below, where they measured faster. Must be
+        the same on every rank; fixed for the object's life (attribute ``pipelined_combine``;
+        :meth:`combine_pipelines` says which a call runs).
 
     Notes
     -----
@@ -350,9 +349,9 @@ class MoeAlltoAll:
 
     def combine_pipelines(self, runtime_max_tokens_per_rank: int) -> bool:
         """Whether ``combine`` at this ``runtime_max_tokens_per_rank`` now runs as one pipelined launch
-        (see ``pipelined_combine`` in the class docstring): ``symm`` only, with the fused barrier, the
-        current ``num_sms`` (at least 2), and the argument (``None``: more than
-        :data:`~replaymoe.ep.transport_symm.PIPE_MIN_ROWS` rows to send back)."""
+        (see ``pipelined_combine`` in the class docstring): ``symm`` only, with the fused barrier, at
+        least 2 programs (the current ``num_sms``, or the device's SMs), and the argument (``None``: more than
+        :func:`~replaymoe.ep.transport_symm.pipe_min_rows` rows to send back)."""
         p = getattr(self._transport, "pipelines", None)
         return bool(p is not None and p(runtime_max_tokens_per_rank))
 

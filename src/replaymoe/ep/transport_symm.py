@@ -16,7 +16,7 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
   ``num_sms`` >= 2 both halves can be one launch (:meth:`SymmTransport.combine_pipelined`): senders
   flag each 64-row chunk in its source's pad, and reducers sum a block of tokens once the chunks it
   reads have landed. By default that launch runs only where a rank sends back more than
-  :data:`PIPE_MIN_ROWS` rows (the two kernels are faster below).
+  :func:`pipe_min_rows` rows (the two kernels are faster below).
 
 The barrier runs inside the kernels (``MoeAlltoAll(..., fused_barrier=True)``; the default, unless
 ``REPLAYMOE_EP_FUSED_BARRIER=0`` set :data:`FUSED_BARRIER`, the process default, off): the producing
@@ -54,16 +54,30 @@ from .packing import _Targets, row_tiling  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
-# the pipelined combine: rows per arrival flag, and where the flags start in a signal pad (int32 units)
-PIPE_CHUNK = 64
+# the pipelined combine: rows per arrival flag, and where the flags start in a signal pad (int32 units).
+# 16-row chunks: with 64, each sender's chunks landed in a few waves, and the reducers summed the last
+# wave's tokens after the send had ended (2 x H200, 4096 tokens/rank, 132 programs: 197-206 µs at 64 rows,
+# 181-190 at 32, 182-183 at 16; 24 programs: 300 / 295-316 / 297-357; session 25)
+PIPE_CHUNK = 16
 _FLAG_BASE = 64
 PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them all)
 # pipelined_combine=None (the default): one pipelined launch only where a rank sends back more rows than
-# this, (ep - 1) * runtime_max; below, the send kernel + reduce kernel are faster. Measured with 24 SMs on
-# 4 x H200 (session 25, bench/results/ep_combine_threshold_h200x4_s25.txt): two kernels won up to 1024
-# tokens/rank at ep = 2 (1024 rows: 95.9 vs 100.3 µs) and up to 256 at ep = 4 (768 rows), the pipelined
-# launch from 2048 at ep = 2 (2048 rows) and from 512 at ep = 4 (1536 rows).
-PIPE_MIN_ROWS = 1024
+# pipe_min_rows(ep), (ep - 1) * runtime_max; below, the send kernel + reduce kernel are faster.
+# ep = 2, 16-row chunks (2 x H200, session 25, bench/results/ep_dense_x2_h200_s25.csv; pipelined / two
+# kernels, graph): 24 SMs 1.01 at 128 tokens, 0.92 / 0.95 / 0.87 / 0.84 / 0.82 at 256 ... 4096; every
+# SM 1.18 at 128, 0.96 / 1.01 / 0.98 / 0.91 / 0.85 from 256. Other ep: measured with 64-row chunks only
+# (4 x H200, 24 SMs, bench/results/ep_combine_threshold_h200x4_s25.txt): at ep = 4 two kernels won up
+# to 256 tokens/rank (768 rows), the pipelined launch from 512 (1536 rows). 16-row chunks made the
+# pipelined launch faster at ep = 2 (256 tokens, 24 SMs: 42.6 -> 27.3 µs), so the ep = 4 crossover may
+# have moved down: not measured yet (no 4-GPU machine), so ep > 2 keeps the measured 1024.
+PIPE_MIN_ROWS = {2: 128}
+PIPE_MIN_ROWS_OTHER = 1024
+
+
+def pipe_min_rows(ep: int) -> int:
+    """Rows a rank sends back, ``(ep - 1) * runtime_max``, above which ``pipelined_combine=None`` runs
+    the pipelined launch (see :data:`PIPE_MIN_ROWS`)."""
+    return PIPE_MIN_ROWS.get(ep, PIPE_MIN_ROWS_OTHER)
 
 
 def pipe_senders(n: int, ep: int) -> int:
@@ -249,15 +263,21 @@ class SymmTransport:
     # ------------------------------------------------------------------------------------------
     def pipelines(self, rt: int) -> bool:
         """Whether ``combine`` at ``runtime_max_tokens_per_rank = rt`` runs as one pipelined launch
-        (:meth:`combine_pipelined`): the fused barrier, a ``num_sms`` cap of at least 2 (one sender and
-        one reducer program at least; all of them resident at once, which the reducers' waits need), and
-        ``pipelined_combine`` True, or None (the default) with more than :data:`PIPE_MIN_ROWS` rows to
-        send back, ``(ep - 1) * rt``. Every input is the same on every rank, so every rank chooses alike."""
+        (:meth:`combine_pipelined`): the fused barrier, at least 2 programs (:meth:`programs`: one sender
+        and one reducer at least), and ``pipelined_combine`` True, or None (the default) with more than
+        :func:`pipe_min_rows` rows to send back, ``(ep - 1) * rt``. Every input is the same on every rank,
+        so every rank chooses alike."""
         a = self.a2a
         mode = a._pipelined_combine
-        if mode is False or not self.fused or a._num_sms is None or a._num_sms < 2:
+        if mode is False or not self.fused or self.programs() < 2:
             return False
-        return mode is True or (a.ep - 1) * rt > PIPE_MIN_ROWS
+        return mode is True or (a.ep - 1) * rt > pipe_min_rows(a.ep)
+
+    def programs(self) -> int:
+        """Programs of the pipelined combine: ``num_sms``, or every SM when it is unset (one each:
+        every program resident at once, since reducers wait on senders)."""
+        a = self.a2a
+        return min(a._device_sms if a._num_sms is None else a._num_sms, a._device_sms)
 
     def combine_pipelined(self, payload: torch.Tensor, rt: int, slot: torch.Tensor, out: torch.Tensor,
                           *, roles: int = 0) -> None:  # fmt: skip
@@ -272,7 +292,7 @@ class SymmTransport:
         W = payload.shape[2]
         self._combine_buffer(payload)
         T = out.shape[0]
-        n = min(a._num_sms, a._device_sms)  # every program resident: the reducers wait on senders
+        n = self.programs()
         senders = pipe_senders(n, a.ep) if roles == 0 else n
         nb, _, tt, warps = row_tiling(W, True)
         group = pipe_group(T, tt, max(1, n - senders))
