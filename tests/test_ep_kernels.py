@@ -215,8 +215,10 @@ def test_pipelined_combine_sender_split(n, ep, senders):
         (None, True, 24, 8, 147, True),  # ep = 8: 1029 rows (the rule counts rows, not tokens)
         (True, True, 24, 2, 1, True),  # forced on: any size
         (False, True, 24, 4, 4096, False),  # forced off
-        (None, True, None, 4, 4096, True),  # no num_sms cap: one program per SM (4 on the CPU)
-        (None, True, None, 4, 256, False),  # ... and the dense two kernels below the threshold
+        (None, True, None, 2, 4096, True),  # no num_sms cap, ep = 2: one program per SM (4 on the CPU)
+        (None, True, None, 2, 128, False),  # ... and the dense two kernels at the threshold
+        (None, True, None, 4, 4096, False),  # other ep without a cap: the dense two kernels (unmeasured)
+        (True, True, None, 4, 4096, True),  # ... unless forced
         (True, True, 1, 4, 4096, False),  # one program cannot both send and reduce
         (True, False, 24, 4, 4096, False),  # torch's barrier kernel: the phases are separate launches
     ],
@@ -224,7 +226,9 @@ def test_pipelined_combine_sender_split(n, ep, senders):
 def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, pipelined):
     from replaymoe.ep.transport_symm import SymmTransport, pipe_min_rows
 
-    assert (pipe_min_rows(2), pipe_min_rows(4), pipe_min_rows(8)) == (128, 1024, 1024)  # the cases' edges
+    # the cases' edges: ep = 2 either grid; other ep with a cap; never by size without one
+    edges = [pipe_min_rows(e, capped) for e in (2, 4, 8) for capped in (True, False)]
+    assert edges == [128, 128, 1024, None, 1024, None]
     a = _fake_a2a(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
     a._pipelined_combine = mode
     a._transport = SymmTransport(a)

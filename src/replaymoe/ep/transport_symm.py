@@ -62,22 +62,27 @@ PIPE_CHUNK = 16
 _FLAG_BASE = 64
 PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them all)
 # pipelined_combine=None (the default): one pipelined launch only where a rank sends back more rows than
-# pipe_min_rows(ep), (ep - 1) * runtime_max; below, the send kernel + reduce kernel are faster.
-# ep = 2, 16-row chunks (2 x H200, session 25, bench/results/ep_dense_x2_h200_s25.csv; pipelined / two
-# kernels, graph): 24 SMs 1.01 at 128 tokens, 0.92 / 0.95 / 0.87 / 0.84 / 0.82 at 256 ... 4096; every
-# SM 1.18 at 128, 0.96 / 1.01 / 0.98 / 0.91 / 0.85 from 256. Other ep: measured with 64-row chunks only
-# (4 x H200, 24 SMs, bench/results/ep_combine_threshold_h200x4_s25.txt): at ep = 4 two kernels won up
+# pipe_min_rows(ep, capped), (ep - 1) * runtime_max; below, the send kernel + reduce kernel are as fast or
+# faster. ep = 2, 16-row chunks (2 x H200, session 25, bench/results/ep_dense_x2_h200_s25.csv; pipelined /
+# two kernels, graph): 24 SMs 1.01 at 128 tokens, 0.92 / 0.95 / 0.87 / 0.84 / 0.82 at 256 ... 4096; every
+# SM 1.18 at 128, 0.96 / 1.01 / 0.98 / 0.91 / 0.85 from 256. Other ep, measured with 24 SMs and 64-row
+# chunks only (4 x H200, bench/results/ep_combine_threshold_h200x4_s25.txt): at ep = 4 two kernels won up
 # to 256 tokens/rank (768 rows), the pipelined launch from 512 (1536 rows). 16-row chunks made the
 # pipelined launch faster at ep = 2 (256 tokens, 24 SMs: 42.6 -> 27.3 µs), so the ep = 4 crossover may
-# have moved down: not measured yet (no 4-GPU machine), so ep > 2 keeps the measured 1024.
-PIPE_MIN_ROWS = {2: 128}
-PIPE_MIN_ROWS_OTHER = 1024
+# have moved down; not measured yet (no 4-GPU machine), so other ep keep the measured 1024 rows with a
+# num_sms cap, and the dense two kernels without one (the pipelined launch on every SM was measured at
+# ep = 2 only).
+PIPE_MIN_ROWS = {2: 128}  # per ep, either grid
+PIPE_MIN_ROWS_CAPPED = 1024  # other ep, num_sms set
 
 
-def pipe_min_rows(ep: int) -> int:
+def pipe_min_rows(ep: int, capped: bool) -> int | None:
     """Rows a rank sends back, ``(ep - 1) * runtime_max``, above which ``pipelined_combine=None`` runs
-    the pipelined launch (see :data:`PIPE_MIN_ROWS`)."""
-    return PIPE_MIN_ROWS.get(ep, PIPE_MIN_ROWS_OTHER)
+    the pipelined launch; ``capped``: ``num_sms`` is set. ``None``: never by size (see
+    :data:`PIPE_MIN_ROWS`)."""
+    if ep in PIPE_MIN_ROWS:
+        return PIPE_MIN_ROWS[ep]
+    return PIPE_MIN_ROWS_CAPPED if capped else None
 
 
 def pipe_senders(n: int, ep: int) -> int:
@@ -271,7 +276,10 @@ class SymmTransport:
         mode = a._pipelined_combine
         if mode is False or not self.fused or self.programs() < 2:
             return False
-        return mode is True or (a.ep - 1) * rt > pipe_min_rows(a.ep)
+        if mode is True:
+            return True
+        rows = pipe_min_rows(a.ep, a._num_sms is not None)
+        return rows is not None and (a.ep - 1) * rt > rows
 
     def programs(self) -> int:
         """Programs of the pipelined combine: ``num_sms``, or every SM when it is unset (one each:
