@@ -5,7 +5,8 @@ multicast disabled, as in test_ep_multigpu.py). Every rank builds every rank's i
 differentiates its term of ``sum_s <ep_moe(x_s), g_s>`` and compares with fp64 autograd of the
 single-GPU reference (``fused_moe_torch``) over all ranks' tokens: its rows of ``d hidden_states`` and
 ``d router_logits``, its expert slice of ``d w13``/``d w2``. Also: the two transports give bitwise
-equal gradients, two backward passes are bitwise equal, replay_ids, recompute, a rank with no tokens.
+equal gradients (symm with either combine), two backward passes are bitwise equal, replay_ids,
+recompute, a rank with no tokens.
 """
 
 from __future__ import annotations
@@ -90,12 +91,15 @@ def _worker(rank, world):
             ref[4][lo : lo + n],
         ]
         grads = {}
-        for t in ("nccl", "symm"):
+        # symm_pipe: the combines (the forward's bf16 rows, the backward's fp32 [dX | d weights] rows) as
+        # the pipelined launch on every SM, which the default reaches only at more rows than these
+        for t in ("nccl", "symm", "symm_pipe"):
             key = (t, K)
             if key not in a2as:
-                a2as[key] = MoeAlltoAll(
-                    None, MAX_TOKENS, K, E, H, transport=t, timeout=60 if t == "symm" else None
-                )
+                kw = dict(transport="nccl") if t == "nccl" else dict(transport="symm", timeout=60)
+                if t == "symm_pipe":
+                    kw["pipelined_combine"] = True
+                a2as[key] = MoeAlltoAll(None, MAX_TOKENS, K, E, H, **kw)
             a2a = a2as[key]
             got = _ep(a2a, rank, *prob, K, lo, n, recompute)
             with torch.no_grad():  # the inference path gives the training forward's output bitwise
@@ -113,8 +117,9 @@ def _worker(rank, world):
                 assert err < 1.5e-2, f"{t} case {seed} rank {rank}: {what} relative error {err:.3g}"
             assert got[1].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16
             grads[t] = got
-        for what, a, b in zip(("out", "d hidden", "d logits", "d w13", "d w2"), grads["nccl"], grads["symm"]):
-            assert torch.equal(a, b), f"case {seed} rank {rank}: nccl and symm differ in {what}"
+        for t in ("symm", "symm_pipe"):
+            for what, a, b in zip(("out", "d hidden", "d logits", "d w13", "d w2"), grads["nccl"], grads[t]):
+                assert torch.equal(a, b), f"case {seed} rank {rank}: nccl and {t} differ in {what}"
         if rank == 0:
             print(f"PASS ep_moe backward case {seed} on {world} GPUs", flush=True)
     dist.barrier()
