@@ -182,7 +182,8 @@ class MoeAlltoAll:
         Most programs (thread blocks, so SMs) any Triton kernel of dispatch/combine launches: the
         copies are persistent loops over tokens, so this bounds the SMs the all-to-all occupies
         (DeepEP's ``Buffer.num_sms``). Default: every SM of the device. May be changed between calls
-        (attribute ``num_sms``); a captured CUDA graph keeps the value it was captured with.
+        (attribute ``num_sms``), on every rank alike (with ``symm`` it decides the combine's form, see
+        ``pipelined_combine``); a captured CUDA graph keeps the value it was captured with.
     fused_plan : bool, optional
         Triton packing (``symm``, or ``kernel_backend`` resolving to Triton): up to 256 tokens whose
         first payload group moves in 4-byte units, the pack kernel computes the dispatch plan itself
