@@ -10,6 +10,9 @@
 # Each step has its own time limit (`timeout` signals the step's whole process group) and the next one
 # runs whatever happened before. Everything is written under $OUT; a short table is printed last.
 #   (profile: where the host time of a steady-state eager call goes, `bench ep --host-profile`)
+#   (combine: the pipelined combine against the two kernels, both forced (symm_pipe / symm_2k), 24 SMs and
+#    every SM, 128 ... 4096 tokens/rank, on every GPU and on 2: the measurements behind
+#    `ep.transport_symm.pipe_min_rows`; not in the default STEPS)
 # Usage (repo root):  OUT=/some/dir bash scripts/gpu_ep.sh      (STEPS="test profile bench" by default)
 set -u
 cd "$(dirname "$0")/.."
@@ -99,6 +102,17 @@ if [[ " $STEPS " == *" bench "* ]]; then
   rm -f "$OUT"/bench/*.json "$OUT/deepep_build_step.log"  # (the CSVs hold the rows; the returned files are few)
 fi
 
+if [[ " $STEPS " == *" combine "* ]]; then
+  for n in $(printf "%s\n" "$NGPU" 2 | sort -un); do
+    [ "$n" -gt "$NGPU" ] && continue
+    step "combine_x$n" 150 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((n - 1)))" "$PY" -m torch.distributed.run \
+      --nproc-per-node "$n" -m replaymoe bench ep --out "$OUT/bench" --name "combine_x$n" \
+      --impls symm,symm_pipe,symm_2k --payloads bf16 --tokens 128,256,512,1024,2048,4096 --num-sms 24,0 \
+      --no-layer --iters 20 --warmup 3
+  done
+  rm -f "$OUT"/bench/*.json
+fi
+
 echo
 echo "################ summary (${OUT}) — $(( $(date +%s) - T0 ))s total"
 cat "$SUMMARY"
@@ -112,3 +126,6 @@ if [ -f "$OUT/bench.log" ]; then
   grep -E "^ERROR|Error|capture failed|DeepEP" "$OUT/bench.log" | grep -v "^\[rank [1-9]" | head -n 8
   sed -n '/^# goal 1/,$p' "$OUT/bench.log"
 fi
+for f in "$OUT"/combine_x*.log; do
+  [ -f "$f" ] && { echo "## $(basename "$f" .log)"; sed -n '/^# symm combine/,/^$/p' "$f"; }
+done
