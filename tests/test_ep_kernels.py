@@ -208,16 +208,17 @@ def test_pipelined_combine_sender_split(n, ep, senders):
 @pytest.mark.parametrize(
     "mode, fused, num_sms, ep, rt, pipelined",
     [
-        (None, True, 24, 2, 128, False),  # by size, ep = 2: 128 rows back, at the threshold: two kernels
-        (None, True, 24, 2, 129, True),  # one row past it: the pipelined launch
-        (None, True, 24, 4, 341, False),  # ep = 4: 1023 rows, two kernels
-        (None, True, 24, 4, 342, True),  # 1026 rows: pipelined
-        (None, True, 24, 8, 147, True),  # ep = 8: 1029 rows (the rule counts rows, not tokens)
+        (None, True, 24, 2, 128, False),  # by size, ep = 2: 128 tokens/rank, at the threshold: two kernels
+        (None, True, 24, 2, 129, True),  # one token past it: the pipelined launch
+        (None, True, 24, 4, 128, False),  # ep = 4: 384 rows back, at its threshold: two kernels
+        (None, True, 24, 4, 129, True),  # 387 rows: pipelined
+        (None, True, 24, 8, 129, True),  # ep = 8 (unmeasured): the same rule
         (True, True, 24, 2, 1, True),  # forced on: any size
         (False, True, 24, 4, 4096, False),  # forced off
         (None, True, None, 2, 4096, True),  # no num_sms cap, ep = 2: one program per SM (4 on the CPU)
         (None, True, None, 2, 128, False),  # ... and the dense two kernels at the threshold
-        (None, True, None, 4, 4096, False),  # other ep without a cap: the dense two kernels (unmeasured)
+        (None, True, None, 4, 4096, True),  # no cap at ep = 4: the rule is the same on every grid
+        (None, True, None, 4, 64, False),  # ... small: the dense two kernels
         (True, True, None, 4, 4096, True),  # ... unless forced
         (True, True, 1, 4, 4096, False),  # one program cannot both send and reduce
         (True, False, 24, 4, 4096, False),  # torch's barrier kernel: the phases are separate launches
@@ -226,9 +227,8 @@ def test_pipelined_combine_sender_split(n, ep, senders):
 def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, pipelined):
     from replaymoe.ep.transport_symm import SymmTransport, pipe_min_rows
 
-    # the cases' edges: ep = 2 either grid; other ep with a cap; never by size without one
-    edges = [pipe_min_rows(e, capped) for e in (2, 4, 8) for capped in (True, False)]
-    assert edges == [128, 128, 1024, None, 1024, None]
+    # the cases' edges: (ep - 1) * 128 rows sent back, on any grid
+    assert [pipe_min_rows(e) for e in (2, 4, 8)] == [128, 384, 896]
     a = _fake_a2a(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
     a._pipelined_combine = mode
     a._transport = SymmTransport(a)

@@ -38,24 +38,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _transports_worker(rank, world):
     import torch.distributed as dist
 
-    from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch, transport_symm
+    from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch
 
     dev = torch.device("cuda", rank)
     E, K, H, max_tokens = 64, 8, 1024, 256
     # symm with a barrier timeout: a lost signal traps (naming both ranks) instead of hanging;
     # symm_unfused: torch's barrier kernel and the plan kernel by argument (the same bits)
     symm = dict(transport="symm", timeout=60)
-    # symm: the defaults (dense grids; the combine by size, with the threshold lowered so that one object
-    # switches between the two-kernel combine, runtime_max 128 and below, and the pipelined launch on every
-    # SM, 256, from call to call); symm_2k: always the two kernels; symm_pipe: 4 programs per kernel and
-    # always the pipelined launch (2 senders, 2 reducers: several chunks per sender and per reducer at the
-    # larger sizes); symm_auto: 4 programs, by size
+    # symm: the defaults (dense grids; the combine by size: one object switches between the two-kernel
+    # combine, runtime_max 128 and below, and the pipelined launch on every SM, 256, from call to call);
+    # symm_2k: always the two kernels; symm_pipe: 4 programs per kernel and always the pipelined launch
+    # (2 senders, 2 reducers: several chunks per sender and per reducer at the larger sizes); symm_auto:
+    # 4 programs, by size
     kinds = {"nccl": dict(transport="nccl"), "symm": symm,
              "symm_2k": dict(symm, pipelined_combine=False),
              "symm_unfused": dict(symm, fused_barrier=False, fused_plan=False),
              "symm_pipe": dict(symm, num_sms=4, pipelined_combine=True),
              "symm_auto": dict(symm, num_sms=4)}  # fmt: skip
-    transport_symm.PIPE_MIN_ROWS = {world: (world - 1) * 200}
     a2a = {t: MoeAlltoAll(None, max_tokens, K, E, H, **kw) for t, kw in kinds.items()}
     assert a2a["symm_unfused"].fused_barrier is False and a2a["symm_unfused"].fused_plan is False
     assert a2a["symm_pipe"].combine_pipelines(1) and not a2a["symm_2k"].combine_pipelines(max_tokens)

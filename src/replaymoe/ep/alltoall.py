@@ -204,9 +204,10 @@ class MoeAlltoAll:
         larger ep) send the rows back, chunk by chunk (16 rows, each chunk flagged in its source's
         signal pad), while the others sum each token's rows as soon as the chunks holding them have
         landed; ``False``: the send kernel, the barrier, then the reduce kernel. The same bits either
-        way. Default (``None``): the pipelined launch where a rank sends back more than
-        :func:`replaymoe.ep.transport_symm.pipe_min_rows` rows, ``(ep - 1) *
-        runtime_max_tokens_per_rank``, and the two kernels below, where they measured faster. Must be
+        way. Default (``None``): the pipelined launch where ``runtime_max_tokens_per_rank`` is above
+        128 (:data:`replaymoe.ep.transport_symm.PIPE_MIN_TOKENS`; a rank then sends back more than
+        :func:`~replaymoe.ep.transport_symm.pipe_min_rows` rows), and the two kernels below, where they
+        measured faster at ep = 2 and 4. Must be
         the same on every rank; fixed for the object's life (attribute ``pipelined_combine``;
         :meth:`combine_pipelines` says which a call runs).
 

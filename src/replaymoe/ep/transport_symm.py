@@ -14,7 +14,7 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
   over the sources so that every peer is written at once; barrier; the fp32 per-token sum reads the local
   buffer, and this rank's own rows in place in the payload (they never move). With the fused barrier and
   ``num_sms`` >= 2 both halves can be one launch (:meth:`SymmTransport.combine_pipelined`): senders
-  flag each 64-row chunk in its source's pad, and reducers sum a block of tokens once the chunks it
+  flag each 16-row chunk in its source's pad, and reducers sum a block of tokens once the chunks it
   reads have landed. By default that launch runs only where a rank sends back more than
   :func:`pipe_min_rows` rows (the two kernels are faster below).
 
@@ -61,28 +61,24 @@ _DEFAULT_TIMEOUT_MS = 600_000
 PIPE_CHUNK = 16
 _FLAG_BASE = 64
 PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them all)
-# pipelined_combine=None (the default): one pipelined launch only where a rank sends back more rows than
-# pipe_min_rows(ep, capped), (ep - 1) * runtime_max; below, the send kernel + reduce kernel are as fast or
-# faster. ep = 2, 16-row chunks (2 x H200, session 25, bench/results/ep_dense_x2_h200_s25.csv; pipelined /
-# two kernels, graph): 24 SMs 1.01 at 128 tokens, 0.92 / 0.95 / 0.87 / 0.84 / 0.82 at 256 ... 4096; every
-# SM 1.18 at 128, 0.96 / 1.01 / 0.98 / 0.91 / 0.85 from 256. Other ep, measured with 24 SMs and 64-row
-# chunks only (4 x H200, bench/results/ep_combine_threshold_h200x4_s25.txt): at ep = 4 two kernels won up
-# to 256 tokens/rank (768 rows), the pipelined launch from 512 (1536 rows). 16-row chunks made the
-# pipelined launch faster at ep = 2 (256 tokens, 24 SMs: 42.6 -> 27.3 µs), so the ep = 4 crossover may
-# have moved down; not measured yet (no 4-GPU machine), so other ep keep the measured 1024 rows with a
-# num_sms cap, and the dense two kernels without one (the pipelined launch on every SM was measured at
-# ep = 2 only).
-PIPE_MIN_ROWS = {2: 128}  # per ep, either grid
-PIPE_MIN_ROWS_CAPPED = 1024  # other ep, num_sms set
+# pipelined_combine=None (the default): one pipelined launch only where runtime_max (tokens per rank) is
+# above PIPE_MIN_TOKENS, i.e. a rank sends back more than pipe_min_rows(ep) = (ep - 1) * PIPE_MIN_TOKENS
+# rows; below, the send kernel + reduce kernel are as fast or faster. Pipelined / two kernels, graph,
+# 16-row chunks:
+# - ep = 2 (2 x H200, session 25, bench/results/ep_dense_x2_h200_s25.csv): 24 SMs 1.01 at 128 tokens,
+#   0.92 / 0.95 / 0.87 / 0.84 / 0.82 at 256 ... 4096; every SM 1.18 at 128, 0.96 / 1.01 / 0.98 / 0.91 / 0.85.
+# - ep = 4 (4 x H200, session 26, bench/results/ep_x4_h200_s26.csv): 24 SMs 1.10 at 128 tokens,
+#   0.91 / 0.77 / 0.67 / 0.66 / 0.65 at 256 ... 4096; every SM 1.13 at 128, 0.89 / 1.02 / 0.94 / 0.92 / 0.89.
+# The same crossover at both ep and both grids (between 128 and 256 tokens/rank); other ep are unmeasured
+# and take the same rule.
+PIPE_MIN_TOKENS = 128
 
 
-def pipe_min_rows(ep: int, capped: bool) -> int | None:
+def pipe_min_rows(ep: int) -> int:
     """Rows a rank sends back, ``(ep - 1) * runtime_max``, above which ``pipelined_combine=None`` runs
-    the pipelined launch; ``capped``: ``num_sms`` is set. ``None``: never by size (see
-    :data:`PIPE_MIN_ROWS`)."""
-    if ep in PIPE_MIN_ROWS:
-        return PIPE_MIN_ROWS[ep]
-    return PIPE_MIN_ROWS_CAPPED if capped else None
+    the pipelined launch: ``(ep - 1) * PIPE_MIN_TOKENS`` (see :data:`PIPE_MIN_TOKENS`), with a
+    ``num_sms`` cap or without."""
+    return (ep - 1) * PIPE_MIN_TOKENS
 
 
 def pipe_senders(n: int, ep: int) -> int:
@@ -278,8 +274,7 @@ class SymmTransport:
             return False
         if mode is True:
             return True
-        rows = pipe_min_rows(a.ep, a._num_sms is not None)
-        return rows is not None and (a.ep - 1) * rt > rows
+        return (a.ep - 1) * rt > pipe_min_rows(a.ep)
 
     def programs(self) -> int:
         """Programs of the pipelined combine: ``num_sms``, or every SM when it is unset (one each:
