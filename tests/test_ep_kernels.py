@@ -206,29 +206,33 @@ def test_pipelined_combine_sender_split(n, ep, senders):
 
 
 @pytest.mark.parametrize(
-    "mode, fused, num_sms, ep, rt, pipelined",
+    "mode, fused, num_sms, ep, rt, capturing, pipelined",
     [
-        (None, True, 24, 2, 128, False),  # by size, ep = 2: 128 tokens/rank, at the threshold: two kernels
-        (None, True, 24, 2, 129, True),  # one token past it: the pipelined launch
-        (None, True, 24, 4, 128, False),  # ep = 4: 384 rows back, at its threshold: two kernels
-        (None, True, 24, 4, 129, True),  # 387 rows: pipelined
-        (None, True, 24, 8, 129, True),  # ep = 8 (unmeasured): the same rule
-        (True, True, 24, 2, 1, True),  # forced on: any size
-        (False, True, 24, 4, 4096, False),  # forced off
-        (None, True, None, 2, 4096, True),  # no num_sms cap, ep = 2: one program per SM (4 on the CPU)
-        (None, True, None, 2, 128, False),  # ... and the dense two kernels at the threshold
-        (None, True, None, 4, 4096, True),  # no cap at ep = 4: the rule is the same on every grid
-        (None, True, None, 4, 64, False),  # ... small: the dense two kernels
-        (True, True, None, 4, 4096, True),  # ... unless forced
-        (True, True, 1, 4, 4096, False),  # one program cannot both send and reduce
-        (True, False, 24, 4, 4096, False),  # torch's barrier kernel: the phases are separate launches
+        (None, True, 24, 2, 128, True, False),  # captured: by size; ep = 2, 128 tokens/rank: two kernels
+        (None, True, 24, 2, 129, True, True),  # one token past it: the pipelined launch
+        (None, True, 24, 2, 1, False, True),  # eager: the one launch at any size
+        (None, True, 24, 4, 128, True, False),  # ep = 4: 384 rows back, at its threshold: two kernels
+        (None, True, 24, 4, 129, True, True),  # 387 rows: pipelined
+        (None, True, 24, 8, 129, True, True),  # ep = 8 (unmeasured): the same rule
+        (True, True, 24, 2, 1, True, True),  # forced on: any size
+        (False, True, 24, 4, 4096, False, False),  # forced off, eager too
+        (None, True, None, 2, 4096, True, True),  # no num_sms cap, ep = 2: one program per SM (4 on the CPU)
+        (None, True, None, 2, 128, True, False),  # ... and the dense two kernels at the threshold
+        (None, True, None, 4, 4096, True, True),  # no cap at ep = 4: the rule is the same on every grid
+        (None, True, None, 4, 64, True, False),  # ... small: the dense two kernels
+        (None, True, None, 4, 64, False, True),  # ... unless eager
+        (True, True, None, 4, 4096, True, True),  # forced
+        (True, True, 1, 4, 4096, False, False),  # one program cannot both send and reduce
+        (True, False, 24, 4, 4096, False, False),  # torch's barrier kernel: the phases are separate launches
     ],
 )
-def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, pipelined):
+def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, capturing, pipelined, monkeypatch):
+    import replaymoe.ep.transport_symm as symm
     from replaymoe.ep.transport_symm import SymmTransport, pipe_min_rows
 
     # the cases' edges: (ep - 1) * 128 rows sent back, on any grid
     assert [pipe_min_rows(e) for e in (2, 4, 8)] == [128, 384, 896]
+    monkeypatch.setattr(symm, "is_capturing", lambda: capturing)  # (no CUDA graph on the CPU)
     a = _fake_a2a(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
     a._pipelined_combine = mode
     a._transport = SymmTransport(a)

@@ -58,8 +58,8 @@ def _transports_worker(rank, world):
     a2a = {t: MoeAlltoAll(None, max_tokens, K, E, H, **kw) for t, kw in kinds.items()}
     assert a2a["symm_unfused"].fused_barrier is False and a2a["symm_unfused"].fused_plan is False
     assert a2a["symm_pipe"].combine_pipelines(1) and not a2a["symm_2k"].combine_pipelines(max_tokens)
-    for t in ("symm", "symm_auto"):
-        assert a2a[t].combine_pipelines(256) and not a2a[t].combine_pipelines(128), t
+    for t in ("symm", "symm_auto"):  # eager: the one launch at every size (the graph worker captures)
+        assert a2a[t].combine_pipelines(256) and a2a[t].combine_pipelines(128), t
     g = torch.Generator().manual_seed(11)
     # --- exactness over several shapes: T per rank incl. 0, skew, fp8 + scales payloads
     for case, (Ts, rt) in enumerate(
@@ -125,7 +125,8 @@ def _transports_worker(rank, world):
         a.num_sms = base
         assert len(a._dcache) >= 1  # private: the steady-state plan cache is what is checked
     # --- back-to-back rounds, no host sync in between (buffer reuse), then check every round; the
-    # runtime_max alternates between 128 and 256, so symm_auto alternates between its two combines
+    # runtime_max alternates between 128 and 256, and symm_auto alternates between its two combines
+    # (forced from call to call through its private field: eager calls pipeline at every size)
 
     rounds = []
     for it in range(12):
@@ -137,7 +138,9 @@ def _transports_worker(rank, world):
     torch.cuda.synchronize()
     for t, a in a2a.items():
         results = []
-        for _, _, xd, idd, rt in rounds:  # launches only: the ranks race ahead of each other
+        for i, (_, _, xd, idd, rt) in enumerate(rounds):  # launches only: the ranks race ahead of each other
+            if t == "symm_auto":
+                a._pipelined_combine = i % 2 == 0
             views = a.dispatch(idd, [xd], rt)
             results.append(a.combine(views[0] * 2, rt))  # out = 2 * x * (number of ranks sent to)
         torch.cuda.synchronize()
@@ -211,6 +214,8 @@ def _graph_worker(rank, world, **kw):
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        if kw.get("transport") == "symm":  # eager warm-up pipelined; captured by size (or forced)
+            assert a2a.combine_pipelines(rt) is bool(kw.get("pipelined_combine")), kw
         out = step()
     for it in range(3):
         fill(1000 * it + rank)
@@ -226,13 +231,17 @@ def _all_worker(rank, world):
     # nccl-only first, so a symm failure cannot hide them; PASS lines show how far it got
     import functools
 
-    _pipe_graph = functools.partial(_graph_worker, transport="symm", timeout=60, num_sms=4)
+    symm = dict(transport="symm", timeout=60)
+    _pipe_graph = functools.partial(_graph_worker, **symm, num_sms=4, pipelined_combine=True)
+    _symm_graph = functools.partial(_graph_worker, **symm)
     for name, fn in (
         ("nccl CUDA graph", _graph_worker),
         ("transports", _transports_worker),
         ("ep_moe", _moe_worker),
         # the pipelined combine replayed: its epochs and chunk flags live on the device
         ("symm pipelined CUDA graph", _pipe_graph),
+        # the defaults: the eager warm-up pipelines, the capture (32 tokens/rank) runs the two kernels
+        ("symm CUDA graph", _symm_graph),
     ):
         fn(rank, world)
         if rank == 0:

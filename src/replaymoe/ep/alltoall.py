@@ -204,10 +204,12 @@ class MoeAlltoAll:
         larger ep) send the rows back, chunk by chunk (16 rows, each chunk flagged in its source's
         signal pad), while the others sum each token's rows as soon as the chunks holding them have
         landed; ``False``: the send kernel, the barrier, then the reduce kernel. The same bits either
-        way. Default (``None``): the pipelined launch where ``runtime_max_tokens_per_rank`` is above
-        128 (:data:`replaymoe.ep.transport_symm.PIPE_MIN_TOKENS`; a rank then sends back more than
-        :func:`~replaymoe.ep.transport_symm.pipe_min_rows` rows), and the two kernels below, where they
-        measured faster at ep = 2 and 4. Must be
+        way. Default (``None``): the pipelined launch in eager calls (one launch less of host time), and
+        in a CUDA-graph capture where ``runtime_max_tokens_per_rank`` is above 128
+        (:data:`replaymoe.ep.transport_symm.PIPE_MIN_TOKENS`; a rank then sends back more than
+        :func:`~replaymoe.ep.transport_symm.pipe_min_rows` rows), with the two kernels below, where their
+        replays measured faster at ep = 2 and 4. Every rank must then capture a call alike (all in a
+        graph or all eager), as a collective in a graph requires anyway. Must be
         the same on every rank; fixed for the object's life (attribute ``pipelined_combine``;
         :meth:`combine_pipelines` says which a call runs).
 
@@ -352,8 +354,9 @@ class MoeAlltoAll:
     def combine_pipelines(self, runtime_max_tokens_per_rank: int) -> bool:
         """Whether ``combine`` at this ``runtime_max_tokens_per_rank`` now runs as one pipelined launch
         (see ``pipelined_combine`` in the class docstring): ``symm`` only, with the fused barrier, at
-        least 2 programs (the current ``num_sms``, or the device's SMs), and the argument (``None``: more than
-        :func:`~replaymoe.ep.transport_symm.pipe_min_rows` rows to send back)."""
+        least 2 programs (the current ``num_sms``, or the device's SMs), and the argument (``None``: outside
+        a CUDA-graph capture, or more than :func:`~replaymoe.ep.transport_symm.pipe_min_rows` rows to send
+        back)."""
         p = getattr(self._transport, "pipelines", None)
         return bool(p is not None and p(runtime_max_tokens_per_rank))
 

@@ -49,7 +49,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 
 from .._launch import cdiv, next_power_of_2
-from .._validation import fail  # noqa: E402
+from .._validation import fail, is_capturing  # noqa: E402
 from .packing import _Targets, row_tiling  # noqa: E402
 
 _MAX_EP = 8
@@ -70,7 +70,10 @@ PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them al
 # - ep = 4 (4 x H200, session 26, bench/results/ep_x4_h200_s26.csv): 24 SMs 1.10 at 128 tokens,
 #   0.91 / 0.77 / 0.67 / 0.66 / 0.65 at 256 ... 4096; every SM 1.13 at 128, 0.89 / 1.02 / 0.94 / 0.92 / 0.89.
 # The same crossover at both ep and both grids (between 128 and 256 tokens/rank); other ep are unmeasured
-# and take the same rule.
+# and take the same rule. It holds for CUDA-graph captures. Eager calls run the pipelined launch at every
+# size: at 128 tokens/rank an eager call is bound by its host, and the one launch saves one launch's host
+# time (eager µs, pipelined / two kernels: ep = 2 97.7 / 132.6 (24 SMs) and 106.3 / 136.7 (every SM),
+# ep_dense_x2_h200_s25.csv; ep = 4 96.8 / 107.9 and 106.1 / 114.1, ep_x4_h200_s26.csv).
 PIPE_MIN_TOKENS = 128
 
 
@@ -265,16 +268,17 @@ class SymmTransport:
     def pipelines(self, rt: int) -> bool:
         """Whether ``combine`` at ``runtime_max_tokens_per_rank = rt`` runs as one pipelined launch
         (:meth:`combine_pipelined`): the fused barrier, at least 2 programs (:meth:`programs`: one sender
-        and one reducer at least), and ``pipelined_combine`` True, or None (the default) with more than
-        :func:`pipe_min_rows` rows to send back, ``(ep - 1) * rt``. Every input is the same on every rank,
-        so every rank chooses alike."""
+        and one reducer at least), and ``pipelined_combine`` True, or None (the default) outside a CUDA-graph
+        capture (eager: one launch less of host time) or with more than :func:`pipe_min_rows` rows to send
+        back, ``(ep - 1) * rt``. Every input is the same on every rank as long as every rank captures the
+        call alike, so every rank chooses alike."""
         a = self.a2a
         mode = a._pipelined_combine
         if mode is False or not self.fused or self.programs() < 2:
             return False
         if mode is True:
             return True
-        return (a.ep - 1) * rt > pipe_min_rows(a.ep)
+        return (a.ep - 1) * rt > pipe_min_rows(a.ep) or not is_capturing()
 
     def programs(self) -> int:
         """Programs of the pipelined combine: ``num_sms``, or every SM when it is unset (one each:
