@@ -68,14 +68,18 @@ def test_plan_invariants(generator):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None, fused_plan=True, fused_barrier=None):
+def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None, fused_plan=True, fused_barrier=None,
+              fused_sanitize=False):  # fmt: skip
     """A MoeAlltoAll of rank ``rank`` without a process group (fields only; ``fused_plan`` and
-    ``fused_barrier`` as the constructor stores them)."""
+    ``fused_barrier`` as the constructor stores them). ``fused_sanitize`` (private; on in real objects):
+    the pack's last program waits for the peers' signals, so only a rank whose peers have all signalled
+    may run with it in a test that runs the ranks in turn."""
     # private fields and phases (here and in the symm tests below): ranks simulated in one process
     # drive dispatch phase by phase, which no public API does
     a = MoeAlltoAll.__new__(MoeAlltoAll)
     a._num_sms, a._device_sms, a._dcache = num_sms, 4, {}
     a._fused_plan, a._fused_barrier, a._pipelined_combine = fused_plan, fused_barrier, True
+    a._fused_sanitize = fused_sanitize
     a.ep, a.rank, a.max_num_tokens, a.top_k, a.num_experts, a.hidden_size = ep, rank, max_tokens, K, E, H
     a.transport, a.kernel_backend, a.device, a.timeout = "symm", "auto", torch.device("cpu"), None
     a.local_expert_offset, a.num_local_experts = expert_partition(E, ep)[rank]
@@ -130,7 +134,11 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         bf = [torch.randn(p[0].shape[0], 4, generator=generator).to(torch.bfloat16) for p in pays]
         pays = [[p[0], p[3], b] for p, b in zip(pays, bf)]
     layout = row_layout(pays[0])
-    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms, plan, fused) for r in range(ep)]
+    # the last rank, fused: its pack's last program waits (every peer has signalled by then) and sanitizes
+    a2as = [
+        _fake_a2a(r, ep, max_tokens, K, E, H, num_sms, plan, fused, fused and r == ep - 1) for r in range(ep)
+    ]
+    idx = len(pays[0]) - 1 if mixed else 1  # the ids payload: sanitized on the receive side
     trs = [SymmTransport(a) for a in a2as]
     assert all(t.fused is fused for t in trs)
     disp = _fake_buffers(ep, ep * (max_tokens + 1) * layout.row_bytes)
@@ -145,8 +153,9 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     # every rank's receive side (fused: waits for the signals, which are all there)
     states = []
     for s in range(ep):
-        st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, None)
+        st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, idx)
         assert st.fused_plan == (not mixed and plan)
+        assert st.fused_sanitize == (fused and s == ep - 1) and (st.sanitize is None) == st.fused_sanitize
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])
@@ -164,12 +173,17 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     for r in range(ep):
         v, c = states[r].views, states[r].counts
         assert torch.equal(c, counts[r]), (r, c, counts[r])
+        lo, n_local = a2as[r].local_expert_offset, a2as[r].num_local_experts
         for p in range(len(layout.specs)):
             for s in range(ep):
                 n = int(counts[r, s])
+                want = ref[r][p][s, :n]
+                if p == idx:  # ids of other ranks' experts and of padding rows: -1
+                    want = torch.where((want >= lo) & (want < lo + n_local), want, -1)
+                    assert (v[p][s, n:] == -1).all(), (r, s)
                 got = v[p][s, :n].contiguous().view(torch.uint8)
-                assert torch.equal(got, ref[r][p][s, :n].contiguous().view(torch.uint8)), (r, p, s)
-        a2as[r].recv_counts.copy_(c)
+                assert torch.equal(got, want.contiguous().view(torch.uint8)), (r, p, s)
+        assert torch.equal(a2as[r].recv_counts, c), r  # copied by the sanitize (kernel or fused)
         views.append(v)
     plans = [types.SimpleNamespace(slot=st.slot) for st in states]
     # combine phase: payload rows f(x) (padding NaN must not be read), then each rank's reduction

@@ -75,11 +75,13 @@ def _trap(x):
 def _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off,
                  EP: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
     """Called by every program after its stores; the last to arrive bumps this rank's epoch and
-    stores it into slot ``pad_off`` of every peer's signal pad."""
+    stores it into slot ``pad_off`` of every peer's signal pad. Returns whether this program was the
+    last."""
     total = tl.num_programs(0) * tl.num_programs(1)
     tl.debug_barrier()
     old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="sys")
-    if old == total - 1:
+    last = old == total - 1
+    if last:
         tl.store(arrive_ptr, 0)
         e = tl.load(epoch_ptr) + 1
         tl.store(epoch_ptr, e)
@@ -87,6 +89,7 @@ def _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off,
             if r != RANK:
                 base = _pick(r, q0, q1, q2, q3, q4, q5, q6, q7)
                 tl.atomic_xchg(base + pad_off, e, sem="release", scope="sys")
+    return last
 
 
 @triton.jit
@@ -215,6 +218,27 @@ def ep_pack_kernel(
     FUSED_PLAN: tl.constexpr,  # compute the plan here (small T): slots from a scan of the earlier ids
     K: tl.constexpr,
     BT: tl.constexpr,  # tokens per scan block (FUSED_PLAN)
+    # SANITIZE (with SIGNAL): the last program waits for the peers and does ep_sanitize_kernel's work
+    # alone (small receive sides: one launch less); its arguments, as that kernel's (the epoch is epoch_ptr)
+    z_ids,
+    z_hdr,
+    z_recv_counts,
+    z_n_rows,
+    z_stride_ids_row,
+    z_rows_per_block,
+    z_hdr_block,
+    z_hdr_off,
+    z_lo,
+    z_hi,
+    z_invalid,
+    z_pad,
+    z_pad_base,
+    z_timeout_ns,
+    Z_K_P2: tl.constexpr,
+    Z_BLOCK: tl.constexpr,
+    Z_HAS_IDS: tl.constexpr,
+    SANITIZE: tl.constexpr,
+    TIMER: tl.constexpr,
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
@@ -271,7 +295,13 @@ def ep_pack_kernel(
             _put_counts(tl.zeros([EP_P2], dtype=tl.int32), ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
                         stride_dst_rank, dst_base, hdr_off, EP)  # fmt: skip
     if SIGNAL:
-        _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, RANK)
+        last = _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, RANK)
+        if SANITIZE:
+            if last:
+                _wait_peers(epoch_ptr, z_pad, z_pad_base, z_timeout_ns, EP, RANK, TIMER)
+                _sanitize_rows(z_ids, z_hdr, z_recv_counts, z_n_rows, z_stride_ids_row, z_rows_per_block,
+                               z_hdr_block, z_hdr_off, z_lo, z_hi, z_invalid, 0, 1, K, Z_K_P2, EP, EP_P2,
+                               Z_BLOCK, Z_HAS_IDS)  # fmt: skip
 
 
 @triton.jit
@@ -716,8 +746,18 @@ def ep_sanitize_kernel(
     [lo, hi) become ``invalid``; program 0 also copies the counts to ``recv_counts``."""
     if WAIT:
         _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP, RANK, TIMER)
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    _sanitize_rows(ids_ptr, hdr_ptr, recv_counts_ptr, n_rows, stride_ids_row, rows_per_block, hdr_block,
+                   hdr_off, lo, hi, invalid, tl.program_id(0), tl.num_programs(0), K, K_P2, EP, EP_P2, BLOCK,
+                   HAS_IDS)  # fmt: skip
+
+
+@triton.jit
+def _sanitize_rows(ids_ptr, hdr_ptr, recv_counts_ptr, n_rows, stride_ids_row, rows_per_block, hdr_block,
+                   hdr_off, lo, hi, invalid, pid, nprog, K: tl.constexpr, K_P2: tl.constexpr,
+                   EP: tl.constexpr, EP_P2: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_IDS: tl.constexpr):  # fmt: skip
+    """The receive side's work after the wait (:func:`ep_sanitize_kernel`), as program ``pid`` of
+    ``nprog``: rows ``pid * BLOCK, (pid + nprog) * BLOCK, ...``; program 0 copies the counts."""
     ks = tl.arange(0, K_P2)
     if HAS_IDS:
         for r0 in range(pid * BLOCK, n_rows, nprog * BLOCK):

@@ -90,6 +90,10 @@ _TRANSPORTS = ("nccl", "symm")
 
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
 _FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack kernel computes the plan (one launch less)
+# up to this many received rows (ep * (runtime_max + 1)) the pack's last program sanitizes them (one launch
+# less), in blocks of _FUSED_SANITIZE_BLOCK rows
+_FUSED_SANITIZE_MAX_ROWS = 2048
+_FUSED_SANITIZE_BLOCK = 512
 # the process default of MoeAlltoAll(fused_plan=None); REPLAYMOE_EP_FUSED_PLAN=0 turns it off
 FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
 
@@ -133,6 +137,7 @@ class _DState:
     reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
     slot_i: int = 0
     fused_plan: bool = False
+    fused_sanitize: bool = False  # the pack's last program waits and sanitizes (no sanitize launch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,6 +304,7 @@ class MoeAlltoAll:
             if value is not None and not isinstance(value, bool):
                 fail(name, "a bool or None (the default)", type(value).__name__, what="type")
         self._fused_plan = FUSED_PLAN if fused_plan is None else fused_plan
+        self._fused_sanitize = True  # (the CPU tests, which run the ranks in turn, turn it off)
         self._fused_barrier = fused_barrier  # None: the symm transport's process default
         self._pipelined_combine = pipelined_combine  # None: by size (SymmTransport.pipelines)
         if self.device.type == "cuda":
@@ -533,9 +539,40 @@ class MoeAlltoAll:
             st.slot, st.send_counts, *hdrs, tg.stride_dst_rank // 4, hdr_off // 4, T, self.num_experts,
             base, rem, self._plan_scratch, K, self.ep, ep_p2, bt, PLAN_BLOCKS, True,
         )  # fmt: skip
-        # pack kernel: payloads in groups of four, each group in one unit dtype
+        # the receive side: sanitize the ids (if any) and copy the counts; with the fused barrier, wait for
+        # the peers' dispatch signals first. Small receive sides (ep * (rt + 1) rows up to
+        # _FUSED_SANITIZE_MAX_ROWS) with one pack launch: the pack's last program does it (one launch less)
+        hdr = tg.recv.view(torch.int32)
+        blk = 128
+        if idx is not None:
+            v = views[idx]
+            n = self.ep * (rt + 1) - 1
+            flat = torch.as_strided(v, (n, K), v.stride()[1:])
+        else:
+            n, flat = 0, self.recv_counts
+        wait = tg.wait if tg.wait is not None else (self.recv_counts, self.recv_counts, 0, 0, False)
+        san = (flat, hdr, self.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
+               counts.storage_offset() - hdr.storage_offset(), self.local_expert_offset,
+               self.local_expert_offset + self.num_local_experts, invalid)  # fmt: skip
+        k_p2 = max(2, next_power_of_2(K))
         specs = layout.specs
         live = [i for i, sp in enumerate(specs) if sp.nbytes > 0]
+        st.fused_sanitize = (
+            tg.wait is not None and self._fused_sanitize and 1 <= len(live) <= 4
+            and self.ep * (rt + 1) <= _FUSED_SANITIZE_MAX_ROWS
+        )  # fmt: skip
+        if st.fused_sanitize:
+            zs = (*san, *wait[1:4], k_p2, _FUSED_SANITIZE_BLOCK, idx is not None, True, wait[4])
+        else:
+            zs = (st.send_counts,) * 3 + (0,) * 8 + (st.send_counts, 0, 0, 2, 2, False, False, False)
+        if not st.fused_sanitize and (idx is not None or tg.wait is not None):
+            st.sanitize = (
+                Launcher(ep_sanitize_kernel, num_warps=4),
+                max(1, cdiv(n, blk)),
+                (*san, *wait[:4], K, k_p2, self.ep, ep_p2, blk, self.rank, idx is not None,
+                 tg.wait is not None, wait[4]),
+            )  # fmt: skip
+        # pack kernel: payloads in groups of four, each group in one unit dtype
         for g0 in range(0, len(live), 4):
             grp = live[g0 : g0 + 4]
             ptrs = [payloads[i].data_ptr() for i in grp]
@@ -577,31 +614,10 @@ class MoeAlltoAll:
                     consts=(tg.stride_dst_rank // u, tg.dst_base // u, *sig),
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
                               *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
-                              64),
+                              64, *zs),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )  # fmt: skip
             st.packs.append(variants)
-        if idx is not None or tg.wait is not None:
-            # sanitize the ids (if any) and copy the counts; with the fused barrier, wait for the
-            # peers' dispatch signals first
-            hdr = tg.recv.view(torch.int32)
-            blk = 128
-            if idx is not None:
-                v = views[idx]
-                n = self.ep * (rt + 1) - 1
-                flat = torch.as_strided(v, (n, K), v.stride()[1:])
-            else:
-                n, flat = 0, self.recv_counts
-            wait = tg.wait if tg.wait is not None else (self.recv_counts, self.recv_counts, 0, 0, False)
-            st.sanitize = (
-                Launcher(ep_sanitize_kernel, num_warps=4),
-                max(1, cdiv(n, blk)),
-                (flat, hdr, self.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
-                 counts.storage_offset() - hdr.storage_offset(), self.local_expert_offset,
-                 self.local_expert_offset + self.num_local_experts, invalid, *wait[:4], K,
-                 max(2, next_power_of_2(K)), self.ep, ep_p2, blk, self.rank, idx is not None,
-                 tg.wait is not None, wait[4]),
-            )  # fmt: skip
         from .._launch import addresses
 
         st.plan_args_i = addresses(st.plan_args)
@@ -657,6 +673,8 @@ class MoeAlltoAll:
 
     def _dispatch_recv(self, st: _DState) -> None:
         """After the exchange: (wait for the peers,) sanitize the ids, copy the counts."""
+        if st.fused_sanitize:  # the pack's last program did it
+            return
         if st.sanitize is None:
             self.recv_counts.copy_(st.counts)
         else:
