@@ -83,6 +83,22 @@ def test_bad_arguments_exit_before_the_gpu_is_needed(argv, named, capsys, tmp_pa
 
 
 @pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--impls", "grouped_mm,nope"], "unknown impls ['nope']"),  # one unknown layer impl among known
+        (["--shapes", "qwen3,gpt5"], "unknown shapes ['gpt5']"),
+    ],
+)
+def test_bench_train_bad_arguments_exit_before_the_gpu_is_needed(argv, named, capsys, tmp_path):
+    from replaymoe.bench import train as bench_train
+
+    with pytest.raises(SystemExit) as exc:
+        bench_train.main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "mode", ["eager", "static"]
 )  # static: a StaticCache, kept across calls (no compile on CPU)
 def test_bench_cell_rows_on_cpu(mode, monkeypatch, generator):

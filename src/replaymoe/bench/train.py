@@ -8,7 +8,12 @@ the L2 flushed (``replaymoe.bench._timing.time_eager``, i.e. ``triton.testing.do
   .grouped_mm_experts_forward``) on an experts module holding the same weights, as transformers runs
   it in training; autograd through ``torch._grouped_mm``;
 * ``rmoe``            :func:`replaymoe.fused_moe` (Triton forward, registered Triton backward);
-* ``rmoe_recompute``  the same with ``recompute=True`` (GEMM1 recomputed in the backward).
+* ``rmoe_recompute``  the same with ``recompute=True`` (GEMM1 recomputed in the backward);
+* ``grouped_mm_recompute``  grouped_mm under ``torch.utils.checkpoint`` (non-reentrant), as a trainer
+  with activation checkpointing runs it: the experts' forward recomputed in the backward. It is the
+  like-for-like peer of ``rmoe_recompute`` (both trade recomputation for activation memory):
+  ``rmoe_recompute`` rows also carry ``fwdbwd_speedup_vs_recompute`` (its time over this row's) and
+  ``peak_vs_grouped_mm_recompute``.
 
 ``fwd`` is the forward with gradients enabled (what a training step runs), ``fwdbwd`` the forward plus
 ``torch.autograd.grad`` of all of x, w13, w2 and topk_weights; TFLOP/s count 6·T·K·H·I for the
@@ -101,6 +106,21 @@ def _grouped_mm_fn():
     return f
 
 
+LAYER_IMPLS = ("grouped_mm", "grouped_mm_recompute", "rmoe", "rmoe_recompute")
+
+
+def _layer_fn(impl: str):
+    """The layer function ``f(x, w13, w2, ids, wts)`` of one of :data:`LAYER_IMPLS`."""
+    if impl == "grouped_mm":
+        return _grouped_mm_fn()
+    if impl == "grouped_mm_recompute":
+        from torch.utils.checkpoint import checkpoint
+
+        f = _grouped_mm_fn()
+        return lambda *args: checkpoint(f, *args, use_reentrant=False)
+    return _rmoe_fn(impl == "rmoe_recompute")
+
+
 def _rmoe_fn(recompute: bool):
     from ..moe import fused_moe
 
@@ -143,9 +163,9 @@ def _layer_point(name: str, T: int, w13, w2, impls) -> list[dict]:
     leaves = (x, w13, w2, wts)
     flops = 6.0 * T * K * H * I
     resident = sum(t.numel() * t.element_size() for t in (x, w13, w2, ids, wts, dout))
-    rows, ref = [], None
+    rows, ref, ref_rc = [], None, None
     for impl in impls:
-        f = _grouped_mm_fn() if impl == "grouped_mm" else _rmoe_fn(impl == "rmoe_recompute")
+        f = _layer_fn(impl)
 
         def fwd(f=f):
             return f(x, w13, w2, ids, wts)
@@ -168,6 +188,11 @@ def _layer_point(name: str, T: int, w13, w2, impls) -> list[dict]:
                "fwd_tflops": flops / t_f / 1e9, "fwdbwd_tflops": 3 * flops / t_fb / 1e9,
                "fwdbwd_frac_700": 3 * flops / (t_fb * 1e-3) / BF16_FLOPS_PER_S, "peak_gib": peak,
                "bitwise_repeatable": same}  # fmt: skip
+        if impl == "grouped_mm_recompute":
+            ref_rc = {"fwdbwd": t_fb, "peak": peak}
+        if impl == "rmoe_recompute" and ref_rc is not None:
+            row["fwdbwd_speedup_vs_recompute"] = ref_rc["fwdbwd"] / t_fb
+            row["peak_vs_grouped_mm_recompute"] = peak / ref_rc["peak"]
         if impl == "grouped_mm":
             ref = {"fwd": t_f, "fwdbwd": t_fb, "peak": peak, "grads": grads}
         elif ref is not None:
@@ -426,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_results", help="output directory for train.csv / train.json")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
-    p.add_argument("--impls", default="grouped_mm,rmoe,rmoe_recompute", help="comma list of layer impls")
+    p.add_argument("--impls", default=",".join(LAYER_IMPLS), help="comma list of " + ",".join(LAYER_IMPLS))
     p.add_argument("--hf-arch", default="qwen3_moe", help="architecture of the HF training-step rows")
     p.add_argument("--batch", type=int, default=8, help="HF rows: sequences per step")
     p.add_argument("--seq", type=int, default=512, help="HF rows: tokens per sequence")
@@ -466,12 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds: expected an int >= 1, got {a.rounds}")
+    shapes = choice_list(p, a.shapes, SHAPES, "shapes")
+    tokens = [int(t) for t in a.tokens.split(",") if t]
+    impls = choice_list(p, a.impls, LAYER_IMPLS, "impls")
     if not torch.cuda.is_available():
         print("replaymoe bench train needs a CUDA GPU", file=sys.stderr)
         return 2
-    shapes = choice_list(p, a.shapes, SHAPES, "shapes")
-    tokens = [int(t) for t in a.tokens.split(",") if t]
-    impls = [s for s in a.impls.split(",") if s]
     rows: list[dict] = []
     for name in shapes:
         rows += _layer_rows(name, tokens, impls)
@@ -488,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
             floor=a.floor,
         )
     write_results(rows, a.out, "train")
-    cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_frac_700", "peak_gib",
+    cols = ["shape", "T", "impl", "fwd_ms", "fwdbwd_ms", "fwdbwd_speedup", "fwdbwd_speedup_vs_recompute",
+            "fwdbwd_frac_700", "peak_gib",
             "peak_vs_grouped_mm", "tokens_per_s", "host_ms", "device_ms", "device_speedup", "held_gib",
             "checkpointing", "replay", "compiled", "err_dx", "err_dw13", "bitwise_repeatable"]  # fmt: skip
     print_table(rows, cols)
