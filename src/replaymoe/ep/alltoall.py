@@ -737,16 +737,18 @@ class MoeAlltoAll:
         rt = runtime_max_tokens_per_rank
         W = self.hidden_size if width is None else width
         try:
-            key = (payload.shape, payload.dtype, payload.stride(), payload.get_device(), rt, W)
+            s = payload.stride()
+            key = (payload.shape, payload.dtype, s, payload.get_device(), rt, W)
         except (AttributeError, TypeError):
             key = None
         if key is None or key not in self._ccache or rt != self._runtime_max:
             self._validate_combine(payload, rt, W)
+            s = payload.stride()
             if key is not None:
                 if len(self._ccache) >= _CACHE_SIZE:
                     self._ccache.pop(next(iter(self._ccache)))
                 self._ccache[key] = True
-        if payload.stride(2) != 1 or payload.stride(0) < rt * payload.stride(1) or payload.stride(1) < W:
+        if s[2] != 1 or s[0] < rt * s[1] or s[1] < W:
             payload = payload.contiguous()
         st = self._st
         assert st is not None

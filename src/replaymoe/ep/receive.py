@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._launch import cdiv, next_power_of_2
+from .._launch import addresses, cdiv, next_power_of_2
 from .packing import row_tiling
 
 
@@ -72,8 +72,6 @@ def combine_reduce(
         args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, *w[:4], ep, own_r, nb, tt,
                 wait is not None, w[4])  # fmt: skip
         if launch.ready():
-            from .._launch import addresses
-
             launch.fast((nprog, chunks), addresses(args))
         else:
             launch((nprog, chunks), args)

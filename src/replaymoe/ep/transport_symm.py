@@ -155,6 +155,7 @@ class SymmTransport:
         self.ncmax = cdiv(a2a.max_num_tokens, self.chunk)  # chunk flags per source in a pad
         self.pads: list[torch.Tensor] = []
         self._pkeys: dict = {}  # pipelined combine launch plans
+        self._pshape: dict = {}  # pipelined combine (row width, programs, roles) -> (senders, nb, tt, warps)
 
     def _barrier(self) -> None:
         assert self.disp is not None
@@ -228,18 +229,17 @@ class SymmTransport:
         """Send row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to source ``s``'s combine
         buffer at ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]``, the
         block stride (elements) and this rank's own rows ``payload[rank]`` (read in place)."""
-
-        from .._launch import Launcher, addresses
-        from ._kernel import ep_combine_send_kernel
-
         a = self.a2a
         H = payload.shape[2]  # hidden_size, or combine(width=...)
-        es = payload.element_size()
-        buf = self._combine_buffer(payload)
         persistent = a._num_sms is not None
         key = (payload.dtype, rt, H, payload.stride(), payload.data_ptr() & 15, persistent)
-        c = self._ckeys.get(key)
+        c = self._ckeys.get(key)  # (a buffer's growth clears the plans: a plan found fits the buffer)
         if c is None:
+            from .._launch import Launcher, addresses
+            from ._kernel import ep_combine_send_kernel
+
+            es = payload.element_size()
+            buf = self._combine_buffer(payload)
             # rows move in the payload's own dtype: strides and offsets are multiples of 16 elements
             # whenever H is, so Triton emits 128-bit accesses without any reinterpreting view
             dst = [p.view(payload.dtype) for p in buf.peers]
@@ -292,22 +292,27 @@ class SymmTransport:
         launch (``ep_combine_kernel``): :func:`pipe_senders` of the ``num_sms`` programs send, chunk by
         chunk, each chunk flagged in its source's pad; the others reduce token blocks as their chunks land.
         ``roles`` 1 / 2: the send or the reduce alone (the CPU tests run the ranks in turn)."""
-        from .._launch import Launcher, addresses
-        from ._kernel import ep_combine_kernel
-
         a = self.a2a
         W = payload.shape[2]
-        self._combine_buffer(payload)
         T = out.shape[0]
         n = self.programs()
-        senders = pipe_senders(n, a.ep) if roles == 0 else n
-        nb, _, tt, warps = row_tiling(W, True)
+        shape = self._pshape.get((W, n, roles))  # (senders, nb, tt, warps) per row width and grid
+        if shape is None:
+            senders = pipe_senders(n, a.ep) if roles == 0 else n
+            nb, _, tt, warps = row_tiling(W, True)
+            shape = self._pshape[(W, n, roles)] = (senders, nb, tt, warps)
+        senders, nb, tt, warps = shape
         group = pipe_group(T, tt, max(1, n - senders))
+        p_ptr, strides = payload.data_ptr(), payload.stride()
         # Triton specializes integer arguments on == 1 and % 16 == 0: T moves per call, its class does not
-        key = (payload.dtype, rt, W, payload.stride(), payload.data_ptr() & 15, slot.data_ptr() & 15,
-               out.data_ptr() & 15, roles, n, group, T == 1, T % 16 == 0)  # fmt: skip
-        c = self._pkeys.get(key)
+        key = (payload.dtype, rt, W, strides, p_ptr & 15, slot.data_ptr() & 15, out.data_ptr() & 15, roles, n,
+               group, T == 1, T % 16 == 0)  # fmt: skip
+        c = self._pkeys.get(key)  # (a buffer's growth clears the plans: a plan found fits the buffer)
         if c is None:
+            from .._launch import Launcher, addresses
+            from ._kernel import ep_combine_kernel
+
+            self._combine_buffer(payload)
             dst = [p.view(payload.dtype) for p in self.comb.peers]
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
             st = self.state
@@ -322,9 +327,9 @@ class SymmTransport:
                 self._pkeys.pop(next(iter(self._pkeys)))
             self._pkeys[key] = c
         launch, grid, bufs, bufs_i, after_t, after_t_i = c
-        own = payload.data_ptr() + a.rank * payload.stride(0) * payload.element_size()  # payload[rank]
+        own = p_ptr + a.rank * strides[0] * payload.element_size()  # payload[rank]
         if launch.ready():
-            head = (payload.data_ptr(), a.recv_counts.data_ptr())
-            launch.fast(grid, (*head, *bufs_i, slot.data_ptr(), out.data_ptr(), own, rt, W, T, *after_t_i))
+            launch.fast(grid, (p_ptr, a.recv_counts.data_ptr(), *bufs_i, slot.data_ptr(), out.data_ptr(), own,
+                               rt, W, T, *after_t_i))  # fmt: skip
         else:
             launch(grid, (payload, a.recv_counts, *bufs, slot, out, payload[a.rank], rt, W, T, *after_t))
