@@ -37,8 +37,9 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     for T in ("3", "8"):
         for op in ("dispatch", "combine", "dispatch+combine"):
             assert ("nccl", T, op, "eager") in got and ("naive", T, op, "eager") in got
-        # the layer, and the compute it is measured against (goal 6): whole and split by source
-        for op in ("layer", "layer_local", "layer_local_split"):
+        # the layer, the compute it is measured against (goal 6): whole and split by source, and the
+        # training step's forward + backward through the all-to-all (goal 5)
+        for op in ("layer", "layer_local", "layer_local_split", "layer_train"):
             assert ("nccl", T, op, "eager") in got
         assert ("naive", T, "layer", "eager") in got
     assert all(float(r["us"]) > 0 for r in rows)
@@ -46,6 +47,7 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     assert all(float(r["weights_floor_us"]) > 0 for r in layer)
     printed = capfd.readouterr().out
     assert "# goal 6 (overlap)" in printed and "# goal 4 (eager calls)" in printed
+    assert "# goal 5 (training)" in printed
 
 
 def test_bench_ep_dry_run_without_torchrun_says_how(monkeypatch, capsys):

@@ -52,7 +52,7 @@ import torch.distributed as dist  # noqa: E402
 from . import ep_timing  # noqa: E402
 from .ep_deepep import DeepEPPeer  # noqa: E402
 from .ep_host import host_profile  # noqa: E402
-from .ep_layer import time_layer, time_local, weights_floor_us  # noqa: E402
+from .ep_layer import time_layer, time_layer_train, time_local, weights_floor_us  # noqa: E402
 from .ep_naive import NaiveEP, time_naive  # noqa: E402
 from .ep_shape import SHAPE, a2a_kwargs, inputs, set_shape  # noqa: E402
 from .ep_summary import NAIVE_ANCHOR_MS, print_summary  # noqa: E402
@@ -219,12 +219,16 @@ def run(
         nbytes = pairs * (2 * H + 8 * K) + pairs * 2 * H
         for impl in impls:
             base = {"impl": impl, "payload": "bf16", "tokens": T, "weights_floor_us": wfloor}
-            ops = ["layer"] if impl == "naive" else ["layer", "layer_local", "layer_local_split"]
+            ops = ["layer"]
+            if impl != "naive":
+                ops += ["layer_local", "layer_local_split", "layer_train"]
             for op in ops:
                 try:
                     if op == "layer":
                         res = time_layer(impl, naive, a2as.get(impl), x, logits, w13, w2, lo, n, T, route_kw,
                                          **timing)  # fmt: skip
+                    elif op == "layer_train":
+                        res = time_layer_train(a2as[impl], x, logits, w13, w2, T, route_kw, **timing)
                     else:
                         res = time_local(a2as[impl], x, logits, w13, w2, T, route_kw,
                                          split=op == "layer_local_split", **timing)  # fmt: skip

@@ -12,6 +12,9 @@ ranks, :func:`~replaymoe.bench.ep_timing.time_phases`):
 * ``layer_local_split``: the same compute as one ``fused_moe`` per source rank's block of received
   rows: what a pipeline that starts the experts on the first source's rows while the others are
   still in flight would pay for computing in pieces (every piece reads all local expert weights).
+* ``layer_train``: one ``ep_moe`` forward and its backward (``torch.autograd.grad`` of the hidden
+  states, the router logits and the local expert weights, against a fixed output gradient), eager
+  only: what a training step pays per layer, to set against ``layer``'s eager forward.
 
 Every layer row also carries ``weights_floor_us``: the local experts' weight bytes over the HBM
 bandwidth (4.27 TB/s), the floor of a decode-size layer.
@@ -26,7 +29,7 @@ from .ep_naive import naive_layer
 from .ep_shape import SHAPE
 from .ep_timing import err, graph, sync, time_phases, time_replays
 
-__all__ = ["time_layer", "time_local", "received_rows", "weights_floor_us"]
+__all__ = ["time_layer", "time_layer_train", "time_local", "received_rows", "weights_floor_us"]
 
 
 def weights_floor_us(w13: torch.Tensor, w2: torch.Tensor) -> float:
@@ -67,6 +70,23 @@ def time_layer(impl, naive, a2a, x, logits, w13, w2, lo, n, T, route_kw, *, iter
         return ep_moe(x, logits, w13, w2, a2a, top_k=SHAPE.K, runtime_max_tokens_per_rank=T, **route_kw)
 
     return _modes(fn, iters=iters, warmup=warmup, graphs=graphs, log=log, what=f"layer {impl} T={T}")
+
+
+def time_layer_train(a2a, x, logits, w13, w2, T, route_kw, *, iters, warmup, graphs, log) -> dict:
+    """Eager time (µs) of one ``ep_moe`` forward + backward: gradients of ``x``, ``logits`` and the
+    local ``w13`` / ``w2`` against a fixed output gradient (``graphs`` is ignored: eager only)."""
+    from ..ep import ep_moe
+
+    leaves = tuple(t.detach().requires_grad_() for t in (x, logits, w13, w2))
+    g = torch.Generator(device=x.device).manual_seed(7)
+    dout = torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+
+    def fn():
+        out = ep_moe(leaves[0], leaves[1], leaves[2], leaves[3], a2a, top_k=SHAPE.K,
+                     runtime_max_tokens_per_rank=T, **route_kw)  # fmt: skip
+        return torch.autograd.grad(out, leaves, dout)
+
+    return _modes(fn, iters=iters, warmup=warmup, graphs=False, log=log, what=f"layer_train T={T}")
 
 
 def received_rows(a2a, x, logits, T, route_kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

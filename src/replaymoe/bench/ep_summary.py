@@ -135,6 +135,15 @@ def print_summary(rows: list[dict]) -> None:
             print(f"{r['impl']:>6} {r['tokens']:>6} {r['mode']:>6} {r['us']:>9.1f} "
                   f"{loc['us'] if loc else float('nan'):>9.1f} {spl['us'] if spl else float('nan'):>9.1f} "
                   f"{ratio:>6.3f} {wf:>8.1f} {r['us'] / wf:>6.2f}")  # fmt: skip
+    # goal 5's report: a training step's layer (forward + backward, eager) against the eager forward
+    trn = [r for r in ok if r["op"] == "layer_train"]
+    if trn:
+        print("\n# goal 5 (training): ep_moe forward + backward µs against the forward alone (eager)")
+        print(f"{'impl':>6} {'tokens':>6} {'fwd':>9} {'fwd+bwd':>9} {'ratio':>6}")
+        for r in sorted(trn, key=lambda r: (r["impl"], r["tokens"])):
+            fwd = get(r["impl"], r["tokens"], "layer", "eager")
+            f_us = fwd["us"] if fwd else float("nan")
+            print(f"{r['impl']:>6} {r['tokens']:>6} {f_us:>9.1f} {r['us']:>9.1f} {r['us'] / f_us:>6.2f}")
     # goal 3: decode, dispatch + combine at 128 tokens/rank (graph; eager rows shown for reference)
     dec = [r for r in ok if r["impl"] == "symm" and r["tokens"] == 128 and r["op"] == "dispatch+combine"]
     if dec:
