@@ -106,6 +106,8 @@ def _fake_buffers(ep, nbytes):
         (2, 8, 2, [0, 4], 1, True, False, True),  # the same, no tokens on rank 0 (counts zeroed by the pack)
         (3, 10, 4, [5, 0, 2], None, False, False, True),  # plan in the pack, torch's barrier kernel
         (3, 10, 4, [5, 0, 2], None, True, False, False),  # int32 units, fused_plan=False: the plan kernel
+        (3, 10, 4, [300, 0, 140], None, True, False, True),  # > 256 tokens: the pack's look-back, 3 blocks
+        (2, 8, 2, [257, 129], 2, True, False, True),  # the same on 2 persistent programs (rank 1: the scan)
     ],
 )
 def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, generator, monkeypatch):
@@ -114,7 +116,8 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
 
     monkeypatch.setattr(symm, "FUSED_BARRIER", not fused)  # the process default; the argument wins
 
-    H, max_tokens, rt = 16, 6, 5
+    H, rt = 16, max(5, *Ts)
+    max_tokens = rt + 1
     ids = [
         torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).to(torch.int32)
         if T
@@ -155,11 +158,17 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     for s in range(ep):
         st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, idx)
         assert st.fused_plan == (not mixed and plan)
-        assert st.fused_sanitize == (fused and s == ep - 1) and (st.sanitize is None) == st.fused_sanitize
+        assert st.fused_sanitize == (fused and s == ep - 1 and ep * (rt + 1) <= 2048)
+        assert (st.sanitize is None) == st.fused_sanitize
+        lookback = Ts[s] > 256 and plan and not mixed
+        assert st.packs[0][num_sms is not None].consts_b[-1] is lookback
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])
         states.append(st)
+        if Ts[s] > 256 and plan and not mixed:  # the look-back plan reset its scratch and moved its epoch
+            sc = a2as[s]._plan_scratch
+            assert int(sc[0]) == int(sc[1]) == int(sc[-1]) == 0 and int(sc[2]) == 1, sc[:3]
     for s in range(ep):
         a2as[s]._dispatch_recv(states[s])
         if fused:  # each peer's flag in s's pad holds epoch 1, and s's own dispatch epoch is 1

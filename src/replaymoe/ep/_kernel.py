@@ -239,12 +239,21 @@ def ep_pack_kernel(
     Z_HAS_IDS: tl.constexpr,
     SANITIZE: tl.constexpr,
     TIMER: tl.constexpr,
+    # LOOKBACK (int32 units, not FUSED_PLAN): the plan computed here first (_plan_lookback; no plan launch)
+    pl_scratch,  # int32 [PLAN_SCRATCH], the plan kernel's
+    PL_BLOCK_T: tl.constexpr,
+    PL_NBLK: tl.constexpr,
+    LOOKBACK: tl.constexpr,
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
     stores issued from the same program: with ``symm`` every peer is written concurrently). Each
     iteration loads the plan and every payload's tile first and stores after, so one memory latency
     is paid per iteration. The grid's first axis bounds the number of SMs used (``num_sms``)."""
+    if LOOKBACK:
+        _plan_lookback(ids_ptr, slot_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, stride_dst_rank,
+                       dst_base + hdr_off, T, E, base, rem, pl_scratch, K, EP, EP_P2, PL_BLOCK_T,
+                       PL_NBLK)  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     chunk = tl.program_id(1)
@@ -270,6 +279,9 @@ def ep_pack_kernel(
                 tot = acc + tl.sum(mt, axis=0)
                 _put_counts(tot, ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
                             stride_dst_rank, dst_base, hdr_off, EP)  # fmt: skip
+        elif LOOKBACK:  # (L2: other programs of this launch stored them)
+            sp = slot_ptr + toks[:, None] * EP + ranks[None, :]
+            slots = tl.load(sp, mask=sm, other=-1, cache_modifier=".cg")
         else:
             slots = tl.load(slot_ptr + toks[:, None] * EP + ranks[None, :], mask=sm, other=-1)
         v0 = _load_rows(s0, toks, tmask, chunk, N0, NB0)
@@ -671,11 +683,29 @@ def ep_plan_kernel(
     ticket_ptr = scratch_ptr
     arrive_ptr = scratch_ptr + 1
     epoch_ptr = scratch_ptr + 2
-    flag_ptr = scratch_ptr + 3
-    agg_ptr = scratch_ptr + 3 + NBLK
     nprog = tl.num_programs(0)
     e = tl.load(epoch_ptr) + 1
     blk = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    _plan_block(blk, nprog, e, ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7, stride_hdr_rank,
+                hdr_offset, T, E, base, rem, scratch_ptr, K, EP, EP_P2, BLOCK_T, NBLK, PUT)  # fmt: skip
+    tl.debug_barrier()
+    old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == nprog - 1:
+        tl.store(ticket_ptr, 0)
+        tl.store(arrive_ptr, 0)
+        tl.store(epoch_ptr, e)
+
+
+@triton.jit
+def _plan_block(blk, nblk, e, ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7, stride_hdr_rank,
+                hdr_offset, T, E, base, rem, scratch_ptr, K: tl.constexpr, EP: tl.constexpr,
+                EP_P2: tl.constexpr, BLOCK_T: tl.constexpr, NBLK: tl.constexpr,
+                PUT: tl.constexpr):  # fmt: skip
+    """Block ``blk`` of ``nblk`` of the plan (:func:`ep_plan_kernel`'s docstring), in call epoch ``e``:
+    publish its counts and flag, wait for the lower blocks', store its slots; the last block also the
+    totals."""
+    flag_ptr = scratch_ptr + 3
+    agg_ptr = scratch_ptr + 3 + NBLK
     ranks = tl.arange(0, EP_P2)
     toks = (blk * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     tmask = toks < T
@@ -699,7 +729,7 @@ def ep_plan_kernel(
     slot = tl.where(m > 0, cs - 1, -1)
     smask = tmask[:, None] & (ranks[None, :] < EP)
     tl.store(slot_ptr + toks[:, None] * EP + ranks[None, :], slot, mask=smask)
-    if blk == nprog - 1:  # the last block: the totals
+    if blk == nblk - 1:  # the last block: the totals
         tot = prefix + cnt
         tl.store(counts_ptr + ranks, tot, mask=ranks < EP)
         if PUT:
@@ -707,10 +737,41 @@ def ep_plan_kernel(
                 dst = _pick(r, h0, h1, h2, h3, h4, h5, h6, h7)
                 c = tl.sum(tl.where(ranks == r, tot, 0))
                 tl.store(dst + r * stride_hdr_rank + hdr_offset, c)
+
+
+@triton.jit
+def _plan_lookback(ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7, stride_hdr_rank, hdr_offset,
+                   T, E, base, rem, scratch_ptr, K: tl.constexpr, EP: tl.constexpr, EP_P2: tl.constexpr,
+                   BLOCK_T: tl.constexpr, NBLK: tl.constexpr):  # fmt: skip
+    """The plan inside another kernel (the pack's ``LOOKBACK``), on any grid: every program takes block
+    tickets until they run out, computing each block as :func:`ep_plan_kernel` does, then waits until
+    every block's slots are stored (a count in the scratch); the last program past the wait resets the
+    ticket, the count and the arrivals and stores the epoch. A program waits only on blocks whose
+    tickets were taken, so by programs already running: no grid needs to be resident at once (and the
+    interpreter, which runs programs one after another, runs it too)."""
+    ticket_ptr = scratch_ptr
+    arrive_ptr = scratch_ptr + 1
+    epoch_ptr = scratch_ptr + 2
+    stored_ptr = scratch_ptr + 3 + 9 * NBLK
+    total = tl.num_programs(0) * tl.num_programs(1)
+    e = tl.load(epoch_ptr) + 1
+    nblk = tl.maximum(tl.cdiv(T, BLOCK_T), 1)
+    blk = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    while blk < nblk:
+        _plan_block(blk, nblk, e, ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7,
+                    stride_hdr_rank, hdr_offset, T, E, base, rem, scratch_ptr, K, EP, EP_P2, BLOCK_T, NBLK,
+                    True)  # fmt: skip
+        tl.debug_barrier()  # every thread's slots before the count
+        tl.atomic_add(stored_ptr, 1, sem="release", scope="gpu")
+        blk = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
+    while n < nblk:
+        n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
     old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == nprog - 1:
+    if old == total - 1:  # every program is past the wait and took its last ticket
         tl.store(ticket_ptr, 0)
+        tl.store(stored_ptr, 0)
         tl.store(arrive_ptr, 0)
         tl.store(epoch_ptr, e)
 

@@ -89,7 +89,7 @@ _COMBINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRANSPORTS = ("nccl", "symm")
 
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
-_FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack kernel computes the plan (one launch less)
+_FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack computes the plan by a scan, above by look-back
 # up to this many received rows (ep * (runtime_max + 1)) the pack's last program sanitizes them (one launch
 # less), in blocks of _FUSED_SANITIZE_BLOCK rows
 _FUSED_SANITIZE_MAX_ROWS = 2048
@@ -190,9 +190,10 @@ class MoeAlltoAll:
         (attribute ``num_sms``), on every rank alike (with ``symm`` it decides the combine's form, see
         ``pipelined_combine``); a captured CUDA graph keeps the value it was captured with.
     fused_plan : bool, optional
-        Triton packing (``symm``, or ``kernel_backend`` resolving to Triton): up to 256 tokens whose
-        first payload group moves in 4-byte units, the pack kernel computes the dispatch plan itself
-        (one launch less); ``False``: the plan kernel runs first. The same results either way.
+        Triton packing (``symm``, or ``kernel_backend`` resolving to Triton): where the first payload
+        group moves in 4-byte units, the pack kernel computes the dispatch plan itself (one launch
+        less: up to 256 tokens by a scan in every tile, above by a look-back over 128-token blocks
+        before its copy); ``False``: the plan kernel runs first. The same results either way.
         Default (``None``): :data:`replaymoe.ep.alltoall.FUSED_PLAN`, on unless the environment
         variable ``REPLAYMOE_EP_FUSED_PLAN=0`` was set at import. Fixed for the object's life
         (attribute ``fused_plan``).
@@ -584,13 +585,16 @@ class MoeAlltoAll:
             dsts = [d.view(unit) for d in tg.dsts]
             dsts = dsts + [dsts[0]] * (8 - len(dsts))
             last = g0 + 4 >= len(live)
-            # small T: the first group's pack computes the plan itself (one launch less; int32 units
-            # so that it can store the counts into the headers)
-            fplan = g0 == 0 and unit == torch.int32 and T <= _FUSED_PLAN_MAX_T and self._fused_plan
-            st.fused_plan = st.fused_plan or fplan
+            # the first group's pack computes the plan itself (one launch less; int32 units so that it
+            # can store the counts into the headers): small T by a scan of the earlier ids in every tile,
+            # larger T by the plan kernel's look-back over 128-token blocks before the copy
+            own_plan = g0 == 0 and unit == torch.int32 and self._fused_plan
+            fplan = own_plan and T <= _FUSED_PLAN_MAX_T
+            lookback = own_plan and T > _FUSED_PLAN_MAX_T
+            st.fused_plan = st.fused_plan or own_plan
             hdr_units = (rt * layout.row_bytes + layout.count_offset) // 4
             plan_b = (st.send_counts, self.num_experts, base, rem, hdr_units)
-            if not fplan:
+            if not own_plan:
                 plan_b = (st.send_counts, 1, 1, 0, 0)
             if tg.signal is not None and last:
                 sig, signal = tg.signal, True
@@ -614,7 +618,7 @@ class MoeAlltoAll:
                     consts=(tg.stride_dst_rank // u, tg.dst_base // u, *sig),
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
                               *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
-                              64, *zs),
+                              64, *zs, self._plan_scratch, bt, PLAN_BLOCKS, lookback),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )  # fmt: skip
             st.packs.append(variants)

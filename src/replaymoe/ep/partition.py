@@ -18,9 +18,10 @@ from .._validation import check_int
 __all__ = ["expert_partition", "expert_owner"]
 
 # ep_plan_kernel: at most PLAN_BLOCKS programs (all resident at once on any GPU it runs on: 4 warps each),
-# at least 128 tokens each; its scratch (int32): ticket, arrivals, epoch, a flag and 8 counts per block
+# at least 128 tokens each; its scratch (int32): ticket, arrivals, epoch, a flag and 8 counts per block, and
+# (the pack kernel's look-back plan) the number of blocks whose slots are stored
 PLAN_BLOCKS = 128
-PLAN_SCRATCH = 3 + 9 * PLAN_BLOCKS
+PLAN_SCRATCH = 4 + 9 * PLAN_BLOCKS
 
 
 def plan_grid(T: int) -> tuple[int, int]:
