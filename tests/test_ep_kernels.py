@@ -161,7 +161,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         assert st.fused_sanitize == (fused and s == ep - 1 and ep * (rt + 1) <= 2048)
         assert (st.sanitize is None) == st.fused_sanitize
         lookback = Ts[s] > 256 and plan and not mixed
-        assert st.packs[0][num_sms is not None].consts_b[-1] is lookback
+        assert st.packs[0][num_sms is not None].consts_b[-2] is lookback
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])

@@ -41,7 +41,7 @@ def _transports_worker(rank, world):
     from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch
 
     dev = torch.device("cuda", rank)
-    E, K, H, max_tokens = 64, 8, 1024, 256
+    E, K, H, max_tokens = 64, 8, 1024, 1024
     # symm with a barrier timeout: a lost signal traps (naming both ranks) instead of hanging;
     # symm_unfused: torch's barrier kernel and the plan kernel by argument (the same bits)
     symm = dict(transport="symm", timeout=60)
@@ -68,6 +68,8 @@ def _transports_worker(rank, world):
             ([0] + [7] * (world - 1), 7),  # rank 0 sends nothing and receives nothing
             ([(200, 3, 256, 1)[s % 4] for s in range(world)], 256),  # skewed, one rank at the max (any world)
             ([1] * world, 1),  # runtime_max 1
+            # > 256 tokens: the pack's look-back plan (8 / 5 / 3 blocks of 128), a rank without tokens
+            ([(1000, 0, 513, 257)[s % 4] for s in range(world)], 1000),
         ]
     ):
         ids = [_ids(g, T, K, E) for T in Ts]

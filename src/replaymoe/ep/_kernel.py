@@ -244,6 +244,7 @@ def ep_pack_kernel(
     PL_BLOCK_T: tl.constexpr,
     PL_NBLK: tl.constexpr,
     LOOKBACK: tl.constexpr,
+    PL_ASM: tl.constexpr,  # CUDA: poll with acquire loads (see _plan_lookback)
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
@@ -253,7 +254,7 @@ def ep_pack_kernel(
     if LOOKBACK:
         _plan_lookback(ids_ptr, slot_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, stride_dst_rank,
                        dst_base + hdr_off, T, E, base, rem, pl_scratch, K, EP, EP_P2, PL_BLOCK_T,
-                       PL_NBLK)  # fmt: skip
+                       PL_NBLK, PL_ASM)  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     chunk = tl.program_id(1)
@@ -450,6 +451,14 @@ def _ld_acquire(ptr):
     """``*ptr`` as an acquire load at system scope (no read-modify-write)."""
     return tl.inline_asm_elementwise(
         "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _ld_acquire_gpu(ptr):
+    """``*ptr`` as an acquire load at GPU scope (no read-modify-write)."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
     )
 
 
@@ -742,13 +751,14 @@ def _plan_block(blk, nblk, e, ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4,
 @triton.jit
 def _plan_lookback(ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7, stride_hdr_rank, hdr_offset,
                    T, E, base, rem, scratch_ptr, K: tl.constexpr, EP: tl.constexpr, EP_P2: tl.constexpr,
-                   BLOCK_T: tl.constexpr, NBLK: tl.constexpr):  # fmt: skip
+                   BLOCK_T: tl.constexpr, NBLK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """The plan inside another kernel (the pack's ``LOOKBACK``), on any grid: every program takes block
     tickets until they run out, computing each block as :func:`ep_plan_kernel` does, then waits until
     every block's slots are stored (a count in the scratch); the last program past the wait resets the
     ticket, the count and the arrivals and stores the epoch. A program waits only on blocks whose
     tickets were taken, so by programs already running: no grid needs to be resident at once (and the
-    interpreter, which runs programs one after another, runs it too)."""
+    interpreter, which runs programs one after another, runs it too). ``ASM`` (CUDA): the waiting
+    programs poll with plain acquire loads, not atomics (thousands of them on a dense grid)."""
     ticket_ptr = scratch_ptr
     arrive_ptr = scratch_ptr + 1
     epoch_ptr = scratch_ptr + 2
@@ -764,9 +774,14 @@ def _plan_lookback(ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7
         tl.debug_barrier()  # every thread's slots before the count
         tl.atomic_add(stored_ptr, 1, sem="release", scope="gpu")
         blk = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
-    while n < nblk:
+    if ASM:
+        n = _ld_acquire_gpu(stored_ptr)
+        while n < nblk:
+            n = _ld_acquire_gpu(stored_ptr)
+    else:
         n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
+        while n < nblk:
+            n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
     old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
     if old == total - 1:  # every program is past the wait and took its last ticket

@@ -618,7 +618,8 @@ class MoeAlltoAll:
                     consts=(tg.stride_dst_rank // u, tg.dst_base // u, *sig),
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
                               *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
-                              64, *zs, self._plan_scratch, bt, PLAN_BLOCKS, lookback),
+                              64, *zs, self._plan_scratch, bt, PLAN_BLOCKS, lookback,
+                              self.device.type == "cuda"),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )  # fmt: skip
             st.packs.append(variants)
