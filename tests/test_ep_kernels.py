@@ -106,8 +106,8 @@ def _fake_buffers(ep, nbytes):
         (2, 8, 2, [0, 4], 1, True, False, True),  # the same, no tokens on rank 0 (counts zeroed by the pack)
         (3, 10, 4, [5, 0, 2], None, False, False, True),  # plan in the pack, torch's barrier kernel
         (3, 10, 4, [5, 0, 2], None, True, False, False),  # int32 units, fused_plan=False: the plan kernel
-        (3, 10, 4, [300, 0, 140], None, True, False, True),  # > 256 tokens: the pack's look-back, 3 blocks
-        (2, 8, 2, [257, 129], 2, True, False, True),  # the same on 2 persistent programs (rank 1: the scan)
+        (3, 10, 4, [300, 0, 140], None, True, False, True),  # > 256 tokens, dense: the plan kernel, 3 blocks
+        (2, 8, 2, [257, 129], 2, True, False, True),  # persistent: the pack's look-back (rank 1: the scan)
     ],
 )
 def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, generator, monkeypatch):
@@ -157,16 +157,17 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     states = []
     for s in range(ep):
         st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, idx)
-        assert st.fused_plan == (not mixed and plan)
+        assert st.fused_plan == (not mixed and plan and Ts[s] <= 256)
         assert st.fused_sanitize == (fused and s == ep - 1 and ep * (rt + 1) <= 2048)
         assert (st.sanitize is None) == st.fused_sanitize
-        lookback = Ts[s] > 256 and plan and not mixed
+        lookback = Ts[s] > 256 and plan and not mixed and num_sms is not None
+        assert st.lookback[num_sms is not None] == lookback
         assert st.packs[0][num_sms is not None].consts_b[-2] is lookback
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])
         states.append(st)
-        if Ts[s] > 256 and plan and not mixed:  # the look-back plan reset its scratch and moved its epoch
+        if Ts[s] > 256 and plan and not mixed:  # the plan (kernel or look-back): scratch reset, epoch 1
             sc = a2as[s]._plan_scratch
             assert int(sc[0]) == int(sc[1]) == int(sc[-1]) == 0 and int(sc[2]) == 1, sc[:3]
     for s in range(ep):

@@ -463,6 +463,14 @@ def _ld_acquire_gpu(ptr):
 
 
 @triton.jit
+def _nanosleep(ptr):
+    """``ptr``, after this thread sleeps about 100 ns (a poll's back-off)."""
+    return tl.inline_asm_elementwise(
+        "nanosleep.u32 100; mov.b64 $0, $1;", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
+    ).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
 def _wait_flag(ptr, e, timeout_ns, RANK: tl.constexpr, PEER: tl.constexpr, TIMER: tl.constexpr):
     """Spin until ``*ptr >= e`` (acquire, system scope); with ``TIMER`` (CUDA) print and trap after the
     timeout. On CUDA the polls are acquire loads, in the interpreter acquire atomics."""
@@ -777,7 +785,7 @@ def _plan_lookback(ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7
     if ASM:
         n = _ld_acquire_gpu(stored_ptr)
         while n < nblk:
-            n = _ld_acquire_gpu(stored_ptr)
+            n = _ld_acquire_gpu(_nanosleep(stored_ptr))
     else:
         n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
         while n < nblk:

@@ -90,6 +90,10 @@ _TRANSPORTS = ("nccl", "symm")
 
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
 _FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack computes the plan by a scan, above by look-back
+# the look-back plan in the pack on dense grids too (num_sms unset; off: the plan kernel runs there): with
+# thousands of programs waiting on the plan, dense dispatches took 10-12 µs longer in CUDA graphs at 512 ...
+# 4096 tokens/rank (2 x H200, session 26, polls without back-off), against 7-15 µs of host time saved
+_LOOKBACK_DENSE = False
 # up to this many received rows (ep * (runtime_max + 1)) the pack's last program sanitizes them (one launch
 # less), in blocks of _FUSED_SANITIZE_BLOCK rows
 _FUSED_SANITIZE_MAX_ROWS = 2048
@@ -136,7 +140,8 @@ class _DState:
     sanitize: tuple | None = None
     reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
     slot_i: int = 0
-    fused_plan: bool = False
+    fused_plan: bool = False  # the first pack computes the plan by a scan (small T)
+    lookback: dict = field(default_factory=lambda: {False: False, True: False})  # ... by look-back, per grid
     fused_sanitize: bool = False  # the pack's last program waits and sanitizes (no sanitize launch)
 
 
@@ -590,8 +595,7 @@ class MoeAlltoAll:
             # larger T by the plan kernel's look-back over 128-token blocks before the copy
             own_plan = g0 == 0 and unit == torch.int32 and self._fused_plan
             fplan = own_plan and T <= _FUSED_PLAN_MAX_T
-            lookback = own_plan and T > _FUSED_PLAN_MAX_T
-            st.fused_plan = st.fused_plan or own_plan
+            st.fused_plan = st.fused_plan or fplan
             hdr_units = (rt * layout.row_bytes + layout.count_offset) // 4
             plan_b = (st.send_counts, self.num_experts, base, rem, hdr_units)
             if not own_plan:
@@ -602,6 +606,8 @@ class MoeAlltoAll:
                 sig, signal = (st.send_counts,) * 10 + (0,), False
             variants = {}
             for persistent in (False, True):
+                lookback = own_plan and T > _FUSED_PLAN_MAX_T and (persistent or _LOOKBACK_DENSE)
+                st.lookback[persistent] = st.lookback[persistent] or lookback
                 # dense (num_sms unset): one program per (token, 1024-unit chunk), many resident per SM;
                 # persistent (num_sms set): at most num_sms programs, 4 tokens x 4096 units per iteration
                 cap = _PACK_CHUNK if persistent else _DENSE_CHUNK
@@ -644,7 +650,8 @@ class MoeAlltoAll:
         """Plan + pack (with the fused barrier, the pack's last program signals the peers)."""
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        if st.fused_plan:
+        persistent = self._num_sms is not None
+        if st.fused_plan or st.lookback[persistent]:
             pass  # the first pack computes it
         elif st.plan_launch.ready():
             st.plan_launch.fast((st.plan_programs,), (ids.data_ptr(), *st.plan_args_i))
@@ -652,7 +659,6 @@ class MoeAlltoAll:
             st.plan_launch((st.plan_programs,), (ids, *st.plan_args))
         T = st.T
         if T > 0 or st.targets.signal is not None or st.fused_plan:  # (signal / counts need the launch)
-            persistent = self._num_sms is not None
             for variants in st.packs:
                 g = variants[persistent]
                 work = cdiv(T, g.TT)
