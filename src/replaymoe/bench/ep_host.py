@@ -82,11 +82,11 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
     fast = timed(calls)
     st = next(iter(a2a._dcache.values()))
     compiled = regs = None
-    if st.triton:
-        compiled = [st.plan_launch.compiled is not None] + [
-            v[False].launch.compiled is not None for v in st.packs
-        ]
-        regs = [st.plan_launch.registers()] + [v[False].launch.registers() for v in st.packs]
+    if st.triton:  # the plan launch and the pack variant this grid runs (dense or persistent)
+        grid = a2a.num_sms is not None
+        packs = [v[grid].launch for v in st.packs]
+        compiled = [st.plan_launch.compiled is not None] + [p.compiled is not None for p in packs]
+        regs = [st.plan_launch.registers()] + [p.registers() for p in packs]
     was, _launch.ENABLED = _launch.ENABLED, False
     fresh()
     slow = timed(calls)
