@@ -288,12 +288,20 @@ def test_ep_moe_gloo():
 def _fused_plan_worker(rank, world):
     import torch.distributed as dist
 
+    E, K, H = 8, 2, 8
+    for Ts, rt, num_sms in (
+        ([4, 3], 5, None),  # small T: the pack's scan
+        ([300, 260], 300, 2),  # > 256 tokens on a persistent grid: the pack's look-back (3 / 3 blocks)
+    ):
+        _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms)
+    dist.barrier()
+
+
+def _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms):
     import replaymoe.ep.alltoall as a2a_mod
     from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch
 
-    E, K, H, rt = 8, 2, 8, 5
     g = torch.Generator().manual_seed(7)
-    Ts = [4, 3]
     ids = [_make_ids(g, Ts[s], K, E, world, "random", s) for s in range(world)]
     # 4-byte payloads only (int32 units): the first pack group may compute the plan itself
     pays = [[torch.randn(Ts[s], H, generator=g), ids[s].clone(), torch.rand(Ts[s], K, generator=g)]
@@ -302,10 +310,12 @@ def _fused_plan_worker(rank, world):
     got = {}
     for fused in (True, False):
         a2a_mod.FUSED_PLAN = not fused  # the process default, overridden by the argument
-        a2a = MoeAlltoAll(None, rt, K, E, H, kernel_backend="triton", fused_plan=fused)
+        a2a = MoeAlltoAll(None, rt, K, E, H, kernel_backend="triton", fused_plan=fused, num_sms=num_sms)
         assert a2a.fused_plan is fused
         views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=1)
-        assert a2a._st.fused_plan is fused  # private: which launch plan the dispatch took
+        # private: which launch plan the dispatch took (the scan up to 256 tokens, the look-back above)
+        assert a2a._st.fused_plan is (fused and Ts[rank] <= 256)
+        assert a2a._st.lookback[True] is (fused and Ts[rank] > 256)
         assert torch.equal(a2a.recv_counts, counts[rank])
         for v, r in zip(views, ref[rank]):
             for s in range(world):
@@ -319,7 +329,6 @@ def _fused_plan_worker(rank, world):
     for a, b in zip(got[True], got[False]):
         assert torch.equal(a, b)  # the same bits either way
     assert torch.equal(got[True][2], expect)
-    dist.barrier()
 
 
 @pytest.mark.interpret
