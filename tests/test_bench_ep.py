@@ -37,6 +37,8 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     for T in ("3", "8"):
         for op in ("dispatch", "combine", "dispatch+combine"):
             assert ("nccl", T, op, "eager") in got and ("naive", T, op, "eager") in got
+        assert ("nccl", T, "dispatch+combine", "eager_loop") in got  # back-to-back pairs (goal 4)
+        assert ("nccl", T, "dispatch", "eager_loop") not in got  # (per pair only)
         # the layer, the compute it is measured against (goal 6): whole and split by source, and the
         # training step's forward + backward through the all-to-all (goal 5)
         for op in ("layer", "layer_local", "layer_local_split", "layer_train"):

@@ -10,8 +10,9 @@ layer. Payloads: ``bf16`` = hidden bf16 + ids int32 + weights fp32 (14400 B/toke
 fp8 + 1x128 fp32 scales + ids + weights (7456 B/token). Combine payload: bf16 [ep, T, 7168].
 
 Implementations: ``nccl`` and ``symm`` (:class:`replaymoe.MoeAlltoAll`), timed as CUDA-graph replays
-(``graph``) and eagerly (``eager``); ``naive`` = the usual NCCL recipe (exchange counts, host sync,
-variable-size ``all_to_all_single``, index_add), eager only.
+(``graph``), eagerly (``eager``: one call at a time, each after the ranks line up) and as back-to-back
+eager pairs (``eager_loop``: dispatch + combine rows only, per pair); ``naive`` = the usual NCCL recipe
+(exchange counts, host sync, variable-size ``all_to_all_single``, index_add), eager only.
 
 Each iteration: all ranks synchronize (a host barrier, then a one-element all-reduce on the stream so
 that the ranks start together on the devices; before a CUDA-graph replay a device-side wait long
@@ -190,6 +191,9 @@ def run(
                     continue
                 base = {"impl": impl, "payload": vname, "tokens": T, "num_sms": n_sms}
                 for mode, ((td, tc), host) in results.items():
+                    if tc is None:  # eager_loop: per dispatch + combine pair only
+                        rows.append(_row(base, "dispatch+combine", mode, td, d_bytes + c_bytes, None))
+                        continue
                     hd, hc = host if host is not None else (None, None)
                     for op, us, nbytes, h in (
                         ("dispatch", td, d_bytes, hd),
@@ -272,8 +276,15 @@ def _row(base, op, mode, us, nbytes, host_us=None) -> dict:
     }
 
 
+LOOP_CALLS = 10  # dispatch + combine pairs per timed span of the eager_loop mode
+
+
 def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=None):
-    """{mode: ((dispatch µs, combine µs), (host µs per call) or None)} for eager and graph."""
+    """{mode: ((dispatch µs, combine µs), (host µs per call) or None)} for eager and graph, and
+    ``eager_loop``: ((µs per dispatch + combine pair, None), None), the pairs issued back to back
+    (:data:`LOOP_CALLS` of them between two events after the ranks line up, no sync between them), as
+    an eager training or serving loop issues them: the host's issue of one pair overlaps the device's
+    work of the one before."""
     a2a.num_sms = num_sms
 
     def d():
@@ -296,6 +307,16 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
 
     dev, host = time_phases(it, 2, iters, warmup)
     res = {"eager": (tuple(dev), tuple(host))}
+
+    def loop(ev):
+        ev[0].record()
+        for _ in range(LOOP_CALLS):
+            d()
+            c()
+        ev[1].record()
+
+    span, _ = time_phases(loop, 1, max(3, iters // 4), 1)
+    res["eager_loop"] = ((span[0] / LOOP_CALLS, None), None)
     if not graphs:
         return res
     sync()
