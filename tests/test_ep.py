@@ -290,8 +290,9 @@ def _fused_plan_worker(rank, world):
 
     E, K, H = 8, 2, 8
     for Ts, rt, num_sms in (
-        ([4, 3], 5, None),  # small T: the pack's scan
-        ([300, 260], 300, 2),  # > 256 tokens on a persistent grid: the pack's look-back (3 / 3 blocks)
+        ([4, 3], 5, None),  # small T, num_sms unset: the dense grid, the pack's scan
+        ([300, 4], 300, None),  # rank 0: > 256 tokens, num_sms unset: the wide grid, the look-back (3 blocks)
+        ([300, 260], 300, 2),  # a persistent grid: the pack's look-back (3 / 3 blocks)
     ):
         _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms)
     dist.barrier()
@@ -313,9 +314,11 @@ def _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms):
         a2a = MoeAlltoAll(None, rt, K, E, H, kernel_backend="triton", fused_plan=fused, num_sms=num_sms)
         assert a2a.fused_plan is fused
         views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=1)
-        # private: which launch plan the dispatch took (the scan up to 256 tokens, the look-back above)
+        # private: which launch plan the dispatch took (the scan on the dense grid, the look-back on the
+        # persistent ones)
         assert a2a._st.fused_plan is (fused and Ts[rank] <= 256)
-        assert a2a._st.lookback[True] is (fused and Ts[rank] > 256)
+        assert a2a._st.lookback is fused
+        assert a2a._pack_grid(Ts[rank]) == ("narrow" if num_sms else "dense" if Ts[rank] <= 256 else "wide")
         assert torch.equal(a2a.recv_counts, counts[rank])
         for v, r in zip(views, ref[rank]):
             for s in range(world):

@@ -106,8 +106,10 @@ def _fake_buffers(ep, nbytes):
         (2, 8, 2, [0, 4], 1, True, False, True),  # the same, no tokens on rank 0 (counts zeroed by the pack)
         (3, 10, 4, [5, 0, 2], None, False, False, True),  # plan in the pack, torch's barrier kernel
         (3, 10, 4, [5, 0, 2], None, True, False, False),  # int32 units, fused_plan=False: the plan kernel
-        (3, 10, 4, [300, 0, 140], None, True, False, True),  # > 256 tokens, dense: the plan kernel, 3 blocks
-        (2, 8, 2, [257, 129], 2, True, False, True),  # persistent: the pack's look-back (rank 1: the scan)
+        # num_sms unset: rank 0 (> 256 tokens) on the wide grid, the pack's look-back over 3 blocks; ranks
+        # 1 and 2 on the dense grid, the scan
+        (3, 10, 4, [300, 0, 140], None, True, False, True),
+        (2, 8, 2, [257, 129], 2, True, False, True),  # narrow grid: the look-back at any T (3 / 2 blocks)
     ],
 )
 def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, generator, monkeypatch):
@@ -160,14 +162,16 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         assert st.fused_plan == (not mixed and plan and Ts[s] <= 256)
         assert st.fused_sanitize == (fused and s == ep - 1 and ep * (rt + 1) <= 2048)
         assert (st.sanitize is None) == st.fused_sanitize
-        lookback = Ts[s] > 256 and plan and not mixed and num_sms is not None
-        assert st.lookback[num_sms is not None] == lookback
-        assert st.packs[0][num_sms is not None].consts_b[-2] is lookback
+        grid = a2as[s]._pack_grid(Ts[s])
+        assert grid == ("dense" if num_sms is None and Ts[s] <= 256 else "wide" if num_sms is None else "narrow")
+        assert st.lookback == (plan and not mixed)
+        lookback = plan and not mixed and grid != "dense"
+        assert st.packs[0][grid].consts_b[-2] is lookback
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])
         states.append(st)
-        if Ts[s] > 256 and plan and not mixed:  # the plan (kernel or look-back): scratch reset, epoch 1
+        if lookback:  # the plan by look-back: scratch reset, epoch 1
             sc = a2as[s]._plan_scratch
             assert int(sc[0]) == int(sc[1]) == int(sc[-1]) == 0 and int(sc[2]) == 1, sc[:3]
     for s in range(ep):
@@ -261,6 +265,36 @@ def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, capturing, pipe
     a._pipelined_combine = mode
     a._transport = SymmTransport(a)
     assert a.combine_pipelines(rt) is pipelined
+
+
+@pytest.mark.parametrize(
+    "num_sms, device_sms, T, grid, TT",
+    [
+        (None, 132, 128, "dense", 1),  # decode, no cap: one short program per (token, chunk)
+        (None, 132, 256, "dense", 1),  # the dense grid's last size
+        (None, 132, 257, "wide", 1),  # one token more: a persistent program per SM, one token each
+        (None, 132, 4096, "wide", 1),
+        (24, 132, 128, "narrow", 2),  # DeepEP's 24 SMs: two tokens per iteration below 2048 ...
+        (24, 132, 2047, "narrow", 2),
+        (24, 132, 2048, "narrow", 4),  # ... four from there
+        (63, 132, 4096, "narrow", 4),  # below 64 programs: narrow
+        (64, 132, 128, "wide", 1),  # 64 programs: wide at any size
+        (200, 132, 4096, "wide", 1),  # a cap above the device's SMs: every SM
+        (200, 48, 4096, "narrow", 4),  # a small device: its 48 SMs are a narrow grid
+    ],
+)
+def test_pack_grid_and_tiles(num_sms, device_sms, T, grid, TT):
+    """The pack's grid by ``num_sms`` and tokens, and its tokens per iteration for DeepSeek-V3 rows
+    (7168 bf16 = 3584 int32 units; the measurements behind them are in ``alltoall``'s comments)."""
+    from replaymoe.ep.alltoall import _pack_tiles
+
+    a = _fake_a2a(0, 4, 4096, 8, 256, 7168, num_sms)
+    a._device_sms = device_sms
+    assert a._pack_grid(T) == grid
+    NBs, chunks, tt, warps = _pack_tiles([3584], grid, T)
+    assert tt == TT
+    assert NBs == ([1024] if grid == "dense" else [4096]) and chunks == (4 if grid == "dense" else 1)
+    assert warps == {("dense", 1): 4, ("wide", 1): 8, ("narrow", 2): 16, ("narrow", 4): 16}[grid, tt]
 
 
 @pytest.mark.parametrize(

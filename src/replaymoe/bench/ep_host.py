@@ -81,9 +81,9 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
     fresh(5)
     fast = timed(calls)
     st = next(iter(a2a._dcache.values()))
-    compiled = regs = None
-    if st.triton:  # the plan launch and the pack variant this grid runs (dense or persistent)
-        grid = a2a.num_sms is not None
+    compiled = regs = grid = None
+    if st.triton:  # the plan launch and the pack variant that runs (dense, narrow or wide grid)
+        grid = a2a._pack_grid(st.T)
         packs = [v[grid].launch for v in st.packs]
         compiled = [st.plan_launch.compiled is not None] + [p.compiled is not None for p in packs]
         regs = [st.plan_launch.registers()] + [p.registers() for p in packs]
@@ -94,7 +94,7 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
     fresh()
     say(f"[host] {t} T={T}: dispatch/combine host µs per call: direct launches {fast[0]:.1f}/{fast[1]:.1f}, "
         f"Triton's launch path {slow[0]:.1f}/{slow[1]:.1f}; direct launch active {compiled}; "
-        f"regs {regs}")  # fmt: skip
+        f"regs {regs}; pack grid {grid}")  # fmt: skip
     ev = torch.cuda.Event(enable_timing=True) if on_cuda() else HostEvent()
     t_ev = host_us(ev.record, calls=calls)
     t_bar = float("nan")

@@ -89,11 +89,46 @@ _COMBINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRANSPORTS = ("nccl", "symm")
 
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
-_FUSED_PLAN_MAX_T = 256  # up to this many tokens the pack computes the plan by a scan, above by look-back
-# the look-back plan in the pack on dense grids too (num_sms unset; off: the plan kernel runs there): with
-# thousands of programs waiting on the plan, dense dispatches took 10-12 µs longer in CUDA graphs at 512 ...
-# 4096 tokens/rank (2 x H200, session 26, polls without back-off), against 7-15 µs of host time saved
-_LOOKBACK_DENSE = False
+
+# ep_pack_kernel's grids, chosen per call (MoeAlltoAll._pack_grid):
+#   "dense"  num_sms unset, up to _DENSE_PACK_MAX_T tokens: one short-lived program per (token, 1024-unit
+#            chunk), many resident per SM; the plan by a scan of the earlier ids in every tile;
+#   "narrow" num_sms below _WIDE_MIN_PROGRAMS: num_sms persistent programs, 2 tokens x 4096 units per
+#            iteration below 2048 tokens, 4 from there;
+#   "wide"   num_sms from _WIDE_MIN_PROGRAMS, or unset above _DENSE_PACK_MAX_T tokens: one persistent
+#            program per SM (at most num_sms), one token per iteration.
+# The persistent grids compute the plan by look-back at every size (the scan re-reads every earlier id in
+# each of a program's iterations: 24 programs took 52 / 74 µs at 128 / 256 tokens against 37 / 55 by
+# look-back). Measured on 4 x H200, DeepSeek-V3 rows (3584 units), dispatch in CUDA graphs, µs at 128 /
+# 256 / 512 / 1024 / 4096 tokens/rank (session 27, bench/ep_notes.md):
+#   dense 31.9 / 51.5 / 102.8 / 172.9 / 524.1 (above 256 tokens: the plan kernel, pack, sanitize);
+#   24 programs, 2 tokens 34.6 / 50.5 / 83.6 / 146.4 / 519.9, 4 tokens 37.3 / 55.0 / 88.6 / 147.2 / 516.3;
+#   132 programs, 1 token 36.9 / 52.9 / 82.6 / 137.9 / 482.1, 2 tokens 37.6 / 62.4 / 97.6 / 155.4 / 499.9.
+_DENSE_PACK_MAX_T = 256
+_WIDE_MIN_PROGRAMS = 64
+
+
+def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, int]:
+    """``(NBs, chunks, TT, warps)`` of ``ep_pack_kernel`` on ``grid`` (``"dense"``, ``"narrow"`` or
+    ``"wide"``, see above) for ``T`` tokens whose payload rows have ``Ns`` units: the column chunk of
+    each payload (a power of two), chunks per row, tokens per iteration and ``num_warps``."""
+    cap = _DENSE_CHUNK if grid == "dense" else _PACK_CHUNK
+    NBs = [min(next_power_of_2(n), cap) for n in Ns]
+    chunks = max(cdiv(n, b) for n, b in zip(Ns, NBs))
+    nb = max(NBs)
+    if grid == "dense":
+        TT = 1 if nb >= 256 else 16
+    elif grid == "wide" and nb >= 1024:
+        TT = 1
+    else:
+        TT = 4 if nb >= 2048 else 2 if nb >= 1024 else 16
+        if TT == 4 and T < 2048:
+            TT = 2
+    elems = TT * nb
+    warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
+    return NBs, chunks, TT, warps
+
+
 # up to this many received rows (ep * (runtime_max + 1)) the pack's last program sanitizes them (one launch
 # less), in blocks of _FUSED_SANITIZE_BLOCK rows
 _FUSED_SANITIZE_MAX_ROWS = 2048
@@ -140,8 +175,8 @@ class _DState:
     sanitize: tuple | None = None
     reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
     slot_i: int = 0
-    fused_plan: bool = False  # the first pack computes the plan by a scan (small T)
-    lookback: dict = field(default_factory=lambda: {False: False, True: False})  # ... by look-back, per grid
+    fused_plan: bool = False  # the first pack on the dense grid computes the plan by a scan
+    lookback: bool = False  # ... on the persistent grids by look-back
     fused_sanitize: bool = False  # the pack's last program waits and sanitizes (no sanitize launch)
 
 
@@ -197,8 +232,9 @@ class MoeAlltoAll:
     fused_plan : bool, optional
         Triton packing (``symm``, or ``kernel_backend`` resolving to Triton): where the first payload
         group moves in 4-byte units, the pack kernel computes the dispatch plan itself (one launch
-        less: up to 256 tokens by a scan in every tile, above by a look-back over 128-token blocks
-        before its copy); ``False``: the plan kernel runs first. The same results either way.
+        less: on the dense grid, ``num_sms`` unset and up to 256 tokens, by a scan in every tile,
+        otherwise by a look-back over 128-token blocks before its copy); ``False``: the plan kernel
+        runs first. The same results either way.
         Default (``None``): :data:`replaymoe.ep.alltoall.FUSED_PLAN`, on unless the environment
         variable ``REPLAYMOE_EP_FUSED_PLAN=0`` was set at import. Fixed for the object's life
         (attribute ``fused_plan``).
@@ -377,6 +413,13 @@ class MoeAlltoAll:
         in all and ``chunks`` programs along the second axis (at least one)."""
         n = self._device_sms if self._num_sms is None else self._num_sms
         return max(1, min(n, work) // chunks)
+
+    def _pack_grid(self, T: int) -> str:
+        """The pack's grid for ``T`` tokens on this rank: ``"dense"``, ``"narrow"`` or ``"wide"`` (see
+        :func:`_pack_tiles`). A local choice: the peers never see the pack's grid."""
+        if self._num_sms is None:
+            return "dense" if T <= _DENSE_PACK_MAX_T else "wide"
+        return "wide" if min(self._num_sms, self._device_sms) >= _WIDE_MIN_PROGRAMS else "narrow"
 
     def _dense_programs(self, work: int, chunks: int = 1) -> int:
         """The same for the dense grids (num_sms unset): up to 16 programs per SM, then a grid-stride loop."""
@@ -591,11 +634,11 @@ class MoeAlltoAll:
             dsts = dsts + [dsts[0]] * (8 - len(dsts))
             last = g0 + 4 >= len(live)
             # the first group's pack computes the plan itself (one launch less; int32 units so that it
-            # can store the counts into the headers): small T by a scan of the earlier ids in every tile,
-            # larger T by the plan kernel's look-back over 128-token blocks before the copy
+            # can store the counts into the headers): on the dense grid by a scan of the earlier ids in
+            # every tile, on the persistent ones by the plan kernel's look-back over 128-token blocks
             own_plan = g0 == 0 and unit == torch.int32 and self._fused_plan
-            fplan = own_plan and T <= _FUSED_PLAN_MAX_T
-            st.fused_plan = st.fused_plan or fplan
+            st.fused_plan = st.fused_plan or (own_plan and T <= _DENSE_PACK_MAX_T)
+            st.lookback = st.lookback or own_plan
             hdr_units = (rt * layout.row_bytes + layout.count_offset) // 4
             plan_b = (st.send_counts, self.num_experts, base, rem, hdr_units)
             if not own_plan:
@@ -605,21 +648,11 @@ class MoeAlltoAll:
             else:
                 sig, signal = (st.send_counts,) * 10 + (0,), False
             variants = {}
-            for persistent in (False, True):
-                lookback = own_plan and T > _FUSED_PLAN_MAX_T and (persistent or _LOOKBACK_DENSE)
-                st.lookback[persistent] = st.lookback[persistent] or lookback
-                # dense (num_sms unset): one program per (token, 1024-unit chunk), many resident per SM;
-                # persistent (num_sms set): at most num_sms programs, 4 tokens x 4096 units per iteration
-                cap = _PACK_CHUNK if persistent else _DENSE_CHUNK
-                NBs = [min(next_power_of_2(n), cap) for n in Ns]
-                chunks = max(cdiv(n, b) for n, b in zip(Ns, NBs))
-                if persistent:
-                    TT = 4 if max(NBs) >= 2048 else 2 if max(NBs) >= 1024 else 16
-                else:
-                    TT = 1 if max(NBs) >= 256 else 16
-                elems = TT * max(NBs)
-                warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
-                variants[persistent] = _PackGroup(
+            for grid in ("dense", "narrow", "wide") if T <= _DENSE_PACK_MAX_T else ("narrow", "wide"):
+                fplan = own_plan and grid == "dense"
+                lookback = own_plan and grid != "dense"
+                NBs, chunks, TT, warps = _pack_tiles(Ns, grid, T)
+                variants[grid] = _PackGroup(
                     idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
                     consts=(tg.stride_dst_rank // u, tg.dst_base // u, *sig),
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
@@ -650,8 +683,8 @@ class MoeAlltoAll:
         """Plan + pack (with the fused barrier, the pack's last program signals the peers)."""
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        persistent = self._num_sms is not None
-        if st.fused_plan or st.lookback[persistent]:
+        grid_kind = self._pack_grid(st.T)
+        if st.fused_plan if grid_kind == "dense" else st.lookback:
             pass  # the first pack computes it
         elif st.plan_launch.ready():
             st.plan_launch.fast((st.plan_programs,), (ids.data_ptr(), *st.plan_args_i))
@@ -660,12 +693,12 @@ class MoeAlltoAll:
         T = st.T
         if T > 0 or st.targets.signal is not None or st.fused_plan:  # (signal / counts need the launch)
             for variants in st.packs:
-                g = variants[persistent]
+                g = variants[grid_kind]
                 work = cdiv(T, g.TT)
-                if persistent:
-                    grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
-                else:
+                if grid_kind == "dense":
                     grid = (self._dense_programs(work, g.chunks), g.chunks)
+                else:
+                    grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
                 if g.launch.ready():  # addresses only: no views, no per-pointer driver queries
                     keep = [payloads[i] for i in g.idx]
                     keep = [p if p.is_contiguous() else p.contiguous() for p in keep]
