@@ -48,35 +48,6 @@ def _pick(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
     return p
 
 
-@triton.jit
-def _pick_runtime(r, p0, p1, p2, p3, p4, p5, p6, p7, EP: tl.constexpr):
-    """Base pointer of rank ``r``, a value known only at run time (``0 <= r < EP``): one store through
-    it replaces a masked store to every rank's pointer (EP - 1 of them masked off entirely)."""
-    p = p0
-    if EP > 1:
-        if r == 1:
-            p = p1
-    if EP > 2:
-        if r == 2:
-            p = p2
-    if EP > 3:
-        if r == 3:
-            p = p3
-    if EP > 4:
-        if r == 4:
-            p = p4
-    if EP > 5:
-        if r == 5:
-            p = p5
-    if EP > 6:
-        if r == 6:
-            p = p6
-    if EP > 7:
-        if r == 7:
-            p = p7
-    return p
-
-
 # ----------------------------------------------------------------------------------------------
 # In-kernel barrier of the symm transport (no extra launch): the producing kernel's last program
 # to finish publishes a new epoch into every peer's signal pad (release, system scope, after a
@@ -407,8 +378,10 @@ def ep_combine_send_kernel(
         row = s.to(tl.int64) * stride_src_block + j * stride_src_row
         v = tl.load(src_ptr + row[:, None] + cols[None, :], mask=m)
         dst = dst_offset + j * stride_dst_row
-        base = _pick_runtime(s, p0, p1, p2, p3, p4, p5, p6, p7, EP)  # every row of the tile goes to s
-        tl.store(base + dst[:, None] + cols[None, :], v, mask=m)
+        for r in tl.static_range(EP):
+            if r != SKIP:
+                base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+                tl.store(base + dst[:, None] + cols[None, :], v, mask=m & (s == r))
     if SIGNAL:
         _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, SKIP)
 
@@ -602,12 +575,14 @@ def ep_combine_kernel(
                     jm = j < j_hi
                     src_row = s.to(tl.int64) * stride_src_block + j * stride_src_row
                     dst_row = stride_recv_block.to(tl.int64) * RANK + j * W
-                    base = _pick_runtime(s, p0, p1, p2, p3, p4, p5, p6, p7, EP)  # the chunk's rows go to s
                     for c0 in range(0, W, NB):
                         cols = c0 + tl.arange(0, NB)
                         m = jm[:, None] & (cols < W)[None, :]
                         v = tl.load(src_ptr + src_row[:, None] + cols[None, :], mask=m)
-                        tl.store(base + dst_row[:, None] + cols[None, :], v, mask=m)
+                        for r in tl.static_range(EP):
+                            if r != RANK:
+                                base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
+                                tl.store(base + dst_row[:, None] + cols[None, :], v, mask=m & (s == r))
                 tl.debug_barrier()  # every thread's stores of the chunk before the flag
                 for r in tl.static_range(EP):
                     if r != RANK:
