@@ -13,7 +13,7 @@ import torch
 
 from replaymoe.ep import combine_torch, dispatch_torch, expert_owner, expert_partition
 from replaymoe.ep.alltoall import MoeAlltoAll
-from replaymoe.ep.packing import recv_views, row_layout
+from replaymoe.ep.packing import recv_views, row_layout, row_tiling
 from replaymoe.ep.partition import PLAN_SCRATCH, make_plan
 from replaymoe.ep.receive import combine_reduce
 from replaymoe.testing import poison
@@ -163,7 +163,8 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         assert st.fused_sanitize == (fused and s == ep - 1 and ep * (rt + 1) <= 2048)
         assert (st.sanitize is None) == st.fused_sanitize
         grid = a2as[s]._pack_grid(Ts[s])
-        assert grid == ("dense" if num_sms is None and Ts[s] <= 256 else "wide" if num_sms is None else "narrow")
+        want = "narrow" if num_sms is not None else "dense" if Ts[s] <= 256 else "wide"
+        assert grid == want
         assert st.lookback == (plan and not mixed)
         lookback = plan and not mixed and grid != "dense"
         assert st.packs[0][grid].consts_b[-2] is lookback
@@ -314,22 +315,29 @@ def test_pipelined_combine_reducer_group(T, reducers, group):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "ep, Ts, K, max_tokens, num_sms, dtype",
+    "ep, Ts, K, max_tokens, num_sms, dtype, tall",
     [
-        (2, [150, 70], 2, 160, 4, torch.float16),  # 3 chunks of 64 rows from rank 0, the last one partial
-        (3, [5, 0, 130], 3, 140, 2, torch.float16),  # a rank without tokens; one sender, one reducer
-        (4, [40, 3, 70, 1], 4, 80, 6, torch.float32),  # fp32 rows (the backward's combine); T=1 rank
-        (2, [0, 0], 2, 8, 2, torch.float16),  # nothing anywhere: the epoch still moves
+        (2, [150, 70], 2, 160, 4, torch.float16, False),  # 3 chunks of 64 rows from rank 0, the last partial
+        (3, [5, 0, 130], 3, 140, 2, torch.float16, False),  # a rank without tokens; one sender, one reducer
+        (4, [40, 3, 70, 1], 4, 80, 6, torch.float32, False),  # fp32 rows (the backward's combine); T=1 rank
+        (4, [40, 3, 70, 1], 4, 80, 6, torch.float16, True),  # tall tiles (16 rows: one flag chunk each)
+        (2, [0, 0], 2, 8, 2, torch.float16, False),  # nothing anywhere: the epoch still moves
     ],
 )
-def test_pipelined_combine_matches_two_kernel_combine(ep, Ts, K, max_tokens, num_sms, dtype, generator):
+def test_pipelined_combine_matches_two_kernel_combine(
+    ep, Ts, K, max_tokens, num_sms, dtype, tall, generator, monkeypatch
+):
     """``ep_combine_kernel`` (send, then reduce as chunks land) gives the two-kernel combine's rows,
     flags every chunk a reducer waits for, and moves the epoch. The ranks run one after another
     (Triton's interpreter runs one program at a time): every rank's send (roles 1), then every rank's
     reduce (roles 2), which finds every flag it waits for already set."""
     from replaymoe.ep.transport_symm import _FLAG_BASE, PIPE_CHUNK, SymmTransport
 
+    import replaymoe.ep.transport_symm as symm
+
     E, H, rt = 2 * ep, 24, max(max(Ts), 1)
+    if tall:  # the tall tiles' threshold lowered to this test's runtime_max (2048 tokens: too slow here)
+        monkeypatch.setattr(symm, "PIPE_TALL_MIN_TOKENS", rt)
     a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms, True, True) for r in range(ep)]
     trs = [SymmTransport(a) for a in a2as]
     for a, t in zip(a2as, trs):
@@ -378,6 +386,27 @@ def test_pipelined_combine_matches_two_kernel_combine(ep, Ts, K, max_tokens, num
                 if j >= 0:
                     expect[t] += payloads[q][r, j].float()
         torch.testing.assert_close(outs[r], expect.to(dtype), atol=0, rtol=0)
+    tts = {shape[2] for t in trs for shape in t._pshape.values()}  # (senders, nb, tt, warps)
+    assert tts == ({16} if tall else {row_tiling(H, True)[2]}), tts
+
+
+@pytest.mark.parametrize(
+    "W, ep, programs, rt, want",
+    [
+        (7168, 4, 24, 2048, (1024, 16, 16)),  # DeepSeek-V3 rows, ep = 4, 24 SMs, from 2048 tokens: tall
+        (7168, 4, 24, 2047, (4096, 4, 16)),  # one token less: row_tiling's tiles
+        (7168, 2, 24, 4096, (4096, 4, 16)),  # ep = 2: unmeasured with tall tiles, the others
+        (7168, 4, 64, 4096, (4096, 4, 16)),  # 64 programs and more (every SM): the others
+        (7168, 8, 24, 4096, (1024, 16, 16)),  # ep = 8 (unmeasured): ep = 4's rule
+        (64, 4, 24, 4096, (64, 16, 4)),  # narrow rows: 64 columns, 4 warps
+    ],
+)
+def test_pipelined_combine_tiling(W, ep, programs, rt, want):
+    from replaymoe.ep.transport_symm import PIPE_CHUNK, pipe_tiling
+
+    got = pipe_tiling(W, ep, programs, rt)
+    assert got == want
+    assert PIPE_CHUNK % got[1] == 0  # a tile's rows never cross a flag chunk
 
 
 @pytest.mark.interpret

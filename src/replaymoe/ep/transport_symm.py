@@ -88,9 +88,35 @@ def pipe_senders(n: int, ep: int) -> int:
     """Sender programs of the pipelined combine's ``n``: a third at ep = 2 (one peer to send to, two
     rows to sum per token), half at larger ep. Measured with 24 programs on H100s (4096 / 1024
     tokens/rank, combine µs): ep = 2: a third 421 / 161, half 508 / 214 (the two-kernel combine 435 /
-    171); ep = 4: a third 781, half 739 (two-kernel 1025) at 4096 tokens."""
+    171); ep = 4: a third 781, half 739 (two-kernel 1025) at 4096 tokens. On 4 x H200 (session 27, ep = 4,
+    24 programs, 1024 / 4096 tokens/rank): 10 senders 182 / 692, 11 170 / 654, 12 (half) 163 / 591, 13
+    175 / 650; with 12, each sender's chunks all go to one peer (senders stride the chunks, which
+    alternate peers)."""
     share = 1 / 3 if ep == 2 else 1 / 2
     return min(n - 1, max(1, round(n * share)))
+
+
+# the pipelined combine's tall tiles (1024 columns x 16 rows, 16 warps) on narrow grids at ep >= 4 from this
+# many tokens/rank (runtime_max, the same on every rank)
+PIPE_TALL_MIN_TOKENS = 2048
+
+
+def pipe_tiling(W: int, ep: int, programs: int, rt: int) -> tuple[int, int, int]:
+    """``(nb, tt, warps)`` of the pipelined combine for rows of ``W`` elements: columns per tile (a power
+    of two, ``PIPE_CHUNK`` a multiple of ``tt``), rows (send) / tokens (reduce) per tile, ``num_warps``.
+    Below 64 programs at ep >= 4 and from :data:`PIPE_TALL_MIN_TOKENS` tokens/rank, tall tiles of 1024 x 16;
+    otherwise :func:`row_tiling`'s persistent tiles (4096 x 4 for DeepSeek-V3 rows). Measured on 4 x H200
+    (session 27, ep = 4, DeepSeek-V3 rows, combine µs in CUDA graphs at 128 / 256 / 512 / 1024 / 4096
+    tokens/rank): 24 programs 4096 x 4 36.6 / 54.3 / 92.8 / 160.6 / 583.3, 1024 x 16 40.9 / 59.7 / 99.0 /
+    161.5 / 559.9 (1024 x 32 and 512 x 32 slower everywhere; every tile with 8 warps 1.3-1.8x slower at
+    4096); every SM 29.8 / 44.7 / 86.2 / 136.2 / 483.2 against 38.3 / 54.0 / 106.1 / 147.9 / 496.5. ep = 2
+    is unmeasured with tall tiles and keeps the others."""
+    if ep >= 4 and programs < 64 and rt >= PIPE_TALL_MIN_TOKENS:
+        nb, tt = min(1024, next_power_of_2(W)), 16
+        warps = 16 if nb * tt >= 8192 else 8 if nb * tt >= 2048 else 4
+        return nb, tt, warps
+    nb, _, tt, warps = row_tiling(W, True)
+    return nb, tt, warps
 
 
 def pipe_group(T: int, tt: int, reducers: int) -> int:
@@ -155,7 +181,7 @@ class SymmTransport:
         self.ncmax = cdiv(a2a.max_num_tokens, self.chunk)  # chunk flags per source in a pad
         self.pads: list[torch.Tensor] = []
         self._pkeys: dict = {}  # pipelined combine launch plans
-        self._pshape: dict = {}  # pipelined combine (row width, programs, roles) -> (senders, nb, tt, warps)
+        self._pshape: dict = {}  # pipelined combine (row width, programs, roles, tall) -> (senders, nb, tt, warps)
 
     def _barrier(self) -> None:
         assert self.disp is not None
@@ -296,11 +322,12 @@ class SymmTransport:
         W = payload.shape[2]
         T = out.shape[0]
         n = self.programs()
-        shape = self._pshape.get((W, n, roles))  # (senders, nb, tt, warps) per row width and grid
+        tall = rt >= PIPE_TALL_MIN_TOKENS
+        shape = self._pshape.get((W, n, roles, tall))  # (senders, nb, tt, warps) per row width and grid
         if shape is None:
             senders = pipe_senders(n, a.ep) if roles == 0 else n
-            nb, _, tt, warps = row_tiling(W, True)
-            shape = self._pshape[(W, n, roles)] = (senders, nb, tt, warps)
+            nb, tt, warps = pipe_tiling(W, a.ep, n, rt)
+            shape = self._pshape[(W, n, roles, tall)] = (senders, nb, tt, warps)
         senders, nb, tt, warps = shape
         group = pipe_group(T, tt, max(1, n - senders))
         p_ptr, strides = payload.data_ptr(), payload.stride()
