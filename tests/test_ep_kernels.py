@@ -331,9 +331,8 @@ def test_pipelined_combine_matches_two_kernel_combine(
     flags every chunk a reducer waits for, and moves the epoch. The ranks run one after another
     (Triton's interpreter runs one program at a time): every rank's send (roles 1), then every rank's
     reduce (roles 2), which finds every flag it waits for already set."""
-    from replaymoe.ep.transport_symm import _FLAG_BASE, PIPE_CHUNK, SymmTransport
-
     import replaymoe.ep.transport_symm as symm
+    from replaymoe.ep.transport_symm import _FLAG_BASE, PIPE_CHUNK, SymmTransport
 
     E, H, rt = 2 * ep, 24, max(max(Ts), 1)
     if tall:  # the tall tiles' threshold lowered to this test's runtime_max (2048 tokens: too slow here)

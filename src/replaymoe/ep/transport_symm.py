@@ -181,7 +181,8 @@ class SymmTransport:
         self.ncmax = cdiv(a2a.max_num_tokens, self.chunk)  # chunk flags per source in a pad
         self.pads: list[torch.Tensor] = []
         self._pkeys: dict = {}  # pipelined combine launch plans
-        self._pshape: dict = {}  # pipelined combine (row width, programs, roles, tall) -> (senders, nb, tt, warps)
+        # pipelined combine (row width, programs, roles, tall) -> (senders, nb, tt, warps)
+        self._pshape: dict = {}
 
     def _barrier(self) -> None:
         assert self.disp is not None
