@@ -390,20 +390,19 @@ def test_pipelined_combine_matches_two_kernel_combine(
 
 
 @pytest.mark.parametrize(
-    "W, ep, programs, rt, want",
+    "W, programs, rt, want",
     [
-        (7168, 4, 24, 2048, (1024, 16, 16)),  # DeepSeek-V3 rows, ep = 4, 24 SMs, from 2048 tokens: tall
-        (7168, 4, 24, 2047, (4096, 4, 16)),  # one token less: row_tiling's tiles
-        (7168, 2, 24, 4096, (4096, 4, 16)),  # ep = 2: unmeasured with tall tiles, the others
-        (7168, 4, 64, 4096, (4096, 4, 16)),  # 64 programs and more (every SM): the others
-        (7168, 8, 24, 4096, (1024, 16, 16)),  # ep = 8 (unmeasured): ep = 4's rule
-        (64, 4, 24, 4096, (64, 16, 4)),  # narrow rows: 64 columns, 4 warps
+        (7168, 24, 2048, (1024, 16, 16)),  # DeepSeek-V3 rows, 24 SMs, from 2048 tokens/rank: tall
+        (7168, 24, 2047, (4096, 4, 16)),  # one token less: row_tiling's tiles
+        (7168, 63, 4096, (1024, 16, 16)),  # the widest narrow grid
+        (7168, 64, 4096, (4096, 4, 16)),  # 64 programs and more (every SM): row_tiling's
+        (64, 24, 4096, (64, 16, 4)),  # narrow rows: 64 columns, 4 warps
     ],
 )
-def test_pipelined_combine_tiling(W, ep, programs, rt, want):
+def test_pipelined_combine_tiling(W, programs, rt, want):
     from replaymoe.ep.transport_symm import PIPE_CHUNK, pipe_tiling
 
-    got = pipe_tiling(W, ep, programs, rt)
+    got = pipe_tiling(W, programs, rt)
     assert got == want
     assert PIPE_CHUNK % got[1] == 0  # a tile's rows never cross a flag chunk
 

@@ -96,22 +96,23 @@ def pipe_senders(n: int, ep: int) -> int:
     return min(n - 1, max(1, round(n * share)))
 
 
-# the pipelined combine's tall tiles (1024 columns x 16 rows, 16 warps) on narrow grids at ep >= 4 from this
-# many tokens/rank (runtime_max, the same on every rank)
+# the pipelined combine's tall tiles (1024 columns x 16 rows, 16 warps) on narrow grids from this many
+# tokens/rank (runtime_max, the same on every rank)
 PIPE_TALL_MIN_TOKENS = 2048
 
 
-def pipe_tiling(W: int, ep: int, programs: int, rt: int) -> tuple[int, int, int]:
+def pipe_tiling(W: int, programs: int, rt: int) -> tuple[int, int, int]:
     """``(nb, tt, warps)`` of the pipelined combine for rows of ``W`` elements: columns per tile (a power
     of two, ``PIPE_CHUNK`` a multiple of ``tt``), rows (send) / tokens (reduce) per tile, ``num_warps``.
-    Below 64 programs at ep >= 4 and from :data:`PIPE_TALL_MIN_TOKENS` tokens/rank, tall tiles of 1024 x 16;
-    otherwise :func:`row_tiling`'s persistent tiles (4096 x 4 for DeepSeek-V3 rows). Measured on 4 x H200
-    (session 27, ep = 4, DeepSeek-V3 rows, combine µs in CUDA graphs at 128 / 256 / 512 / 1024 / 4096
-    tokens/rank): 24 programs 4096 x 4 36.6 / 54.3 / 92.8 / 160.6 / 583.3, 1024 x 16 40.9 / 59.7 / 99.0 /
-    161.5 / 559.9 (1024 x 32 and 512 x 32 slower everywhere; every tile with 8 warps 1.3-1.8x slower at
-    4096); every SM 29.8 / 44.7 / 86.2 / 136.2 / 483.2 against 38.3 / 54.0 / 106.1 / 147.9 / 496.5. ep = 2
-    is unmeasured with tall tiles and keeps the others."""
-    if ep >= 4 and programs < 64 and rt >= PIPE_TALL_MIN_TOKENS:
+    Below 64 programs and from :data:`PIPE_TALL_MIN_TOKENS` tokens/rank, tall tiles of 1024 x 16;
+    otherwise :func:`row_tiling`'s persistent tiles (4096 x 4 for DeepSeek-V3 rows). Measured (session
+    27, DeepSeek-V3 rows, combine µs in CUDA graphs, ``bench/results/ep_combine_tiles_s27.txt``):
+    - ep = 4, 4 x H200, 128 / 256 / 512 / 1024 / 4096 tokens/rank: 24 programs 4096 x 4 36.6 / 54.3 /
+      92.8 / 160.6 / 583.3, 1024 x 16 40.9 / 59.7 / 99.0 / 161.5 / 559.9 (1024 x 32 and 512 x 32 slower
+      everywhere; every tile shape with 8 warps 1.3-1.8x slower at 4096); every SM 29.8 / 44.7 / 86.2 /
+      136.2 / 483.2 against 38.3 / 54.0 / 106.1 / 147.9 / 496.5;
+    - ep = 2, 2 x H200, 1024 / 2048 / 4096: 24 programs 82.0 / 153.8 / 295.0 against 83.1 / 143.1 / 274.0."""
+    if programs < 64 and rt >= PIPE_TALL_MIN_TOKENS:
         nb, tt = min(1024, next_power_of_2(W)), 16
         warps = 16 if nb * tt >= 8192 else 8 if nb * tt >= 2048 else 4
         return nb, tt, warps
@@ -327,7 +328,7 @@ class SymmTransport:
         shape = self._pshape.get((W, n, roles, tall))  # (senders, nb, tt, warps) per row width and grid
         if shape is None:
             senders = pipe_senders(n, a.ep) if roles == 0 else n
-            nb, tt, warps = pipe_tiling(W, a.ep, n, rt)
+            nb, tt, warps = pipe_tiling(W, n, rt)
             shape = self._pshape[(W, n, roles, tall)] = (senders, nb, tt, warps)
         senders, nb, tt, warps = shape
         group = pipe_group(T, tt, max(1, n - senders))
