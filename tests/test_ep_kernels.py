@@ -271,7 +271,7 @@ def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, capturing, pipe
 @pytest.mark.parametrize(
     "num_sms, device_sms, T, grid, TT",
     [
-        (None, 132, 128, "dense", 1),  # decode, no cap: one short program per (token, chunk)
+        (None, 132, 128, "dense", 1),  # decode, no cap: one short program per token
         (None, 132, 256, "dense", 1),  # the dense grid's last size
         (None, 132, 257, "wide", 1),  # one token more: a persistent program per SM, one token each
         (None, 132, 4096, "wide", 1),
@@ -294,8 +294,8 @@ def test_pack_grid_and_tiles(num_sms, device_sms, T, grid, TT):
     assert a._pack_grid(T) == grid
     NBs, chunks, tt, warps = _pack_tiles([3584], grid, T)
     assert tt == TT
-    assert NBs == ([1024] if grid == "dense" else [4096]) and chunks == (4 if grid == "dense" else 1)
-    assert warps == {("dense", 1): 4, ("wide", 1): 8, ("narrow", 2): 16, ("narrow", 4): 16}[grid, tt]
+    assert NBs == [4096] and chunks == 1  # a whole row per program and iteration
+    assert warps == {("dense", 1): 8, ("wide", 1): 8, ("narrow", 2): 16, ("narrow", 4): 16}[grid, tt]
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,6 @@ from .._backend import BACKENDS, resolve_backend
 from .._launch import cdiv, next_power_of_2
 from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
 from .packing import (
-    _DENSE_CHUNK,
     _PACK_CHUNK,
     _align,
     _gcd_all,
@@ -91,7 +90,7 @@ _TRANSPORTS = ("nccl", "symm")
 _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
 
 # ep_pack_kernel's grids, chosen per call (MoeAlltoAll._pack_grid):
-#   "dense"  num_sms unset, up to _DENSE_PACK_MAX_T tokens: one short-lived program per (token, 1024-unit
+#   "dense"  num_sms unset, up to _DENSE_PACK_MAX_T tokens: one short-lived program per (token, 4096-unit
 #            chunk), many resident per SM; the plan by a scan of the earlier ids in every tile;
 #   "narrow" num_sms below _WIDE_MIN_PROGRAMS: num_sms persistent programs, 2 tokens x 4096 units per
 #            iteration below 2048 tokens, 4 from there;
@@ -104,6 +103,9 @@ _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped firs
 #   dense 31.9 / 51.5 / 102.8 / 172.9 / 524.1 (above 256 tokens: the plan kernel, pack, sanitize);
 #   24 programs, 2 tokens 34.6 / 50.5 / 83.6 / 146.4 / 519.9, 4 tokens 37.3 / 55.0 / 88.6 / 147.2 / 516.3;
 #   132 programs, 1 token 36.9 / 52.9 / 82.6 / 137.9 / 482.1, 2 tokens 37.6 / 62.4 / 97.6 / 155.4 / 499.9.
+# The dense grid's chunk, 2 x H200 (ep = 2, µs at 32 / 128 / 192 / 256 tokens): 1024 units 13.5 / 18.6 /
+# 27.0 / 30.4, 4096 units (one program per token) with 8 warps 13.4 / 17.7 / 20.7 / 23.6, 4 warps 13.2 /
+# 17.7 / 20.7 / 24.0, 16 warps 14.2 / 18.3 / 22.7 / 25.4 (ep = 4 unmeasured with it).
 _DENSE_PACK_MAX_T = 256
 _WIDE_MIN_PROGRAMS = 64
 
@@ -112,8 +114,7 @@ def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, 
     """``(NBs, chunks, TT, warps)`` of ``ep_pack_kernel`` on ``grid`` (``"dense"``, ``"narrow"`` or
     ``"wide"``, see above) for ``T`` tokens whose payload rows have ``Ns`` units: the column chunk of
     each payload (a power of two), chunks per row, tokens per iteration and ``num_warps``."""
-    cap = _DENSE_CHUNK if grid == "dense" else _PACK_CHUNK
-    NBs = [min(next_power_of_2(n), cap) for n in Ns]
+    NBs = [min(next_power_of_2(n), _PACK_CHUNK) for n in Ns]
     chunks = max(cdiv(n, b) for n, b in zip(Ns, NBs))
     nb = max(NBs)
     if grid == "dense":

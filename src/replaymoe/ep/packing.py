@@ -17,9 +17,9 @@ import torch
 from .._launch import cdiv, next_power_of_2
 
 _ALIGN = 64  # bytes: payload regions and rows are aligned so Triton sees 16-unit divisibility
-_PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration
+_PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration (any grid)
 _REDUCE_CHUNK = 4096  # most columns one reduce / combine-send program handles per iteration
-_DENSE_CHUNK = 1024  # the same without num_sms: one short-lived program per (row, chunk)
+_DENSE_CHUNK = 1024  # the combine kernels without num_sms: one short-lived program per (row, chunk)
 
 
 def row_tiling(H: int, persistent: bool) -> tuple[int, int, int, int]:
