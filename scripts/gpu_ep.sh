@@ -129,3 +129,9 @@ fi
 for f in "$OUT"/combine_x*.log; do
   [ -f "$f" ] && { echo "## $(basename "$f" .log)"; sed -n '/^# symm combine/,/^$/p' "$f"; }
 done
+
+# the device tool returns at most 8 files from $OUT: every log and CSV goes into one archive, beside the summary
+# and the main table's CSV
+( cd "$OUT" && tar czf all_logs.tgz --exclude=all_logs.tgz -- *.log bench 2>/dev/null \
+    && find . -name '*.log' -delete && find bench -name '*.csv' ! -name "ep_x${NGPU}.csv" -delete 2>/dev/null )
+echo "files in $OUT: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
