@@ -293,6 +293,7 @@ def _fused_plan_worker(rank, world):
         ([4, 3], 5, None),  # small T, num_sms unset: the dense grid, the pack's scan
         ([300, 4], 300, None),  # rank 0: > 256 tokens, num_sms unset: the wide grid, the look-back (3 blocks)
         ([300, 260], 300, 2),  # a persistent grid: the pack's look-back (3 / 3 blocks)
+        ([0, 5], 5, 2),  # no tokens on rank 0, a persistent grid: its look-back still writes zero counts
     ):
         _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms)
     dist.barrier()

@@ -685,14 +685,15 @@ class MoeAlltoAll:
         if not ids.is_contiguous():
             ids = ids.contiguous()
         grid_kind = self._pack_grid(st.T)
-        if st.fused_plan if grid_kind == "dense" else st.lookback:
+        own_plan = st.fused_plan if grid_kind == "dense" else st.lookback
+        if own_plan:
             pass  # the first pack computes it
         elif st.plan_launch.ready():
             st.plan_launch.fast((st.plan_programs,), (ids.data_ptr(), *st.plan_args_i))
         else:
             st.plan_launch((st.plan_programs,), (ids, *st.plan_args))
         T = st.T
-        if T > 0 or st.targets.signal is not None or st.fused_plan:  # (signal / counts need the launch)
+        if T > 0 or st.targets.signal is not None or own_plan:  # (signal / counts need the launch)
             for variants in st.packs:
                 g = variants[grid_kind]
                 work = cdiv(T, g.TT)
