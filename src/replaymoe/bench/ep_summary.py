@@ -165,8 +165,9 @@ def print_summary(rows: list[dict]) -> None:
         bound = decode_bound_us(ep)
         print(f"\n# goal 3 (decode): symm dispatch+combine at 128 tokens/rank (ep = {ep}), µs -> graph "
               f"<= {bound:.0f}")  # fmt: skip
-        for r in sorted(dec, key=lambda r: (r["mode"], r.get("num_sms", 0))):
+        for r in sorted(dec, key=lambda r: (r.get("payload", ""), r["mode"], r.get("num_sms", 0))):
             good = (" yes" if r["us"] <= bound else " NO") if r["mode"] == "graph" else ""
-            print(f"  num_sms {r.get('num_sms', 0):>4} {r['mode']:>6} {r['us']:>8.1f}{good}")
+            pay = r.get("payload", "")  # (the fp8 dispatch payload: hidden fp8 + scales; combine bf16)
+            print(f"  num_sms {r.get('num_sms', 0):>4} {pay:>5} {r['mode']:>10} {r['us']:>8.1f}{good}")
     anchors = ", ".join(f"{t} tok: {ms * 1e3:.0f} µs" for t, ms in NAIVE_ANCHOR_MS.items())
     print(f"(earlier naive NCCL dispatch alone on this machine: {anchors})")
