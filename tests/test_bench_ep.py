@@ -157,7 +157,8 @@ def test_summary_decode_names_each_payload(capsys):
     from replaymoe.bench.ep_summary import print_summary
 
     base = {"impl": "symm", "tokens": 128, "num_sms": 0, "op": "dispatch+combine", "mode": "graph", "ep": 4}
-    rows = [{**base, "payload": p, "us": us, "GBps_per_rank": 1.0} for p, us in (("fp8", 49.0), ("bf16", 62.9))]
+    cases = (("fp8", 49.0), ("bf16", 62.9))
+    rows = [{**base, "payload": p, "us": us, "GBps_per_rank": 1.0} for p, us in cases]
     print_summary(rows)
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("num_sms")]
     assert [(ln[2], ln[-2], ln[-1]) for ln in lines] == [("bf16", "62.9", "NO"), ("fp8", "49.0", "yes")]
