@@ -10,6 +10,8 @@
 # Each step has its own time limit (`timeout` signals the step's whole process group) and the next one
 # runs whatever happened before. Everything is written under $OUT; a short table is printed last.
 #   (profile: where the host time of a steady-state eager call goes, `bench ep --host-profile`)
+#   (bench2, on 3+ GPUs: the same table at ep = 2 on GPUs 0-1, DeepEP too if the bench step built it; not in
+#    the default STEPS)
 #   (combine: the pipelined combine against the two kernels, both forced (symm_pipe / symm_2k), 24 SMs and
 #    every SM, 128 ... 4096 tokens/rank, on every GPU and on 2: the measurements behind
 #    `ep.transport_symm.pipe_min_rows`; not in the default STEPS)
@@ -102,6 +104,16 @@ if [[ " $STEPS " == *" bench "* ]]; then
   rm -f "$OUT"/bench/*.json "$OUT/deepep_build_step.log"  # (the CSVs hold the rows; the returned files are few)
 fi
 
+if [[ " $STEPS " == *" bench2 "* ]] && [ "$NGPU" -gt 2 ]; then
+  # ep = 2 on GPUs 0-1 of the same machine (the 2-GPU table when only a larger machine is lent); DeepEP if the
+  # bench step built it
+  step bench2 150 env CUDA_VISIBLE_DEVICES=0,1 "$PY" -m torch.distributed.run --nproc-per-node 2 -m replaymoe \
+    bench ep --out "$OUT/bench" --name ep_x2 --impls "${IMPLS:-nccl,symm,symm_2k}" --payloads bf16 \
+    --tokens "$TOKENS" --num-sms "${NUM_SMS:-24,32,66,132,0}" --peer "$PEER" --peer-sms 24 --no-layer --iters 20 \
+    --warmup 3
+  rm -f "$OUT"/bench/*.json
+fi
+
 if [[ " $STEPS " == *" combine "* ]]; then
   for n in $(printf "%s\n" "$NGPU" 2 | sort -un); do
     [ "$n" -gt "$NGPU" ] && continue
@@ -122,10 +134,12 @@ done
 if [ -f "$OUT/profile.log" ]; then
   grep -E "^\[host\]" "$OUT/profile.log" | grep -v cProfile
 fi
-if [ -f "$OUT/bench.log" ]; then
-  grep -E "^ERROR|Error|capture failed|DeepEP" "$OUT/bench.log" | grep -v "^\[rank [1-9]" | head -n 8
-  sed -n '/^# goal 1/,$p' "$OUT/bench.log"
-fi
+for f in "$OUT/bench.log" "$OUT/bench2.log"; do
+  [ -f "$f" ] || continue
+  echo "## $(basename "$f" .log)"
+  grep -E "^ERROR|Error|capture failed|DeepEP" "$f" | grep -v "^\[rank [1-9]" | head -n 8
+  sed -n '/^# goal 1/,$p' "$f"
+done
 for f in "$OUT"/combine_x*.log; do
   [ -f "$f" ] && { echo "## $(basename "$f" .log)"; sed -n '/^# symm combine/,/^$/p' "$f"; }
 done
@@ -133,5 +147,6 @@ done
 # the device tool returns at most 8 files from $OUT: every log and CSV goes into one archive, beside the summary
 # and the main table's CSV
 ( cd "$OUT" && tar czf all_logs.tgz --exclude=all_logs.tgz -- *.log bench 2>/dev/null \
-    && find . -name '*.log' -delete && find bench -name '*.csv' ! -name "ep_x${NGPU}.csv" -delete 2>/dev/null )
+    && find . -name '*.log' -delete \
+    && find bench -name '*.csv' ! -name "ep_x${NGPU}.csv" ! -name ep_x2.csv -delete 2>/dev/null )
 echo "files in $OUT: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
