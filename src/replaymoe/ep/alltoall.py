@@ -227,9 +227,11 @@ class MoeAlltoAll:
     num_sms : int, optional
         Most programs (thread blocks, so SMs) any Triton kernel of dispatch/combine launches: the
         copies are persistent loops over tokens, so this bounds the SMs the all-to-all occupies
-        (DeepEP's ``Buffer.num_sms``). Default: every SM of the device. May be changed between calls
-        (attribute ``num_sms``), on every rank alike (with ``symm`` it decides the combine's form, see
-        ``pipelined_combine``); a captured CUDA graph keeps the value it was captured with.
+        (DeepEP's ``Buffer.num_sms``). Default: every SM of the device, with grids chosen by size (the
+        dispatch's copy: one short program per token up to 256 tokens, one persistent program per SM
+        above). May be changed between calls (attribute ``num_sms``), on every rank alike (with
+        ``symm`` it decides the combine's form, see ``pipelined_combine``); a captured CUDA graph keeps
+        the value it was captured with.
     fused_plan : bool, optional
         Triton packing (``symm``, or ``kernel_backend`` resolving to Triton): where the first payload
         group moves in 4-byte units, the pack kernel computes the dispatch plan itself (one launch
@@ -386,7 +388,7 @@ class MoeAlltoAll:
 
     @property
     def fused_plan(self) -> bool:
-        """The pack kernel computes the dispatch plan at small token counts (see the class docstring)."""
+        """The pack kernel computes the dispatch plan itself (see the class docstring)."""
         return self._fused_plan
 
     @property
