@@ -587,22 +587,20 @@ def test_tma_config_selection_and_config_lists():
     assert not moe_config(1, 8, 2048, 768, 128, tma=True).tma  # decode (direct mode)
     assert not moe_config(64, 8, 2048, 768, 128, tma=True).tma  # mid-size 16/32-row tiles: unchanged
     c = moe_config(*qwen, tma=True)
-    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [
-        1,
-        -1,
-        -1,
-        -1,
-    ]  # switches: None
+    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [1, -1, -1, -1, -1]  # None
     old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
     assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
     assert config_from_list(old + [1]) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, True)
     for half in (None, False, True):  # the optional switches cross the custom ops as -1 / 0 / 1
         for pdl in (None, False, True):
             for swap in (None, False, True):
-                c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, half_tiles=half, pdl=pdl, swap_ab=swap)
-                assert config_from_list(config_tuple(c)) == c
-    # a 14-entry list from before swap_ab
-    assert config_from_list(config_tuple(c)[:14]) == dataclasses.replace(c, swap_ab=None)
+                for fused in (None, False, True):
+                    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, half_tiles=half, pdl=pdl,
+                                  swap_ab=swap, fused_reduce=fused)  # fmt: skip
+                    assert config_from_list(config_tuple(c)) == c
+    # 14- and 15-entry lists from before swap_ab and fused_reduce
+    assert config_from_list(config_tuple(c)[:14]) == dataclasses.replace(c, swap_ab=None, fused_reduce=None)
+    assert config_from_list(config_tuple(c)[:15]) == dataclasses.replace(c, fused_reduce=None)
     assert not tma_ok(torch.device("cpu"))  # never chosen on CPU / in the interpreter
     assert not tma_ok(torch.device("cuda"), torch.float32)  # fp32: pointer loads (TMA tiles spill)
 
@@ -824,9 +822,50 @@ def test_gpu_decode_pdl_argument_overrides_default(T, monkeypatch):
         out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
         experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
                        config=dataclasses.replace(base, pdl=pdl))  # fmt: skip
-        assert len(seen) == 3 and {kw["launch_pdl"] for _, kw in seen} == {pdl}
+        assert len(seen) == 2 and {kw["launch_pdl"] for _, kw in seen} == {pdl}  # GEMM1, GEMM2 + sum
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])  # fp8: the swapped decode kernels
+@pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: a token with none
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_gpu_fused_reduce_same_bits_eager_and_graph(T, offset, fp8):
+    # MoEConfig.fused_reduce (the top-k sum by tickets in GEMM2's epilogue, the decode's default) gives the
+    # reduce kernel's bits, eagerly and over repeated graph replays (the tickets zeroed by GEMM1 each time)
+    H, I, E, K = MODELS["qwen3"]  # noqa: E741
+    w13, w2, s13, s2 = _gpu_weights("qwen3", fp8)
+    sl = slice(offset, offset + 48 if offset else E)
+    w13, w2 = w13[sl], w2[sl]
+    s13, s2 = (None, None) if s13 is None else (s13[sl], s2[sl])
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, ids, wts = _gpu_routing(T, E, K, 5)
+    if offset:
+        ids[0] = torch.arange(E - K, E, device="cuda", dtype=ids.dtype)  # token 0: no local slot
+    base = dataclasses.replace(cfgs.moe_config(T, K, H, I, w13.shape[0], fp8=fp8), direct=True)
+    outs = {}
+    for fused in (False, True):
+        c = dataclasses.replace(base, fused_reduce=fused)
+        out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+
+        def call(c=c, out=out):
+            experts_triton(x, w13, w2, ids, wts, w13_scale=s13, w2_scale=s2, local_expert_offset=offset,
+                           out=out, config=c)  # fmt: skip
+
+        call()
+        outs[fused] = out.clone()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        for _ in range(3):
+            poison(out)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, outs[fused])
+    assert torch.equal(outs[True], outs[False])
+    if offset:
+        assert (outs[True][0] == 0).all()
 
 
 PREFILL = MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)  # moe_config's bf16 prefill tiles
@@ -1126,6 +1165,66 @@ def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, gen
     # a token none of whose slots fall in the slice gets zeros, not poison
     local = ((ids >= lo) & (ids < hi)).any(dim=1)
     assert (outs[1][~local] == 0).all()
+
+
+FUSED_REDUCE_CASES = [
+    # (dtype, T, H, K, E slice, block_n2, swap) -- edge each hits
+    (torch.float16, 1, 64, 2, (0, 4), 32, False),  # one token, two H blocks
+    (torch.float16, 5, 96, 3, (0, 4), 64, False),  # K = 3 (a padded 4-slot read), a partial H block
+    (torch.float32, 6, 64, 2, (1, 3), 32, False),  # an EP slice: tokens with one or no local slot
+    (torch.float16, 4, 64, 4, (0, 4), 16, False),  # padding ids (-1) among the slots, many H blocks
+    (torch.bfloat16, 3, 256, 2, (0, 4), 128, True),  # fp8, the swapped decode kernels
+    (torch.bfloat16, 5, 256, 2, (1, 3), 64, True),  # fp8 swapped, an EP slice, two H blocks
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,T,H,K,sl,n2,swap", FUSED_REDUCE_CASES)
+def test_triton_interpreter_fused_reduce_matches_reduce_kernel(dtype, T, H, K, sl, n2, swap, generator,
+                                                              monkeypatch):  # fmt: skip
+    # MoEConfig.fused_reduce (the top-k sum in GEMM2's epilogue, by per-token tickets) gives the reduce
+    # kernel's bits (the same fp32 sum of the same rows in k order), zeroes its own tickets (poisoned
+    # here), and writes zeros for a token with no local slot
+    fp8 = swap
+    I, E = (256 if fp8 else 32), 4  # noqa: E741
+    x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, torch.float32 if fp8 else dtype)
+    if T >= 4:
+        ids[T - 1, 0] = -1  # a padding slot
+    kw: dict = dict(w13_scale=None, w2_scale=None)
+    if fp8:
+        x = x.bfloat16()
+        (w13, kw["w13_scale"]), (w2, kw["w2_scale"]) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    lo, hi = sl
+    if hi - lo < E:
+        kw = {k: None if v is None else v[lo:hi] for k, v in kw.items()}
+        ids[0] = torch.tensor([0, E - 1])  # token 0: no slot in the slice (1, 3)
+    tickets = moe_fwd._tickets
+
+    def poisoned_tickets(*a):
+        on, cnt, n = tickets(*a)
+        if on:
+            cnt.fill_(123)
+        return on, cnt, n
+
+    monkeypatch.setattr(moe_fwd, "_tickets", poisoned_tickets)
+    block = (64, 128, 128) if fp8 else (16, 32, 32)
+    base = MoEConfig(True, block[0], block[1], block[2], 4, 2, n2, block[2], 4, 2, swap_ab=swap or None)
+    assert cfgs._fused_reduce(base) and cfgs._swap_ab(base, fp8) is swap
+    outs = []
+    for fused in (False, True):
+        out = poison(torch.empty(T, H, dtype=torch.bfloat16 if fp8 else dtype))
+        experts_triton(x, w13[lo:hi], w2[lo:hi], ids, wts, local_expert_offset=lo, out=out,
+                       config=dataclasses.replace(base, fused_reduce=fused), **kw)  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[1], outs[0])
+    local = ((ids >= lo) & (ids < hi)).any(dim=1)
+    assert (outs[1][~local] == 0).all() and torch.isfinite(outs[1].float()).all()
+
+
+def test_fused_reduce_only_in_direct_mode():
+    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    assert cfgs._fused_reduce(c) and not cfgs._fused_reduce(dataclasses.replace(c, fused_reduce=False))
+    assert not cfgs._fused_reduce(dataclasses.replace(c, direct=False, fused_reduce=True))  # tile mode
 
 
 @pytest.mark.gpu

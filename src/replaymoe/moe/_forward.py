@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .._launch import cdiv, fast
+from .._launch import cdiv, fast, next_power_of_2
 from .._validation import is_capturing
 from .configs import (
     MoEConfig,
+    _fused_reduce,
     _half_tiles,
     _pdl,
     _swap_ab,
@@ -248,6 +249,7 @@ def _launch(
     # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper; c.pdl, opt-in), so
     # that GEMM2 prefetches its weights while GEMM1 finishes and no launch gap separates the three
     pdl = _pdl(c, fp8, dev)
+    ticket, cnt, n_cnt = _tickets(c, T, H, ids)
     grid1 = (num_pid_m * cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
@@ -262,7 +264,7 @@ def _launch(
         HAS_BIAS=v.w13_bias is not None, INTERLEAVED=v.interleaved, ACT=v.act, EVEN_K=H % c.block_k1 == 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
         PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
-        num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl,
+        num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl, cnt_ptr=cnt, num_cnt_n=n_cnt, TICKET=ticket,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * cdiv(H, c.block_n2),)
@@ -278,9 +280,21 @@ def _launch(
         EVEN_K=I % c.block_k2 == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k2,
         GROUP_M=c.group_m, DOT_PREC=prec, PDL=pdl, TMA=inter_desc is not None, a_desc=inter_desc,
         w_desc=w2_desc if inter_desc is not None else None, HALF_TILES=half, a_desc_half=inter_desc_half,
-        num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl,
+        num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl, out_ptr=out, cnt_ptr=cnt, TOP_K=K,
+        stride_om=out.stride(0), KP=next_power_of_2(K), TICKET=ticket,
     )  # fmt: skip
-    _reduce_slots(y, ids, out, offset, E_local, pdl)
+    if not ticket:
+        _reduce_slots(y, ids, out, offset, E_local, pdl)
+
+
+def _tickets(c: MoEConfig, T: int, H: int, ids: torch.Tensor) -> tuple[bool, torch.Tensor, int]:
+    """(on, cnt, n): whether GEMM2 sums the top-k itself (:attr:`MoEConfig.fused_reduce`), and its
+    tickets, ``cnt`` int32 [T, n] for GEMM2's ``n`` column blocks (left uninitialized: GEMM1 zeroes
+    them; ``ids`` as a dummy pointer when off)."""
+    if not _fused_reduce(c):
+        return False, ids, 0
+    n = cdiv(H, c.block_n2)
+    return True, torch.empty(T, n, dtype=torch.int32, device=ids.device), n
 
 
 def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,17 +354,21 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     preq = c.block_n1 == 128
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
+    ticket, cnt, n_cnt = _tickets(c, T, H, ids)
     fast(moe_gemm1_swapped_fp8_kernel)[(num_pid_m * (I // c.block_n1),)](
         xq, xs, w13, w13_scale, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, slots,
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), inter.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128,
-        TN=tn, GROUP_M=c.group_m, num_warps=c.warps1, num_stages=c.stages1,
+        TN=tn, GROUP_M=c.group_m, num_warps=c.warps1, num_stages=c.stages1, cnt_ptr=cnt, num_cnt_n=n_cnt,
+        TICKET=ticket,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     fast(moe_gemm2_swapped_fp8_kernel)[(num_pid_m * cdiv(H, c.block_n2),)](
         inter, inter_s, w2, w2_scale, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, slots, H,
         I, K, offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
         w2_scale.stride(1), y.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n2, BLOCK_K=128,
-        TN=tn, GROUP_M=c.group_m, num_warps=c.warps2, num_stages=c.stages2,
+        TN=tn, GROUP_M=c.group_m, num_warps=c.warps2, num_stages=c.stages2, out_ptr=out, cnt_ptr=cnt,
+        stride_om=out.stride(0), KP=next_power_of_2(K), TICKET=ticket,
     )  # fmt: skip
-    _reduce_slots(y, ids, out, offset, E_local)
+    if not ticket:
+        _reduce_slots(y, ids, out, offset, E_local)

@@ -89,6 +89,48 @@ def _act(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
+def _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n):
+    """Direct mode, GEMM1 (``TICKET``): the program of a token's first slot and first column block zeroes
+    the token's ``num_cnt_n`` GEMM2 tickets ``cnt[t, :]`` (GEMM2 runs after GEMM1 on the stream, or
+    waits for it as a dependent launch)."""
+    if (pid_n == 0) & (pid_m % TOP_K == 0):
+        t = (pid_m // TOP_K).to(tl.int64)
+        for j in range(0, num_cnt_n, 128):
+            r = j + tl.arange(0, 128)
+            tl.store(cnt_ptr + t * num_cnt_n + r, tl.zeros((128,), dtype=tl.int32), mask=r < num_cnt_n)
+
+
+@triton.jit
+def _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, n_ok, TOP_K, expert_offset,
+                num_local, stride_ym, stride_om, KP: tl.constexpr, ARRIVE: tl.constexpr):  # fmt: skip
+    """Direct mode, GEMM2's epilogue (``TICKET``): the top-k sum without the reduce kernel.
+
+    ``ARRIVE``: this program has stored its slot's row of ``y`` for columns ``rn``; it counts itself on
+    the ticket ``cnt[tok, pid_n]`` (after a CTA barrier, one gpu-scope acq_rel atomic), and the program
+    that completes the token's count of local slots sums the token's rows in k order (read from L2) into
+    ``out[tok, rn]``: ``moe_reduce_kernel``'s arithmetic, so the same bits. Without ``ARRIVE`` (the
+    program of a token's first slot, whose expert is not local): writes zeros where the token has no
+    local slot at all. ``KP``: TOP_K rounded up to a power of two."""
+    rk = tl.arange(0, KP)
+    ek = tl.load(ids_ptr + tok * TOP_K + rk, mask=rk < TOP_K, other=0).to(tl.int32) - expert_offset
+    n_local = tl.sum(((rk < TOP_K) & (ek >= 0) & (ek < num_local)).to(tl.int32), axis=0)
+    if ARRIVE:
+        tl.debug_barrier()  # every thread's row stores before the release
+        last = tl.atomic_add(cnt_ptr + tok * num_pid_n + pid_n, 1, sem="acq_rel", scope="gpu") == n_local - 1
+    else:
+        last = n_local == 0
+    if last:
+        acc = tl.zeros(rn.shape, dtype=tl.float32)
+        for kk in range(0, TOP_K):
+            slot = tok * TOP_K + kk
+            e = tl.load(ids_ptr + slot).to(tl.int32) - expert_offset
+            local = (e >= 0) & (e < num_local)
+            row = tl.load(y_ptr + slot * stride_ym + rn, mask=n_ok & local, other=0.0, cache_modifier=".cg")
+            acc += row.to(tl.float32)
+        tl.store(out_ptr + tok * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     xs_ptr,
@@ -140,6 +182,9 @@ def moe_gemm1_kernel(
     TMA: tl.constexpr = False,
     w_desc=None,
     HALF_TILES: tl.constexpr = False,
+    cnt_ptr=None,
+    num_cnt_n=0,
+    TICKET: tl.constexpr = False,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
@@ -157,15 +202,20 @@ def moe_gemm1_kernel(
 
     ``HALF_TILES`` (tile mode): a tile with at most ``BLOCK_M // 2`` real rows (an expert's last)
     computes only its first ``BLOCK_M // 2`` rows (the same bits: a row's dot does not depend on the
-    tile height, bf16 / fp16 / fp32; fp8 keeps one tile height, see FP8_BLOCK_M)."""
+    tile height, bf16 / fp16 / fp32; fp8 keeps one tile height, see FP8_BLOCK_M).
+
+    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``_zero_tickets``)."""
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
+    tl.static_assert(DIRECT or not TICKET)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    if TICKET:
+        _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     if HALF_TILES:  # rows are a tile's first entries, padding markers (>= num_slots) after them
         if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
             _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
@@ -407,6 +457,12 @@ def moe_gemm2_kernel(
     w_desc=None,
     HALF_TILES: tl.constexpr = False,
     a_desc_half=None,
+    out_ptr=None,
+    cnt_ptr=None,
+    TOP_K=1,
+    stride_om=0,
+    KP: tl.constexpr = 1,
+    TICKET: tl.constexpr = False,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
     tile = slot; the bias only with ``HAS_BIAS``).
@@ -425,8 +481,13 @@ def moe_gemm2_kernel(
 
     ``HALF_TILES``: a tile with at most ``BLOCK_M // 2`` real rows computes only its first half
     (``a_desc_half``: ``a_desc`` with ``BLOCK_M // 2``-row blocks); a row's dot does not depend on the
-    tile height, so the same bits."""
+    tile height, so the same bits.
+
+    ``TICKET`` (DIRECT): also the top-k sum into ``out`` [T, H] (``_ticket_sum``; tickets ``cnt``
+    [T, cdiv(H, BLOCK_N)] zeroed by GEMM1; ``KP``: TOP_K rounded up to a power of two), so no reduce
+    kernel runs."""
     tl.static_assert(DIRECT or not PDL)
+    tl.static_assert(DIRECT or not TICKET)
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
     pid = tl.program_id(0)
@@ -454,6 +515,16 @@ def moe_gemm2_kernel(
                     stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                     FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
                     PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
+    if TICKET:
+        e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tok = (pid_m // TOP_K).to(tl.int64)
+        if (e >= 0) & (e < num_local):
+            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
+                        expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip
+        elif pid_m % TOP_K == 0:
+            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
+                        expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=False)  # fmt: skip
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernel_fwd import _act, _grouped_pid
+from ._kernel_fwd import _act, _grouped_pid, _ticket_sum, _zero_tickets
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -100,6 +100,9 @@ def moe_gemm1_swapped_fp8_kernel(
     BLOCK_K: tl.constexpr,
     TN: tl.constexpr,
     GROUP_M: tl.constexpr,
+    cnt_ptr=None,
+    num_cnt_n=0,
+    TICKET: tl.constexpr = False,
 ):
     """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for ``BLOCK_N`` columns n of
     each real row of a tile, computed transposed (module docstring).
@@ -113,10 +116,14 @@ def moe_gemm1_swapped_fp8_kernel(
     unit stride along H, ``ws`` [E, 2I // 128, H // 128] fp32; ``ids`` [T * K] int; the layout's
     ``sorted_slots`` / ``tile_expert`` / ``num_tiles`` (tile mode); inter [rows, I] (e4m3 and
     ``inter_s`` [rows, I // 128] fp32 with ``PREQ``, else bf16; rows: T * K in DIRECT mode, the
-    layout's rows otherwise). H and I are multiples of 128 (BLOCK_K); BLOCK_N is 32, 64 or 128."""
+    layout's rows otherwise). H and I are multiples of 128 (BLOCK_K); BLOCK_N is 32, 64 or 128.
+    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n]."""
     tl.static_assert(not PREQ or BLOCK_N == 128)
+    tl.static_assert(DIRECT or not TICKET)
     STACK: tl.constexpr = BLOCK_N < 64
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if TICKET:
+        _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr,
                                         num_slots, TOP_K, expert_offset, num_local, DIRECT, TN)  # fmt: skip
     if not run:
@@ -199,6 +206,11 @@ def moe_gemm2_swapped_fp8_kernel(
     BLOCK_K: tl.constexpr,
     TN: tl.constexpr,
     GROUP_M: tl.constexpr,
+    out_ptr=None,
+    cnt_ptr=None,
+    stride_om=0,
+    KP: tl.constexpr = 1,
+    TICKET: tl.constexpr = False,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T) for each real row of a tile, computed transposed
     (module docstring).
@@ -206,14 +218,22 @@ def moe_gemm2_swapped_fp8_kernel(
     inter [rows, I]: e4m3 with ``inter_s`` [rows, I // 128] fp32 (``PREQ``), or bf16, quantized here
     per 1×128 group as it is loaded (GEMM1's ``PREQ`` arithmetic, so the same bits); w2 [E, H, I] e4m3
     with unit stride along I, ``ws`` [E, H // 128, I // 128] fp32; ``wts`` [T * K] fp32; y [T * K, H].
-    BLOCK_N is 64 or 128; H and I are multiples of 128 (BLOCK_K)."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    BLOCK_N is 64 or 128; H and I are multiples of 128 (BLOCK_K). ``TICKET`` (DIRECT): also the top-k
+    sum into ``out`` [T, H], as ``moe_gemm2_kernel``'s (``_ticket_sum``), so no reduce kernel runs."""
+    tl.static_assert(DIRECT or not TICKET)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr,
                                         num_slots, TOP_K, expert_offset, num_local, DIRECT, TN)  # fmt: skip
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if not run:
+        if TICKET:
+            if pid_m % TOP_K == 0:  # a token without local slots gets zeros
+                _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n, num_pid_n,
+                            rn, rn < H, TOP_K, expert_offset, num_local, stride_ym, stride_om, KP,
+                            ARRIVE=False)  # fmt: skip
         return
     col_ok = slots < num_slots
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row = rows.to(tl.int64)
     a_ptrs = inter_ptr + row[None, :] * stride_im + rk[:, None]  # [BLOCK_K, TN]
@@ -235,3 +255,7 @@ def moe_gemm2_swapped_fp8_kernel(
     acc = acc * wt[None, :]
     o_ptrs = y_ptr + tl.where(col_ok, slots, 0).to(tl.int64)[None, :] * stride_ym + rn[:, None]
     tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok[None, :])
+    if TICKET:
+        tok = (pid_m // TOP_K).to(tl.int64)
+        _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K, expert_offset,
+                    num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip

@@ -55,6 +55,11 @@ class MoEConfig:
       one real row at decode), which lets GEMM1 run 32- or 64-column blocks and tile mode run 16- or
       32-row tiles without changing bits; ``None``: on for the invariant decode (direct mode, 64-row
       tiles), off elsewhere (:func:`_swap_ab`).
+    * ``fused_reduce`` (direct mode): GEMM2 sums each token's rows itself instead of the reduce
+      kernel: the program that finishes the last of a token's local slots for its column block (a
+      per-token, per-block ticket, zeroed by GEMM1) reads the token's rows in k order and writes the
+      sum, the reduce kernel's arithmetic (the same bits), one launch fewer; ``None``: on in the
+      direct mode (:func:`_fused_reduce`).
     """
 
     direct: bool
@@ -72,6 +77,7 @@ class MoEConfig:
     half_tiles: bool | None = None
     pdl: bool | None = None
     swap_ab: bool | None = None
+    fused_reduce: bool | None = None
 
 
 def _switch_code(v: bool | None) -> int:
@@ -84,10 +90,11 @@ def _switch_value(v: int) -> bool | None:
 
 
 def config_from_list(config: list[int]) -> MoEConfig:
-    """The inverse of :func:`config_tuple` (11 entries, without the switches, 12, without
-    ``half_tiles``, ``pdl`` and ``swap_ab``, and 14, without ``swap_ab``, are accepted too)."""
+    """The inverse of :func:`config_tuple` (shorter lists, from before later switches, are accepted
+    too: 11 entries, without the switches; 12, without ``half_tiles`` and after; 14, without
+    ``swap_ab`` and after; 15, without ``fused_reduce``)."""
     return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]),
-                     *(_switch_value(v) for v in config[12:15]))  # fmt: skip
+                     *(_switch_value(v) for v in config[12:16]))  # fmt: skip
 
 
 def config_tuple(c: MoEConfig) -> list[int]:
@@ -95,7 +102,7 @@ def config_tuple(c: MoEConfig) -> list[int]:
     cross the op boundary; a switch left ``None`` travels as -1 and is resolved by the launcher)."""
     return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
             c.warps2, c.stages2, c.group_m, int(c.tma), _switch_code(c.half_tiles),
-            _switch_code(c.pdl), _switch_code(c.swap_ab)]  # fmt: skip
+            _switch_code(c.pdl), _switch_code(c.swap_ab), _switch_code(c.fused_reduce)]  # fmt: skip
 
 
 # Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
@@ -352,6 +359,12 @@ def _swap_ab(c, fp8: bool) -> bool:
         want and fp8 and c.block_n1 in (32, 64, 128) and c.block_k1 == 128 and c.block_k2 == 128
         and c.block_n2 in (64, 128)
     )  # fmt: skip
+
+
+def _fused_reduce(c) -> bool:
+    """Configuration ``c`` sums each token's rows in GEMM2 (:attr:`MoEConfig.fused_reduce`): direct mode
+    only; ``None``: on there."""
+    return c.direct and (c.fused_reduce is None or c.fused_reduce)
 
 
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
