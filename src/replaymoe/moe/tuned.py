@@ -45,7 +45,11 @@ FORMAT = "replaymoe.moe.tuned_table"
 FORMAT_VERSION = 1
 # Hopper cards with a shipped table: name -> (the string their device names contain, memory in GiB)
 HOPPER_CARDS: dict[str, tuple[str, float]] = {"h100": ("H100", 80.0), "h200": ("H200", 141.0)}
-_FIELDS = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in ("half_tiles", "pdl", "swap_ab")]
+_FIELDS = [
+    f.name
+    for f in dataclasses.fields(MoEConfig)
+    if f.name not in ("half_tiles", "pdl", "swap_ab", "fused_reduce")
+]
 _REQUIRED = [f.name for f in dataclasses.fields(MoEConfig) if f.default is dataclasses.MISSING]
 _FLAGS = ("direct", "tma")
 _POW2 = ("block_m", "block_n1", "block_k1", "warps1", "block_n2", "block_k2", "warps2")
