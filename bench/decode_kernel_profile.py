@@ -52,7 +52,7 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
     acc: dict[str, float] = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name if "fill" not in ev.name and "zero" not in ev.name.lower() else FLUSH
+            name = ev.name if "fill" not in ev.name.lower() and "zero" not in ev.name.lower() else FLUSH
             acc[name[:60]] += ev.device_time / iters
     acc.pop(FLUSH, None)
     return dict(acc)
