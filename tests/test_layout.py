@@ -63,6 +63,8 @@ CASES = [
     (9, 3, 12, 4, 8, 16, 1),  # last slice; many tokens routed elsewhere
     (0, 2, 4, 4, 0, 4, 1),  # no tokens
     (50, 1, 3, 3, 0, 64, 1),  # top-1, one tile per expert larger than the counts
+    (40, 2, 8, 8, 0, 16, 1),  # 80 slots: two chunks (the histogram's own launch), all local
+    (32, 2, 8, 5, 3, 16, 1),  # 64 slots: exactly one chunk (the scatter counts them), an EP slice
 ]
 
 

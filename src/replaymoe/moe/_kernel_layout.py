@@ -1,8 +1,9 @@
 """Triton kernels of the token layout (align step): expert-sorted, tile-padded slots.
 
-Two launches, no host synchronization:
+Two launches (one where the slots fit one chunk), no host synchronization:
 
-1. ``layout_hist_kernel`` (grid = chunks): per-chunk histogram of local expert ids.
+1. ``layout_hist_kernel`` (grid = chunks): per-chunk histogram of local expert ids; with one chunk
+   the scatter counts them itself (``SINGLE``) and this launch is skipped.
 2. ``layout_scatter_kernel`` (grid = max(chunks, tile blocks)): every program re-derives the
    per-expert totals and padded offsets from the (small) histogram table, then
    * scatters its chunk's slots to their sorted positions (stable: slot order inside an expert),
@@ -69,11 +70,20 @@ def layout_scatter_kernel(
     exact_start_ptr=None,
     shift_ptr=None,
     COMPACT: tl.constexpr = False,
+    SINGLE: tl.constexpr = False,
 ):
+    """See the module docstring. ``SINGLE`` (one chunk): every program counts the slots itself
+    (``layout_hist_kernel``'s histogram, ``hist_ptr`` unused), so the layout is one launch."""
     pid = tl.program_id(0)
     ev = tl.arange(0, E_PAD)
     rows = tl.arange(0, NC_PAD)
-    hist = tl.load(hist_ptr + rows[:, None] * E_PAD + ev[None, :], mask=(rows < num_chunks)[:, None], other=0)
+    if SINGLE:
+        e0, local0 = _local_expert(ids_ptr, tl.arange(0, CH), num_slots, expert_offset, num_local)
+        h0 = tl.histogram(e0, E_PAD, mask=local0)
+        hist = tl.where((rows == 0)[:, None], h0[None, :], 0)
+    else:
+        hist = tl.load(hist_ptr + rows[:, None] * E_PAD + ev[None, :], mask=(rows < num_chunks)[:, None],
+                       other=0)  # fmt: skip
     total = tl.sum(hist, axis=0)  # [E_PAD] tokens per local expert
     padded = (total + SEG - 1) // SEG * SEG
     padded_end = tl.cumsum(padded, axis=0)

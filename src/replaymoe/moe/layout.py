@@ -6,7 +6,7 @@ expert's real count are padding (slot id ``T*K``), which kernels mask. Buffers a
 bounds computed on the host from shapes only, so the layout needs no host synchronization and is
 CUDA-graph capturable; the device tells how much of them is used (``num_tiles``).
 
-* :func:`expert_layout` — Triton, two launches.
+* :func:`expert_layout` — Triton, two launches (one for up to one chunk of slots).
 * :func:`layout_torch` — the reference (host-synchronizing), same outputs.
 * :func:`compact_layout` / :func:`compact_layout_torch` — the same order without padding (one
   launch), for buffers with exactly one row per slot (the fused-MoE backward's intermediates).
@@ -254,14 +254,16 @@ def expert_layout_unchecked(
                             exact_start_ptr=out.compact.exact_start, shift_ptr=out.compact.expert_shift,
                             COMPACT=True)  # fmt: skip
     ch, e_pad = plan.ch, plan.e_pad
-    fast(layout_hist_kernel)[(plan.num_chunks,)](
-        topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
-    )
+    single = plan.num_chunks == 1  # the scatter counts the one chunk's slots itself: one launch
+    if not single:
+        fast(layout_hist_kernel)[(plan.num_chunks,)](
+            topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
+        )
     fast(layout_scatter_kernel)[(plan.grid,)](
         topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
         out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, plan.num_chunks,
         max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=plan.nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,
-        TILE_BLOCK=plan.tile_block, **compact_args, num_warps=8,
+        TILE_BLOCK=plan.tile_block, **compact_args, SINGLE=single, num_warps=8,
     )  # fmt: skip
     return out
 
