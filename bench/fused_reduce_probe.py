@@ -7,9 +7,8 @@ For each shape, token count and weight dtype: the configuration this card runs (
 tuned table) with ``fused_reduce=False`` (GEMM2 then the reduce kernel) and ``True`` (the per-token
 tickets in GEMM2's epilogue), timed alternately ``--rounds`` times each (graph replay, L2 flushed, median
 of ``do_bench``), whether the two outputs are bitwise equal (also after a replay of a captured graph),
-and vLLM 0.33's two kernels (vk / vk8) in the same process, in the direct mode and in tile mode (where
-the default, ``None``, turns the switch on up to ``FUSED_REDUCE_MAX_SLOTS`` slots: the table says which);
-the swapped tile mode keeps the reduce kernel and is skipped. The peer driver (``moe_side_by_side.py``,
+and vLLM 0.33's two kernels (vk / vk8) in the same process. Points where the configuration is not the
+direct mode are skipped (the switch only applies there). The peer driver (``moe_side_by_side.py``,
 ``vllm_moe_peer.py``) is not in this repository: ``../shared/peers/README.md``. Writes
 ``$OUT/fused_reduce_probe.json``; bench/moe_notes.md holds the results.
 """
@@ -29,7 +28,7 @@ import moe_side_by_side as S  # noqa: E402
 import vllm_moe_peer as P  # noqa: E402
 
 from replaymoe.moe._forward import experts_triton  # noqa: E402
-from replaymoe.moe.configs import _fused_reduce, _swap_ab, moe_config  # noqa: E402
+from replaymoe.moe.configs import moe_config  # noqa: E402
 from replaymoe.moe.quant import quantize_fp8_block  # noqa: E402
 from replaymoe.moe.tuned import table_for  # noqa: E402
 
@@ -85,8 +84,8 @@ def main() -> None:
                 x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
                 wts, ids = P.route(T, E, K, dev, g)
                 c0 = moe_config(T, K, H, I, E, fp8=fp8, table=table_for(dev))
-                if _swap_ab(c0, fp8) and not c0.direct:
-                    print(f"{name} {dt} T={T}: swapped tiles (keep the reduce kernel), skipped", flush=True)
+                if not c0.direct:
+                    print(f"{name} {dt} T={T}: tile mode, skipped", flush=True)
                     continue
 
                 def run(c, x=x, ids=ids, wts=wts, w=weights):
@@ -100,9 +99,7 @@ def main() -> None:
                 else:
                     cfg, _ = P.pick_config(H, I, E, K, T)
                     peer, _ = P.vllm_kernels_only(x, w13, w2, wts, ids, cfg)
-                mode = "direct" if c0.direct else f"tiles{c0.block_m}"
-                r = {"shape": name, "dtype": dt, "T": T, "config": str(c0), "off": [], "on": [], "mode": mode,
-                     "default": _fused_reduce(c0, T * K)}  # fmt: skip
+                r = {"shape": name, "dtype": dt, "T": T, "config": str(c0), "off": [], "on": []}
                 r["vk"] = P.bench_graph(peer) * 1e3
                 ref = run(off)()
                 r["eager_same"] = bool(torch.equal(run(on)(), ref))
@@ -117,13 +114,12 @@ def main() -> None:
                 rows.append(r)
         weights = q13 = q2 = s13 = s2 = w13 = w2 = None
         torch.cuda.empty_cache()
-    print("\nshape    dtype     T mode    default  reduce    fused       vk  ratio: reduce  fused  bits")
+    print("\nshape    dtype  T   reduce  fused   vk     ratio: reduce  fused  bits")
     for r in rows:
         t_off, t_on = min(r["off"]), min(r["on"])
         same = r["eager_same"] and r["graph_same"]
-        head = f"{r['shape']:8s} {r['dtype']:5s} {r['T']:4d} {r['mode']:7s} {str(r['default']):7s}"
-        vk = r["vk"]
-        print(f"{head} {t_off:8.2f} {t_on:8.2f} {vk:8.2f}  {t_off / vk:.3f}  {t_on / vk:.3f}  {same}")
+        print(f"{r['shape']:8s} {r['dtype']:5s} {r['T']:2d} {t_off:7.2f} {t_on:7.2f} {r['vk']:7.2f}  "
+              f"{t_off / r['vk']:.3f}  {t_on / r['vk']:.3f}  {same}")  # fmt: skip
     (Path(os.environ.get("OUT", ".")) / "fused_reduce_probe.json").write_text(json.dumps(rows, indent=1))
 
 
