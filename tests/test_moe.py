@@ -828,13 +828,12 @@ def test_gpu_decode_pdl_argument_overrides_default(T, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])  # fp8 direct: the swapped decode kernels
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])  # fp8: the swapped decode kernels
 @pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: a token with none
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tiles"])
-@pytest.mark.parametrize("T", [1, 3, 8, 64])  # 64: 512 slots, tile mode's largest default
-def test_gpu_fused_reduce_same_bits_eager_and_graph(T, direct, offset, fp8):
-    # MoEConfig.fused_reduce (the top-k sum by tickets in GEMM2's epilogue, the small-batch default) gives
-    # the reduce kernel's bits, eagerly and over repeated graph replays (GEMM1 zeroes the tickets each time)
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_gpu_fused_reduce_same_bits_eager_and_graph(T, offset, fp8):
+    # MoEConfig.fused_reduce (the top-k sum by tickets in GEMM2's epilogue, the decode's default) gives the
+    # reduce kernel's bits, eagerly and over repeated graph replays (the tickets zeroed by GEMM1 each time)
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
     w13, w2, s13, s2 = _gpu_weights("qwen3", fp8)
     sl = slice(offset, offset + 48 if offset else E)
@@ -844,9 +843,7 @@ def test_gpu_fused_reduce_same_bits_eager_and_graph(T, direct, offset, fp8):
     _, ids, wts = _gpu_routing(T, E, K, 5)
     if offset:
         ids[0] = torch.arange(E - K, E, device="cuda", dtype=ids.dtype)  # token 0: no local slot
-    base = cfgs.moe_config(T, K, H, I, w13.shape[0], fp8=fp8)
-    base = dataclasses.replace(base, direct=direct, block_m=64 if fp8 else 16)
-    assert cfgs._fused_reduce(base, T * K)
+    base = dataclasses.replace(cfgs.moe_config(T, K, H, I, w13.shape[0], fp8=fp8), direct=True)
     outs = {}
     for fused in (False, True):
         c = dataclasses.replace(base, fused_reduce=fused)
@@ -1171,36 +1168,24 @@ def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, gen
 
 
 FUSED_REDUCE_CASES = [
-    # (dtype, T, H, K, E slice, block_n2, fp8, mode) -- edge each hits
-    (torch.float16, 1, 64, 2, (0, 4), 32, False, "direct"),  # one token, two H blocks
-    (torch.float16, 5, 96, 3, (0, 4), 64, False, "direct"),  # K = 3 (a padded 4-slot read), a partial H block
-    (torch.float32, 6, 64, 2, (1, 3), 32, False, "direct"),  # an EP slice: tokens with one or no local slot
-    (torch.float16, 4, 64, 4, (0, 4), 16, False, "direct"),  # padding ids (-1) among the slots, many H blocks
-    (torch.bfloat16, 3, 256, 2, (0, 4), 128, True, "direct"),  # fp8, the swapped decode kernels
-    (torch.bfloat16, 5, 256, 2, (1, 3), 64, True, "direct"),  # fp8 swapped, an EP slice, two H blocks
-    (torch.float16, 9, 96, 3, (0, 4), 64, False, "tiles"),  # tile mode: several rows (tokens) per tile
-    (
-        torch.float32,
-        70,
-        64,
-        2,
-        (1, 3),
-        32,
-        False,
-        "tiles",
-    ),  # tiles, EP slice, > 64 tokens: two zeroing blocks
-    (torch.bfloat16, 6, 256, 2, (1, 3), 128, True, "tiles"),  # fp8 64-row tiles (unswapped), an EP slice
-    (torch.bfloat16, 6, 256, 2, (0, 4), 64, True, "swapped tiles"),  # keeps the reduce kernel
+    # (dtype, T, H, K, E slice, block_n2, swap) -- edge each hits
+    (torch.float16, 1, 64, 2, (0, 4), 32, False),  # one token, two H blocks
+    (torch.float16, 5, 96, 3, (0, 4), 64, False),  # K = 3 (a padded 4-slot read), a partial H block
+    (torch.float32, 6, 64, 2, (1, 3), 32, False),  # an EP slice: tokens with one or no local slot
+    (torch.float16, 4, 64, 4, (0, 4), 16, False),  # padding ids (-1) among the slots, many H blocks
+    (torch.bfloat16, 3, 256, 2, (0, 4), 128, True),  # fp8, the swapped decode kernels
+    (torch.bfloat16, 5, 256, 2, (1, 3), 64, True),  # fp8 swapped, an EP slice, two H blocks
 ]
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype,T,H,K,sl,n2,fp8,mode", FUSED_REDUCE_CASES)
-def test_triton_interpreter_fused_reduce_matches_reduce_kernel(dtype, T, H, K, sl, n2, fp8, mode, generator,
+@pytest.mark.parametrize("dtype,T,H,K,sl,n2,swap", FUSED_REDUCE_CASES)
+def test_triton_interpreter_fused_reduce_matches_reduce_kernel(dtype, T, H, K, sl, n2, swap, generator,
                                                               monkeypatch):  # fmt: skip
     # MoEConfig.fused_reduce (the top-k sum in GEMM2's epilogue, by per-token tickets) gives the reduce
     # kernel's bits (the same fp32 sum of the same rows in k order), zeroes its own tickets (poisoned
     # here), and writes zeros for a token with no local slot
+    fp8 = swap
     I, E = (256 if fp8 else 32), 4  # noqa: E741
     x, w13, w2, ids, wts = _problem(T, H, I, E, K, generator, torch.float32 if fp8 else dtype)
     if T >= 4:
@@ -1214,45 +1199,32 @@ def test_triton_interpreter_fused_reduce_matches_reduce_kernel(dtype, T, H, K, s
         kw = {k: None if v is None else v[lo:hi] for k, v in kw.items()}
         ids[0] = torch.tensor([0, E - 1])  # token 0: no slot in the slice (1, 3)
     tickets = moe_fwd._tickets
-    ran = []
 
     def poisoned_tickets(*a):
         on, cnt, n = tickets(*a)
         if on:
             cnt.fill_(123)
-        ran.append(on)
         return on, cnt, n
 
     monkeypatch.setattr(moe_fwd, "_tickets", poisoned_tickets)
     block = (64, 128, 128) if fp8 else (16, 32, 32)
-    swap = {"direct": fp8 or None, "tiles": None, "swapped tiles": True}[mode]
-    bm = 16 if mode == "swapped tiles" else block[0]
-    base = MoEConfig(mode == "direct", bm, block[1], block[2], 4, 2, n2, block[2], 4, 2, swap_ab=swap)
-    assert cfgs._fused_reduce(base, T * K) and cfgs._swap_ab(base, fp8) is (fp8 and mode != "tiles")
+    base = MoEConfig(True, block[0], block[1], block[2], 4, 2, n2, block[2], 4, 2, swap_ab=swap or None)
+    assert cfgs._fused_reduce(base) and cfgs._swap_ab(base, fp8) is swap
     outs = []
     for fused in (False, True):
         out = poison(torch.empty(T, H, dtype=torch.bfloat16 if fp8 else dtype))
         experts_triton(x, w13[lo:hi], w2[lo:hi], ids, wts, local_expert_offset=lo, out=out,
                        config=dataclasses.replace(base, fused_reduce=fused), **kw)  # fmt: skip
         outs.append(out)
-    assert ran == ([] if mode == "swapped tiles" else [False, True])  # the tickets ran where they apply
     assert torch.equal(outs[1], outs[0])
     local = ((ids >= lo) & (ids < hi)).any(dim=1)
     assert (outs[1][~local] == 0).all() and torch.isfinite(outs[1].float()).all()
 
 
-def test_fused_reduce_default_by_mode():
-    # None: the direct mode always, tile mode up to FUSED_REDUCE_MAX_SLOTS slots; an explicit value wins
+def test_fused_reduce_only_in_direct_mode():
     c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2)
-    tiles = dataclasses.replace(c, direct=False)
-    n = cfgs.FUSED_REDUCE_MAX_SLOTS
-    assert (
-        cfgs._fused_reduce(c, 10 * n)
-        and cfgs._fused_reduce(tiles, n)
-        and not cfgs._fused_reduce(tiles, n + 1)
-    )
-    assert not cfgs._fused_reduce(dataclasses.replace(c, fused_reduce=False), 1)
-    assert cfgs._fused_reduce(dataclasses.replace(tiles, fused_reduce=True), 10 * n)
+    assert cfgs._fused_reduce(c) and not cfgs._fused_reduce(dataclasses.replace(c, fused_reduce=False))
+    assert not cfgs._fused_reduce(dataclasses.replace(c, direct=False, fused_reduce=True))  # tile mode
 
 
 @pytest.mark.gpu

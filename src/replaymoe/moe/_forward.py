@@ -249,7 +249,7 @@ def _launch(
     # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper; c.pdl, opt-in), so
     # that GEMM2 prefetches its weights while GEMM1 finishes and no launch gap separates the three
     pdl = _pdl(c, fp8, dev)
-    ticket, cnt, n_cnt = _tickets(c, T, K, H, ids)
+    ticket, cnt, n_cnt = _tickets(c, T, H, ids)
     grid1 = (num_pid_m * cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
@@ -265,7 +265,6 @@ def _launch(
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
         PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
         num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl, cnt_ptr=cnt, num_cnt_n=n_cnt, TICKET=ticket,
-        out_ptr=out, num_tokens=T, stride_om=out.stride(0), KP=next_power_of_2(K),
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * cdiv(H, c.block_n2),)
@@ -288,11 +287,11 @@ def _launch(
         _reduce_slots(y, ids, out, offset, E_local, pdl)
 
 
-def _tickets(c: MoEConfig, T: int, K: int, H: int, ids: torch.Tensor) -> tuple[bool, torch.Tensor, int]:
+def _tickets(c: MoEConfig, T: int, H: int, ids: torch.Tensor) -> tuple[bool, torch.Tensor, int]:
     """(on, cnt, n): whether GEMM2 sums the top-k itself (:attr:`MoEConfig.fused_reduce`), and its
     tickets, ``cnt`` int32 [T, n] for GEMM2's ``n`` column blocks (left uninitialized: GEMM1 zeroes
     them; ``ids`` as a dummy pointer when off)."""
-    if not _fused_reduce(c, T * K):
+    if not _fused_reduce(c):
         return False, ids, 0
     n = cdiv(H, c.block_n2)
     return True, torch.empty(T, n, dtype=torch.int32, device=ids.device), n
@@ -355,8 +354,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     preq = c.block_n1 == 128
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
-    # (the swapped kernels sum the top-k themselves in the direct mode only)
-    ticket, cnt, n_cnt = _tickets(c, T, K, H, ids) if c.direct else (False, ids, 0)
+    ticket, cnt, n_cnt = _tickets(c, T, H, ids)
     fast(moe_gemm1_swapped_fp8_kernel)[(num_pid_m * (I // c.block_n1),)](
         xq, xs, w13, w13_scale, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, slots,
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),

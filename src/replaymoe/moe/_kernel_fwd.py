@@ -131,59 +131,6 @@ def _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, n_o
 
 
 @triton.jit
-def _zero_tickets_tiles(cnt_ptr, out_ptr, ids_ptr, T, H, TOP_K, expert_offset, num_local, num_cnt_n,
-                        stride_om, KP: tl.constexpr):  # fmt: skip
-    """Tile mode, GEMM1 (``TICKET``): program p zeroes the tickets of tokens [64 p, 64 p + 64) and the
-    output rows of those that have no local slot (no GEMM2 tile visits them)."""
-    TB: tl.constexpr = 64
-    t = tl.program_id(0) * TB + tl.arange(0, TB)
-    t_ok = t < T
-    if tl.program_id(0) * TB < T:
-        t64 = t.to(tl.int64)
-        rk = tl.arange(0, KP)
-        ek = tl.load(ids_ptr + t64[:, None] * TOP_K + rk[None, :], mask=t_ok[:, None] & (rk < TOP_K)[None, :],
-                     other=0).to(tl.int32) - expert_offset  # fmt: skip
-        loc = (rk < TOP_K)[None, :] & (ek >= 0) & (ek < num_local)
-        none = t_ok & (tl.sum(loc.to(tl.int32), axis=1) == 0)
-        for j in range(0, num_cnt_n, 64):
-            r = j + tl.arange(0, 64)
-            tl.store(cnt_ptr + t64[:, None] * num_cnt_n + r[None, :], tl.zeros((TB, 64), dtype=tl.int32),
-                     mask=t_ok[:, None] & (r < num_cnt_n)[None, :])  # fmt: skip
-        for j in range(0, H, 128):
-            h = j + tl.arange(0, 128)
-            tl.store(out_ptr + t64[:, None] * stride_om + h[None, :],
-                     tl.zeros((TB, 128), dtype=out_ptr.dtype.element_ty),
-                     mask=none[:, None] & (h < H)[None, :])  # fmt: skip
-
-
-@triton.jit
-def _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, row_ok, pid_n, num_pid_n, rn, n_ok, TOP_K,
-                     expert_offset, num_local, stride_ym, stride_om, KP: tl.constexpr):  # fmt: skip
-    """Tile mode, GEMM2's epilogue (``TICKET``): ``_ticket_sum`` for a tile's rows at once (slot
-    ``slots[r]`` where ``row_ok[r]``; a token has at most one row in a tile, its experts being
-    distinct). Each row counts itself on its token's ticket; the rows that complete their token's
-    count sum the token's rows of ``y`` in k order into ``out``: the reduce kernel's bits."""
-    tok = tl.where(row_ok, slots // TOP_K, 0).to(tl.int64)
-    rk = tl.arange(0, KP)
-    ek = tl.load(ids_ptr + tok[:, None] * TOP_K + rk[None, :], mask=row_ok[:, None] & (rk < TOP_K)[None, :],
-                 other=0).to(tl.int32) - expert_offset  # fmt: skip
-    n_local = tl.sum(((rk < TOP_K)[None, :] & (ek >= 0) & (ek < num_local)).to(tl.int32), axis=1)
-    tl.debug_barrier()  # every thread's row stores before the release
-    seen = tl.atomic_add(cnt_ptr + tok * num_pid_n + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (seen == n_local - 1)
-    tl.debug_barrier()
-    acc = tl.zeros((slots.shape[0], rn.shape[0]), dtype=tl.float32)
-    for kk in range(0, TOP_K):
-        e = tl.load(ids_ptr + tok * TOP_K + kk, mask=last, other=0).to(tl.int32) - expert_offset
-        ok = last & (e >= 0) & (e < num_local)
-        y_ptrs = y_ptr + (tok * TOP_K + kk)[:, None] * stride_ym + rn[None, :]
-        y = tl.load(y_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
-        acc += y.to(tl.float32)
-    tl.store(out_ptr + tok[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=last[:, None] & n_ok[None, :])  # fmt: skip
-
-
-@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     xs_ptr,
@@ -238,10 +185,6 @@ def moe_gemm1_kernel(
     cnt_ptr=None,
     num_cnt_n=0,
     TICKET: tl.constexpr = False,
-    out_ptr=None,
-    num_tokens=0,
-    stride_om=0,
-    KP: tl.constexpr = 1,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
@@ -261,11 +204,10 @@ def moe_gemm1_kernel(
     computes only its first ``BLOCK_M // 2`` rows (the same bits: a row's dot does not depend on the
     tile height, bf16 / fp16 / fp32; fp8 keeps one tile height, see FP8_BLOCK_M).
 
-    ``TICKET``: also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``_zero_tickets``; tile mode:
-    ``_zero_tickets_tiles``, which also zeroes the ``out`` [T, H] rows of tokens without a local slot;
-    ``KP``: TOP_K rounded up to a power of two)."""
+    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``_zero_tickets``)."""
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
+    tl.static_assert(DIRECT or not TICKET)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -273,11 +215,7 @@ def moe_gemm1_kernel(
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if TICKET:
-        if DIRECT:
-            _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
-        else:
-            _zero_tickets_tiles(cnt_ptr, out_ptr, ids_ptr, num_tokens, H, TOP_K, expert_offset, num_local,
-                                num_cnt_n, stride_om, KP)  # fmt: skip
+        _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     if HALF_TILES:  # rows are a tile's first entries, padding markers (>= num_slots) after them
         if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
             _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
@@ -545,10 +483,11 @@ def moe_gemm2_kernel(
     (``a_desc_half``: ``a_desc`` with ``BLOCK_M // 2``-row blocks); a row's dot does not depend on the
     tile height, so the same bits.
 
-    ``TICKET``: also the top-k sum into ``out`` [T, H] (``_ticket_sum``, tile mode
-    ``_ticket_sum_rows``; tickets ``cnt`` [T, cdiv(H, BLOCK_N)] zeroed by GEMM1; ``KP``: TOP_K rounded
-    up to a power of two), so no reduce kernel runs."""
+    ``TICKET`` (DIRECT): also the top-k sum into ``out`` [T, H] (``_ticket_sum``; tickets ``cnt``
+    [T, cdiv(H, BLOCK_N)] zeroed by GEMM1; ``KP``: TOP_K rounded up to a power of two), so no reduce
+    kernel runs."""
     tl.static_assert(DIRECT or not PDL)
+    tl.static_assert(DIRECT or not TICKET)
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
     pid = tl.program_id(0)
@@ -576,13 +515,7 @@ def moe_gemm2_kernel(
                     stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                     FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
                     PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
-    if TICKET and not DIRECT:
-        if pid_m < tl.load(num_tiles_ptr):
-            rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, rows, rows < num_slots, pid_n, num_pid_n, rn,
-                             rn < H, TOP_K, expert_offset, num_local, stride_ym, stride_om, KP)  # fmt: skip
-    if TICKET and DIRECT:
+    if TICKET:
         e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tok = (pid_m // TOP_K).to(tl.int64)

@@ -55,12 +55,11 @@ class MoEConfig:
       one real row at decode), which lets GEMM1 run 32- or 64-column blocks and tile mode run 16- or
       32-row tiles without changing bits; ``None``: on for the invariant decode (direct mode, 64-row
       tiles), off elsewhere (:func:`_swap_ab`).
-    * ``fused_reduce``: GEMM2 sums each token's rows itself instead of the reduce kernel: the
-      program that finishes the last of a token's local slots for its column block (a per-token,
-      per-block ticket, zeroed by GEMM1) reads the token's rows in k order and writes the sum, the
-      reduce kernel's arithmetic (the same bits), one launch fewer; ``None``: on in the direct mode
-      and for small batches in tile mode (:func:`_fused_reduce`). The swapped tile-mode kernels keep
-      the reduce kernel.
+    * ``fused_reduce`` (direct mode): GEMM2 sums each token's rows itself instead of the reduce
+      kernel: the program that finishes the last of a token's local slots for its column block (a
+      per-token, per-block ticket, zeroed by GEMM1) reads the token's rows in k order and writes the
+      sum, the reduce kernel's arithmetic (the same bits), one launch fewer; ``None``: on in the
+      direct mode (:func:`_fused_reduce`).
     """
 
     direct: bool
@@ -362,20 +361,10 @@ def _swap_ab(c, fp8: bool) -> bool:
     )  # fmt: skip
 
 
-# Tile mode: GEMM2 sums the top-k itself (MoEConfig.fused_reduce=None) up to this many (token, k) slots.
-# Above it the epilogue's barrier, atomics and dependent row loads stall programs whose tensor cores
-# would otherwise stay busy, while the separate reduce streams at full bandwidth (bench/moe_notes.md,
-# sessions 10 and 28).
-FUSED_REDUCE_MAX_SLOTS = 512
-
-
-def _fused_reduce(c, slots: int) -> bool:
-    """Configuration ``c`` sums each token's rows in GEMM2 for ``slots`` (token, k) slots
-    (:attr:`MoEConfig.fused_reduce`): ``None``: in the direct mode, and in tile mode up to
-    :data:`FUSED_REDUCE_MAX_SLOTS` slots."""
-    if c.fused_reduce is None:
-        return c.direct or slots <= FUSED_REDUCE_MAX_SLOTS
-    return c.fused_reduce
+def _fused_reduce(c) -> bool:
+    """Configuration ``c`` sums each token's rows in GEMM2 (:attr:`MoEConfig.fused_reduce`): direct mode
+    only; ``None``: on there."""
+    return c.direct and (c.fused_reduce is None or c.fused_reduce)
 
 
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
