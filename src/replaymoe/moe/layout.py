@@ -255,6 +255,9 @@ def expert_layout_unchecked(
                             COMPACT=True)  # fmt: skip
     ch, e_pad = plan.ch, plan.e_pad
     single = plan.num_chunks == 1  # the scatter counts the one chunk's slots itself: one launch
+    # the scatter on 4 warps over several 64-slot chunks (decode to mid-size batches): Qwen3 T=64 8.8 -> 6.2
+    # µs, DeepSeek-V3 T=64 7.5 -> 6.3 (H100, bench/small_kernels_probe.py); one chunk keeps 8 (3.75 vs 3.99)
+    warps = 4 if ch == 64 and not single else 8
     if not single:
         fast(layout_hist_kernel)[(plan.num_chunks,)](
             topk_ids, hist, num_slots, local_expert_offset, num_local_experts, CH=ch, E_PAD=e_pad, num_warps=4
@@ -263,7 +266,7 @@ def expert_layout_unchecked(
         topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
         out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, plan.num_chunks,
         max_tiles, CH=ch, E_PAD=e_pad, NC_PAD=plan.nc_pad, BLOCK_M=block_m, SEG=block_m * cluster,
-        TILE_BLOCK=plan.tile_block, **compact_args, SINGLE=single, num_warps=8,
+        TILE_BLOCK=plan.tile_block, **compact_args, SINGLE=single, num_warps=warps,
     )  # fmt: skip
     return out
 
