@@ -7,34 +7,23 @@ For each point: the experts (``experts_triton`` with the card's configuration, t
 two kernels (vk / vk8, as ``moe_side_by_side.py`` times them) run ``--iters`` times under the torch
 profiler, each iteration after an L2 flush; the table gives each kernel's mean device time (µs) and the
 sum, so the kernels outside vLLM's pair (x quantization, layout, reduce) show with their cost. Device
-times only: the gaps between launches are not in them. The peer driver is not in this repository:
-``../shared/peers/README.md``. Writes ``$OUT/decode_kernel_profile.json``.
+times only: the gaps between launches are not in them. The points and the peer:
+``bench/_decode_points.py``. Writes ``$OUT/decode_kernel_profile.json``.
 """
 
 import argparse
 import json
 import os
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from _decode_points import points
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, ".peers")
-import moe_side_by_side as S  # noqa: E402
-import vllm_moe_peer as P  # noqa: E402
+from replaymoe.moe.configs import moe_config
+from replaymoe.moe.tuned import table_for
 
-from replaymoe.moe._forward import experts_triton  # noqa: E402
-from replaymoe.moe.configs import moe_config  # noqa: E402
-from replaymoe.moe.quant import quantize_fp8_block  # noqa: E402
-from replaymoe.moe.tuned import table_for  # noqa: E402
-
-SHAPES = {
-    "q": ("qwen3", 2048, 768, 128, 8),
-    "m": ("mixtral", 4096, 14336, 8, 2),
-    "d": ("dsv3", 7168, 2048, 256, 8),
-}
 FLUSH = "flush"
 
 
@@ -68,46 +57,16 @@ def main() -> None:
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
-    for key in a.shapes.split(","):
-        name, H, I, E, K = SHAPES[key]  # noqa: E741
-        g = torch.Generator(device=dev).manual_seed(0)
-        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=g).mul_(H**-0.5)
-        w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=g).mul_(I**-0.5)
-        for dt in a.dtypes.split(","):
-            fp8 = dt == "fp8"
-            if fp8:
-                (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
-                del w13, w2
-                torch.cuda.empty_cache()
-                weights = (q13, s13, q2, s2)
-            else:
-                weights = (w13, None, w2, None)
-            for T in map(int, a.tokens.split(",")):
-                x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
-                wts, ids = P.route(T, E, K, dev, g)
-                c = moe_config(T, K, H, I, E, fp8=fp8, table=table_for(dev))
-                w = weights
-
-                def ours(x=x, ids=ids, wts=wts, c=c, w=w):
-                    experts_triton(x, w[0], w[2], ids, wts, w13_scale=w[1], w2_scale=w[3],
-                                   local_expert_offset=0, out=None, config=c)  # fmt: skip
-
-                if fp8:
-                    cfg8, _ = S.fp8_cfg(T, E, I, H, K)
-                    peer = S.vllm_fp8_kernels(x, q13, s13, q2, s2, wts, ids, cfg8, E)
-                else:
-                    cfg, _ = P.pick_config(H, I, E, K, T)
-                    peer, _ = P.vllm_kernels_only(x, w13, w2, wts, ids, cfg)
-                r = {"shape": name, "dtype": dt, "T": T, "config": str(c),
-                     "ours": kernel_times(ours, a.iters), "peer": kernel_times(peer, a.iters)}  # fmt: skip
-                rows.append(r)
-                print(f"\n{name} {dt} T={T} ({'direct' if c.direct else f'tiles of {c.block_m}'})")
-                for side in ("ours", "peer"):
-                    ks = r[side]
-                    parts = "  ".join(f"{k.split('_kernel')[0][-28:]} {v:.1f}" for k, v in ks.items())
-                    print(f"  {side}: sum {sum(ks.values()):7.1f} µs | {parts}", flush=True)
-        weights = q13 = q2 = s13 = s2 = w13 = w2 = None
-        torch.cuda.empty_cache()
+    for pt in points(a.shapes, a.dtypes, a.tokens, dev):
+        c = moe_config(pt.T, pt.K, pt.H, pt.I, pt.E, fp8=pt.fp8, table=table_for(dev))
+        r = {"shape": pt.name, "dtype": pt.dtype, "T": pt.T, "config": str(c),
+             "ours": kernel_times(pt.ours(c), a.iters), "peer": kernel_times(pt.peer(), a.iters)}  # fmt: skip
+        rows.append(r)
+        print(f"\n{pt.name} {pt.dtype} T={pt.T} ({'direct' if c.direct else f'tiles of {c.block_m}'})")
+        for side in ("ours", "peer"):
+            ks = r[side]
+            parts = "  ".join(f"{k.split('_kernel')[0][-28:]} {v:.1f}" for k, v in ks.items())
+            print(f"  {side}: sum {sum(ks.values()):7.1f} µs | {parts}", flush=True)
     (Path(os.environ.get("OUT", ".")) / "decode_kernel_profile.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -8,35 +8,24 @@ For each shape and token count: the configuration this card runs (``moe_config``
 same configuration swapped, swapped decode configurations at each GEMM1 block width, and at the ``--sweep``
 token counts GEMM1 / GEMM2 warps and stages around them. Each line: graph-replay time (L2 flushed, median
 of ``do_bench``), whether the output is bitwise equal to the first configuration's, and the ratio to vLLM
-0.33's two fp8 kernels (vk8) in the same process. The peer driver (``moe_side_by_side.py``) is not in this
-repository: ``../shared/peers/README.md``. Writes ``$OUT/fp8_decode_probe.json``. Results:
-``bench/results/fp8_decode_swap_h100.txt`` (bench/moe_notes.md, session 22).
+0.33's two fp8 kernels (vk8) in the same process. The points and the peer: ``bench/_decode_points.py``.
+Writes ``$OUT/fp8_decode_probe.json``. Results: ``bench/results/fp8_decode_swap_h100.txt``
+(bench/moe_notes.md, session 22).
 """
 
 import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _decode_points import bench_graph, points
 
-sys.path.insert(0, ".peers")
-import moe_side_by_side as S  # noqa: E402
-import vllm_moe_peer as P  # noqa: E402
+from replaymoe.moe.configs import MoEConfig, moe_config
+from replaymoe.moe.tuned import table_for
 
-from replaymoe.moe._forward import experts_triton  # noqa: E402
-from replaymoe.moe.configs import MoEConfig, moe_config  # noqa: E402
-from replaymoe.moe.quant import quantize_fp8_block  # noqa: E402
-from replaymoe.moe.tuned import table_for  # noqa: E402
-
-SHAPES = {
-    "q": ("qwen3", 2048, 768, 128, 8),
-    "m": ("mixtral", 4096, 14336, 8, 2),
-    "d": ("dsv3", 7168, 2048, 256, 8),
-}
 # the swapped decode configuration the variants start from (GEMM1 block width varied)
 BASE = MoEConfig(True, 64, 64, 128, 4, 4, 128, 128, 8, 4, swap_ab=True)
 
@@ -76,40 +65,20 @@ def main() -> None:
     t0 = time.time()
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
-    for key in a.shapes.split(","):
-        name, H, I, E, K = SHAPES[key]  # noqa: E741
-        g = torch.Generator(device=dev).manual_seed(0)
-        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=g).mul_(H**-0.5)
-        q13, s13 = quantize_fp8_block(w13)
-        del w13
-        w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=g).mul_(I**-0.5)
-        q2, s2 = quantize_fp8_block(w2)
-        del w2
-        torch.cuda.empty_cache()
-        for T in map(int, a.tokens.split(",")):
-            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
-            wts, ids = P.route(T, E, K, dev, g)
-            c0 = moe_config(T, K, H, I, E, fp8=True, table=table_for(dev))
-
-            def run(c, x=x, ids=ids, wts=wts, w=(q13, s13, q2, s2)):
-                return lambda: experts_triton(x, w[0], w[2], ids, wts, w13_scale=w[1], w2_scale=w[3],
-                                              local_expert_offset=0, out=None, config=c)  # fmt: skip
-
-            vs = variants(c0, str(T) in a.sweep.split(","), key == "q")
-            ref = run(vs["default, unswapped"])()
-            r = {"shape": name, "T": T, "default": str(c0)}
-            cfg8, _ = S.fp8_cfg(T, E, I, H, K)
-            r["vk8"] = P.bench_graph(S.vllm_fp8_kernels(x, q13, s13, q2, s2, wts, ids, cfg8, E)) * 1e3
-            print(f"[{time.time() - t0:5.0f}s] {name} T={T} vk8={r['vk8']:.2f} us", flush=True)
-            for vn, c in vs.items():
-                same = bool(torch.equal(run(c)(), ref))
-                t = P.bench_graph(run(c)) * 1e3
-                r[vn] = [round(t, 2), same]
-                bits = "same" if same else "DIFF"
-                print(f"    {vn:22s} {t:8.2f}  bits={bits}  /vk8={t / r['vk8']:.3f}", flush=True)
-            rows.append(r)
-        q13 = q2 = s13 = s2 = None
-        torch.cuda.empty_cache()
+    for pt in points(a.shapes, "fp8", a.tokens, dev):
+        c0 = moe_config(pt.T, pt.K, pt.H, pt.I, pt.E, fp8=True, table=table_for(dev))
+        vs = variants(c0, str(pt.T) in a.sweep.split(","), pt.name == "qwen3")
+        ref = pt.ours(vs["default, unswapped"])()
+        r = {"shape": pt.name, "T": pt.T, "default": str(c0)}
+        r["vk8"] = bench_graph(pt.peer()) * 1e3
+        print(f"[{time.time() - t0:5.0f}s] {pt.name} T={pt.T} vk8={r['vk8']:.2f} us", flush=True)
+        for vn, c in vs.items():
+            same = bool(torch.equal(pt.ours(c)(), ref))
+            t = bench_graph(pt.ours(c)) * 1e3
+            r[vn] = [round(t, 2), same]
+            bits = "same" if same else "DIFF"
+            print(f"    {vn:22s} {t:8.2f}  bits={bits}  /vk8={t / r['vk8']:.3f}", flush=True)
+        rows.append(r)
     (Path(os.environ.get("OUT", ".")) / "fp8_decode_probe.json").write_text(json.dumps(rows, indent=1))
 
 

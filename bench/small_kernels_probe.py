@@ -5,27 +5,22 @@ Results: bench/results/small_kernels_h100_s28.txt (bench/moe_notes.md, session 2
 """
 
 import torch
-import triton
 
 from replaymoe._launch import cdiv
+from replaymoe.bench._timing import time_graph
 from replaymoe.moe import layout as L
 from replaymoe.moe._kernel_fwd import moe_reduce_kernel
 from replaymoe.moe._kernel_layout import layout_hist_kernel, layout_scatter_kernel
 
 
-def tg(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
+def tg(fn, n: int = 20) -> float:
+    """µs per launch of ``fn`` over a CUDA graph of ``n`` launches (``bench._timing.time_graph``)."""
+
+    def many():
+        for _ in range(n):
             fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=10, rep=200, return_mode="median") * 1e3 / 20
+
+    return time_graph(many, rep_ms=200.0) / n
 
 
 def layout_variant(ids, E, bm, warps_s, warps_h):
@@ -51,12 +46,22 @@ def layout_variant(ids, E, bm, warps_s, warps_h):
     return run
 
 
+# (name, T, H, E, K, tile rows): decode to mid-size batches, then prefill (the reduce's block at large T)
+POINTS = [
+    ("qwen3", 8, 2048, 128, 8, 16),
+    ("qwen3", 64, 2048, 128, 8, 16),
+    ("qwen3", 64, 2048, 128, 8, 64),
+    ("dsv3", 64, 7168, 256, 8, 16),
+    ("mixtral", 64, 4096, 8, 2, 32),
+    ("qwen3", 4096, 2048, 128, 8, 64),
+    ("qwen3", 16384, 2048, 128, 8, 128),
+    ("dsv3", 4096, 7168, 256, 8, 128),
+]
+
+
 def main():
     print(torch.cuda.get_device_name())
-    for name, T, H, E, K, bm in [("qwen3", 8, 2048, 128, 8, 16), ("qwen3", 64, 2048, 128, 8, 16),
-                                 ("qwen3", 64, 2048, 128, 8, 64), ("dsv3", 64, 7168, 256, 8, 16),
-                                 ("mixtral", 64, 4096, 8, 2, 32), ("qwen3", 4096, 2048, 128, 8, 64),
-                                 ("qwen3", 16384, 2048, 128, 8, 128), ("dsv3", 4096, 7168, 256, 8, 128)]:  # fmt: skip
+    for name, T, H, E, K, bm in POINTS:
         ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]).int()
         line = [f"{name} T={T} bm={bm} layout:"]
         for ws, wh in [(8, 4), (4, 4), (2, 2), (4, 1)]:
