@@ -83,6 +83,40 @@ def test_layout_triton_matches_reference(T, K, E, E_local, offset, block_m, clus
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize(
+    "T,K,E,launches,warps",
+    [
+        (8, 8, 128, 1, 8),  # 64 slots: one chunk, the scatter counts them itself (one launch)
+        (9, 8, 128, 2, 4),  # 72 slots: two 64-slot chunks, the histogram's launch; scatter on 4 warps
+        (256, 8, 128, 2, 8),  # 2048 slots: 32 chunks of 64, beyond the measured 4-warp range
+        (2000, 8, 128, 2, 8),  # prefill: chunks larger than 64 slots
+    ],
+)
+def test_layout_launches_by_size(T, K, E, launches, warps, generator, monkeypatch):
+    # the layout's launches and the scatter's warps (moe.layout.expert_layout_unchecked), and its result
+    import replaymoe._launch as launch
+
+    seen = []
+    real = launch.fast
+
+    def spy(fn):
+        def grid(g):
+            def run(*args, **kwargs):
+                seen.append((fn.fn.__name__, kwargs.get("num_warps")))
+                return real(fn)[g](*args, **kwargs)
+
+            return run
+
+        return type("Spy", (), {"__getitem__": lambda self, g: grid(g)})()
+
+    monkeypatch.setattr(launch, "fast", spy)
+    ids = _random_ids(T, K, E, generator)
+    lay = expert_layout(ids, E, block_m=16)
+    assert len(seen) == launches and seen[-1] == ("layout_scatter_kernel", warps)
+    check_invariants(lay, ids, E, 0)
+
+
+@pytest.mark.interpret
 def test_layout_triton_int64_ids_and_out_of_range_ids(generator):
     # int64 ids, negative EP padding ids (-1) and ids >= E all get no slot
     ids = _random_ids(12, 3, 10, generator, dtype=torch.int64)
