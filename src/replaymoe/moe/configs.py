@@ -31,8 +31,8 @@ import torch
 class MoEConfig:
     """Kernel configuration of one fused-MoE call (chosen by :func:`moe_config` from the shape).
 
-    ``direct``: decode mode (one tile per slot, no layout; GEMM2 writes one row per slot and the
-    reduce kernel sums each token's rows); otherwise tiles of ``block_m`` rows from
+    ``direct``: decode mode (one tile per slot, no layout; GEMM2 writes one row per slot and sums
+    each token's rows, ``fused_reduce``, or the reduce kernel does); otherwise tiles of ``block_m`` rows from
     :func:`replaymoe.moe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
     + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection).
 
@@ -162,9 +162,10 @@ def moe_config(
     """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I.
 
     ``eager``: the call launches its kernels one by one from Python (not inside a CUDA graph or a
-    compiled graph), so host time counts too: small batches may take the direct (decode) mode,
-    which launches 3 kernels instead of 5 (no layout), where its extra weight reads cost less. Every mode
-    gives a token the same bits (batch invariance), so this changes time, never results.
+    compiled graph), so host time counts too: small batches may take the direct (decode) mode, which
+    launches 2 kernels instead of 4-5 (no layout, no reduce; fp8: one more each), where its extra weight
+    reads cost less. Every mode gives a token the same bits (batch invariance), so this changes time,
+    never results.
 
     ``batch_invariant`` (fp8 only; bf16/fp16 are invariant in every configuration): every fp8
     configuration uses :data:`FP8_BLOCK_M`-row tiles, so a token's output does not depend on T.
