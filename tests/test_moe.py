@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import replaymoe.moe._backward as moe_bwd
 import replaymoe.moe._forward as moe_fwd
 import replaymoe.moe.configs as cfgs
+import replaymoe.moe.layout as layout_mod
 from _scripts import run_script
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
 from replaymoe.moe._forward import experts_triton
@@ -1140,9 +1141,14 @@ SWAP_CASES = [
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("T,sl,bm,n1,n2", SWAP_CASES)
-def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, generator):
+def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, generator, monkeypatch):
     # the swapped fp8 kernels (decode and tile mode) against the unswapped 64-row tiles on the
-    # interpreter (its dot order is numpy's, so closeness; the GPU test checks the bits)
+    # interpreter (its dot order is numpy's, so closeness; the GPU test checks the bits); each call
+    # builds its layout once (tile mode) or not at all (decode)
+    layouts = []
+    build = layout_mod.expert_layout_unchecked
+    counted = lambda *a, **k: layouts.append(1) or build(*a, **k)  # noqa: E731
+    monkeypatch.setattr(layout_mod, "expert_layout_unchecked", counted)
     H, I, E, K = 256, 256, 4, 2  # noqa: E741
     x = torch.randn(T, H, generator=generator).bfloat16()
     w13 = (torch.randn(E, 2 * I, H, generator=generator) * H**-0.5).bfloat16()
@@ -1160,6 +1166,8 @@ def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, gen
         experts_triton(x, q13[lo:hi], q2[lo:hi], ids, wts, w13_scale=s13[lo:hi], w2_scale=s2[lo:hi],
                        local_expert_offset=lo, out=out, config=c)  # fmt: skip
         outs.append(out)
+        assert len(layouts) == (0 if c.direct else 1)
+        layouts.clear()
     assert torch.isfinite(outs[1].float()).all()
     assert_close(outs[1], outs[0], dtype=torch.bfloat16)
     # a token none of whose slots fall in the slice gets zeros, not poison

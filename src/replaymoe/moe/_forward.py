@@ -230,7 +230,8 @@ def _launch(
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
     if _swap_ab(c, fp8):
-        _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c)
+        tiles = None if c.direct else lay
+        _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c, tiles)
         return
     # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
     # quantize its activation tiles again in every N-block program (the same bits)
@@ -328,13 +329,12 @@ def _reduce_slots(y, ids, out, offset: int, E_local: int, pdl: bool = False) -> 
 _DECODE_TN = 16
 
 
-def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig) -> None:
+def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig, lay) -> None:
     """The fp8 experts with swapped operands (``c.swap_ab``, ``_kernel_swapped.py``): x quantized per
-    1×128 group -> (tile mode: the layout of ``c.block_m``-row tiles) -> GEMM1 -> GEMM2 -> reduce.
-    Arguments as :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit
-    stride along K)."""
+    1×128 group -> GEMM1 -> GEMM2 -> reduce (or the top-k sum in GEMM2, direct mode). Arguments as
+    :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit stride along K);
+    ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`_launch` (None in direct mode)."""
     from ._kernel_swapped import moe_gemm1_swapped_fp8_kernel, moe_gemm2_swapped_fp8_kernel
-    from .layout import expert_layout_unchecked
 
     T, H = x.shape
     K = ids.shape[1]
@@ -346,7 +346,6 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
         tn, num_pid_m, rows = _DECODE_TN, slots, slots
         sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
     else:
-        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, False)
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
         tn, num_pid_m, rows = c.block_m, lay.max_tiles, max(lay.sorted_slots.shape[0], 1)
     if num_pid_m == 0:
