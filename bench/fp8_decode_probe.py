@@ -28,21 +28,23 @@ from replaymoe.moe.tuned import table_for
 
 # the swapped decode configuration the variants start from (GEMM1 block width varied)
 BASE = MoEConfig(True, 64, 64, 128, 4, 4, 128, 128, 8, 4, swap_ab=True)
+# the swapped tile-mode configuration the tile variants start from (session 29's kernel profile at Qwen3,
+# Mixtral and DeepSeek-V3 T = 8-64, H100: GEMM2 on 64 columns, 3 stages, 4 warps)
+TILE = MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True)
 
 
 def variants(c0: MoEConfig, sweep: bool, full: bool) -> dict:
     v = {"default, unswapped": dataclasses.replace(c0, swap_ab=False)}
     if c0.direct:
         v["default, swapped"] = dataclasses.replace(c0, swap_ab=True)
-    for n1 in (32, 64, 128):
+    for n1 in (32, 64, 128) if c0.direct or sweep else ():
         v[f"swap n1={n1}"] = dataclasses.replace(BASE, block_n1=n1)
-    if not c0.direct:  # tile mode: the swapped kernels on 16- and 32-row tiles
+    if not c0.direct:  # tile mode: the swapped kernels on 16- and 32-row tiles (TILE varied)
         for bm in (16, 32):
             for n1 in (32, 64, 128):
-                v[f"tile{bm} n1={n1}"] = dataclasses.replace(BASE, direct=False, block_m=bm, block_n1=n1)
-            v[f"tile{bm} n1=128 w8"] = dataclasses.replace(
-                BASE, direct=False, block_m=bm, block_n1=128, warps1=8
-            )
+                v[f"tile{bm} n1={n1}"] = dataclasses.replace(TILE, block_m=bm, block_n1=n1)
+            v[f"tile{bm} n1=32 s4"] = dataclasses.replace(TILE, block_m=bm, stages1=4, stages2=4)
+            v[f"tile{bm} n2=128 w8"] = dataclasses.replace(TILE, block_m=bm, block_n2=128, warps2=8)
     if sweep:
         for n1 in (32, 64, 128):
             for w1 in (4, 8):

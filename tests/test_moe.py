@@ -1135,6 +1135,7 @@ SWAP_CASES = [
     (2, (0, 4), 0, 32, 128),  # decode: gate and up rows stacked in one dot
     (3, (1, 3), 0, 32, 64),  # decode, an EP slice: slots outside it write nothing
     (9, (0, 4), 16, 128, 128),  # tile mode, 16-row tiles: several tiles per expert, padding columns
+    (6, (0, 4), 16, 32, 64),  # tile mode, the small-batch default: gate and up stacked, bf16 SwiGLU rows
     (40, (1, 3), 32, 32, 64),  # tile mode, 32-row tiles, an EP slice
 ]
 

@@ -13,7 +13,14 @@ import torch
 from replaymoe.moe import _backward as bwd
 from replaymoe.moe import _forward as fwd
 from replaymoe.moe import fused_moe, fused_moe_torch
-from replaymoe.moe.configs import BWD_TILE_FIELDS, FP8_BLOCK_M, MoEConfig, moe_bwd_config, moe_config
+from replaymoe.moe.configs import (
+    BWD_TILE_FIELDS,
+    FP8_BLOCK_M,
+    MoEConfig,
+    fp8_invariant,
+    moe_bwd_config,
+    moe_config,
+)
 from replaymoe.moe.tuned import (
     TunedTable,
     builtin_table,
@@ -41,7 +48,7 @@ def test_shipped_tables_hold_the_tuned_entries():
     assert h200.lookup((2048, 768, 128, 8, True, 1), fp8_fast=True).block_m == 16
     assert h200.tuned_on and h100.base == "h200" and builtin_table("generic").entries == {}
     for table in (h200, h100):  # every batch-invariant fp8 entry keeps the 64-row tiles
-        assert all(c.block_m == FP8_BLOCK_M for k, c in table.entries.items() if k[4])
+        assert all(fp8_invariant(c) for k, c in table.entries.items() if k[4])
 
 
 @pytest.mark.parametrize(
@@ -101,6 +108,35 @@ def test_json_round_trip_and_merge(tmp_path):
     assert again.lookup((64, 32, 4, 2, False, 8)).group_m == 4  # T=5 is the bucket of 8
 
 
+def test_swapped_tile_entries_round_trip(tmp_path):
+    # an fp8 tile-mode entry on the swapped kernels (16-row tiles) keeps its swap_ab through a file;
+    # entries without it are written without the field (the shipped tables' form)
+    c = MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True)
+    table = builtin_table("h100").with_entries({(2048, 768, 128, 8, True, 8): c})
+    table.save(tmp_path / "t.json")
+    again = TunedTable.load(tmp_path / "t.json")
+    assert again.lookup((2048, 768, 128, 8, True, 8)) == c and fp8_invariant(c)
+    assert "swap_ab" not in json.dumps(builtin_table("h100").to_json())
+
+
+@pytest.mark.parametrize(
+    "shape, T, swapped",
+    [
+        ((2048, 768, 128, 8), 8, True),  # Qwen3: 1 row per active expert
+        ((2048, 768, 128, 8), 128, True),  # 8 rows per expert: the last bucket on 16-row tiles
+        ((2048, 768, 128, 8), 256, False),  # 16 rows per expert: 64-row tiles
+        ((4096, 14336, 8, 2), 32, True),  # Mixtral: 8 rows per expert
+        ((4096, 14336, 8, 2), 64, False),  # 16 rows per expert
+        ((7168, 2048, 256, 8), 256, True),  # DeepSeek-V3: 8 rows per expert
+    ],
+)
+def test_fp8_small_batches_take_swapped_16_row_tiles(shape, T, swapped):
+    H, I, E, K = shape  # noqa: E741
+    c = moe_config(T, K, H, I, E, fp8=True)
+    assert fp8_invariant(c) and not c.direct
+    assert (c.block_m == 16 and c.swap_ab is True) is swapped
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
@@ -116,6 +152,21 @@ def test_json_round_trip_and_merge(tmp_path):
             lambda o: o["entries"].update({"H=2048,I=768,E=128,K=8,fp8=1,T<=8": {**_row(o), "block_m": 16}}),
             "block_m.*fp8 batch invariance",  # an fp8 entry that would break batch invariance
         ),
+        (  # 16-row tiles need the swapped kernels, whose GEMM2 takes 64 or 128 columns
+            lambda o: o["entries"].update(
+                {
+                    "H=2048,I=768,E=128,K=8,fp8=1,T<=8": {
+                        **_row(o),
+                        "direct": False,
+                        "block_m": 16,
+                        "block_n2": 256,
+                        "swap_ab": True,
+                    }
+                }
+            ),
+            "block_m.*fp8 batch invariance",
+        ),
+        (lambda o: next(iter(o["entries"].values())).update(swap_ab=1), "swap_ab"),  # a flag: true/false
         # the backward section
         (lambda o: o["backward"].update({"H=1,I=2": {}}), "table entry key"),  # a broken key
         (lambda o: o["backward"].update({"H=64,I=32,E=4,K=2,fp8=1,T<=8": _tiles()}), "fp8=0"),  # fp8

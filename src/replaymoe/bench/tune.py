@@ -52,6 +52,13 @@ DIRECT_GRID = [
 ]
 # tile mode, per tile height: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2,
 # group_m)
+# fp8 batch-invariant tile mode with swapped operands (16- and 32-row tiles): GEMM1 on 32 (gate and up
+# stacked) or 128 columns, GEMM2 on 64 or 128 (H100 winners, bench/moe_notes.md session 29)
+SWAPPED_TILE_GRID = [
+    (32, 128, 4, 3, 64, 128, 4, 3),
+    (128, 128, 4, 3, 64, 128, 4, 3),
+    (32, 128, 4, 3, 128, 128, 8, 3),
+]
 TILE_GRID = {
     16: [(32, 256, 4, 3, 64, 128, 4, 3, 8), (64, 256, 4, 3, 64, 256, 4, 3, 8),
          (128, 128, 4, 3, 128, 128, 4, 3, 8)],
@@ -67,7 +74,8 @@ TILE_GRID = {
 
 def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool, tma: bool):  # noqa: E741
     """The configurations tried for one problem: the heuristics' first, then the grid (deduplicated).
-    fp8 keeps 64-row tiles (and 128-deep K tiles, the block scales') unless ``fast``."""
+    fp8 keeps batch invariance unless ``fast`` (64-row tiles, or 16- / 32-row tiles on the swapped
+    kernels' N side below 48 rows per expert) and 128-deep K tiles (the block scales')."""
     from replaymoe.moe.configs import FP8_BLOCK_M, MoEConfig, moe_config
 
     base = moe_config(T, K, H, I, E, fp8=fp8, batch_invariant=not fast, tma=tma)
@@ -83,6 +91,8 @@ def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool,
             if fp8 and (g[1] != 128 or g[5] != 128):
                 g = (g[0], 128, g[2], min(g[3], 4), g[4], 128, g[6], min(g[7], 4), g[8])
             out.append(MoEConfig(False, bm, *g[:8], group_m=g[8], tma=tma and not fp8 and bm >= 64))
+    if fp8 and not fast and m_avg < 48:  # a small batch's rows on the swapped kernels' N side
+        out += [MoEConfig(False, bm, *g, swap_ab=True) for bm in (16, 32) for g in SWAPPED_TILE_GRID]
     return list(dict.fromkeys(out))  # without repeats, in order (configurations compare by value)
 
 

@@ -113,6 +113,13 @@ def config_tuple(c: MoEConfig) -> list[int]:
 FP8_BLOCK_M = 64
 
 
+def fp8_invariant(c: MoEConfig) -> bool:
+    """Whether fp8 configuration ``c`` keeps the batch-invariance guarantee: every dot is a wgmma of
+    :data:`FP8_BLOCK_M` or more rows, either on :data:`FP8_BLOCK_M`-row token tiles or with the weights on
+    the MMA's rows (:func:`_swap_ab`: the direct mode's one token, or 16- / 32-row tiles on its N side)."""
+    return c.block_m == FP8_BLOCK_M or _swap_ab(c, True)
+
+
 class ConfigTable(Protocol):
     """What :func:`moe_config` reads of a tuned table (:class:`replaymoe.moe.tuned.TunedTable`)."""
 
@@ -168,7 +175,8 @@ def moe_config(
     never results.
 
     ``batch_invariant`` (fp8 only; bf16/fp16 are invariant in every configuration): every fp8
-    configuration uses :data:`FP8_BLOCK_M`-row tiles, so a token's output does not depend on T.
+    configuration runs the same MMA kind (:func:`fp8_invariant`: :data:`FP8_BLOCK_M`-row tiles, or the
+    swapped kernels with the weights on the MMA's 64 rows), so a token's output does not depend on T.
     ``False`` lets small batches take 16/32-row tiles (Hopper's mma.sync path), faster at decode
     (e.g. DeepSeek-V3 T=8) but rounding differently from the prefill tiles.
 
@@ -179,7 +187,7 @@ def moe_config(
     ``table``: the :class:`~replaymoe.moe.tuned.TunedTable` of the device (the launchers pass
     :func:`~replaymoe.moe.tuned.table_for`); None: no tuned entries, the heuristics alone. Its
     entries override the heuristics for the problems they name; every one keeps the batch-invariance
-    guarantee (fp8: 64-row tiles) unless ``batch_invariant=False``. A tuned tile-mode entry yields to
+    guarantee (fp8: :func:`fp8_invariant`) unless ``batch_invariant=False``. A tuned tile-mode entry yields to
     the eager direct mode where that applies (``eager``). The heuristics were tuned on the H200.
     """
     tuned = None
@@ -202,6 +210,13 @@ def moe_config(
             return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
         return MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4)
     m_avg = slots / min(E_local, slots)  # rows per active expert
+    if fp8 and batch_invariant and m_avg <= 8:
+        # 1-8 rows per expert: 16-row tiles on the swapped kernels' N side (the bits of the 64-row tiles),
+        # GEMM1 on 32 columns (gate and up rows stacked in one 64-row dot), GEMM2 on 64, 3 stages, 4 warps.
+        # H100, graph replay (bench/fp8_decode_probe.py, bench/moe_notes.md session 29), 64-row tiles ->
+        # these, us: Qwen3 T=8 / 32 / 128 122.8 / 225.0 / 246.9 -> 116.2 / 214.5 / 241.0, Mixtral T=16 /
+        # 32 455.7 / 519.8 -> 450.2 / 510.4, DeepSeek-V3 T=32 / 256 2408 / 3936 -> 2345 / 3883
+        return MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True)
     if fp8 and batch_invariant and m_avg < 48:  # H200 sweep: 4 stages, GEMM2 on 4 warps (2-8 % faster)
         return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 4, 128, 128, 4, 4)
     if fp8 and (batch_invariant or m_avg >= 48):

@@ -18,7 +18,7 @@ this module (``tables/<name>.json``, written by ``replaymoe bench tune``; backwa
 :func:`table_for` picks a device's table once per device: the set override (:func:`set_tuned_table`)
 if any; else on Hopper (compute capability 9.x) the table whose card name the device's name contains,
 else the Hopper table of the nearest memory size; else ``generic``. Every entry keeps the fp8
-batch-invariance guarantee (:data:`~replaymoe.moe.configs.FP8_BLOCK_M`-row tiles) except those of
+batch-invariance guarantee (:func:`~replaymoe.moe.configs.fp8_invariant`) except those of
 ``fp8_fast``, which serve ``batch_invariant=False`` only. A table changes time, never which results
 a caller may rely on.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .._validation import fail
-from .configs import BWD_TILE_FIELDS, FP8_BLOCK_M, MoEConfig, table_key
+from .configs import BWD_TILE_FIELDS, FP8_BLOCK_M, MoEConfig, fp8_invariant, table_key
 
 __all__ = ["TunedTable", "builtin_table", "set_tuned_table", "table_for", "table_key"]
 
@@ -50,8 +50,10 @@ _FIELDS = [
     for f in dataclasses.fields(MoEConfig)
     if f.name not in ("half_tiles", "pdl", "swap_ab", "fused_reduce")
 ]
+# written only where set: fp8 tile-mode entries on the swapped kernels (16- / 32-row tiles, fp8_invariant)
+_OPTIONAL = ("swap_ab",)
 _REQUIRED = [f.name for f in dataclasses.fields(MoEConfig) if f.default is dataclasses.MISSING]
-_FLAGS = ("direct", "tma")
+_FLAGS = ("direct", "tma", "swap_ab")
 _POW2 = ("block_m", "block_n1", "block_k1", "warps1", "block_n2", "block_k2", "warps2")
 # backward entries: tiles and warps powers of two, the rest positive except these (their ranges)
 _BWD_POW2 = ("block_m", "bn_a", "bk_a", "warps_a", "bn_x", "bk_x", "warps_x", "bm_w", "bn_w", "bk_w",
@@ -108,8 +110,10 @@ class TunedTable:
 
     def __post_init__(self) -> None:
         for key, c in self.entries.items():
-            if key[4] and c.block_m != FP8_BLOCK_M:
-                fail(f"entries[{_key_text(key)}].block_m", f"{FP8_BLOCK_M} (fp8 batch invariance)", c.block_m)
+            if key[4] and not fp8_invariant(c):
+                fail(f"entries[{_key_text(key)}].block_m",
+                     f"{FP8_BLOCK_M}, or 16 / 32 with swap_ab (fp8 batch invariance: one MMA kind)",
+                     f"{c.block_m} (swap_ab={c.swap_ab})")  # fmt: skip
         for key, fields in self.backward.items():
             _check_backward_entry(f"backward[{_key_text(key)}]", key, fields)
 
@@ -133,7 +137,9 @@ class TunedTable:
     # ------------------------------------------------------------ JSON
     def to_json(self) -> dict:
         def rows(table):
-            return {_key_text(k): {f: getattr(c, f) for f in _FIELDS} for k, c in sorted(table.items())}
+            return {_key_text(k): {**{f: getattr(c, f) for f in _FIELDS},
+                                   **{f: getattr(c, f) for f in _OPTIONAL if getattr(c, f) is not None}}
+                    for k, c in sorted(table.items())}  # fmt: skip
 
         backward = {_key_text(k): {f: int(fields[f]) for f in BWD_TILE_FIELDS}
                     for k, fields in sorted(self.backward.items())}  # fmt: skip
@@ -153,16 +159,18 @@ class TunedTable:
             out = {}
             for text, fields in (rows or {}).items():
                 key = _key_from_text(text)
-                unknown, missing = set(fields) - set(_FIELDS), set(_REQUIRED) - set(fields)
+                unknown, missing = set(fields) - set(_FIELDS) - set(_OPTIONAL), set(_REQUIRED) - set(fields)
                 if unknown or missing:
-                    fail(f"{what}[{text}]", f"the fields of MoEConfig ({', '.join(_FIELDS)})",
+                    names = ", ".join(_FIELDS + list(_OPTIONAL))
+                    fail(f"{what}[{text}]", f"the fields of MoEConfig ({names})",
                          f"unknown {sorted(unknown)}, missing {sorted(missing)}")  # fmt: skip
                 bad = [f for f, v in fields.items() if not isinstance(v, int) or (v < 1 and f not in _FLAGS)]
+                bad += [f for f in _OPTIONAL if f in fields and not isinstance(fields[f], bool)]
                 bad += [f for f in _POW2 if f not in bad and fields[f] & (fields[f] - 1)]
                 if bad:
                     fail(
                         f"{what}[{text}]",
-                        "positive ints, tiles and warps powers of two (direct, tma: true/false)",
+                        "positive ints, tiles and warps powers of two (direct, tma, swap_ab: true/false)",
                         {f: fields[f] for f in bad},
                     )
                 out[key] = MoEConfig(**fields)
