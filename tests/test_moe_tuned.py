@@ -110,13 +110,16 @@ def test_json_round_trip_and_merge(tmp_path):
 
 def test_swapped_tile_entries_round_trip(tmp_path):
     # an fp8 tile-mode entry on the swapped kernels (16-row tiles) keeps its swap_ab through a file;
-    # entries without it are written without the field (the shipped tables' form)
+    # entries without it are written without the field
     c = MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True)
     table = builtin_table("h100").with_entries({(2048, 768, 128, 8, True, 8): c})
     table.save(tmp_path / "t.json")
     again = TunedTable.load(tmp_path / "t.json")
     assert again.lookup((2048, 768, 128, 8, True, 8)) == c and fp8_invariant(c)
-    assert "swap_ab" not in json.dumps(builtin_table("h100").to_json())
+    assert "swap_ab" not in json.dumps(builtin_table("h200").to_json())
+    # the H100's Mixtral fp8 T <= 8 entry (session 29): 16-row swapped tiles, GEMM1 on 128 columns
+    mix = builtin_table("h100").lookup((4096, 14336, 8, 2, True, 8))
+    assert mix.block_m == 16 and mix.swap_ab is True and mix.block_n1 == 128 and fp8_invariant(mix)
 
 
 @pytest.mark.parametrize(
