@@ -47,8 +47,10 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     assert all(float(r["us"]) > 0 for r in rows)
     layer = [r for r in rows if r["op"] == "layer"]
     assert all(float(r["weights_floor_us"]) > 0 for r in layer)
-    printed = capfd.readouterr().out
+    captured = capfd.readouterr()
+    printed = captured.out
     assert "# goal 6 (overlap)" in printed and "# goal 4 (eager calls)" in printed
+    assert "prewarm:" in printed + captured.err  # every path once at every size before the timed rows
     assert "# goal 5 (training)" in printed
 
 

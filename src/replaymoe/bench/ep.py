@@ -104,8 +104,14 @@ def run(
     num_sms=(0,),
     peer: str | None = None,
     peer_sms: int = 24,
+    prewarm: bool = True,
 ) -> list[dict]:
     """All points; ``save(rows)`` is called after each one (so a timeout still leaves results).
+
+    ``prewarm``: before the first timed row, every implementation runs its eager calls once at every
+    size, untimed, so that no timed row is the process's first of its kind. Without it the first size's
+    rows of the first implementation timed their cold host path (2 × H100, session 28: symm's host time per
+    call 57 µs at 128 tokens, the first size, against 30 at 256), and the peer, timed after them, did not.
 
     ``num_sms``: values of :attr:`MoeAlltoAll.num_sms` to time symm with (0 = unset: dense grids over
     every SM; rows report 0 then).
@@ -157,34 +163,51 @@ def run(
         dist.all_reduce(pairs_t)
         return pairs_t.item() / ep  # mean over ranks of (token, remote rank) pairs
 
-    # --- dispatch / combine alone
-    for T in tokens:
+    def runs_of(vname):  # (impl, num_sms: 0 = every SM)
+        runs = [(impl, n_sms) for impl in impls for n_sms in (num_sms if impl.startswith("symm") else (0,))]
+        return runs + ([("deepep", peer_sms)] if deepep is not None and vname == "bf16" else [])
+
+    def time_one(impl, n_sms, T, ids, x, wts, pays, comb, n_iters, n_warmup, with_graphs):
+        if impl == "naive":
+            return {"eager": time_naive(naive, ids, pays, n_iters, n_warmup)}
+        if impl == "deepep":
+            return deepep.time(ids, x, wts, T, n_iters, n_warmup, with_graphs)
+        return _time_ours(a2as[impl], ids, pays, comb, T, n_iters, n_warmup, with_graphs, log,
+                          num_sms=n_sms or None)  # fmt: skip
+
+    def point(T):  # the inputs of one size: (ids, x, wts, payload variants, combine input, its buffer)
         ids, x, wts, x8, s8, logits = inputs(T, rank, dev)
-        pairs = pairs_of(ids)
         variants = {
             "bf16": ([x, ids, wts], H * 2 + 8 * K),
             "fp8": ([x8, s8, ids, wts], H + 4 * (H // 128) + 8 * K),
         }
         comb_buf = torch.randn(ep * (T + 1), H, device=dev, dtype=torch.bfloat16)
-        comb = comb_buf.view(ep, T + 1, H)[:, :T]  # the layout ep_moe hands to combine
+        return ids, x, wts, variants, comb_buf.view(ep, T + 1, H)[:, :T]  # the layout ep_moe hands to combine
+
+    # --- every eager path once at every size, untimed (see ``prewarm``)
+    if prewarm:
+        t0 = time.perf_counter()
+        for T in tokens:
+            ids, x, wts, variants, comb = point(T)
+            for vname in payloads:
+                for impl, n_sms in runs_of(vname):
+                    try:
+                        time_one(impl, n_sms, T, ids, x, wts, variants[vname][0], comb, 1, 1, False)
+                    except Exception:  # the timed pass reports it
+                        pass
+            del comb
+        log(f"[rank {rank}] prewarm: {time.perf_counter() - t0:.1f} s")
+
+    # --- dispatch / combine alone
+    for T in tokens:
+        ids, x, wts, variants, comb = point(T)
+        pairs = pairs_of(ids)
         for vname in payloads:
             pays, bpt = variants[vname]
             d_bytes, c_bytes = pairs * bpt, pairs * 2 * H
-            runs = []  # (impl, num_sms: 0 = every SM)
-            for impl in impls:
-                for n_sms in num_sms if impl.startswith("symm") else (0,):
-                    runs.append((impl, n_sms))
-            if deepep is not None and vname == "bf16":
-                runs.append(("deepep", peer_sms))
-            for impl, n_sms in runs:
+            for impl, n_sms in runs_of(vname):
                 try:
-                    if impl == "naive":
-                        results = {"eager": time_naive(naive, ids, pays, iters, warmup)}
-                    elif impl == "deepep":
-                        results = deepep.time(ids, x, wts, T, iters, warmup, graphs)
-                    else:
-                        results = _time_ours(a2as[impl], ids, pays, comb, T, iters, warmup, graphs, log,
-                                             num_sms=n_sms or None)  # fmt: skip
+                    results = time_one(impl, n_sms, T, ids, x, wts, pays, comb, iters, warmup, graphs)
                 except Exception as e:
                     log(f"[rank {rank}] {impl} {vname} T={T}: {err(e)}\n{traceback.format_exc()}")
                     rows.append({"impl": impl, "payload": vname, "tokens": T, "error": err(e)})
@@ -203,7 +226,7 @@ def run(
                         rows.append(_row(base, op, mode, us, nbytes, h))
                 log(f"[rank {rank}] done {impl} {vname} T={T} sms={n_sms}")
                 save(rows)
-        del comb_buf
+        del comb
     if not layer:
         return rows
 
@@ -364,6 +387,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-layer", action="store_true", help="skip the whole ep_moe layer")
     p.add_argument("--no-graph", action="store_true", help="eager timings only")
     p.add_argument(
+        "--no-prewarm",
+        action="store_true",
+        help="skip the untimed pass of every implementation at every size before the first timed row",
+    )
+    p.add_argument(
         "--no-align",
         action="store_true",
         help="start timed iterations after the host barrier only (a rank's time then includes how much later "
@@ -465,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             num_sms=[int(v) for v in a.num_sms.split(",") if v],
             peer=None if a.peer == "none" else a.peer,
             peer_sms=a.peer_sms,
+            prewarm=not a.no_prewarm,
         )
         save(rows)
         if rank == 0:
