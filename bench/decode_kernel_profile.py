@@ -24,26 +24,34 @@ from torch.profiler import ProfilerActivity, profile
 from replaymoe.moe.configs import moe_config
 from replaymoe.moe.tuned import table_for
 
-FLUSH = "flush"
+FLUSH = ("fill", "zero", "memset")  # the flush's write
 
 
-def kernel_times(fn, iters: int) -> dict[str, float]:
-    """Mean device µs per call of each kernel ``fn`` launches (L2 flushed before each call)."""
-    buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+def kernel_times(fn, iters: int, *, clean: bool = False) -> dict[str, float]:
+    """Mean device µs per call of each kernel ``fn`` launches, the L2 flushed before each call: a 256 MB
+    write (as ``do_bench`` flushes), and with ``clean`` a 256 MB read after it, so that the L2 is clean
+    and cold and the call's first kernel does not also pay the write-back of the flush's dirty lines. The
+    flush's own kernels and memsets are left out of the sums."""
+    dirty = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    read = torch.ones(64 * 2**20, dtype=torch.float32, device="cuda") if clean else None
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            buf.zero_()
+            dirty.zero_()
+            if read is not None:
+                read.sum()
             fn()
         torch.cuda.synchronize()
     acc: dict[str, float] = defaultdict(float)
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name if "fill" not in ev.name.lower() and "zero" not in ev.name.lower() else FLUSH
-            acc[name[:60]] += ev.device_time / iters
-    acc.pop(FLUSH, None)
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = ev.name.lower()
+        if any(f in name for f in FLUSH) or (clean and "reduce_kernel<" in name):  # (torch's sum)
+            continue
+        acc[ev.name[:60]] += ev.device_time / iters
     return dict(acc)
 
 

@@ -19,39 +19,14 @@ import argparse
 import json
 import os
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 from _decode_points import P, S, points
-from torch.profiler import ProfilerActivity, profile
+from decode_kernel_profile import kernel_times
 
 from replaymoe.moe.configs import MoEConfig, moe_config
 from replaymoe.moe.tuned import table_for
-
-
-def kernel_times(fn, iters: int) -> dict[str, float]:
-    """Mean device µs per call of each kernel ``fn`` launches, the L2 clean and cold before each call."""
-    dirty = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    clean = torch.ones(64 * 2**20, dtype=torch.float32, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            dirty.zero_()
-            clean.sum()
-            fn()
-        torch.cuda.synchronize()
-    acc: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = ev.name.lower()
-        if "fill" in name or "zero" in name or "memset" in name or "reduce_kernel<" in name:
-            continue  # the flush's write and read
-        acc[ev.name[:60]] += ev.device_time / iters
-    return dict(acc)
 
 
 def vllm_gemms(pt, cfg: dict):
@@ -89,7 +64,7 @@ def main() -> None:
                 c = MoEConfig(False, 16, n1, 128, 4, s1, 64, 128, 4, s1, swap_ab=True)
                 configs[f"tile16 n1={n1} s{s1}"] = c
             cfg, _ = S.fp8_cfg(pt.T, pt.E, pt.I, pt.H, pt.K)
-            g1, g2 = (sum(kernel_times(f, a.iters).values()) for f in vllm_gemms(pt, cfg))
+            g1, g2 = (sum(kernel_times(f, a.iters, clean=True).values()) for f in vllm_gemms(pt, cfg))
             rows.append(dict(shape=pt.name, T=pt.T, config="vLLM", gemm1=round(g1, 2), gemm2=round(g2, 2)))
             head = f"[{time.time() - t0:4.0f}s] {pt.name} T={pt.T}"
             print(f"{head} vLLM  gemm1 {g1:8.2f} gemm2 {g2:8.2f}", flush=True)
@@ -97,7 +72,7 @@ def main() -> None:
             for name, c in configs.items():
                 fn = pt.ours(c)
                 same = bool(torch.equal(fn(), ref))
-                kt = kernel_times(fn, a.iters)
+                kt = kernel_times(fn, a.iters, clean=True)
                 g1 = sum(v for k, v in kt.items() if "gemm1" in k)
                 g2 = sum(v for k, v in kt.items() if "gemm2" in k)
                 rest = sum(kt.values()) - g1 - g2
