@@ -213,8 +213,10 @@ def fused_moe(
     batch_invariant : bool, keyword-only
         fp8 only (bf16 and fp16 outputs are batch-invariant in every configuration): ``True`` keeps
         a token's output bitwise the same whatever T is and whichever tokens share the batch (every
-        fp8 configuration uses 64-row tiles); ``False`` lets decode-size batches use 16/32-row
-        tiles, faster there (bench/moe_notes.md) but rounding differently from larger batches.
+        fp8 configuration runs one MMA kind: 64-row tiles, or the swapped kernels with the weights on
+        the MMA's 64 rows, ``moe.configs.fp8_invariant``); ``False`` lets decode-size batches use
+        16/32-row tiles on Hopper's narrower MMA, faster there (bench/moe_notes.md) but rounding
+        differently from larger batches.
 
     Returns
     -------

@@ -54,7 +54,7 @@ class MoEConfig:
       64-row side and the tokens on its narrow side (a quarter of the MMA work of a 64-row tile with
       one real row at decode), which lets GEMM1 run 32- or 64-column blocks and tile mode run 16- or
       32-row tiles without changing bits; ``None``: on for the invariant decode (direct mode, 64-row
-      tiles), off elsewhere (:func:`_swap_ab`).
+      tiles), off elsewhere (:func:`_swap_ab`); :func:`moe_config`'s small-batch fp8 tiles set it.
     * ``fused_reduce`` (direct mode): GEMM2 sums each token's rows itself instead of the reduce
       kernel: the program that finishes the last of a token's local slots for its column block (a
       per-token, per-block ticket, zeroed by GEMM1) reads the token's rows in k order and writes the

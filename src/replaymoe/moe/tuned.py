@@ -86,7 +86,8 @@ class TunedTable:
     tuned_on : str
         The device name the entries were measured on (``torch.cuda.get_device_name``), "" if none.
     entries : Mapping[tuple, MoEConfig]
-        :func:`table_key` -> configuration (fp8 entries batch-invariant: 64-row tiles).
+        :func:`table_key` -> configuration (fp8 entries batch-invariant:
+        :func:`~replaymoe.moe.configs.fp8_invariant`).
     fp8_fast : Mapping[tuple, MoEConfig]
         fp8 entries for ``batch_invariant=False`` (any tile height).
     backward : Mapping[tuple, Mapping[str, int]]
