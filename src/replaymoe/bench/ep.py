@@ -109,9 +109,8 @@ def run(
     """All points; ``save(rows)`` is called after each one (so a timeout still leaves results).
 
     ``prewarm``: before the first timed row, every implementation runs its eager calls once at every
-    size, untimed, so that no timed row is the process's first of its kind. Without it the first size's
-    rows of the first implementation timed their cold host path (2 × H100, session 28: symm's host time per
-    call 57 µs at 128 tokens, the first size, against 30 at 256), and the peer, timed after them, did not.
+    size, untimed, so that no timed row is the process's first call of its kind (and the implementation
+    timed first at a size is not the only one that can pay a first call's cost there).
 
     ``num_sms``: values of :attr:`MoeAlltoAll.num_sms` to time symm with (0 = unset: dense grids over
     every SM; rows report 0 then).
