@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import replaymoe.moe._backward as moe_bwd
 import replaymoe.moe._forward as moe_fwd
@@ -16,6 +18,7 @@ import replaymoe.moe.layout as layout_mod
 from _scripts import run_script
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
 from replaymoe.moe._forward import experts_triton
+from replaymoe.moe._kernel_fwd import _merged_slots
 from replaymoe.moe.configs import MoEConfig
 from replaymoe.moe.quant import quantize_fp8_block
 from replaymoe.routing import RoutingConfig, RoutingMethod, route_torch
@@ -588,7 +591,7 @@ def test_tma_config_selection_and_config_lists():
     assert not moe_config(1, 8, 2048, 768, 128, tma=True).tma  # decode (direct mode)
     assert not moe_config(64, 8, 2048, 768, 128, tma=True).tma  # mid-size 16/32-row tiles: unchanged
     c = moe_config(*qwen, tma=True)
-    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [1, -1, -1, -1, -1]  # None
+    assert config_from_list(config_tuple(c)) == c and config_tuple(c)[11:] == [1, -1, -1, -1, -1, -1]  # None
     old = [0, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8]  # a config list from before the tma field
     assert config_from_list(old) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, False)
     assert config_from_list(old + [1]) == MoEConfig(False, 16, 32, 32, 4, 2, 32, 32, 4, 2, 8, True)
@@ -596,12 +599,16 @@ def test_tma_config_selection_and_config_lists():
         for pdl in (None, False, True):
             for swap in (None, False, True):
                 for fused in (None, False, True):
-                    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, half_tiles=half, pdl=pdl,
-                                  swap_ab=swap, fused_reduce=fused)  # fmt: skip
-                    assert config_from_list(config_tuple(c)) == c
-    # 14- and 15-entry lists from before swap_ab and fused_reduce
-    assert config_from_list(config_tuple(c)[:14]) == dataclasses.replace(c, swap_ab=None, fused_reduce=None)
-    assert config_from_list(config_tuple(c)[:15]) == dataclasses.replace(c, fused_reduce=None)
+                    for merge in (None, False, True):
+                        c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, half_tiles=half, pdl=pdl,
+                                      swap_ab=swap, fused_reduce=fused, merge_slots=merge)  # fmt: skip
+                        assert config_from_list(config_tuple(c)) == c
+    # 14-, 15- and 16-entry lists from before swap_ab, fused_reduce and merge_slots
+    none_after = dict(swap_ab=None, fused_reduce=None, merge_slots=None)
+    assert config_from_list(config_tuple(c)[:14]) == dataclasses.replace(c, **none_after)
+    none_after.pop("swap_ab")
+    assert config_from_list(config_tuple(c)[:15]) == dataclasses.replace(c, **none_after)
+    assert config_from_list(config_tuple(c)[:16]) == dataclasses.replace(c, merge_slots=None)
     assert not tma_ok(torch.device("cpu"))  # never chosen on CPU / in the interpreter
     assert not tma_ok(torch.device("cuda"), torch.float32)  # fp32: pointer loads (TMA tiles spill)
 
@@ -867,6 +874,57 @@ def test_gpu_fused_reduce_same_bits_eager_and_graph(T, offset, fp8):
     assert torch.equal(outs[True], outs[False])
     if offset:
         assert (outs[True][0] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])  # fp8: the swapped kernels
+@pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: a token with none
+@pytest.mark.parametrize("T", [3, 8, 24, 40])  # 40 tokens: 320 slots, past MERGE_MAX_SLOTS (not merged)
+def test_gpu_merged_direct_tiles_same_bits(T, offset, fp8):
+    # MoEConfig.merge_slots (an expert's slots as the rows of one direct tile) gives the bits of one tile
+    # per slot and of the layout's tiles, eagerly and over repeated graph replays, with and without the
+    # top-k sum in GEMM2
+    H, I, E, K = MODELS["qwen3"]  # noqa: E741
+    w13, w2, s13, s2 = _gpu_weights("qwen3", fp8)
+    sl = slice(offset, offset + 48 if offset else E)
+    w13, w2 = w13[sl], w2[sl]
+    s13, s2 = (None, None) if s13 is None else (s13[sl], s2[sl])
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, ids, wts = _gpu_routing(T, E, K, 7)
+    # every token's first slot on one expert (its top-k stays distinct): a tile of T rows, two past 16
+    hot, first = offset + 1, ids[:, :1].clone()
+    ids[:, 1:] = torch.where(ids[:, 1:] == hot, first, ids[:, 1:])
+    ids[:, 0] = hot
+    if offset:
+        ids[0] = torch.arange(E - K, E, device="cuda", dtype=ids.dtype)  # token 0: no local slot
+    E_local = w13.shape[0]
+    tiles = dataclasses.replace(cfgs.moe_config(64, K, H, I, E_local, fp8=fp8), merge_slots=None)
+    assert not tiles.direct
+    decode = cfgs.moe_config(1, K, H, I, E_local, fp8=fp8)
+    configs = [tiles] + [dataclasses.replace(decode, merge_slots=m, fused_reduce=f)
+                         for m in (False, True) for f in (False, True)]  # fmt: skip
+    outs = []
+    for c in configs:
+        out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+
+        def call(c=c, out=out):
+            experts_triton(x, w13, w2, ids, wts, w13_scale=s13, w2_scale=s2, local_expert_offset=offset,
+                           out=out, config=c)  # fmt: skip
+
+        call()
+        outs.append(out.clone())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        for _ in range(2):
+            poison(out)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, outs[-1])
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    if offset:
+        assert (outs[0][0] == 0).all()
 
 
 PREFILL = MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4)  # moe_config's bf16 prefill tiles
@@ -1228,6 +1286,88 @@ def test_triton_interpreter_fused_reduce_matches_reduce_kernel(dtype, T, H, K, s
     assert torch.equal(outs[1], outs[0])
     local = ((ids >= lo) & (ids < hi)).any(dim=1)
     assert (outs[1][~local] == 0).all() and torch.isfinite(outs[1].float()).all()
+
+
+MERGE_CASES = [
+    # (dtype, T, E, K, E slice, fused reduce, fp8 swapped) -- edge each hits
+    (torch.float16, 6, 4, 2, (0, 4), True, False),  # 2-4 slots per expert in one tile, tickets per row
+    (torch.float32, 40, 4, 2, (0, 4), True, False),  # ~20 slots per expert: two tiles, a second leader
+    (torch.float16, 7, 4, 2, (1, 3), True, False),  # an EP slice: a token with no local slot gets zeros
+    (torch.float16, 9, 4, 3, (0, 4), False, False),  # the reduce kernel instead of tickets; K = 3
+    (torch.bfloat16, 20, 4, 2, (0, 4), True, True),  # fp8, the swapped kernels' 16 columns: two tiles
+    (torch.bfloat16, 5, 4, 2, (1, 3), True, True),  # fp8 swapped, an EP slice
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,T,E,K,sl,fused,fp8", MERGE_CASES)
+def test_triton_interpreter_merged_direct_tiles(dtype, T, E, K, sl, fused, fp8, generator, monkeypatch):
+    # MoEConfig.merge_slots: the direct mode's slots of one expert as the rows of one tile give what one
+    # tile per slot gives (bitwise on a problem whose dots are exact in any order; fp8 by closeness),
+    # with padding ids among the slots, and zeros for a token with no local slot
+    H, I = (256, 256) if fp8 else (64, 32)  # noqa: E741
+    make = _problem if fp8 else _exact_problem
+    x, w13, w2, ids, wts = make(T, H, I, E, K, generator, torch.float32 if fp8 else dtype)
+    ids[T - 1, K - 1] = -1  # a padding slot
+    kw: dict = dict(w13_scale=None, w2_scale=None)
+    if fp8:
+        x = x.bfloat16()
+        (w13, kw["w13_scale"]), (w2, kw["w2_scale"]) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    lo, hi = sl
+    if hi - lo < E:
+        kw = {k: None if v is None else v[lo:hi] for k, v in kw.items()}
+        ids[0, :2] = torch.tensor([0, E - 1])  # token 0: no slot in the slice (1, 3)
+    block = (64, 128, 128) if fp8 else (16, 32, 32)
+    base = MoEConfig(True, block[0], block[1], block[2], 4, 2, 64 if fp8 else 32, block[2], 4, 2,
+                     swap_ab=fp8 or None, fused_reduce=fused)  # fmt: skip
+    outs, merged = [], []
+    for merge in (False, True):
+        seen = _record_launches(monkeypatch)
+        out = poison(torch.empty(T, H, dtype=torch.bfloat16 if fp8 else dtype))
+        experts_triton(x, w13[lo:hi], w2[lo:hi], ids, wts, local_expert_offset=lo, out=out,
+                       config=dataclasses.replace(base, merge_slots=merge), **kw)  # fmt: skip
+        outs.append(out)
+        merged.append(_flags(seen, "MERGE"))
+    assert merged == [{False}, {True}]  # the switch reached both GEMMs
+    local = ((ids >= lo) & (ids < hi)).any(dim=1)
+    assert (outs[1][~local] == 0).all() and torch.isfinite(outs[1].float()).all()
+    if fp8:
+        assert_close(outs[1], outs[0], dtype=torch.bfloat16)
+    else:
+        assert torch.equal(outs[1], outs[0])
+
+
+@triton.jit
+def _merged_slots_probe(ids_ptr, lead_ptr, slots_ptr, num_slots, ROWS: tl.constexpr, SCAN: tl.constexpr):
+    """Each program stores ``_merged_slots``'s (lead, slots) of its slot."""
+    pid = tl.program_id(0)
+    lead, slots = _merged_slots(pid, ids_ptr, num_slots, ROWS, SCAN)
+    tl.store(lead_ptr + pid, lead.to(tl.int32))
+    tl.store(slots_ptr + pid * ROWS + tl.arange(0, ROWS), slots)
+
+
+@pytest.mark.interpret
+def test_triton_interpreter_merged_slots_leaders():
+    # _merged_slots: an expert's slots in slot order, ROWS to a tile; only each tile's first slot leads,
+    # and its rows are exactly the tile's slots (padding = num_slots past the expert's last)
+    ids = torch.tensor([3, 1, 3, 3, 0, 3, 3, -1, 3], dtype=torch.int32)  # expert 3: 6 slots, 2 tiles of 4
+    n, rows = ids.numel(), 4
+    lead = torch.full((n,), -1, dtype=torch.int32)
+    slots = torch.full((n, rows), -7, dtype=torch.int32)
+    _merged_slots_probe[(n,)](ids, lead, slots, n, ROWS=rows, SCAN=16)
+    assert lead.tolist() == [1, 1, 0, 0, 1, 0, 1, 1, 0]  # (-1, a padding id, is its own: the kernels skip it)
+    assert slots[0].tolist() == [0, 2, 3, 5] and slots[6].tolist() == [6, 8, n, n]
+    assert slots[1].tolist() == [1, n, n, n] and slots[4].tolist() == [4, n, n, n]
+
+
+def test_merge_slots_rule():
+    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    assert not cfgs._merge_slots(c, 1, 8)  # one token: its top-k experts are distinct, nothing to merge
+    assert cfgs._merge_slots(c, 2, 16) and cfgs._merge_slots(c, 32, cfgs.MERGE_MAX_SLOTS)
+    assert not cfgs._merge_slots(c, 33, cfgs.MERGE_MAX_SLOTS + 8)  # every program scans the ids: few only
+    assert not cfgs._merge_slots(dataclasses.replace(c, merge_slots=False), 4, 32)
+    assert cfgs._merge_slots(dataclasses.replace(c, merge_slots=True), 1, 8)
+    assert not cfgs._merge_slots(dataclasses.replace(c, direct=False, merge_slots=True), 4, 32)  # tile mode
 
 
 def test_fused_reduce_only_in_direct_mode():

@@ -19,6 +19,7 @@ from .configs import (
     MoEConfig,
     _fused_reduce,
     _half_tiles,
+    _merge_slots,
     _pdl,
     _swap_ab,
     config_from_list,
@@ -251,6 +252,7 @@ def _launch(
     # that GEMM2 prefetches its weights while GEMM1 finishes and no launch gap separates the three
     pdl = _pdl(c, fp8, dev)
     ticket, cnt, n_cnt = _tickets(c, T, H, ids)
+    merge, scan = _merge_slots(c, T, slots), _scan_width(slots)
     grid1 = (num_pid_m * cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
@@ -266,6 +268,7 @@ def _launch(
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
         PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
         num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl, cnt_ptr=cnt, num_cnt_n=n_cnt, TICKET=ticket,
+        MERGE=merge, SCAN=scan,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * cdiv(H, c.block_n2),)
@@ -282,10 +285,15 @@ def _launch(
         GROUP_M=c.group_m, DOT_PREC=prec, PDL=pdl, TMA=inter_desc is not None, a_desc=inter_desc,
         w_desc=w2_desc if inter_desc is not None else None, HALF_TILES=half, a_desc_half=inter_desc_half,
         num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl, out_ptr=out, cnt_ptr=cnt, TOP_K=K,
-        stride_om=out.stride(0), KP=next_power_of_2(K), TICKET=ticket,
+        stride_om=out.stride(0), KP=next_power_of_2(K), TICKET=ticket, MERGE=merge, SCAN=scan,
     )  # fmt: skip
     if not ticket:
         _reduce_slots(y, ids, out, offset, E_local, pdl)
+
+
+def _scan_width(slots: int) -> int:
+    """``SCAN`` of the merged direct tiles: the batch's slot count rounded up to a power of two (>= 16)."""
+    return max(16, next_power_of_2(slots))
 
 
 def _tickets(c: MoEConfig, T: int, H: int, ids: torch.Tensor) -> tuple[bool, torch.Tensor, int]:
@@ -356,12 +364,13 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
     ticket, cnt, n_cnt = _tickets(c, T, H, ids)
+    merge, scan = _merge_slots(c, T, slots), _scan_width(slots)
     fast(moe_gemm1_swapped_fp8_kernel)[(num_pid_m * (I // c.block_n1),)](
         xq, xs, w13, w13_scale, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, slots,
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), inter.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128,
         TN=tn, GROUP_M=c.group_m, num_warps=c.warps1, num_stages=c.stages1, cnt_ptr=cnt, num_cnt_n=n_cnt,
-        TICKET=ticket,
+        TICKET=ticket, MERGE=merge, SCAN=scan,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     fast(moe_gemm2_swapped_fp8_kernel)[(num_pid_m * cdiv(H, c.block_n2),)](
@@ -369,7 +378,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
         I, K, offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
         w2_scale.stride(1), y.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n2, BLOCK_K=128,
         TN=tn, GROUP_M=c.group_m, num_warps=c.warps2, num_stages=c.stages2, out_ptr=out, cnt_ptr=cnt,
-        stride_om=out.stride(0), KP=next_power_of_2(K), TICKET=ticket,
+        stride_om=out.stride(0), KP=next_power_of_2(K), TICKET=ticket, MERGE=merge, SCAN=scan,
     )  # fmt: skip
     if not ticket:
         _reduce_slots(y, ids, out, offset, E_local)

@@ -133,6 +133,55 @@ def _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, n_o
 
 
 @triton.jit
+def _merged_slots(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, SCAN: tl.constexpr):
+    """Direct mode with merged slots (``MERGE``): ``(lead, slots [ROWS])`` of slot ``pid_m``'s program.
+
+    The slots of one expert, in slot order, form tiles of ``ROWS``: the program of a tile's first slot
+    leads it, its rows being the tile's slots (``num_slots`` past the expert's last), and the programs of
+    the tile's other slots do nothing. ``SCAN``: ``num_slots`` rounded up to a power of two (every program
+    reads the batch's ``ids`` [num_slots])."""
+    idx = tl.arange(0, SCAN)
+    ids = tl.load(ids_ptr + idx, mask=idx < num_slots, other=-1)
+    match = (ids == tl.load(ids_ptr + pid_m)) & (idx < num_slots)
+    pos = tl.cumsum(match.to(tl.int32), axis=0) - 1  # a matching slot's place among its expert's slots
+    mine = tl.sum(tl.where(idx == pid_m, pos, 0), axis=0)
+    hit = match[None, :] & (pos[None, :] == mine + tl.arange(0, ROWS)[:, None])  # [ROWS, SCAN]
+    found = tl.sum(hit.to(tl.int32), axis=1) > 0
+    slots = tl.where(found, tl.sum(tl.where(hit, idx[None, :], 0), axis=1), num_slots)
+    return mine % ROWS == 0, slots
+
+
+@triton.jit
+def _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, n_ok, num_slots, TOP_K,
+                     expert_offset, num_local, stride_ym, stride_om, KP: tl.constexpr):  # fmt: skip
+    """``_ticket_sum`` with ``ARRIVE`` for a merged tile (``MERGE``): every real row (``slots`` [R], each
+    a different token's) counts itself on its token's ticket ``cnt[tok, pid_n]``, and the rows whose
+    count completes their token's local slots sum that token's rows in k order into ``out[tok, rn]``:
+    the same arithmetic, so the same bits."""
+    ok = slots < num_slots
+    tok = tl.where(ok, slots // TOP_K, 0).to(tl.int64)
+    rk = tl.arange(0, KP)
+    k_ok = ok[:, None] & (rk[None, :] < TOP_K)
+    ek = tl.load(ids_ptr + tok[:, None] * TOP_K + rk[None, :], mask=k_ok, other=0).to(tl.int32)
+    ek -= expert_offset
+    n_local = tl.sum((k_ok & (ek >= 0) & (ek < num_local)).to(tl.int32), axis=1)
+    tl.debug_barrier()  # every thread's row stores before the release
+    old = tl.atomic_add(cnt_ptr + tok * num_pid_n + pid_n, 1, mask=ok, sem="acq_rel", scope="gpu")
+    last = ok & (old == n_local - 1)
+    if tl.sum(last.to(tl.int32), axis=0) > 0:
+        acc = tl.zeros((slots.shape[0], rn.shape[0]), dtype=tl.float32)
+        for kk in range(0, TOP_K):
+            slot = tok * TOP_K + kk
+            e = tl.load(ids_ptr + slot, mask=last, other=0).to(tl.int32) - expert_offset
+            use = last & (e >= 0) & (e < num_local)
+            row = tl.load(y_ptr + slot[:, None] * stride_ym + rn[None, :], mask=use[:, None] & n_ok[None, :],
+                          other=0.0, cache_modifier=".cg")  # fmt: skip
+            acc += row.to(tl.float32)
+        o_ptrs = out_ptr + tok[:, None] * stride_om + rn[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     xs_ptr,
@@ -187,6 +236,8 @@ def moe_gemm1_kernel(
     cnt_ptr=None,
     num_cnt_n=0,
     TICKET: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
+    SCAN: tl.constexpr = 16,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
@@ -206,7 +257,10 @@ def moe_gemm1_kernel(
     computes only its first ``BLOCK_M // 2`` rows (the same bits: a row's dot does not depend on the
     tile height, bf16 / fp16 / fp32; fp8 keeps one tile height, see FP8_BLOCK_M).
 
-    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``_zero_tickets``)."""
+    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``_zero_tickets``).
+
+    ``MERGE`` (DIRECT): the slots that share an expert run as the rows of one tile (``_merged_slots``;
+    ``SCAN``: ``num_slots`` rounded up to a power of two); rows are written per slot."""
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
     tl.static_assert(DIRECT or not TICKET)
@@ -226,7 +280,7 @@ def moe_gemm1_kernel(
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
                         stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
                         HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M // 2)  # fmt: skip
+                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M // 2, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
         else:
             _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
                         h_ptr, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
@@ -234,7 +288,7 @@ def moe_gemm1_kernel(
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
                         stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
                         HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M)  # fmt: skip
+                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
     else:
         _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
                     h_ptr, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
@@ -242,7 +296,7 @@ def moe_gemm1_kernel(
                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
                     stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
                     HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M)  # fmt: skip
+                    DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
 
 
 @triton.jit
@@ -299,6 +353,8 @@ def _gemm1_tile(
     TMA: tl.constexpr,
     w_desc,
     ROWS: tl.constexpr,
+    MERGE: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     """One tile of ``moe_gemm1_kernel`` (its program ``pid_m, pid_n``): the first ``ROWS`` rows of
     the tile's ``BLOCK_M`` (all of them but for a half tile)."""
@@ -308,8 +364,14 @@ def _gemm1_tile(
         e = slot0 - expert_offset
         if (e < 0) | (e >= num_local):
             return
-        slots = tl.where(rm == 0, pid_m, num_slots)
-        out_rows = pid_m + rm * 0
+        if MERGE:
+            lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, ROWS, SCAN)
+            if not lead:
+                return
+            out_rows = tl.where(slots < num_slots, slots, pid_m)
+        else:
+            slots = tl.where(rm == 0, pid_m, num_slots)
+            out_rows = pid_m + rm * 0
     else:
         if pid_m >= tl.load(num_tiles_ptr):
             return
@@ -465,6 +527,8 @@ def moe_gemm2_kernel(
     stride_om=0,
     KP: tl.constexpr = 1,
     TICKET: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
+    SCAN: tl.constexpr = 16,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
     tile = slot; the bias only with ``HAS_BIAS``).
@@ -487,7 +551,8 @@ def moe_gemm2_kernel(
 
     ``TICKET`` (DIRECT): also the top-k sum into ``out`` [T, H] (``_ticket_sum``; tickets ``cnt``
     [T, cdiv(H, BLOCK_N)] zeroed by GEMM1; ``KP``: TOP_K rounded up to a power of two), so no reduce
-    kernel runs."""
+    kernel runs. ``MERGE`` (DIRECT): as ``moe_gemm1_kernel``'s (a merged tile's program counts each of
+    its rows on its token's ticket, ``_ticket_sum_rows``)."""
     tl.static_assert(DIRECT or not PDL)
     tl.static_assert(DIRECT or not TICKET)
     tl.static_assert(not TMA or (not DIRECT and not FP8))
@@ -502,28 +567,35 @@ def moe_gemm2_kernel(
                         num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                         stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                        PDL, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2)  # fmt: skip
+                        PDL, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
         else:
             _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                         wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
                         num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                         stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                        PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
+                        PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
     else:
         _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                     wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
                     num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                     stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                     FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                    PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M)  # fmt: skip
+                    PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
     if TICKET:
         e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tok = (pid_m // TOP_K).to(tl.int64)
         if (e >= 0) & (e < num_local):
-            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
-                        expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip
+            if MERGE:  # the tile's leader counts every row (the others' slots are its rows)
+                lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, BLOCK_M, SCAN)
+                if lead:
+                    _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, rn < H,
+                                     num_slots, TOP_K, expert_offset, num_local, stride_ym, stride_om,
+                                     KP)  # fmt: skip
+            else:
+                _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
+                            expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip
         elif pid_m % TOP_K == 0:
             _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
                         expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=False)  # fmt: skip
@@ -574,6 +646,8 @@ def _gemm2_tile(
     a_desc,
     w_desc,
     ROWS: tl.constexpr,
+    MERGE: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     """One tile of ``moe_gemm2_kernel`` (program ``pid_m, pid_n``): its first ``ROWS`` of ``BLOCK_M``
     rows."""
@@ -598,8 +672,14 @@ def _gemm2_tile(
             gdc_launch_dependents()
         if (e < 0) | (e >= num_local):
             return
-        slots = tl.where(rm == 0, pid_m, num_slots)
-        rows = pid_m + rm * 0
+        if MERGE:
+            lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, ROWS, SCAN)
+            if not lead:
+                return
+            rows = tl.where(slots < num_slots, slots, pid_m)
+        else:
+            slots = tl.where(rm == 0, pid_m, num_slots)
+            rows = pid_m + rm * 0
     else:
         if pid_m >= tl.load(num_tiles_ptr):
             return

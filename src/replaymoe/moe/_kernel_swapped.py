@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernel_fwd import _act, _grouped_pid, _ticket_sum, _zero_tickets
+from ._kernel_fwd import _act, _grouped_pid, _merged_slots, _ticket_sum, _ticket_sum_rows, _zero_tickets
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -51,16 +51,23 @@ def _quant_cols(a):
 
 @triton.jit
 def _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_slots, TOP_K, expert_offset,
-                  num_local, DIRECT: tl.constexpr, TN: tl.constexpr):  # fmt: skip
+                  num_local, DIRECT: tl.constexpr, TN: tl.constexpr, MERGE: tl.constexpr = False,
+                  SCAN: tl.constexpr = 16):  # fmt: skip
     """(run, e, slots [TN], rows [TN]) of tile ``pid_m``: whether it has work, its local expert, its
     columns' slots (``>= num_slots``: padding) and their rows of the intermediate (layout order; DIRECT:
-    the slot's row)."""
+    the slot's row; ``MERGE``: the slots of the slot's expert that this program leads, ``_merged_slots``,
+    each on its own row)."""
     rt = tl.arange(0, TN)
     if DIRECT:
         e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
         run = (e >= 0) & (e < num_local)
-        slots = tl.where(rt == 0, pid_m, num_slots)
-        rows = pid_m + rt * 0
+        if MERGE:
+            lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, TN, SCAN)
+            run = run & lead
+            rows = tl.where(slots < num_slots, slots, pid_m)
+        else:
+            slots = tl.where(rt == 0, pid_m, num_slots)
+            rows = pid_m + rt * 0
     else:
         run = pid_m < tl.load(num_tiles_ptr)
         e = tl.load(tile_expert_ptr + pid_m, mask=run, other=0)
@@ -103,6 +110,8 @@ def moe_gemm1_swapped_fp8_kernel(
     cnt_ptr=None,
     num_cnt_n=0,
     TICKET: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
+    SCAN: tl.constexpr = 16,
 ):
     """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for ``BLOCK_N`` columns n of
     each real row of a tile, computed transposed (module docstring).
@@ -124,8 +133,8 @@ def moe_gemm1_swapped_fp8_kernel(
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if TICKET:
         _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
-    run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr,
-                                        num_slots, TOP_K, expert_offset, num_local, DIRECT, TN)  # fmt: skip
+    run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_slots,
+                                        TOP_K, expert_offset, num_local, DIRECT, TN, MERGE, SCAN)  # fmt: skip
     if not run:
         return
     col_ok = slots < num_slots  # padding columns stay zero
@@ -211,6 +220,8 @@ def moe_gemm2_swapped_fp8_kernel(
     stride_om=0,
     KP: tl.constexpr = 1,
     TICKET: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
+    SCAN: tl.constexpr = 16,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T) for each real row of a tile, computed transposed
     (module docstring).
@@ -223,8 +234,8 @@ def moe_gemm2_swapped_fp8_kernel(
     tl.static_assert(DIRECT or not TICKET)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr,
-                                        num_slots, TOP_K, expert_offset, num_local, DIRECT, TN)  # fmt: skip
+    run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_slots,
+                                        TOP_K, expert_offset, num_local, DIRECT, TN, MERGE, SCAN)  # fmt: skip
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if not run:
         if TICKET:
@@ -256,6 +267,10 @@ def moe_gemm2_swapped_fp8_kernel(
     o_ptrs = y_ptr + tl.where(col_ok, slots, 0).to(tl.int64)[None, :] * stride_ym + rn[:, None]
     tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok[None, :])
     if TICKET:
-        tok = (pid_m // TOP_K).to(tl.int64)
-        _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K, expert_offset,
-                    num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip
+        if MERGE:  # each column its own token's
+            _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, rn < H, num_slots,
+                             TOP_K, expert_offset, num_local, stride_ym, stride_om, KP)  # fmt: skip
+        else:
+            tok = (pid_m // TOP_K).to(tl.int64)
+            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
+                        expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip

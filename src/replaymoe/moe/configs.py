@@ -60,6 +60,11 @@ class MoEConfig:
       per-token, per-block ticket, zeroed by GEMM1) reads the token's rows in k order and writes the
       sum, the reduce kernel's arithmetic (the same bits), one launch fewer; ``None``: on in the
       direct mode (:func:`_fused_reduce`).
+    * ``merge_slots`` (direct mode): the slots that share an expert run as the rows of one tile (up to
+      its height, in slot order), so that expert's weights are read once per tile instead of once per
+      slot; the program of a tile's first slot computes it and the others of that expert exit. A row's
+      dot does not depend on the tile's other rows, so the same bits. ``None``: on from 2 tokens (one
+      token's top-k experts are distinct) up to :data:`MERGE_MAX_SLOTS` slots (:func:`_merge_slots`).
     """
 
     direct: bool
@@ -78,6 +83,7 @@ class MoEConfig:
     pdl: bool | None = None
     swap_ab: bool | None = None
     fused_reduce: bool | None = None
+    merge_slots: bool | None = None
 
 
 def _switch_code(v: bool | None) -> int:
@@ -92,9 +98,9 @@ def _switch_value(v: int) -> bool | None:
 def config_from_list(config: list[int]) -> MoEConfig:
     """The inverse of :func:`config_tuple` (shorter lists, from before later switches, are accepted
     too: 11 entries, without the switches; 12, without ``half_tiles`` and after; 14, without
-    ``swap_ab`` and after; 15, without ``fused_reduce``)."""
+    ``swap_ab`` and after; 15, without ``fused_reduce`` and after; 16, without ``merge_slots``)."""
     return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]),
-                     *(_switch_value(v) for v in config[12:16]))  # fmt: skip
+                     *(_switch_value(v) for v in config[12:17]))  # fmt: skip
 
 
 def config_tuple(c: MoEConfig) -> list[int]:
@@ -102,7 +108,8 @@ def config_tuple(c: MoEConfig) -> list[int]:
     cross the op boundary; a switch left ``None`` travels as -1 and is resolved by the launcher)."""
     return [int(c.direct), c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2,
             c.warps2, c.stages2, c.group_m, int(c.tma), _switch_code(c.half_tiles),
-            _switch_code(c.pdl), _switch_code(c.swap_ab), _switch_code(c.fused_reduce)]  # fmt: skip
+            _switch_code(c.pdl), _switch_code(c.swap_ab), _switch_code(c.fused_reduce),
+            _switch_code(c.merge_slots)]  # fmt: skip
 
 
 # Every fp8 configuration uses tiles of this many rows: Hopper's fp8 dot at >= 64 rows (wgmma) and at
@@ -375,6 +382,21 @@ def _swap_ab(c, fp8: bool) -> bool:
         want and fp8 and c.block_n1 in (32, 64, 128) and c.block_k1 == 128 and c.block_k2 == 128
         and c.block_n2 in (64, 128)
     )  # fmt: skip
+
+
+# merged direct tiles (MoEConfig.merge_slots): each program scans the batch's T * K expert ids, so only
+# where they are few (a [tile rows, slots] comparison in registers)
+MERGE_MAX_SLOTS = 256
+
+
+def _merge_slots(c, T: int, slots: int) -> bool:
+    """Configuration ``c`` merges the slots that share an expert into one direct tile
+    (:attr:`MoEConfig.merge_slots`): direct mode, at most :data:`MERGE_MAX_SLOTS` slots, and
+    ``c.merge_slots``; ``None``: from 2 tokens (one token's top-k experts are distinct, so at T = 1
+    there is nothing to merge)."""
+    if not c.direct or slots > MERGE_MAX_SLOTS:
+        return False
+    return T >= 2 if c.merge_slots is None else c.merge_slots
 
 
 def _fused_reduce(c) -> bool:
