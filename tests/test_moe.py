@@ -1361,13 +1361,13 @@ def test_triton_interpreter_merged_slots_leaders():
 
 
 def test_merge_slots_rule():
-    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, merge_slots=True)
     assert not cfgs._merge_slots(c, 1, 8)  # one token: its top-k experts are distinct, nothing to merge
     assert cfgs._merge_slots(c, 2, 16) and cfgs._merge_slots(c, 32, cfgs.MERGE_MAX_SLOTS)
     assert not cfgs._merge_slots(c, 33, cfgs.MERGE_MAX_SLOTS + 8)  # every program scans the ids: few only
+    assert not cfgs._merge_slots(dataclasses.replace(c, merge_slots=None), 4, 32)  # the default: off
     assert not cfgs._merge_slots(dataclasses.replace(c, merge_slots=False), 4, 32)
-    assert cfgs._merge_slots(dataclasses.replace(c, merge_slots=True), 1, 8)
-    assert not cfgs._merge_slots(dataclasses.replace(c, direct=False, merge_slots=True), 4, 32)  # tile mode
+    assert not cfgs._merge_slots(dataclasses.replace(c, direct=False), 4, 32)  # tile mode
 
 
 def test_fused_reduce_only_in_direct_mode():

@@ -144,11 +144,10 @@ def _merged_slots(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, SCAN: tl.conste
     ids = tl.load(ids_ptr + idx, mask=idx < num_slots, other=-1)
     match = (ids == tl.load(ids_ptr + pid_m)) & (idx < num_slots)
     pos = tl.cumsum(match.to(tl.int32), axis=0) - 1  # a matching slot's place among its expert's slots
-    mine = tl.sum(tl.where(idx == pid_m, pos, 0), axis=0)
+    mine = tl.sum((match & (idx < pid_m)).to(tl.int32), axis=0)  # this slot's place
     hit = match[None, :] & (pos[None, :] == mine + tl.arange(0, ROWS)[:, None])  # [ROWS, SCAN]
-    found = tl.sum(hit.to(tl.int32), axis=1) > 0
-    slots = tl.where(found, tl.sum(tl.where(hit, idx[None, :], 0), axis=1), num_slots)
-    return mine % ROWS == 0, slots
+    slot = tl.sum(tl.where(hit, idx[None, :] + 1, 0), axis=1) - 1  # -1: no such slot
+    return mine % ROWS == 0, tl.where(slot >= 0, slot, num_slots)
 
 
 @triton.jit

@@ -63,8 +63,9 @@ class MoEConfig:
     * ``merge_slots`` (direct mode): the slots that share an expert run as the rows of one tile (up to
       its height, in slot order), so that expert's weights are read once per tile instead of once per
       slot; the program of a tile's first slot computes it and the others of that expert exit. A row's
-      dot does not depend on the tile's other rows, so the same bits. ``None``: on from 2 tokens (one
-      token's top-k experts are distinct) up to :data:`MERGE_MAX_SLOTS` slots (:func:`_merge_slots`).
+      dot does not depend on the tile's other rows, so the same bits. Up to :data:`MERGE_MAX_SLOTS`
+      slots; ``None``: off (:func:`_merge_slots`; measured no faster than the layout's tiles, H100,
+      bench/moe_notes.md session 30).
     """
 
     direct: bool
@@ -392,11 +393,9 @@ MERGE_MAX_SLOTS = 256
 def _merge_slots(c, T: int, slots: int) -> bool:
     """Configuration ``c`` merges the slots that share an expert into one direct tile
     (:attr:`MoEConfig.merge_slots`): direct mode, at most :data:`MERGE_MAX_SLOTS` slots, and
-    ``c.merge_slots``; ``None``: from 2 tokens (one token's top-k experts are distinct, so at T = 1
-    there is nothing to merge)."""
-    if not c.direct or slots > MERGE_MAX_SLOTS:
-        return False
-    return T >= 2 if c.merge_slots is None else c.merge_slots
+    ``c.merge_slots`` (``None``: off). ``T``: the batch's tokens (at T = 1 the top-k experts are
+    distinct: nothing to merge, so off)."""
+    return bool(c.merge_slots) and c.direct and T >= 2 and slots <= MERGE_MAX_SLOTS
 
 
 def _fused_reduce(c) -> bool:
