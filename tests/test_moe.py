@@ -1360,14 +1360,27 @@ def test_triton_interpreter_merged_slots_leaders():
     assert slots[1].tolist() == [1, n, n, n] and slots[4].tolist() == [4, n, n, n]
 
 
-def test_merge_slots_rule():
-    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2, merge_slots=True)
-    assert not cfgs._merge_slots(c, 1, 8)  # one token: its top-k experts are distinct, nothing to merge
-    assert cfgs._merge_slots(c, 2, 16) and cfgs._merge_slots(c, 32, cfgs.MERGE_MAX_SLOTS)
-    assert not cfgs._merge_slots(c, 33, cfgs.MERGE_MAX_SLOTS + 8)  # every program scans the ids: few only
-    assert not cfgs._merge_slots(dataclasses.replace(c, merge_slots=None), 4, 32)  # the default: off
-    assert not cfgs._merge_slots(dataclasses.replace(c, merge_slots=False), 4, 32)
-    assert not cfgs._merge_slots(dataclasses.replace(c, direct=False), 4, 32)  # tile mode
+@pytest.mark.parametrize(
+    "T,K,dims,fp8,want",
+    [
+        (2, 8, (2048, 768, 128), False, False),  # Qwen3 T=2: 0.9 repeated experts expected, off
+        (4, 8, (2048, 768, 128), False, True),  # Qwen3 T=4 bf16: 3.6 repeats, 7.9 us of reads saved
+        (4, 8, (2048, 768, 128), True, False),  # the same in fp8: 4.0 us, less than the scan costs
+        (2, 8, (7168, 2048, 256), False, False),  # DeepSeek-V3 T=2: 0.46 repeats expected
+        (8, 8, (7168, 2048, 256), True, True),  # DeepSeek-V3 T=8 fp8 (measured 978 -> 863 us)
+        (4, 2, (4096, 14336, 8), True, True),  # Mixtral T=4: 2.75 repeats of 176 MB experts
+        (1, 8, (2048, 768, 128), False, False),  # one token: its top-k experts are distinct
+        (64, 8, (2048, 768, 128), False, False),  # 512 slots: past MERGE_MAX_SLOTS
+    ],
+)
+def test_merge_slots_rule(T, K, dims, fp8, want):
+    H, I, E = dims  # noqa: E741
+    c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2)
+    assert cfgs._merge_slots(c, T, K, H, I, E, fp8) is want
+    assert not cfgs._merge_slots(dataclasses.replace(c, merge_slots=False), T, K, H, I, E, fp8)
+    forced = cfgs._merge_slots(dataclasses.replace(c, merge_slots=True), T, K, H, I, E, fp8)
+    assert forced is (T >= 2 and T * K <= cfgs.MERGE_MAX_SLOTS)  # the switch, within the mode's reach
+    assert not cfgs._merge_slots(dataclasses.replace(c, direct=False, merge_slots=True), T, K, H, I, E, fp8)
 
 
 def test_fused_reduce_only_in_direct_mode():

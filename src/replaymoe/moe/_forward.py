@@ -252,7 +252,7 @@ def _launch(
     # that GEMM2 prefetches its weights while GEMM1 finishes and no launch gap separates the three
     pdl = _pdl(c, fp8, dev)
     ticket, cnt, n_cnt = _tickets(c, T, H, ids)
-    merge, scan = _merge_slots(c, T, slots), _scan_width(slots)
+    merge, scan = _merge_slots(c, T, K, H, I, E_local, fp8), _scan_width(slots)
     grid1 = (num_pid_m * cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
@@ -364,7 +364,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
     ticket, cnt, n_cnt = _tickets(c, T, H, ids)
-    merge, scan = _merge_slots(c, T, slots), _scan_width(slots)
+    merge, scan = _merge_slots(c, T, K, H, I, E_local, True), _scan_width(slots)
     fast(moe_gemm1_swapped_fp8_kernel)[(num_pid_m * (I // c.block_n1),)](
         xq, xs, w13, w13_scale, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, slots,
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),

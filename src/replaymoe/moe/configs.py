@@ -64,8 +64,8 @@ class MoEConfig:
       its height, in slot order), so that expert's weights are read once per tile instead of once per
       slot; the program of a tile's first slot computes it and the others of that expert exit. A row's
       dot does not depend on the tile's other rows, so the same bits. Up to :data:`MERGE_MAX_SLOTS`
-      slots; ``None``: off (:func:`_merge_slots`; measured no faster than the layout's tiles, H100,
-      bench/moe_notes.md session 30).
+      slots; ``None``: where the reads it saves pay for every program's scan of the batch's ids
+      (:func:`_merge_slots`).
     """
 
     direct: bool
@@ -388,14 +388,30 @@ def _swap_ab(c, fp8: bool) -> bool:
 # merged direct tiles (MoEConfig.merge_slots): each program scans the batch's T * K expert ids, so only
 # where they are few (a [tile rows, slots] comparison in registers)
 MERGE_MAX_SLOTS = 256
+# merge_slots=None merges where random routing is expected to leave at least one slot sharing an expert
+# with another and the weight reads saved take at least this long. Measured (H100, graph replay, the
+# direct mode's tiles with and without merging, bench/merge_slots_probe.py, bench/moe_notes.md session
+# 30): the scan costs 1.5-5 us where nothing merges (Qwen3 T=2 bf16 74.4 -> 79.1 us, expected 0.9
+# duplicate slots); merged, DeepSeek-V3 T=4 bf16 932 -> 885, fp8 510 -> 481, T=8 fp8 978 -> 863,
+# Mixtral fp8 T=4 286 -> 271, Qwen3 bf16 T=4 (7.9 us of reads saved) 117.3 -> 114.4; Qwen3 fp8 T=4
+# (4.0 us saved) 72.3 -> 75.1 loses
+MERGE_MIN_SAVED_S = 6e-6
 
 
-def _merge_slots(c, T: int, slots: int) -> bool:
+def _merge_slots(c, T: int, K: int, H: int, I: int, E_local: int, fp8: bool) -> bool:  # noqa: E741
     """Configuration ``c`` merges the slots that share an expert into one direct tile
-    (:attr:`MoEConfig.merge_slots`): direct mode, at most :data:`MERGE_MAX_SLOTS` slots, and
-    ``c.merge_slots`` (``None``: off). ``T``: the batch's tokens (at T = 1 the top-k experts are
-    distinct: nothing to merge, so off)."""
-    return bool(c.merge_slots) and c.direct and T >= 2 and slots <= MERGE_MAX_SLOTS
+    (:attr:`MoEConfig.merge_slots`) for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I:
+    direct mode, 2 tokens or more (one token's top-k experts are distinct), at most
+    :data:`MERGE_MAX_SLOTS` slots, and ``c.merge_slots``; ``None``: where random routing is expected to
+    give at least one duplicate expert read and the reads merging saves take at least
+    :data:`MERGE_MIN_SAVED_S` at :data:`_HBM_BYTES_PER_S`."""
+    slots = T * K
+    if not c.direct or T < 2 or slots > MERGE_MAX_SLOTS or c.merge_slots is False:
+        return False
+    if c.merge_slots:
+        return True
+    repeats = slots - E_local * (1.0 - (1.0 - 1.0 / E_local) ** slots)  # slots beyond the distinct experts
+    return repeats >= 1.0 and repeats * 3 * H * I * (1 if fp8 else 2) / _HBM_BYTES_PER_S >= MERGE_MIN_SAVED_S
 
 
 def _fused_reduce(c) -> bool:
