@@ -1234,6 +1234,32 @@ def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, gen
     assert (outs[1][~local] == 0).all()
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("T,H", [(5, 256), (3, 1152)])  # 1152: 9 groups, a partial block of 8 per program
+def test_triton_interpreter_layout_launch_quantizes_x(T, H, generator, monkeypatch):
+    # fp8 tile mode: the layout's scatter launch also quantizes x (quant_x), with quant_groups_kernel's
+    # arithmetic (elementwise: the same bits on any CPU), so no separate quantization launch runs; the
+    # direct mode keeps its own
+    x = torch.randn(T, H, generator=generator).bfloat16() * 3
+    ids = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(T)]).int()
+    xq, xs = moe_fwd._x_buffers(x)
+    xq.view(torch.uint8).fill_(0x7F)  # poisoned (e4m3 NaN)
+    xs.fill_(float("nan"))
+    lay = layout_mod.expert_layout_unchecked(ids, 4, 16, 0, 1, False, (x, xq, xs))
+    ref_q, ref_s = moe_fwd._quantize_x(x)
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(xs, ref_s)
+    assert torch.equal(lay.sorted_slots, layout_mod.expert_layout_unchecked(ids, 4, 16).sorted_slots)
+    w13 = (torch.randn(4, 256, H, generator=generator) * H**-0.5).bfloat16()
+    w2 = (torch.randn(4, H, 128, generator=generator) * 128**-0.5).bfloat16()
+    (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    for direct in (False, True):
+        seen = _record_launches(monkeypatch)
+        c = MoEConfig(direct, 16 if not direct else 64, 32, 128, 4, 2, 64, 128, 4, 2, swap_ab=True)
+        experts_triton(x, q13, q2, ids, torch.rand(T, 2, generator=generator), w13_scale=s13, w2_scale=s2,
+                       local_expert_offset=0, out=None, config=c)  # fmt: skip
+        assert ("quant_groups_kernel" in [k for k, _ in seen]) is direct
+
+
 FUSED_REDUCE_CASES = [
     # (dtype, T, H, K, E slice, block_n2, swap) -- edge each hits
     (torch.float16, 1, 64, 2, (0, 4), 32, False),  # one token, two H blocks

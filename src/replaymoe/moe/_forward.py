@@ -219,12 +219,18 @@ def _launch(
     s2 = w2_scale if fp8 else w2
     s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
     s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
+    xq_xs = None
     if c.direct:
         rows, num_pid_m = slots, slots
         sorted_slots = tile_expert = num_tiles = ids  # unused in DIRECT mode
     else:
-        # training (layout_out): the backward's compact order is built in the same launches
-        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, layout_out is not None)
+        # training (layout_out): the backward's compact order is built in the same launches; fp8: x is
+        # quantized per 1x128 group in the same launch too
+        quant = None
+        if fp8:
+            xq_xs = _x_buffers(x)
+            quant = (x, *xq_xs)
+        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, layout_out is not None, quant)
         if layout_out is not None:
             layout_out.append(lay)
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
@@ -232,13 +238,14 @@ def _launch(
         rows = max(lay.sorted_slots.shape[0], 1)
     if _swap_ab(c, fp8):
         tiles = None if c.direct else lay
-        _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c, tiles)
+        _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c, tiles, xq_xs)
         return
     # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
     # quantize its activation tiles again in every N-block program (the same bits)
     preq = fp8 and c.block_n1 == 128
-    # x quantized once per 1x128 group (every fp8 mode: the same bits as in-tile quantization)
-    xq, xs = _quantize_x(x) if fp8 else (x, x)
+    # x quantized once per 1x128 group (every fp8 mode: the same bits as in-tile quantization; tile mode:
+    # by the layout's launch)
+    xq, xs = (xq_xs or _quantize_x(x)) if fp8 else (x, x)
     if preq:
         inter = torch.empty(rows, I, dtype=_FP8, device=dev)
         inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev)
@@ -306,13 +313,19 @@ def _tickets(c: MoEConfig, T: int, H: int, ids: torch.Tensor) -> tuple[bool, tor
     return True, torch.empty(T, n, dtype=torch.int32, device=ids.device), n
 
 
+def _x_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized x's buffers: (e4m3 [T, H], fp32 scales [T, H // 128]), uninitialized."""
+    T, H = x.shape
+    return (torch.empty(T, H, dtype=_FP8, device=x.device),
+            torch.empty(T, H // 128, dtype=torch.float32, device=x.device))  # fmt: skip
+
+
 def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (H a multiple of 128) quantized per 1×128 group: (e4m3 [T, H], fp32 scales [T, H // 128])."""
     from ._kernel_fwd import quant_groups_kernel
 
     T, H = x.shape
-    xq = torch.empty(T, H, dtype=_FP8, device=x.device)
-    xs = torch.empty(T, H // 128, dtype=torch.float32, device=x.device)
+    xq, xs = _x_buffers(x)
     fast(quant_groups_kernel)[(T, cdiv(H // 128, 8))](x, xq, xs, H // 128, x.stride(0), G=8, num_warps=4)
     return xq, xs
 
@@ -337,11 +350,13 @@ def _reduce_slots(y, ids, out, offset: int, E_local: int, pdl: bool = False) -> 
 _DECODE_TN = 16
 
 
-def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig, lay) -> None:
+def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig, lay,
+                        xq_xs=None) -> None:  # fmt: skip
     """The fp8 experts with swapped operands (``c.swap_ab``, ``_kernel_swapped.py``): x quantized per
     1×128 group -> GEMM1 -> GEMM2 -> reduce (or the top-k sum in GEMM2, direct mode). Arguments as
     :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit stride along K);
-    ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`_launch` (None in direct mode)."""
+    ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`_launch` (None in direct mode);
+    ``xq_xs``: x already quantized (tile mode: by the layout's launch), else quantized here."""
     from ._kernel_swapped import moe_gemm1_swapped_fp8_kernel, moe_gemm2_swapped_fp8_kernel
 
     T, H = x.shape
@@ -359,7 +374,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     if num_pid_m == 0:
         out.zero_()
         return
-    xq, xs = _quantize_x(x)
+    xq, xs = xq_xs or _quantize_x(x)
     preq = c.block_n1 == 128
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter

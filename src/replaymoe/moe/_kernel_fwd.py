@@ -26,7 +26,8 @@ Two modes, chosen by the wrapper from the shape:
 
 fp8 block-scale (``FP8``): weights e4m3 with one fp32 scale per 128×128 block; activations are
 quantized per 1×128 group (x, and the SwiGLU rows rounded to bf16). ``PREQ_X``: x is quantized once
-by ``quant_groups_kernel`` and GEMM1 reads e4m3 rows plus scales. ``PREQ`` (GEMM1 on 128-column
+by ``quant_groups_kernel`` (tile mode: by the layout's scatter launch, the same arithmetic) and GEMM1
+reads e4m3 rows plus scales. ``PREQ`` (GEMM1 on 128-column
 blocks, either mode): also GEMM1's epilogue quantizes its 128-column block of SwiGLU rows, so GEMM2
 reads e4m3 too; without it (GEMM1 on narrower blocks) GEMM2 quantizes its activation tiles in registers
 as it loads them, once per N-block program (the same arithmetic, so the same bits). ``BLOCK_K == 128``

@@ -13,6 +13,10 @@ Two launches (one where the slots fit one chunk), no host synchronization:
      expert starts, the marker in the rows past the local slots, and (program 0) ``exact_start``
      and ``expert_shift`` — :func:`replaymoe.moe.layout.compact_layout`'s outputs, one launch fewer.
 
+With ``QUANT`` (the fp8 tile modes) the scatter launch also quantizes x per 1×128 group
+(``quant_groups_kernel``'s arithmetic, so the same bits) in programs past the layout's grid, one per
+(token, 8 groups): two independent small jobs in one launch, one launch fewer per fp8 call.
+
 ``layout_compact_kernel`` (grid = tile blocks) derives the layout's compact (unpadded) row order
 from an existing layout: see :func:`replaymoe.moe.layout.compact_layout`.
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._kernel_fwd import _quant_rows
 
 
 @triton.jit
@@ -71,10 +77,33 @@ def layout_scatter_kernel(
     shift_ptr=None,
     COMPACT: tl.constexpr = False,
     SINGLE: tl.constexpr = False,
+    layout_grid=0,
+    x_ptr=None,
+    xq_ptr=None,
+    xs_ptr=None,
+    n_groups=0,
+    stride_xm=0,
+    QUANT: tl.constexpr = False,
+    QG: tl.constexpr = 8,
 ):
     """See the module docstring. ``SINGLE`` (one chunk): every program counts the slots itself
-    (``layout_hist_kernel``'s histogram, ``hist_ptr`` unused), so the layout is one launch."""
+    (``layout_hist_kernel``'s histogram, ``hist_ptr`` unused), so the layout is one launch. ``QUANT``:
+    the programs from ``layout_grid`` on quantize x [T, H] (``n_groups`` = H // 128 groups per row,
+    ``QG`` per program) into ``xq`` [T, H] e4m3 and ``xs`` [T, n_groups] fp32."""
     pid = tl.program_id(0)
+    if QUANT:
+        if pid >= layout_grid:
+            q = pid - layout_grid
+            n_gb = tl.cdiv(n_groups, QG)
+            t = (q // n_gb).to(tl.int64)
+            gi = (q % n_gb) * QG + tl.arange(0, QG)
+            ok = gi < n_groups
+            offs = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
+            xv = tl.load(x_ptr + t * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+            xq, xs = _quant_rows(xv)
+            tl.store(xq_ptr + t * n_groups * 128 + offs, xq, mask=ok[:, None])
+            tl.store(xs_ptr + t * n_groups + gi, xs, mask=ok)
+            return
     ev = tl.arange(0, E_PAD)
     rows = tl.arange(0, NC_PAD)
     if SINGLE:
