@@ -48,7 +48,7 @@ HOPPER_CARDS: dict[str, tuple[str, float]] = {"h100": ("H100", 80.0), "h200": ("
 _FIELDS = [
     f.name
     for f in dataclasses.fields(MoEConfig)
-    if f.name not in ("half_tiles", "pdl", "swap_ab", "fused_reduce")
+    if f.name not in ("half_tiles", "pdl", "swap_ab", "fused_reduce", "merge_slots")
 ]
 # written only where set: fp8 tile-mode entries on the swapped kernels (16- / 32-row tiles, fp8_invariant)
 _OPTIONAL = ("swap_ab",)
