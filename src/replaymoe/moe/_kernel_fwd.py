@@ -6,9 +6,10 @@ Two modes, chosen by the wrapper from the shape:
   GEMM1 gathers token rows through ``sorted_slots`` and writes ``silu(gate)*up`` rows in layout
   order; GEMM2 reads them contiguously, applies the routing weight and writes one row per slot;
   ``moe_reduce_kernel`` sums each token's K rows in k order (deterministic, no atomics).
-* DIRECT (decode): one tile per slot (row 0 real), no layout; GEMM2 writes one row per slot and sums
-  each token's rows itself (``TICKET``: the program that completes a token's count of local slots
-  sums them in k order, the reduce kernel's arithmetic; ``MoEConfig.fused_reduce``), or the same
+* DIRECT (decode): one tile per slot (row 0 real; ``MERGE``: the slots of one expert as the rows of
+  one tile, led by its first slot's program, ``_merged_slots``), no layout; GEMM2 writes one row per
+  slot and sums each token's rows itself (``TICKET``: the program that completes a token's count of
+  local slots sums them in k order, the reduce kernel's arithmetic; ``MoEConfig.fused_reduce``), or the same
   reduction kernel sums them. On Hopper the kernels can be programmatic dependent launches (``PDL``):
   GEMM1 waits for its inputs' producer and lets GEMM2 start at once; GEMM2 reads its slot's expert,
   prefetches its weight rows into L2 and waits for GEMM1's rows; the reduction (if it runs) waits for

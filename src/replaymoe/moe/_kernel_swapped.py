@@ -12,7 +12,8 @@ scale_w`` product and accumulated in the same order, so the bits are those of th
 Two modes, as the unswapped kernels:
 
 * ``DIRECT`` (decode): one program column per slot, ``TN = 16`` token columns of which column 0 is
-  the slot's (the others masked to zero);
+  the slot's (the others masked to zero); with ``MERGE`` the columns are the slots of the slot's expert
+  that its program leads (``_kernel_fwd._merged_slots``);
 * tile mode: the tiles of :mod:`replaymoe.moe.layout` with ``TN = block_m`` rows (16 or 32: an
   expert's rows of a small batch), gathered through ``sorted_slots``; GEMM1 writes its rows in layout
   order, GEMM2 reads them so and writes one row per slot.
