@@ -153,6 +153,23 @@ def _merged_slots(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, SCAN: tl.conste
 
 
 @triton.jit
+def _direct_rows(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, MERGE: tl.constexpr, SCAN: tl.constexpr):
+    """Direct mode: ``(lead, slots [ROWS], rows [ROWS])`` of slot ``pid_m``'s program: whether it computes
+    a tile (always, unless ``MERGE``), the tile's slots (``num_slots``: padding) and their rows of the
+    intermediate: the slot alone on row 0 (its row ``pid_m``), or with ``MERGE`` the slots of its expert
+    that it leads (``_merged_slots``), each on its own row."""
+    if MERGE:
+        lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, ROWS, SCAN)
+        rows = tl.where(slots < num_slots, slots, pid_m)
+    else:
+        rm = tl.arange(0, ROWS)
+        lead = pid_m >= 0
+        slots = tl.where(rm == 0, pid_m, num_slots)
+        rows = pid_m + rm * 0
+    return lead, slots, rows
+
+
+@triton.jit
 def _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, n_ok, num_slots, TOP_K,
                      expert_offset, num_local, stride_ym, stride_om, KP: tl.constexpr):  # fmt: skip
     """``_ticket_sum`` with ``ARRIVE`` for a merged tile (``MERGE``): every real row (``slots`` [R], each
@@ -365,14 +382,10 @@ def _gemm1_tile(
         e = slot0 - expert_offset
         if (e < 0) | (e >= num_local):
             return
+        lead, slots, out_rows = _direct_rows(pid_m, ids_ptr, num_slots, ROWS, MERGE, SCAN)
         if MERGE:
-            lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, ROWS, SCAN)
             if not lead:
                 return
-            out_rows = tl.where(slots < num_slots, slots, pid_m)
-        else:
-            slots = tl.where(rm == 0, pid_m, num_slots)
-            out_rows = pid_m + rm * 0
     else:
         if pid_m >= tl.load(num_tiles_ptr):
             return
@@ -568,38 +581,26 @@ def moe_gemm2_kernel(
                         num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                         stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                        PDL, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
+                        PDL, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2, MERGE=MERGE, SCAN=SCAN,
+                        out_ptr=out_ptr, cnt_ptr=cnt_ptr, TOP_K=TOP_K, stride_om=stride_om, KP=KP,
+                        TICKET=TICKET)  # fmt: skip
         else:
             _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                         wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
                         num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                         stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                        PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
+                        PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN,
+                        out_ptr=out_ptr, cnt_ptr=cnt_ptr, TOP_K=TOP_K, stride_om=stride_om, KP=KP,
+                        TICKET=TICKET)  # fmt: skip
     else:
         _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                     wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
                     num_slots, expert_offset, num_local, stride_im, stride_we, stride_wn,
                     stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                     FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
-                    PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
-    if TICKET:
-        e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tok = (pid_m // TOP_K).to(tl.int64)
-        if (e >= 0) & (e < num_local):
-            if MERGE:  # the tile's leader counts every row (the others' slots are its rows)
-                lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, BLOCK_M, SCAN)
-                if lead:
-                    _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, rn < H,
-                                     num_slots, TOP_K, expert_offset, num_local, stride_ym, stride_om,
-                                     KP)  # fmt: skip
-            else:
-                _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
-                            expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip
-        elif pid_m % TOP_K == 0:
-            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
-                        expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=False)  # fmt: skip
+                    PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN, out_ptr=out_ptr,
+                    cnt_ptr=cnt_ptr, TOP_K=TOP_K, stride_om=stride_om, KP=KP, TICKET=TICKET)  # fmt: skip
 
 
 @triton.jit
@@ -649,6 +650,12 @@ def _gemm2_tile(
     ROWS: tl.constexpr,
     MERGE: tl.constexpr,
     SCAN: tl.constexpr,
+    out_ptr,
+    cnt_ptr,
+    TOP_K,
+    stride_om,
+    KP: tl.constexpr,
+    TICKET: tl.constexpr,
 ):
     """One tile of ``moe_gemm2_kernel`` (program ``pid_m, pid_n``): its first ``ROWS`` of ``BLOCK_M``
     rows."""
@@ -672,15 +679,17 @@ def _gemm2_tile(
             gdc_wait()
             gdc_launch_dependents()
         if (e < 0) | (e >= num_local):
+            if TICKET:
+                if pid_m % TOP_K == 0:  # a token without local slots gets zeros
+                    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                    _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n,
+                                tl.cdiv(H, BLOCK_N), rn, rn < H, TOP_K, expert_offset, num_local, stride_ym,
+                                stride_om, KP, ARRIVE=False)  # fmt: skip
             return
+        lead, slots, rows = _direct_rows(pid_m, ids_ptr, num_slots, ROWS, MERGE, SCAN)
         if MERGE:
-            lead, slots = _merged_slots(pid_m, ids_ptr, num_slots, ROWS, SCAN)
             if not lead:
                 return
-            rows = tl.where(slots < num_slots, slots, pid_m)
-        else:
-            slots = tl.where(rm == 0, pid_m, num_slots)
-            rows = pid_m + rm * 0
     else:
         if pid_m >= tl.load(num_tiles_ptr):
             return
@@ -728,19 +737,35 @@ def _gemm2_tile(
     acc = acc * wt[:, None]
     o_ptrs = y_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
     tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if TICKET:
+        if MERGE:  # the tile's leader counts every row (each its own token's)
+            _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, tl.cdiv(H, BLOCK_N), rn,
+                             n_ok, num_slots, TOP_K, expert_offset, num_local, stride_ym, stride_om,
+                             KP)  # fmt: skip
+        else:
+            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n,
+                        tl.cdiv(H, BLOCK_N), rn, n_ok, TOP_K, expert_offset, num_local, stride_ym, stride_om,
+                        KP, ARRIVE=True)  # fmt: skip
 
 
 @triton.jit
-def quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, G: tl.constexpr):
-    """Per 1x128 group of each row: q = e4m3(x / s), s = amax / 448 (activations of the fp8 path)."""
-    t = tl.program_id(0).to(tl.int64)
-    gi = tl.program_id(1) * G + tl.arange(0, G)
+def _quant_group_block(x_ptr, q_ptr, s_ptr, t, gb, n_groups, stride_xm, G: tl.constexpr):
+    """Row ``t`` (int64) of x, its ``G`` 1x128 groups of block ``gb``: q [T, n_groups * 128] = e4m3(x / s),
+    s [T, n_groups] = amax / 448 (``_quant_rows``)."""
+    gi = gb * G + tl.arange(0, G)
     ok = gi < n_groups
     offs = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
     x = tl.load(x_ptr + t * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     q, s = _quant_rows(x)
     tl.store(q_ptr + t * n_groups * 128 + offs, q, mask=ok[:, None])
     tl.store(s_ptr + t * n_groups + gi, s, mask=ok)
+
+
+@triton.jit
+def quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, G: tl.constexpr):
+    """Per 1x128 group of each row: q = e4m3(x / s), s = amax / 448 (activations of the fp8 path)."""
+    t = tl.program_id(0).to(tl.int64)
+    _quant_group_block(x_ptr, q_ptr, s_ptr, t, tl.program_id(1), n_groups, stride_xm, G)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernel_fwd import _quant_rows
+from ._kernel_fwd import _quant_group_block
 
 
 @triton.jit
@@ -96,13 +96,7 @@ def layout_scatter_kernel(
             q = pid - layout_grid
             n_gb = tl.cdiv(n_groups, QG)
             t = (q // n_gb).to(tl.int64)
-            gi = (q % n_gb) * QG + tl.arange(0, QG)
-            ok = gi < n_groups
-            offs = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
-            xv = tl.load(x_ptr + t * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-            xq, xs = _quant_rows(xv)
-            tl.store(xq_ptr + t * n_groups * 128 + offs, xq, mask=ok[:, None])
-            tl.store(xs_ptr + t * n_groups + gi, xs, mask=ok)
+            _quant_group_block(x_ptr, xq_ptr, xs_ptr, t, q % n_gb, n_groups, stride_xm, QG)
             return
     ev = tl.arange(0, E_PAD)
     rows = tl.arange(0, NC_PAD)
