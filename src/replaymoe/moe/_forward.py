@@ -353,8 +353,7 @@ _DECODE_TN = 16
 def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig, lay,
                         xq_xs=None) -> None:  # fmt: skip
     """The fp8 experts with swapped operands (``c.swap_ab``, ``_kernel_swapped.py``): x quantized per
-    1×128 group (in the direct mode by GEMM1 as it loads x) -> GEMM1 -> GEMM2 -> reduce (or the top-k sum
-    in GEMM2, direct mode). Arguments as
+    1×128 group -> GEMM1 -> GEMM2 -> reduce (or the top-k sum in GEMM2, direct mode). Arguments as
     :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit stride along K);
     ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`_launch` (None in direct mode);
     ``xq_xs``: x already quantized (tile mode: by the layout's launch), else quantized here."""
@@ -375,9 +374,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     if num_pid_m == 0:
         out.zero_()
         return
-    # the direct mode: GEMM1 quantizes x's few rows as it loads them (QX), so no quantization launch runs
-    qx = c.direct and xq_xs is None
-    xq, xs = (x, x) if qx else (xq_xs or _quantize_x(x))
+    xq, xs = xq_xs or _quantize_x(x)
     preq = c.block_n1 == 128
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
@@ -388,7 +385,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), inter.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128,
         TN=tn, GROUP_M=c.group_m, num_warps=c.warps1, num_stages=c.stages1, cnt_ptr=cnt, num_cnt_n=n_cnt,
-        TICKET=ticket, MERGE=merge, SCAN=scan, QX=qx,
+        TICKET=ticket, MERGE=merge, SCAN=scan,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     fast(moe_gemm2_swapped_fp8_kernel)[(num_pid_m * cdiv(H, c.block_n2),)](

@@ -20,8 +20,7 @@ Two modes, as the unswapped kernels:
 
 * ``moe_gemm1_swapped_fp8_kernel``: one program per (tile, ``BLOCK_N`` columns of I): gate and up
   accumulators, SwiGLU, then (``PREQ``, 128 columns) quantized to e4m3 with one scale per row, or
-  stored in bf16 for GEMM2 to quantize. x arrives quantized per 1×128 group with its scales (tile
-  mode), or in bf16 and quantized as loaded (``QX``, the direct mode).
+  stored in bf16 for GEMM2 to quantize. x arrives quantized per 1×128 group with its scales.
 * ``moe_gemm2_swapped_fp8_kernel``: one program per (tile, ``BLOCK_N`` columns of H): the SwiGLU rows
   (e4m3, or bf16 quantized as loaded) times w2, scaled by each slot's routing weight (the reduce
   kernel sums a token's rows).
@@ -108,7 +107,6 @@ def moe_gemm1_swapped_fp8_kernel(
     TICKET: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     SCAN: tl.constexpr = 16,
-    QX: tl.constexpr = False,
 ):
     """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for ``BLOCK_N`` columns n of
     each real row of a tile, computed transposed (module docstring).
@@ -118,9 +116,7 @@ def moe_gemm1_swapped_fp8_kernel(
     and up rows are stacked into one 64-row dot (a dot of fewer weight rows would take another MMA
     kind, which rounds differently).
 
-    x [T, H] e4m3 with ``xs`` [T, H // 128] fp32 (``quant_groups_kernel``'s), or with ``QX`` x [T, H]
-    bf16 quantized per 1×128 group as it is loaded (``xs`` unused; the same arithmetic, so the same
-    bits: no quantization launch before a decode call); w13 [E, 2I, H] e4m3 with
+    x [T, H] e4m3 with ``xs`` [T, H // 128] fp32 (``quant_groups_kernel``'s); w13 [E, 2I, H] e4m3 with
     unit stride along H, ``ws`` [E, 2I // 128, H // 128] fp32; ``ids`` [T * K] int; the layout's
     ``sorted_slots`` / ``tile_expert`` / ``num_tiles`` (tile mode); inter [rows, I] (e4m3 and
     ``inter_s`` [rows, I // 128] fp32 with ``PREQ``, else bf16; rows: T * K in DIRECT mode, the
@@ -157,11 +153,8 @@ def moe_gemm1_swapped_fp8_kernel(
         acc_g = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, TN), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if QX:
-            aq, sa = _quant_cols(tl.load(a_ptrs, mask=col_ok[None, :], other=0.0).to(tl.float32))
-        else:
-            aq = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
-            sa = tl.load(xs_ptr + tok * (H // 128) + k, mask=col_ok, other=0.0)
+        aq = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+        sa = tl.load(xs_ptr + tok * (H // 128) + k, mask=col_ok, other=0.0)
         sg = tl.load(sg_ptr + k)
         su = tl.load(su_ptr + k)
         if STACK:
