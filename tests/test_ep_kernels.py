@@ -167,7 +167,8 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         assert grid == want
         assert st.lookback == (plan and not mixed)
         lookback = plan and not mixed and grid != "dense"
-        assert st.packs[0][grid].consts_b[-2] is lookback
+        assert st.packs[0][grid].consts_b[-3] is lookback
+        assert st.packs[0][grid].consts_b[-1] is (grid != "dense")  # PREFETCH on the persistent grids
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])

@@ -108,6 +108,8 @@ _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped firs
 # 17.7 / 20.7 / 24.0, 16 warps 14.2 / 18.3 / 22.7 / 25.4 (ep = 4 unmeasured with it).
 _DENSE_PACK_MAX_T = 256
 _WIDE_MIN_PROGRAMS = 64
+# the persistent grids whose pack loads a program's next rows before it stores the current ones (PREFETCH)
+_PACK_PREFETCH_GRIDS = ("narrow", "wide")
 
 
 def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, int]:
@@ -661,7 +663,7 @@ class MoeAlltoAll:
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
                               *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
                               64, *zs, self._plan_scratch, bt, PLAN_BLOCKS, lookback,
-                              self.device.type == "cuda"),
+                              self.device.type == "cuda", grid in _PACK_PREFETCH_GRIDS and not fplan),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )  # fmt: skip
             st.packs.append(variants)
