@@ -110,24 +110,13 @@ def _fake_buffers(ep, nbytes):
         # 1 and 2 on the dense grid, the scan
         (3, 10, 4, [300, 0, 140], None, True, False, True),
         (2, 8, 2, [257, 129], 2, True, False, True),  # narrow grid: the look-back at any T (3 / 2 blocks)
-        # peer-affine packs (each program stores to one peer, the local copy shared out by tile): 2 programs
-        # for 2 peers, 4 for 2 peers with many tiles each, 3 for 3 peers with every token on every rank,
-        # and 1 program for 2 peers (fewer programs than peers: it stores to every rank)
-        (3, 10, 4, [5, 0, 2], 2, True, False, "affine"),
-        (3, 10, 4, [5, 0, 2], 1, True, False, "affine"),
-        (3, 10, 4, [300, 40, 140], 4, True, False, "affine"),
-        (4, 8, 8, [1, 3, 2, 4], 3, True, False, "affine"),
     ],
 )
 def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, generator, monkeypatch):
-    import replaymoe.ep.alltoall as alltoall
     import replaymoe.ep.transport_symm as symm
     from replaymoe.ep.transport_symm import SymmTransport
 
     monkeypatch.setattr(symm, "FUSED_BARRIER", not fused)  # the process default; the argument wins
-    affine = plan == "affine"
-    plan = bool(plan)
-    monkeypatch.setattr(alltoall, "_PACK_AFFINE_GRIDS", ("narrow", "wide") if affine else ())
 
     H, rt = 16, max(5, *Ts)
     max_tokens = rt + 1
@@ -178,9 +167,8 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         assert grid == want
         assert st.lookback == (plan and not mixed)
         lookback = plan and not mixed and grid != "dense"
-        assert st.packs[0][grid].consts_b[-4] is lookback
-        assert st.packs[0][grid].consts_b[-2] is (grid != "dense" and not affine)  # PREFETCH
-        assert st.packs[0][grid].consts_b[-1] is (grid != "dense" and affine)  # AFFINE
+        assert st.packs[0][grid].consts_b[-3] is lookback
+        assert st.packs[0][grid].consts_b[-1] is (grid != "dense")  # PREFETCH on the persistent grids
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])

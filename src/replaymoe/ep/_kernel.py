@@ -246,20 +246,15 @@ def ep_pack_kernel(
     LOOKBACK: tl.constexpr,
     PL_ASM: tl.constexpr,  # CUDA: poll with acquire loads (see _plan_lookback)
     PREFETCH: tl.constexpr = False,  # the next iteration's rows load before these stores (not FUSED_PLAN)
-    AFFINE: tl.constexpr = False,  # each program stores to one peer (not FUSED_PLAN, not PREFETCH)
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
     stores issued from the same program: with ``symm`` every peer is written concurrently). Each
     iteration loads the plan and every payload's tile first and stores after, so one memory latency
-    is paid per iteration. ``AFFINE``: program ``i`` stores only to peer ``i % (EP - 1)`` (the others in
-    rank order, this rank skipped), the programs of one peer walking every token; the copy to this rank
-    is shared out by token tile among the peers' programs. ``PREFETCH`` (persistent grids): the rows of
-    a program's next iteration are loaded before this iteration's stores are issued, so that their
-    latency passes while the stores drain. The grid's first axis bounds the number of SMs used
-    (``num_sms``)."""
+    is paid per iteration. ``PREFETCH`` (persistent grids): the rows of a program's next iteration are
+    loaded before this iteration's stores are issued, so that their latency passes while the stores
+    drain. The grid's first axis bounds the number of SMs used (``num_sms``)."""
     tl.static_assert(not (PREFETCH and FUSED_PLAN))
-    tl.static_assert(not (AFFINE and (FUSED_PLAN or PREFETCH)))
     if LOOKBACK:
         _plan_lookback(ids_ptr, slot_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, stride_dst_rank,
                        dst_base + hdr_off, T, E, base, rem, pl_scratch, K, EP, EP_P2, PL_BLOCK_T,
@@ -268,15 +263,6 @@ def ep_pack_kernel(
     nprog = tl.num_programs(0)
     chunk = tl.program_id(1)
     ranks = tl.arange(0, EP_P2)
-    start = pid * TT
-    step = nprog * TT
-    if AFFINE:  # (fewer programs than peers: every program stores to every rank)
-        NPEER: tl.constexpr = max(EP - 1, 1)
-        split = nprog >= NPEER
-        peer_i = tl.where(split, pid % NPEER, 0)
-        dest = tl.where(split, peer_i + (peer_i >= RANK).to(tl.int32), -1)  # this program's peer
-        start = tl.where(split, (pid // NPEER) * TT, start)
-        step = tl.where(split, ((nprog - peer_i + NPEER - 1) // NPEER) * TT, step)  # the peer's programs
     if PREFETCH:  # the first iteration's rows
         tn = (pid * TT + tl.arange(0, TT)).to(tl.int64)
         n0 = _load_rows(s0, tn, tn < T, chunk, N0, NB0)
@@ -286,7 +272,7 @@ def ep_pack_kernel(
             n2 = _load_rows(s2, tn, tn < T, chunk, N2, NB2)
         if NP > 3:
             n3 = _load_rows(s3, tn, tn < T, chunk, N3, NB3)
-    for t0 in range(start, T, step):
+    for t0 in range(pid * TT, T, nprog * TT):
         toks = (t0 + tl.arange(0, TT)).to(tl.int64)
         tmask = toks < T
         sm = tmask[:, None] & (ranks < EP)[None, :]
@@ -312,11 +298,6 @@ def ep_pack_kernel(
             slots = tl.load(sp, mask=sm, other=-1, cache_modifier=".cg")
         else:
             slots = tl.load(slot_ptr + toks[:, None] * EP + ranks[None, :], mask=sm, other=-1)
-        lmask = tmask
-        if AFFINE:  # only this program's peer, and this rank on the tiles it copies locally
-            mine = (ranks == dest) | ((ranks == RANK) & ((t0 // TT) % NPEER == peer_i)) | (dest < 0)
-            slots = tl.where(mine[None, :], slots, -1)
-            lmask = tmask & (tl.max(slots, axis=1) >= 0)
         if PREFETCH:  # this iteration's rows were loaded by the last; load the next iteration's
             tn = toks + nprog * TT
             v0 = n0
@@ -331,13 +312,13 @@ def ep_pack_kernel(
                 v3 = n3
                 n3 = _load_rows(s3, tn, tn < T, chunk, N3, NB3)
         else:
-            v0 = _load_rows(s0, toks, lmask, chunk, N0, NB0)
+            v0 = _load_rows(s0, toks, tmask, chunk, N0, NB0)
             if NP > 1:
-                v1 = _load_rows(s1, toks, lmask, chunk, N1, NB1)
+                v1 = _load_rows(s1, toks, tmask, chunk, N1, NB1)
             if NP > 2:
-                v2 = _load_rows(s2, toks, lmask, chunk, N2, NB2)
+                v2 = _load_rows(s2, toks, tmask, chunk, N2, NB2)
             if NP > 3:
-                v3 = _load_rows(s3, toks, lmask, chunk, N3, NB3)
+                v3 = _load_rows(s3, toks, tmask, chunk, N3, NB3)
         _store_rows(v0, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
                     stride_dst_rank, dst_base, RB, N0, NB0, O0, EP)  # fmt: skip
         if NP > 1:

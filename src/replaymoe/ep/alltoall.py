@@ -110,8 +110,6 @@ _DENSE_PACK_MAX_T = 256
 _WIDE_MIN_PROGRAMS = 64
 # the persistent grids whose pack loads a program's next rows before it stores the current ones (PREFETCH)
 _PACK_PREFETCH_GRIDS = ("narrow", "wide")
-# the persistent grids whose programs each store to one peer (AFFINE; then no PREFETCH)
-_PACK_AFFINE_GRIDS: tuple[str, ...] = ()
 
 
 def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, int]:
@@ -157,7 +155,6 @@ class _PackGroup:
     launch: object = None
     tail_i: tuple = ()  # (dsts..., T, consts...) with addresses, for direct launches
     tail_b_i: tuple = ()
-    affine: bool = False  # each program stores to one peer (ep_pack_kernel's AFFINE)
 
 
 @dataclass
@@ -666,11 +663,8 @@ class MoeAlltoAll:
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
                               *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
                               64, *zs, self._plan_scratch, bt, PLAN_BLOCKS, lookback,
-                              self.device.type == "cuda",
-                              grid in _PACK_PREFETCH_GRIDS and grid not in _PACK_AFFINE_GRIDS and not fplan,
-                              grid in _PACK_AFFINE_GRIDS and not fplan),
+                              self.device.type == "cuda", grid in _PACK_PREFETCH_GRIDS and not fplan),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
-                    affine=grid in _PACK_AFFINE_GRIDS and not fplan,
                 )  # fmt: skip
             st.packs.append(variants)
         from .._launch import addresses
@@ -709,8 +703,6 @@ class MoeAlltoAll:
                 work = cdiv(T, g.TT)
                 if grid_kind == "dense":
                     grid = (self._dense_programs(work, g.chunks), g.chunks)
-                elif g.affine:  # every peer's programs walk every token
-                    grid = (self._programs(work * max(self.ep - 1, 1) * g.chunks, g.chunks), g.chunks)
                 else:
                     grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
                 if g.launch.ready():  # addresses only: no views, no per-pointer driver queries
