@@ -108,7 +108,10 @@ _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped firs
 # 17.7 / 20.7 / 24.0, 16 warps 14.2 / 18.3 / 22.7 / 25.4 (ep = 4 unmeasured with it).
 _DENSE_PACK_MAX_T = 256
 _WIDE_MIN_PROGRAMS = 64
-# the persistent grids whose pack loads a program's next rows before it stores the current ones (PREFETCH)
+# the persistent grids whose pack loads a program's next rows before it stores the current ones (PREFETCH).
+# 4 x H100, ep = 4, dispatch µs in CUDA graphs at 128 / 1024 / 4096 tokens/rank (two runs each; session 31,
+# bench/results/ep_pack_variants_h100x4_s31.txt): 24 programs 40.4-40.6 / 156.2-157.0 / 544.7-546.3 without,
+# 39.8-39.9 / 155.2-155.3 / 547.2-547.6 with; the wide grid at 1024 / 4096 143.6 / 486.3 -> 143.1 / 484.1
 _PACK_PREFETCH_GRIDS = ("narrow", "wide")
 
 
