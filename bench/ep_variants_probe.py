@@ -1,0 +1,123 @@
+"""Device script (torchrun, 2+ GPUs): variants of the symm transport's pack and pipelined combine against the
+library's defaults, in one process: dispatch and combine µs in CUDA graphs (median over iterations of the max
+over ranks), DeepSeek-V3 rows (bf16 hidden, int32 ids, fp32 weights), ``--num-sms`` programs.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
+        python3 -m torch.distributed.run --nproc-per-node 4 bench/ep_variants_probe.py --tokens 2048,4096
+
+A trailing ``!`` marks a variant whose received rows or combined tokens differ from the default's. The
+variants reach into ``ep.alltoall`` / ``ep.transport_symm`` module functions (the pack's tiling, the combine's
+senders and tiles, the pack's ``PREFETCH`` grids), so they follow the code they probe.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+import replaymoe.ep.alltoall as A
+import replaymoe.ep.transport_symm as S
+from replaymoe.bench.ep_shape import SHAPE, inputs
+from replaymoe.bench.ep_timing import device, graph, sync, time_replays
+from replaymoe.ep import MoeAlltoAll
+
+
+def pack_tiles(nb=None, tt=None, warps=None):
+    """``_pack_tiles`` with the persistent grids' column chunk, tokens per iteration or warps replaced."""
+    orig = A._pack_tiles
+
+    def f(Ns, grid, T):
+        NBs, chunks, TT, w = orig(Ns, grid, T)
+        if grid == "dense":
+            return NBs, chunks, TT, w
+        if nb is not None:
+            NBs = [min(A.next_power_of_2(n), nb) for n in Ns]
+            chunks = max(A.cdiv(n, b) for n, b in zip(Ns, NBs))
+        return NBs, chunks, tt or TT, warps or w
+
+    return f
+
+
+def variants():
+    """(name, {module attribute: value}) of every variant; the first and last are the defaults."""
+    return [
+        ("default", {}),
+        ("pack no PREFETCH", {(A, "_PACK_PREFETCH_GRIDS"): ()}),
+        ("pack TT=2", {(A, "_pack_tiles"): pack_tiles(tt=2)}),
+        ("pack TT=8", {(A, "_pack_tiles"): pack_tiles(tt=8)}),
+        ("pack TT=4 w8", {(A, "_pack_tiles"): pack_tiles(tt=4, warps=8)}),
+        ("pack nb=2048 TT=4", {(A, "_pack_tiles"): pack_tiles(nb=2048, tt=4)}),
+        ("comb senders 11/24", {(S, "pipe_senders"): lambda n, ep: min(n - 1, max(1, round(n * 11 / 24)))}),
+        ("comb senders 13/24", {(S, "pipe_senders"): lambda n, ep: min(n - 1, max(1, round(n * 13 / 24)))}),
+        ("comb 2048x8 w16", {(S, "pipe_tiling"): lambda W, programs, rt: (2048, 8, 16)}),
+        ("comb 4096x4 w16", {(S, "pipe_tiling"): lambda W, programs, rt: (4096, 4, 16)}),
+        ("default (again)", {}),
+    ]
+
+
+def time_variant(a2a: MoeAlltoAll, T: int, ids, x, wts, comb) -> tuple[float, float, tuple]:
+    """(dispatch µs, combine µs, what was received and combined) of the current code at ``T`` tokens."""
+    a2a._dcache.clear()  # the dispatch plans (the pack's tiling) and the combine plans are rebuilt
+    for attr in ("_pshape", "_pkeys", "_ckeys"):
+        cache = a2a._transport.__dict__.get(attr)
+        if isinstance(cache, dict):
+            cache.clear()
+
+    def d():
+        return a2a.dispatch(ids, [x, ids, wts], T, expert_id_payload_index=1)
+
+    def c():
+        return a2a.combine(comb, T)
+
+    for _ in range(3):
+        views = d()
+        out = c()
+    sync()
+    rc = a2a.recv_counts.tolist()
+    got = (tuple(views[0][s, : rc[s]].float().sum().item() for s in range(a2a.ep)), out.float().sum().item())
+    gd, _ = graph(d)
+    gc, _ = graph(c, pool=gd.pool())
+    t_d, t_c = time_replays([gd, gc], 20, 3)
+    return t_d, t_c, got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="2048,4096")
+    ap.add_argument("--num-sms", type=int, default=24)
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = device()
+    Ts = [int(t) for t in a.tokens.split(",")]
+    H, E, K = SHAPE.H, SHAPE.E, SHAPE.K
+    a2a = MoeAlltoAll(None, max(Ts), K, E, H, payload_bytes_per_token=2 * H + 256, timeout=120,
+                      transport="symm", num_sms=a.num_sms)  # fmt: skip
+    res = {}
+    for T in Ts:
+        ids, x, wts, *_ = inputs(T, rank, dev)
+        comb = torch.randn(ep * (T + 1), H, device=dev, dtype=torch.bfloat16).view(ep, T + 1, H)[:, :T]
+        ref = None
+        for name, patch in variants():
+            saved = {key: getattr(*key) for key in patch}
+            for (mod, attr), value in patch.items():
+                setattr(mod, attr, value)
+            t_d, t_c, got = time_variant(a2a, T, ids, x, wts, comb)
+            for (mod, attr), value in saved.items():
+                setattr(mod, attr, value)
+            ref = ref or got
+            res[(T, name)] = f"{t_d:12.1f} {t_c:12.1f}" + ("" if got == ref else "!")
+            sync()
+            dist.barrier()
+    if rank == 0:
+        print(f"# ep = {ep}, {a.num_sms} programs; dispatch / combine µs in CUDA graphs")
+        print(f"{'variant':22s} " + " ".join(f"{T:>7d} disp {T:>7d} comb" for T in Ts))
+        for name, _ in variants():
+            print(f"{name:22s} " + " ".join(res[(T, name)] for T in Ts))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
