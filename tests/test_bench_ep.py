@@ -39,6 +39,8 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
             assert ("nccl", T, op, "eager") in got and ("naive", T, op, "eager") in got
         assert ("nccl", T, "dispatch+combine", "eager_loop") in got  # back-to-back pairs (goal 4)
         assert ("nccl", T, "dispatch", "eager_loop") not in got  # (per pair only)
+        loop = [r for r in rows if (r["impl"], r["tokens"], r["mode"]) == ("nccl", T, "eager_loop")]
+        assert float(loop[0]["host_us"]) > 0  # the steady-state host time per pair
         # the layer, the compute it is measured against (goal 6): whole and split by source, and the
         # training step's forward + backward through the all-to-all (goal 5)
         for op in ("layer", "layer_local", "layer_local_split", "layer_train"):
@@ -50,6 +52,7 @@ def test_bench_ep_cpu_dry_run(tmp_path, capfd):
     captured = capfd.readouterr()
     printed = captured.out
     assert "# goal 6 (overlap)" in printed and "# goal 4 (eager calls)" in printed
+    assert "host µs per call in the loop (steady state)" in printed
     assert "prewarm:" in printed + captured.err  # every path once at every size before the timed rows
     assert "# goal 5 (training)" in printed
 
