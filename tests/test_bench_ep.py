@@ -167,3 +167,24 @@ def test_summary_decode_names_each_payload(capsys):
     print_summary(rows)
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("num_sms")]
     assert [(ln[2], ln[-2], ln[-1]) for ln in lines] == [("bf16", "62.9", "NO"), ("fp8", "49.0", "yes")]
+
+
+@pytest.mark.parametrize(
+    "loop_host, host_col, verdict",
+    [
+        (50.0, "25.0", "yes"),  # 25 µs per call in the loop: within the 30 µs host budget
+        (70.0, "35.0", "NO"),  # 35 µs per call: over it, though the loop's time is within its bound
+        (None, "nan", "yes"),  # rows of an older run, without the loop's host time: judged on time alone
+    ],
+)
+def test_summary_back_to_back_calls_judge_the_loops_host_time(loop_host, host_col, verdict, capsys):
+    from replaymoe.bench.ep_summary import print_summary
+
+    base = {"impl": "symm", "payload": "bf16", "tokens": 128, "num_sms": 0, "op": "dispatch+combine",
+            "GBps_per_rank": 1.0}  # fmt: skip
+    rows = [{**base, "mode": "graph", "us": 75.0}, {**base, "mode": "eager", "us": 205.0, "host_us": 113.0},
+            {**base, "mode": "eager_loop", "us": 80.0, "host_us": loop_host}]  # fmt: skip
+    print_summary(rows)
+    out = capsys.readouterr().out.split("# goal 4, back-to-back eager calls")[1]
+    line = [ln.split() for ln in out.splitlines() if ln.split()[:3] == ["symm", "0", "128"]][0]
+    assert line[3:] == ["80.0", "205.0", "75.0", "120.0", host_col, verdict]  # bound 1.2 x 75 + 30
