@@ -89,7 +89,7 @@ def test_layout_triton_matches_reference(T, K, E, E_local, offset, block_m, clus
         (8, 8, 128, 1, 8),  # 64 slots: one chunk, the scatter counts them itself (one launch)
         (9, 8, 128, 2, 4),  # 72 slots: two 64-slot chunks, the histogram's launch; scatter on 4 warps
         (256, 8, 128, 2, 8),  # 2048 slots: 32 chunks of 64, beyond the measured 4-warp range
-        (2000, 8, 128, 2, 8),  # prefill: chunks larger than 64 slots
+        (520, 8, 128, 2, 8),  # 4160 slots: past 64 chunks of 64, so 33 chunks of 128 (prefill-sized chunks)
     ],
 )
 def test_layout_launches_by_size(T, K, E, launches, warps, generator, monkeypatch):
