@@ -5,9 +5,10 @@ over ranks), DeepSeek-V3 rows (bf16 hidden, int32 ids, fp32 weights), ``--num-sm
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
         python3 -m torch.distributed.run --nproc-per-node 4 bench/ep_variants_probe.py --tokens 2048,4096
 
-A trailing ``!`` marks a variant whose received rows or combined tokens differ from the default's. The
-variants reach into ``ep.alltoall`` / ``ep.transport_symm`` module functions (the pack's tiling, the combine's
-senders and tiles, the pack's ``PREFETCH`` grids), so they follow the code they probe.
+A trailing ``!`` marks a variant whose received rows, sanitized ids or combined tokens differ from the
+default's. The variants reach into ``ep.alltoall`` / ``ep.transport_symm`` module attributes (the pack's
+tiling, grids and store order, the receive side's sanitize, the combine's tiles), so they follow the code
+they probe.
 """
 
 import argparse
@@ -42,15 +43,13 @@ def variants():
     """(name, {module attribute: value}) of every variant; the first and last are the defaults."""
     return [
         ("default", {}),
+        ("sanitize launch > 2048", {(A, "_FUSED_SANITIZE_MAX_ROWS"): 2048, (A, "_FUSED_SANITIZERS"): 1}),
+        ("sanitize fused, 1", {(A, "_FUSED_SANITIZERS"): 1}),
+        ("sanitize fused, 32", {(A, "_FUSED_SANITIZERS"): 32}),
+        ("pack peers first", {(A, "_PACK_PEERS_FIRST"): True}),
         ("pack no PREFETCH", {(A, "_PACK_PREFETCH_GRIDS"): ()}),
         ("pack TT=2", {(A, "_pack_tiles"): pack_tiles(tt=2)}),
-        ("pack TT=8", {(A, "_pack_tiles"): pack_tiles(tt=8)}),
-        ("pack TT=4 w8", {(A, "_pack_tiles"): pack_tiles(tt=4, warps=8)}),
-        ("pack nb=2048 TT=4", {(A, "_pack_tiles"): pack_tiles(nb=2048, tt=4)}),
-        ("comb senders 11/24", {(S, "pipe_senders"): lambda n, ep: min(n - 1, max(1, round(n * 11 / 24)))}),
-        ("comb senders 13/24", {(S, "pipe_senders"): lambda n, ep: min(n - 1, max(1, round(n * 13 / 24)))}),
         ("comb 2048x8 w16", {(S, "pipe_tiling"): lambda W, programs, rt: (2048, 8, 16)}),
-        ("comb 4096x4 w16", {(S, "pipe_tiling"): lambda W, programs, rt: (4096, 4, 16)}),
         ("default (again)", {}),
     ]
 
@@ -74,7 +73,11 @@ def time_variant(a2a: MoeAlltoAll, T: int, ids, x, wts, comb) -> tuple[float, fl
         out = c()
     sync()
     rc = a2a.recv_counts.tolist()
-    got = (tuple(views[0][s, : rc[s]].float().sum().item() for s in range(a2a.ep)), out.float().sum().item())
+    got = (
+        tuple(views[0][s, : rc[s]].float().sum().item() for s in range(a2a.ep)),
+        views[1].long().sum().item(),  # the sanitized ids, padding rows included
+        out.float().sum().item(),
+    )
     gd, _ = graph(d)
     gc, _ = graph(c, pool=gd.pool())
     t_d, t_c = time_replays([gd, gc], 20, 3)
@@ -84,7 +87,7 @@ def time_variant(a2a: MoeAlltoAll, T: int, ids, x, wts, comb) -> tuple[float, fl
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="2048,4096")
-    ap.add_argument("--num-sms", type=int, default=24)
+    ap.add_argument("--num-sms", type=int, default=24, help="programs per kernel; 0: unbounded (dense)")
     a = ap.parse_args()
     dist.init_process_group("nccl")
     rank, ep = dist.get_rank(), dist.get_world_size()
@@ -93,7 +96,7 @@ def main() -> None:
     Ts = [int(t) for t in a.tokens.split(",")]
     H, E, K = SHAPE.H, SHAPE.E, SHAPE.K
     a2a = MoeAlltoAll(None, max(Ts), K, E, H, payload_bytes_per_token=2 * H + 256, timeout=120,
-                      transport="symm", num_sms=a.num_sms)  # fmt: skip
+                      transport="symm", num_sms=a.num_sms or None)  # fmt: skip
     res = {}
     for T in Ts:
         ids, x, wts, *_ = inputs(T, rank, dev)

@@ -117,6 +117,10 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     from replaymoe.ep.transport_symm import SymmTransport
 
     monkeypatch.setattr(symm, "FUSED_BARRIER", not fused)  # the process default; the argument wins
+    import replaymoe.ep.alltoall as alltoall
+
+    # the three-rank cases store each tile to the peers first and to the own block last
+    monkeypatch.setattr(alltoall, "_PACK_PEERS_FIRST", ep == 3)
 
     H, rt = 16, max(5, *Ts)
     max_tokens = rt + 1
@@ -160,15 +164,16 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     for s in range(ep):
         st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, idx)
         assert st.fused_plan == (not mixed and plan and Ts[s] <= 256)
-        assert st.fused_sanitize == (fused and s == ep - 1 and ep * (rt + 1) <= 2048)
+        assert st.fused_sanitize == (fused and s == ep - 1)  # at every size (no sanitize launch)
         assert (st.sanitize is None) == st.fused_sanitize
         grid = a2as[s]._pack_grid(Ts[s])
         want = "narrow" if num_sms is not None else "dense" if Ts[s] <= 256 else "wide"
         assert grid == want
         assert st.lookback == (plan and not mixed)
         lookback = plan and not mixed and grid != "dense"
-        assert st.packs[0][grid].consts_b[-3] is lookback
-        assert st.packs[0][grid].consts_b[-1] is (grid != "dense")  # PREFETCH on the persistent grids
+        assert st.packs[0][grid].consts_b[-4] is lookback
+        assert st.packs[0][grid].consts_b[-2] is (grid != "dense")  # PREFETCH on the persistent grids
+        assert st.packs[0][grid].consts_b[-1] == ((s + 1) % ep if ep == 3 else 0)  # the first rank stored to
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
         a2as[s]._dispatch_send(st, ids[s], pays[s])

@@ -74,22 +74,22 @@ def _trap(x):
 @triton.jit
 def _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off,
                  EP: tl.constexpr, RANK: tl.constexpr):  # fmt: skip
-    """Called by every program after its stores; the last to arrive bumps this rank's epoch and
-    stores it into slot ``pad_off`` of every peer's signal pad. Returns whether this program was the
-    last."""
+    """Called by every program after its stores; the last to arrive bumps this rank's epoch (a
+    release store: a program that sees it sees every program's stores) and stores it into slot
+    ``pad_off`` of every peer's signal pad. Returns this program's arrival index (the last:
+    ``num_programs - 1``)."""
     total = tl.num_programs(0) * tl.num_programs(1)
     tl.debug_barrier()
     old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="sys")
-    last = old == total - 1
-    if last:
+    if old == total - 1:
         tl.store(arrive_ptr, 0)
         e = tl.load(epoch_ptr) + 1
-        tl.store(epoch_ptr, e)
+        tl.atomic_xchg(epoch_ptr, e, sem="release", scope="gpu")
         for r in tl.static_range(EP):
             if r != RANK:
                 base = _pick(r, q0, q1, q2, q3, q4, q5, q6, q7)
                 tl.atomic_xchg(base + pad_off, e, sem="release", scope="sys")
-    return last
+    return old
 
 
 @triton.jit
@@ -148,12 +148,14 @@ def _load_rows(src, toks, tmask, chunk, N: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def _store_rows(vals, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
                 stride_dst_rank, dst_base, RB: tl.constexpr, N: tl.constexpr, NB: tl.constexpr,
-                OFF: tl.constexpr, EP: tl.constexpr):  # fmt: skip
+                OFF: tl.constexpr, EP: tl.constexpr, FIRST: tl.constexpr = 0):  # fmt: skip
     """Store the tile at ``dst_base + r * stride_dst_rank + slot * RB + OFF`` of every rank r with
-    slot >= 0 (``slots``: [TT, EP_P2] tile of the plan)."""
+    slot >= 0 (``slots``: [TT, EP_P2] tile of the plan), ranks in the order ``FIRST, FIRST + 1, ...``
+    (mod ``EP``)."""
     cols = chunk * NB + tl.arange(0, NB)
     m = tmask[:, None] & (cols < N)[None, :]
-    for r in tl.static_range(EP):
+    for i in tl.static_range(EP):
+        r: tl.constexpr = (FIRST + i) % EP
         base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
         slot = tl.sum(tl.where(ranks[None, :] == r, slots, 0), axis=1).to(tl.int64)
         # (r + toks * 0) is an int64 rank index, so the product cannot overflow int32
@@ -218,8 +220,8 @@ def ep_pack_kernel(
     FUSED_PLAN: tl.constexpr,  # compute the plan here (small T): slots from a scan of the earlier ids
     K: tl.constexpr,
     BT: tl.constexpr,  # tokens per scan block (FUSED_PLAN)
-    # SANITIZE (with SIGNAL): the last program waits for the peers and does ep_sanitize_kernel's work
-    # alone (small receive sides: one launch less); its arguments, as that kernel's (the epoch is epoch_ptr)
+    # SANITIZE (with SIGNAL): the last programs to arrive wait for the peers and do ep_sanitize_kernel's
+    # work (no sanitize launch); its arguments, as that kernel's (the epoch is epoch_ptr)
     z_ids,
     z_hdr,
     z_recv_counts,
@@ -239,6 +241,7 @@ def ep_pack_kernel(
     Z_HAS_IDS: tl.constexpr,
     SANITIZE: tl.constexpr,
     TIMER: tl.constexpr,
+    Z_SANITIZERS: tl.constexpr,  # up to this many of the last programs to arrive sanitize (interpreter: 1)
     # LOOKBACK (int32 units, not FUSED_PLAN): the plan computed here first (_plan_lookback; no plan launch)
     pl_scratch,  # int32 [PLAN_SCRATCH], the plan kernel's
     PL_BLOCK_T: tl.constexpr,
@@ -246,6 +249,7 @@ def ep_pack_kernel(
     LOOKBACK: tl.constexpr,
     PL_ASM: tl.constexpr,  # CUDA: poll with acquire loads (see _plan_lookback)
     PREFETCH: tl.constexpr = False,  # the next iteration's rows load before these stores (not FUSED_PLAN)
+    FIRST: tl.constexpr = 0,  # each tile's stores go to ranks FIRST, FIRST + 1, ... (mod EP)
 ):
     """Persistent dispatch copy: program (i, c) walks tokens ``i*TT, (i + nprog)*TT, ...`` and copies
     column chunk ``c`` of every payload's row to each rank that receives the token (all ranks'
@@ -255,6 +259,9 @@ def ep_pack_kernel(
     loaded before this iteration's stores are issued, so that their latency passes while the stores
     drain. The grid's first axis bounds the number of SMs used (``num_sms``)."""
     tl.static_assert(not (PREFETCH and FUSED_PLAN))
+    if SIGNAL:
+        if SANITIZE:  # this launch's epoch is e0 + 1 (only its last arrival stores it)
+            e0 = tl.load(epoch_ptr)
     if LOOKBACK:
         _plan_lookback(ids_ptr, slot_ptr, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7, stride_dst_rank,
                        dst_base + hdr_off, T, E, base, rem, pl_scratch, K, EP, EP_P2, PL_BLOCK_T,
@@ -320,27 +327,36 @@ def ep_pack_kernel(
             if NP > 3:
                 v3 = _load_rows(s3, toks, tmask, chunk, N3, NB3)
         _store_rows(v0, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                    stride_dst_rank, dst_base, RB, N0, NB0, O0, EP)  # fmt: skip
+                    stride_dst_rank, dst_base, RB, N0, NB0, O0, EP, FIRST)  # fmt: skip
         if NP > 1:
             _store_rows(v1, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                        stride_dst_rank, dst_base, RB, N1, NB1, O1, EP)  # fmt: skip
+                        stride_dst_rank, dst_base, RB, N1, NB1, O1, EP, FIRST)  # fmt: skip
         if NP > 2:
             _store_rows(v2, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                        stride_dst_rank, dst_base, RB, N2, NB2, O2, EP)  # fmt: skip
+                        stride_dst_rank, dst_base, RB, N2, NB2, O2, EP, FIRST)  # fmt: skip
         if NP > 3:
             _store_rows(v3, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, p6, p7,
-                        stride_dst_rank, dst_base, RB, N3, NB3, O3, EP)  # fmt: skip
+                        stride_dst_rank, dst_base, RB, N3, NB3, O3, EP, FIRST)  # fmt: skip
     if FUSED_PLAN:
         if (T == 0) & (pid == 0) & (chunk == 0):  # no tokens: zero counts everywhere
             _put_counts(tl.zeros([EP_P2], dtype=tl.int32), ranks, counts_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
                         stride_dst_rank, dst_base, hdr_off, EP)  # fmt: skip
     if SIGNAL:
-        last = _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, RANK)
+        old = _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off, EP, RANK)
         if SANITIZE:
-            if last:
+            # the last nz programs to arrive share the receive side's work. Each has arrived, so it runs;
+            # one that is not the last waits for the last's epoch store (every program's rows are stored,
+            # this rank's own block included), then all wait for the peers. Programs that have not
+            # arrived are never waited on, so no grid needs to be resident at once.
+            total = tl.num_programs(0) * tl.num_programs(1)
+            nz = tl.minimum(tl.minimum(total, Z_SANITIZERS), tl.maximum(tl.cdiv(z_n_rows, Z_BLOCK), 1))
+            i = old - (total - nz)
+            if i >= 0:
+                if i < nz - 1:
+                    _wait_epoch(epoch_ptr, e0 + 1, PL_ASM)
                 _wait_peers(epoch_ptr, z_pad, z_pad_base, z_timeout_ns, EP, RANK, TIMER)
                 _sanitize_rows(z_ids, z_hdr, z_recv_counts, z_n_rows, z_stride_ids_row, z_rows_per_block,
-                               z_hdr_block, z_hdr_off, z_lo, z_hi, z_invalid, 0, 1, K, Z_K_P2, EP, EP_P2,
+                               z_hdr_block, z_hdr_off, z_lo, z_hi, z_invalid, i, nz, K, Z_K_P2, EP, EP_P2,
                                Z_BLOCK, Z_HAS_IDS)  # fmt: skip
 
 
@@ -495,6 +511,20 @@ def _nanosleep(ptr):
     return tl.inline_asm_elementwise(
         "nanosleep.u32 100; mov.b64 $0, $1;", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
     ).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _wait_epoch(epoch_ptr, e, ASM: tl.constexpr):
+    """Spin until this rank's epoch reaches ``e`` (acquire, GPU scope: the last program of the same
+    launch stores it with release)."""
+    if ASM:
+        v = _ld_acquire_gpu(epoch_ptr)
+        while v < e:
+            v = _ld_acquire_gpu(_nanosleep(epoch_ptr))
+    else:
+        v = tl.atomic_add(epoch_ptr, 0, sem="acquire", scope="gpu")
+        while v < e:
+            v = tl.atomic_add(epoch_ptr, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit

@@ -113,6 +113,9 @@ _WIDE_MIN_PROGRAMS = 64
 # bench/results/ep_pack_variants_h100x4_s31.txt): 24 programs 40.4-40.6 / 156.2-157.0 / 544.7-546.3 without,
 # 39.8-39.9 / 155.2-155.3 / 547.2-547.6 with; the wide grid at 1024 / 4096 143.6 / 486.3 -> 143.1 / 484.1
 _PACK_PREFETCH_GRIDS = ("narrow", "wide")
+# the pack's stores of a tile go to the ranks from this rank + 1 on, its own block last (True), or from
+# rank 0 on (False)
+_PACK_PEERS_FIRST = False
 
 
 def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, int]:
@@ -135,10 +138,13 @@ def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, 
     return NBs, chunks, TT, warps
 
 
-# up to this many received rows (ep * (runtime_max + 1)) the pack's last program sanitizes them (one launch
-# less), in blocks of _FUSED_SANITIZE_BLOCK rows
-_FUSED_SANITIZE_MAX_ROWS = 2048
+# the receive side's sanitize inside the pack (no sanitize launch): up to _FUSED_SANITIZERS of the pack's
+# last programs to arrive (one in the interpreter, which runs programs one after another) share the
+# received rows in blocks of _FUSED_SANITIZE_BLOCK; None: at every size (a number: up to that many
+# received rows, ep * (runtime_max + 1), the larger ones in a sanitize launch)
+_FUSED_SANITIZE_MAX_ROWS: int | None = None
 _FUSED_SANITIZE_BLOCK = 512
+_FUSED_SANITIZERS = 16
 # the process default of MoeAlltoAll(fused_plan=None); REPLAYMOE_EP_FUSED_PLAN=0 turns it off
 FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
 
@@ -183,7 +189,7 @@ class _DState:
     slot_i: int = 0
     fused_plan: bool = False  # the first pack on the dense grid computes the plan by a scan
     lookback: bool = False  # ... on the persistent grids by look-back
-    fused_sanitize: bool = False  # the pack's last program waits and sanitizes (no sanitize launch)
+    fused_sanitize: bool = False  # the pack's last programs wait and sanitize (no sanitize launch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,8 +603,8 @@ class MoeAlltoAll:
             base, rem, self._plan_scratch, K, self.ep, ep_p2, bt, PLAN_BLOCKS, True,
         )  # fmt: skip
         # the receive side: sanitize the ids (if any) and copy the counts; with the fused barrier, wait for
-        # the peers' dispatch signals first. Small receive sides (ep * (rt + 1) rows up to
-        # _FUSED_SANITIZE_MAX_ROWS) with one pack launch: the pack's last program does it (one launch less)
+        # the peers' dispatch signals first. With one pack launch its last programs to arrive do it (one
+        # launch less; see _FUSED_SANITIZERS)
         hdr = tg.recv.view(torch.int32)
         blk = 128
         if idx is not None:
@@ -616,12 +622,13 @@ class MoeAlltoAll:
         live = [i for i, sp in enumerate(specs) if sp.nbytes > 0]
         st.fused_sanitize = (
             tg.wait is not None and self._fused_sanitize and 1 <= len(live) <= 4
-            and self.ep * (rt + 1) <= _FUSED_SANITIZE_MAX_ROWS
+            and (_FUSED_SANITIZE_MAX_ROWS is None or self.ep * (rt + 1) <= _FUSED_SANITIZE_MAX_ROWS)
         )  # fmt: skip
         if st.fused_sanitize:
-            zs = (*san, *wait[1:4], k_p2, _FUSED_SANITIZE_BLOCK, idx is not None, True, wait[4])
+            nz = _FUSED_SANITIZERS if self.device.type == "cuda" else 1
+            zs = (*san, *wait[1:4], k_p2, _FUSED_SANITIZE_BLOCK, idx is not None, True, wait[4], nz)
         else:
-            zs = (st.send_counts,) * 3 + (0,) * 8 + (st.send_counts, 0, 0, 2, 2, False, False, False)
+            zs = (st.send_counts,) * 3 + (0,) * 8 + (st.send_counts, 0, 0, 2, 2, False, False, False, 1)
         if not st.fused_sanitize and (idx is not None or tg.wait is not None):
             st.sanitize = (
                 Launcher(ep_sanitize_kernel, num_warps=4),
@@ -666,7 +673,8 @@ class MoeAlltoAll:
                     consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
                               *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
                               64, *zs, self._plan_scratch, bt, PLAN_BLOCKS, lookback,
-                              self.device.type == "cuda", grid in _PACK_PREFETCH_GRIDS and not fplan),
+                              self.device.type == "cuda", grid in _PACK_PREFETCH_GRIDS and not fplan,
+                              (self.rank + 1) % self.ep if _PACK_PEERS_FIRST else 0),
                     launch=Launcher(ep_pack_kernel, num_warps=warps),
                 )  # fmt: skip
             st.packs.append(variants)
