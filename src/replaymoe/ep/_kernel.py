@@ -150,17 +150,26 @@ def _store_rows(vals, toks, tmask, chunk, slots, ranks, p0, p1, p2, p3, p4, p5, 
                 stride_dst_rank, dst_base, RB: tl.constexpr, N: tl.constexpr, NB: tl.constexpr,
                 OFF: tl.constexpr, EP: tl.constexpr, FIRST: tl.constexpr = 0):  # fmt: skip
     """Store the tile at ``dst_base + r * stride_dst_rank + slot * RB + OFF`` of every rank r with
-    slot >= 0 (``slots``: [TT, EP_P2] tile of the plan), ranks in the order ``FIRST, FIRST + 1, ...``
-    (mod ``EP``)."""
+    slot >= 0 (``slots``: [TT, EP_P2] tile of the plan), ranks in the order ``FIRST, ..., EP - 1, 0, ...,
+    FIRST - 1``."""
     cols = chunk * NB + tl.arange(0, NB)
     m = tmask[:, None] & (cols < N)[None, :]
-    for i in tl.static_range(EP):
-        r: tl.constexpr = (FIRST + i) % EP
-        base = _pick(r, p0, p1, p2, p3, p4, p5, p6, p7)
-        slot = tl.sum(tl.where(ranks[None, :] == r, slots, 0), axis=1).to(tl.int64)
-        # (r + toks * 0) is an int64 rank index, so the product cannot overflow int32
-        off = (toks * 0 + r) * stride_dst_rank + dst_base + slot * RB + OFF
-        tl.store(base + off[:, None] + cols[None, :], vals, mask=m & (slot >= 0)[:, None])
+    for r in tl.static_range(FIRST, EP):
+        _store_rank(vals, toks, cols, m, slots, ranks, r, _pick(r, p0, p1, p2, p3, p4, p5, p6, p7),
+                    stride_dst_rank, dst_base, RB, OFF)  # fmt: skip
+    for q in tl.static_range(0, FIRST):
+        _store_rank(vals, toks, cols, m, slots, ranks, q, _pick(q, p0, p1, p2, p3, p4, p5, p6, p7),
+                    stride_dst_rank, dst_base, RB, OFF)  # fmt: skip
+
+
+@triton.jit
+def _store_rank(vals, toks, cols, m, slots, ranks, r: tl.constexpr, base, stride_dst_rank, dst_base,
+                RB: tl.constexpr, OFF: tl.constexpr):  # fmt: skip
+    """:func:`_store_rows`' stores to rank ``r`` (its buffer at ``base``)."""
+    slot = tl.sum(tl.where(ranks[None, :] == r, slots, 0), axis=1).to(tl.int64)
+    # (r + toks * 0) is an int64 rank index, so the product cannot overflow int32
+    off = (toks * 0 + r) * stride_dst_rank + dst_base + slot * RB + OFF
+    tl.store(base + off[:, None] + cols[None, :], vals, mask=m & (slot >= 0)[:, None])
 
 
 @triton.jit
