@@ -93,11 +93,12 @@ def _signal_done(arrive_ptr, epoch_ptr, q0, q1, q2, q3, q4, q5, q6, q7, pad_off,
 
 
 @triton.jit
-def _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP: tl.constexpr, RANK: tl.constexpr,
+def _wait_peers(e, pad_ptr, pad_base, timeout_ns, EP: tl.constexpr, RANK: tl.constexpr,
                 TIMER: tl.constexpr):  # fmt: skip
-    """Wait until every peer's flag ``pad_ptr[pad_base + r]`` reaches this rank's epoch (which the
-    producing kernel of this phase set). With ``TIMER``, print and trap after ``timeout_ns``."""
-    e = tl.load(epoch_ptr)
+    """Wait until every peer's flag ``pad_ptr[pad_base + r]`` reaches ``e``, this rank's epoch of the
+    phase (the caller reads it: a kernel after the producing one loads it; a program of the producing
+    launch knows it, as its L1 may hold the value from before the bump). With ``TIMER``, print and trap
+    after ``timeout_ns``."""
     for r in tl.static_range(EP):
         if r != RANK:
             v = tl.atomic_add(pad_ptr + pad_base + r, 0, sem="acquire", scope="sys")
@@ -363,7 +364,7 @@ def ep_pack_kernel(
             if i >= 0:
                 if i < nz - 1:
                     _wait_epoch(epoch_ptr, e0 + 1, PL_ASM)
-                _wait_peers(epoch_ptr, z_pad, z_pad_base, z_timeout_ns, EP, RANK, TIMER)
+                _wait_peers(e0 + 1, z_pad, z_pad_base, z_timeout_ns, EP, RANK, TIMER)
                 _sanitize_rows(z_ids, z_hdr, z_recv_counts, z_n_rows, z_stride_ids_row, z_rows_per_block,
                                z_hdr_block, z_hdr_off, z_lo, z_hi, z_invalid, i, nz, K, Z_K_P2, EP, EP_P2,
                                Z_BLOCK, Z_HAS_IDS)  # fmt: skip
@@ -463,7 +464,7 @@ def ep_combine_reduce_kernel(
     """out[t] = sum over ranks r that received t of recv[r, slot[t, r]], accumulated in fp32 in rank
     order. Persistent over tokens (the grid's first axis bounds the SMs used)."""
     if WAIT:
-        _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP, OWN, TIMER)
+        _wait_peers(tl.load(epoch_ptr), pad_ptr, pad_base, timeout_ns, EP, OWN, TIMER)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.program_id(1) * NB + tl.arange(0, NB)
@@ -895,7 +896,7 @@ def ep_sanitize_kernel(
     """Ids of padding rows (slot >= count of its source, header rows included) and of experts outside
     [lo, hi) become ``invalid``; program 0 also copies the counts to ``recv_counts``."""
     if WAIT:
-        _wait_peers(epoch_ptr, pad_ptr, pad_base, timeout_ns, EP, RANK, TIMER)
+        _wait_peers(tl.load(epoch_ptr), pad_ptr, pad_base, timeout_ns, EP, RANK, TIMER)
     _sanitize_rows(ids_ptr, hdr_ptr, recv_counts_ptr, n_rows, stride_ids_row, rows_per_block, hdr_block,
                    hdr_off, lo, hi, invalid, tl.program_id(0), tl.num_programs(0), K, K_P2, EP, EP_P2, BLOCK,
                    HAS_IDS)  # fmt: skip
@@ -915,13 +916,16 @@ def _sanitize_rows(ids_ptr, hdr_ptr, recv_counts_ptr, n_rows, stride_ids_row, ro
             rmask = rows < n_rows
             s = rows // rows_per_block
             j = rows % rows_per_block
-            cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0)
+            # (L2 only: in the pack's launch, peers and other programs wrote them during the launch)
+            cnt = tl.load(hdr_ptr + s.to(tl.int64) * hdr_block + hdr_off, mask=rmask, other=0,
+                          cache_modifier=".cg")  # fmt: skip
             m = rmask[:, None] & (ks < K)[None, :]
             ptrs = ids_ptr + rows.to(tl.int64)[:, None] * stride_ids_row + ks[None, :]
-            v = tl.load(ptrs, mask=m, other=0)
+            v = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")
             drop = (j >= cnt)[:, None] | (v < lo) | (v >= hi)
             tl.store(ptrs, tl.where(drop, invalid, v), mask=m)
     if pid == 0:
         r = tl.arange(0, EP_P2)
-        c = tl.load(hdr_ptr + r.to(tl.int64) * hdr_block + hdr_off, mask=r < EP, other=0)
+        c = tl.load(hdr_ptr + r.to(tl.int64) * hdr_block + hdr_off, mask=r < EP, other=0,
+                    cache_modifier=".cg")  # fmt: skip
         tl.store(recv_counts_ptr + r, c, mask=r < EP)
