@@ -114,8 +114,11 @@ _WIDE_MIN_PROGRAMS = 64
 # 39.8-39.9 / 155.2-155.3 / 547.2-547.6 with; the wide grid at 1024 / 4096 143.6 / 486.3 -> 143.1 / 484.1
 _PACK_PREFETCH_GRIDS = ("narrow", "wide")
 # the pack's stores of a tile go to the ranks from this rank + 1 on, its own block last (True), or from
-# rank 0 on (False)
-_PACK_PEERS_FIRST = False
+# rank 0 on (False). 4 x H100, ep = 4, 24 programs, dispatch µs in CUDA graphs at 128 / 1024 / 4096
+# tokens/rank, two calls (session 32, bench/results/ep_variants_h100x4_s32.txt): rank order 39.6-40.1 /
+# 154.4-154.6 / 538.7-540.5, peers first 38.6-39.1 / 154.4-154.8 / 534.5-538.5; dense at 1024 / 4096
+# 140.5 / 480.4 -> 137.6 / 477.4 (one call)
+_PACK_PEERS_FIRST = True
 
 
 def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, int]:
@@ -141,7 +144,11 @@ def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, 
 # the receive side's sanitize inside the pack (no sanitize launch): up to _FUSED_SANITIZERS of the pack's
 # last programs to arrive (one in the interpreter, which runs programs one after another) share the
 # received rows in blocks of _FUSED_SANITIZE_BLOCK; None: at every size (a number: up to that many
-# received rows, ep * (runtime_max + 1), the larger ones in a sanitize launch)
+# received rows, ep * (runtime_max + 1), the larger ones in a sanitize launch). 4 x H100, ep = 4, 24
+# programs, dispatch µs in CUDA graphs at 128 / 1024 / 4096 tokens/rank (session 32,
+# bench/results/ep_variants_h100x4_s32.txt): 16 sanitizers 40.1 / 154.6 / 540.5, 32 40.3 / 156.0 / 540.9,
+# the last program alone 40.7 / 162.1 / 569.5, the sanitize launch above 2048 rows (before) 40.7 / 156.5 /
+# 550.5
 _FUSED_SANITIZE_MAX_ROWS: int | None = None
 _FUSED_SANITIZE_BLOCK = 512
 _FUSED_SANITIZERS = 16
