@@ -39,15 +39,18 @@ def pack_tiles(nb=None, tt=None, warps=None):
     return f
 
 
-def variants():
-    """(name, {module attribute: value}) of every variant; the first and last are the defaults."""
+def variants(a2a: MoeAlltoAll):
+    """(name, {(object, attribute): value}) of every variant; the first and last are the defaults. The
+    objects are modules, or ``a2a``'s transport (its pipelined combine's rows per arrival flag, ``chunk``: a
+    multiple of the tall tiles' 16 rows; the signal pads are sized for the default, so larger ones fit)."""
+    tr = a2a._transport
     return [
         ("default", {}),
+        ("comb chunk 32", {(tr, "chunk"): 32}),
+        ("comb chunk 64", {(tr, "chunk"): 64}),
         ("sanitize launch > 2048", {(A, "_FUSED_SANITIZE_MAX_ROWS"): 2048, (A, "_FUSED_SANITIZERS"): 1}),
-        ("sanitize fused, 1", {(A, "_FUSED_SANITIZERS"): 1}),
         ("sanitize fused, 32", {(A, "_FUSED_SANITIZERS"): 32}),
-        ("pack peers first", {(A, "_PACK_PEERS_FIRST"): True}),
-        ("pack no PREFETCH", {(A, "_PACK_PREFETCH_GRIDS"): ()}),
+        ("pack rank order", {(A, "_PACK_PEERS_FIRST"): False}),
         ("pack TT=2", {(A, "_pack_tiles"): pack_tiles(tt=2)}),
         ("comb 2048x8 w16", {(S, "pipe_tiling"): lambda W, programs, rt: (2048, 8, 16)}),
         ("default (again)", {}),
@@ -102,7 +105,7 @@ def main() -> None:
         ids, x, wts, *_ = inputs(T, rank, dev)
         comb = torch.randn(ep * (T + 1), H, device=dev, dtype=torch.bfloat16).view(ep, T + 1, H)[:, :T]
         ref = None
-        for name, patch in variants():
+        for name, patch in variants(a2a):
             saved = {key: getattr(*key) for key in patch}
             for (mod, attr), value in patch.items():
                 setattr(mod, attr, value)
@@ -116,7 +119,7 @@ def main() -> None:
     if rank == 0:
         print(f"# ep = {ep}, {a.num_sms} programs; dispatch / combine µs in CUDA graphs")
         print(f"{'variant':22s} " + " ".join(f"{T:>7d} disp {T:>7d} comb" for T in Ts))
-        for name, _ in variants():
+        for name, _ in variants(a2a):
             print(f"{name:22s} " + " ".join(res[(T, name)] for T in Ts))
     dist.barrier()
     dist.destroy_process_group()
