@@ -9,10 +9,13 @@ A child process runs ``tests/test_ep_kernels.py`` under Triton's interpreter and
 compiles each distinct launch for sm_90 twice: as recorded, and with the switches the interpreter runs
 differently set as on a GPU (:data:`ON_GPU`: acquire polls in inline asm, the barrier's timer, several
 sanitizers, ``ROLES`` 0). Exit status 1 if any compile fails. Takes about two minutes on two cores.
+``EP_PTX_DIGESTS=FILE`` writes a digest of each launch's PTX, one line each: two trees' files compare a
+refactor that should not change the machine code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -57,6 +60,14 @@ def _record(path: str, k_expr: str) -> None:
     sys.exit(int(rc))
 
 
+def _digest(ptx: str) -> str:
+    """Digest of the PTX's instructions: source locations, comments and debug sections left out (they
+    move with every edit of the file)."""
+    body = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
+    keep = [ln for ln in body.splitlines() if not ln.lstrip().startswith((".loc", ".file", "//", "$L__"))]
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
+
+
 def _signature(fn, args: list) -> tuple[dict, dict]:
     sig, consts = {}, {}
     for p, (kind, v) in zip(fn.params, args):
@@ -96,32 +107,29 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_compile import TARGET
 
-    seen, failed = set(), 0
+    out = os.environ.get("EP_PTX_DIGESTS")  # a file: one line per distinct launch, its PTX's digest
+    seen, failed, digests = set(), 0, []
     for c in calls:
         fn = getattr(_kernel, c["kernel"])
         sig, consts = _signature(fn, c["args"])
         for over in ({}, {k: v for k, v in ON_GPU.items() if k in consts}):
             cs = dict(consts, **over)
-            key = (
-                c["kernel"],
-                c["warps"],
-                tuple(sorted(sig.items())),
-                tuple(sorted((k, repr(v)) for k, v in cs.items())),
-            )
+            key = (c["kernel"], c["warps"], tuple(sorted(sig.items())), tuple(sorted(map(repr, cs.items()))))
             if key in seen:
                 continue
             seen.add(key)
             try:
-                triton.compile(
-                    ASTSource(fn, sig, constexprs=cs), target=TARGET, options={"num_warps": c["warps"]}
-                )
+                src = ASTSource(fn, sig, constexprs=cs)
+                ptx = triton.compile(src, target=TARGET, options={"num_warps": c["warps"]}).asm["ptx"]
             except Exception as e:  # noqa: BLE001 (every failure is reported, the run goes on)
                 failed += 1
-                print(
-                    f"FAIL {c['kernel']} warps={c['warps']} {over or 'as recorded'}: {type(e).__name__}: {e}"[
-                        :2000
-                    ]
-                )
+                what = over or "as recorded"
+                print(f"FAIL {c['kernel']} warps={c['warps']} {what}: {type(e).__name__}: {e}"[:2000])
+                continue
+            digests.append(f"{_digest(ptx)} {c['kernel']} {len(seen)}")
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(digests) + "\n")
     print(f"{len(seen) - failed} of {len(seen)} distinct launches compiled for sm_90")
     return 1 if failed else 0
 

@@ -363,7 +363,7 @@ def ep_pack_kernel(
             i = old - (total - nz)
             if i >= 0:
                 if i < nz - 1:
-                    _wait_epoch(epoch_ptr, e0 + 1, PL_ASM)
+                    _spin_gpu(epoch_ptr, e0 + 1, PL_ASM)  # this rank's epoch, bumped by the last
                 _wait_peers(e0 + 1, z_pad, z_pad_base, z_timeout_ns, EP, RANK, TIMER)
                 _sanitize_rows(z_ids, z_hdr, z_recv_counts, z_n_rows, z_stride_ids_row, z_rows_per_block,
                                z_hdr_block, z_hdr_off, z_lo, z_hi, z_invalid, i, nz, K, Z_K_P2, EP, EP_P2,
@@ -524,17 +524,17 @@ def _nanosleep(ptr):
 
 
 @triton.jit
-def _wait_epoch(epoch_ptr, e, ASM: tl.constexpr):
-    """Spin until this rank's epoch reaches ``e`` (acquire, GPU scope: the last program of the same
-    launch stores it with release)."""
+def _spin_gpu(ptr, target, ASM: tl.constexpr):
+    """Spin until ``*ptr >= target`` (acquire, GPU scope: other programs of the same launch store it with
+    release). ``ASM`` (CUDA): acquire loads with a 100 ns back-off; else acquire atomics."""
     if ASM:
-        v = _ld_acquire_gpu(epoch_ptr)
-        while v < e:
-            v = _ld_acquire_gpu(_nanosleep(epoch_ptr))
+        v = _ld_acquire_gpu(ptr)
+        while v < target:
+            v = _ld_acquire_gpu(_nanosleep(ptr))
     else:
-        v = tl.atomic_add(epoch_ptr, 0, sem="acquire", scope="gpu")
-        while v < e:
-            v = tl.atomic_add(epoch_ptr, 0, sem="acquire", scope="gpu")
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        while v < target:
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit
@@ -849,14 +849,7 @@ def _plan_lookback(ids_ptr, slot_ptr, counts_ptr, h0, h1, h2, h3, h4, h5, h6, h7
         tl.debug_barrier()  # every thread's slots before the count
         tl.atomic_add(stored_ptr, 1, sem="release", scope="gpu")
         blk = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    if ASM:
-        n = _ld_acquire_gpu(stored_ptr)
-        while n < nblk:
-            n = _ld_acquire_gpu(_nanosleep(stored_ptr))
-    else:
-        n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
-        while n < nblk:
-            n = tl.atomic_add(stored_ptr, 0, sem="acquire", scope="gpu")
+    _spin_gpu(stored_ptr, nblk, ASM)
     tl.debug_barrier()
     old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
     if old == total - 1:  # every program is past the wait and took its last ticket
