@@ -53,7 +53,10 @@ def _record(path: str, k_expr: str) -> None:
         return call(self, grid, args)
 
     launch.Launcher.__call__ = record
-    argv = ["-q", "-p", "no:cacheprovider", "tests/test_ep_kernels.py"] + (["-k", k_expr] if k_expr else [])
+    tests = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "test_ep_kernels.py"
+    )
+    argv = ["-q", "-p", "no:cacheprovider", tests] + (["-k", k_expr] if k_expr else [])
     rc = pytest.main(argv)
     with open(path, "w") as f:
         json.dump(calls, f)

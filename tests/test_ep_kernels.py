@@ -6,11 +6,13 @@ running the ranks' phases one after the other)."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
 import torch
 
+from _scripts import run_script
 from replaymoe.ep import combine_torch, dispatch_torch, expert_owner, expert_partition
 from replaymoe.ep.alltoall import MoeAlltoAll
 from replaymoe.ep.packing import recv_views, row_layout, row_tiling
@@ -541,3 +543,16 @@ def test_sanitize_kernel_matches_torch(generator):
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], torch.tensor([5, 0, 2], dtype=torch.int32))
     assert (outs[0][0][5] == -9).all() and (outs[0][0][6:12] == -9).all()  # header row, empty source
+
+
+def test_ep_kernels_compile_for_sm90():
+    # Hopper compiles (no GPU needed) of the launches two transport cases make: the narrow grid's pack with
+    # the look-back, PREFETCH and the fused sanitize (two ranks), the dense grid's pack with its scan and
+    # peers-first stores (three ranks), the combine kernels; each as launched here and with the GPU-only
+    # switches (16 sanitizers, asm polls, the barrier's timer). A separate process, since this one runs
+    # the kernels in Triton's interpreter. A constexpr reassigned in a static_range got past every
+    # interpreter test and failed only on the GPU (session 32).
+    run = run_script("ep_ptx_check.py", "symm_transport_kernels and (Ts4 or Ts9)")
+    assert run.returncode == 0, run.stdout + run.stderr
+    done, total = map(int, re.search(r"(\d+) of (\d+) distinct launches compiled", run.stdout).groups())
+    assert done == total >= 20, run.stdout
