@@ -741,7 +741,7 @@ class MoeAlltoAll:
 
     def _dispatch_recv(self, st: _DState) -> None:
         """After the exchange: (wait for the peers,) sanitize the ids, copy the counts."""
-        if st.fused_sanitize:  # the pack's last program did it
+        if st.fused_sanitize:  # the pack's last programs to arrive did it
             return
         if st.sanitize is None:
             self.recv_counts.copy_(st.counts)
