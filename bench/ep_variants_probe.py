@@ -41,11 +41,13 @@ def pack_tiles(nb=None, tt=None, warps=None):
 
 def variants(a2a: MoeAlltoAll):
     """(name, {(object, attribute): value}) of every variant; the first and last are the defaults. The
-    objects are modules, or ``a2a``'s transport (its pipelined combine's rows per arrival flag, ``chunk``: a
-    multiple of the tall tiles' 16 rows; the signal pads are sized for the default, so larger ones fit)."""
+    objects are modules, or ``a2a``'s transport (its pipelined combine's rows per arrival flag, ``chunk``:
+    None = ``pipe_chunk``'s rule, else a multiple of the tall tiles' 16 rows from ``PIPE_CHUNK`` up, for
+    which the signal pads are sized)."""
     tr = a2a._transport
     return [
         ("default", {}),
+        ("comb chunk 16", {(tr, "chunk"): 16}),
         ("comb chunk 32", {(tr, "chunk"): 32}),
         ("comb chunk 64", {(tr, "chunk"): 64}),
         ("sanitize launch > 2048", {(A, "_FUSED_SANITIZE_MAX_ROWS"): 2048, (A, "_FUSED_SANITIZERS"): 1}),
@@ -55,6 +57,11 @@ def variants(a2a: MoeAlltoAll):
         ("comb 2048x8 w16", {(S, "pipe_tiling"): lambda W, programs, rt: (2048, 8, 16)}),
         ("default (again)", {}),
     ]
+
+
+def chosen(a2a: MoeAlltoAll, only: str) -> list:
+    """:func:`variants` whose name contains ``only`` (every one if empty), the two defaults always."""
+    return [(n, p) for n, p in variants(a2a) if not only or only in n or n.startswith("default")]
 
 
 def time_variant(a2a: MoeAlltoAll, T: int, ids, x, wts, comb) -> tuple[float, float, tuple]:
@@ -91,6 +98,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--num-sms", type=int, default=24, help="programs per kernel; 0: unbounded (dense)")
+    ap.add_argument(
+        "--only", default="", help="run only the variants whose name contains this (and the defaults)"
+    )
     a = ap.parse_args()
     dist.init_process_group("nccl")
     rank, ep = dist.get_rank(), dist.get_world_size()
@@ -105,7 +115,7 @@ def main() -> None:
         ids, x, wts, *_ = inputs(T, rank, dev)
         comb = torch.randn(ep * (T + 1), H, device=dev, dtype=torch.bfloat16).view(ep, T + 1, H)[:, :T]
         ref = None
-        for name, patch in variants(a2a):
+        for name, patch in chosen(a2a, a.only):
             saved = {key: getattr(*key) for key in patch}
             for (mod, attr), value in patch.items():
                 setattr(mod, attr, value)
@@ -119,7 +129,7 @@ def main() -> None:
     if rank == 0:
         print(f"# ep = {ep}, {a.num_sms} programs; dispatch / combine µs in CUDA graphs")
         print(f"{'variant':22s} " + " ".join(f"{T:>7d} disp {T:>7d} comb" for T in Ts))
-        for name, _ in variants(a2a):
+        for name, _ in chosen(a2a, a.only):
             print(f"{name:22s} " + " ".join(res[(T, name)] for T in Ts))
     dist.barrier()
     dist.destroy_process_group()

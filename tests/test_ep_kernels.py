@@ -323,28 +323,40 @@ def test_pipelined_combine_reducer_group(T, reducers, group):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "ep, Ts, K, max_tokens, num_sms, dtype, tall",
+    "ep, Ts, K, max_tokens, num_sms, dtype, tall, narrow",
     [
-        (2, [150, 70], 2, 160, 4, torch.float16, False),  # 3 chunks of 64 rows from rank 0, the last partial
-        (3, [5, 0, 130], 3, 140, 2, torch.float16, False),  # a rank without tokens; one sender, one reducer
-        (4, [40, 3, 70, 1], 4, 80, 6, torch.float32, False),  # fp32 rows (the backward's combine); T=1 rank
-        (4, [40, 3, 70, 1], 4, 80, 6, torch.float16, True),  # tall tiles (16 rows: one flag chunk each)
-        (2, [0, 0], 2, 8, 2, torch.float16, False),  # nothing anywhere: the epoch still moves
+        # up to 150 rows back to rank 0: 10 chunks, the last partial
+        (2, [150, 70], 2, 160, 4, torch.float16, False, False),
+        # a rank without tokens; one sender, one reducer
+        (3, [5, 0, 130], 3, 140, 2, torch.float16, False, False),
+        # fp32 rows (the backward's combine); a rank with one token
+        (4, [40, 3, 70, 1], 4, 80, 6, torch.float32, False, False),
+        # tall tiles (16 rows: one flag chunk each)
+        (4, [40, 3, 70, 1], 4, 80, 6, torch.float16, True, False),
+        # tall tiles and 32-row chunks: two tiles per flag
+        (4, [40, 3, 70, 1], 4, 80, 6, torch.float16, True, True),
+        # 32-row chunks of row_tiling's tiles, ranks of 150, 9 and 64 tokens
+        (3, [150, 9, 64], 3, 160, 2, torch.float16, False, True),
+        # nothing anywhere: the epoch still moves
+        (2, [0, 0], 2, 8, 2, torch.float16, False, False),
     ],
 )
 def test_pipelined_combine_matches_two_kernel_combine(
-    ep, Ts, K, max_tokens, num_sms, dtype, tall, generator, monkeypatch
+    ep, Ts, K, max_tokens, num_sms, dtype, tall, narrow, generator, monkeypatch
 ):
     """``ep_combine_kernel`` (send, then reduce as chunks land) gives the two-kernel combine's rows,
     flags every chunk a reducer waits for, and moves the epoch. The ranks run one after another
     (Triton's interpreter runs one program at a time): every rank's send (roles 1), then every rank's
     reduce (roles 2), which finds every flag it waits for already set."""
     import replaymoe.ep.transport_symm as symm
-    from replaymoe.ep.transport_symm import _FLAG_BASE, PIPE_CHUNK, SymmTransport
+    from replaymoe.ep.transport_symm import _FLAG_BASE, PIPE_CHUNK, PIPE_CHUNK_NARROW, SymmTransport
 
     E, H, rt = 2 * ep, 24, max(max(Ts), 1)
     if tall:  # the tall tiles' threshold lowered to this test's runtime_max (2048 tokens: too slow here)
         monkeypatch.setattr(symm, "PIPE_TALL_MIN_TOKENS", rt)
+    # the narrow grids' wider chunks from this test's runtime_max (1024 tokens: too slow here), or never
+    monkeypatch.setattr(symm, "PIPE_CHUNK_NARROW_MIN_TOKENS", rt if narrow else rt + 1)
+    chunk = PIPE_CHUNK_NARROW if narrow else PIPE_CHUNK
     a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms, True, True) for r in range(ep)]
     trs = [SymmTransport(a) for a in a2as]
     for a, t in zip(a2as, trs):
@@ -377,8 +389,8 @@ def test_pipelined_combine_matches_two_kernel_combine(
         for s in range(ep):
             if s != r:
                 n = int(a2as[s].recv_counts[r])  # rows s sends back to r
-                flags = pads[r][_FLAG_BASE + s * trs[0].ncmax :][: -(-n // PIPE_CHUNK)]
-                assert flags.tolist() == [1] * len(flags), (r, s, flags)
+                flags = pads[r][_FLAG_BASE + s * trs[0].ncmax :][: trs[0].ncmax].tolist()
+                assert flags == [1] * -(-n // chunk) + [0] * (len(flags) + n // -chunk), (r, s, flags)
         assert int(trs[r].state[1]) == 1 and int(trs[r].state[3]) == 0  # epoch moved, arrivals reset
         # every peer's "sends done" flag (what the reducers wait on last), sender arrivals reset
         assert [int(pads[r][8 + s]) for s in range(ep) if s != r] == [1] * (ep - 1), r
@@ -395,6 +407,26 @@ def test_pipelined_combine_matches_two_kernel_combine(
         torch.testing.assert_close(outs[r], expect.to(dtype), atol=0, rtol=0)
     tts = {shape[2] for t in trs for shape in t._pshape.values()}  # (senders, nb, tt, warps)
     assert tts == ({16} if tall else {row_tiling(H, True)[2]}), tts
+    assert {key[-1] for t in trs for key in t._pshape} == {chunk}  # the rows per flag the launches took
+
+
+@pytest.mark.parametrize(
+    "programs, rt, want",
+    [
+        (24, 1024, 32),  # a narrow grid from 1024 tokens/rank: 32 rows per flag
+        (24, 1023, 16),  # one token less
+        (63, 4096, 32),  # the widest narrow grid
+        (64, 4096, 16),  # 64 programs and more (every SM): 16 (32 measured slower there)
+        (2, 128, 16),  # decode sizes
+    ],
+)
+def test_pipelined_combine_chunk(programs, rt, want):
+    from replaymoe.ep.transport_symm import PIPE_CHUNK, pipe_chunk, pipe_tiling
+
+    got = pipe_chunk(programs, rt)
+    assert got == want
+    assert got % PIPE_CHUNK == 0  # the pads hold PIPE_CHUNK-row flags: wider chunks fit
+    assert got % pipe_tiling(7168, programs, rt)[1] == 0  # whole tiles per flag
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,10 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
   over the sources so that every peer is written at once; barrier; the fp32 per-token sum reads the local
   buffer, and this rank's own rows in place in the payload (they never move). With the fused barrier and
   ``num_sms`` >= 2 both halves can be one launch (:meth:`SymmTransport.combine_pipelined`): senders
-  flag each 16-row chunk in its source's pad, and reducers sum a block of tokens once the chunks it
-  reads have landed. By default that launch runs only where a rank sends back more than
-  :func:`pipe_min_rows` rows (the two kernels are faster below).
+  flag each chunk of 16 rows (32 on narrow grids from 1024 tokens/rank, :func:`pipe_chunk`) in its
+  source's pad, and reducers sum a block of tokens once the chunks it reads have landed. By default
+  that launch runs only where a rank sends back more than :func:`pipe_min_rows` rows (the two
+  kernels are faster below).
 
 The barrier runs inside the kernels (``MoeAlltoAll(..., fused_barrier=True)``; the default, unless
 ``REPLAYMOE_EP_FUSED_BARRIER=0`` set :data:`FUSED_BARRIER`, the process default, off): the producing
@@ -59,6 +60,10 @@ _DEFAULT_TIMEOUT_MS = 600_000
 # wave's tokens after the send had ended (2 x H200, 4096 tokens/rank, 132 programs: 197-206 µs at 64 rows,
 # 181-190 at 32, 182-183 at 16; 24 programs: 300 / 295-316 / 297-357; session 25)
 PIPE_CHUNK = 16
+# narrow grids (below 64 programs) from this many tokens/rank flag every PIPE_CHUNK_NARROW rows instead
+# (:func:`pipe_chunk`); the pads are sized for PIPE_CHUNK flags per source, so fewer always fit
+PIPE_CHUNK_NARROW = 32
+PIPE_CHUNK_NARROW_MIN_TOKENS = 1024
 _FLAG_BASE = 64
 PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them all)
 # pipelined_combine=None (the default): one pipelined launch only where runtime_max (tokens per rank) is
@@ -120,6 +125,20 @@ def pipe_tiling(W: int, programs: int, rt: int) -> tuple[int, int, int]:
     return nb, tt, warps
 
 
+def pipe_chunk(programs: int, rt: int) -> int:
+    """Rows per arrival flag of the pipelined combine: :data:`PIPE_CHUNK_NARROW` below 64 programs from
+    :data:`PIPE_CHUNK_NARROW_MIN_TOKENS` tokens/rank, else :data:`PIPE_CHUNK` (a multiple of
+    :func:`pipe_tiling`'s rows either way). Each flag is a system-scope release that waits for its
+    chunk's stores to land; on a narrow grid each sender has many chunks, and fewer flags let its stores
+    run on. Measured (4 x H100, ep = 4, 24 programs, DeepSeek-V3 rows, combine µs in CUDA graphs at 1024
+    / 4096 tokens/rank, ``bench/ep_variants_probe.py``): 16 rows 165.8 / 570.3 and 164.2 / 564.6, 32 rows
+    158.5 / 539.4, 64 rows 176.3 / 576.9 (session 32); on every SM 32 rows was slower (160.4 / 500.9
+    against 138.9 / 485.6)."""
+    if programs < 64 and rt >= PIPE_CHUNK_NARROW_MIN_TOKENS:
+        return PIPE_CHUNK_NARROW
+    return PIPE_CHUNK
+
+
 def pipe_group(T: int, tt: int, reducers: int) -> int:
     """Token tiles per reducer step: the largest power of two up to :data:`PIPE_MAX_GROUP` that still
     leaves every reducer about 8 steps (fewer flag waits at large ``T``, an even tail at small ``T``;
@@ -178,8 +197,10 @@ class SymmTransport:
         self.sig: _SymmBuffer | None = None  # signal pads (fused barrier)
         self.signal_args: tuple = ()
         self.wait_args: tuple = ()
-        self.chunk = PIPE_CHUNK  # rows per flag (fixed with the pads' size)
-        self.ncmax = cdiv(a2a.max_num_tokens, self.chunk)  # chunk flags per source in a pad
+        # rows per chunk flag of the pipelined combine: None = pipe_chunk's rule (a probe's lever: any
+        # multiple of the tiles' rows from PIPE_CHUNK up; the pads hold PIPE_CHUNK-row flags)
+        self.chunk: int | None = None
+        self.ncmax = cdiv(a2a.max_num_tokens, PIPE_CHUNK)  # chunk flags per source in a pad
         self.pads: list[torch.Tensor] = []
         self._pkeys: dict = {}  # pipelined combine launch plans
         # pipelined combine (row width, programs, roles, tall) -> (senders, nb, tt, warps)
@@ -324,18 +345,23 @@ class SymmTransport:
         W = payload.shape[2]
         T = out.shape[0]
         n = self.programs()
-        tall = rt >= PIPE_TALL_MIN_TOKENS
-        shape = self._pshape.get((W, n, roles, tall))  # (senders, nb, tt, warps) per row width and grid
+        chunk = pipe_chunk(n, rt) if self.chunk is None else self.chunk
+        skey = (W, n, roles, rt >= PIPE_TALL_MIN_TOKENS, chunk)
+        shape = self._pshape.get(skey)  # (senders, nb, tt, warps) per row width, grid and chunk
         if shape is None:
             senders = pipe_senders(n, a.ep) if roles == 0 else n
             nb, tt, warps = pipe_tiling(W, n, rt)
-            shape = self._pshape[(W, n, roles, tall)] = (senders, nb, tt, warps)
+            if chunk % tt:
+                raise ValueError(
+                    f"SymmTransport.chunk: expected a multiple of the tiles' {tt} rows, got {chunk}"
+                )
+            shape = self._pshape[skey] = (senders, nb, tt, warps)
         senders, nb, tt, warps = shape
         group = pipe_group(T, tt, max(1, n - senders))
         p_ptr, strides = payload.data_ptr(), payload.stride()
         # Triton specializes integer arguments on == 1 and % 16 == 0: T moves per call, its class does not
         key = (payload.dtype, rt, W, strides, p_ptr & 15, slot.data_ptr() & 15, out.data_ptr() & 15, roles, n,
-               group, T == 1, T % 16 == 0)  # fmt: skip
+               group, chunk, T == 1, T % 16 == 0)  # fmt: skip
         c = self._pkeys.get(key)  # (a buffer's growth clears the plans: a plan found fits the buffer)
         if c is None:
             from .._launch import Launcher, addresses
@@ -349,7 +375,7 @@ class SymmTransport:
             ep_p2 = max(2, next_power_of_2(a.ep))
             after_t = (payload.stride(0), payload.stride(1), rt * W, payload.stride(1), _FLAG_BASE, st[3:4],
                        st[1:2], st[4:5], 8, self.timeout_ms * 1_000_000, a.ep, ep_p2, a.rank, senders,
-                       self.ncmax, self.chunk, nb, tt, group, roles, a.device.type == "cuda")  # fmt: skip
+                       self.ncmax, chunk, nb, tt, group, roles, a.device.type == "cuda")  # fmt: skip
             c = (Launcher(ep_combine_kernel, num_warps=warps), (n,), bufs, addresses(bufs), after_t,
                  addresses(after_t))  # fmt: skip
             if len(self._pkeys) >= 64:
