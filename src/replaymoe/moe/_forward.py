@@ -135,11 +135,6 @@ def _(
     return None
 
 
-# decode as programmatic dependent launches (MoEConfig.pdl): the eviction policy of GEMM1's weight loads
-# and GEMM2's L2 prefetch of its weight rows while GEMM1 runs (0 none, 1 plain, 2 evict_last)
-_PDL_W1_EVICT = "evict_first"
-_PDL_PREFETCH = 2
-
 _TMA_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a block
 
 
@@ -280,7 +275,7 @@ def _launch(
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
         PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
         num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl, cnt_ptr=cnt, num_cnt_n=n_cnt, TICKET=ticket,
-        MERGE=merge, SCAN=scan, W_EVICT=_PDL_W1_EVICT if pdl else "",
+        MERGE=merge, SCAN=scan,
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * cdiv(H, c.block_n2),)
@@ -298,7 +293,6 @@ def _launch(
         w_desc=w2_desc if inter_desc is not None else None, HALF_TILES=half, a_desc_half=inter_desc_half,
         num_warps=c.warps2, num_stages=c.stages2, launch_pdl=pdl, out_ptr=out, cnt_ptr=cnt, TOP_K=K,
         stride_om=out.stride(0), KP=next_power_of_2(K), TICKET=ticket, MERGE=merge, SCAN=scan,
-        PREFETCH=_PDL_PREFETCH if pdl else 1,
     )  # fmt: skip
     if not ticket:
         _reduce_slots(y, ids, out, offset, E_local, pdl)

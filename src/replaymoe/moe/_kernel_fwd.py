@@ -256,7 +256,6 @@ def moe_gemm1_kernel(
     TICKET: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     SCAN: tl.constexpr = 16,
-    W_EVICT: tl.constexpr = "",
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
@@ -265,9 +264,7 @@ def moe_gemm1_kernel(
     ``STORE_ACT`` (the backward's recomputation) only those.
 
     ``PDL`` (launched as a programmatic dependent launch): wait for the previous kernel's results
-    first, then let the next kernel (GEMM2) start its prologue while this one runs. ``W_EVICT``: the
-    weight loads' eviction policy (pointer loads; ``"evict_first"`` keeps the lines GEMM2 prefetched
-    into L2, since each weight line is read once).
+    first, then let the next kernel (GEMM2) start its prologue while this one runs.
 
     ``TMA`` (tile mode, not fp8, weights with unit stride along K): the weight tiles come through
     ``w_desc``, a host-side tensor descriptor of w13 viewed as ``[E_local * 2I, H]`` with blocks
@@ -301,8 +298,7 @@ def moe_gemm1_kernel(
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
                         stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
                         HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M // 2, MERGE=MERGE, SCAN=SCAN,
-                        W_EVICT=W_EVICT)  # fmt: skip
+                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M // 2, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
         else:
             _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
                         h_ptr, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
@@ -310,8 +306,7 @@ def moe_gemm1_kernel(
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
                         stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
                         HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN,
-                        W_EVICT=W_EVICT)  # fmt: skip
+                        DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
     else:
         _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
                     h_ptr, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
@@ -319,8 +314,7 @@ def moe_gemm1_kernel(
                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_bn,
                     stride_im, stride_hm, DIRECT, FP8, PREQ_X, PREQ, SAVE_H, STORE_ACT,
                     HAS_BIAS, INTERLEAVED, ACT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN,
-                    W_EVICT=W_EVICT)  # fmt: skip
+                    DOT_PREC, PDL, TMA, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN)  # fmt: skip
 
 
 @triton.jit
@@ -379,7 +373,6 @@ def _gemm1_tile(
     ROWS: tl.constexpr,
     MERGE: tl.constexpr,
     SCAN: tl.constexpr,
-    W_EVICT: tl.constexpr = "",
 ):
     """One tile of ``moe_gemm1_kernel`` (its program ``pid_m, pid_n``): the first ``ROWS`` rows of
     the tile's ``BLOCK_M`` (all of them but for a half tile)."""
@@ -424,9 +417,9 @@ def _gemm1_tile(
             if TMA:  # rows past 2I (the next expert's, or zeros past the last) only feed masked columns
                 b = w_desc.load([w_row, k * BLOCK_K]).T
             elif EVEN_K:
-                b = tl.load(b_ptrs, mask=n2_ok[None, :], other=0.0, eviction_policy=W_EVICT)
+                b = tl.load(b_ptrs, mask=n2_ok[None, :], other=0.0)
             else:
-                b = tl.load(b_ptrs, mask=n2_ok[None, :] & k_ok[:, None], other=0.0, eviction_policy=W_EVICT)
+                b = tl.load(b_ptrs, mask=n2_ok[None, :] & k_ok[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
@@ -453,11 +446,11 @@ def _gemm1_tile(
                 bg = w_desc.load([w_row, k * BLOCK_K]).T
                 bu = w_desc.load([w_row + I, k * BLOCK_K]).T
             elif EVEN_K:
-                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
             else:
-                bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0, eviction_policy=W_EVICT)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0, eviction_policy=W_EVICT)
+                bg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if PREQ_X:
                 sa = tl.load(xs_ptr + tok * (H // 128) + k, mask=row_ok, other=0.0)
                 sg = tl.load(sg_ptr + k)
@@ -550,15 +543,13 @@ def moe_gemm2_kernel(
     TICKET: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     SCAN: tl.constexpr = 16,
-    PREFETCH: tl.constexpr = 1,
 ):
     """y[slot, n] = w[slot] * (inter[row] @ w2[e, n]^T + b2[e, n]) for each real row of a tile (DIRECT:
     tile = slot; the bias only with ``HAS_BIAS``).
 
     ``PDL`` (DIRECT only; launched as a programmatic dependent launch of GEMM1, whose programs waited
     for the ids' producer before letting this kernel start): read the slot's expert and prefetch this
-    program's weight rows into L2 while GEMM1 finishes, then wait for GEMM1's rows. ``PREFETCH``: 0 no
-    prefetch, 1 a plain L2 prefetch, 2 with the ``evict_last`` priority.
+    program's weight rows into L2 while GEMM1 finishes, then wait for GEMM1's rows.
 
     ``TMA`` (tile mode, not fp8, weights with unit stride along K): both operands come through
     host-side tensor descriptors, ``a_desc`` over the SwiGLU rows ``inter [rows, I]`` (blocks
@@ -592,7 +583,7 @@ def moe_gemm2_kernel(
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
                         PDL, TMA, a_desc_half, w_desc, ROWS=BLOCK_M // 2, MERGE=MERGE, SCAN=SCAN,
                         out_ptr=out_ptr, cnt_ptr=cnt_ptr, TOP_K=TOP_K, stride_om=stride_om, KP=KP,
-                        TICKET=TICKET, PREFETCH=PREFETCH)  # fmt: skip
+                        TICKET=TICKET)  # fmt: skip
         else:
             _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                         wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
@@ -601,7 +592,7 @@ def moe_gemm2_kernel(
                         FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
                         PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN,
                         out_ptr=out_ptr, cnt_ptr=cnt_ptr, TOP_K=TOP_K, stride_om=stride_om, KP=KP,
-                        TICKET=TICKET, PREFETCH=PREFETCH)  # fmt: skip
+                        TICKET=TICKET)  # fmt: skip
     else:
         _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
                     wts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_pid_m, H, I,
@@ -609,32 +600,7 @@ def moe_gemm2_kernel(
                     stride_wk, stride_se, stride_sn, stride_be, stride_bn, stride_ym, DIRECT,
                     FP8, PREQ, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PREC,
                     PDL, TMA, a_desc, w_desc, ROWS=BLOCK_M, MERGE=MERGE, SCAN=SCAN, out_ptr=out_ptr,
-                    cnt_ptr=cnt_ptr, TOP_K=TOP_K, stride_om=stride_om, KP=KP, TICKET=TICKET,
-                    PREFETCH=PREFETCH)  # fmt: skip
-
-
-@triton.jit
-def _w2_lines(w_ptr, e, pid_n, H, I, stride_we, stride_wn, stride_wk, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, OP: tl.constexpr):  # fmt: skip
-    """One L2 operation on every 128-byte line of expert ``e``'s weight rows of GEMM2's column block
-    ``pid_n`` (bf16 / fp16, unit stride along I): ``OP`` 1 prefetch, 2 prefetch with the ``evict_last``
-    priority, 3 set the lines' priority back to ``evict_normal``."""
-    rn_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_p = tl.where(rn_p < H, rn_p, 0)
-    row_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn_p[:, None] * stride_wn
-    line = tl.arange(0, BLOCK_K // 64) * 64  # one 128-byte line per 64 bf16/fp16 columns
-    for k in range(0, tl.cdiv(I, BLOCK_K)):
-        kk = tl.minimum(k * BLOCK_K + line, I - 1)
-        p_ptrs = row_ptrs + kk[None, :] * stride_wk
-        if OP == 1:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [p_ptrs], dtype=tl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-        elif OP == 2:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [p_ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-        else:
-            tl.inline_asm_elementwise("applypriority.global.L2::evict_normal [$1], 128;", "=r,l", [p_ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+                    cnt_ptr=cnt_ptr, TOP_K=TOP_K, stride_om=stride_om, KP=KP, TICKET=TICKET)  # fmt: skip
 
 
 @triton.jit
@@ -690,7 +656,6 @@ def _gemm2_tile(
     stride_om,
     KP: tl.constexpr,
     TICKET: tl.constexpr,
-    PREFETCH: tl.constexpr = 1,
 ):
     """One tile of ``moe_gemm2_kernel`` (program ``pid_m, pid_n``): its first ``ROWS`` of ``BLOCK_M``
     rows."""
@@ -700,8 +665,17 @@ def _gemm2_tile(
         if PDL:
             tl.static_assert(not FP8)
             tl.static_assert(BLOCK_K >= 64)
-            if (e >= 0) & (e < num_local) & (PREFETCH > 0):
-                _w2_lines(w_ptr, e, pid_n, H, I, stride_we, stride_wn, stride_wk, BLOCK_N, BLOCK_K, PREFETCH)
+            if (e >= 0) & (e < num_local):
+                rn_p = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                rn_p = tl.where(rn_p < H, rn_p, 0)
+                row_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn_p[:, None] * stride_wn
+                line = tl.arange(0, BLOCK_K // 64) * 64  # one 128-byte line per 64 bf16/fp16 columns
+                for k in range(0, tl.cdiv(I, BLOCK_K)):
+                    kk = tl.minimum(k * BLOCK_K + line, I - 1)
+                    p_ptrs = row_ptrs + kk[None, :] * stride_wk
+                    tl.inline_asm_elementwise(
+                        "prefetch.global.L2 [$1];", "=r,l", [p_ptrs], dtype=tl.int32, is_pure=False, pack=1
+                    )
             gdc_wait()
             gdc_launch_dependents()
         if (e < 0) | (e >= num_local):
@@ -759,8 +733,6 @@ def _gemm2_tile(
     if HAS_BIAS:
         b2 = tl.load(b_ptr + e.to(tl.int64) * stride_be + rn * stride_bn, mask=n_ok, other=0.0)
         acc += b2.to(tl.float32)[None, :]
-    if DIRECT and PDL and PREFETCH == 2:  # the prefetched lines back to the normal eviction priority
-        _w2_lines(w_ptr, e, pid_n, H, I, stride_we, stride_wn, stride_wk, BLOCK_N, BLOCK_K, 3)
     wt = tl.load(wts_ptr + slots, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     o_ptrs = y_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
