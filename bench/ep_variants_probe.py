@@ -47,7 +47,6 @@ def variants(a2a: MoeAlltoAll):
     tr = a2a._transport
     return [
         ("default", {}),
-        ("comb decode two kernels", {(S, "SEND_THEN_REDUCE"): False}),
         ("comb chunk 16", {(tr, "chunk"): 16}),
         ("comb chunk 32", {(tr, "chunk"): 32}),
         ("comb chunk 64", {(tr, "chunk"): 64}),

@@ -23,8 +23,6 @@ import sys
 import tempfile
 
 ON_GPU = {"PL_ASM": True, "TIMER": True, "Z_SANITIZERS": 16, "ROLES": 0}
-# and the pipelined combine's send-then-reduce launch (decode sizes on a GPU; never in the CPU tests)
-ON_GPU_SR = {"PL_ASM": True, "TIMER": True, "ROLES": 3}
 
 
 def _record(path: str, k_expr: str) -> None:
@@ -119,7 +117,7 @@ def main() -> int:
     for c in calls:
         fn = getattr(_kernel, c["kernel"])
         sig, consts = _signature(fn, c["args"])
-        for over in ({}, *({k: v for k, v in on.items() if k in consts} for on in (ON_GPU, ON_GPU_SR))):
+        for over in ({}, {k: v for k, v in ON_GPU.items() if k in consts}):
             cs = dict(consts, **over)
             key = (c["kernel"], c["warps"], tuple(sorted(sig.items())), tuple(sorted(map(repr, cs.items()))))
             if key in seen:

@@ -243,42 +243,33 @@ def test_pipelined_combine_sender_split(n, ep, senders):
 
 
 @pytest.mark.parametrize(
-    "mode, fused, num_sms, ep, rt, capturing, pipelined, sr",
+    "mode, fused, num_sms, ep, rt, capturing, pipelined",
     [
-        # with the send-then-reduce launch at decode sizes: one launch at every size, captured or not
-        (None, True, 24, 4, 128, True, True, True),  # captured decode sizes
-        (None, True, None, 2, 1, True, True, True),  # one token, every SM
-        (None, True, 24, 4, 4096, True, True, True),  # large: the split launch (pipe_roles)
-        (False, True, 24, 4, 128, False, False, True),  # forced off
-        (None, True, 1, 4, 128, False, False, True),  # one program: the two kernels
-        (None, False, 24, 2, 128, False, False, True),  # torch's barrier kernel
-        # without it (SEND_THEN_REDUCE = False), by size:
-        (None, True, 24, 2, 128, True, False, False),  # captured, ep = 2, 128 tokens/rank: two kernels
-        (None, True, 24, 2, 129, True, True, False),  # one token past it: the pipelined launch
-        (None, True, 24, 2, 1, False, True, False),  # eager: the one launch at any size
-        (None, True, 24, 4, 128, True, False, False),  # ep = 4: 384 rows back, its threshold: two kernels
-        (None, True, 24, 4, 129, True, True, False),  # 387 rows: pipelined
-        (None, True, 24, 8, 129, True, True, False),  # ep = 8 (unmeasured): the same rule
-        (True, True, 24, 2, 1, True, True, False),  # forced on: any size
-        (False, True, 24, 4, 4096, False, False, False),  # forced off, eager too
-        (None, True, None, 2, 4096, True, True, False),  # no cap, ep = 2: a program per SM (4 on the CPU)
-        (None, True, None, 2, 128, True, False, False),  # ... the dense two kernels at the threshold
-        (None, True, None, 4, 4096, True, True, False),  # no cap at ep = 4: the same rule on every grid
-        (None, True, None, 4, 64, True, False, False),  # ... small: the dense two kernels
-        (None, True, None, 4, 64, False, True, False),  # ... unless eager
-        (True, True, None, 4, 4096, True, True, False),  # forced
-        (True, True, 1, 4, 4096, False, False, False),  # one program cannot both send and reduce
-        (True, False, 24, 4, 4096, False, False, False),  # torch's barrier kernel: separate launches
+        (None, True, 24, 2, 128, True, False),  # captured: by size; ep = 2, 128 tokens/rank: two kernels
+        (None, True, 24, 2, 129, True, True),  # one token past it: the pipelined launch
+        (None, True, 24, 2, 1, False, True),  # eager: the one launch at any size
+        (None, True, 24, 4, 128, True, False),  # ep = 4: 384 rows back, at its threshold: two kernels
+        (None, True, 24, 4, 129, True, True),  # 387 rows: pipelined
+        (None, True, 24, 8, 129, True, True),  # ep = 8 (unmeasured): the same rule
+        (True, True, 24, 2, 1, True, True),  # forced on: any size
+        (False, True, 24, 4, 4096, False, False),  # forced off, eager too
+        (None, True, None, 2, 4096, True, True),  # no num_sms cap, ep = 2: one program per SM (4 on the CPU)
+        (None, True, None, 2, 128, True, False),  # ... and the dense two kernels at the threshold
+        (None, True, None, 4, 4096, True, True),  # no cap at ep = 4: the rule is the same on every grid
+        (None, True, None, 4, 64, True, False),  # ... small: the dense two kernels
+        (None, True, None, 4, 64, False, True),  # ... unless eager
+        (True, True, None, 4, 4096, True, True),  # forced
+        (True, True, 1, 4, 4096, False, False),  # one program cannot both send and reduce
+        (True, False, 24, 4, 4096, False, False),  # torch's barrier kernel: the phases are separate launches
     ],
 )
-def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, capturing, pipelined, sr, monkeypatch):
+def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, capturing, pipelined, monkeypatch):
     import replaymoe.ep.transport_symm as symm
     from replaymoe.ep.transport_symm import SymmTransport, pipe_min_rows
 
     # the cases' edges: (ep - 1) * 128 rows sent back, on any grid
     assert [pipe_min_rows(e) for e in (2, 4, 8)] == [128, 384, 896]
     monkeypatch.setattr(symm, "is_capturing", lambda: capturing)  # (no CUDA graph on the CPU)
-    monkeypatch.setattr(symm, "SEND_THEN_REDUCE", sr)
     a = _fake_a2a(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
     a._pipelined_combine = mode
     a._transport = SymmTransport(a)
@@ -417,23 +408,6 @@ def test_pipelined_combine_matches_two_kernel_combine(
     tts = {shape[2] for t in trs for shape in t._pshape.values()}  # (senders, nb, tt, warps)
     assert tts == ({16} if tall else {row_tiling(H, True)[2]}), tts
     assert {key[-1] for t in trs for key in t._pshape} == {chunk}  # the rows per flag the launches took
-
-
-@pytest.mark.parametrize(
-    "ep, rt, sr, want",
-    [
-        (4, 128, True, 3),  # 384 rows back at ep = 4: decode, every program sends then reduces
-        (4, 129, True, 0),  # one token more: the split launch
-        (2, 128, True, 3),  # ep = 2 at its threshold (128 rows)
-        (8, 1, True, 3),  # one token
-        (4, 128, False, 0),  # without the send-then-reduce launch
-    ],
-)
-def test_pipelined_combine_roles(ep, rt, sr, want, monkeypatch):
-    import replaymoe.ep.transport_symm as symm
-
-    monkeypatch.setattr(symm, "SEND_THEN_REDUCE", sr)
-    assert symm.pipe_roles(ep, rt) == want
 
 
 @pytest.mark.parametrize(

@@ -601,15 +601,14 @@ def ep_combine_kernel(
     TT: tl.constexpr,  # rows (send) / tokens (reduce) per tile
     GROUP: tl.constexpr,  # tiles per reducer step: its chunk waits cover GROUP * TT tokens at once
     ROLES: tl.constexpr,  # 0: both in this launch; 1: send only; 2: reduce only (the CPU tests run the
-    # ranks one after another in Triton's interpreter, all sends first); 3: every program sends its share
-    # of the chunks, then reduces its share of the tokens (1 then 2 in each program, one epoch)
+    # ranks one after another in Triton's interpreter, all sends first)
     TIMER: tl.constexpr,
 ):
     """Row ``[s, j]`` (``j < counts[s]``, ``s != RANK``) goes to rank ``s``'s receive buffer at block
     ``RANK``, row ``j``; then ``out[t] = sum over ranks r that received t of row slot[t, r] of r's
     block`` (this rank's own rows from ``own_ptr``), accumulated in fp32 in rank order: the same bits as
     ``ep_combine_send_kernel`` + ``ep_combine_reduce_kernel``. The epoch of this call is the stored
-    epoch + 1 (ROLES 2: the stored one); the last program to finish stores it (ROLES 0, 1 and 3).
+    epoch + 1 (ROLES 2: the stored one); the last program to finish stores it (ROLES 0 and 1).
 
     The last sender to finish stores the epoch into every peer's pad at ``done_base + RANK``, and every
     reducer, once its tokens are summed, waits until each peer's flag there reaches the epoch: the
@@ -623,11 +622,11 @@ def ep_combine_kernel(
     if ROLES != 2:
         e = e + 1
     do_send = (pid < SENDERS) & (ROLES != 2)
-    if (ROLES == 1) | (ROLES == 3):
+    if ROLES == 1:
         do_send = pid >= 0
     if do_send:
         n_send = SENDERS
-        if (ROLES == 1) | (ROLES == 3):
+        if ROLES == 1:
             n_send = nprog
         P: tl.constexpr = EP - 1
         nch = (rows + CHUNK - 1) // CHUNK
@@ -666,13 +665,10 @@ def ep_combine_kernel(
                 if r != RANK:
                     fq = _pick(r, q0, q1, q2, q3, q4, q5, q6, q7)
                     tl.atomic_xchg(fq + done_base + RANK, e, sem="release", scope="sys")
-    do_reduce = (pid >= SENDERS) | (ROLES == 2) | (ROLES == 3)
-    if ROLES == 1:
-        do_reduce = pid < 0
-    if do_reduce:
+    else:
         rid = pid - SENDERS
         n_red = nprog - SENDERS
-        if (ROLES == 2) | (ROLES == 3):
+        if ROLES == 2:
             rid = pid
             n_red = nprog
         rk = tl.arange(0, EP_P2)

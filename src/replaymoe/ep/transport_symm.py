@@ -80,11 +80,6 @@ PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them al
 # time (eager µs, pipelined / two kernels: ep = 2 97.7 / 132.6 (24 SMs) and 106.3 / 136.7 (every SM),
 # ep_dense_x2_h200_s25.csv; ep = 4 96.8 / 107.9 and 106.1 / 114.1, ep_x4_h200_s26.csv).
 PIPE_MIN_TOKENS = 128
-# at decode sizes (a rank sends back at most pipe_min_rows(ep) rows) the one launch is "send, then reduce"
-# (``ep_combine_kernel`` ROLES 3): every program sends its share of the chunks, then sums its share of the
-# tokens as their chunks land, so no program idles while the others send and no second launch follows.
-# False: the two kernels in CUDA-graph captures and the split launch eagerly there (the probe's lever).
-SEND_THEN_REDUCE = True
 
 
 def pipe_min_rows(ep: int) -> int:
@@ -92,13 +87,6 @@ def pipe_min_rows(ep: int) -> int:
     the pipelined launch: ``(ep - 1) * PIPE_MIN_TOKENS`` (see :data:`PIPE_MIN_TOKENS`), with a
     ``num_sms`` cap or without."""
     return (ep - 1) * PIPE_MIN_TOKENS
-
-
-def pipe_roles(ep: int, rt: int) -> int:
-    """``ep_combine_kernel``'s ROLES for a combine of ``rt`` tokens/rank: 3 (every program sends, then
-    reduces) at decode sizes, ``(ep - 1) * rt <= pipe_min_rows(ep)``, with :data:`SEND_THEN_REDUCE`;
-    otherwise 0 (:func:`pipe_senders` of the programs send, the others reduce)."""
-    return 3 if SEND_THEN_REDUCE and (ep - 1) * rt <= pipe_min_rows(ep) else 0
 
 
 def pipe_senders(n: int, ep: int) -> int:
@@ -337,7 +325,7 @@ class SymmTransport:
         mode = a._pipelined_combine
         if mode is False or not self.fused or self.programs() < 2:
             return False
-        if mode is True or SEND_THEN_REDUCE:
+        if mode is True:
             return True
         return (a.ep - 1) * rt > pipe_min_rows(a.ep) or not is_capturing()
 
@@ -357,13 +345,11 @@ class SymmTransport:
         W = payload.shape[2]
         T = out.shape[0]
         n = self.programs()
-        if roles == 0:
-            roles = pipe_roles(a.ep, rt)
         chunk = pipe_chunk(n, rt) if self.chunk is None else self.chunk
         skey = (W, n, roles, rt >= PIPE_TALL_MIN_TOKENS, chunk)
         shape = self._pshape.get(skey)  # (senders, nb, tt, warps) per row width, grid and chunk
         if shape is None:
-            senders = pipe_senders(n, a.ep) if roles == 0 else n  # (ROLES 1-3 ignore it)
+            senders = pipe_senders(n, a.ep) if roles == 0 else n
             nb, tt, warps = pipe_tiling(W, n, rt)
             if chunk % tt:
                 raise ValueError(
@@ -371,7 +357,7 @@ class SymmTransport:
                 )
             shape = self._pshape[skey] = (senders, nb, tt, warps)
         senders, nb, tt, warps = shape
-        group = pipe_group(T, tt, n if roles == 3 else max(1, n - senders))
+        group = pipe_group(T, tt, max(1, n - senders))
         p_ptr, strides = payload.data_ptr(), payload.stride()
         # Triton specializes integer arguments on == 1 and % 16 == 0: T moves per call, its class does not
         key = (payload.dtype, rt, W, strides, p_ptr & 15, slot.data_ptr() & 15, out.data_ptr() & 15, roles, n,
