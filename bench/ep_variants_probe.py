@@ -39,6 +39,19 @@ def pack_tiles(nb=None, tt=None, warps=None):
     return f
 
 
+def send_tiles(nb: int, warps: int):
+    """``send_tiling`` with the dense grid's one-row programs of ``nb`` columns on ``warps`` warps."""
+    orig = S.send_tiling
+
+    def f(W, persistent):
+        if persistent:
+            return orig(W, persistent)
+        b = min(nb, A.next_power_of_2(W))
+        return b, A.cdiv(W, b), 1, warps
+
+    return f
+
+
 def variants(a2a: MoeAlltoAll):
     """(name, {(object, attribute): value}) of every variant; the first and last are the defaults. The
     objects are modules, or ``a2a``'s transport (its pipelined combine's rows per arrival flag, ``chunk``:
@@ -47,6 +60,10 @@ def variants(a2a: MoeAlltoAll):
     tr = a2a._transport
     return [
         ("default", {}),
+        ("send 1024x1 w4 (before)", {(S, "send_tiling"): send_tiles(1024, 4)}),
+        ("send 4096x1 w8", {(S, "send_tiling"): send_tiles(4096, 8)}),
+        ("send row w16", {(S, "send_tiling"): send_tiles(8192, 16)}),
+        ("send row w4", {(S, "send_tiling"): send_tiles(8192, 4)}),
         ("comb chunk 16", {(tr, "chunk"): 16}),
         ("comb chunk 32", {(tr, "chunk"): 32}),
         ("comb chunk 64", {(tr, "chunk"): 64}),

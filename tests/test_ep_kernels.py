@@ -411,6 +411,22 @@ def test_pipelined_combine_matches_two_kernel_combine(
 
 
 @pytest.mark.parametrize(
+    "W, persistent, want",
+    [
+        (7168, False, (8192, 1, 1, 8)),  # DeepSeek-V3 rows, no cap: one program per whole row
+        (7176, False, (8192, 1, 1, 8)),  # the backward's [H + K] fp32 rows
+        (16384, False, (8192, 2, 1, 8)),  # wider than SEND_DENSE_MAX_COLS: two programs per row
+        (64, False, (64, 1, 1, 4)),  # narrow rows: 4 warps
+        (7168, True, (4096, 2, 4, 16)),  # a num_sms cap: row_tiling's persistent tiles
+    ],
+)
+def test_combine_send_tiling(W, persistent, want):
+    from replaymoe.ep.transport_symm import send_tiling
+
+    assert send_tiling(W, persistent) == want
+
+
+@pytest.mark.parametrize(
     "programs, rt, want",
     [
         (24, 1024, 32),  # a narrow grid from 1024 tokens/rank: 32 rows per flag
