@@ -147,9 +147,12 @@ SEND_DENSE_MAX_COLS = 8192
 def send_tiling(W: int, persistent: bool) -> tuple[int, int, int, int]:
     """``(nb, chunks, tt, warps)`` of ``ep_combine_send_kernel`` (the two-kernel combine's send) for rows of
     ``W`` elements. With a ``num_sms`` cap, :func:`row_tiling`'s persistent tiles. Without one, one program
-    per row (up to :data:`SEND_DENSE_MAX_COLS` columns each), as the dense pack copies whole rows: the
-    row tiling's 1024-column, one-row programs moved 2 KB each, and the send took 26.5 µs at 128 tokens/rank
-    (4 x H100, ep = 4) where a plain copy of its bytes takes about 16."""
+    per row (up to :data:`SEND_DENSE_MAX_COLS` columns each, 8 warps), as the dense pack copies whole rows,
+    instead of row_tiling's 1024-column programs (2 KB each). Measured (4 x H100, DeepSeek-V3 rows, combine
+    µs in CUDA graphs at 32 / 128 tokens/rank, 1024 columns -> whole rows, session 33,
+    ``bench/results/ep_send_tiles_h100x4_s33.txt``): ep = 2 14.6 / 19.9 -> 13.6-14.1 / 18.6-18.9; ep = 4
+    23.7 / 35.8 -> 22.5-23.2 / 35.7-36.0. The ep = 4 send stays ~10 µs above a plain copy of its bytes, so
+    the programs' size is not what costs there."""
     if persistent:
         return row_tiling(W, True)
     nb = min(next_power_of_2(W), SEND_DENSE_MAX_COLS)
