@@ -410,6 +410,19 @@ def test_pipelined_combine_matches_two_kernel_combine(
     assert {key[-1] for t in trs for key in t._pshape} == {chunk}  # the rows per flag the launches took
 
 
+@pytest.mark.parametrize("chunk", [8, 24])  # fewer rows than the pads' flags hold; not whole 16-row tiles
+def test_pipelined_combine_chunk_checked(chunk, monkeypatch):
+    import replaymoe.ep.transport_symm as symm
+
+    monkeypatch.setattr(symm, "PIPE_TALL_MIN_TOKENS", 1)  # 16-row tiles at this test's size
+    a = _fake_a2a(0, 2, 64, 2, 4, 16, 4, True, True)
+    tr = a._transport = symm.SymmTransport(a)
+    tr.chunk = chunk
+    payload = torch.zeros(2, 64, 16)
+    with pytest.raises(ValueError, match="SymmTransport.chunk"):  # before anything is launched
+        tr.combine_pipelined(payload, 64, torch.zeros(64, 2, dtype=torch.int32), torch.empty(64, 16), roles=1)
+
+
 @pytest.mark.parametrize(
     "W, persistent, want",
     [

@@ -223,7 +223,7 @@ class SymmTransport:
         self.ncmax = cdiv(a2a.max_num_tokens, PIPE_CHUNK)  # chunk flags per source in a pad
         self.pads: list[torch.Tensor] = []
         self._pkeys: dict = {}  # pipelined combine launch plans
-        # pipelined combine (row width, programs, roles, tall) -> (senders, nb, tt, warps)
+        # pipelined combine (row width, programs, roles, tall, chunk) -> (senders, nb, tt, warps)
         self._pshape: dict = {}
 
     def _barrier(self) -> None:
@@ -371,9 +371,10 @@ class SymmTransport:
         if shape is None:
             senders = pipe_senders(n, a.ep) if roles == 0 else n
             nb, tt, warps = pipe_tiling(W, n, rt)
-            if chunk % tt:
+            if chunk % tt or chunk < PIPE_CHUNK:  # (the pads hold cdiv(max_num_tokens, PIPE_CHUNK) flags)
                 raise ValueError(
-                    f"SymmTransport.chunk: expected a multiple of the tiles' {tt} rows, got {chunk}"
+                    f"SymmTransport.chunk: expected a multiple of the tiles' {tt} rows, at least "
+                    f"{PIPE_CHUNK}, got {chunk}"
                 )
             shape = self._pshape[skey] = (senders, nb, tt, warps)
         senders, nb, tt, warps = shape
