@@ -215,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     name = a.name or current.name
     flags = (" --fast" if a.fast else "") + (" --backward" if a.backward else "")
     note = f"bench tune --shape {a.shape} --tokens {a.tokens} --dtype {a.dtype}{flags} on {device_name}: "
-    note += f"{len(winners)} {'backward ' if a.backward else ''}entries."
+    kind = "backward " if a.backward else ""
+    note += f"{len(winners)} {kind}{'entry' if len(winners) == 1 else 'entries'}."
     notes = f"{current.notes} {note}" if current.notes else note
     table = current.with_entries(winners, fp8_fast=a.fast, backward=a.backward, name=name,
-                                 tuned_on=device_name, base=current.base or current.name,
+                                 tuned_on=device_name,
+                                 base=current.base if name == current.name else current.base or current.name,
                                  notes=notes)  # fmt: skip
     out = Path(a.out)
     write_results(rows, out, "tune")
