@@ -12,7 +12,14 @@ import torch
 
 from replaymoe.bench import tune as bench_tune
 from replaymoe.bench import tune_bwd
-from replaymoe.moe.configs import BWD_TILE_FIELDS, FP8_BLOCK_M, fp8_invariant, moe_bwd_config, moe_config
+from replaymoe.moe.configs import (
+    BWD_TILE_FIELDS,
+    FP8_BLOCK_M,
+    MoEConfig,
+    fp8_invariant,
+    moe_bwd_config,
+    moe_config,
+)
 from replaymoe.moe.tuned import TunedTable, set_tuned_table, table_for, table_key
 
 QWEN3 = (2048, 768, 128)  # H, I, E (top-8)
@@ -50,6 +57,7 @@ def test_candidates_start_with_the_heuristics_and_keep_the_guarantees(T, fp8, fa
         (["--shape", "qwen3", "--min-gain", "1.5"], "--min-gain"),
         (["--shape", "llama"], "--shape"),
         (["--shape", "qwen3", "--backward", "--dtype", "fp8"], "--backward"),  # fp8 is inference-only
+        (["--shape", "qwen3", "--refine-rounds", "-1"], "--refine-rounds"),
     ],
 )
 def test_bad_options_fail_before_any_work(argv, match, capsys):
@@ -113,9 +121,62 @@ def test_forward_sweep_keeps_a_confirmed_winner(gain, kept, monkeypatch):
     monkeypatch.setattr(bench_tune, "candidates", lambda *a, **k: [base, other])
     monkeypatch.setattr(_tuning, "_time_config", lambda c, fn: (fn(), 1.0 if c == other else 1.0 + gain)[1])
     rows, winners = bench_tune.tune("tiny", [T], fp8=False, fast=False, min_gain=0.02, deadline=math.inf,
-                                    log=lambda _: None, device="cpu", dims=(H, I, E, K))  # fmt: skip
+                                    log=lambda _: None, device="cpu", dims=(H, I, E, K),
+                                    refine_rounds=0)  # fmt: skip
     assert winners == ({table_key(H, I, E, K, False, T): other} if kept else {})
     assert [r["current"] for r in rows] == [True, False] and rows[1]["vs_current"] == pytest.approx(1 + gain)
+
+
+@pytest.mark.parametrize(
+    "c, expected",
+    [
+        # GEMM1 mid-range, GEMM2 at the stages' top and on 8 warps: 6 neighbours, none past 6 stages
+        (
+            MoEConfig(True, 16, 32, 128, 4, 3, 64, 128, 8, 6),
+            [("stages1", 2), ("stages1", 4), ("warps1", 8), ("stages2", 5), ("warps2", 4)],
+        ),
+        # the stages' floor, and warps outside (4, 8) left alone: only GEMM1's stages + 1, GEMM2's +/- 1
+        (
+            MoEConfig(False, 64, 128, 128, 2, 2, 128, 128, 16, 4),
+            [("stages1", 3), ("stages2", 3), ("stages2", 5)],
+        ),
+        # an fp8 swapped 16-row tile: the swap and the tiles stay, so the batch-invariance class does
+        (
+            MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True),
+            [("stages1", 2), ("stages1", 4), ("warps1", 8), ("stages2", 2), ("stages2", 4), ("warps2", 8)],
+        ),
+    ],
+)
+def test_neighbours_are_one_step_in_warps_or_stages(c, expected):
+    got = bench_tune.neighbours(c)
+    assert got == [dataclasses.replace(c, **{f: v}) for f, v in expected]
+    assert all(fp8_invariant(n) == fp8_invariant(c) and n.swap_ab == c.swap_ab for n in got)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("rounds", [0, 1, 2], ids=["grid only", "one round", "two rounds"])
+def test_forward_refinement_walks_to_a_faster_neighbour(rounds, monkeypatch):
+    # the grid is the heuristics' configuration alone; a stand-in timer makes one step away (GEMM1 one
+    # stage deeper) 1.5x faster and two steps away (also on 8 warps) 2x: each refinement round takes one
+    # step, and the walk's end, confirmed, becomes the entry
+    from replaymoe.bench import _tuning
+
+    H, I, E, K, T = 64, 32, 4, 2, 5  # noqa: E741
+    base = moe_config(T, K, H, I, E)
+    one = dataclasses.replace(base, stages1=base.stages1 + 1)
+    two = dataclasses.replace(one, warps1=12 - base.warps1)  # the other of 4 and 8
+    speed = {one: 1.5, two: 2.0}
+    monkeypatch.setattr(bench_tune, "candidates", lambda *a, **k: [base])
+    monkeypatch.setattr(_tuning, "_time_config", lambda c, fn: (fn(), 2.0 / speed.get(c, 1.0))[1])
+    rows, winners = bench_tune.tune("tiny", [T], fp8=False, fast=False, min_gain=0.02, deadline=math.inf,
+                                    log=lambda _: None, device="cpu", dims=(H, I, E, K),
+                                    refine_rounds=rounds)  # fmt: skip
+    expected = {0: {}, 1: {table_key(H, I, E, K, False, T): one}, 2: {table_key(H, I, E, K, False, T): two}}
+    assert winners == expected[rounds]
+    assert [r["refined"] for r in rows][:1] == [False] and all(r["refined"] for r in rows[1:])
+    assert len(rows) == 1 + (rounds >= 1) * len(bench_tune.neighbours(base)) + (rounds >= 2) * sum(
+        n not in {base, *bench_tune.neighbours(base)} for n in bench_tune.neighbours(one)
+    )
 
 
 @pytest.mark.interpret

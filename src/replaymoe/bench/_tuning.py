@@ -53,6 +53,8 @@ def sweep(
     log: Callable,
     label: str,
     timer: Callable | None = None,
+    neighbours: Callable | None = None,
+    refine_rounds: int = 0,
 ):
     """Time ``cands`` (``run(c)`` runs one) at one token count; returns (rows, winner or None).
 
@@ -63,24 +65,42 @@ def sweep(
     (shared memory over the card's limit, ...) is logged and skipped; past ``deadline``
     (``time.monotonic()``) the rest are not timed. ``timer(config, fn)``: µs of one ``fn()`` (default: a
     short CUDA-graph timing, :func:`replaymoe.bench._timing.time_graph`).
+
+    ``neighbours(config)``, with ``refine_rounds`` > 0: a local search after the grid. Each round times
+    the neighbours of the fastest configuration so far that were not tried yet (warps and stages one
+    step away, say: what a fixed grid misses on a new card), and stops early when the fastest stays the
+    same or the deadline passes. Its rows carry ``refined`` True.
     """
     timer = timer or _time_config
-    rows, timed = [], {}
-    for i, c in enumerate(cands):
-        if time.monotonic() > deadline:
-            log(f"time budget spent at T={T}: {len(cands) - i} candidates not timed")
-            break
-        try:
-            reason = check(run(c))
-            if reason is not None:
-                log(f"T={T} {c}: {reason}: skipped")
+    rows, timed, tried = [], {}, set()
+
+    def time_all(configs: list, refined: bool) -> None:
+        for i, c in enumerate(configs):
+            if time.monotonic() > deadline:
+                log(f"time budget spent at T={T}: {len(configs) - i} candidates not timed")
+                return
+            tried.add(c)
+            try:
+                reason = check(run(c))
+                if reason is not None:
+                    log(f"T={T} {c}: {reason}: skipped")
+                    continue
+                timed[c] = timer(c, lambda c=c: run(c))
+            except Exception as exc:  # noqa: BLE001 (shared memory over the card's limit, ...)
+                log(f"T={T} {c}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            timed[c] = timer(c, lambda c=c: run(c))
-        except Exception as exc:  # noqa: BLE001 (shared memory over the card's limit, ...)
-            log(f"T={T} {c}: {type(exc).__name__}: {str(exc)[:120]}")
-            continue
-        rows.append({**row(c), "us": timed[c], "current": c == current, "heuristic": c == heuristic,
-                     "config": str(c)})  # fmt: skip
+            rows.append({**row(c), "us": timed[c], "current": c == current, "heuristic": c == heuristic,
+                         "refined": refined, "config": str(c)})  # fmt: skip
+
+    time_all(list(cands), refined=False)
+    for _ in range(refine_rounds if neighbours is not None and timed else 0):
+        lead = min(timed, key=timed.get)
+        fresh = [n for n in dict.fromkeys(neighbours(lead)) if n not in tried]
+        if not fresh or time.monotonic() > deadline:
+            break
+        time_all(fresh, refined=True)
+        if min(timed, key=timed.get) == lead:
+            break
     if current not in timed:
         return rows, None
     best = min(timed, key=timed.get)

@@ -4,7 +4,9 @@ For each token count of one shape, the configurations of a candidate grid (direc
 the batch is small; tile heights, GEMM tiles, warps and stages around the heuristics' choice
 elsewhere) run the experts of a routed layer, each checked against the heuristics' output (the same
 bits, as every configuration gives; ``--fast`` fp8 tiles round by height: 2 % relative) and timed
-as the median of CUDA-graph replays with the L2 flushed (``bench._timing.time_graph``). Where the
+as the median of CUDA-graph replays with the L2 flushed (``bench._timing.time_graph``). After the grid,
+up to ``--refine-rounds`` (default 2) rounds time the fastest's :func:`neighbours` (each GEMM's warps
+and stages one step away: what the grid, tuned on other cards, misses on this one). Where the
 fastest beats the configuration the card uses today (its current table, else the heuristics) by at
 least ``--min-gain``, both in the sweep and in 6 more rounds of the two alone in alternating order (the
 card's clock drifts with power and heat), it becomes the entry of that problem (keyed by T rounded up
@@ -22,12 +24,13 @@ so ``--max-minutes`` (default 8) stops the sweep in time, keeping what it measur
 written to the table's ``backward`` section.
 
 Usage: ``replaymoe bench tune --shape qwen3 [--tokens 1,8,64,256,1024,4096,16384] [--dtype bf16|fp8]
-[--fast] [--backward] [--name h100] [--min-gain 0.02] [--max-minutes 8] [--out DIR]``.
+[--fast] [--backward] [--name h100] [--min-gain 0.02] [--max-minutes 8] [--refine-rounds 2] [--out DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -96,6 +99,28 @@ def candidates(T: int, K: int, H: int, I: int, E: int, *, fp8: bool, fast: bool,
     return list(dict.fromkeys(out))  # without repeats, in order (configurations compare by value)
 
 
+# the local search after the grid: each GEMM's warps and pipeline stages one step from the fastest
+REFINE_WARPS = (4, 8)
+REFINE_STAGES = (2, 6)  # inclusive
+
+
+def neighbours(c):
+    """The configurations one step from ``c`` in one GEMM's pipeline stages (±1 within
+    :data:`REFINE_STAGES`) or warps (the other of :data:`REFINE_WARPS`): the same tiles, so the same
+    batch-invariance class (``sweep`` checks the bits of each anyway). ``c``: a ``MoEConfig``."""
+    lo, hi = REFINE_STAGES
+    out = []
+    for gemm in ("1", "2"):
+        stages = getattr(c, "stages" + gemm)
+        out += [
+            dataclasses.replace(c, **{"stages" + gemm: s}) for s in (stages - 1, stages + 1) if lo <= s <= hi
+        ]
+        warps = getattr(c, "warps" + gemm)
+        if warps in REFINE_WARPS:
+            out += [dataclasses.replace(c, **{"warps" + gemm: w}) for w in REFINE_WARPS if w != warps]
+    return out
+
+
 def tune(
     shape: str,
     tokens: list[int],
@@ -107,8 +132,10 @@ def tune(
     log=print,
     device: str | torch.device = "cuda",
     dims: tuple[int, int, int, int] | None = None,
+    refine_rounds: int = 2,
 ):
-    """Sweep ``candidates`` for every T of ``shape``; returns (rows, winners {table key: MoEConfig}).
+    """Sweep ``candidates`` for every T of ``shape``, then up to ``refine_rounds`` rounds of
+    :func:`neighbours` around the fastest; returns (rows, winners {table key: MoEConfig}).
     ``dims`` = (H, I, E, K): another layer than the bench's ``shape`` (random top-K routing)."""
     from replaymoe.moe._forward import experts_triton
     from replaymoe.moe.configs import moe_config, tma_ok
@@ -157,8 +184,8 @@ def tune(
 
         point_rows, best = sweep(T, cands, current, heuristic, run, check,
                                  lambda c, T=T: {"shape": shape, "T": T, "fp8": fp8, "fast": fast},
-                                 min_gain=min_gain, deadline=deadline, log=log,
-                                 label=f"{shape} fp8={fp8}")  # fmt: skip
+                                 min_gain=min_gain, deadline=deadline, log=log, label=f"{shape} fp8={fp8}",
+                                 neighbours=neighbours, refine_rounds=refine_rounds)  # fmt: skip
         rows += point_rows
         if best is not None:
             winners[table_key(H, I, E, K, fp8, T)] = best
@@ -181,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="the table's name (default: the card's current table's)")
     p.add_argument("--min-gain", type=float, default=0.02, help="least gain over the current choice to keep")
     p.add_argument("--max-minutes", type=float, default=8.0, help="time budget of the sweep")
+    p.add_argument(
+        "--refine-rounds",
+        type=int,
+        default=2,
+        help="rounds of warps / stages one step from the fastest after the grid (0: the grid only)",
+    )
     p.add_argument("--out", default="bench_results", help="output directory")
     a = p.parse_args(argv)
     try:
@@ -193,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--fast: only with --dtype fp8 (bf16 is batch-invariant in every configuration)")
     if a.backward and a.dtype != "bf16":
         p.error("--backward: only with --dtype bf16 (the fp8 block-scale path is inference-only)")
+    if a.refine_rounds < 0:
+        p.error(f"--refine-rounds: expected an int >= 0, got {a.refine_rounds}")
     if not (0 <= a.min_gain < 1) or a.max_minutes <= 0:
         p.error(f"--min-gain in [0, 1) and --max-minutes > 0, got {a.min_gain} and {a.max_minutes}")
     if no_cuda("replaymoe bench tune"):
@@ -211,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, winners = tune_backward(a.shape, (H, I, E, K), tokens, min_gain=a.min_gain, deadline=deadline)
     else:
         rows, winners = tune(a.shape, tokens, fp8=a.dtype == "fp8", fast=a.fast, min_gain=a.min_gain,
-                             deadline=deadline)  # fmt: skip
+                             deadline=deadline, refine_rounds=a.refine_rounds)  # fmt: skip
     name = a.name or current.name
     flags = (" --fast" if a.fast else "") + (" --backward" if a.backward else "")
     note = f"bench tune --shape {a.shape} --tokens {a.tokens} --dtype {a.dtype}{flags} on {device_name}: "
