@@ -85,24 +85,57 @@ def test_backward_candidates_start_with_the_heuristics(T, K, E, tma):
     assert any(c.dw_progs != base.dw_progs for c in cands) == tma
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer dW", "TMA dW (its grid varies too)"])
+def test_backward_variations_vary_one_group_around_any_configuration(tma):
+    # around a configuration that is not the heuristics' (the local search's lead): the same groups vary
+    # around it, it is not among them, and the other groups keep its values
+    base = moe_bwd_config(4096, 8, 2048, 768, 128, tma=tma)
+    lead = dataclasses.replace(base, stages_x=2, group_m=16)
+    vs = tune_bwd.variations(lead)
+    assert lead not in vs and len(vs) == len(set(vs)) > 10
+    dw_tiles = {"bm_w", "bn_w", "bk_w", "warps_w", "stages_w", "maxnreg_w"}
+    groups = [
+        {f} for f in ("stages_a", "stages_x", "warps_a", "warps_x", "bn_a", "bn_x", "dw_progs", "group_m")
+    ]
+    groups.append(dw_tiles)
+    for v in vs:
+        changed = {f.name for f in dataclasses.fields(v) if getattr(v, f.name) != getattr(lead, f.name)}
+        assert any(changed <= g for g in groups), changed
+    assert dataclasses.replace(lead, bn_a=128 if lead.bn_a != 128 else 256) in vs
+    assert any(v.dw_progs != lead.dw_progs for v in vs) == tma
+
+
 @pytest.mark.interpret
 def test_backward_sweep_keeps_a_confirmed_winner(monkeypatch):
-    # a tiny layer in the interpreter; a stand-in timer makes the dX GEMM in 2 stages 1.5x faster: it is
-    # the sweep's winner, confirmed in alternating rounds, and its kernel tiles become the entry
+    # a tiny layer in the interpreter; a stand-in timer makes the dX GEMM in 2 stages faster, and faster
+    # still with another group_m, which alone gains nothing: the grid finds the first, the local search
+    # (one round of variations around it) the two together, confirmed in alternating rounds; its kernel
+    # tiles become the entry
     H, I, E, K, T = 64, 32, 4, 2, 5  # noqa: E741
+    base = moe_bwd_config(T, K, H, I, E)
+    g = 16 if base.group_m != 16 else 4
+    assert base.stages_x != 2
 
     def fake_time(config, fn, timer=None):
         fn()  # the configuration runs (and must give the heuristics' bits to be timed at all)
-        return 1.0 if config.stages_x == 2 else 1.5
+        return 1.5 if config.stages_x != 2 else 1.0 if config.group_m == g else 1.25
 
     monkeypatch.setattr(tune_bwd, "time_config", fake_time)
     logged = []
     rows, winners = tune_bwd.tune_backward(
-        "tiny", (H, I, E, K), [T], min_gain=0.02, deadline=math.inf, log=logged.append, device="cpu"
+        "tiny",
+        (H, I, E, K),
+        [T],
+        min_gain=0.02,
+        deadline=math.inf,
+        log=logged.append,
+        device="cpu",
+        refine_rounds=1,
     )
-    best = dataclasses.replace(moe_bwd_config(T, K, H, I, E), stages_x=2)
+    best = dataclasses.replace(base, stages_x=2, group_m=g)
     assert winners == {table_key(H, I, E, K, False, T): {f: getattr(best, f) for f in BWD_TILE_FIELDS}}
     assert any(r["current"] for r in rows) and all(r["pass"] == "backward" for r in rows)
+    assert any(r["refined"] for r in rows) and not any(r["refined"] for r in rows[:2])
     assert any("+50.0%" in line for line in logged)  # the confirmation's median gain
     table = TunedTable("mine").with_entries(winners, backward=True)
     assert moe_bwd_config(T, K, H, I, E, table=table) == best
@@ -185,7 +218,8 @@ def test_backward_sweep_keeps_the_current_choice_without_a_gain(monkeypatch):
     rows, winners = tune_bwd.tune_backward(
         "tiny", (64, 32, 4, 2), [3], min_gain=0.02, deadline=math.inf, log=lambda _: None, device="cpu"
     )
-    assert winners == {} and rows
+    # every time equal: the heuristics' configuration stays the fastest, and its neighbours were the grid
+    assert winners == {} and rows and not any(r["refined"] for r in rows)
 
 
 @pytest.mark.gpu

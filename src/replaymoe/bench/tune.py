@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         from .tune_bwd import tune_backward
 
         H, I, E, K, _ = SHAPES[a.shape]  # noqa: E741
-        rows, winners = tune_backward(a.shape, (H, I, E, K), tokens, min_gain=a.min_gain, deadline=deadline)
+        rows, winners = tune_backward(a.shape, (H, I, E, K), tokens, min_gain=a.min_gain, deadline=deadline,
+                                      refine_rounds=a.refine_rounds)  # fmt: skip
     else:
         rows, winners = tune(a.shape, tokens, fp8=a.dtype == "fp8", fast=a.fast, min_gain=a.min_gain,
                              deadline=deadline, refine_rounds=a.refine_rounds)  # fmt: skip

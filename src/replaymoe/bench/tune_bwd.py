@@ -3,7 +3,8 @@
 For each token count of one shape (bf16), one training forward of a routed layer
 (``replaymoe::moe_experts_train``), then the backward (:func:`replaymoe.moe._backward.launch_bwd`) under
 each configuration of :func:`backward_candidates`: the heuristics' first, then one kernel group varied
-at a time (each GEMM's stages and warps, the dA / dX column tiles, the dW tiles and grid, ``group_m``).
+at a time (each GEMM's stages and warps, the dA / dX column tiles, the dW tiles and grid, ``group_m``),
+then rounds of the same variations around the fastest (``--refine-rounds``), where two changes may add up.
 Each must give the heuristics' gradients bit for bit (DESIGN, "Fused MoE": the tiles change time only)
 and is timed as the median of CUDA-graph replays with the L2 flushed (``bench._timing.time_graph``).
 A winner by at least ``--min-gain`` over the configuration the card uses today, in the sweep and again
@@ -28,25 +29,34 @@ DW_TILES = [(128, 128, 32, 4, 4), (128, 256, 32, 8, 6), (128, 256, 32, 8, 4), (1
 
 
 def backward_candidates(T: int, K: int, H: int, I: int, E: int, *, tma: bool) -> list:  # noqa: E741
-    """The backward configurations tried for one problem: the heuristics' first (deduplicated)."""
+    """The backward configurations tried for one problem: the heuristics' first, then
+    :func:`variations` of it (deduplicated)."""
     from replaymoe.moe.configs import moe_bwd_config
 
     base = moe_bwd_config(T, K, H, I, E, tma=tma)
+    return list(dict.fromkeys([base, *variations(base)]))
+
+
+def variations(c) -> list:
+    """``c`` (a ``MoEBwdConfig``) with one kernel group varied at a time: each GEMM's stages and warps,
+    the dA / dX column tiles, the dW tiles (long segments only: ``block_m`` >= 64) and grid (with the dW
+    TMA kernel), ``group_m``. The sweep's grid around the heuristics, and its local search's neighbours
+    around the fastest so far (where two groups' changes may add up)."""
     R = dataclasses.replace
-    out = [base]
+    out = []
     for s in (2, 3, 4, 5):
-        out += [R(base, stages_a=s), R(base, stages_x=s)]
+        out += [R(c, stages_a=s), R(c, stages_x=s)]
     for w in (4, 8):
-        out += [R(base, warps_a=w), R(base, warps_x=w)]
+        out += [R(c, warps_a=w), R(c, warps_x=w)]
     for bn in (128, 256):
-        out += [R(base, bn_a=bn), R(base, bn_x=bn)]
+        out += [R(c, bn_a=bn), R(c, bn_x=bn)]
     for bm, bn, bk, w, s in DW_TILES:
-        if base.block_m >= 64:  # the long-segment tiles; short segments keep the heuristics' small dW tiles
-            out.append(R(base, bm_w=bm, bn_w=bn, bk_w=bk, warps_w=w, stages_w=s, maxnreg_w=0))
-    if base.dw_tma:
-        out += [R(base, dw_progs=p) for p in (0, -1)]
-    out += [R(base, group_m=g) for g in (4, 8, 16)]
-    return list(dict.fromkeys(out))  # without repeats, in order (configurations compare by value)
+        if c.block_m >= 64:  # the long-segment tiles; short segments keep the heuristics' small dW tiles
+            out.append(R(c, bm_w=bm, bn_w=bn, bk_w=bk, warps_w=w, stages_w=s, maxnreg_w=0))
+    if c.dw_tma:
+        out += [R(c, dw_progs=p) for p in (0, -1)]
+    out += [R(c, group_m=g) for g in (4, 8, 16)]
+    return [v for v in dict.fromkeys(out) if v != c]
 
 
 def time_config(config, fn: Callable[[], object], timer: Callable = time_graph) -> float:
@@ -73,9 +83,11 @@ def tune_backward(
     deadline: float,
     log=print,
     device: str | torch.device = "cuda",
+    refine_rounds: int = 2,
 ):
-    """Sweep :func:`backward_candidates` for every T of a layer ``dims`` = (H, I, E, K) named ``shape``;
-    returns (rows, winners {table key: the winner's kernel tiles})."""
+    """Sweep :func:`backward_candidates` for every T of a layer ``dims`` = (H, I, E, K) named ``shape``,
+    then up to ``refine_rounds`` rounds of :func:`variations` around the fastest; returns (rows, winners
+    {table key: the winner's kernel tiles})."""
     from replaymoe.moe._backward import launch_bwd
     from replaymoe.moe.configs import (
         BWD_TILE_FIELDS,
@@ -122,7 +134,8 @@ def tune_backward(
         point_rows, best = sweep(T, cands, current, heuristic, run, check,
                                  lambda c, T=T: {"shape": shape, "T": T, "pass": "backward"},
                                  min_gain=min_gain, deadline=deadline, log=log, label=f"{shape} backward",
-                                 timer=time_config)  # fmt: skip
+                                 timer=time_config, neighbours=variations,
+                                 refine_rounds=refine_rounds)  # fmt: skip
         rows += point_rows
         if best is not None:
             winners[table_key(H, I, E, K, False, T)] = {f: int(getattr(best, f)) for f in BWD_TILE_FIELDS}
