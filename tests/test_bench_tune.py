@@ -12,14 +12,8 @@ import torch
 
 from replaymoe.bench import tune as bench_tune
 from replaymoe.bench import tune_bwd
-from replaymoe.moe.configs import (
-    BWD_TILE_FIELDS,
-    FP8_BLOCK_M,
-    MoEConfig,
-    fp8_invariant,
-    moe_bwd_config,
-    moe_config,
-)
+from replaymoe.moe import configs
+from replaymoe.moe.configs import BWD_TILE_FIELDS, FP8_BLOCK_M, fp8_invariant, moe_bwd_config, moe_config
 from replaymoe.moe.tuned import TunedTable, set_tuned_table, table_for, table_key
 
 QWEN3 = (2048, 768, 128)  # H, I, E (top-8)
@@ -165,17 +159,17 @@ def test_forward_sweep_keeps_a_confirmed_winner(gain, kept, monkeypatch):
     [
         # GEMM1 mid-range, GEMM2 at the stages' top and on 8 warps: 6 neighbours, none past 6 stages
         (
-            MoEConfig(True, 16, 32, 128, 4, 3, 64, 128, 8, 6),
+            configs.MoEConfig(True, 16, 32, 128, 4, 3, 64, 128, 8, 6),
             [("stages1", 2), ("stages1", 4), ("warps1", 8), ("stages2", 5), ("warps2", 4)],
         ),
         # the stages' floor, and warps outside (4, 8) left alone: only GEMM1's stages + 1, GEMM2's +/- 1
         (
-            MoEConfig(False, 64, 128, 128, 2, 2, 128, 128, 16, 4),
+            configs.MoEConfig(False, 64, 128, 128, 2, 2, 128, 128, 16, 4),
             [("stages1", 3), ("stages2", 3), ("stages2", 5)],
         ),
         # an fp8 swapped 16-row tile: the swap and the tiles stay, so the batch-invariance class does
         (
-            MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True),
+            configs.MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True),
             [("stages1", 2), ("stages1", 4), ("warps1", 8), ("stages2", 2), ("stages2", 4), ("warps2", 8)],
         ),
     ],
