@@ -157,10 +157,31 @@ def test_forward_sweep_keeps_a_confirmed_winner(gain, kept, monkeypatch):
 @pytest.mark.parametrize(
     "c, expected",
     [
-        # GEMM1 mid-range, GEMM2 at the stages' top and on 8 warps: 6 neighbours, none past 6 stages
+        # direct mode, GEMM1 mid-range, GEMM2 at the stages' top and on 8 warps: none past 6 stages, and
+        # the top-k sum (on in GEMM2 by default) moved to the reduce kernel
         (
             configs.MoEConfig(True, 16, 32, 128, 4, 3, 64, 128, 8, 6),
-            [("stages1", 2), ("stages1", 4), ("warps1", 8), ("stages2", 5), ("warps2", 4)],
+            [
+                ("fused_reduce", False),
+                ("stages1", 2),
+                ("stages1", 4),
+                ("warps1", 8),
+                ("stages2", 5),
+                ("warps2", 4),
+            ],
+        ),
+        # direct mode with the reduce kernel: the sum moves back into GEMM2
+        (
+            configs.MoEConfig(True, 64, 32, 128, 4, 3, 64, 128, 4, 3, fused_reduce=False),
+            [
+                ("fused_reduce", True),
+                ("stages1", 2),
+                ("stages1", 4),
+                ("warps1", 8),
+                ("stages2", 2),
+                ("stages2", 4),
+                ("warps2", 8),
+            ],
         ),
         # the stages' floor, and warps outside (4, 8) left alone: only GEMM1's stages + 1, GEMM2's +/- 1
         (

@@ -119,6 +119,16 @@ def test_swapped_tile_entries_round_trip(tmp_path):
     written = json.loads((tmp_path / "t.json").read_text())["entries"]
     assert all(("swap_ab" in e) is bool(e.get("swap_ab")) for e in written.values())
     assert any("swap_ab" not in e for e in written.values())
+    # a direct-mode entry with the top-k sum in the reduce kernel (bench tune's neighbours try it) keeps
+    # fused_reduce False through a file; the default (None: in GEMM2) is written without the field
+    d = MoEConfig(True, 64, 32, 128, 4, 5, 64, 128, 4, 4, fused_reduce=False)
+    TunedTable("mine").with_entries({(2048, 768, 128, 8, True, 1): d, (2048, 768, 128, 8, True, 2): c}).save(
+        tmp_path / "d.json"
+    )
+    again = TunedTable.load(tmp_path / "d.json")
+    assert again.lookup((2048, 768, 128, 8, True, 1)) == d and again.lookup((2048, 768, 128, 8, True, 2)) == c
+    written = json.loads((tmp_path / "d.json").read_text())["entries"]
+    assert [("fused_reduce" in e) for e in written.values()] == [True, False]
     # the H200's Mixtral fp8 T <= 8 entry (session 34's bench tune): the H100's choice again
     h200_mix = builtin_table("h200").lookup((4096, 14336, 8, 2, True, 8))
     assert h200_mix.block_m == 16 and h200_mix.swap_ab is True and fp8_invariant(h200_mix)
@@ -175,6 +185,7 @@ def test_fp8_small_batches_take_swapped_16_row_tiles(shape, T, swapped):
             "block_m.*fp8 batch invariance",
         ),
         (lambda o: next(iter(o["entries"].values())).update(swap_ab=1), "swap_ab"),  # a flag: true/false
+        (lambda o: next(iter(o["entries"].values())).update(fused_reduce="no"), "fused_reduce"),  # a flag too
         # the backward section
         (lambda o: o["backward"].update({"H=1,I=2": {}}), "table entry key"),  # a broken key
         (lambda o: o["backward"].update({"H=64,I=32,E=4,K=2,fp8=1,T<=8": _tiles()}), "fp8=0"),  # fp8

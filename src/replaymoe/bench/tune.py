@@ -106,10 +106,13 @@ REFINE_STAGES = (2, 6)  # inclusive
 
 def neighbours(c):
     """The configurations one step from ``c`` in one GEMM's pipeline stages (±1 within
-    :data:`REFINE_STAGES`) or warps (the other of :data:`REFINE_WARPS`): the same tiles, so the same
-    batch-invariance class (``sweep`` checks the bits of each anyway). ``c``: a ``MoEConfig``."""
+    :data:`REFINE_STAGES`) or warps (the other of :data:`REFINE_WARPS`), and in the direct mode with the
+    top-k sum moved between GEMM2 and the reduce kernel (``fused_reduce``): the same tiles and the same
+    arithmetic, so the same batch-invariance class (``sweep`` checks the bits of each anyway).
+    ``c``: a ``MoEConfig``."""
     lo, hi = REFINE_STAGES
-    out = []
+    fused = c.fused_reduce is None or c.fused_reduce  # (None: on in the direct mode)
+    out = [dataclasses.replace(c, fused_reduce=not fused)] if c.direct else []
     for gemm in ("1", "2"):
         stages = getattr(c, "stages" + gemm)
         out += [

@@ -50,10 +50,11 @@ _FIELDS = [
     for f in dataclasses.fields(MoEConfig)
     if f.name not in ("half_tiles", "pdl", "swap_ab", "fused_reduce", "merge_slots")
 ]
-# written only where set: fp8 tile-mode entries on the swapped kernels (16- / 32-row tiles, fp8_invariant)
-_OPTIONAL = ("swap_ab",)
+# written only where set: fp8 tile-mode entries on the swapped kernels (16- / 32-row tiles, fp8_invariant);
+# a direct-mode entry whose top-k sum runs in the reduce kernel instead of GEMM2 (fused_reduce False)
+_OPTIONAL = ("swap_ab", "fused_reduce")
 _REQUIRED = [f.name for f in dataclasses.fields(MoEConfig) if f.default is dataclasses.MISSING]
-_FLAGS = ("direct", "tma", "swap_ab")
+_FLAGS = ("direct", "tma", "swap_ab", "fused_reduce")
 _POW2 = ("block_m", "block_n1", "block_k1", "warps1", "block_n2", "block_k2", "warps2")
 # backward entries: tiles and warps powers of two, the rest positive except these (their ranges)
 _BWD_POW2 = ("block_m", "bn_a", "bk_a", "warps_a", "bn_x", "bk_x", "warps_x", "bm_w", "bn_w", "bk_w",
