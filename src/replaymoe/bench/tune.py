@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "--refine-rounds",
         type=int,
         default=2,
-        help="rounds of warps / stages one step from the fastest after the grid (0: the grid only)",
+        help="rounds of the fastest's neighbours after the grid (forward: warps, stages, the top-k sum's "
+        "kernel; backward: one kernel group at a time); 0: the grid only",
     )
     p.add_argument("--out", default="bench_results", help="output directory")
     a = p.parse_args(argv)
@@ -257,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     kind = "backward " if a.backward else ""
     note += f"{len(winners)} {kind}{'entry' if len(winners) == 1 else 'entries'}."
     notes = f"{current.notes} {note}" if current.notes else note
+    # a table re-tuned under its own name keeps its base; a new name records where it started from
+    base = current.base if name == current.name else (current.base or current.name)
     table = current.with_entries(winners, fp8_fast=a.fast, backward=a.backward, name=name,
-                                 tuned_on=device_name,
-                                 base=current.base if name == current.name else current.base or current.name,
-                                 notes=notes)  # fmt: skip
+                                 tuned_on=device_name, base=base, notes=notes)  # fmt: skip
     out = Path(a.out)
     write_results(rows, out, "tune")
     out.mkdir(parents=True, exist_ok=True)

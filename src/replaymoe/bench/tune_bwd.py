@@ -34,7 +34,7 @@ def backward_candidates(T: int, K: int, H: int, I: int, E: int, *, tma: bool) ->
     from replaymoe.moe.configs import moe_bwd_config
 
     base = moe_bwd_config(T, K, H, I, E, tma=tma)
-    return list(dict.fromkeys([base, *variations(base)]))
+    return [base, *variations(base)]  # (variations: without repeats, base not among them)
 
 
 def variations(c) -> list:
