@@ -66,6 +66,21 @@ def test_demo_without_transformers_says_which_extra_before_any_work(tmp_path):
     assert proc.stdout == "" and not out.exists()  # nothing ran, nothing written
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "tune", "--help"],  # the bench module imports torch at its top
+        ["inspect", "--help"],  # a command module
+    ],
+)
+def test_without_torch_one_line_naming_the_install(tmp_path, argv):
+    # a Python without replaymoe's install (PYTHONPATH=src on a bare interpreter): no traceback
+    proc = _without(("torch",), argv, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc.stderr)
+    assert line.startswith(f"replaymoe {argv[0]}") and "needs 'torch'" in line and "pip install -e ." in line
+
+
 def test_demo_without_matplotlib_warns_and_writes_everything_else(tmp_path):
     out = tmp_path / "out"
     proc = _without(("matplotlib",), ["demo", "--fast", "--quiet", "--device", "cpu", "--out", str(out)],

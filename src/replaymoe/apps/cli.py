@@ -43,6 +43,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT
 # optional dependencies -> the extra that installs them (pyproject.toml)
 OPTIONAL_DEPENDENCIES = {"transformers": "hf", "tqdm": "hf", "matplotlib": "plot"}
 INSTALL_EXTRAS = "pip install 'replaymoe[hf,plot]'"
+# required dependencies that a Python without replaymoe's install may lack (a bare PYTHONPATH=src run)
+REQUIRED_DEPENDENCIES = ("torch", "triton", "numpy")
+INSTALL_REQUIRED = "install replaymoe into this Python (pip install -e ., or make venv: .venv/bin/python)"
 
 # name -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -183,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv)
         except ModuleNotFoundError as exc:
+            required = (exc.name or "").split(".")[0]
+            if required in REQUIRED_DEPENDENCIES:
+                why = f"needs {required!r}, which this Python does not have"
+                print(f"{prog}: error: {why}: {INSTALL_REQUIRED}", file=sys.stderr)
+                return EXIT_USAGE
             name = _missing_extra(exc)
             if name is None:
                 raise
