@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             required = (exc.name or "").split(".")[0]
             if required in REQUIRED_DEPENDENCIES:
                 why = f"needs {required!r}, which this Python does not have"
-                print(f"{prog}: error: {why}: {INSTALL_REQUIRED}", file=sys.stderr)
+                fix = INSTALL_REQUIRED
+                if required == "triton" and not sys.platform.startswith("linux"):
+                    fix = "Triton publishes Linux wheels only; run this command on Linux"
+                print(f"{prog}: error: {why}: {fix}", file=sys.stderr)
                 return EXIT_USAGE
             name = _missing_extra(exc)
             if name is None:
