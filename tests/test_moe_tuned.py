@@ -281,13 +281,17 @@ def test_moe_bwd_config_reads_the_backward_section(tma):
 
 def test_shipped_backward_entries():
     # the H100's Mixtral entries (bench/moe_notes.md, session 20): the heuristics with the dX GEMM in 3
-    # stages, at each bench token count; the H200 keeps its heuristics (they were swept there)
+    # stages, at each bench token count; the H200's one entry (session 35's local search): Mixtral T <= 1024
+    # with dX in 3 stages and group_m 4, its heuristics elsewhere
     H, I, E, K = MIXTRAL  # noqa: E741
-    h100 = builtin_table("h100")
+    h100, h200 = builtin_table("h100"), builtin_table("h200")
     for T in (1024, 4096, 16384):
         c = moe_bwd_config(T, K, H, I, E, tma=True, table=h100)
         assert c == dataclasses.replace(moe_bwd_config(T, K, H, I, E, tma=True), stages_x=3)
-    assert builtin_table("h200").backward == {}
+    assert list(h200.backward) == [table_key(H, I, E, K, False, 1024)]
+    for T, want in ((1024, {"stages_x": 3, "group_m": 4}), (600, {"stages_x": 3, "group_m": 4}), (4096, {})):
+        c = moe_bwd_config(T, K, H, I, E, tma=True, table=h200)
+        assert c == dataclasses.replace(moe_bwd_config(T, K, H, I, E, tma=True), **want)
     qwen3 = (4096, 8, 2048, 768, 128)  # lost with 3 stages on the H100: no entry
     assert moe_bwd_config(*qwen3, tma=True, table=h100) == moe_bwd_config(*qwen3, tma=True)
 
