@@ -52,6 +52,7 @@ def test_candidates_start_with_the_heuristics_and_keep_the_guarantees(T, fp8, fa
         (["--shape", "llama"], "--shape"),
         (["--shape", "qwen3", "--backward", "--dtype", "fp8"], "--backward"),  # fp8 is inference-only
         (["--shape", "qwen3", "--refine-rounds", "-1"], "--refine-rounds"),
+        (["--shape", "qwen3", "--table", "/nonexistent/tuned_h200.json"], "--table"),  # no such file
     ],
 )
 def test_bad_options_fail_before_any_work(argv, match, capsys):
@@ -152,6 +153,32 @@ def test_forward_sweep_keeps_a_confirmed_winner(gain, kept, monkeypatch):
                                     refine_rounds=0)  # fmt: skip
     assert winners == ({table_key(H, I, E, K, False, T): other} if kept else {})
     assert [r["current"] for r in rows] == [True, False] and rows[1]["vs_current"] == pytest.approx(1 + gain)
+
+
+@pytest.mark.interpret
+def test_forward_sweep_from_a_given_table_merges_into_it(monkeypatch, tmp_path):
+    # --table chains runs: the given table's entry is the current choice (so the same faster candidate
+    # is no gain over it), and a run's winners merge into the table it started from
+    from replaymoe.bench import _tuning
+
+    H, I, E, K = 64, 32, 4, 2  # noqa: E741
+    base = moe_config(5, K, H, I, E)
+    other = dataclasses.replace(base, stages1=base.stages1 + 1)
+    monkeypatch.setattr(bench_tune, "candidates", lambda *a, **k: [base, other])
+    monkeypatch.setattr(_tuning, "_time_config", lambda c, fn: (fn(), 1.0 if c == other else 2.0)[1])
+    earlier = {table_key(H, I, E, K, False, 5): other}
+    start = TunedTable("mine", notes="an earlier run.").with_entries(earlier)
+    start.save(tmp_path / "tuned_mine.json")
+    start = TunedTable.load(tmp_path / "tuned_mine.json")  # as main reads --table
+    kw = dict(fp8=False, fast=False, min_gain=0.02, deadline=math.inf, log=lambda _: None, device="cpu",
+              dims=(H, I, E, K), refine_rounds=0)  # fmt: skip
+    rows, winners = bench_tune.tune("tiny", [5], table=start, **kw)
+    assert winners == {} and [r["current"] for r in rows] == [False, True]  # the table's entry is current
+    assert rows[1]["config"] == str(other)
+    rows, winners = bench_tune.tune("tiny", [12], table=start, **kw)  # another bucket: a new entry
+    assert winners == {table_key(H, I, E, K, False, 12): other}
+    merged = start.with_entries(winners)
+    assert set(merged.entries) == {*earlier, *winners} and merged.notes == "an earlier run."
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,9 @@ so ``--max-minutes`` (default 8) stops the sweep in time, keeping what it measur
 written to the table's ``backward`` section.
 
 Usage: ``replaymoe bench tune --shape qwen3 [--tokens 1,8,64,256,1024,4096,16384] [--dtype bf16|fp8]
-[--fast] [--backward] [--name h100] [--min-gain 0.02] [--max-minutes 8] [--refine-rounds 2] [--out DIR]``.
+[--fast] [--backward] [--table PATH] [--name h100] [--min-gain 0.02] [--max-minutes 8] [--refine-rounds 2]
+[--out DIR]``. ``--table`` chains runs: each starts from the last one's ``tuned_<name>.json``, so one table
+gathers the entries of several shapes (one shape per run fits the device's 10-minute limit).
 """
 
 from __future__ import annotations
@@ -136,10 +138,13 @@ def tune(
     device: str | torch.device = "cuda",
     dims: tuple[int, int, int, int] | None = None,
     refine_rounds: int = 2,
+    table=None,
 ):
     """Sweep ``candidates`` for every T of ``shape``, then up to ``refine_rounds`` rounds of
     :func:`neighbours` around the fastest; returns (rows, winners {table key: MoEConfig}).
-    ``dims`` = (H, I, E, K): another layer than the bench's ``shape`` (random top-K routing)."""
+    ``dims`` = (H, I, E, K): another layer than the bench's ``shape`` (random top-K routing).
+    ``table``: the :class:`~replaymoe.moe.tuned.TunedTable` whose choice is "current" (default: the
+    device's, ``table_for``)."""
     from replaymoe.moe._forward import experts_triton
     from replaymoe.moe.configs import moe_config, tma_ok
     from replaymoe.moe.tuned import table_for, table_key
@@ -148,7 +153,7 @@ def tune(
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    current_table = table_for(dev)
+    current_table = table if table is not None else table_for(dev)
     tma = tma_ok(dev, torch.bfloat16)
     w13, w2, s13, s2 = make_weights(H, I, E, fp8=fp8, device=dev)
     rows, winners = [], {}
@@ -208,7 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tune the training backward's kernel tiles (bf16; the table's backward section) instead",
     )
-    p.add_argument("--name", default=None, help="the table's name (default: the card's current table's)")
+    p.add_argument(
+        "--table",
+        default=None,
+        metavar="PATH",
+        help="start from this table (a tuned_<name>.json, e.g. an earlier run's) instead of the card's "
+        "shipped one: its choices are the current ones, and the new entries merge into it",
+    )
+    p.add_argument("--name", default=None, help="the table's name (default: the current table's)")
     p.add_argument("--min-gain", type=float, default=0.02, help="least gain over the current choice to keep")
     p.add_argument("--max-minutes", type=float, default=8.0, help="time budget of the sweep")
     p.add_argument(
@@ -234,24 +246,34 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--refine-rounds: expected an int >= 0, got {a.refine_rounds}")
     if not (0 <= a.min_gain < 1) or a.max_minutes <= 0:
         p.error(f"--min-gain in [0, 1) and --max-minutes > 0, got {a.min_gain} and {a.max_minutes}")
+    start = None
+    if a.table is not None:
+        from replaymoe.moe.tuned import TunedTable
+
+        try:
+            start = TunedTable.load(a.table)
+        except ValueError as exc:
+            p.error(f"--table: {exc}")
     if no_cuda("replaymoe bench tune"):
         return NO_CUDA_EXIT
     from replaymoe.moe.tuned import table_for
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    current = table_for(dev)
+    current = start if start is not None else table_for(dev)
     device_name = torch.cuda.get_device_name(dev)
-    print(f"card: {device_name}; current table: {current.name} (tuned on {current.tuned_on or 'nothing'})")
+    source = f"{a.table}, " if a.table is not None else ""
+    tuned_on = current.tuned_on or "nothing"
+    print(f"card: {device_name}; current table: {current.name} ({source}tuned on {tuned_on})")
     deadline = time.monotonic() + a.max_minutes * 60
     if a.backward:
         from .tune_bwd import tune_backward
 
         H, I, E, K, _ = SHAPES[a.shape]  # noqa: E741
         rows, winners = tune_backward(a.shape, (H, I, E, K), tokens, min_gain=a.min_gain, deadline=deadline,
-                                      refine_rounds=a.refine_rounds)  # fmt: skip
+                                      refine_rounds=a.refine_rounds, table=current)  # fmt: skip
     else:
         rows, winners = tune(a.shape, tokens, fp8=a.dtype == "fp8", fast=a.fast, min_gain=a.min_gain,
-                             deadline=deadline, refine_rounds=a.refine_rounds)  # fmt: skip
+                             deadline=deadline, refine_rounds=a.refine_rounds, table=current)  # fmt: skip
     name = a.name or current.name
     flags = (" --fast" if a.fast else "") + (" --backward" if a.backward else "")
     note = f"bench tune --shape {a.shape} --tokens {a.tokens} --dtype {a.dtype}{flags} on {device_name}: "

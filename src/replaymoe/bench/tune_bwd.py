@@ -84,10 +84,12 @@ def tune_backward(
     log=print,
     device: str | torch.device = "cuda",
     refine_rounds: int = 2,
+    table=None,
 ):
     """Sweep :func:`backward_candidates` for every T of a layer ``dims`` = (H, I, E, K) named ``shape``,
     then up to ``refine_rounds`` rounds of :func:`variations` around the fastest; returns (rows, winners
-    {table key: the winner's kernel tiles})."""
+    {table key: the winner's kernel tiles}). ``table``: the :class:`~replaymoe.moe.tuned.TunedTable` whose
+    choice is "current" (default: the device's, ``table_for``)."""
     from replaymoe.moe._backward import launch_bwd
     from replaymoe.moe.configs import (
         BWD_TILE_FIELDS,
@@ -103,7 +105,7 @@ def tune_backward(
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    table = table_for(dev)
+    table = table if table is not None else table_for(dev)
     tma = dw_tma_ok(dev, torch.bfloat16)
     rows, winners = [], {}
     for T in tokens:
