@@ -324,7 +324,10 @@ def test_minus_one_rows_fall_back_to_native(generator):
         x[1, 0] = -1  # and one (token, layer) row
         holes.append(t.replace(ids=x))
     own = _OwnRouter(model)  # the perturbed router's own choice on this forward's inputs
-    with torch.no_grad(), moe.replaying(holes):
+    with (
+        torch.no_grad(),
+        moe.replaying(holes, missing="native"),
+    ):  # (the default raises: test_replay_boundaries)
         model(input_ids=ids, attention_mask=mask)
         rep = moe.report()
     own.remove()
@@ -339,7 +342,8 @@ def test_minus_one_rows_fall_back_to_native(generator):
 
 
 def test_replay_in_generate_prompt_only_trace(generator):
-    # a trace covering only the prompt: prompt tokens replayed, generated tokens routed natively
+    # a trace covering only the prompt, with missing="native": prompt tokens replayed, generated
+    # tokens routed natively (the default raises: test_replay_boundaries)
     model = _model("mixtral")
     ids, mask, _ = _batch(generator, model.config.vocab_size, [5, 3])
     moe = rhf.enable(model, capture=True)
@@ -347,7 +351,7 @@ def test_replay_in_generate_prompt_only_trace(generator):
         model(input_ids=ids, attention_mask=mask)
     prompt_tr = moe.traces()
     _perturb_routers(moe, 0.5, seed=7)
-    with torch.no_grad(), moe.replaying(prompt_tr):
+    with torch.no_grad(), moe.replaying(prompt_tr, missing="native"):
         model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False
         )

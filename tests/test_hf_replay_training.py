@@ -142,10 +142,10 @@ def test_call_outside_the_forward_raises_while_a_replayed_graph_lives():
     block(stray)  # nothing replayed is alive any more: a direct call routes natively
 
 
-def _replayed_ids(model, moe, traces, seqs, mask, chunks):
+def _replayed_ids(model, moe, traces, seqs, mask, chunks, missing="error"):
     """Capture what a replayed forward over each chunk of rows (indices into seqs) used."""
     moe.set_capture(True)
-    with moe.replaying(traces), torch.no_grad():
+    with moe.replaying(traces, missing=missing), torch.no_grad():
         for rows in chunks:
             model(input_ids=seqs[rows], attention_mask=mask[rows])
         report = moe.report()
@@ -198,8 +198,11 @@ def test_rows_matched_by_content(chunks):
         assert (trace.token_ids[: n + 1] == seqs[b][full_mask[b].bool()].numpy()).all()
     assert (report.fallback_tokens_per_layer == len(order)).all()  # each row's last token only
     # the same traces without their tokens replay by batch row: shuffled rows get others' routing
-    shuffled, _ = _replayed_ids(model, moe, [t.replace(token_ids=None) for t in traces], seqs, full_mask,
-                                [[1, 0, 2, 3]])  # fmt: skip
+    # (and positions the other row's trace does not cover: refused by default, native here)
+    bare = [t.replace(token_ids=None) for t in traces]
+    with pytest.raises(ValueError, match="coverage of replay.*batch row 0, position"):
+        _replayed_ids(model, moe, bare, seqs, full_mask, [[1, 0, 2, 3]])
+    shuffled, _ = _replayed_ids(model, moe, bare, seqs, full_mask, [[1, 0, 2, 3]], missing="native")
     assert any((u.ids[: traces[b].num_tokens] != traces[b].ids).any() for u, b in zip(shuffled, [1, 0]))
 
 

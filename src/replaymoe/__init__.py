@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     # record and replay: capture, trace, replay, stats
     "RoutedExpertsCapturer": "record.capture",
     "RoutingTrace": "record.trace",
+    "RoutingFingerprint": "record.trace",
     "TraceFormatError": "record.trace",
     "ReplaySource": "record.replay",
     "expert_load": "record.stats",

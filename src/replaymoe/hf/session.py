@@ -15,6 +15,7 @@ capture and replay fill), and :func:`enable` documents every option of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 import warnings
 import weakref
@@ -26,7 +27,9 @@ import torch
 from torch import nn
 
 from replaymoe._backend import BACKENDS
-from replaymoe._validation import check_bool, check_choice, check_int, fail
+from replaymoe._validation import check_bool, check_choice, check_int, fail, is_capturing
+from replaymoe.record.replay import MISSING_MODES
+from replaymoe.record.trace import RoutingFingerprint
 from replaymoe.routing import RoutingConfig, route
 
 from .aux_loss import install as install_aux_loss
@@ -132,8 +135,28 @@ class ReplayMoE:
         self._mismatch: Optional[torch.Tensor] = None  # int64 [L, 3] (see track_mismatch)
         self._used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # replayed forward: logits, ids
         self._aux_uninstall: list = []
+        self._rollout_missing = "error"  # set_rollout_replay(missing=): the round's replay
+        self._enabled = True  # until disable()
         self._patch(experts, keep_static_cache)
         model._replaymoe = self
+
+    @property
+    def fingerprint(self) -> RoutingFingerprint:
+        """This model's routing (model id, MoE layer numbers, experts, top-k): what a replayed trace's
+        :attr:`~replaymoe.record.trace.RoutingTrace.fingerprint` must match."""
+        return RoutingFingerprint(
+            self.model_id, tuple(self.layer_ids), len(self.layers), self.num_experts, self.top_k
+        )
+
+    def _require_enabled(self, call: str) -> None:
+        """Raise when :meth:`disable` turned this handle off: nothing it would do could take effect."""
+        if not self._enabled:
+            fail(
+                call,
+                "a handle of a model with replaymoe enabled (replaymoe.hf.enable(model) again)",
+                "a handle turned off by disable(): the model routes natively and captures nothing",
+                what="state",
+            )
 
     # ---------------------------------------------------------------- patching
     def _device(self) -> torch.device:
@@ -227,7 +250,22 @@ class ReplayMoE:
 
     def disable(self) -> None:
         """Undo :func:`enable`: original routers and experts implementation, hooks removed (attached
-        models too)."""
+        models too). The handle is off after it: :meth:`set_capture`, :meth:`set_replay`,
+        :meth:`replaying`, :meth:`set_rollout_replay`, :meth:`traces` and :meth:`attach` raise.
+        Captured traces not yet read with :meth:`traces` are dropped with a warning."""
+        if not self._enabled:
+            return
+        if self._capture is not None and self._capture.device.type != "meta":
+            self._harvest()
+        if self._finished:
+            warnings.warn(
+                f"replaymoe: disable() drops {len(self._finished)} captured trace(s) that traces() "
+                "never returned; call traces() first to keep them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._finished = []
+        self._enabled = False
         for child, _ in self._children:
             child.disable()
         self._children.clear()
@@ -364,7 +402,15 @@ class ReplayMoE:
         tokens = None
         if self._capturing and input_ids is not None:
             tokens = input_ids.reshape(-1).to(device=ref.device, dtype=torch.int64)
-        self._step = Step(B * S, forced, staged, slot, graphed, fused, head, tokens)
+        coverage = None
+        if self._replay is not None and self._replay.missing == "error":
+            if fused:  # positions were the kernel's: the same values, computed at the check
+                make = functools.partial(token_positions, B, S, attention_mask=mask, past_length=past,
+                                         device=ref.device)  # fmt: skip
+                coverage = (self._replay, False, None, make)
+            else:
+                coverage = (self._replay, content, positions, None)
+        self._step = Step(B * S, forced, staged, slot, graphed, fused, head, tokens, coverage)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         step, self._step = self._step, None
@@ -377,6 +423,8 @@ class ReplayMoE:
                 self._capture.defer(step.staged, step.slot)
             else:
                 self._capture.commit(step.staged, step.slot)
+        if step is not None and step.coverage is not None and step.forced is not None and output is not None:
+            self._check_coverage(step)
 
     def _follow_device(self, device: torch.device) -> None:
         """Move the capture buffer and the replay table to where the forward runs, when the model
@@ -399,6 +447,8 @@ class ReplayMoE:
         ``max_positions``; it grows at eager forwards as needed).
         """
         check_bool("enabled", enabled)
+        if enabled:
+            self._require_enabled("set_capture")
         if enabled and self._capture is None:
             self._capture = CaptureBuffer(self._meta, self._device(), *self._capacity)
         if not enabled and self._capture is not None:
@@ -406,15 +456,22 @@ class ReplayMoE:
         self._capturing = self._user_capturing = enabled
 
     # ---------------------------------------------------------------- rollout replay (R3)
-    def set_rollout_replay(self, enabled: bool) -> None:
+    def set_rollout_replay(self, enabled: bool, *, missing: str = "error") -> None:
         """Rollout routing replay without glue: every ``generate`` call captures (replay paused
         inside it), and every other forward replays the traces of the latest rollout round, matched
         to rows by content (any order, subset, chunking or padding of the rollout's rows; see
         :meth:`set_replay`). A round is the ``generate`` calls since the last forward outside
         ``generate``: the first ``generate`` after such a forward starts a new one. Turning it off
         stops replaying. Attached models (:meth:`attach`) replay the same traces.
+
+        ``missing`` is :meth:`set_replay`'s: whether a token the round's traces do not cover raises
+        (``"error"``, the default) or routes natively (``"native"``, counted in :meth:`report`).
         """
         check_bool("enabled", enabled)
+        check_choice("missing", missing, MISSING_MODES)
+        if enabled:
+            self._require_enabled("set_rollout_replay")
+        self._rollout_missing = missing
         self._rollout_mode = enabled
         self._rollout_stale = False
         if not enabled:
@@ -445,6 +502,7 @@ class ReplayMoE:
         """
         from replaymoe.record.trace import RoutingTrace
 
+        self._require_enabled("add_rollout_traces")
         if not self._rollout_mode:
             fail("set_rollout_replay", "on (set_rollout_replay(True)) before add_rollout_traces", "off")
         traces = list(traces)
@@ -462,7 +520,7 @@ class ReplayMoE:
             return
         if self._rollout_stale:  # a forward ran since the last rollout: this starts a new round
             self._rollout, self._rollout_stale = [], False
-        self.set_replay(self._rollout + traces)  # (checked against the model before it is kept)
+        self.set_replay(self._rollout + traces, missing=self._rollout_missing)  # (checked before it is kept)
         self._rollout.extend(traces)
 
     # ---------------------------------------------------------------- patches.SessionHooks
@@ -495,6 +553,8 @@ class ReplayMoE:
         if self._capture is not None:
             self._capture.flush()
         self._rollout_generate_end()
+        if out is not None:  # (a failed call's own error goes first)
+            self._raise_uncovered()
 
     def routed(self, info: MoELayerInfo, logits: torch.Tensor, replay_ids: Optional[torch.Tensor],
                used: torch.Tensor, routing: RoutingConfig) -> None:  # fmt: skip
@@ -536,7 +596,7 @@ class ReplayMoE:
         self._set_replay_table(self._replay_before)
         self._rollout.extend(new)
         if self._rollout:
-            self.set_replay(self._rollout)
+            self.set_replay(self._rollout, missing=self._rollout_missing)
 
     def _set_replay_table(self, table: Optional[ReplayTable]) -> None:
         self._replay = table
@@ -553,6 +613,7 @@ class ReplayMoE:
             mine.reset_report()
         else:
             mine.load(*table.source, self._device())
+        mine.missing = table.missing
         return mine
 
     # ---------------------------------------------------------------- reference models
@@ -569,6 +630,7 @@ class ReplayMoE:
             The attached model's own handle (for :meth:`report`).
         """
         check_bool("replay", replay)
+        self._require_enabled("attach")
         child = ReplayMoE(model, backend=self.backend, graphs=self.graphs)
         if (child.top_k, child.num_experts, child.layer_ids) != (
             self.top_k,
@@ -664,6 +726,8 @@ class ReplayMoE:
             already reached EOS, and those positions are captured too; pass
             ``len(prompt) + len(completion up to and including EOS) - 1`` per row to drop them.
         """
+        self._require_enabled("traces")
+        self._raise_uncovered()
         if self._capture is not None:
             self._harvest()
         out, self._finished = self._finished, []
@@ -683,22 +747,49 @@ class ReplayMoE:
         return cut
 
     # ---------------------------------------------------------------- replay
-    def set_replay(self, replay: Any) -> None:
+    def set_replay(self, replay: Any, *, missing: str = "error", check_model_id: bool = True) -> None:
         """Replay ``replay`` (``RoutingTrace``, list of them — one per batch row — or ``ReplaySource``;
         None stops replaying) in the following forwards.
 
         The traces are checked and copied to the device once, here; forwards then only gather.
 
+        Parameters
+        ----------
+        replay : RoutingTrace, sequence of RoutingTrace, ReplaySource or None
+            Matched to a forward's rows by content when every trace carries its ``token_ids`` from
+            position 0 and the forward runs whole sequences (no KV cache); else trace ``b`` serves
+            batch row ``b``.
+        missing : {"error", "native"}
+            A replayed forward must find a recorded route for every token, except padding and each
+            sequence's last sampled token (never fed through the model that recorded the trace, so
+            it has none: by batch row the position one past the trace, by content each row's last
+            token). ``"error"`` (the default) raises ValueError naming the batch row, position and
+            layer of the first token without one (a position before the trace's start, past its
+            end, or recorded as missing, e.g. a skipped prompt prefix). Eager forwards check at their
+            end (one host sync); forwards compiled or captured in a CUDA graph count on the device
+            and raise at the next :meth:`traces`, :meth:`report`, :meth:`set_replay` or end of
+            :meth:`replaying` / ``generate``. ``"native"`` routes such tokens natively and counts
+            them in :meth:`report`.
+        check_model_id : bool
+            Refuse traces whose ``model_id`` is known and differs from this model's
+            (:attr:`fingerprint`); False when routes recorded under another name (e.g. a served
+            model's alias) are known to be this model's.
+
         Raises
         ------
         ValueError
-            When the trace's top_k or num_experts differs from the model's, its layers do not
-            match the model's MoE layers (by ``layer_ids`` when the trace has them, else by count),
-            or a recorded row is not K distinct ids in ``[0, E)``.
+            When the handle was disabled; when the traces' fingerprint differs from the model's
+            (top_k, num_experts, MoE layers by ``layer_ids`` when the trace has them, else by count,
+            model id unless ``check_model_id=False``); or a recorded row is not K distinct ids in
+            ``[0, E)``.
         """
+        self._raise_uncovered()
         if replay is None:
             self._set_replay_table(None)
             return
+        self._require_enabled("set_replay")
+        check_choice("missing", missing, MISSING_MODES)
+        check_bool("check_model_id", check_model_id)
         from replaymoe.record.replay import ReplaySource
 
         src = replay if isinstance(replay, ReplaySource) else ReplaySource(replay)
@@ -715,11 +806,24 @@ class ReplayMoE:
                     f"layer_ids {list(src.traces[0].layer_ids)} ({exc})",
                     what="layers",
                 )
+        mine = self.fingerprint
+        for i, trace in enumerate(src.traces):
+            diff = trace.fingerprint.differences(mine, model_id=check_model_id)
+            if diff:
+                fail(
+                    "replay",
+                    f"traces of this model ({mine.model_id!r}: MoE layers {list(mine.layer_ids)}, top-"
+                    f"{mine.top_k} of {mine.num_experts} experts; check_model_id=False when a differing "
+                    "model id names the same model)",
+                    f"traces[{i}] of another model: " + "; ".join(diff),
+                    what="model",
+                )
         table = self._replay if self._replay is not None else self._spare_table(exclude=None)
         if table.holds(src.traces, mapping, self._device()):  # the same traces again (e.g. replaying()
             table.reset_report()  # around every step): the table already holds them
         else:
             table.load(src.traces, mapping, self._device())
+        table.missing = missing
         self._set_replay_table(table)
 
     def _spare_table(self, exclude: Optional[ReplayTable]) -> ReplayTable:
@@ -733,19 +837,59 @@ class ReplayMoE:
         return table
 
     @contextlib.contextmanager
-    def replaying(self, replay: Any) -> Iterator[ReplayMoE]:
-        """Context manager: :meth:`set_replay` inside, the previous replay restored after."""
+    def replaying(
+        self, replay: Any, *, missing: str = "error", check_model_id: bool = True
+    ) -> Iterator[ReplayMoE]:
+        """Context manager: :meth:`set_replay` (same arguments) inside, the previous replay restored
+        after. Uncovered tokens of compiled forwards inside raise on the way out."""
+        self._require_enabled("replaying")
         prev = self._replay
         self._replay = self._spare_table(exclude=prev)
         try:
-            self.set_replay(replay)
+            self.set_replay(replay, missing=missing, check_model_id=check_model_id)
             yield self
+            self._raise_uncovered()
         finally:
             self._set_replay_table(prev)
 
     def report(self) -> Any:
         """Tokens replayed vs fallen back to native routing, per layer (``ReplayReport``), or None."""
+        self._raise_uncovered()
         return None if self._replay is None else self._replay.report()
+
+    def _layer_names(self) -> list[str]:
+        return [f"MoE layer {i} (model layer {n})" for i, n in enumerate(self.layer_ids)]
+
+    def _raise_uncovered(self) -> None:
+        """Raise for uncovered lookups that compiled or graph-captured forwards counted on the device."""
+        if self._replay is not None and not torch.compiler.is_compiling() and not is_capturing():
+            self._replay.raise_uncovered(self._layer_names())
+
+    def _check_coverage(self, step: Step) -> None:
+        """End of a replayed forward with ``missing="error"``: every token that needs a recorded route
+        found one (:meth:`ReplayTable.uncovered_mask`). Eagerly one host sync, raising for the first
+        token without one; compiled or in a CUDA graph capture, counted on the device."""
+        table, by_content, positions, make_positions = step.coverage
+        if positions is None:
+            positions = make_positions()
+        bad = table.uncovered_mask(step.forced, positions, by_content=by_content)
+        if torch.compiler.is_compiling() or is_capturing():
+            table.uncovered.add_(bad.sum(dim=1))
+            return
+        if not bool(bad.any()):  # the check's one host sync
+            return
+        layer, t = (int(v) for v in torch.nonzero(bad)[0])
+        row, col = divmod(t, positions.shape[1])
+        pos = int(positions[row, col])
+        mode = "matched by content" if by_content else f"trace {row}"
+        fail(
+            "replay",
+            "a recorded route for every token of a replayed forward except padding and each sequence's "
+            "last sampled token (or missing='native' to route the others natively)",
+            f"none for batch row {row}, position {pos}, {self._layer_names()[layer]} ({mode}; "
+            f"{int(bad.sum())} token-layer lookups without one in this forward)",
+            what="coverage",
+        )
 
     def reset_report(self) -> None:
         """Start :meth:`report`'s counts again (the active replay's)."""
@@ -794,6 +938,7 @@ def enable(
     *,
     capture: bool = False,
     replay: Any = None,
+    missing: str = "error",
     # ReplayMoE's keywords spelled out: the public entry point's signature documents them
     backend: str = "auto",
     experts: bool = True,
@@ -813,8 +958,10 @@ def enable(
         Record every MoE layer's ids in every forward (``generate`` included); read them with
         :meth:`ReplayMoE.traces`.
     replay : RoutingTrace | list[RoutingTrace] | ReplaySource, optional
-        Force these ids (batch row ``b`` = trace ``b``); -1 rows route natively. Change later with
+        Force these ids (batch row ``b`` = trace ``b``, or matched by content). Change later with
         :meth:`ReplayMoE.set_replay` or :meth:`ReplayMoE.replaying`.
+    missing : {"error", "native"}
+        With ``replay``: what a token the traces do not cover does (:meth:`ReplayMoE.set_replay`).
     backend : {"auto", "triton", "torch"}
         Routing and fused-experts backend: ``auto`` = Triton kernels on CUDA, torch references
         elsewhere.
@@ -865,7 +1012,7 @@ def enable(
     try:
         state.set_capture(capture)
         if replay is not None:
-            state.set_replay(replay)
+            state.set_replay(replay, missing=missing)
     except Exception:
         state.disable()
         raise

@@ -37,6 +37,9 @@ class Step:
     defer_commit: bool = False  # capture: the next step_rows launch writes the staged ids
     head: Optional[DecodeHead] = None  # run by the first MoE block, before its router (then None)
     tokens: Optional[torch.Tensor] = None  # int64 [T] the forward's tokens (capture records them), or None
+    # replay with missing="error": (table, matched by content, positions int64 [B, S] or None, a
+    # function that computes them); checked when the forward ends (ReplayMoE._check_coverage)
+    coverage: Optional[tuple] = None
 
 
 class StepBuffers:

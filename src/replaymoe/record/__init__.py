@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "RoutedExpertsCapturer": "capture",
     "CaptureMemoryError": "capture",
     "RoutingTrace": "trace",
+    "RoutingFingerprint": "trace",
     "TraceFormatError": "trace",
     "ReplaySource": "replay",
     "ReplayReport": "replay",

@@ -35,7 +35,18 @@ import torch
 from .._validation import check_int, check_tensor, fail
 from .trace import RoutingTrace
 
-__all__ = ["ReplaySource", "ReplayReport", "ReplayTable", "prefix_hashes", "prefix_hashes_np"]
+__all__ = [
+    "MISSING_MODES",
+    "ReplaySource",
+    "ReplayReport",
+    "ReplayTable",
+    "prefix_hashes",
+    "prefix_hashes_np",
+]
+
+# What a replayed forward does with a token its traces do not cover (``replaying(..., missing=)``):
+# "error" raises (the default), "native" routes it natively and counts it in the report
+MISSING_MODES = ("error", "native")
 
 
 def _next_power_of_2(n: int) -> int:
@@ -332,6 +343,12 @@ class ReplayTable:
         ``shift`` are ``offsets + lengths`` and ``bases - offsets``).
     seen, fallback : torch.Tensor int64 [L]
         Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
+    uncovered : torch.Tensor int64 [L]
+        Lookups of compiled forwards that no trace covers and that coverage does not excuse
+        (:meth:`uncovered_mask`), per layer: raised at the next eager check (:meth:`raise_uncovered`).
+    missing : {"error", "native"}
+        What a forward does with a token no trace covers: raise (the default) or route it natively
+        (counted in :attr:`fallback`).
     by_content : bool
         Every trace carries its tokens and starts at position 0: forwards are matched to traces
         by content (:meth:`gather_by_content`), whatever their rows' order, subset or padding.
@@ -348,7 +365,8 @@ class ReplayTable:
         self.source: tuple | None = None  # (traces, layer_of): what load() was given, to reload elsewhere
         self.hashes = self.hash_rows = self.powers = torch.empty(0)
         self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
-        self.seen = self.fallback = torch.empty(0)
+        self.seen = self.fallback = self.uncovered = torch.empty(0)
+        self.missing = "error"
 
     @property
     def batch_size(self) -> int:
@@ -402,6 +420,8 @@ class ReplayTable:
         if tuple(self.seen.shape) != (L,) or self.seen.device != device:
             self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
+            self.uncovered = _static(torch.zeros(L, dtype=torch.int64, device=device))
+        self.uncovered.zero_()
         self.reset_report()
 
     def holds(self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], device: torch.device) -> bool:
@@ -499,6 +519,52 @@ class ReplayTable:
         self.seen.add_(real)
         self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - padding)
         return forced
+
+    def uncovered_mask(
+        self, forced: torch.Tensor, positions: torch.Tensor, *, by_content: bool
+    ) -> torch.Tensor:
+        """bool ``[L, B*S]``: the lookups of one forward that no trace covers and that coverage does
+        not excuse. Device ops only.
+
+        A replayed forward must find a recorded row for every token except padding (``positions <
+        0``) and each sequence's last sampled token, which was never fed through the model that
+        recorded the trace and so has no routing: by batch row, the position one past the row's
+        trace (``ends``); matched by content (whole sequences), each row's last token.
+
+        Parameters
+        ----------
+        forced : torch.Tensor int32 [L, B*S, K]
+            The forward's replay ids (-1 rows: no recorded row).
+        positions : torch.Tensor int64 [B, S]
+            Each token's position (-1 = padding).
+        by_content : bool
+            Whether the forward looked its rows up by content (:meth:`gather_by_content`).
+        """
+        real = positions >= 0
+        if by_content:
+            last = positions == positions.amax(dim=1, keepdim=True)
+        else:
+            last = positions == self.ends[:, None]
+        need = (real & ~last).reshape(1, -1)
+        return (forced[:, :, 0] < 0) & need
+
+    def raise_uncovered(self, layer_names: Sequence[str]) -> None:
+        """Raise ValueError when compiled forwards counted uncovered lookups (:attr:`uncovered`,
+        then zeroed); ``layer_names[l]`` names MoE layer ``l``. One host sync."""
+        if self.missing != "error" or self.uncovered.numel() == 0:
+            return
+        counts = self.uncovered.tolist()
+        if not any(counts):
+            return
+        self.uncovered.zero_()
+        where = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
+        fail(
+            "replay",
+            "a recorded route for every token of a replayed forward except padding and each "
+            "sequence's last sampled token (or missing='native' to route the others natively)",
+            f"token-layer lookups without one in compiled forwards ({where})",
+            what="coverage",
+        )
 
     def report(self) -> ReplayReport:
         """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""

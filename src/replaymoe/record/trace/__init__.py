@@ -10,7 +10,7 @@ concat/merge), :mod:`~replaymoe.record.trace.file` the on-disk format (``FORMAT_
 
 from __future__ import annotations
 
-from .core import RoutingTrace
+from .core import RoutingFingerprint, RoutingTrace
 from .file import FORMAT_NAME, FORMAT_VERSION, TraceFormatError
 
-__all__ = ["RoutingTrace", "TraceFormatError", "FORMAT_NAME", "FORMAT_VERSION"]
+__all__ = ["RoutingFingerprint", "RoutingTrace", "TraceFormatError", "FORMAT_NAME", "FORMAT_VERSION"]
