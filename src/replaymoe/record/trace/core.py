@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from ..._validation import check_choice, check_int, fail
 from . import file as _file
 from . import wire as _wire
 
-__all__ = ["RoutingTrace"]
+__all__ = ["RoutingFingerprint", "RoutingTrace"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,6 +110,60 @@ def _check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
     if any(v < 0 for v in vals) or len(set(vals)) != len(vals):
         fail("layer_ids", "distinct non-negative model layer numbers", list(vals))
     return vals
+
+
+# --------------------------------------------------------------------------------------------
+# the model a trace belongs to
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoutingFingerprint:
+    """What recorded routes are valid for: the routing of the model that made them.
+
+    Routes replayed into a model with another fingerprint would force experts chosen by another
+    router, so replay compares the two (:meth:`differences`). ``None`` means unknown (e.g. a vLLM
+    payload without model information) and matches anything.
+
+    Attributes
+    ----------
+    model_id : str or None
+        The model's identifier (the HF repo id or path, vLLM's ``model`` field, or the
+        architecture's ``model_type`` for a model built from a config).
+    layer_ids : tuple of int or None
+        Model layer number of each MoE layer (None: MoE layer ``l`` is layer ``l``); compared as a
+        set, since replay maps layers by number.
+    num_layers : int
+        Number of MoE layers.
+    num_experts : int or None
+        Routed experts E.
+    top_k : int
+        Experts per token K.
+    """
+
+    model_id: str | None
+    layer_ids: tuple[int, ...] | None
+    num_layers: int
+    num_experts: int | None
+    top_k: int
+
+    def differences(self, other: RoutingFingerprint, *, model_id: bool = True) -> list[str]:
+        """What differs from ``other``, one phrase per field (empty when they match); fields unknown
+        on either side match. ``model_id=False`` leaves the model id out (the caller vouches for
+        routes of a model known under another name)."""
+        out = []
+        if model_id and None not in (self.model_id, other.model_id) and self.model_id != other.model_id:
+            out.append(f"model_id {self.model_id!r} vs {other.model_id!r}")
+        if self.num_layers != other.num_layers:
+            out.append(f"{self.num_layers} vs {other.num_layers} MoE layers")
+        layers = (self.layer_ids, other.layer_ids)
+        if None not in layers and sorted(layers[0]) != sorted(layers[1]):
+            out.append(f"MoE layers {list(self.layer_ids)} vs {list(other.layer_ids)}")
+        if None not in (self.num_experts, other.num_experts) and self.num_experts != other.num_experts:
+            out.append(f"{self.num_experts} vs {other.num_experts} experts")
+        if self.top_k != other.top_k:
+            out.append(f"top-{self.top_k} vs top-{other.top_k}")
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +280,13 @@ class RoutingTrace:
         """Model layer number of each MoE layer (``layer_ids`` or the identity)."""
         return self.layer_ids if self.layer_ids is not None else tuple(range(self.num_layers))
 
+    @property
+    def fingerprint(self) -> RoutingFingerprint:
+        """The routing of the model that recorded this trace (what replay checks it against)."""
+        return RoutingFingerprint(
+            self.model_id, self.layer_ids, self.num_layers, self.num_experts, self.top_k
+        )
+
     def _meta(self) -> dict[str, Any]:
         return {
             "num_experts": self.num_experts,
@@ -308,32 +370,60 @@ class RoutingTrace:
         layer_ids: Sequence[int] | None = None,
         model_id: str | None = None,
     ) -> RoutingTrace:
-        """Decode vLLM's ``routed_experts``.
+        """Decode vLLM's ``routed_experts`` (vLLM 0.33's format: :mod:`replaymoe.record.trace.wire`).
 
         Parameters
         ----------
         obj : str, bytes, dict, np.ndarray or nested list
-            * the base64 string of an ``.npy`` (what vLLM puts in ``routed_experts``), or the raw
-              ``.npy`` bytes, or an already-decoded array [tokens, layers, top_k] (offline API);
-            * a choice dict holding ``routed_experts`` (or ``completion_routed_experts``);
-            * a whole response (dict, or its JSON text): ``choices[choice]`` is used, and when the
-              response carries ``prompt_routed_experts`` (the split form) the trace is the prompt
-              rows followed by the choice's completion rows.
+            * the base64 string of an ``.npy`` (what the server puts in ``choices[i].routed_experts``),
+              or the raw ``.npy`` bytes, or an already-decoded array [rows, layers, top_k] (the
+              offline ``CompletionOutput.routed_experts``);
+            * a choice dict holding ``routed_experts``;
+            * a whole chat or ``/v1/completions`` response (dict, or its JSON text):
+              ``choices[choice]`` is used. Legacy: a response carrying ``prompt_routed_experts``
+              (the split form of vLLM's v0.21 design; vLLM 0.33 never sends it) gives the prompt
+              rows followed by the choice's rows.
         num_experts : int, optional
             The model's E (vLLM does not send it). ``None`` leaves it unknown.
         choice : int
             Which choice of a whole response.
         prompt_start : int, optional
-            ``routed_experts_prompt_start`` of the request: the first position the payload covers
-            (becomes ``token_offset``). Defaults to the value found in the response/choice, else 0.
-        layer_ids, model_id
-            Stored on the trace (``model_id`` defaults to the response's ``model`` field).
+            The request's ``routed_experts_prompt_start`` (``s``, default 0): row ``i`` is position
+            ``s + i`` (becomes ``token_offset``). vLLM does not echo it, so it is never read from
+            the response: pass the value the request used.
+        layer_ids : sequence of int, optional
+            The model layer numbers of the MoE layers (e.g.
+            :func:`replaymoe.integrations.vllm_outputs.moe_layer_ids`). vLLM 0.33 sends one column
+            per decoder layer, dense layers all zero: the MoE columns are kept, and every other
+            column must be all zero. A payload with exactly ``len(layer_ids)`` columns is the
+            legacy MoE-only layout, taken as is. Without ``layer_ids`` every column is a MoE layer,
+            and a column that is entirely zero (a dense layer) raises instead of being guessed.
+        model_id : str, optional
+            Stored on the trace (defaults to the response's ``model`` field).
+
+        Returns
+        -------
+        RoutingTrace
+            ids int16 [rows, len(layer_ids) or columns, top_k] from position ``prompt_start``;
+            ``token_ids`` int64 [rows] when the response carries its token ids
+            (``return_token_ids: true``).
+
+        Raises
+        ------
+        TraceFormatError
+            A malformed payload; a response with no choices; rows that do not fit the response's
+            token counts (``P + C - 1 - prompt_start`` rows for ``P`` prompt and ``C`` completion
+            tokens, checked whenever both are present: chat's top-level or ``/v1/completions``'
+            per-choice ``prompt_token_ids``, and the choice's ``token_ids``); an all-zero column
+            without ``layer_ids``; a non-zero column outside ``layer_ids``.
+        ValueError
+            ``choice`` past the response's choices, ``prompt_start`` past the prompt, ids outside
+            [0, num_experts).
 
         Notes
         -----
-        A request of ``num_tokens`` tokens (prompt + completion) yields ``num_tokens - 1`` rows: the
-        last sampled token was never fed through the model. Rows of -1 (vLLM's prefix-cache sentinel)
-        are kept as missing.
+        vLLM 0.33 sends uint8 ids when E <= 256, else uint16; never -1. Rows of -1 (the prefix-cache
+        sentinel of older int16/int32 payloads) are kept as missing.
         """
         return _wire.decode_vllm(
             cls,
@@ -364,15 +454,38 @@ class RoutingTrace:
         Parameters
         ----------
         b64 : str, bytes or dict
-            Base64 of the flat array, or the ``meta_info`` dict (then ``routed_experts`` is read from
-            it, and ``routed_experts_dtype`` overrides ``dtype`` when present).
+            Base64 of the flat little-endian array, or the ``meta_info`` dict (then
+            ``routed_experts`` is read from it, and its ``routed_experts_dtype`` -- ``"uint8"`` or
+            ``"torch.uint8"`` alike -- overrides ``dtype`` when present).
         num_layers, top_k : int
-            The logical shape [tokens, num_layers, top_k] (SGLang does not send it). When SGLang fuses
+            The logical shape [rows, num_layers, top_k] (SGLang does not send it). When SGLang fuses
             shared experts into the capture, top_k counts them too.
         dtype : {"int32", "uint8", "uint16", "int16"}
-            Element type (SGLang's default int32; ``SGLANG_ROUTED_EXPERTS_DTYPE`` = uint8/uint16).
+            Element type: SGLang's default int32; uint8/uint16 with
+            ``SGLANG_ROUTED_EXPERTS_DTYPE``.
+        num_experts : int, optional
+            The model's E. ``None`` leaves it unknown.
         start : int
             ``routed_experts_start_len``: the first position covered (becomes ``token_offset``).
+        layer_ids : sequence of int, optional
+            The model layer numbers of the MoE layers. When ``num_layers`` is larger (a column per
+            decoder layer), the MoE columns are kept and every other column must be all zero, as
+            for :meth:`from_vllm`; without ``layer_ids`` an all-zero column raises.
+        model_id : str, optional
+            Stored on the trace.
+
+        Returns
+        -------
+        RoutingTrace
+            ids int16 [rows, len(layer_ids) or num_layers, top_k] from position ``start``.
+
+        Notes
+        -----
+        Checked against payloads built here (``to_sglang`` and numpy), not against a running
+        SGLang server: the layer axis (every decoder layer or the MoE layers only), whether a
+        request's rows are ``seqlen - 1`` with ``routed_experts_start_len``, and the exact
+        spelling of ``routed_experts_dtype`` in ``meta_info`` (both ``"uint8"`` and
+        ``"torch.uint8"`` are read) have not been seen on a real server.
         """
         return _wire.decode_sglang(
             cls,
