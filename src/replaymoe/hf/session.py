@@ -255,12 +255,16 @@ class ReplayMoE:
         Captured traces not yet read with :meth:`traces` are dropped with a warning."""
         if not self._enabled:
             return
-        if self._capture is not None and self._capture.device.type != "meta":
-            self._harvest()
-        if self._finished:
+        unread = ""
+        try:
+            if self._capture is not None and self._capture.device.type != "meta":
+                self._harvest()
+        except ValueError as exc:  # (e.g. an overflowed compiled capture): the patch goes all the same
+            unread = f"; the capture buffer could not be read: {exc}"
+        if self._finished or unread:
             warnings.warn(
                 f"replaymoe: disable() drops {len(self._finished)} captured trace(s) that traces() "
-                "never returned; call traces() first to keep them",
+                f"never returned{unread}; call traces() first to keep them",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -1,0 +1,283 @@
+"""Where routes enter replay in a transformers model, nothing passes in silence (CPU, tiny models).
+
+* a handle turned off by ``disable()`` refuses to capture, replay or hand out traces;
+* every token of a replayed forward needs a recorded route, except padding and each sequence's last
+  sampled token: anything else raises naming the batch row, position and layer, unless the caller
+  asked for native fallback (``missing="native"``, counted in the report), eagerly and compiled;
+* traces of another model (its fingerprint: model id, MoE layers, experts, top-k) are refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import replaymoe.hf as rhf  # noqa: E402
+from replaymoe.hf.models import build_model  # noqa: E402
+from replaymoe.record.trace import RoutingFingerprint, RoutingTrace  # noqa: E402
+
+COVERAGE = "coverage of replay"
+
+
+def _batch(seed: int, vocab: int, rows: int = 2, length: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def _captured(arch: str = "qwen3_moe", seed: int = 0, **enable):
+    """A tiny model, its handle with capture on, a batch and the traces of one forward over it."""
+    model = build_model(arch, "tiny", seed=seed)
+    moe = rhf.enable(model, capture=True, **enable)
+    ids, mask = _batch(seed + 1, model.config.vocab_size)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    traces = moe.traces()
+    moe.set_capture(False)
+    return model, moe, ids, mask, traces
+
+
+# ------------------------------------------------------------------------------------- lifecycle
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda moe, tr: moe.set_capture(True),  # capture on a handle whose hooks are gone
+        lambda moe, tr: moe.set_replay(tr),  # replay that no router would read
+        lambda moe, tr: moe.replaying(tr).__enter__(),  # the context manager form
+        lambda moe, tr: moe.traces(),  # traces() would return [] as if nothing were captured
+        lambda moe, tr: moe.set_rollout_replay(True),  # rollout mode's capture and replay
+        lambda moe, tr: moe.attach(build_model("qwen3_moe", "tiny", seed=0)),  # a reference model
+    ],
+    ids=["set_capture", "set_replay", "replaying", "traces", "set_rollout_replay", "attach"],
+)
+def test_disabled_handle_refuses(call):
+    model, moe, ids, mask, traces = _captured()
+    moe.disable()
+    with pytest.raises(ValueError, match=r"disable\(\)"):
+        call(moe, traces)
+    assert getattr(model, "_replaymoe", None) is None  # nothing was patched again
+    moe.set_capture(False)  # turning things off stays harmless
+    moe.set_replay(None)
+    moe.disable()  # and so does a second disable()
+
+
+def test_disable_warns_before_dropping_unread_traces():
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, capture=True)
+    ids, mask = _batch(1, model.config.vocab_size)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    with pytest.warns(RuntimeWarning, match="drops 2 captured trace"):
+        moe.disable()
+    # read first: nothing to warn about
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert len(moe.traces()) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moe.disable()
+
+
+# -------------------------------------------------------------------------------------- coverage
+def _cut(traces, keep):
+    """Traces covering positions [0, keep) only."""
+    return [t.replace(ids=t.ids[:keep]) for t in traces]
+
+
+def _holed(traces, position, layer=None):
+    """Traces with the row at ``position`` recorded as missing (all layers, or one)."""
+    out = []
+    for t in traces:
+        ids = t.ids.copy()
+        if layer is None:
+            ids[position] = -1
+        else:
+            ids[position, layer] = -1
+        out.append(t.replace(ids=ids))
+    return out
+
+
+@pytest.mark.parametrize(
+    "make, position, layer",
+    [
+        # 3 of a row's 12 positions covered (the issue's case): position 3 is the first without a route
+        # by content; by batch row, position 3 is one past the trace (a last sampled token's place)
+        (lambda tr: _cut(tr, 3), {"by-content": 3, "by-row": 4}, 0),
+        # a row recorded as missing in the middle (e.g. a prefix-cache sentinel), every layer
+        (lambda tr: _holed(tr, 5), 5, 0),
+        # one (token, layer) row missing, in the last MoE layer only
+        (lambda tr: _holed(tr, 4, layer=2), 4, 2),
+        # a trace that starts late (vLLM's routed_experts_prompt_start): the prompt's head is uncovered
+        (lambda tr: [t.replace(ids=t.ids[2:], token_offset=2, token_ids=None) for t in tr], 0, 0),
+    ],
+    ids=["cut-to-3", "missing-row", "missing-layer-row", "late-start"],
+)
+@pytest.mark.parametrize("mode", ["by-content", "by-row"])
+def test_uncovered_tokens_raise_naming_row_position_layer(make, position, layer, mode):
+    model, moe, ids, mask, traces = _captured()
+    bad = make(traces)
+    if mode == "by-row":
+        bad = [t.replace(token_ids=None) for t in bad]
+    with pytest.raises(ValueError, match=COVERAGE) as err, moe.replaying(bad), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    position = position[mode] if isinstance(position, dict) else position
+    assert f"batch row 0, position {position}, MoE layer {layer}" in str(err.value)
+    assert "missing='native'" in str(err.value)  # the way out is named
+    # opted in: the same forward routes those tokens natively and counts them
+    with moe.replaying(bad, missing="native"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        report = moe.report()
+    assert report.fallback_tokens_per_layer.sum() > 0
+
+
+@pytest.mark.parametrize("tokens", [True, False], ids=["by-content", "by-row"])
+def test_last_sampled_token_and_padding_need_no_route(tokens):
+    # a rollout's trace covers prompt + completion - 1 positions: the trainer's forward over the
+    # whole sequence (right-padded rows of different lengths) replays with no error, and only each
+    # row's last token routes natively
+    model, moe, ids, mask, traces = _captured()
+    mask[1, 9:] = 0  # row 1: 9 real tokens, then padding
+    lengths = [11, 8]  # one less than each row's real tokens
+    rollout = [t.replace(ids=t.ids[:n], token_ids=t.token_ids[:n]) for t, n in zip(traces, lengths)]
+    if not tokens:
+        rollout = [t.replace(token_ids=None) for t in rollout]
+    with moe.replaying(rollout), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        report = moe.report()
+    assert report.fallback_tokens_per_layer.tolist() == [2] * len(moe.layers)  # one per row
+
+
+def test_last_token_allowance_is_one_token_only():
+    # the allowance is the one position past the trace; the position after it is uncovered
+    model, moe, ids, mask, traces = _captured()
+    short = _cut(traces, 10)  # positions 10 and 11 of 12 uncovered
+    with pytest.raises(ValueError, match="position 10"), moe.replaying(short), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_uncovered_raises_before_backward_with_checkpointing():
+    # a training forward (gradient checkpointing on) fails at its end: no step learns from it
+    model, moe, ids, mask, traces = _captured()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match=COVERAGE), moe.replaying(_cut(traces, 6)):
+        model(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_uncovered_decode_steps_raise_in_generate():
+    # replay into generate: the prompt's trace covers the prefill and excuses the first generated
+    # token (the prompt's last sampled token); the second decode step has no route
+    model, moe, ids, mask, traces = _captured("mixtral")
+    with pytest.raises(ValueError, match="position 13"), moe.replaying(traces), torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False
+        )
+
+
+def test_attached_model_replays_under_the_same_rule():
+    # the reference model attached to the policy replays the same traces with the same coverage rule
+    model, moe, ids, mask, traces = _captured()
+    ref_model = build_model("qwen3_moe", "tiny", seed=0)
+    ref = moe.attach(ref_model)
+    with moe.replaying(_cut(traces, 4)), torch.no_grad():
+        with pytest.raises(ValueError, match=COVERAGE):
+            ref_model(input_ids=ids, attention_mask=mask)
+    with moe.replaying(_cut(traces, 4), missing="native"), torch.no_grad():
+        ref_model(input_ids=ids, attention_mask=mask)
+        assert ref.report().fallback_tokens_per_layer.sum() > 0
+
+
+def test_rollout_mode_missing_native_is_an_opt_in():
+    model, moe, ids, mask, traces = _captured()
+    with pytest.raises(ValueError, match="missing"):
+        moe.set_rollout_replay(True, missing="skip")
+    moe.set_rollout_replay(True, missing="native")
+    moe.add_rollout_traces(_cut(traces, 4))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert moe.report().fallback_tokens_per_layer.sum() > 0
+    moe.set_rollout_replay(True)  # back to the default: the same round raises
+    moe.add_rollout_traces(_cut(traces, 4))
+    with pytest.raises(ValueError, match=COVERAGE), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.fixture
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.parametrize("check", ["replaying-exit", "report", "traces"])
+def test_compiled_forward_counts_on_device_and_raises_at_next_check(check):
+    # a forward compiled with fullgraph=True cannot sync: it counts the uncovered lookups on the
+    # device, and the next eager check point raises with the per-layer counts
+    model, moe, ids, mask, traces = _captured()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match=COVERAGE) as err:
+        with moe.replaying(_cut(traces, 6)), torch.no_grad():
+            compiled(input_ids=ids, attention_mask=mask)
+            if check == "report":
+                moe.report()
+            if check == "traces":
+                moe.traces()
+    assert "compiled forwards" in str(err.value) and "MoE layer 0 (model layer 0): 10" in str(err.value)
+    with moe.replaying(traces), torch.no_grad():  # a covered compiled forward passes every check
+        compiled(input_ids=ids, attention_mask=mask)
+        moe.report()
+
+
+# -------------------------------------------------------------------------------------- identity
+def test_traces_of_another_model_are_refused():
+    # Mixtral's routes replayed into a Qwen3-MoE of the same shapes (3 MoE layers, top-2 of 8)
+    _, _, _, _, mixtral = _captured("mixtral")
+    model, moe, ids, mask, _ = _captured("qwen3_moe")
+    assert mixtral[0].fingerprint.differences(moe.fingerprint) == ["model_id 'mixtral' vs 'qwen3_moe'"]
+    with pytest.raises(ValueError, match=r"model of replay.*model_id 'mixtral' vs 'qwen3_moe'"):
+        moe.set_replay(mixtral)
+    with pytest.raises(ValueError, match="model_id"):
+        moe.replaying(mixtral).__enter__()
+    # the caller vouches for them (e.g. a served model's alias): accepted
+    with moe.replaying(mixtral, check_model_id=False), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    # a trace whose model is unknown (a bare engine payload) is not refused for it
+    with moe.replaying([t.replace(model_id=None) for t in mixtral]), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "change, phrase",
+    [
+        (dict(model_id="other/model"), "model_id"),  # another model's name
+        (dict(layer_ids=(0, 2, 3)), "MoE layers"),  # another set of MoE layer numbers
+        (dict(num_experts=16), "experts"),  # another expert count
+        (dict(top_k=4), "top-"),  # another top-k
+        (dict(num_layers=4), "MoE layers"),  # another depth
+    ],
+    ids=["model_id", "layer_ids", "num_experts", "top_k", "num_layers"],
+)
+def test_fingerprint_differences_name_the_field(change, phrase):
+    base = RoutingFingerprint("m", (0, 1, 2), 3, 8, 2)
+    other = RoutingFingerprint(**{**base.__dict__, **change})
+    diff = base.differences(other)
+    assert len(diff) == 1 and phrase in diff[0]
+    if "model_id" in change:
+        assert base.differences(other, model_id=False) == []
+    # unknown fields match anything
+    assert RoutingFingerprint(None, None, 3, None, 2).differences(base) == []
+
+
+def test_trace_fingerprint_is_its_metadata():
+    ids = np.zeros((2, 3, 2), dtype=np.int16)
+    ids[..., 1] = 1
+    t = RoutingTrace(ids, num_experts=8, top_k=2, layer_ids=[1, 2, 3], model_id="x")
+    assert t.fingerprint == RoutingFingerprint("x", (1, 2, 3), 3, 8, 2)
