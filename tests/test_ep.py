@@ -422,6 +422,38 @@ def _errors_worker(rank, world):
         ep_moe(x, logits, w13[:3], w2, a2a, top_k=K)
     with pytest.raises(ValueError, match="router_logits"):
         ep_moe(x, logits[:, :7], w13, w2, a2a, top_k=K)
+    # caller ids: ep_moe takes replay_ids (no topk_ids), global in [0, E = 8) of the whole model; route
+    # rejects bad ones before any collective, naming replay_ids and the row
+    rng = r"replay_ids: expected expert ids in \[0, 8\) \(or a row of all -1\)"
+    for rows, match in [
+        ([[0, 10**6], [7, 1]], rng + r", got row 0 = \[0, 1000000\]"),  # out of range high
+        ([[0, 5], [-3, 1]], rng + r", got row 1 = \[-3, 1\]"),  # negative
+        ([[0, 5], [7, 8]], rng + r", got row 1 = \[7, 8\]"),  # E itself (rank 1's slice ends at 8)
+        ([[0, -1], [7, 1]], r"replay_ids: expected each row either all -1"),  # -1 mixed into a row
+        ([[5, 5], [7, 1]], r"replay_ids: expected distinct expert ids within each row, got row 0 = \[5, 5\]"),
+    ]:
+        for dt in (torch.int32, torch.int64):
+            with pytest.raises(ValueError, match=match):
+                ep_moe(x, logits, w13, w2, a2a, top_k=K, replay_ids=torch.tensor(rows, dtype=dt))
+    with pytest.raises(ValueError, match="type of check_ids"):
+        ep_moe(x, logits, w13, w2, a2a, top_k=K, check_ids=1)
+    # valid replay ids, some of the other rank's experts (legal: that rank computes them): checked once
+    # (route's check; the local fused_moe gets route's ids and skips it), or not at all with
+    # check_ids=False, the same bits either way
+    import replaymoe.routing._checks as checks
+
+    real, calls = checks.check_id_values, []
+    checks.check_id_values = lambda *a, **k: (calls.append(k.get("minus_one", "rows")), real(*a, **k))[1]
+    try:
+        replay = torch.tensor([[0, 5], [7, 1]], dtype=torch.int64)
+        on = ep_moe(x, logits, w13, w2, a2a, top_k=K, replay_ids=replay)
+        assert calls == ["rows"], calls
+        off = ep_moe(x, logits, w13, w2, a2a, top_k=K, replay_ids=replay, check_ids=False)
+        assert calls == ["rows"], calls
+        plain = ep_moe(x, logits, w13, w2, a2a, top_k=K)  # no caller ids: no value check at all
+        assert calls == ["rows"] and torch.equal(on, off) and on.shape == plain.shape == (2, H), calls
+    finally:
+        checks.check_id_values = real
     dist.barrier()
     # a peer that never arrives: a timeout error naming this rank, not a hang
     t = MoeAlltoAll(None, 4, K, E, H, timeout=5.0)  # (sub-group created right after a barrier)
@@ -442,5 +474,6 @@ def _errors_worker(rank, world):
 
 def test_errors_gloo():
     """Rejections raise ValueError/RuntimeError on the calling rank before any collective (the ranks
-    stay in lockstep afterwards); a missing peer raises a timeout error naming the rank."""
+    stay in lockstep afterwards), bad replay ids of ep_moe included (checked once, by route; not with
+    check_ids=False); a missing peer raises a timeout error naming the rank."""
     run_distributed(_errors_worker, 2)

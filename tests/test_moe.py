@@ -360,6 +360,175 @@ def test_routing_inside_expert_count_mismatch(backend, generator):
         assert fused_moe(x, w13, w2, router_logits=logits, top_k=2, backend="torch", **kw).shape == x.shape
 
 
+# ---------------------------------------------------------------- caller ids (topk_ids) checked by value
+
+# E = 8 experts in all; rank slice [2, 5) (E_local = 3) with num_experts = 8. Valid rows: distinct
+# global ids in [0, 8) or -1 (a slot with no expert); anything else names topk_ids, the rule and the row.
+_RANGE = r"Invalid value of topk_ids: expected expert ids in \[0, 8\) \(or -1: a slot with no expert\)"
+_DISTINCT = r"Invalid value of topk_ids: expected distinct expert ids within each row"
+BAD_IDS = [
+    pytest.param([[0, 1], [2, 10**6], [4, 5]], _RANGE + r", got row 1 = \[2, 1000000\]", id="high"),  # 10**6
+    pytest.param([[0, 1], [2, 3], [-3, 5]], _RANGE + r", got row 2 = \[-3, 5\]", id="negative"),  # -3
+    pytest.param([[0, 1], [2, 8], [4, 5]], _RANGE + r", got row 1 = \[2, 8\]", id="E"),  # one past the end
+    pytest.param([[0, 1], [6, 6], [4, 5]], _DISTINCT + r", got row 1 = \[6, 6\]", id="duplicate"),
+    # several -1 in a row are no duplicate (row 0), a repeated id is
+    pytest.param([[-1, -1], [7, -1], [3, 3]], _DISTINCT + r", got row 2 = \[3, 3\]", id="dup-after-minus-1"),
+]
+
+
+def _slice_problem(g, id_rows, dtype=torch.float32):
+    """A rank's slice: experts [2, 5) of E = 8 (T = 3, K = 2), with the given global ids."""
+    x, w13, w2, _, wts = _problem(3, 32, 16, 8, 2, g, dtype)
+    ids = torch.tensor(id_rows, dtype=torch.int32)
+    kw = dict(topk_ids=ids, topk_weights=wts, local_expert_offset=2, num_experts=8)
+    return x, w13[2:5], w2[2:5], kw
+
+
+def _call(backend, x, w13, w2, **kw):
+    if backend == "reference":  # the executable spec rejects the same values
+        return fused_moe_torch(x, w13, w2, **kw)
+    return fused_moe(x, w13, w2, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])  # triton: raises before any launch
+@pytest.mark.parametrize("rows,match", BAD_IDS)
+def test_topk_ids_rejected_by_value(rows, match, backend, id_dtype, generator):
+    x, w13, w2, kw = _slice_problem(generator, rows)
+    kw["topk_ids"] = kw["topk_ids"].to(id_dtype)
+    with pytest.raises(ValueError, match=match):
+        _call(backend, x, w13, w2, **kw)
+
+
+def test_topk_ids_range_is_the_whole_model(generator):
+    # num_experts defaults to local_expert_offset + E_local (here 5): id 5 is past it; with
+    # num_experts = 8 the same id is legal though outside the slice [2, 5) (another rank owns it)
+    x, w13, w2, kw = _slice_problem(generator, [[0, 1], [2, 5], [4, 7]])
+    fused_moe(x, w13, w2, backend="torch", **kw)
+    del kw["num_experts"]
+    with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, 5\).*row 1 = \[2, 5\]"):
+        fused_moe(x, w13, w2, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [[0, 1], [3, 4], [7, 2]],  # every id in [0, E), some outside the slice [2, 5)
+        [[-1, 3], [7, -1], [4, 2]],  # -1 mixed into rows (other ranks' slots, as the dispatch marks them)
+        [[-1, -1], [3, -1], [-1, 4]],  # a whole -1 row (EP padding) and -1 beside ids
+    ],
+)
+def test_valid_topk_ids_same_bits_as_without_the_check(rows, id_dtype, generator):
+    # the check changes nothing on valid ids: bitwise the unchecked call (the code path before the
+    # check) and the reference loop itself; -1 slots contribute nothing (the per-token formula)
+    from replaymoe.moe._reference import experts_torch
+
+    x, w13, w2, kw = _slice_problem(generator, rows)
+    kw["topk_ids"] = kw["topk_ids"].to(id_dtype)
+    out = fused_moe(x, w13, w2, backend="torch", **kw)
+    assert torch.equal(out, fused_moe(x, w13, w2, backend="torch", check_ids=False, **kw))
+    loop = experts_torch(x, w13, w2, kw["topk_ids"], kw["topk_weights"], w13_scale=None, w2_scale=None,
+                         local_expert_offset=2, out_dtype=x.dtype)  # fmt: skip
+    assert torch.equal(out, loop)
+    assert_close(out, per_token_formula(x, w13, w2, kw["topk_ids"], kw["topk_weights"], 2).float(),
+                 dtype=torch.float32)  # fmt: skip
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("rows", [[[-1, 3], [7, -1], [4, 2]], [[-1, -1], [3, -1], [-1, 4]]])  # as above
+def test_valid_topk_ids_with_minus_one_on_triton(rows, generator):
+    # the Triton path (interpreter, fp32) accepts the same -1 slots and matches the reference
+    x, w13, w2, kw = _slice_problem(generator, rows)
+    out = fused_moe(x, w13, w2, backend="triton", **kw)
+    assert_close(out, fused_moe_torch(x, w13, w2, **kw), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_check_ids_false_skips_the_check(backend, generator):
+    # trusted ids are not checked: an id past E is dropped, a duplicate counted twice, as the loop does
+    x, w13, w2, kw = _slice_problem(generator, [[3, 3], [2, 10**6], [-3, 4]])
+    out = _call(backend, x, w13, w2, check_ids=False, **kw)
+    assert_close(out, per_token_formula(x, w13, w2, kw["topk_ids"], kw["topk_weights"], 2).float(),
+                 dtype=torch.float32)  # fmt: skip
+    with pytest.raises(ValueError, match="check_ids"):  # a bool, not a truthy int
+        _call(backend, x, w13, w2, check_ids=1, **kw)
+
+
+@pytest.mark.interpret
+def test_check_ids_false_skips_the_check_on_triton(generator):
+    # the kernels drop an id past E as any id outside the slice (interpreter, fp32)
+    x, w13, w2, kw = _slice_problem(generator, [[3, 2], [2, 10**6], [-3, 4]])
+    out = fused_moe(x, w13, w2, backend="triton", check_ids=False, **kw)
+    assert_close(out, per_token_formula(x, w13, w2, kw["topk_ids"], kw["topk_weights"], 2).float(),
+                 dtype=torch.float32)  # fmt: skip
+
+
+def test_replay_ids_through_fused_moe_keep_route_messages(generator):
+    # with router_logits the caller ids are replay_ids: route's check and messages, unchanged;
+    # check_ids=False skips it there too (route's check_replay=False)
+    x, w13, w2, _, _ = _problem(3, 32, 16, 8, 2, generator)
+    logits = tie_free_logits(3, 8, generator=generator)
+    bad = torch.tensor([[1, 4], [-1, -1], [7, 7]])
+    msg = r"Invalid value of replay_ids: expected distinct expert ids within each row, got row 2 = \[7, 7\]"
+    with pytest.raises(ValueError, match=msg):
+        fused_moe(x, w13, w2, router_logits=logits, top_k=2, replay_ids=bad, backend="torch")
+    mixed = torch.tensor([[1, -1], [2, 3], [4, 5]])
+    with pytest.raises(ValueError, match=r"replay_ids: expected each row either all -1"):
+        fused_moe(x, w13, w2, router_logits=logits, top_k=2, replay_ids=mixed, backend="torch")
+    good = torch.tensor([[1, 4], [-1, -1], [7, 0]])
+    ref = fused_moe(x, w13, w2, router_logits=logits, top_k=2, replay_ids=good, backend="torch")
+    unchecked = fused_moe(x, w13, w2, router_logits=logits, top_k=2, replay_ids=good, backend="torch",
+                          check_ids=False)  # fmt: skip
+    assert torch.equal(ref, unchecked)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("triton", marks=pytest.mark.interpret)],  # triton: the kernels interpreted
+)
+def test_topk_ids_checked_under_torch_compile(backend, generator):
+    # eager validation cannot run inside a compiled graph (it syncs): the op replaymoe::check_topk_ids
+    # runs there instead, so a compiled step rejects bad ids with the same ValueError; check_ids=False
+    # leaves it out (aot_eager: no C++ compiler needed on CPU)
+    torch._dynamo.reset()
+    x, w13, w2, kw = _slice_problem(generator, [[0, 1], [3, -1], [4, 7]])
+    ids, wts = kw.pop("topk_ids"), kw.pop("topk_weights")
+
+    def layer(x, ids, wts, check):
+        return fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, backend=backend, check_ids=check, **kw)
+
+    checked = torch.compile(lambda x, i, w: layer(x, i, w, True), fullgraph=True, backend="aot_eager")
+    unchecked = torch.compile(lambda x, i, w: layer(x, i, w, False), fullgraph=True, backend="aot_eager")
+    out = checked(x, ids, wts)
+    assert torch.equal(out, unchecked(x, ids, wts))  # the op's copy changes no value
+    assert_close(out, layer(x, ids, wts, True), dtype=torch.float32)
+    for rows, match in [
+        ([[0, 1], [3, 10**6], [4, 7]], r"topk_ids: expected expert ids in \[0, 8\).*row 1 = \[3, 1000000\]"),
+        ([[0, 1], [3, -1], [-3, 7]], r"topk_ids: expected expert ids in \[0, 8\).*row 2 = \[-3, 7\]"),
+        ([[0, 1], [3, 3], [4, 7]], r"topk_ids: expected distinct expert ids.*row 1 = \[3, 3\]"),
+    ]:
+        bad = torch.tensor(rows, dtype=torch.int32)
+        with pytest.raises(ValueError, match=match):
+            checked(x, bad, wts)
+        unchecked(x, bad, wts)  # not checked: no error
+    torch._dynamo.reset()
+
+
+def test_bench_moe_check_ids_arguments(tmp_path, capsys):
+    # --check-ids times replaymoe alone: with --peer-dir an argument error before anything runs;
+    # without a GPU the documented exit code, nothing written
+    from replaymoe.bench import moe as bench_moe
+    from replaymoe.bench._timing import NO_CUDA_EXIT
+
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(["--check-ids", "--peer-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and "--peer-dir does not apply" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench_moe.main(["--check-ids", "--out", str(tmp_path / "out")]) == NO_CUDA_EXIT
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- Triton under the interpreter
 
 INTERP_CASES = [

@@ -196,6 +196,7 @@ def test_triton_empty_batch_and_no_local_token(generator):
     assert out.shape == (0, 32)
     x, gu, gub, dn, dnb, ids, wts = _gptoss(3, 32, 16, 2, 8, 2, generator)
     ids = torch.full_like(ids, 5)  # every id outside this rank's [0, 2): a zero partial sum (no bias)
+    ids[:, 1] = 6  # (distinct within a row: a repeated id is refused)
     out = fused_moe(
         x, gu.transpose(1, 2), dn.transpose(1, 2), backend="triton", **_kw(gub, dnb, ids, wts, E=8)
     )

@@ -17,12 +17,20 @@ activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed
   (``vllm_source = "measured"``); otherwise a stored figure from an earlier H200 run is shown
   (``"stored"``). ``vs_vllm`` = ``rmoe_bf16_ms / vllm_kernels_ms`` (below 1: replaymoe faster).
 
+``--check-ids`` measures something else instead: the cost of ``fused_moe``'s check of caller-given
+``topk_ids`` (``check_ids=True``, the default, against ``False``, the behaviour before the check), bf16,
+with route's ids as ``topk_ids``, at ``--tokens`` (default 1: decode), for each shape: CUDA-graph replay
+(``graph_*``: the check is skipped during capture), eager device time (``eager_*``, ``do_bench``) and
+eager host time (``host_*``); on and off alternate in :data:`CHECK_ROUNDS` rounds (the card's clock
+drifts), each figure is the median over the rounds and ``*_ratio`` the median of the rounds' on / off
+ratios. Written to ``moe_check_ids.csv`` / ``.json``.
+
 ``--peer-dir`` names a git-ignored folder prepared as ``../shared/peers/README.md`` says: vLLM's
 kernel extracted from the vLLM wheel at run time plus the peer driver ``vllm_moe_peer.py``, which
 this module imports from there (nothing of vLLM is part of replaymoe).
 
 Usage: ``replaymoe bench moe [--out DIR] [--shapes qwen3,mixtral,deepseek] [--tokens 1,8,64]
-[--peer-dir .peers]``.
+[--peer-dir .peers] [--check-ids]``.
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ SHAPES: dict[str, tuple[int, int, int, int, dict]] = {
 }
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 NAIVE_TOKENS = {"deepseek": (1, 64), "qwen3": (1, 64, 4096), "mixtral": (1, 64, 4096)}
+CHECK_ROUNDS = 6  # --check-ids: rounds of on / off in alternating order
+CHECK_MODES = ("graph", "eager", "host")
+CHECK_COLUMNS = ["shape", "T"] + [f"{m}_{k}" for m in CHECK_MODES for k in ("off_us", "on_us", "ratio")]
 
 # vLLM 0.33 Triton fused MoE on this H200, bf16, graph replay, L2 cold: two GEMM kernels alone (ms).
 VLLM_KERNELS_MS: dict[tuple[str, int], float] = {
@@ -229,6 +240,50 @@ def _point(name: str, T: int, bf16w, fp8w, peer=None) -> dict:
     return row
 
 
+def _check_ids_point(name: str, T: int, bf16w) -> dict:
+    """``--check-ids``: one (shape, T) row, ``fused_moe`` with caller ``topk_ids``, check on against off."""
+    import statistics
+
+    from ..moe import fused_moe
+
+    H, _, _, _, _ = SHAPES[name]
+    w13, w2, _, _ = bf16w
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, _, _, _, ids, wts = routing_inputs(name, T)  # route's ids: int32 [T, K], valid
+
+    def call(check: bool):
+        return lambda: fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, check_ids=check)
+
+    timers = dict(zip(CHECK_MODES, (time_graph, time_eager, host_us)))
+    row: dict = {"shape": name, "T": T}
+    for mode, timer in timers.items():
+        times: dict[bool, list[float]] = {False: [], True: []}
+        ratios = []
+        for r in range(CHECK_ROUNDS):
+            for check in (False, True) if r % 2 == 0 else (True, False):
+                times[check].append(timer(call(check)))
+            ratios.append(times[True][-1] / times[False][-1])
+        row[f"{mode}_off_us"] = statistics.median(times[False])
+        row[f"{mode}_on_us"] = statistics.median(times[True])
+        row[f"{mode}_ratio"] = statistics.median(ratios)
+    return row
+
+
+def run_check_ids(shapes, tokens) -> list[dict]:
+    """``--check-ids``: :func:`_check_ids_point` for every (shape, T); one row per point."""
+    rows: list[dict] = []
+    for name in shapes:
+        H, inter, E, _, _ = SHAPES[name]
+        bf16w = make_weights(H, inter, E, fp8=False)
+        for T in tokens:
+            row = _check_ids_point(name, T, bf16w)
+            rows.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        del bf16w
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run(shapes, tokens, peer=None) -> list[dict]:
     """Measure every (shape, T) point (``peer``: :func:`load_vllm_peer`'s module, or None); returns
     one row per point."""
@@ -250,9 +305,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="replaymoe bench moe", description=strip_rest(__doc__.split("\n")[0]))
     p.add_argument("--out", default="bench_results", help="output directory for moe.csv / moe.json")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help=f"comma list of token counts (default {','.join(map(str, TOKENS))}; with --check-ids 1)",
+    )
     p.add_argument("--peer-dir", default=None, help="folder with vLLM's extracted kernel (time it too)")
+    p.add_argument(
+        "--check-ids",
+        action="store_true",
+        help="instead of the layer table: fused_moe with caller topk_ids, its id check on against off "
+        "(graph, eager, host; alternating rounds) -> moe_check_ids.csv",
+    )
     a = p.parse_args(argv)
+    if a.check_ids and a.peer_dir:
+        p.error("--check-ids times replaymoe alone: --peer-dir does not apply")
     if a.peer_dir:
         try:
             peer_root = check_peer_dir(a.peer_dir)
@@ -261,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if no_cuda("replaymoe bench moe"):
         return NO_CUDA_EXIT
     shapes = choice_list(p, a.shapes, SHAPES, "shapes")
-    tokens = [int(t) for t in a.tokens.split(",") if t]
+    default_tokens = "1" if a.check_ids else ",".join(map(str, TOKENS))
+    tokens = [int(t) for t in (a.tokens or default_tokens).split(",") if t]
     from ..moe.tuned import table_for
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -269,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     base = f", base {table.base}" if table.base else ""
     print(f"card: {torch.cuda.get_device_name(dev)}; tuned table: {table.name} (tuned on "
           f"{table.tuned_on or 'nothing'}{base})", flush=True)  # fmt: skip
+    if a.check_ids:
+        rows = run_check_ids(shapes, tokens)
+        write_results(rows, a.out, "moe_check_ids")
+        print_table(rows, CHECK_COLUMNS)
+        return 0
     rows = run(shapes, tokens, load_vllm_peer(peer_root) if a.peer_dir else None)
     write_results(rows, a.out, "moe")
     cols = ["shape", "T", "floor_ms", "rmoe_bf16_ms", "rmoe_fp8_ms", "grouped_mm_ms", "naive_ms",

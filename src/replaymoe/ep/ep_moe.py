@@ -54,6 +54,7 @@ def ep_moe(
     runtime_max_tokens_per_rank: int | None = None,
     backend: str = "auto",
     recompute: bool = False,
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """Expert-parallel MoE layer; equals single-device ``fused_moe`` on the full weights.
 
@@ -61,7 +62,8 @@ def ep_moe(
        with ``replay_ids`` work as in :func:`replaymoe.route`, on this rank's tokens);
     2. ``a2a.dispatch`` of (hidden states, topk ids, topk weights) to the ranks owning the experts;
     3. ``fused_moe`` on the received rows with the given ids/weights and this rank's expert slice
-       (``local_expert_offset``; ids of other ranks' experts were invalidated by the dispatch);
+       (``local_expert_offset``; ids of other ranks' experts were invalidated by the dispatch: ``-1``,
+       a slot with no expert; ``route``'s ids, so not checked again: ``check_ids=False``);
     4. ``a2a.combine``: the per-token fp32 sum of the partial results.
 
     Parameters
@@ -81,7 +83,11 @@ def ep_moe(
         The routing arguments above as one object, validated once when it was built; give it or
         them, not both.
     routing_replay_out, replay_ids : torch.Tensor, optional
-        Capture and replay, as for :func:`replaymoe.route` (on this rank's tokens).
+        Capture and replay, as for :func:`replaymoe.route` (on this rank's tokens). ``replay_ids``
+        [T_local, K] int16/int32/int64 are the caller's ids here (``ep_moe`` takes no ``topk_ids``):
+        global ids in ``[0, E)`` of the whole model (``E = a2a.num_experts``; ids of other ranks'
+        experts are legal: those ranks compute them), distinct within a row, or a row of all ``-1``
+        (routed natively); checked unless ``check_ids`` is False.
     w13_scale, w2_scale : torch.Tensor, optional
         fp8 block scales of the local experts.
     runtime_max_tokens_per_rank : int, optional
@@ -93,6 +99,10 @@ def ep_moe(
         Training only: passed to the backward's local ``fused_moe`` (``True``: its GEMM1 rows
         ``[ep * (runtime_max + 1) * top_k, 2I]`` are recomputed instead of held for the duration of
         the local backward; less peak memory, more time).
+    check_ids : bool, keyword-only
+        ``True`` (default) checks ``replay_ids`` by value (``route``'s ``check_replay``: one host
+        sync eagerly, none while a CUDA graph is captured; a ValueError naming ``replay_ids`` with
+        the first bad row). ``False`` skips it, for ids from a trusted producer (a validated trace).
 
     Returns
     -------
@@ -171,6 +181,8 @@ def ep_moe(
         )
     if not isinstance(recompute, bool):
         fail("recompute", "a bool", type(recompute).__name__, what="type")
+    if not isinstance(check_ids, bool):
+        fail("check_ids", "a bool", type(check_ids).__name__, what="type")
     rt = a2a.max_num_tokens if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
 
     r = route(
@@ -179,6 +191,7 @@ def ep_moe(
         routing_replay_out=routing_replay_out,
         replay_ids=replay_ids,
         backend=backend,
+        check_replay=check_ids,
     )
     needs_grad = torch.is_grad_enabled() and (
         hidden_states.requires_grad
@@ -237,6 +250,7 @@ def _ep_experts(
         num_experts=a2a.num_experts,
         out=out_rows[:n],
         backend=backend,
+        check_ids=False,  # route's ids (valid), other ranks' slots set to -1 by the dispatch
     )
     payload = out_rows.view(a2a.ep, rt + 1, H)[:, :rt]
     return a2a.combine(payload, rt)
@@ -290,7 +304,7 @@ class _EpExperts(torch.autograd.Function):
             y = fused_moe(
                 xr, w13l, w2l, topk_ids=id_rows, topk_weights=wr,
                 local_expert_offset=a2a.local_expert_offset, num_experts=a2a.num_experts,
-                backend=ctx.backend, recompute=ctx.recompute,
+                backend=ctx.backend, recompute=ctx.recompute, check_ids=False,
             )  # fmt: skip
             leaves = [xr, wr] + [t for t in (w13l, w2l) if t.requires_grad]
             grads = list(torch.autograd.grad(y, leaves, d_rows))

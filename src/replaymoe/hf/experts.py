@@ -189,7 +189,7 @@ def replaymoe_experts_forward(
 
         out = fused_moe_unchecked(x, w13, w2, ids, weights)
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
-    out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend, **extra)
+    out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend, check_ids=False, **extra)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 

@@ -21,7 +21,9 @@ activation may be :class:`ClampedSwiGLU` (gpt-oss experts).
 
 Routing is always over all ``num_experts`` experts with global ids; a rank holding only the slice
 ``[local_expert_offset, +E_local)`` produces a partial sum (expert parallelism). Ids outside the
-slice — including negative padding ids such as EP dispatch's ``-1`` — contribute nothing.
+slice — and ``-1``, a slot with no expert (EP dispatch's padding) — contribute nothing. Caller-given
+``topk_ids`` must lie in ``[0, num_experts)`` or be ``-1``, with no id twice in a row (checked unless
+``check_ids=False``).
 
 The package, one op: this module (the public entry points and their documentation), ``_validate``
 (argument checks, once per call), ``_reference`` (the torch spec: forward loop and closed-form
@@ -87,7 +89,8 @@ def fused_moe_unchecked(
 
     * ``hidden_states`` [T, H], T >= 1, bfloat16 or float16, on a CUDA device;
     * ``w13`` [E, 2I, H] and ``w2`` [E, H, I] of that dtype and device;
-    * ``topk_ids`` int32 [T, K] (K <= E) and ``topk_weights`` float32 [T, K] on that device.
+    * ``topk_ids`` int32 [T, K] (K <= E) and ``topk_weights`` float32 [T, K] on that device; the
+      ids' values are not checked (as ``fused_moe(..., check_ids=False)``).
 
     Returns the same tensor, bits and autograd as ``fused_moe(hidden_states, w13, w2,
     topk_ids=topk_ids, topk_weights=topk_weights)``.
@@ -149,6 +152,7 @@ def fused_moe(
     backend: str = "auto",
     recompute: bool = False,
     batch_invariant: bool = True,
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """Mixture-of-Experts layer: ``out[t] = Σ_k w[t,k] · w2[e] @ swiglu(w13[e] @ x_t)`` over local experts.
 
@@ -171,8 +175,11 @@ def fused_moe(
         The routing arguments above (``top_k`` … ``routed_scaling_factor``) as one object,
         validated once when it was built; give it or them, not both.
     topk_ids : Tensor [T, K], int32 / int64, optional
-        Routing given by the caller: global expert ids. Ids outside
-        ``[local_expert_offset, +E_local)`` (also negative padding ids) contribute nothing.
+        Routing given by the caller: global expert ids, each in ``[0, num_experts)`` (the whole
+        model's experts, not this rank's slice) or ``-1`` (a slot with no expert: expert-parallel
+        padding and the slots of other ranks' experts, as ``MoeAlltoAll.dispatch`` marks them;
+        any number per row, whole rows too), no id twice in a row; checked unless ``check_ids`` is
+        False. Ids outside ``[local_expert_offset, +E_local)`` contribute nothing.
     topk_weights : Tensor [T, K], float32 / bfloat16 / float16 — required with ``topk_ids``.
     activation : "swiglu" or ClampedSwiGLU
         ``"swiglu"``: ``silu(gate) * up``; :class:`ClampedSwiGLU` ``(alpha, limit)``: gpt-oss's
@@ -217,6 +224,14 @@ def fused_moe(
         the MMA's 64 rows, ``moe.configs.fp8_invariant``); ``False`` lets decode-size batches use
         16/32-row tiles on Hopper's narrower MMA, faster there (bench/moe_notes.md) but rounding
         differently from larger batches.
+    check_ids : bool, keyword-only
+        ``True`` (default) checks the values of caller-given ids: ``topk_ids`` (above), or
+        ``replay_ids`` with ``router_logits`` (as :func:`replaymoe.routing.route` does with
+        ``check_replay=True``). Eagerly this costs one host sync per call; under ``torch.compile``
+        the check runs inside the graph (the op ``replaymoe::check_topk_ids``); while a CUDA graph is
+        being captured it is skipped (a capture never syncs). ``False`` skips it, for callers whose
+        ids come from a trusted producer (``route``'s output, a validated trace): invalid ids are
+        then silently dropped or counted twice.
 
     Returns
     -------
@@ -242,15 +257,19 @@ def fused_moe(
     ValueError
         Naming the argument: shape/dtype/device mismatches between hidden_states, w13, w2 and the scales
         and biases; fp8 dims not multiples of 128; fp8 with biases, interleaved rows or the clamped
-        activation; wrong topk dtypes; bad ``gate_up_layout``; routing arguments together with topk
-        tensors; missing routing; bad ``activation``, ``backend``, ``recompute`` or ``batch_invariant``;
-        fp8 weights with an input that requires grad; float64 on the Triton backend.
+        activation; wrong topk dtypes; ``topk_ids`` values outside ``[0, num_experts)`` other than
+        ``-1``, or an id twice in a row (the message gives the first bad row and its values); bad
+        ``gate_up_layout``; routing arguments together with topk tensors; missing routing; bad
+        ``activation``, ``backend``, ``recompute``, ``batch_invariant`` or ``check_ids``; fp8 weights
+        with an input that requires grad; float64 on the Triton backend.
     """
     check_choice("backend", backend, BACKENDS)
     if not isinstance(recompute, bool):
         fail("recompute", "a bool", type(recompute).__name__, what="type")
     if not isinstance(batch_invariant, bool):
         fail("batch_invariant", "a bool", type(batch_invariant).__name__, what="type")
+    if not isinstance(check_ids, bool):
+        fail("check_ids", "a bool", type(check_ids).__name__, what="type")
     on_cuda = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda
     use_triton = backend == "triton" or (backend == "auto" and on_cuda)
     p = _validate(
@@ -279,6 +298,7 @@ def fused_moe(
         w2_bias=w2_bias,
         gate_up_layout=gate_up_layout,
         act_dtypes=_ACT_DTYPES if use_triton else _REF_DTYPES,
+        check_ids=check_ids,
     )
     if use_triton:
         resolve_backend(backend, hidden_states)  # 'triton' on CPU needs the interpreter
@@ -292,6 +312,8 @@ def fused_moe(
             p.replay_ids,
             "triton" if use_triton else "torch",
         )
+    else:
+        topk_ids = p.topk_ids  # as validated (under torch.compile: through the check op)
     grad_inputs = [t for t in (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs)
     if needs_grad and p.fp8:

@@ -3,7 +3,10 @@
 :func:`_validate` checks the tensors, their shapes, dtypes and devices and the options against each
 other, and with routing inside (``router_logits``) runs the routing's own per-call checks
 (:func:`replaymoe.routing._checks.validate`) so that the routing after it (``route_unchecked``)
-checks nothing again. It returns the sizes of the call (:class:`_Problem`).
+checks nothing again. Caller-given ``topk_ids`` are checked by value by the routing's own id check
+(:func:`replaymoe.routing._checks.topk_ids_for_kernels`: eagerly one host sync, under ``torch.compile``
+the op ``replaymoe::check_topk_ids``, nothing while a CUDA graph is captured) unless ``check_ids``
+is False. It returns the sizes of the call (:class:`_Problem`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from .._validation import check_choice, check_int, check_tensor, fail
 from ..routing import RoutingConfig, as_routing
+from ..routing._checks import topk_ids_for_kernels
 from ..routing._checks import validate as validate_routing
 from ..routing.methods import Params
 from ._reference import ClampedSwiGLU
@@ -44,6 +48,7 @@ class _Problem:
     routing: RoutingConfig | None = None  # with router_logits: the routing, validated once
     route_params: Params | None = None  # with router_logits: the routing's checked arguments
     replay_ids: torch.Tensor | None = None  # with router_logits: replay ids as the kernels read them
+    topk_ids: torch.Tensor | None = None  # with given routing: the ids as the kernels read them
 
 
 def _validate(
@@ -73,6 +78,7 @@ def _validate(
     w2_bias=None,
     gate_up_layout="halves",
     act_dtypes=_ACT_DTYPES,
+    check_ids=True,
 ) -> _Problem:
     _check_activation(activation)
     check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
@@ -163,7 +169,9 @@ def _validate(
         # route()'s per-call checks, here once (the routing after validation checks nothing again):
         # top_k and the grouping against E, the capture buffer, the replay ids (any strides: the small
         # [T, K] tensor comes back contiguous)
-        route_params, replay_ids = validate_routing(router_logits, routing, routing_replay_out, replay_ids)
+        route_params, replay_ids = validate_routing(
+            router_logits, routing, routing_replay_out, replay_ids, check_replay=check_ids
+        )
     else:
         route_params = None
         if topk_ids is None or topk_weights is None:
@@ -197,5 +205,10 @@ def _validate(
     out_dtype = torch.bfloat16 if fp8 else hidden_states.dtype
     if out is not None:
         check_tensor("out", out, shape=(T, H), dtype=out_dtype, device=dev, contiguous=True)
+    if router_logits is None:
+        # last (a host sync eagerly): global ids in [0, E) of the whole model (ids outside this rank's
+        # slice are legal: other ranks own them), -1 for a slot with no expert, no id twice in a row
+        topk_ids = topk_ids_for_kernels(topk_ids, E, check_ids)
     return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=routing,
-                    route_params=route_params, replay_ids=replay_ids)  # fmt: skip
+                    route_params=route_params, replay_ids=replay_ids,
+                    topk_ids=None if router_logits is not None else topk_ids)  # fmt: skip

@@ -9,6 +9,10 @@ replay ids as the kernels read them. Replay ids are checked by value where that 
 eagerly here, and under ``torch.compile`` through the custom op ``replaymoe::check_replay_ids``,
 skipped while a CUDA graph is being captured. What the checks say about a method comes from its row
 in :data:`~replaymoe.routing.methods.METHODS`.
+
+The value check itself (:func:`check_id_values`) also serves ``fused_moe``'s caller-given
+``topk_ids`` (through the custom op ``replaymoe::check_topk_ids`` under ``torch.compile``): one
+implementation, parameterised by the argument's name and by what ``-1`` means there.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from replaymoe.routing.methods import METHODS, Params, RoutingMethod, methods_wh
 if TYPE_CHECKING:
     from replaymoe.routing import RoutingConfig
 
-__all__ = ["BIAS_DTYPES", "check_replay_ids", "validate", "validate_config"]
+__all__ = [
+    "BIAS_DTYPES",
+    "check_id_values",
+    "check_replay_ids",
+    "topk_ids_for_kernels",
+    "validate",
+    "validate_config",
+]
 
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -174,7 +185,7 @@ def validate(
         ):
             check_tensor("replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev)
         if check_replay and not is_capturing() and not torch.compiler.is_compiling():
-            _check_replay_values(replay_ids, num_experts)
+            check_id_values(replay_ids, num_experts)
         # under torch.compile the check runs inside the graph, in the op from _replay_ids_for_kernels
         replay_ids = _replay_ids_for_kernels(replay_ids, num_experts, check_replay)
 
@@ -189,7 +200,7 @@ def _check_replay_ids_op(replay_ids: torch.Tensor, num_experts: int) -> torch.Te
     check itself is skipped while a CUDA graph is being captured (it needs a host sync).
     """
     if not is_capturing():
-        _check_replay_values(replay_ids, num_experts)
+        check_id_values(replay_ids, num_experts)
     return replay_ids.clone()
 
 
@@ -223,23 +234,76 @@ def check_replay_ids(replay_ids: torch.Tensor, num_experts: int) -> None:
         ``E``.
     """
     check_tensor("replay_ids", replay_ids, ndim=2, dtype=_ID_DTYPES)
-    _check_replay_values(replay_ids, num_experts)
+    check_id_values(replay_ids, num_experts)
 
 
-def _check_replay_values(replay_ids: torch.Tensor, num_experts: int) -> None:
-    """Raise if a row of replay_ids has ids outside [0, E), mixes -1 with ids, or repeats an id.
+@torch.library.custom_op("replaymoe::check_topk_ids", mutates_args=())
+def _check_topk_ids_op(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``fused_moe``'s caller-id check (:func:`check_id_values` with ``name="topk_ids"``,
+    ``minus_one="slots"``) as an opaque op for compiled graphs: a copy of ``topk_ids`` once valid.
 
-    One host sync for all three checks.
+    As ``replaymoe::check_replay_ids``: the copy, which the experts consume, keeps the op from being
+    dropped as dead code, and the check is skipped while a CUDA graph is being captured.
     """
-    if replay_ids.numel() == 0:
+    if not is_capturing():
+        check_id_values(topk_ids, num_experts, "topk_ids", minus_one="slots")
+    return topk_ids.clone()
+
+
+@_check_topk_ids_op.register_fake
+def _check_topk_ids_fake(topk_ids, num_experts):
+    return torch.empty_like(topk_ids)
+
+
+def topk_ids_for_kernels(topk_ids: torch.Tensor, num_experts: int, check: bool) -> torch.Tensor:
+    """``fused_moe``'s caller-given ``topk_ids`` checked by value, once, at the public boundary.
+
+    Eagerly (``check``, not capturing a CUDA graph) :func:`check_id_values` runs here (one host sync)
+    and the ids come back as they are (any strides: the experts read them in place); under
+    ``torch.compile`` they come back through the op ``replaymoe::check_topk_ids``, which checks them
+    inside the graph (skipped while a CUDA graph is being captured). ``check=False`` returns them
+    untouched on every path.
+    """
+    if not check:
+        return topk_ids
+    if torch.compiler.is_compiling():
+        return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts)
+    if not is_capturing():
+        check_id_values(topk_ids, num_experts, "topk_ids", minus_one="slots")
+    return topk_ids
+
+
+def check_id_values(
+    ids: torch.Tensor, num_experts: int, name: str = "replay_ids", *, minus_one: str = "rows"
+) -> None:
+    """Raise ValueError (naming ``name``, the rule and the first bad row with its values) unless every
+    id of ``ids`` [T, K] lies in ``[0, num_experts)`` with no id twice in a row, ``-1`` aside.
+
+    ``minus_one`` says what ``-1`` means:
+
+    * ``"rows"`` (``replay_ids``): a row of all ``-1`` routes natively; ``-1`` mixed with ids in a
+      row is an error;
+    * ``"slots"`` (``fused_moe``'s ``topk_ids``): a ``-1`` slot has no expert (contributes nothing:
+      expert-parallel padding rows and the slots of other ranks' experts), anywhere; several ``-1`` in
+      a row are not duplicates.
+
+    Other negative ids are always out of range. One host sync for all the checks together.
+    """
+    if ids.numel() == 0:
         return
-    ids = replay_ids.long()
-    neg = ids == -1
-    native = neg.all(dim=1)
-    out_of_range = ((ids < -1) | (ids >= num_experts)).any(dim=1)
-    mixed = neg.any(dim=1) & ~native
+    ids = ids.long()  # int16 ids against E > 32767; int64 compares exactly
     srt = ids.sort(dim=1).values
-    dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1) & ~native
+    lo, hi = srt[:, 0], srt[:, -1]
+    out_of_range = (lo < -1) | (hi >= num_experts)
+    same = srt[:, 1:] == srt[:, :-1]
+    if minus_one == "rows":  # lo == -1: the row holds a -1; hi == -1: it is all -1 (or out of range)
+        native = hi == -1
+        mixed = (lo == -1) & ~native
+        dup = same.any(dim=1) & ~native
+    else:
+        assert minus_one == "slots", minus_one
+        mixed = torch.zeros_like(out_of_range)
+        dup = (same & (srt[:, 1:] != -1)).any(dim=1)
     bad = torch.stack([out_of_range, mixed, dup])  # [3, T]
     flags = bad.any(dim=1).tolist()
     if not any(flags):
@@ -248,7 +312,8 @@ def _check_replay_values(replay_ids: torch.Tensor, num_experts: int) -> None:
     row = int(torch.nonzero(bad[kind])[0, 0])
     got = f"row {row} = {ids[row].tolist()}"
     if kind == 0:
-        fail("replay_ids", f"expert ids in [0, {num_experts}) (or a row of all -1)", got)
+        allowed = "(or a row of all -1)" if minus_one == "rows" else "(or -1: a slot with no expert)"
+        fail(name, f"expert ids in [0, {num_experts}) {allowed}", got)
     if kind == 1:
-        fail("replay_ids", "each row either all -1 (route natively) or all valid ids", got)
-    fail("replay_ids", "distinct expert ids within each row", got)
+        fail(name, "each row either all -1 (route natively) or all valid ids", got)
+    fail(name, "distinct expert ids within each row", got)
