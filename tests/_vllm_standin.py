@@ -4,19 +4,28 @@ build it, push weights into it and generate with it, returning ``RequestOutput``
 ``routed_experts`` come from the engine's own native routing.
 
 The engine is a separate copy of the policy, loaded from disk and never touched by replaymoe: it
-samples with transformers' ``generate``, then runs one plain forward over the whole sequence with
-``output_router_logits=True`` and takes each layer's top-k, which is what vLLM's capturer records
-(the experts the engine routed each fed position to). ``form`` picks vLLM's payload layout:
-``"whole"`` (one array over prompt and completion per completion) or ``"split"``
-(``prompt_routed_experts`` per request, the completion's rows per completion).
+samples with transformers' ``generate``, then runs one plain forward over the fed positions with
+forward hooks on the routers (transformers' ``*TopKRouter`` modules return ``(logits, weights,
+indices)``) and keeps each MoE layer's selected experts, which is what vLLM's capturer records.
+``form`` picks the payload layout:
+
+* ``"vllm_0_33"`` (default), vLLM 0.33's as its source defines it: ``CompletionOutput.routed_experts``
+  ``[P + C - 1 - s, num_hidden_layers, top_k]``, one column per decoder layer with dense layers all
+  zero, uint8 when E <= 256 else uint16, rows from ``s = sampling_params.routed_experts_prompt_start``
+  (default 0); ``RequestOutput`` carries no routing field;
+* ``"legacy_moe_columns_int32"``: the first engines' layout, one column per MoE layer, int32, from
+  position 0 (no prompt start).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -28,7 +37,7 @@ class StandInLLM:
     """``vllm.LLM(model=path, ..., enable_return_routed_experts=...)`` over a transformers model."""
 
     instances: list[StandInLLM] = []
-    form = "split"
+    form = "vllm_0_33"  # or "legacy_moe_columns_int32" (module docstring)
 
     def __init__(
         self, model: str, *, enable_return_routed_experts: bool = False, seed: int = 0, **kwargs: Any
@@ -46,8 +55,23 @@ class StandInLLM:
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
         )
         self.generate_calls = 0
-        self.routes: dict[tuple, Any] = {}  # fed tokens -> the experts this engine routed them to [N, L, K]
+        # fed tokens -> the experts its MoE layers routed them to [N, L, K]
+        self.routes: dict[tuple, Any] = {}
+        self.starts: list[int] = []  # the prompt start of every request, in order
+        self._selected: dict[int, torch.Tensor] | None = None  # layer number -> [N, K], while recording
+        self.moe_layers: list[int] = []  # the model layer numbers of the MoE layers
+        for name, module in self.model.named_modules():
+            if type(module).__name__.lower().endswith("topkrouter"):
+                layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+                self.moe_layers.append(layer)
+                self.num_experts = module.weight.shape[0]
+                module.register_forward_hook(functools.partial(self._record, layer))
+        assert self.moe_layers, "no transformers TopKRouter in the model"
         StandInLLM.instances.append(self)
+
+    def _record(self, layer: int, module, args, output) -> None:
+        if self._selected is not None:
+            self._selected[layer] = output[2].reshape(-1, output[2].shape[-1])  # (logits, weights, indices)
 
     # ------------------------------------------------------------ what TRL calls
     def load_weights(self, weights) -> None:
@@ -60,9 +84,12 @@ class StandInLLM:
         pass
 
     @torch.no_grad()
-    def generate(self, prompts: list[dict], sampling_params: SamplingParams, use_tqdm: bool = False) -> list:
+    def generate(self, prompts: list[dict], sampling_params=None, use_tqdm: bool = False) -> list:
+        """vLLM's ``generate``: ``sampling_params`` is one ``SamplingParams`` or a list, one per prompt."""
         self.generate_calls += 1
-        return [self._one(list(p["prompt_token_ids"]), sampling_params) for p in prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        assert len(params) == len(prompts)
+        return [self._one(list(p["prompt_token_ids"]), sp) for p, sp in zip(prompts, params)]
 
     # ------------------------------------------------------------ one request
     def _one(self, prompt: list[int], sp: SamplingParams) -> SimpleNamespace:
@@ -70,7 +97,7 @@ class StandInLLM:
         ids = torch.tensor([prompt])
         completion: list[int] = []
         eos = self.model.config.eos_token_id
-        for _ in range(sp.max_tokens):  # plain sampling, seeded (enough for a stand-in)
+        for _ in range(getattr(sp, "max_tokens", 16)):  # plain sampling, seeded (enough for a stand-in)
             logits = self.model(
                 input_ids=torch.cat([ids, torch.tensor([completion], dtype=ids.dtype)], 1)
             ).logits
@@ -80,12 +107,13 @@ class StandInLLM:
             if token == eos:
                 break
         tokens = torch.tensor([prompt + completion])
-        out = self.model(input_ids=tokens[:, :-1], output_router_logits=True)  # the fed positions
-        k = self.model.config.num_experts_per_tok
-        routes = torch.stack([lg.topk(k, dim=-1).indices for lg in out.router_logits], 1).to(
-            torch.int32
-        )  # [N, L, K]
-        self.routes[tuple(prompt + completion[:-1])] = routes.numpy()
+        self._selected = {}
+        try:
+            out = self.model(input_ids=tokens[:, :-1])  # the fed positions: P + C - 1
+        finally:
+            selected, self._selected = self._selected, None
+        routes = torch.stack([selected[n] for n in self.moe_layers], 1).numpy()  # [N, L_moe, K]
+        self.routes[tuple(prompt + completion[:-1])] = routes
         logp = torch.log_softmax(out.logits[0].float() / temperature, -1)
         logprobs = [
             {t: SimpleNamespace(logprob=float(logp[len(prompt) - 1 + i, t]), rank=1)}
@@ -94,11 +122,16 @@ class StandInLLM:
         assert not any(math.isnan(d[t].logprob) for d, t in zip(logprobs, completion))
         choice = SimpleNamespace(token_ids=completion, logprobs=logprobs, routed_experts=None)
         request = SimpleNamespace(prompt_token_ids=prompt, outputs=[choice])
+        start = getattr(sp, "routed_experts_prompt_start", None) or 0
+        assert 0 <= start <= len(prompt), start
+        self.starts.append(start)
         if self.returns_routing:
-            rows = routes.numpy()
-            if self.form == "whole":
-                choice.routed_experts = rows
+            if self.form == "legacy_moe_columns_int32":
+                choice.routed_experts = routes.astype(np.int32)
             else:
-                request.prompt_routed_experts = rows[: len(prompt)]
-                choice.routed_experts = rows[len(prompt) :]
+                assert self.form == "vllm_0_33", self.form
+                dtype = np.uint8 if self.num_experts <= 256 else np.uint16
+                rows = np.zeros((len(routes), self.model.config.num_hidden_layers, routes.shape[2]), dtype)
+                rows[:, self.moe_layers] = routes
+                choice.routed_experts = rows[start:]
         return request

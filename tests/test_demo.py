@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 
@@ -72,10 +74,13 @@ def test_demo_fast_writes_files(arch, tmp_path, capsys):
         assert 0 <= r["extreme_token_share"] <= 1
     assert summary["generated_tokens"] == 4 * 8
 
-    if arch != "qwen3_moe":
-        return
-    # the vLLM-style response it wrote replays back into the trainer forward
+    # the vLLM-style response it wrote (vLLM 0.33's layout: a column per decoder layer, DeepSeek-V3's
+    # dense layer 0 all zero, uint8) replays back into the trainer forward, the layer ids being the model's
     resp = out / "vllm_response_seq0.json"
+    payload = json.loads(resp.read_text())["choices"][0]["routed_experts"]
+    arr = np.load(io.BytesIO(base64.b64decode(payload)))
+    assert arr.dtype == np.uint8 and arr.shape[1] == 3  # num_hidden_layers of the fast model
+    assert (arr[:, 0] == 0).all() == (arch == "deepseek_v3")
     rc = main(
         [
             "--fast",
@@ -127,7 +132,14 @@ def _trace_file(tmp_path):
     [
         (_trace_file, "replaymoe trace file"),  # a .rmtrace, not the response JSON (was a utf-8 error)
         (lambda d: (d / "r.json").write_text("{not json") and d / "r.json", "invalid JSON"),
-        (lambda d: (d / "r.json").write_text('{"choices": []}') and d / "r.json", "prompt_token_ids"),
+        (
+            lambda d: (d / "r.json").write_text('{"choices": []}') and d / "r.json",
+            "the response has no choices",
+        ),
+        (  # chat response without return_token_ids: nothing to check the rows against
+            lambda d: (d / "r.json").write_text('{"choices": [{"routed_experts": "AAAA"}]}') and d / "r.json",
+            "expected a response with token ids (return_token_ids: true)",
+        ),
         (lambda d: d / "absent.json", "cannot read"),  # no such file
     ],
 )
@@ -246,5 +258,87 @@ def test_demo_from_vllm_tokens_and_rows_must_match(tmp_path, capsys):
     rc, cap = _cli_demo(["--out", str(tmp_path / "o"), "--from-vllm", str(path)], capsys)
     assert rc == 2 and cap.out == ""
     (line,) = cap.err.strip().splitlines()
-    assert line.startswith(f"replaymoe demo: error: --from-vllm {path}: the response has 9 tokens")
-    assert "29 routed rows" in line and "expected 8 rows" in line
+    assert line.startswith(f"replaymoe demo: error: --from-vllm {path}: vLLM routed_experts: 29 rows")
+    assert "expected 8 (4 prompt + 5 completion tokens - 1 - prompt_start 0" in line
+
+
+def _fast_model_response(rows, *, endpoint, start=0, dense_first=False):
+    """A vLLM 0.33 response for the fast model (3 layers, top-2 of 8): uint8, one column per decoder
+    layer (layer 0 all zero with ``dense_first``), rows from ``start``; /v1/completions puts the
+    prompt ids in the choice, chat at the top level."""
+    ids = np.argsort(np.random.default_rng(3).random((rows, 3, 8)), axis=-1)[..., :2].astype(np.uint8)
+    if dense_first:
+        ids[:, 0] = 0
+    buf = io.BytesIO()
+    np.save(buf, ids[start:])
+    prompt, completion = [5, 6, 7, 8], [9, 10, 11, 12, 13][: rows + 1 - 4]
+    choice = {
+        "index": 0,
+        "token_ids": completion,
+        "routed_experts": base64.b64encode(buf.getvalue()).decode(),
+    }
+    resp = {"model": "m", "choices": [choice]}
+    if endpoint == "completions":
+        choice["prompt_token_ids"] = prompt
+    else:
+        resp["prompt_token_ids"] = prompt
+    return resp
+
+
+@pytest.mark.parametrize(
+    "resp, argv, says",
+    [
+        (  # a response from a model whose layer 0 is dense, replayed into the all-MoE fast model
+            _fast_model_response(8, endpoint="chat", dense_first=True),
+            [],
+            "take all 3 columns as MoE layers",
+        ),
+        (  # --layer-ids other than the model's: column 0 holds ids, so it is no dense layer
+            _fast_model_response(8, endpoint="chat"),
+            ["--layer-ids", "1,2"],
+            "layer column 0 is not in layer_ids [1, 2]",
+        ),
+        (  # /v1/completions, rows from position 2, --prompt-start not given: the hint names it
+            _fast_model_response(8, endpoint="completions", start=2),
+            [],
+            "6 rows, expected 8 (4 prompt + 5 completion tokens - 1 - prompt_start 0",
+        ),
+    ],
+)
+def test_demo_from_vllm_layers_and_prompt_start_fail_before_the_run(tmp_path, resp, argv, says, capsys):
+    path = tmp_path / "resp.json"
+    path.write_text(json.dumps(resp))
+    rc, cap = _cli_demo(["--out", str(tmp_path / "o"), "--from-vllm", str(path), *argv], capsys)
+    assert rc == 2 and cap.out == ""
+    (line,) = cap.err.strip().splitlines()
+    assert line.startswith(f"replaymoe demo: error: --from-vllm {path}: ") and says in line, line
+
+
+def test_demo_from_vllm_completions_response_with_a_prompt_start(tmp_path, capsys):
+    # /v1/completions (prompt ids in the choice), routed_experts_prompt_start = 2: positions 0, 1 replay
+    # natively, the rest replays the response's ids
+    path = tmp_path / "resp.json"
+    path.write_text(json.dumps(_fast_model_response(8, endpoint="completions", start=2)))
+    rc, cap = _cli_demo(
+        ["--out", str(tmp_path / "o"), "--from-vllm", str(path), "--prompt-start", "2"], capsys
+    )
+    assert rc == 0, cap.err
+    assert "token_offset=2" in cap.out and "ids identical to the response's: True" in cap.out
+    assert "3 token(s) in each MoE layer without routing" in cap.out  # positions 0, 1 and the last token
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--prompt-start", "1"],  # without --from-vllm
+        ["--from-vllm", "r.json", "--prompt-start", "-1"],  # negative
+        ["--from-vllm", "r.json", "--layer-ids", "1,x"],  # not numbers
+        ["--from-vllm", "r.json", "--layer-ids", "1,1"],  # repeated
+    ],
+)
+def test_demo_rejects_bad_from_vllm_options(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--prompt-start" in err) or ("--layer-ids" in err)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 
 import numpy as np
 import pytest
 
 from replaymoe.apps import cli
-from replaymoe.apps.inspect import main
+from replaymoe.apps.inspect import MAX_INPUT_BYTES, main
 from replaymoe.record.trace import RoutingTrace
 
 
@@ -194,3 +195,153 @@ def test_inspect_compare_other_shape_is_an_error(tmp_path, traces, capsys):
     RoutingTrace(a.ids[:, :2], num_experts=16, top_k=4).save(tmp_path / "b.trace")  # 2 layers, not 3
     assert main([str(tmp_path / "a.trace"), "--compare", str(tmp_path / "b.trace")]) == 2
     assert "2 layers" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- vLLM 0.33 inputs, refusals
+
+
+def _resp(rows, *, endpoint="chat", prompt=(1, 2, 3, 4), completion=(5, 6, 7, 8, 9)):
+    """A vLLM response with ``return_token_ids: true`` (chat: prompt ids at the top level;
+    /v1/completions: in the choice)."""
+    choice = {"index": 0, "token_ids": list(completion), "routed_experts": _b64_npy(rows).decode()}
+    resp = {"model": "toy/moe", "choices": [choice]}
+    if endpoint == "chat":
+        resp["prompt_token_ids"] = list(prompt)
+    else:
+        choice["prompt_token_ids"] = list(prompt)
+    return resp
+
+
+def _all_layers(n, seed=0):
+    """[n, 4, 2] uint8 as vLLM 0.33 sends it for a model whose layer 0 is dense (all zero)."""
+    out = np.zeros((n, 4, 2), np.uint8)
+    out[:, 1:] = np.argsort(np.random.default_rng(seed).random((n, 3, 8)), axis=-1)[..., :2]
+    return out
+
+
+def _one_error_line(rc, capsys, *needles):
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == "" and "Traceback" not in cap.err
+    (line,) = cap.err.strip().splitlines()
+    assert line.startswith("replaymoe inspect: error: ")
+    for needle in needles:
+        assert needle in line, (needle, line)
+    return line
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        ([], "layer column(s) 0 of 4 are all zero"),  # a dense layer's zero column: never guessed
+        (["--layer-ids", "1,2,3"], None),  # the MoE layers named: their columns are read
+        (["--layer-ids", "0,1,2,3"], "take all 4 columns as MoE layers"),  # the dense layer named as MoE
+        (["--layer-ids", "2,3"], "layer column 1 is not in layer_ids [2, 3]"),  # a MoE layer left out
+    ],
+)
+def test_inspect_vllm_all_layer_columns(tmp_path, argv, says, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_resp(_all_layers(8))))
+    rc = cli.main(["inspect", str(path), *argv])
+    if says is None:
+        out = capsys.readouterr().out
+        assert rc == 0 and "layers: 3" in out and "tokens: 8" in out
+        assert [ln.split()[1] for ln in out.splitlines() if ln.split()[:1] in (["0"], ["1"], ["2"])] == [
+            "1",
+            "2",
+            "3",
+        ]  # the model_layer column shows the layer numbers
+    else:
+        _one_error_line(rc, capsys, str(path), says)
+
+
+@pytest.mark.parametrize(
+    "endpoint, rows, argv, says",
+    [
+        ("chat", 8, [], None),  # 4 prompt + 5 completion - 1 rows
+        ("completions", 8, [], None),  # /v1/completions: prompt_token_ids inside the choice
+        ("completions", 20, [], "20 rows, expected 8 (4 prompt + 5 completion tokens"),  # another request's
+        ("chat", 9, [], "9 rows, expected 8"),  # one row too many
+        ("chat", 6, ["--prompt-start", "2"], None),  # rows from position 2
+        ("chat", 6, [], "routed_experts_prompt_start=2 gives 6 rows"),  # the start not passed: the hint
+        ("chat", 8, ["--prompt-start", "5"], "prompt_start: expected at most the prompt's 4 tokens, got 5"),
+    ],
+)
+def test_inspect_vllm_rows_fit_the_token_counts(tmp_path, endpoint, rows, argv, says, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_resp(_all_layers(rows)[:, 1:], endpoint=endpoint)))
+    rc = main([str(path), *argv])
+    if says is None:
+        out = capsys.readouterr().out
+        start = int(argv[1]) if argv else 0
+        assert rc == 0 and f"tokens: {rows} (positions {start}..7)" in out
+    else:
+        _one_error_line(rc, capsys, str(path), says)
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda d: d / "nochoices.json", 'has no choices ("choices": [])'),  # was blamed on --choice 0
+        (lambda d: d / "zero_rows.json", "no routed rows (0 tokens)"),  # was exit 0 and a table of nan
+        (lambda d: "/dev/zero", "not a regular file (a character device)"),  # was read until MemoryError
+        (lambda d: d / "sparse.trace", f"{(1 << 30) + 1} bytes, more than the 1024 MiB"),  # refused unread
+        (lambda d: d, "not a regular file (a directory)"),
+    ],
+)
+def test_inspect_refuses_inputs_before_reading_them(tmp_path, make, says, capsys):
+    (tmp_path / "nochoices.json").write_text('{"choices": []}')
+    empty = {"choices": [{"routed_experts": _b64_npy(np.zeros((0, 2, 2), np.uint8)).decode()}]}
+    (tmp_path / "zero_rows.json").write_text(json.dumps(empty))
+    (tmp_path / "sparse.trace").touch()
+    os.truncate(tmp_path / "sparse.trace", MAX_INPUT_BYTES + 1)  # sparse: no disk used, as `truncate -s`
+    path = make(tmp_path)
+    _one_error_line(main([str(path)]), capsys, str(path), says)
+
+
+@pytest.mark.parametrize(
+    "b_tokens, argv, ok",
+    [
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9], [], True),  # the same sequence: compared
+        ([11, 12, 13, 14, 15, 16, 17, 18, 19], [], False),  # another sequence, same length: refused
+        ([11, 12, 13, 14, 15, 16, 17, 18, 19], ["--ignore-tokens"], True),  # the explicit opt-out
+        ([1, 2, 3, 4, 5, 6, 7, 80, 9], [], False),  # one token differs (position 7)
+    ],
+)
+def test_inspect_compare_refuses_different_token_sequences(tmp_path, b_tokens, argv, ok, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_resp(_all_layers(8, seed=1)[:, 1:])))
+    b.write_text(
+        json.dumps(_resp(_all_layers(8, seed=2)[:, 1:], prompt=b_tokens[:4], completion=b_tokens[4:]))
+    )
+    rc = main([str(a), "--compare", str(b), *argv])
+    if ok:
+        assert rc == 0 and "agreement:" in capsys.readouterr().out
+    else:
+        line = _one_error_line(rc, capsys, str(a), str(b), "hold different tokens", "--ignore-tokens")
+        assert "position 7: 8 vs 80" in line or "position 0: 1 vs 11" in line
+
+
+def test_inspect_layer_ids_and_a_trace_file(tmp_path, traces, capsys):
+    a, _ = traces  # records layer_ids 1, 2, 3
+    a.save(tmp_path / "a.trace")
+    assert main([str(tmp_path / "a.trace"), "--layer-ids", "1,2,3"]) == 0  # the same: fine
+    capsys.readouterr()
+    rc = main([str(tmp_path / "a.trace"), "--layer-ids", "0,1,2"])
+    _one_error_line(rc, capsys, "--layer-ids", "expected the layer ids", "1,2,3", "got 0,1,2")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--layer-ids", "1,x"],  # not a number
+        ["--layer-ids", "1,1"],  # repeated
+        ["--layer-ids", "-1,2"],  # negative
+        ["--prompt-start", "-1"],  # below the minimum
+    ],
+)
+def test_inspect_rejects_bad_layer_ids_and_prompt_start(tmp_path, traces, argv, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "a.trace"), *argv])
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err

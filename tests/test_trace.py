@@ -342,87 +342,134 @@ def test_from_vllm_wrapped_base64(rng):
 
 
 def test_from_vllm_int16_sentinel_rows_stay_missing(rng):
+    # legacy payload (MoE columns only, int16, -1 for prefix-cache hits); vLLM 0.33 never sends -1
     ids = random_ids(rng, 5, 2, 2, 8, missing=[(0, 0), (0, 1), (1, 0), (1, 1)])  # 2-token prefix hit
     t = RoutingTrace.from_vllm(npy_b64(ids.astype(np.int16)))
     assert t.missing_mask()[:2].all() and not t.missing_mask()[2:].any()
 
 
-def _response(prompt_len, completion_len, L, K, E, rng, *, split, dtype="uint8", n=1, start=None):
-    """A vLLM chat/completions response with routing, as vLLM 0.33 shapes it."""
+DENSE_FIRST = (4, [1, 2, 3])  # num_hidden_layers, the MoE layers' numbers: layer 0 dense
+
+
+def _all_layers(moe_rows, num_layers, moe, dtype):
+    """vLLM 0.33's layer axis: one column per decoder layer, dense layers all zero."""
+    out = np.zeros((len(moe_rows), num_layers, moe_rows.shape[2]), dtype)
+    out[:, moe] = moe_rows
+    return out
+
+
+def _response(
+    prompt_len, completion_len, L, K, E, rng, *, layout="vllm_0_33", endpoint="chat", n=1, start=0, dtype=None
+):
+    """A vLLM response with routing and ``return_token_ids: true``.
+
+    layout: "vllm_0_33" (one column per decoder layer of a model whose layer 0 is dense, uint8/uint16
+    by E, rows from ``start``), "moe_only" (the legacy MoE-columns layout) or "legacy_split" (vLLM
+    v0.21's ``prompt_routed_experts`` + per-choice completion rows). endpoint: "chat" (prompt ids at
+    the top level) or "completions" (prompt ids in each choice). Returns (response, the MoE rows of
+    each choice from ``start``).
+    """
     total = prompt_len + completion_len - 1  # the last sampled token has no routing
-    skip = start or 0
     full = [random_ids(rng, total, L, K, E) for _ in range(n)]
     for f in full[1:]:
         f[:prompt_len] = full[0][:prompt_len]  # the n choices share the prompt
-    resp = {
-        "id": "cmpl-1",
-        "model": "Qwen/Qwen3-30B-A3B",
-        "prompt_token_ids": list(range(prompt_len)),
-        "choices": [],
-    }
-    if split:
-        resp["prompt_routed_experts"] = npy_b64(full[0][skip:prompt_len].astype(dtype))
+    dtype = dtype or ("uint8" if E <= 256 else "uint16")
+    moe = list(range(1, L + 1))
+
+    def wire(rows):
+        return _all_layers(rows, L + 1, moe, dtype) if layout == "vllm_0_33" else rows.astype(dtype)
+
+    prompt_ids = list(range(100, 100 + prompt_len))
+    resp = {"id": "cmpl-1", "model": "Qwen/Qwen3-30B-A3B", "choices": []}
+    if endpoint == "chat":
+        resp["prompt_token_ids"] = prompt_ids
+    if layout == "legacy_split":
+        resp["prompt_routed_experts"] = npy_b64(wire(full[0][start:prompt_len]))
     for i in range(n):
-        rows = full[i][prompt_len:] if split else full[i][skip:]
-        resp["choices"].append(
-            {
-                "index": i,
-                "token_ids": list(range(completion_len)),
-                "routed_experts": npy_b64(rows.astype(dtype)),
-            }
-        )
-    if start is not None:
-        resp["routed_experts_prompt_start"] = start
-    return resp, [f[skip:] for f in full]
+        rows = full[i][prompt_len:] if layout == "legacy_split" else full[i][start:]
+        choice = {
+            "index": i,
+            "token_ids": list(range(200, 200 + completion_len)),
+            "routed_experts": npy_b64(wire(rows)),
+        }
+        if endpoint == "completions":
+            choice["prompt_token_ids"] = prompt_ids
+        resp["choices"].append(choice)
+    return resp, [f[start:] for f in full]
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(
+    "layout, endpoint, E",
+    [
+        ("vllm_0_33", "chat", 64),  # all-layer columns (layer 0 dense), uint8, prompt ids at the top level
+        ("vllm_0_33", "completions", 64),  # /v1/completions: prompt_token_ids inside the choice
+        ("vllm_0_33", "chat", 300),  # E > 256: uint16
+        ("moe_only", "chat", 64),  # legacy: one column per MoE layer
+        ("legacy_split", "chat", 64),  # legacy: v0.21's prompt_routed_experts + completion rows
+    ],
+)
 @pytest.mark.parametrize("as_json", [False, True])
-def test_from_vllm_response(rng, split, as_json):
-    resp, full = _response(5, 4, 3, 2, 64, rng, split=split)
-    t = RoutingTrace.from_vllm(json.dumps(resp) if as_json else resp, num_experts=64)
+def test_from_vllm_response(rng, layout, endpoint, E, as_json):
+    resp, full = _response(5, 4, 3, 2, E, rng, layout=layout, endpoint=endpoint)
+    obj = json.dumps(resp) if as_json else resp
+    t = RoutingTrace.from_vllm(obj, num_experts=E, layer_ids=[1, 2, 3])
     assert t.num_tokens == 5 + 4 - 1  # (num_tokens - 1, L, K)
     np.testing.assert_array_equal(t.ids, full[0])
-    assert t.model_id == "Qwen/Qwen3-30B-A3B" and t.token_offset == 0
+    assert t.model_id == "Qwen/Qwen3-30B-A3B" and t.token_offset == 0 and t.layer_ids == (1, 2, 3)
+    assert t.token_ids.tolist() == [100, 101, 102, 103, 104, 200, 201, 202]  # the fed positions' tokens
 
 
 def test_from_vllm_choice_dict_and_array(rng):
-    resp, full = _response(3, 3, 2, 2, 16, rng, split=False, dtype="int32")
-    t = RoutingTrace.from_vllm(resp["choices"][0])
+    resp, full = _response(3, 3, 2, 2, 16, rng, layout="moe_only", dtype="int32")
+    t = RoutingTrace.from_vllm(resp["choices"][0])  # a chat choice: no prompt ids, nothing to check
     np.testing.assert_array_equal(t.ids, full[0])
+    assert t.token_ids is None
     np.testing.assert_array_equal(RoutingTrace.from_vllm(full[0]).ids, full[0])  # offline API array
     np.testing.assert_array_equal(RoutingTrace.from_vllm(full[0].tolist()).ids, full[0])  # JSON lists
 
 
-def test_from_vllm_n_choices_share_prompt(rng):
-    resp, full = _response(4, 3, 2, 2, 16, rng, split=True, n=2)
-    t0 = RoutingTrace.from_vllm(resp, choice=0)
-    t1 = RoutingTrace.from_vllm(resp, choice=1)
+@pytest.mark.parametrize("layout", ["vllm_0_33", "legacy_split"])
+def test_from_vllm_n_choices_share_prompt(rng, layout):
+    resp, full = _response(4, 3, 2, 2, 16, rng, layout=layout, n=2)
+    t0 = RoutingTrace.from_vllm(resp, choice=0, layer_ids=[1, 2])
+    t1 = RoutingTrace.from_vllm(resp, choice=1, layer_ids=[1, 2])
     np.testing.assert_array_equal(t1.ids, full[1])
     np.testing.assert_array_equal(t0.ids[:4], t1.ids[:4])
-    with pytest.raises(ValueError, match="choice"):
-        RoutingTrace.from_vllm(resp, choice=2)
+    with pytest.raises(ValueError, match="choice.*below the response's 2 choices, got 2"):
+        RoutingTrace.from_vllm(resp, choice=2, layer_ids=[1, 2])
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_from_vllm_prompt_start(rng, split):
-    resp, full = _response(6, 3, 2, 2, 16, rng, split=split, start=4)
-    t = RoutingTrace.from_vllm(resp)
-    assert t.token_offset == 4 and t.num_tokens == 6 + 3 - 1 - 4
+@pytest.mark.parametrize(
+    "layout, start",
+    [
+        ("vllm_0_33", 4),  # routed_experts_prompt_start = 4 of a 6-token prompt
+        ("vllm_0_33", 6),  # = the prompt's length: the completion's fed positions only
+        ("legacy_split", 4),
+    ],
+)
+def test_from_vllm_prompt_start_is_passed_never_read(rng, layout, start):
+    resp, full = _response(6, 3, 2, 2, 16, rng, layout=layout, start=start)
+    t = RoutingTrace.from_vllm(resp, prompt_start=start, layer_ids=[1, 2])
+    assert t.token_offset == start and t.num_tokens == 6 + 3 - 1 - start
     np.testing.assert_array_equal(t.ids, full[0])
-    # the client may pass the value it sent instead; the prompt-row check must use it
-    del resp["routed_experts_prompt_start"]
-    t2 = RoutingTrace.from_vllm(resp, prompt_start=4)
-    assert t2.token_offset == 4
-    np.testing.assert_array_equal(t2.ids, full[0])
-    resp.pop("prompt_token_ids")
-    assert RoutingTrace.from_vllm(resp, prompt_start=4).token_offset == 4
+    assert t.token_ids.tolist() == ([*range(100, 106), 200, 201])[start:]
+    # vLLM does not echo the start: without it the rows do not fit, and the error says which start would
+    says = rf"expected 8 .*routed_experts_prompt_start={start} gives"
+    if layout == "legacy_split":
+        says = rf"prompt_routed_experts has {6 - start} rows but the prompt has 6 tokens \(prompt_start 0\)"
+    with pytest.raises(TraceFormatError, match=says):
+        RoutingTrace.from_vllm(resp, layer_ids=[1, 2])
+    resp["routed_experts_prompt_start"] = start  # a field vLLM never writes is not read either
+    with pytest.raises(TraceFormatError, match=says):
+        RoutingTrace.from_vllm(resp, layer_ids=[1, 2])
+    resp.pop("prompt_token_ids")  # without token ids nothing is checked
+    assert RoutingTrace.from_vllm(resp, prompt_start=start, layer_ids=[1, 2]).token_offset == start
 
 
 def test_from_vllm_one_token_completion(rng):
-    # completion of one token: its routing does not exist yet, the choice carries 0 rows
-    resp, full = _response(4, 1, 2, 2, 16, rng, split=True)
-    t = RoutingTrace.from_vllm(resp)
+    # completion of one token: its routing does not exist yet, the choice carries 0 rows (legacy split)
+    resp, full = _response(4, 1, 2, 2, 16, rng, layout="legacy_split")
+    t = RoutingTrace.from_vllm(resp, layer_ids=[1, 2])
     assert t.num_tokens == 4
     np.testing.assert_array_equal(t.ids, full[0])
 
@@ -434,6 +481,9 @@ def test_from_vllm_one_token_completion(rng):
             {"choices": [{"index": 0, "routed_experts": None}], "prompt_routed_experts": None},
             "no routed_experts",
         ),
+        ({"choices": []}, r"has no choices \(\"choices\": \[\]\)"),  # not blamed on the choice index
+        ({"choices": {"0": {}}}, "choices is not a list"),
+        ({"choices": [{"routed_experts": "AAAA", "token_ids": "abc"}]}, "token_ids is not a list"),
         ("!!!not base64", "base64"),
         (base64.b64encode(b"garbage bytes").decode(), "npy"),
         (npy_b64(np.zeros((2, 3))), "integer"),  # float payload
@@ -447,11 +497,72 @@ def test_from_vllm_rejects(obj, match):
         RoutingTrace.from_vllm(obj)
 
 
+@pytest.mark.parametrize(
+    "endpoint, extra_rows",
+    [
+        ("chat", 1),  # one row too many (the last sampled token's)
+        ("completions", 11),  # /v1/completions: its per-choice prompt ids are checked too
+        ("chat", -2),  # rows missing
+    ],
+)
+def test_from_vllm_rows_must_fit_the_token_counts(rng, endpoint, extra_rows):
+    resp, full = _response(5, 3, 2, 2, 16, rng, endpoint=endpoint, layout="moe_only")
+    rows = random_ids(rng, 7 + extra_rows, 2, 2, 16)
+    resp["choices"][0]["routed_experts"] = npy_b64(rows.astype(np.uint8))
+    with pytest.raises(
+        TraceFormatError, match=rf"{7 + extra_rows} rows, expected 7 \(5 prompt \+ 3 completion"
+    ):
+        RoutingTrace.from_vllm(resp)
+
+
+def test_from_vllm_prompt_start_past_the_prompt(rng):
+    resp, _ = _response(5, 3, 2, 2, 16, rng, layout="moe_only")
+    with pytest.raises(ValueError, match="prompt_start: expected at most the prompt's 5 tokens, got 6"):
+        RoutingTrace.from_vllm(resp, prompt_start=6)
+
+
 def test_from_vllm_prompt_length_mismatch(rng):
-    resp, _ = _response(5, 3, 2, 2, 16, rng, split=True)
+    resp, _ = _response(5, 3, 2, 2, 16, rng, layout="legacy_split")
     resp["prompt_token_ids"] = list(range(7))
     with pytest.raises(TraceFormatError, match="5 rows but the prompt has 7"):
         RoutingTrace.from_vllm(resp)
+
+
+@pytest.mark.parametrize(
+    "columns, layer_ids, match",
+    [
+        (
+            "dense_zero",
+            None,
+            r"layer column\(s\) 0 of 4 are all zero.*dense.*pass layer_ids",
+        ),  # never guessed
+        ("dense_nonzero", [1, 2, 3], r"layer column 0 is not in layer_ids \[1, 2, 3\].*at row 1"),
+        ("dense_zero", [2, 3], r"layer column 1 is not in layer_ids \[2, 3\]"),  # a MoE layer left out
+        ("dense_zero", [1, 2, 7], r"4 layer columns, but layer_ids \[1, 2, 7\]"),  # past the columns
+        (  # as many layer_ids as columns: the MoE-only layout, but column 0 is a dense layer's zeros
+            "dense_zero",
+            [0, 1, 2, 3],
+            r"column\(s\) 0 of 4 are all zero, and layer_ids \[0, 1, 2, 3\] take all 4 columns",
+        ),
+        ("dense_zero", [1, 1, 2], "distinct non-negative"),
+    ],
+)
+def test_from_vllm_layer_columns(rng, columns, layer_ids, match):
+    moe_rows = random_ids(rng, 5, 3, 2, 16)
+    payload = _all_layers(moe_rows, *DENSE_FIRST, np.uint8)
+    if columns == "dense_nonzero":
+        payload[1, 0] = [4, 9]
+    with pytest.raises(ValueError, match=match):
+        RoutingTrace.from_vllm(npy_b64(payload), layer_ids=layer_ids)
+
+
+def test_from_vllm_layer_ids_select_the_moe_columns(rng):
+    moe_rows = random_ids(rng, 5, 3, 2, 16)
+    t = RoutingTrace.from_vllm(npy_b64(_all_layers(moe_rows, *DENSE_FIRST, np.uint8)), layer_ids=[1, 2, 3])
+    np.testing.assert_array_equal(t.ids, moe_rows)
+    # the legacy MoE-only layout with the same layer_ids: taken as is
+    legacy = RoutingTrace.from_vllm(npy_b64(moe_rows.astype(np.int32)), layer_ids=[1, 2, 3])
+    assert legacy == t
 
 
 def test_vllm_round_trip(trace):
@@ -464,18 +575,40 @@ def test_vllm_round_trip(trace):
 # ----------------------------------------------------------------------------- SGLang
 
 
-@pytest.mark.parametrize("dtype, E", [("int32", 512), ("uint8", 256), ("uint16", 1000)])
-def test_from_sglang(rng, dtype, E):
+@pytest.mark.parametrize(
+    "dtype, tag, E",
+    [
+        ("int32", "int32", 512),  # SGLang's default
+        ("int32", "torch.int32", 512),  # the tag spelled as torch prints it
+        ("uint8", "uint8", 256),  # SGLANG_ROUTED_EXPERTS_DTYPE=uint8
+        ("uint8", "torch.uint8", 256),
+        ("uint16", "uint16", 1000),
+        ("uint16", "torch.uint16", 1000),
+    ],
+)
+def test_from_sglang(rng, dtype, tag, E):
     ids = random_ids(rng, 7, 3, 4, E)
+    ids[3, 2] = np.arange(E - 4, E)  # the largest ids survive the dtype
     b64 = base64.b64encode(ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()).decode()  # flat
     t = RoutingTrace.from_sglang(b64, 3, 4, dtype=dtype, num_experts=E)
     np.testing.assert_array_equal(t.ids, ids)
     assert t.num_experts == E
-    # the meta_info dict with its dtype tag, and the start offset
-    t2 = RoutingTrace.from_sglang({"routed_experts": b64, "routed_experts_dtype": dtype}, 3, 4, start=5)
+    # the meta_info dict with its dtype tag (which overrides the dtype argument), and the start offset
+    t2 = RoutingTrace.from_sglang({"routed_experts": b64, "routed_experts_dtype": tag}, 3, 4, start=5)
     np.testing.assert_array_equal(t2.ids, ids)
     assert t2.token_offset == 5
     assert RoutingTrace.from_sglang(t.to_sglang(dtype), 3, 4, dtype=dtype, num_experts=E) == t
+
+
+def test_from_sglang_layer_columns(rng):
+    moe_rows = random_ids(rng, 5, 3, 2, 16)
+    flat = _all_layers(moe_rows, *DENSE_FIRST, np.int32).astype("<i4").tobytes()
+    b64 = base64.b64encode(flat).decode()
+    t = RoutingTrace.from_sglang(b64, 4, 2, layer_ids=[1, 2, 3])
+    np.testing.assert_array_equal(t.ids, moe_rows)
+    assert t.layer_ids == (1, 2, 3)
+    with pytest.raises(TraceFormatError, match=r"layer column\(s\) 0 of 4 are all zero"):
+        RoutingTrace.from_sglang(b64, 4, 2)
 
 
 def test_from_sglang_rejects(rng):
@@ -487,6 +620,8 @@ def test_from_sglang_rejects(rng):
         RoutingTrace.from_sglang(base64.b64encode(ids.tobytes()[:-2]).decode(), 3, 4)
     with pytest.raises(ValueError, match="dtype"):
         RoutingTrace.from_sglang(b64, 3, 4, dtype="float32")
+    with pytest.raises(ValueError, match="meta_info.routed_experts_dtype.*bfloat16"):  # the tag named
+        RoutingTrace.from_sglang({"routed_experts": b64, "routed_experts_dtype": "torch.bfloat16"}, 3, 4)
     with pytest.raises(TraceFormatError, match="routed_experts"):
         RoutingTrace.from_sglang({"foo": 1}, 3, 4)
     with pytest.raises(ValueError, match="ids"):

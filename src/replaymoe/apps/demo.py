@@ -83,6 +83,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="also replay a vLLM response's routed_experts (one sequence; its prompt_token_ids and "
         "choices[0].token_ids must be present, and the model must have the trace's shape)",
     )
+    p.add_argument(
+        "--prompt-start",
+        type=int,
+        default=None,
+        metavar="S",
+        help="with --from-vllm: the request's routed_experts_prompt_start (vLLM does not echo it; "
+        "default 0); positions below it replay natively",
+    )
+    p.add_argument(
+        "--layer-ids",
+        default=None,
+        metavar="N,N,...",
+        help="with --from-vllm: the model layer numbers of the MoE layers, e.g. 1,2 (default: the demo "
+        "model's); vLLM 0.33 sends a column per decoder layer, dense layers all zero",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--trl",
@@ -95,6 +110,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--tokens must be >= 2, got {args.tokens}")
     if args.prompts < 1:
         p.error(f"--prompts must be >= 1, got {args.prompts}")
+    if (args.prompt_start is not None or args.layer_ids is not None) and not args.from_vllm:
+        p.error("--prompt-start and --layer-ids go with --from-vllm")
+    if args.prompt_start is not None and args.prompt_start < 0:
+        p.error(f"--prompt-start must be >= 0, got {args.prompt_start}")
+    if args.layer_ids is not None:
+        try:
+            args.layer_ids = [int(v) for v in args.layer_ids.split(",")]
+        except ValueError:
+            p.error(
+                f"--layer-ids: expected comma-separated layer numbers such as 1,2, got {args.layer_ids!r}"
+            )
+        if min(args.layer_ids) < 0 or len(set(args.layer_ids)) != len(args.layer_ids):
+            p.error(f"--layer-ids: expected distinct layer numbers >= 0, got {args.layer_ids}")
     if not (math.isfinite(args.perturb) and args.perturb >= 0):
         p.error(
             f"--perturb must be a finite number >= 0 (a fraction of the router weights' std), "

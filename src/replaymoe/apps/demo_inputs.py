@@ -63,8 +63,14 @@ def prepare_out(path: str, num_prompts: int) -> Path:
     return out
 
 
-def read_vllm(path: str):
-    """(prompt ids, completion ids, RoutingTrace) of a vLLM response file, or raise DemoError."""
+def read_vllm(path: str, *, prompt_start: int | None = None, layer_ids: list[int] | None = None):
+    """(prompt ids, completion ids, RoutingTrace) of a vLLM response file, or raise DemoError.
+
+    The response (chat: ``prompt_token_ids`` at the top level; ``/v1/completions``: in the choice)
+    must carry the token ids of ``choices[0]`` (``return_token_ids: true``); its rows must be
+    ``prompt + completion - 1 - prompt_start``. ``layer_ids`` (the MoE layers' numbers) map vLLM
+    0.33's one-column-per-decoder-layer payload (:meth:`RoutingTrace.from_vllm`).
+    """
     from replaymoe.record.trace import RoutingTrace
 
     try:
@@ -84,31 +90,22 @@ def read_vllm(path: str):
             f"--from-vllm {path}: expected a vLLM response in JSON, got invalid JSON ({exc})"
         ) from None
     choices = obj.get("choices") if isinstance(obj, dict) else None
-    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    prompt, completion = (
-        (obj.get("prompt_token_ids") if isinstance(obj, dict) else None),
-        choice.get("token_ids"),
-    )
+    if isinstance(choices, list) and not choices:
+        raise DemoError(f'--from-vllm {path}: the response has no choices ("choices": [])')
+    choice = choices[0] if isinstance(choices, list) and isinstance(choices[0], dict) else {}
+    prompt = choice.get("prompt_token_ids", obj.get("prompt_token_ids") if isinstance(obj, dict) else None)
+    completion = choice.get("token_ids")
     if prompt is None or completion is None:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise DemoError(
-            f"--from-vllm {path}: expected a response with prompt_token_ids and choices[0].token_ids, "
+            f"--from-vllm {path}: expected a response with token ids (return_token_ids: true): "
+            f"prompt_token_ids (chat: top level; /v1/completions: in the choice) and choices[0].token_ids, "
             f"got keys {keys} / {sorted(choice)}"
         )
-    try:
-        trace = RoutingTrace.from_vllm(obj)  # vLLM sends neither E nor layer numbers
+    try:  # rows checked against the token counts: P + C - 1 - prompt_start
+        trace = RoutingTrace.from_vllm(obj, prompt_start=prompt_start, layer_ids=layer_ids)
     except ValueError as exc:
         raise DemoError(f"--from-vllm {path}: {exc}") from None
-    # N tokens give routing for positions [start, N - 1) (the last sampled token is never fed back;
-    # [start, N) accepted too): rows for other positions belong to another request
-    n, start = len(prompt) + len(completion), trace.token_offset
-    if trace.end not in (n - 1, n):
-        where = f" from position {start}" if start else ""
-        raise DemoError(
-            f"--from-vllm {path}: the response has {n} tokens ({len(prompt)} prompt + {len(completion)} "
-            f"completion) but {trace.num_tokens} routed rows{where}: expected {n - 1 - start} rows (one "
-            f"per token{where}, but the last sampled one); the tokens and routed_experts do not match"
-        )
     return list(prompt), list(completion), trace
 
 

@@ -2,13 +2,26 @@
 
 ::
 
-    replaymoe inspect TRACE_OR_VLLM_JSON [--heatmap out.png|.svg|.pdf] [--compare OTHER] [--num-experts E]
+    replaymoe inspect TRACE_OR_VLLM_JSON [--heatmap out.png|.svg|.pdf] [--compare OTHER [--ignore-tokens]]
+                      [--num-experts E] [--choice I] [--prompt-start S] [--layer-ids 1,2,3]
 
 Input files are recognised by content: a replaymoe trace file (``RoutingTrace.save``), a JSON
-vLLM response / choice object (``routed_experts`` / ``prompt_routed_experts``), or a text file
-holding vLLM's base64 ``.npy`` string. Prints tokens, layers, top_k, the missing fraction,
+vLLM chat or ``/v1/completions`` response, or one choice object (``routed_experts``), or a text
+file holding vLLM's base64 ``.npy`` string. Prints tokens, layers, top_k, the missing fraction,
 per-layer balance (max/mean, CV, normalised entropy) and, with ``--compare``, per-layer and
 every-layer agreement with the other trace.
+
+vLLM inputs (:meth:`RoutingTrace.from_vllm <replaymoe.record.trace.RoutingTrace.from_vllm>`): vLLM
+0.33 sends one layer column per decoder layer, dense layers all zero: ``--layer-ids`` names the MoE
+layers' numbers (a payload with an all-zero column is refused without it); the request's
+``routed_experts_prompt_start``, which vLLM does not echo, is ``--prompt-start`` (default 0). When
+the response carries its token ids (``return_token_ids: true``), its rows must be
+``prompt + completion - 1 - prompt_start``.
+
+Refused with exit code 2 and one line on stderr: an input that is not a regular file (``/dev/zero``,
+a directory, a pipe) or is larger than :data:`MAX_INPUT_BYTES` (1 GiB; ``RoutingTrace.load`` reads
+larger trace files from Python), checked before reading; an input with no routed rows; ``--compare``
+of two inputs whose token ids are both known and differ (``--ignore-tokens`` compares them anyway).
 """
 
 from __future__ import annotations
@@ -16,11 +29,13 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import functools
 import importlib
 import io
 import json
 import os
 import re
+import stat
 import sys
 
 import numpy as np
@@ -28,9 +43,11 @@ import numpy as np
 from replaymoe.record.stats import agreement, balance, expert_load, plot_heatmap
 from replaymoe.record.trace import RoutingTrace, TraceFormatError
 
-__all__ = ["main", "load_any"]
+__all__ = ["MAX_INPUT_BYTES", "main", "load_any"]
 
 EXIT_USAGE = 2  # replaymoe.apps.cli's exit code for bad options and bad input/output files
+MAX_INPUT_BYTES = 1 << 30  # larger inputs are refused before reading (a trace of 128K tokens x 48 layers
+# x top-8 is ~100 MB; vLLM's base64 JSON of it ~135 MB)
 
 _ACCEPTED = (
     "expected a replaymoe trace file (RoutingTrace.save), a vLLM response or choice JSON, "
@@ -72,34 +89,99 @@ def _npy_problem(raw: bytes) -> str | None:
     return None
 
 
-def load_any(path: str, *, num_experts: int | None = None, choice: int = 0) -> RoutingTrace:
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, in a few words."""
+    for test, words in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def _read_input(path: str) -> bytes:
+    """The bytes of ``path``, refused before reading when it is not a regular file or is larger than
+    :data:`MAX_INPUT_BYTES` (``/dev/zero`` or a huge file would otherwise be read into memory)."""
+    st = os.stat(path)  # FileNotFoundError, PermissionError: reported by main as OS errors
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceFormatError(f"{path}: not a regular file ({_kind(st.st_mode)}); {_ACCEPTED}", path)
+
+    def too_big(size: str) -> TraceFormatError:
+        return TraceFormatError(
+            f"{path}: {size} bytes, more than the {MAX_INPUT_BYTES >> 20} MiB replaymoe inspect reads "
+            "(RoutingTrace.load reads a larger trace file from Python)",
+            path,
+        )
+
+    if st.st_size > MAX_INPUT_BYTES:
+        raise too_big(str(st.st_size))
+    with open(path, "rb") as f:
+        data = f.read(MAX_INPUT_BYTES + 1)  # the file may have grown since stat
+    if len(data) > MAX_INPUT_BYTES:
+        raise too_big(f"over {MAX_INPUT_BYTES}")
+    return data
+
+
+def load_any(
+    path: str,
+    *,
+    num_experts: int | None = None,
+    choice: int = 0,
+    prompt_start: int | None = None,
+    layer_ids: list[int] | None = None,
+) -> RoutingTrace:
     """Read a trace file, a vLLM response/choice JSON file, or a file holding vLLM's base64 string.
 
     Parameters
     ----------
     path : str
-        The file; its kind is recognised by content.
+        The file; its kind is recognised by content. It must be a regular file of at most
+        :data:`MAX_INPUT_BYTES`.
     num_experts : int, optional
         E for inputs that do not record it (vLLM's); must agree with a trace that records it and
         exceed every expert id.
     choice : int
         Which choice of a vLLM response.
+    prompt_start : int, optional
+        The vLLM request's ``routed_experts_prompt_start`` (vLLM does not echo it; default 0). Not
+        used for trace files, which record their own ``token_offset``.
+    layer_ids : list of int, optional
+        The model layer numbers of the MoE layers: selects the MoE columns of vLLM's
+        one-column-per-decoder-layer payload (:meth:`RoutingTrace.from_vllm`). A trace file must
+        record the same ones (or none, and have as many layers).
 
     Raises
     ------
     TraceFormatError
-        (a ValueError) naming the file, when it is none of the accepted kinds or its payload is bad.
+        (a ValueError) naming the file, when it is none of the accepted kinds, not a regular
+        file, too large, or its payload is bad (including rows that do not fit the response's
+        token counts).
     ValueError
-        When ``num_experts`` contradicts the trace.
+        When ``num_experts`` or ``layer_ids`` contradict the trace.
     OSError
         When the file cannot be read.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    data = _read_input(path)
     if not data.strip():
         raise TraceFormatError(f"{path}: empty file; {_ACCEPTED}", path)
     if data[:4] == b"PK\x03\x04":
         trace = RoutingTrace.load(path)
+        if layer_ids is not None:
+            if trace.layer_ids is not None and list(trace.layer_ids) != list(layer_ids):
+                raise ValueError(
+                    f"Invalid value of --layer-ids: expected the layer ids {path} records, "
+                    f"{','.join(map(str, trace.layer_ids))}, got {','.join(map(str, layer_ids))}"
+                )
+            if trace.layer_ids is None and trace.num_layers != len(layer_ids):
+                raise ValueError(
+                    f"Invalid value of --layer-ids: expected {trace.num_layers} layer numbers (the "
+                    f"layers of {path}), got {len(layer_ids)}"
+                )
+            trace = trace.replace(layer_ids=layer_ids)
     else:
         text = data.decode("utf-8", errors="replace").strip()
         try:
@@ -129,7 +211,7 @@ def load_any(path: str, *, num_experts: int | None = None, choice: int = 0) -> R
                 raise TraceFormatError(
                     f"{path}: not a routing trace: JSON {type(obj).__name__}; {_ACCEPTED}", path
                 )
-            trace = RoutingTrace.from_vllm(obj, choice=choice)
+            trace = RoutingTrace.from_vllm(obj, choice=choice, prompt_start=prompt_start, layer_ids=layer_ids)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{path}: invalid JSON ({e})", path) from e
         except TraceFormatError as e:
@@ -137,6 +219,8 @@ def load_any(path: str, *, num_experts: int | None = None, choice: int = 0) -> R
             if "pickle" in msg:  # numpy's wording for an object payload inside a JSON response
                 msg = "the routed_experts payload is not an integer .npy array (it holds Python objects)"
             raise TraceFormatError(msg if msg.startswith(str(path)) else f"{path}: {msg}", path) from e
+        except ValueError as e:  # an argument that does not fit this response (e.g. --prompt-start)
+            raise ValueError(f"{path}: {e}") from None
     if num_experts is not None:
         top = int(trace.ids.max()) if trace.ids.size else -1
         if trace.num_experts is not None and num_experts != trace.num_experts:
@@ -291,14 +375,60 @@ def _check_output(path: str) -> None:
         )
 
 
+def _layer_list(text: str) -> list[int]:
+    """``--layer-ids 1,2,3`` -> ``[1, 2, 3]`` (distinct non-negative ints)."""
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer numbers such as 1,2,3, got {text!r}"
+        ) from None
+    if min(vals) < 0 or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"expected distinct layer numbers >= 0, got {text!r}")
+    return vals
+
+
+def _not_empty(trace: RoutingTrace, path: str) -> RoutingTrace:
+    """``trace``, or a ValueError naming ``path`` when it has no routed rows (nothing to summarise)."""
+    if trace.num_tokens == 0:
+        raise TraceFormatError(
+            f"{path}: no routed rows (0 tokens): nothing to summarise (a one-token completion, or a "
+            "prompt start at the end of the sequence?)",
+            path,
+        )
+    return trace
+
+
+def _check_same_tokens(a: RoutingTrace, b: RoutingTrace, name_a: str, name_b: str) -> None:
+    """ValueError naming both files when both carry token ids and they differ at a position both cover
+    (routing of different sequences does not agree by design; ``--ignore-tokens`` allows it)."""
+    if a.token_ids is None or b.token_ids is None:
+        return
+    lo, hi = max(a.token_offset, b.token_offset), min(a.end, b.end)
+    if hi <= lo:
+        return
+    ta = a.token_ids[lo - a.token_offset : hi - a.token_offset]
+    tb = b.token_ids[lo - b.token_offset : hi - b.token_offset]
+    differ = np.flatnonzero((ta != tb) & (ta >= 0) & (tb >= 0))
+    if differ.size:
+        i = int(differ[0])
+        raise ValueError(
+            f"--compare: {name_a} and {name_b} hold different tokens ({differ.size} of {hi - lo} "
+            f"positions, first at position {lo + i}: {int(ta[i])} vs {int(tb[i])}): routing of "
+            "different sequences does not agree by design (--ignore-tokens compares them anyway)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``replaymoe inspect``; returns 0, or 2 (after one line on stderr) for a bad option or file."""
     parser = argparse.ArgumentParser(
         prog="replaymoe inspect",
         description="Summarise a routing trace or a vLLM response: tokens, layers, missing rows, "
         "per-layer expert balance, and agreement with another trace.",
-        epilog="exit codes: 0 success; 2 a bad option, or an input that cannot be read or is not a "
-        "routing trace, or a heatmap that cannot be written.",
+        epilog="exit codes: 0 success; 2 a bad option, or an input that cannot be read, is not a regular "
+        f"file of at most {MAX_INPUT_BYTES >> 20} MiB, is not a routing trace or has no routed rows, "
+        "rows that do not fit the response's token counts, --compare of different token sequences, or "
+        "a heatmap that cannot be written.",
     )
     parser.add_argument("trace", help="replaymoe trace file, vLLM response/choice JSON, or base64 .npy text")
     parser.add_argument(
@@ -316,23 +446,55 @@ def main(argv: list[str] | None = None) -> int:
         help="E, for inputs that do not record it (vLLM's); must match a trace that records it",
     )
     parser.add_argument("--choice", type=int, default=0, help="which choice of a vLLM response (default 0)")
+    parser.add_argument(
+        "--prompt-start",
+        type=int,
+        default=None,
+        metavar="S",
+        help="the vLLM request's routed_experts_prompt_start (vLLM does not echo it; default 0): the "
+        "payload's first row is position S",
+    )
+    parser.add_argument(
+        "--layer-ids",
+        type=_layer_list,
+        default=None,
+        metavar="N,N,...",
+        help="the model layer numbers of the MoE layers, e.g. 1,2,3: picks them from vLLM's "
+        "one-column-per-decoder-layer payload, whose dense layers are all-zero columns",
+    )
+    parser.add_argument(
+        "--ignore-tokens",
+        action="store_true",
+        help="with --compare: compare even when both inputs carry token ids and they differ",
+    )
     args = parser.parse_args(argv)
     if args.num_experts is not None and args.num_experts < 1:
         parser.error(f"--num-experts must be >= 1, got {args.num_experts}")
     if args.choice < 0:
         parser.error(f"--choice must be >= 0, got {args.choice}")
+    if args.prompt_start is not None and args.prompt_start < 0:
+        parser.error(f"--prompt-start must be >= 0, got {args.prompt_start}")
     try:
         if args.heatmap:
             _check_output(args.heatmap)  # before any work
-        trace = load_any(args.trace, num_experts=args.num_experts, choice=args.choice)
+        read = functools.partial(
+            load_any,
+            num_experts=args.num_experts,
+            choice=args.choice,
+            prompt_start=args.prompt_start,
+            layer_ids=args.layer_ids,
+        )
+        trace = _not_empty(read(args.trace), args.trace)
         other = None
         if args.compare:
-            other = load_any(args.compare, num_experts=args.num_experts, choice=args.choice)
+            other = _not_empty(read(args.compare), args.compare)
             if (other.num_layers, other.top_k) != (trace.num_layers, trace.top_k):
                 raise ValueError(
                     f"--compare {args.compare}: {other.num_layers} layers, top_k {other.top_k}; "
                     f"{args.trace} has {trace.num_layers} layers, top_k {trace.top_k}"
                 )
+            if not args.ignore_tokens:
+                _check_same_tokens(trace, other, args.trace, args.compare)
         print(summarize(trace, other, name=args.trace, other_name=args.compare or ""))
         if args.heatmap:
             plot_heatmap(trace, args.heatmap)

@@ -25,9 +25,14 @@ What it does, on top of :func:`replaymoe.hf.enable`:
 Generation may be transformers' ``generate`` (captured by replaymoe) or vLLM in TRL's colocate mode
 (``use_vllm=True, vllm_mode="colocate"``): the trainer then starts TRL's engine with
 ``enable_return_routed_experts=True`` and turns each ``LLM.generate`` output's ``routed_experts`` into
-the round's traces (:mod:`replaymoe.integrations.vllm_outputs`); an engine that returns none is an
-error at that generation. TRL's server mode (``vllm_mode="server"``) is refused at start: its
-``vllm-serve`` answers with token ids and log-probs only, so the routing never reaches the trainer.
+the round's traces (:mod:`replaymoe.integrations.vllm_outputs`): vLLM 0.33's one column per decoder
+layer is mapped to the policy's MoE layers by layer number (dense layers' columns must be zero), and
+each request's ``routed_experts_prompt_start`` is read from the ``sampling_params`` given to
+``generate`` (positions below it replay natively); an engine that returns none is an error at that
+generation. TRL's server mode (``vllm_mode="server"``) is refused at start: its ``vllm-serve``
+answers with token ids and log-probs only, so the routing never reaches the trainer. So is
+``vllm_tensor_parallel_size > 1``: vLLM 0.33 keeps the routing buffer on the first tensor-parallel
+rank only, and that set-up has not been run.
 
 Tested with trl 1.7.1 to 1.16.0 (``pip install 'replaymoe[trl]'``; ``scripts/check_range.sh trl`` runs
 the TRL tests against each release given); the vLLM colocate path is tested with an in-process
@@ -42,13 +47,28 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import trl
-import trl.generation.vllm_generation as trl_vllm
+try:
+    import trl
+    import trl.generation.vllm_generation as trl_vllm
+except ModuleNotFoundError as _exc:  # the trl extra: say how to install it, keep the missing module's name
+    if _exc.name == "trl":
+        raise ModuleNotFoundError(
+            "replaymoe.integrations.trl needs trl, which is not installed: pip install 'replaymoe[trl]'",
+            name=_exc.name,
+        ) from _exc
+    if (_exc.name or "").startswith("trl."):
+        raise ModuleNotFoundError(
+            f"replaymoe.integrations.trl needs trl >= 1.7.1 ({_exc.name} is missing from the trl "
+            "installed): pip install 'replaymoe[trl]'",
+            name=_exc.name,
+        ) from _exc
+    raise
 
 from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, fail
 from replaymoe.hf import ReplayMoE, enable
 from replaymoe.integrations.vllm_outputs import traces_from_vllm_outputs
+from replaymoe.record.replay import MISSING_MODES
 
 __all__ = ["R3Config", "R3GRPOTrainer"]
 
@@ -67,16 +87,23 @@ class R3Config:
         call, one host sync per logging step).
     backend : {"auto", "triton", "torch"}
         replaymoe's backend (``auto``: Triton kernels on CUDA, torch references elsewhere).
+    missing : {"error", "native"}
+        What replay does with a token the rollout has no routing for (each row's last sampled
+        token excepted): raise (default), or route it natively and count it in ``r3/fallback``.
+        A vLLM request with ``routed_experts_prompt_start > 0`` (set through ``generation_kwargs``)
+        leaves the prompt positions below it without routing: it needs ``"native"``.
     """
 
     replay_reference: bool = True
     log_mismatch: bool = True
     backend: str = "auto"
+    missing: str = "error"
 
     def __post_init__(self) -> None:
         check_bool("replay_reference", self.replay_reference)
         check_bool("log_mismatch", self.log_mismatch)
         check_choice("backend", self.backend, BACKENDS)
+        check_choice("missing", self.missing, MISSING_MODES)
 
 
 class R3GRPOTrainer(trl.GRPOTrainer):
@@ -105,11 +132,19 @@ class R3GRPOTrainer(trl.GRPOTrainer):
                 f"{getattr(config, 'vllm_mode', None)!r}: TRL's vllm-serve returns token ids and log-probs "
                 "only, so vLLM's routed_experts never reach the trainer",
             )
+        tp = getattr(config, "vllm_tensor_parallel_size", 1)
+        if use_vllm and isinstance(tp, int) and tp > 1:  # before TRL starts an engine
+            fail(
+                "args.vllm_tensor_parallel_size",
+                "1 with R3 (vLLM 0.33 keeps routed experts on the first tensor-parallel rank only, "
+                "and R3 with vLLM tensor parallelism has not been run)",
+                tp,
+            )
         with _engine_returns_routing(use_vllm):
             super().__init__(*args, **kwargs)
         policy = self.accelerator.unwrap_model(self.model)
         self.r3_session: ReplayMoE = enable(policy, backend=self.r3.backend)
-        self.r3_session.set_rollout_replay(True)
+        self.r3_session.set_rollout_replay(True, missing=self.r3.missing)
         if use_vllm:
             self.r3_watch_engine(self.vllm_generation.llm)
         if self.r3.log_mismatch:
@@ -122,16 +157,34 @@ class R3GRPOTrainer(trl.GRPOTrainer):
     def r3_watch_engine(self, engine: Any) -> None:
         """Route every ``engine.generate`` output's ``routed_experts`` into the rollout round (done for
         TRL's colocated vLLM engine at construction; call it for another in-process engine whose
-        ``generate`` returns vLLM's ``RequestOutput`` objects)."""
+        ``generate(prompts, sampling_params=None, ...)`` returns vLLM's ``RequestOutput`` objects).
+
+        Each call's ``sampling_params`` (one ``SamplingParams`` or a list, one per prompt;
+        positional or keyword) gives each request's ``routed_experts_prompt_start`` (absent on
+        older vLLM: 0), which vLLM does not echo in its outputs. The payload's columns are mapped to
+        the policy's MoE layers by their layer numbers (``r3_session.layer_ids``)."""
         generate = engine.generate
         session = self.r3_session
 
         @functools.wraps(generate)
         def generate_and_record(*args: Any, **kwargs: Any) -> Any:
+            params = kwargs["sampling_params"] if "sampling_params" in kwargs else (args[1:2] or [None])[0]
+            starts = _prompt_starts(params)
+            start = max(starts, default=0) if isinstance(starts, list) else starts
+            if start and self.r3.missing == "error":  # before generating rows no forward could replay
+                fail(
+                    "sampling_params.routed_experts_prompt_start",
+                    "0 with R3Config(missing='error'): the prompt positions below it have no routing "
+                    "to replay (R3Config(missing='native') routes them natively)",
+                    start,
+                )
             outputs = generate(*args, **kwargs)
             session.add_rollout_traces(
                 traces_from_vllm_outputs(
-                    outputs, num_experts=session.num_experts, layer_ids=session.layer_ids
+                    outputs,
+                    num_experts=session.num_experts,
+                    layer_ids=session.layer_ids,
+                    prompt_starts=starts,
                 )
             )
             return outputs
@@ -150,6 +203,18 @@ class R3GRPOTrainer(trl.GRPOTrainer):
                 logs["r3/fallback"] = report.fallback_fraction
                 self.r3_session.reset_report()
         super().log(logs, start_time)
+
+
+def _prompt_starts(params: Any) -> int | list[int]:
+    """``routed_experts_prompt_start`` of ``generate``'s ``sampling_params`` (None, one
+    ``SamplingParams`` or a list of them): one int, or one per request; 0 where unset or absent."""
+
+    def one(p: Any) -> int:
+        return getattr(p, "routed_experts_prompt_start", None) or 0
+
+    if isinstance(params, (list, tuple)):
+        return [one(p) for p in params]
+    return one(params)
 
 
 @contextlib.contextmanager

@@ -5,16 +5,23 @@ This module's one job is the bytes servers send: :meth:`RoutingTrace.from_vllm
 here. Decoders take the class to build (this module never imports :class:`RoutingTrace`); encoders
 take the trace's int16 ids. Malformed payloads raise :class:`~replaymoe.record.trace.TraceFormatError`.
 
-* vLLM (``--enable-return-routed-experts``): base64 of an ``.npy`` file of shape
-  (tokens, layers, top_k); vLLM 0.33 sends uint8 when E <= 256, else uint16 or int32.
-  A request's routing covers prompt + completion minus the last sampled token (which
-  was never fed through the model): ``num_tokens - 1`` rows. The split form carries
-  ``prompt_routed_experts`` at response level (shared by the n choices) and the
-  completion part in each choice's ``routed_experts``; a request may skip the first
-  ``routed_experts_prompt_start`` prompt tokens. See :meth:`RoutingTrace.from_vllm`.
+* vLLM 0.33 (``--enable-return-routed-experts``): ``choices[i].routed_experts`` is base64 of an
+  ``.npy`` file (``np.save``, no pickle), the offline ``CompletionOutput.routed_experts`` unchanged:
+  shape [rows, num_hidden_layers, top_k], **one column per decoder layer** (dense layers, e.g.
+  DeepSeek-V3's ``first_k_dense_replace``, are all-zero columns), uint8 when E <= 256 else uint16
+  (never int32, no -1 sentinel). Row ``i`` is position ``s + i``, ``s`` being the request's
+  ``SamplingParams.routed_experts_prompt_start`` (default 0, ``0 <= s <= prompt_len``), which vLLM
+  does not echo: ``prompt_len + completion_len - 1 - s`` rows (the last sampled token was never
+  fed through the model). Token ids come only with ``return_token_ids: true``: chat puts
+  ``prompt_token_ids`` at the top level and ``token_ids`` in each choice, ``/v1/completions`` puts
+  both in each choice. :func:`select_moe_layers` maps the layer axis to the MoE layers.
+  Legacy payloads still read: a layer axis of the MoE layers only (any integer dtype, int16/int32
+  with -1 rows for prefix-cache hits), and the split form of vLLM's v0.21 design (#39917:
+  ``prompt_routed_experts`` at response level, the completion's rows in each choice), which
+  vLLM 0.33 does not send. See :meth:`RoutingTrace.from_vllm`.
 * SGLang: ``meta_info.routed_experts`` is base64 of a *flat* array (int32 by default,
-  uint8/uint16 with ``SGLANG_ROUTED_EXPERTS_DTYPE``) of logical shape
-  [seqlen - 1, L, K]. See :meth:`RoutingTrace.from_sglang`.
+  uint8/uint16 with ``SGLANG_ROUTED_EXPERTS_DTYPE``, named by ``meta_info.routed_experts_dtype``)
+  of logical shape [seqlen - 1, L, K]. See :meth:`RoutingTrace.from_sglang`.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import numpy as np
 from ..._validation import check_choice, check_int, fail
 from .file import TraceFormatError
 
-__all__ = ["encode_vllm", "decode_vllm", "encode_sglang", "decode_sglang"]
+__all__ = ["encode_vllm", "decode_vllm", "select_moe_layers", "check_rows", "encode_sglang", "decode_sglang"]
 
 T = TypeVar("T")
 
@@ -57,6 +64,82 @@ def encode_vllm(ids: np.ndarray, dtype: str) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def select_moe_layers(routes: np.ndarray, layer_ids: Sequence[int] | None, what: str) -> np.ndarray:
+    """The MoE layers' columns of a vLLM routed-experts array.
+
+    Parameters
+    ----------
+    routes : np.ndarray, integer, shape [rows, C, K]
+        vLLM 0.33 sends one column per decoder layer (``C = num_hidden_layers``), dense layers
+        all zero; legacy payloads have one column per MoE layer (``C = len(layer_ids)``).
+    layer_ids : sequence of int or None
+        The model layer numbers of the MoE layers (e.g.
+        :func:`replaymoe.integrations.vllm_outputs.moe_layer_ids`). ``None``: every column is
+        taken as a MoE layer, which is refused when a column is entirely zero (a dense layer as
+        vLLM writes it: the layer numbers are needed, and never guessed).
+    what : str
+        How the payload is named in errors.
+
+    Returns
+    -------
+    np.ndarray, same dtype, shape [rows, len(layer_ids), K]
+        ``routes[:, layer_ids]`` (``routes`` itself when it already has ``len(layer_ids)``
+        columns, or when ``layer_ids`` is None).
+
+    Raises
+    ------
+    TraceFormatError
+        A zero column without ``layer_ids``; fewer columns than ``layer_ids``, or a layer number
+        past the last column; a column outside ``layer_ids`` (a dense layer) holding non-zero ids.
+    ValueError
+        ``layer_ids`` not distinct non-negative ints.
+    """
+    n_cols = routes.shape[1]
+    zero = np.flatnonzero((routes == 0).all(axis=(0, 2))) if routes.shape[0] else np.zeros(0, int)
+    cols = ", ".join(map(str, zero.tolist()))
+    if layer_ids is None:
+        if zero.size:
+            raise TraceFormatError(
+                f"{what}: layer column(s) {cols} of {n_cols} are all zero: vLLM writes a dense "
+                "(non-MoE) layer as an all-zero column, so the MoE layers must be named: pass "
+                "layer_ids (--layer-ids), the model layer numbers of the MoE layers "
+                "(replaymoe.integrations.vllm_outputs.moe_layer_ids(config) reads them)"
+            )
+        return routes
+    try:
+        ids = [int(v) for v in layer_ids]
+    except (TypeError, ValueError):
+        fail("layer_ids", "a sequence of model layer numbers (ints)", repr(layer_ids))
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        fail("layer_ids", "distinct non-negative model layer numbers", ids)
+    if n_cols == len(ids):  # the MoE layers only (legacy layout, or a model whose every layer is MoE)
+        if zero.size:
+            raise TraceFormatError(
+                f"{what}: layer column(s) {cols} of {n_cols} are all zero, and layer_ids {ids} take "
+                f"all {n_cols} columns as MoE layers: vLLM writes a dense layer as an all-zero column; "
+                "layer_ids must list the MoE layers only"
+            )
+        return routes
+    if n_cols < len(ids) or max(ids) >= n_cols:
+        raise TraceFormatError(
+            f"{what}: {n_cols} layer columns, but layer_ids {ids} expect {len(ids)} (the MoE layers "
+            f"only) or one per decoder layer (more than {max(ids)}): the payload is not this model's"
+        )
+    moe = set(ids)
+    for c in range(n_cols):
+        if c in moe:
+            continue
+        nz = np.argwhere((routes[:, c] != 0) & (routes[:, c] != -1))  # (-1: a legacy missing row)
+        if nz.size:
+            row = int(nz[0][0])
+            raise TraceFormatError(
+                f"{what}: layer column {c} is not in layer_ids {ids}, so it should be a dense layer's "
+                f"all-zero column, but it holds expert ids ({routes[row, c].tolist()} at row {row}): "
+                "layer_ids do not match the model that produced the payload"
+            )
+    return routes[:, ids]
+
+
 def decode_vllm(
     build: Callable[..., T],
     obj: Any,
@@ -69,17 +152,17 @@ def decode_vllm(
 ) -> T:
     """Decode vLLM's ``routed_experts`` into ``build(ids, **meta)`` (see ``RoutingTrace.from_vllm``)."""
     check_int("choice", choice, low=0)
+    start = 0 if prompt_start is None else prompt_start
+    check_int("prompt_start", start, low=0)
     resp = _parse_vllm_obj(obj)
+    tokens = None
     if isinstance(resp, np.ndarray):
         ids = resp
-        found_start = None
     else:
-        ids, found_start, found_model = _vllm_dict_ids(resp, choice, prompt_start)
+        ids, prompt, completion, found_model = _vllm_dict_ids(resp, choice, start)
         if model_id is None:
             model_id = found_model
-    if prompt_start is None:
-        prompt_start = found_start if found_start is not None else 0
-    check_int("prompt_start", prompt_start, low=0)
+        tokens = check_rows(len(ids), prompt, completion, start, "vLLM routed_experts")
     if ids.ndim != 3:
         fail(
             "routed_experts",
@@ -87,14 +170,65 @@ def decode_vllm(
             f"shape {ids.shape}",
             what="shape",
         )
+    ids = select_moe_layers(ids, layer_ids, "vLLM routed_experts")
     return build(
         ids.astype(np.int64),
         num_experts=num_experts,
         top_k=int(ids.shape[2]),
         layer_ids=layer_ids,
         model_id=model_id,
-        token_offset=prompt_start,
+        token_offset=start,
+        token_ids=tokens,
     )
+
+
+def check_rows(
+    rows: int,
+    prompt: Sequence[int] | None,
+    completion: Sequence[int] | None,
+    start: int,
+    what: str,
+    *,
+    start_name: str = "prompt_start",
+    start_from: str = "pass the value the request used as prompt_start / --prompt-start",
+) -> np.ndarray | None:
+    """Check a payload's row count against its request's tokens; return the covered positions' ids.
+
+    vLLM routes positions ``start .. P + C - 2`` (``P`` prompt, ``C`` completion tokens): the last
+    sampled token is never fed through the model. Without both token lists nothing is checked.
+
+    Returns
+    -------
+    np.ndarray int64 [rows] or None
+        ``(prompt + completion)[start : P + C - 1]``, or None when a token list is missing.
+
+    Raises
+    ------
+    ValueError
+        ``start`` past the prompt (the message names ``start_name``).
+    TraceFormatError
+        ``rows != P + C - 1 - start``; names the row count got and expected, and the prompt start
+        that would give ``rows`` (vLLM does not echo the request's ``routed_experts_prompt_start``).
+    """
+    if prompt is None or completion is None:
+        return None
+    n_p, n_c = len(prompt), len(completion)
+    if start > n_p:
+        fail(start_name, f"at most the prompt's {n_p} tokens", start)
+    want = n_p + n_c - 1 - start
+    if rows != want:
+        fits = n_p + n_c - 1 - rows
+        hint = ""
+        if 0 <= fits <= n_p and fits != start:
+            hint = (
+                f"; a request with routed_experts_prompt_start={fits} gives {rows} rows (vLLM does "
+                f"not echo it: {start_from})"
+            )
+        raise TraceFormatError(
+            f"{what}: {rows} rows, expected {want} ({n_p} prompt + {n_c} completion tokens - 1 - "
+            f"{start_name} {start}: one row per position fed through the model, from {start}){hint}"
+        )
+    return np.asarray([*prompt, *completion][start : n_p + n_c - 1], dtype=np.int64)
 
 
 def encode_sglang(ids: np.ndarray, dtype: str) -> str:
@@ -125,8 +259,10 @@ def decode_sglang(
             raise TraceFormatError(
                 "SGLang meta_info has no 'routed_experts' (request it with return_routed_experts)"
             )
-        dtype = str(meta.get("routed_experts_dtype", dtype)).replace("torch.", "")
         b64 = meta["routed_experts"]
+        if meta.get("routed_experts_dtype") is not None:  # "uint8" or "torch.uint8"
+            dtype = str(meta["routed_experts_dtype"]).removeprefix("torch.")
+            check_choice("meta_info.routed_experts_dtype", dtype, _SGLANG_DTYPES)
     check_choice("dtype", dtype, _SGLANG_DTYPES)
     raw = _b64decode(b64, "SGLang routed_experts")
     itemsize = np.dtype(dtype).itemsize
@@ -137,9 +273,9 @@ def decode_sglang(
             f"[num_layers={num_layers}, top_k={top_k}] rows ({itemsize * row} bytes each)"
         )
     flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
-    ids = flat.reshape(-1, num_layers, top_k).astype(np.int64)
+    ids = select_moe_layers(flat.reshape(-1, num_layers, top_k), layer_ids, "SGLang routed_experts")
     return build(
-        ids,
+        ids.astype(np.int64),
         num_experts=num_experts,
         top_k=top_k,
         layer_ids=layer_ids,
@@ -211,48 +347,60 @@ def _parse_vllm_obj(obj: Any) -> np.ndarray | Mapping[str, Any]:
     return _routes_array(obj, "vLLM routed_experts")
 
 
-def _vllm_dict_ids(
-    d: Mapping[str, Any], choice: int, given_start: int | None = None
-) -> tuple[np.ndarray, int | None, str | None]:
-    """(ids, prompt_start found, model found) from a vLLM response or choice dict.
+def _token_list(value: Any, what: str) -> list[int] | None:
+    """A response's ``prompt_token_ids`` / ``token_ids`` as a list of ints, or None when absent."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise TraceFormatError(f"vLLM response: {what} is not a list of token ids ({type(value).__name__})")
+    return list(value)
 
-    ``given_start`` (the caller's ``prompt_start``) takes precedence over the response's own field
-    when the prompt rows are checked against ``prompt_token_ids``.
+
+def _vllm_dict_ids(
+    d: Mapping[str, Any], choice: int, start: int
+) -> tuple[np.ndarray, list[int] | None, list[int] | None, str | None]:
+    """(ids, prompt token ids, completion token ids, model) from a vLLM response or choice dict.
+
+    Token ids are present only when the request set ``return_token_ids: true``: chat completions
+    put ``prompt_token_ids`` at the top level, ``/v1/completions`` in each choice; ``token_ids``
+    is per choice in both. ``start`` (the request's prompt start) checks the legacy split form's
+    prompt rows.
     """
-    start_key = "routed_experts_prompt_start"
     model = d.get("model") if isinstance(d.get("model"), str) else None
     if "choices" in d:
         choices = d["choices"]
-        if not isinstance(choices, list) or choice >= len(choices):
-            n = len(choices) if isinstance(choices, list) else 0
-            fail("choice", f"an index below the response's {n} choices", choice)
+        if not isinstance(choices, list):
+            raise TraceFormatError(f"vLLM response: choices is not a list ({type(choices).__name__})")
+        if not choices:
+            raise TraceFormatError('vLLM response has no choices ("choices": []): no routed_experts to read')
+        if choice >= len(choices):
+            fail("choice", f"an index below the response's {len(choices)} choices", choice)
         ch = choices[choice]
         if not isinstance(ch, Mapping):
             raise TraceFormatError(f"vLLM response: choices[{choice}] is not an object")
     else:
         ch, d = d, {}
-    prompt = d.get("prompt_routed_experts", ch.get("prompt_routed_experts"))
-    completion = ch.get("routed_experts", ch.get("completion_routed_experts"))
-    start = ch.get(start_key, d.get(start_key))
-    if prompt is None and completion is None:
+    prompt_ids = _token_list(ch.get("prompt_token_ids", d.get("prompt_token_ids")), "prompt_token_ids")
+    completion_ids = _token_list(ch.get("token_ids"), "token_ids")
+    legacy_prompt = d.get("prompt_routed_experts", ch.get("prompt_routed_experts"))  # v0.21 split form
+    completion = ch.get("routed_experts")
+    if legacy_prompt is None and completion is None:
         raise TraceFormatError(
-            "vLLM response carries no routed_experts (start the server with --enable-return-routed-experts "
-            "and request return_routed_experts)"
+            "vLLM response carries no routed_experts (start the server with --enable-return-routed-experts)"
         )
     parts = []
-    if prompt is not None:
-        p = _routes_array(prompt, "vLLM prompt_routed_experts")
-        ptoks = d.get("prompt_token_ids", ch.get("prompt_token_ids"))
-        skip = given_start if given_start is not None else (start or 0)
-        if isinstance(ptoks, list) and isinstance(skip, int) and p.shape[0] != len(ptoks) - skip:
+    if legacy_prompt is not None:
+        p = _routes_array(legacy_prompt, "vLLM prompt_routed_experts")
+        if prompt_ids is not None and p.shape[0] != len(prompt_ids) - start:
             raise TraceFormatError(
-                f"vLLM prompt_routed_experts has {p.shape[0]} rows but the prompt has {len(ptoks)} tokens"
-                f" (prompt_start {skip})"
+                f"vLLM prompt_routed_experts has {p.shape[0]} rows but the prompt has "
+                f"{len(prompt_ids)} tokens (prompt_start {start})"
             )
         parts.append(p)
     if completion is not None:
-        c = _routes_array(completion, "vLLM routed_experts")
-        parts.append(c)
+        parts.append(_routes_array(completion, "vLLM routed_experts"))
     parts = [p for p in parts if p.shape[0] > 0] or parts[:1]
     if len(parts) == 2 and parts[0].shape[1:] != parts[1].shape[1:]:
         raise TraceFormatError(
@@ -260,6 +408,4 @@ def _vllm_dict_ids(
             "differ in (layers, top_k)"
         )
     ids = np.concatenate([p.astype(np.int64) for p in parts], axis=0) if len(parts) > 1 else parts[0]
-    if start is not None and (isinstance(start, bool) or not isinstance(start, int)):
-        raise TraceFormatError(f"vLLM {start_key} is not an int: {start!r}")
-    return ids, start, model
+    return ids, prompt_ids, completion_ids, model
