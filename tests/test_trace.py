@@ -676,3 +676,23 @@ def test_merge_conflicts(rng):
     np.testing.assert_array_equal(RoutingTrace.merge([a, b], on_conflict="last").ids, b_ids)
     with pytest.raises(ValueError, match="on_conflict"):
         RoutingTrace.merge([a, b], on_conflict="newest")
+
+
+@pytest.mark.parametrize(
+    "layer_ids, hidden",
+    [
+        ([1, 3], 4),  # dense layers 0 and 2 between the MoE layers: zero columns
+        (None, 2),  # every layer MoE: the 0.33 layout equals the MoE-column one
+        ([2, 3], 5),  # a dense tail after the last MoE layer
+    ],
+)
+def test_to_vllm_writes_the_0_33_layout_that_from_vllm_reads(layer_ids, hidden):
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(8)[:2] for _ in range(6)]).reshape(3, 2, 2)
+    t = RoutingTrace(ids, num_experts=8, top_k=2, layer_ids=layer_ids)
+    raw = np.load(io.BytesIO(base64.b64decode(t.to_vllm("uint8", num_hidden_layers=hidden))))
+    assert raw.dtype == np.uint8 and raw.shape == (3, hidden, 2)
+    moe = list(t.model_layer_ids())
+    assert (raw[:, [c for c in range(hidden) if c not in moe]] == 0).all()
+    back = RoutingTrace.from_vllm(t.to_vllm("uint8", num_hidden_layers=hidden), layer_ids=moe, num_experts=8)
+    assert np.array_equal(back.ids, t.ids)

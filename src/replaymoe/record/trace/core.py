@@ -350,14 +350,29 @@ class RoutingTrace:
         return _file.read_trace(path, cls)
 
     # ---------------------------------------------------------------- vLLM
-    def to_vllm(self, dtype: str = "int32") -> str:
-        """Encode as vLLM does: base64 of an ``.npy`` file of shape (tokens, layers, top_k).
+    def to_vllm(self, dtype: str = "int32", *, num_hidden_layers: int | None = None) -> str:
+        """Encode as a vLLM server's ``routed_experts``: base64 of an ``.npy`` file [rows, columns, top_k].
 
-        ``numpy.load(io.BytesIO(base64.b64decode(s)))`` reads it back. Unsigned dtypes (vLLM's compact
-        uint8 for <= 256 experts, uint16) cannot hold -1: a trace with missing rows or ids too large for
-        the dtype raises ``ValueError``.
+        ``numpy.load(io.BytesIO(base64.b64decode(s)))`` reads it back; :meth:`from_vllm` too.
+
+        Parameters
+        ----------
+        dtype : {"int32", "int16", "int64", "uint8", "uint16"}
+            Element type. vLLM 0.33 sends ``uint8`` for up to 256 experts, else ``uint16``; unsigned
+            types cannot hold -1, so a trace with missing rows (or ids too large for the type) raises
+            ``ValueError``. The default int32 keeps missing rows (the earliest engines' type).
+        num_hidden_layers : int, optional
+            The model's decoder layers: write vLLM 0.33's layout, one column per decoder layer, the MoE
+            layers' columns at their layer numbers (``layer_ids``, the identity when None) and every
+            other (dense) column zero. None writes one column per MoE layer (the earliest layout).
         """
-        return _wire.encode_vllm(self.ids, dtype)
+        ids = self.ids
+        if num_hidden_layers is not None:
+            layers = self.model_layer_ids()
+            check_int("num_hidden_layers", num_hidden_layers, low=max(layers, default=-1) + 1)
+            ids = np.zeros((self.num_tokens, num_hidden_layers, self.top_k), dtype=self.ids.dtype)
+            ids[:, list(layers)] = self.ids
+        return _wire.encode_vllm(ids, dtype)
 
     @classmethod
     def from_vllm(
