@@ -8,16 +8,19 @@ native routing and with replay, and print and write the figures (see :mod:`repla
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from replaymoe.apps.demo_inputs import NO_PLOT, TRITON_CPU_TIME, DemoError, can_plot, prepare_out, read_vllm
+from replaymoe.bench._text import os_error_text
 from replaymoe.hf.models import build_model
 
 __all__ = ["run"]
@@ -72,6 +75,15 @@ def _completion_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int) ->
     return lp.gather(-1, ids[:, start:].unsqueeze(-1)).squeeze(-1)
 
 
+def _write(path: Path, write: Callable[[], object]) -> None:
+    """Run ``write``, which writes ``path``: a failure the checks before the run could not foresee
+    (a full disk) is a DemoError naming the file and the reason (one line on stderr, exit 2)."""
+    try:
+        write()
+    except OSError as exc:
+        raise DemoError(os_error_text(exc, path)) from None
+
+
 def _fmt_layers(values, layer_ids: list[int], spec: str = "6.3f") -> str:
     return "  ".join(f"L{n}:{format(v, spec)}" for n, v in zip(layer_ids, values))
 
@@ -118,7 +130,7 @@ def run(args: argparse.Namespace, device: str) -> int:
     import replaymoe.hf as rhf
 
     out_dir = prepare_out(args.out, args.prompts)  # before any work: a bad --out fails at once
-    vllm = read_vllm(args.from_vllm) if args.from_vllm else None  # so does a bad --from-vllm
+    vllm = _read_vllm(args) if args.from_vllm else None  # so does a bad --from-vllm
     plot = can_plot()  # the picture only needs matplotlib (the plot extra); everything else is written
     if not plot:
         print(f"replaymoe demo: warning: {NO_PLOT}; no heatmap.png, every other output is written",
@@ -148,6 +160,11 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, 
             ReplaySource(vllm[2]).check_model(L, K, E)
         except ValueError as exc:
             raise DemoError(f"--from-vllm {args.from_vllm}: {exc}") from None
+        if list(vllm[2].layer_ids) != list(ids_of):  # a --layer-ids other than the model's MoE layers
+            raise DemoError(
+                f"--from-vllm {args.from_vllm}: --layer-ids {','.join(map(str, vllm[2].layer_ids))} are not "
+                f"the demo model's MoE layers {','.join(map(str, ids_of))}"
+            )
     n_params = sum(p.numel() for p in model.parameters())
     backend_words = _backend_words(args.backend, device)
     print(
@@ -186,7 +203,8 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, 
     rollout = moe.traces()
     assert len(rollout) == len(prompts), (len(rollout), len(prompts))
     for i, tr in enumerate(rollout):
-        tr.save(out_dir / "traces" / f"seq{i}.rmtrace")
+        path = out_dir / "traces" / f"seq{i}.rmtrace"
+        _write(path, functools.partial(tr.save, path))
     lengths = [t.num_tokens for t in rollout]
     routed = sum(lengths)
     print(
@@ -306,12 +324,15 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, 
     try:
         if not plot:
             raise ImportError(NO_PLOT)
-        plot_heatmap(
-            all_rollout,
+        _write(
             heat_path,
-            title=f"rollout expert load: {routed} routed tokens, {len(rollout)} sequences, top-{K}",
-            agreement={"native routing": a_nat, "with replay": a_rep},
-            agreement_title="rollout vs trainer",
+            lambda: plot_heatmap(
+                all_rollout,
+                heat_path,
+                title=f"rollout expert load: {routed} routed tokens, {len(rollout)} sequences, top-{K}",
+                agreement={"native routing": a_nat, "with replay": a_rep},
+                agreement_title="rollout vs trainer",
+            ),
         )
     except ImportError as exc:  # matplotlib missing (warned before the run) or broken: the rest is written
         picture = f"none ({exc})".replace("\n", " ")
@@ -322,17 +343,18 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, 
 
     # example vLLM-style response of sequence 0 (round trip: --from-vllm this file)
     resp_path = out_dir / "vllm_response_seq0.json"
-    resp_path.write_text(
-        json.dumps(
+    response = {
+        "model": moe.model_id,
+        "prompt_token_ids": prompts[0],
+        "choices": [
             {
-                "model": moe.model_id,
-                "prompt_token_ids": prompts[0],
-                "choices": [
-                    {"index": 0, "token_ids": seqs[0, P:].tolist(), "routed_experts": rollout[0].to_vllm()}
-                ],
+                "index": 0,
+                "token_ids": seqs[0, P:].tolist(),
+                "routed_experts": _vllm_payload(rollout[0], cfg.num_hidden_layers),
             }
-        )
-    )
+        ],
+    }
+    _write(resp_path, lambda: resp_path.write_text(json.dumps(response)))
     seconds = time.perf_counter() - t_start
     summary = {
         "architecture": args.model_config,
@@ -354,7 +376,8 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, 
         "router_grad_norm_replay": gnorms,
         "seconds": seconds,
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary_path = out_dir / "summary.json"
+    _write(summary_path, lambda: summary_path.write_text(json.dumps(summary, indent=2)))
 
     print()
     print(f"traces     : {out_dir / 'traces'}/seq*.rmtrace ({len(rollout)} files; RoutingTrace.load)")
@@ -365,6 +388,30 @@ def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, 
     return 0 if ok_grad else 1
 
 
+def _vllm_payload(trace, num_hidden_layers: int) -> str:
+    """vLLM 0.33's ``routed_experts`` for a captured ``trace`` (from position 0, nothing missing): base64
+    of an ``.npy`` [N, num_hidden_layers, K], one column per decoder layer with dense layers all zero,
+    uint8 when E <= 256 else uint16."""
+    from replaymoe.record.trace.wire import encode_vllm
+
+    full = np.zeros((trace.num_tokens, num_hidden_layers, trace.top_k), dtype=np.int64)
+    full[:, list(trace.model_layer_ids())] = trace.ids
+    return encode_vllm(full, "uint8" if trace.num_experts <= 256 else "uint16")
+
+
+def _read_vllm(args: argparse.Namespace):
+    """``read_vllm`` of ``--from-vllm`` with ``--prompt-start`` and ``--layer-ids``; the layer ids
+    default to the demo model's MoE layers (read from its config on the meta device, before the
+    model is built, so that a bad response fails before any work)."""
+    from replaymoe.hf.models import build_config
+    from replaymoe.integrations.vllm_outputs import moe_layer_ids
+
+    layer_ids = getattr(args, "layer_ids", None)
+    if layer_ids is None:
+        layer_ids = moe_layer_ids(build_config(args.model_config, "tiny" if args.fast else "demo"))
+    return read_vllm(args.from_vllm, prompt_start=getattr(args, "prompt_start", None), layer_ids=layer_ids)
+
+
 def _replay_vllm(path: str, vllm, model, moe, device) -> str:
     """Replay a vLLM response's routed_experts into a trainer forward over its tokens."""
     prompt, completion, trace = vllm
@@ -372,16 +419,26 @@ def _replay_vllm(path: str, vllm, model, moe, device) -> str:
         trace = trace.replace(layer_ids=moe.layer_ids)  # vLLM's layers are the MoE layers, in order
     seq = torch.tensor([prompt + completion], device=device)
     moe.traces()  # drop anything captured before
-    with torch.no_grad(), moe.replaying(trace):
+    missing = "native" if trace.token_offset else "error"  # --prompt-start: the positions below it
+    # the response's model (a real server's "model" field) is not this random one: its shape is what
+    # the demo replays, checked before the run
+    with torch.no_grad(), moe.replaying(trace, missing=missing, check_model_id=False):
         model(input_ids=seq)
         rep = moe.report()
     (used,) = moe.traces()
     n = trace.num_tokens
     same = bool(np.array_equal(used.ids[trace.token_offset : trace.token_offset + n], trace.ids))
-    fb = np.asarray(getattr(rep, "fallback_tokens_per_layer", [0]))
+    fb = np.asarray(getattr(rep, "fallback_tokens_per_layer", [0] * len(moe.layers)), dtype=np.int64)
     return (
         f"vLLM response {path}: {trace!r}\n"
         f"  trainer forward over its {seq.shape[1]} tokens: ids identical to the response's: {same}; "
-        f"{int(fb.max()) if fb.size else 0} token(s) per layer without routing in the response "
-        "(routed natively)"
+        f"{_unrouted(fb, moe.layer_ids)} (routed natively)"
     )
+
+
+def _unrouted(fallback: np.ndarray, layer_ids: list[int]) -> str:
+    """The tokens of a replayed forward that had no routing, per MoE layer (``fallback`` [L], the
+    layers' model numbers ``layer_ids``): one figure when every layer has the same, else each layer's."""
+    if len(fallback) and (fallback == fallback[0]).all():
+        return f"{int(fallback[0])} token(s) in each MoE layer without routing in the response"
+    return f"tokens per MoE layer without routing in the response {_fmt_layers(fallback, layer_ids, 'd')}"

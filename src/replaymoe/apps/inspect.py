@@ -502,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout closed early (| head): replaymoe.apps.cli.main exits quietly
         raise
     except OSError as e:  # unreadable input, unwritable heatmap
-        print(f"replaymoe inspect: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        from replaymoe.bench._text import os_error_text
+
+        writing = bool(args.heatmap) and os.fsdecode(e.filename or "") == args.heatmap
+        print(f"replaymoe inspect: error: {os_error_text(e, action='write' if writing else 'read')}",
+              file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     except (ValueError, ImportError) as e:
         print(f"replaymoe inspect: error: {e}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Plain text for the benchmarks' command lines: ``--help`` (shared with :mod:`replaymoe.apps.cli`) and
-the comma-list options.
+"""Plain text for the benchmarks' command lines: ``--help`` (shared with :mod:`replaymoe.apps.cli`),
+the comma-list options, and the ``error:`` line of a failed file write or read (:func:`os_error_text`).
 
 It lives in the bench package because the benchmarks need it and never import :mod:`replaymoe.apps`
 (apps may import bench's entry points, not the reverse; ``tests/test_structure.py`` enforces it).
@@ -8,10 +8,11 @@ It lives in the bench package because the benchmarks need it and never import :m
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Iterable
 
-__all__ = ["choice_list", "strip_rest"]
+__all__ = ["choice_list", "os_error_text", "strip_rest"]
 
 
 def strip_rest(text: str) -> str:
@@ -39,3 +40,17 @@ def choice_list(parser: argparse.ArgumentParser, text: str, allowed: Iterable[st
     if bad:
         parser.error(f"unknown {what} {bad}; choose from {allowed}")
     return items
+
+
+def os_error_text(exc: OSError, path: str | os.PathLike | None = None, *, action: str = "write") -> str:
+    """One line for a command's ``error:`` message: ``cannot {action} {file}: {reason}``.
+
+    ``file`` is ``path`` (the file the command was writing or reading, as the user named it) or else
+    the error's own file name; a failed ``write()`` (``No space left on device``) carries none, which
+    is why the caller names it. ``reason`` is the system's words (``strerror``).
+    """
+    name = path if path is not None else exc.filename
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if name is None or name == "":
+        return f"cannot {action}: {reason}"
+    return f"cannot {action} {os.fsdecode(name)}: {reason}"

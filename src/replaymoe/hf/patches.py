@@ -22,6 +22,7 @@ from replaymoe.routing import RoutingConfig, route, route_unchecked
 from replaymoe.routing._checks import validate
 
 from .discovery import MoELayerInfo
+from .experts import IMPLEMENTATION_NAME
 
 __all__ = ["SessionHooks", "block_forward", "mark_batch_start", "refuse_paged", "router_forward"]
 
@@ -109,11 +110,19 @@ def mark_batch_start(state: SessionHooks, generate: Callable) -> Callable:
 _HALF = (torch.bfloat16, torch.float16)  # the activations the fused kernels take
 
 
+def _experts_implementation(experts: nn.Module) -> Optional[str]:
+    """The implementation transformers' experts dispatch (``use_experts_implementation``) picks for
+    ``experts`` now: it reads ``experts.config._experts_implementation`` at every call, so
+    ``model.set_experts_implementation(...)`` after :func:`~replaymoe.hf.enable` changes it."""
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None)
+
+
 def block_forward(state: SessionHooks, graphs: Any) -> Callable:
     """The MoE block's forward, through its CUDA graphs (``graphs``: a
     :class:`~replaymoe.hf.graphs.BlockGraphs`) when this forward allows them (``state.step``
     says so, and the block does) and through its own forward otherwise."""
     own = graphs.forward
+    experts = getattr(graphs.block, "experts", None)
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or args or kwargs:
@@ -122,7 +131,15 @@ def block_forward(state: SessionHooks, graphs: Any) -> Callable:
         head = None
         if step is not None and step.head is not None:  # the first MoE block of a device decode step
             head, step.head = step.head, None
-        if step is None or not step.graphable or hidden_states.dtype not in _HALF or not graphs.usable():
+        if (
+            step is None
+            or not step.graphable
+            or hidden_states.dtype not in _HALF
+            # experts switched back to transformers' implementation after enable(): not graphed (its
+            # eager loop syncs; a graph captured before the switch would run the fused experts)
+            or _experts_implementation(experts) != IMPLEMENTATION_NAME
+            or not graphs.usable()
+        ):
             if head is not None:
                 head.launch()
             return own(hidden_states)  # (fp32 experts take the torch reference on CUDA: not graphed)
@@ -165,7 +182,17 @@ class _CheckedRouting:
 
 
 def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Callable:
+    """The patched forward of ``info``'s router.
+
+    ``fused``: :func:`~replaymoe.hf.enable` switched ``info``'s experts to replaymoe's fused
+    implementation. While they still run it, the router returns ``route``'s int32 ids and fp32
+    weights as they are (no cast on the hot path); once the experts run any other implementation
+    (``model.set_experts_implementation("eager")``, ``"batched_mm"``, ...; or ``fused`` is False),
+    it returns what transformers' own router returns: int64 ids (OLMoE's eager experts ``one_hot``
+    them, which takes int64 only) and weights in the router's dtype.
+    """
     plan = info.plan
+    experts = info.experts
     # rebound when the module's bias tensor is replaced (to_empty, .to())
     bound = [_CheckedRouting(plan.routing)]
 
@@ -198,8 +225,10 @@ def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Call
             staged.copy_(out_buf)
         if replay_ids is not None:
             state.routed(info, logits, replay_ids, out.topk_ids, routing)
-        weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=fused)
+        # read per call (a string compare): the experts' implementation may have been switched since
+        ours = fused and _experts_implementation(experts) == IMPLEMENTATION_NAME
+        weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=ours)
         # the fused experts take int32 ids as they are; transformers' own experts index with int64
-        return logits, weights, out.topk_ids if fused else out.topk_ids.long()
+        return logits, weights, out.topk_ids if ours else out.topk_ids.long()
 
     return forward

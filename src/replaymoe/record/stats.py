@@ -266,7 +266,7 @@ def plot_heatmap(
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
     except ImportError as e:
         raise ImportError(
             "plot_heatmap needs matplotlib, which is not installed: pip install 'replaymoe[plot]' "
@@ -289,7 +289,7 @@ def plot_heatmap(
     if bars:
         grid = fig.add_gridspec(1, 2, width_ratios=[max(3.0, E * 0.06), 2.4])
         ax = fig.add_subplot(grid[0, 0])
-        bx = fig.add_subplot(grid[0, 1], sharey=ax)
+        bx = fig.add_subplot(grid[0, 1])  # its own layer labels (a shared axis shares them: "0 (L0)")
     else:
         ax, bx = fig.add_subplot(1, 1, 1), None
     im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis")
@@ -324,11 +324,26 @@ def plot_heatmap(
         bx.set_xlim(0, 1.22)
         bx.set_xticks([0, 0.5, 1.0])
         bx.axvline(1.0, color="0.5", lw=0.8, ls=":")
-        bx.tick_params(axis="y", labelleft=False)
+        bx.set_ylim(L - 0.5, -0.5)  # the heatmap's rows, top to bottom
+        known = tr[0].layer_ids is not None  # else the MoE layer index is all there is
+        names = [f"L{m}" if known else str(m) for m in layer_ids]
+        if L <= 64:
+            bx.set_yticks(range(L))
+            bx.set_yticklabels(names)
+            bx.tick_params(axis="y", labelsize=6 if L > 16 else 8)
+        else:  # some rows, still named by their layer
+            bx.yaxis.set_major_locator(MaxNLocator(integer=True))
+            bx.yaxis.set_major_formatter(FuncFormatter(lambda v, _: names[int(v)] if 0 <= v < L else ""))
+        bx.set_ylabel("model layer" if known else "MoE layer")
         bx.set_xlabel("tokens with the same expert set")
         bx.set_title(agreement_title or "agreement per layer", fontsize=9)
         bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(bars), fontsize=7, frameon=False)
     fig.tight_layout()
     path = os.fspath(path)
-    fig.savefig(path, dpi=dpi, format=fmt)
+    try:
+        fig.savefig(path, dpi=dpi, format=fmt)
+    except OSError as e:
+        if e.errno is not None and not e.filename:  # a failed write (a full disk) names no file: name it
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
     return path

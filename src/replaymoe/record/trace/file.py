@@ -34,6 +34,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
@@ -47,6 +48,9 @@ FORMAT_NAME = "replaymoe-routing-trace"
 FORMAT_VERSION = 1
 
 T = TypeVar("T")
+
+# what ``build`` raises for the ids themselves (replaymoe._validation.fail's words for the name "ids")
+_IDS_ERROR = re.compile(r"Invalid \w+ of ids: ")
 
 
 class TraceFormatError(ValueError):
@@ -78,7 +82,12 @@ def write_trace(path: str | os.PathLike, ids: np.ndarray, meta: Mapping[str, Any
     }
     meta_bytes = np.frombuffer(json.dumps(meta, sort_keys=True).encode("utf-8"), dtype=np.uint8)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    except OSError as e:  # named after the target, not the temporary file that was never made
+        folder = os.path.dirname(path) or directory
+        reason = f"the folder {folder} does not exist" if not os.path.exists(directory) else e.strerror
+        raise OSError(e.errno, reason, path) from None  # (OSError picks the errno's subclass)
     try:
         with os.fdopen(fd, "wb") as f:
             _write_payload(f, ids, meta_bytes, compress)
@@ -86,11 +95,14 @@ def write_trace(path: str | os.PathLike, ids: np.ndarray, meta: Mapping[str, Any
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and e.errno is not None and e.filename in (None, tmp):
+            # a failed write (a full disk) carries no file name, or the temporary one: name the target
+            raise OSError(e.errno, e.strerror, path) from e
         raise
 
 
@@ -144,6 +156,10 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
             **({"token_ids": meta["token_ids"]} if meta.get("token_ids") is not None else {}),
         )
     except (KeyError, ValueError) as e:
+        if isinstance(e, ValueError) and _IDS_ERROR.match(str(e)):
+            # the stored ids themselves (an id out of range, a duplicate in a row): the constructor's
+            # words, which name the bad row, not "invalid metadata"
+            raise bad(str(e)) from e
         raise bad(f"invalid metadata ({type(e).__name__}: {e})") from e
 
 
