@@ -189,7 +189,7 @@ def _parsers(module_name: str, argv: list[str], monkeypatch) -> list[argparse.Ar
     return found
 
 
-COMMANDS = ["replaymoe.apps.cli", "replaymoe.apps.demo", "replaymoe.apps.inspect"] + [
+COMMANDS = ["replaymoe.apps.cli", "replaymoe.apps.check", "replaymoe.apps.demo", "replaymoe.apps.inspect"] + [
     f"replaymoe.bench.{name}" for name in sorted(cli._BENCHES)
 ]
 

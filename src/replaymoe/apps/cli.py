@@ -7,6 +7,7 @@ does not break the others:
 ``replaymoe demo``                  -> ``replaymoe.apps.demo:main``
 ``replaymoe bench {routing,moe,ep,capture,hf,...}`` -> ``replaymoe.bench.<name>:main``
 ``replaymoe inspect TRACE``         -> ``replaymoe.apps.inspect:main``
+``replaymoe check --model M FILES`` -> ``replaymoe.apps.check:main`` (exits with its defect bits)
 
 Exit codes (every subcommand; errors are one line on stderr, no traceback):
 
@@ -51,6 +52,7 @@ INSTALL_REQUIRED = "install replaymoe into this Python (pip install -e ., or mak
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("replaymoe.apps.demo", "rollout with capture, then trainer forwards with and without replay"),
     "inspect": ("replaymoe.apps.inspect", "summarise a routing trace or a vLLM response"),
+    "check": ("replaymoe.apps.check", "check an engine's routes against the model (exit bits per defect)"),
 }
 _BENCHES: dict[str, str] = {
     "routing": "route() against torch ops (and FlashInfer's figures)",

@@ -105,8 +105,12 @@ Padded batches need their ``attention_mask``. Batches begun inside a compiled fo
 ``torch.compile``'d training forward with capture on) overwrite each other: call ``traces()`` after
 each (it warns when a batch was lost). With a static cache driven outside ``generate``, a batch
 restart is detected on the device and only its lengths restart.
+
+:func:`check_routes` (:mod:`replaymoe.hf.conformance`, ``replaymoe check``) checks an engine's routes
+against the model's own routing of the same tokens before they are replayed.
 """
 
+from replaymoe.hf.conformance import check_routes
 from replaymoe.hf.discovery import MoELayerInfo, find_moe_layers
 from replaymoe.hf.experts import IMPLEMENTATION_NAME, register, replaymoe_experts_forward
 from replaymoe.hf.positions import token_positions
@@ -118,6 +122,7 @@ __all__ = [
     "SUPPORTED_ROUTERS",
     "MoELayerInfo",
     "ReplayMoE",
+    "check_routes",
     "enable",
     "find_moe_layers",
     "register",

@@ -11,6 +11,9 @@ The layer above the ops (``routing``, ``moe``, ``ep``) and below the transformer
 * :mod:`~replaymoe.record.replay`: :class:`ReplayTable` (the one device replay table, by batch row
   or by content) and :class:`ReplaySource` (per-layer ``replay_ids`` for a batch of traces).
 * :mod:`~replaymoe.record.stats`: expert load, balance, agreement and heatmaps of traces.
+* :mod:`~replaymoe.record.engine_routes`: :class:`EngineRoutes`, an engine's routes as sent, and
+  their readers (vLLM, SGLang, trace files); :mod:`~replaymoe.record.route_check`:
+  :class:`RouteCheckReport`, the report of :func:`replaymoe.hf.conformance.check_routes`.
 
 The names below are resolved lazily (``replaymoe.record.ReplaySource`` imports
 ``replaymoe.record.replay`` on first use), so importing one module of the package (the trace, say:
@@ -36,6 +39,12 @@ _EXPORTS: dict[str, str] = {
     "agreement": "stats",
     "AgreementReport": "stats",
     "plot_heatmap": "stats",
+    "EngineRoutes": "engine_routes",
+    "load_routes": "engine_routes",
+    "routes_from_sglang": "engine_routes",
+    "routes_from_trace": "engine_routes",
+    "routes_from_vllm": "engine_routes",
+    "RouteCheckReport": "route_check",
 }
 
 __all__ = list(_EXPORTS)

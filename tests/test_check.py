@@ -1,0 +1,383 @@
+"""`replaymoe check` and `hf.conformance.check_routes`: engine routes against the model's own routing.
+
+Starts from a good capture (a tiny DeepSeek-V3, whose first layer is dense, routes its own
+``generate`` with capture on; the routes are written in vLLM 0.33's form: one uint8 column per decoder
+layer, the dense one zero), checks it is clean, then fabricates each defect from it and checks that the
+report names it and the exit status carries its bit (and only its bit). Input errors exit 2 with one
+line on stderr. Everything runs on the CPU, through the real CLI entry with files in ``tmp_path`` and
+through the library function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import replaymoe.hf as rh  # noqa: E402
+from replaymoe.apps import cli  # noqa: E402
+from replaymoe.apps.check import _parser  # noqa: E402
+from replaymoe.hf.conformance import (  # noqa: E402
+    CheckCode,
+    EngineRoutes,
+    check_routes,
+    load_routes,
+    routes_from_sglang,
+    routes_from_trace,
+    routes_from_vllm,
+)
+from replaymoe.hf.models import build_model  # noqa: E402
+
+MODEL = ["--model", "tiny:deepseek_v3", "--seed", "0"]
+P_LEN, C_LEN = 24, 8  # prompt and completion tokens: 31 rows, enough for a constant layer to be implausible
+
+
+def _npy_b64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _chat(ids: np.ndarray, prompt: list[int], completion: list[int], **extra) -> dict:
+    """vLLM 0.33's chat response with return_token_ids: prompt ids at the top level."""
+    return {
+        "model": "tiny",
+        "prompt_token_ids": prompt,
+        "choices": [{"index": 0, "token_ids": completion, "routed_experts": _npy_b64(ids), **extra}],
+    }
+
+
+@pytest.fixture(scope="module")
+def good():
+    """A tiny DeepSeek-V3 (dense layer 0, MoE layers 1 and 2, E=8, K=2) routing its own generate."""
+    model = build_model("deepseek_v3", "tiny", seed=0)
+    moe = rh.enable(model, capture=True)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, 64, (1, P_LEN), generator=g)
+    torch.manual_seed(7)
+    out = model.generate(prompt, max_new_tokens=C_LEN, do_sample=True)
+    (trace,) = moe.traces()
+    moe.disable()
+    assert trace.layer_ids == (1, 2) and trace.num_tokens == P_LEN + C_LEN - 1
+    ids = np.zeros((trace.num_tokens, 3, 2), dtype=np.uint8)  # vLLM 0.33: every decoder layer
+    ids[:, [1, 2]] = trace.ids
+    # the routes another model (seed 1) gives the same tokens
+    other = build_model("deepseek_v3", "tiny", seed=1)
+    moe1 = rh.enable(other, capture=True)
+    with torch.no_grad():
+        other(out[:, :-1], use_cache=False)
+    (t1,) = moe1.traces()
+    moe1.disable()
+    ids1 = np.zeros_like(ids)
+    ids1[:, [1, 2]] = t1.ids
+    return {
+        "model": model,
+        "trace": trace,
+        "ids": ids,
+        "other_ids": ids1,
+        "prompt": prompt[0].tolist(),
+        "completion": out[0, P_LEN:].tolist(),
+    }
+
+
+def _write(tmp_path, name: str, obj) -> str:
+    path = tmp_path / name
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+def _run(args: list[str], capsys) -> tuple[int, str, str]:
+    rc = cli.main(["check", *args])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("replaymoe check: error: "), err
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# the good capture, then each defect fabricated from it
+# --------------------------------------------------------------------------------------------
+
+
+def _zero_moe(ids, other):  # vLLM #44116: a fused kernel that never writes its routing
+    ids[:, 1:] = 0
+
+
+def _constant(ids, other):  # one expert set at every token of layer 2
+    ids[:, 2] = [3, 5]
+
+
+def _out_of_range(ids, other):  # an id 9 in a model of 8 experts
+    ids[3, 1] = [9, ids[3, 1, 1] if ids[3, 1, 1] != 9 else 2]
+
+
+def _duplicate(ids, other):  # the same expert twice in a row
+    ids[5, 2] = [6, 6]
+
+
+def _dense_column(ids, other):  # dense layer 0's column must stay zero
+    ids[7, 0] = [1, 4]
+
+
+def _extra_column(ids, other):  # 4 columns for a model of 3 decoder / 2 MoE layers
+    return np.concatenate([ids, ids[:, :1]], axis=1)
+
+
+def _at_dtype_max(ids, other):  # 255 in uint8 for E = 8: a -1 cast to unsigned
+    ids[2, 1] = [255, ids[2, 1, 1]]
+
+
+def _drop_first_row(ids, other):  # rows start at position 1 while the request said 0
+    return ids[1:]
+
+
+def _other_model(ids, other):  # another model's routes (a different seed)
+    return other.copy()
+
+
+def _same(ids, other):
+    return None
+
+
+DEFECTS = [
+    # (case, fabricate, extra CLI args, expected exit, defect kind reported)
+    ("clean", _same, [], 0, None),
+    ("all_zero", _zero_moe, [], 8, "all_zero"),
+    ("constant", _constant, [], 8, "constant"),
+    ("out_of_range", _out_of_range, [], 4, "out_of_range"),
+    ("duplicate", _duplicate, [], 4, "duplicate"),
+    ("dense_column", _dense_column, [], 16, "dense_column"),
+    ("column_count", _extra_column, [], 16, "column_count"),
+    ("dtype_max", _at_dtype_max, [], 64, "dtype_overflow"),
+    # the prompt start off by one, either way
+    ("prompt_start_too_late", _same, ["--prompt-start", "1"], 32, "misaligned"),
+    ("rows_start_later", _drop_first_row, [], 32, "misaligned"),
+    ("other_model", _other_model, [], 1, "disagreement"),
+]
+
+
+@pytest.mark.parametrize("case, fabricate, extra, code, kind", DEFECTS, ids=[d[0] for d in DEFECTS])
+def test_cli_reports_each_defect_with_its_bit(good, tmp_path, capsys, case, fabricate, extra, code, kind):
+    ids = good["ids"].copy()
+    new = fabricate(ids, good["other_ids"])
+    ids = ids if new is None else new
+    path = _write(tmp_path, "resp.json", _chat(ids, good["prompt"], good["completion"]))
+    rc, out, err = _run([*MODEL, path, *extra], capsys)
+    assert err == "" and rc == code, out
+    if kind is None:
+        assert "clean" in out and "exit 0" in out
+    else:
+        assert f"{kind} [" in out
+        assert f"exit {code} ({CheckCode(code).name})" in out
+    rc, out, _ = _run([*MODEL, path, *extra, "--json"], capsys)
+    d = json.loads(out)
+    assert rc == code == d["exit_code"]
+    assert [x["kind"] for x in d["defects"]] == ([] if kind is None else [kind])
+
+
+def test_library_good_capture_is_clean(good):
+    routes = routes_from_vllm(_chat(good["ids"], good["prompt"], good["completion"]))
+    (r,) = routes
+    assert (r.rows, r.columns, r.top_k, r.start, r.dtype) == (P_LEN + C_LEN - 1, 3, 2, 0, "uint8")
+    report = check_routes(good["model"], routes)
+    assert report.ok and report.exit_code == 0 and report.code is CheckCode.OK
+    assert report.agreement == 1.0 and report.best_shift == 0
+    assert [c.layer for c in report.layers] == [1, 2]
+    assert all(c.rows == r.rows and c.agreement == 1.0 for c in report.layers)
+    assert report.sequences[0].layout == "decoder" and not report.sequences[0].misaligned
+    assert json.loads(json.dumps(report.to_dict()))["exit_code"] == 0
+    assert "clean" in str(report)
+    assert getattr(good["model"], "_replaymoe", None) is None  # the check disabled its session
+
+
+def test_library_defect_examples_name_row_layer_and_ids(good):
+    ids = good["ids"].copy()
+    ids[3, 1] = [9, 2]  # out of range at row 3, layer 1
+    ids[:, 2] = [3, 5]  # layer 2 constant
+    report = check_routes(good["model"], routes_from_vllm(_chat(ids, good["prompt"], good["completion"])))
+    assert report.code == CheckCode.INVALID_IDS | CheckCode.DEGENERATE_ROWS
+    oor = report.defect("out_of_range")
+    assert (oor.count, oor.first.row, oor.first.position, oor.first.layer, oor.first.ids) == (
+        1,
+        3,
+        3,
+        1,
+        (9, 2),
+    )
+    assert report.defect("constant").first.layer == 2
+    assert report.layers[1].constant == 1 and report.layers[0].out_of_range == 1
+
+
+def test_library_misalignment_shift_and_threshold(good):
+    base = _chat(good["ids"], good["prompt"], good["completion"])
+    report = check_routes(good["model"], routes_from_vllm(base, prompt_start=1))
+    assert report.code == CheckCode.MISALIGNED and report.best_shift == -1
+    assert report.sequences[0].best_shift == -1 and report.sequences[0].misaligned
+    other = _chat(good["other_ids"], good["prompt"], good["completion"])
+    assert check_routes(good["model"], routes_from_vllm(other)).code == CheckCode.DISAGREEMENT
+    # a threshold above the rate passes it: disagreement alone only fails above its threshold
+    assert check_routes(good["model"], routes_from_vllm(other), max_disagreement=1.0).ok
+
+
+def test_uint8_overflow_for_300_experts(tmp_path, capsys):
+    # a checkpoint of 300 experts (tiny dims), loaded from its directory; vLLM would send uint16, an
+    # engine that casts to uint8 wraps ids >= 256
+    model = build_model("qwen3_moe", "tiny", seed=0, num_experts=300)
+    model.save_pretrained(tmp_path / "ckpt")
+    tokens = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(3))
+    moe = rh.enable(model, capture=True)
+    with torch.no_grad():
+        model(tokens[:, :-1], use_cache=False)
+    (trace,) = moe.traces()
+    moe.disable()
+    assert int(trace.ids.max()) >= 256  # some ids need more than 8 bits
+    prompt, completion = tokens[0, :30].tolist(), tokens[0, 30:].tolist()
+    args = ["--model", str(tmp_path / "ckpt")]
+    good16 = _write(tmp_path, "u16.json", _chat(trace.ids.astype(np.uint16), prompt, completion))
+    wrapped = _write(tmp_path, "u8.json", _chat(trace.ids.astype(np.uint8), prompt, completion))
+    rc, out, err = _run([*args, good16], capsys)
+    assert rc == 0 and "E=300" in out, out + err
+    rc, out, err = _run([*args, wrapped], capsys)
+    assert rc == int(CheckCode.DTYPE_OVERFLOW), out + err
+    assert "dtype_narrow [64]" in out and "uint8 holds ids up to 255; the model has 300 experts" in out
+    assert "dtype_overflow [64]" in out  # rows equal to the recomputed ids wrapped into uint8
+    report = check_routes(model, load_routes(wrapped))
+    assert report.defect("dtype_overflow").count == int((trace.ids >= 256).any(-1).sum())
+
+
+# --------------------------------------------------------------------------------------------
+# the other inputs: /v1/completions, several choices and files, SGLang, trace files, --layer-ids
+# --------------------------------------------------------------------------------------------
+
+
+def test_completions_form_choices_and_several_files(good, tmp_path, capsys):
+    ids, p, c = good["ids"], good["prompt"], good["completion"]
+    bad = ids.copy()
+    bad[:, 1:] = 0
+    completions = {  # /v1/completions: both token lists in each choice
+        "choices": [
+            {"index": i, "prompt_token_ids": p, "token_ids": c, "routed_experts": _npy_b64(x)}
+            for i, x in enumerate((ids, bad))
+        ]
+    }
+    path = _write(tmp_path, "completions.json", completions)
+    chat = _write(tmp_path, "chat.json", _chat(ids, p, c))
+    assert _run([*MODEL, path, "--choice", "0"], capsys)[0] == 0
+    rc, out, _ = _run([*MODEL, chat, path], capsys)  # every choice of every file by default
+    assert rc == 8 and out.count("choices[") == 3 + 1  # 3 sequence rows, the example's source
+
+
+def test_sglang_flat_payload_and_trace_file(good, tmp_path, capsys):
+    trace, p, c = good["trace"], good["prompt"], good["completion"]
+    moe_only = trace.ids.astype(np.uint8)
+    sglang = {  # the request's input_ids added beside the response's output_ids
+        "input_ids": p,
+        "output_ids": c,
+        "meta_info": {
+            "routed_experts": base64.b64encode(moe_only.tobytes()).decode(),
+            "routed_experts_dtype": "uint8",
+        },
+    }
+    path = _write(tmp_path, "sglang.json", sglang)
+    rc, out, err = _run([*MODEL, path], capsys)
+    assert rc == 0, out + err
+    assert "2 (moe)" in out
+    (r,) = routes_from_sglang(sglang, num_layers=(3, 2), top_k=2)
+    assert (r.columns, r.dtype) == (2, "uint8")
+    trace.save(tmp_path / "t.rmtrace")
+    rc, out, err = _run([*MODEL, str(tmp_path / "t.rmtrace")], capsys)
+    assert rc == 0 and "(trace)" in out, out + err
+    assert routes_from_trace(trace).layer_ids == (1, 2)
+
+
+def test_layer_ids_map_columns(good, tmp_path, capsys):
+    moe_only = good["trace"].ids.astype(np.uint8)
+    path = _write(tmp_path, "r.json", _chat(moe_only, good["prompt"], good["completion"]))
+    assert _run([*MODEL, path, "--layer-ids", "1,2"], capsys)[0] == 0
+    # columns named layers 0 and 1: layer 0 is dense and its column holds ids
+    rc, out, _ = _run([*MODEL, path, "--layer-ids", "0,1"], capsys)
+    assert rc & int(CheckCode.LAYOUT) and "dense_column" in out
+
+
+# --------------------------------------------------------------------------------------------
+# input errors: exit 2, one line, no traceback
+# --------------------------------------------------------------------------------------------
+
+
+ERRORS = [
+    # (case, files {name: content}, args (FILE = the first file), text in the error line)
+    ("missing_file", {}, [*MODEL, "nope.json"], "nope.json: No such file"),
+    ("bad_json", {"r.json": "{not json"}, [*MODEL, "FILE"], "invalid JSON"),
+    ("no_routes", {"r.json": {"choices": [{"token_ids": [1]}]}}, [*MODEL, "FILE"], "no routed_experts"),
+    ("foreign_json", {"r.json": [1, 2]}, [*MODEL, "FILE"], "expected a replaymoe trace file"),
+    # chat response without return_token_ids: nothing to teacher-force
+    ("no_token_ids", {"r.json": "NO_TOKENS"}, [*MODEL, "FILE"], "return_token_ids"),
+    ("unknown_arch", {"r.json": "GOOD"}, ["--model", "tiny:nonesuch", "FILE"], "--model"),
+    ("not_a_checkpoint", {"r.json": "GOOD"}, ["--model", "EMPTY_DIR", "FILE"], "--model"),
+    # a model whose top_k (4) is not the routes' (2)
+    ("wrong_model_top_k", {"r.json": "GOOD"}, ["--model", "demo:qwen3_moe", "FILE"], "top_k 4"),
+    ("num_experts_mismatch", {"r.json": "GOOD"}, [*MODEL, "--num-experts", "16", "FILE"], "--num-experts"),
+    ("layer_ids_count", {"r.json": "GOOD"}, [*MODEL, "--layer-ids", "1,2", "FILE"], "--layer-ids"),
+    ("choice_past_end", {"r.json": "GOOD"}, [*MODEL, "--choice", "3", "FILE"], "--choice"),
+]
+
+
+@pytest.mark.parametrize("case, files, args, text", ERRORS, ids=[e[0] for e in ERRORS])
+def test_input_errors_exit_2_with_one_line(good, tmp_path, capsys, monkeypatch, case, files, args, text):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    written = []
+    for name, content in files.items():
+        if content == "GOOD":
+            content = _chat(good["ids"], good["prompt"], good["completion"])
+        elif content == "NO_TOKENS":
+            content = _chat(good["ids"], good["prompt"], good["completion"])
+            del content["prompt_token_ids"]
+        written.append(_write(tmp_path, name, content))
+    args = [written[0] if a == "FILE" else str(tmp_path / "empty") if a == "EMPTY_DIR" else a for a in args]
+    rc, out, err = _run(args, capsys)
+    assert rc == 2 and out == ""
+    assert text in _one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--max-disagreement", "2"],  # a fraction above 1
+        ["--layer-ids", "a,b"],  # not layer numbers
+        [],  # no --model
+    ],
+)
+def test_bad_options_are_usage_errors(tmp_path, args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", *(MODEL if args else []), *args, str(tmp_path / "r.json")])
+    assert exc.value.code == 2
+
+
+def test_every_option_has_help_and_the_codes_never_collide():
+    missing = [a.dest for a in _parser()._actions if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert missing == []
+    bits = [int(c) for c in CheckCode if c]
+    assert sum(bits) < 128 and all(b & (b - 1) == 0 and b != 2 for b in bits)  # never 2, 130 or 141
+    assert "check" in cli._COMMANDS
+
+
+def test_engine_routes_validates_its_fields():
+    with pytest.raises(ValueError, match="Invalid length of routes of x"):
+        EngineRoutes(np.zeros((5, 1, 2), np.int64), np.arange(5), start=1, source="x")  # 5 rows past 4
+    with pytest.raises(ValueError, match="Invalid value of ids"):
+        EngineRoutes(np.zeros((5, 1, 2)), np.arange(6))  # float ids
+    r = EngineRoutes(np.zeros((5, 1, 2), np.uint8), np.arange(6))
+    assert (r.expected_rows, r.ids.dtype, r.dtype) == (5, np.int64, "uint8")  # the dtype as sent
