@@ -213,7 +213,7 @@ def test_gpu_minus_one_rows_fall_back():
         x = t.ids.copy()
         x[::2] = -1
         holes.append(t.replace(ids=x))
-    with torch.no_grad(), moe.replaying(holes):
+    with torch.no_grad(), moe.replaying(holes, missing="native"):  # (the default raises: below)
         model(input_ids=ids, attention_mask=mask)
         rep = moe.report()
     got = moe.traces()
@@ -224,6 +224,36 @@ def test_gpu_minus_one_rows_fall_back():
         # same weights: native routing of the holes gives (up to bf16 near-ties) the rollout's ids
         same = (np.sort(g.ids[miss], -1) == np.sort(r.ids[miss], -1)).all(-1).mean()
         assert same > 0.98
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["block-graphs", "eager-blocks"])
+def test_gpu_uncovered_tokens_raise_without_a_sync_in_the_forward(graphs):
+    # strict coverage on the GPU: the forward counts uncovered lookups on the device and copies the
+    # counters to the host asynchronously (CUDA's sync debug mode would turn any wait into an error);
+    # the next forward's start raises once the copy is done, naming row, position and layer
+    model = _model("qwen3_moe")
+    ids, mask = _batch(model.config.vocab_size, [16, 16], seed=3)
+    moe = rhf.enable(model, capture=True, graphs=graphs)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    cut = [t.replace(ids=t.ids[:5]) for t in moe.traces()]
+    moe.set_capture(False)
+    moe.set_replay(cut)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(input_ids=ids, attention_mask=mask)  # no wait, no error yet
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match="batch row 0, position 5, MoE layer 0"):
+            model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids, attention_mask=mask)  # the counters start again: this one raises
+        with pytest.raises(ValueError, match="coverage of replay"):
+            moe.report()  # at the latest at a check point (one host sync)
+        moe.set_replay(None)
+    moe.disable()
 
 
 def test_gpu_demo_runs(tmp_path):

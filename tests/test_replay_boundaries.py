@@ -230,7 +230,8 @@ def test_compiled_forward_counts_on_device_and_raises_at_next_check(check):
                 moe.report()
             if check == "traces":
                 moe.traces()
-    assert "compiled forwards" in str(err.value) and "MoE layer 0 (model layer 0): 10" in str(err.value)
+    msg = str(err.value)
+    assert "batch row 0, position 6, MoE layer 0" in msg and "MoE layer 0 (model layer 0): 10" in msg
     with moe.replaying(traces), torch.no_grad():  # a covered compiled forward passes every check
         compiled(input_ids=ids, attention_mask=mask)
         moe.report()

@@ -318,6 +318,7 @@ class ReplayMoE:
             return
         B, S = ref.shape[0], ref.shape[1]
         if not torch.compiler.is_compiling():
+            self._raise_uncovered(block=False)  # an earlier forward's, once its counters reached the host
             self._used = {}
             self._follow_device(ref.device)
             if self._rollout_mode and self._generation is None:
@@ -428,7 +429,7 @@ class ReplayMoE:
             else:
                 self._capture.commit(step.staged, step.slot)
         if step is not None and step.coverage is not None and step.forced is not None and output is not None:
-            self._check_coverage(step)
+            self._count_uncovered(step)
 
     def _follow_device(self, device: torch.device) -> None:
         """Move the capture buffer and the replay table to where the forward runs, when the model
@@ -578,6 +579,7 @@ class ReplayMoE:
     def _rollout_generate_begin(self) -> None:
         if not self._rollout_mode:
             return
+        self._raise_uncovered()  # the round that ends: its replayed forwards' coverage
         if self._rollout_stale:
             self._rollout, self._rollout_stale = [], False
         if self._capture is not None:
@@ -693,6 +695,7 @@ class ReplayMoE:
         ``replayed_vs_rollout`` the fraction whose used ids differ (0.0 when replay holds)."""
         if self._mismatch is None:
             fail("track_mismatch", "on (call track_mismatch() first)", "off", what="state")
+        self._raise_uncovered()
         n, native, used = (int(v) for v in self._mismatch.sum(dim=0).tolist())
         if reset:
             self._mismatch.zero_()
@@ -768,12 +771,15 @@ class ReplayMoE:
             sequence's last sampled token (never fed through the model that recorded the trace, so
             it has none: by batch row the position one past the trace, by content each row's last
             token). ``"error"`` (the default) raises ValueError naming the batch row, position and
-            layer of the first token without one (a position before the trace's start, past its
-            end, or recorded as missing, e.g. a skipped prompt prefix). Eager forwards check at their
-            end (one host sync); forwards compiled or captured in a CUDA graph count on the device
-            and raise at the next :meth:`traces`, :meth:`report`, :meth:`set_replay` or end of
-            :meth:`replaying` / ``generate``. ``"native"`` routes such tokens natively and counts
-            them in :meth:`report`.
+            layer of a token without one (a position before the trace's start, past its end, or
+            recorded as missing, e.g. a skipped prompt prefix). No forward waits for the device to
+            check: each counts such lookups on the device (:meth:`ReplayTable.count_uncovered`). On
+            the CPU the forward then raises itself. On CUDA an eager forward copies the counters
+            to the host asynchronously and the next forward's start raises once the copy is done;
+            at the latest (and for forwards compiled or captured in a CUDA graph) the next
+            :meth:`traces`, :meth:`report`, :meth:`mismatch`, :meth:`set_replay`, end of
+            :meth:`replaying` or of ``generate``, or rollout round raises (one host sync there).
+            ``"native"`` routes such tokens natively and counts them in :meth:`report`.
         check_model_id : bool
             Refuse traces whose ``model_id`` is known and differs from this model's
             (:attr:`fingerprint`); False when routes recorded under another name (e.g. a served
@@ -864,41 +870,30 @@ class ReplayMoE:
     def _layer_names(self) -> list[str]:
         return [f"MoE layer {i} (model layer {n})" for i, n in enumerate(self.layer_ids)]
 
-    def _raise_uncovered(self) -> None:
-        """Raise for uncovered lookups that compiled or graph-captured forwards counted on the device."""
-        if self._replay is not None and not torch.compiler.is_compiling() and not is_capturing():
-            self._replay.raise_uncovered(self._layer_names())
+    def _raise_uncovered(self, *, block: bool = True) -> None:
+        """Raise for the active replay's uncovered lookups since the last check
+        (:meth:`ReplayTable.check_uncovered`): ``block`` reads the device counters (one host sync, at
+        the user's calls: traces(), report(), set_replay, the end of replaying() or generate);
+        otherwise only a finished asynchronous snapshot is read (the start of every eager forward)."""
+        table = self._replay
+        if table is not None and not torch.compiler.is_compiling() and not is_capturing():
+            table.check_uncovered(self._layer_names(), block=block)
 
-    def _check_coverage(self, step: Step) -> None:
-        """End of a replayed forward with ``missing="error"``: every token that needs a recorded route
-        found one (:meth:`ReplayTable.uncovered_mask`). Eagerly one host sync, raising for the first
-        token without one; compiled or in a CUDA graph capture, counted on the device."""
+    def _count_uncovered(self, step: Step) -> None:
+        """End of a replayed forward with ``missing="error"``: count the tokens that needed a recorded
+        route and found none (:meth:`ReplayTable.count_uncovered`, device ops only, whichever
+        producer wrote the forced ids), and, eagerly, start the counters' copy to the host that the
+        next forward's start reads without waiting."""
         table, by_content, positions, make_positions = step.coverage
         if positions is None:
             positions = make_positions()
-        bad = table.uncovered_mask(step.forced, positions, by_content=by_content)
+        table.count_uncovered(step.forced, positions, by_content=by_content)
         if torch.compiler.is_compiling() or is_capturing():
-            table.uncovered.add_(bad.sum(dim=1))
             return
-        if not bool(bad.any()):  # the check's one host sync
-            return
-        layer, t = (int(v) for v in torch.nonzero(bad)[0])
-        row, col = divmod(t, positions.shape[1])
-        pos = int(positions[row, col])
-        mode = "matched by content" if by_content else f"trace {row}"
-        fail(
-            "replay",
-            "a recorded route for every token of a replayed forward except padding and each sequence's "
-            "last sampled token (or missing='native' to route the others natively)",
-            f"none for batch row {row}, position {pos}, {self._layer_names()[layer]} ({mode}; "
-            f"{int(bad.sum())} token-layer lookups without one in this forward)",
-            what="coverage",
-        )
-
-    def reset_report(self) -> None:
-        """Start :meth:`report`'s counts again (the active replay's)."""
-        if self._replay is not None:
-            self._replay.reset_report()
+        if table.uncovered.is_cuda:
+            table.snapshot_uncovered()
+        else:  # host memory: reading it waits for nothing, so this forward raises itself
+            table.check_uncovered(self._layer_names(), block=True)
 
     # ---------------------------------------------------------------- per layer
     def _layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any]:

@@ -344,8 +344,10 @@ class ReplayTable:
     seen, fallback : torch.Tensor int64 [L]
         Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
     uncovered : torch.Tensor int64 [L]
-        Lookups of compiled forwards that no trace covers and that coverage does not excuse
-        (:meth:`uncovered_mask`), per layer: raised at the next eager check (:meth:`raise_uncovered`).
+        Lookups that no trace covers and that coverage does not excuse (:meth:`uncovered_mask`),
+        per layer, since the last :meth:`check_uncovered` (:meth:`count_uncovered` adds them).
+    uncovered_example : torch.Tensor int64 [3]
+        ``(layer, batch row, position)`` of one of them (-1 while there is none).
     missing : {"error", "native"}
         What a forward does with a token no trace covers: raise (the default) or route it natively
         (counted in :attr:`fallback`).
@@ -365,8 +367,10 @@ class ReplayTable:
         self.source: tuple | None = None  # (traces, layer_of): what load() was given, to reload elsewhere
         self.hashes = self.hash_rows = self.powers = torch.empty(0)
         self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
-        self.seen = self.fallback = self.uncovered = torch.empty(0)
+        self.seen = self.fallback = self.uncovered = self.uncovered_example = torch.empty(0)
         self.missing = "error"
+        self._snapshot: tuple | None = None  # (pinned int64 [L + 3], event): the counters' last async copy
+        self._snapshot_pending = False
 
     @property
     def batch_size(self) -> int:
@@ -421,7 +425,9 @@ class ReplayTable:
             self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.uncovered = _static(torch.zeros(L, dtype=torch.int64, device=device))
-        self.uncovered.zero_()
+            self.uncovered_example = _static(torch.full((3,), -1, dtype=torch.int64, device=device))
+            self._snapshot = None
+        self._clear_uncovered()
         self.reset_report()
 
     def holds(self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], device: torch.device) -> bool:
@@ -548,23 +554,67 @@ class ReplayTable:
         need = (real & ~last).reshape(1, -1)
         return (forced[:, :, 0] < 0) & need
 
-    def raise_uncovered(self, layer_names: Sequence[str]) -> None:
-        """Raise ValueError when compiled forwards counted uncovered lookups (:attr:`uncovered`,
-        then zeroed); ``layer_names[l]`` names MoE layer ``l``. One host sync."""
+    def count_uncovered(self, forced: torch.Tensor, positions: torch.Tensor, *, by_content: bool) -> None:
+        """Add one forward's uncovered lookups (:meth:`uncovered_mask`) to :attr:`uncovered` and keep
+        one of them in :attr:`uncovered_example`. Device ops only (no host sync, fixed shapes): runs
+        eagerly, under ``torch.compile`` and inside CUDA graphs."""
+        bad = self.uncovered_mask(forced, positions, by_content=by_content)
+        self.uncovered.add_(bad.sum(dim=1))
+        T, S = bad.shape[1], positions.shape[1]
+        first = torch.argmax(bad.reshape(-1).to(torch.int32))  # the first True (0 when none)
+        layer, t = first // T, first % T
+        pos = positions.reshape(-1).index_select(0, t.reshape(1)).reshape(())  # (no host read of t)
+        example = torch.stack([layer, t // S, pos])
+        self.uncovered_example.copy_(torch.where(bad.any(), example, self.uncovered_example))
+
+    def snapshot_uncovered(self) -> None:
+        """Start copying the counters to pinned host memory, without waiting (CUDA, eager, outside a
+        graph capture): a later :meth:`check_uncovered` with ``block=False`` reads them once the
+        copy is done."""
+        if not self.uncovered.is_cuda or self.missing != "error":
+            return
+        if self._snapshot is None:
+            host = torch.empty(self.uncovered.numel() + 3, dtype=torch.int64, pin_memory=True)
+            self._snapshot = (host, torch.cuda.Event())
+        host, event = self._snapshot
+        host.copy_(torch.cat([self.uncovered, self.uncovered_example]), non_blocking=True)
+        event.record()
+        self._snapshot_pending = True
+
+    def check_uncovered(self, layer_names: Sequence[str], *, block: bool) -> None:
+        """Raise ValueError for uncovered lookups counted since the last check (then start again).
+
+        ``block=True`` reads the device counters (one host sync; on the CPU, no wait). ``block=False``
+        never waits: it reads the last :meth:`snapshot_uncovered` once its copy is done, and does
+        nothing before. ``layer_names[l]`` names MoE layer ``l`` in the message.
+        """
         if self.missing != "error" or self.uncovered.numel() == 0:
             return
-        counts = self.uncovered.tolist()
+        if block or not self.uncovered.is_cuda:
+            values = torch.cat([self.uncovered, self.uncovered_example]).tolist()
+        elif self._snapshot_pending and self._snapshot[1].query():
+            values = self._snapshot[0].tolist()
+            self._snapshot_pending = False
+        else:
+            return
+        counts, (layer, row, pos) = values[:-3], values[-3:]
         if not any(counts):
             return
-        self.uncovered.zero_()
-        where = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
+        self._clear_uncovered()
+        per_layer = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
         fail(
             "replay",
             "a recorded route for every token of a replayed forward except padding and each "
             "sequence's last sampled token (or missing='native' to route the others natively)",
-            f"token-layer lookups without one in compiled forwards ({where})",
+            f"none for batch row {row}, position {pos}, {layer_names[layer]}; token-layer lookups "
+            f"without one since the last check: {per_layer}",
             what="coverage",
         )
+
+    def _clear_uncovered(self) -> None:
+        self.uncovered.zero_()
+        self.uncovered_example.fill_(-1)
+        self._snapshot_pending = False
 
     def report(self) -> ReplayReport:
         """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""
