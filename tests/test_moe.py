@@ -455,6 +455,36 @@ def test_check_ids_false_skips_the_check(backend, generator):
         _call(backend, x, w13, w2, check_ids=1, **kw)
 
 
+def test_route_ids_are_not_checked_again_until_modified(generator, monkeypatch):
+    # ids straight from route() were valid when made: fused_moe skips the by-value check (no host
+    # sync in route -> fused_moe); a copy, another expert count, or an in-place write (through a view
+    # too) is checked again
+    from replaymoe import route
+    from replaymoe.routing import _checks
+
+    x, w13, w2, _, _ = _problem(3, 32, 16, 8, 2, generator)
+    ids, wts = route(torch.randn(3, 8, generator=generator), 2)
+    checked = []
+    real = _checks.check_id_values
+    monkeypatch.setattr(_checks, "check_id_values", lambda *a, **k: (checked.append(1), real(*a, **k)))
+
+    def run(topk, E=None):
+        checked.clear()
+        fused_moe(x, w13, w2, topk_ids=topk, topk_weights=wts, num_experts=E, backend="torch")
+        return bool(checked)
+
+    assert not run(ids)  # route's own output, unmodified
+    assert run(ids.clone())  # the same values from another producer
+    assert not run(ids, E=16) and run(ids.clone(), E=16)  # a larger model: still valid
+    ids[0, 1] = ids[0, 0]  # a duplicate written in place (the version counter moves)
+    with pytest.raises(ValueError, match="topk_ids.*distinct"):
+        run(ids)
+    ids2, _ = route(torch.randn(3, 8, generator=generator), 2)
+    ids2.view(-1)[0] = 10**6  # through a view
+    with pytest.raises(ValueError, match="topk_ids"):
+        run(ids2)
+
+
 @pytest.mark.interpret
 def test_check_ids_false_skips_the_check_on_triton(generator):
     # the kernels drop an id past E as any id outside the slice (interpreter, fp32)

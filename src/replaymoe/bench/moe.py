@@ -18,12 +18,14 @@ activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed
   (``"stored"``). ``vs_vllm`` = ``rmoe_bf16_ms / vllm_kernels_ms`` (below 1: replaymoe faster).
 
 ``--check-ids`` measures something else instead: the cost of ``fused_moe``'s check of caller-given
-``topk_ids`` (``check_ids=True``, the default, against ``False``, the behaviour before the check), bf16,
-with route's ids as ``topk_ids``, at ``--tokens`` (default 1: decode), for each shape: CUDA-graph replay
-(``graph_*``: the check is skipped during capture), eager device time (``eager_*``, ``do_bench``) and
-eager host time (``host_*``); on and off alternate in :data:`CHECK_ROUNDS` rounds (the card's clock
-drifts), each figure is the median over the rounds and ``*_ratio`` the median of the rounds' on / off
-ratios. Written to ``moe_check_ids.csv`` / ``.json``.
+``topk_ids``, bf16, at ``--tokens`` (default 1: decode), for each shape, in three variants
+(:data:`CHECK_VARIANTS`): ``off`` (``check_ids=False``, the behaviour before the check), ``route``
+(``route``'s ids as it returned them: marked valid, not checked again) and ``caller`` (a copy of the
+same ids, as an engine or a file hands them: checked by value, eagerly one host sync). Each is timed as
+CUDA-graph replay (``graph_*``: the check is skipped during capture), eager device time (``eager_*``,
+``do_bench``) and eager host time (``host_*``); the variants alternate in :data:`CHECK_ROUNDS` rounds
+(the card's clock drifts), each figure is the median over the rounds and ``*_ratio`` the median of the
+rounds' variant / off ratios. Written to ``moe_check_ids.csv`` / ``.json``.
 
 ``--peer-dir`` names a git-ignored folder prepared as ``../shared/peers/README.md`` says: vLLM's
 kernel extracted from the vLLM wheel at run time plus the peer driver ``vllm_moe_peer.py``, which
@@ -73,7 +75,12 @@ TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 NAIVE_TOKENS = {"deepseek": (1, 64), "qwen3": (1, 64, 4096), "mixtral": (1, 64, 4096)}
 CHECK_ROUNDS = 6  # --check-ids: rounds of on / off in alternating order
 CHECK_MODES = ("graph", "eager", "host")
-CHECK_COLUMNS = ["shape", "T"] + [f"{m}_{k}" for m in CHECK_MODES for k in ("off_us", "on_us", "ratio")]
+CHECK_VARIANTS = ("off", "route", "caller")  # check_ids=False; route's ids (marked valid); a copy (checked)
+CHECK_COLUMNS = ["shape", "T"] + [
+    f"{m}_{k}"
+    for m in CHECK_MODES
+    for k in [f"{v}_us" for v in CHECK_VARIANTS] + [f"{v}_ratio" for v in CHECK_VARIANTS[1:]]
+]
 
 # vLLM 0.33 Triton fused MoE on this H200, bf16, graph replay, L2 cold: two GEMM kernels alone (ms).
 VLLM_KERNELS_MS: dict[tuple[str, int], float] = {
@@ -241,7 +248,9 @@ def _point(name: str, T: int, bf16w, fp8w, peer=None) -> dict:
 
 
 def _check_ids_point(name: str, T: int, bf16w) -> dict:
-    """``--check-ids``: one (shape, T) row, ``fused_moe`` with caller ``topk_ids``, check on against off."""
+    """``--check-ids``: one (shape, T) row, ``fused_moe`` with caller ``topk_ids``: the check off
+    (``off``), ids straight from ``route`` (``route``: marked valid, not checked again) and the same
+    ids as another producer hands them (``caller``: a copy, checked by value), in alternating order."""
     import statistics
 
     from ..moe import fused_moe
@@ -249,23 +258,26 @@ def _check_ids_point(name: str, T: int, bf16w) -> dict:
     H, _, _, _, _ = SHAPES[name]
     w13, w2, _, _ = bf16w
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    _, _, _, _, ids, wts = routing_inputs(name, T)  # route's ids: int32 [T, K], valid
+    _, _, _, _, ids, wts = routing_inputs(name, T)  # route's ids: int32 [T, K], valid, marked
+    caller = ids.clone()  # the same values from elsewhere (an engine, a file): checked
 
-    def call(check: bool):
-        return lambda: fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts, check_ids=check)
+    def call(variant: str):
+        topk, check = {"off": (ids, False), "route": (ids, True), "caller": (caller, True)}[variant]
+        return lambda: fused_moe(x, w13, w2, topk_ids=topk, topk_weights=wts, check_ids=check)
 
     timers = dict(zip(CHECK_MODES, (time_graph, time_eager, host_us)))
     row: dict = {"shape": name, "T": T}
     for mode, timer in timers.items():
-        times: dict[bool, list[float]] = {False: [], True: []}
-        ratios = []
+        times: dict[str, list[float]] = {v: [] for v in CHECK_VARIANTS}
         for r in range(CHECK_ROUNDS):
-            for check in (False, True) if r % 2 == 0 else (True, False):
-                times[check].append(timer(call(check)))
-            ratios.append(times[True][-1] / times[False][-1])
-        row[f"{mode}_off_us"] = statistics.median(times[False])
-        row[f"{mode}_on_us"] = statistics.median(times[True])
-        row[f"{mode}_ratio"] = statistics.median(ratios)
+            order = CHECK_VARIANTS if r % 2 == 0 else CHECK_VARIANTS[::-1]
+            for variant in order:
+                times[variant].append(timer(call(variant)))
+        for variant in CHECK_VARIANTS:
+            row[f"{mode}_{variant}_us"] = statistics.median(times[variant])
+        for variant in CHECK_VARIANTS[1:]:
+            ratios = [a / b for a, b in zip(times[variant], times["off"])]
+            row[f"{mode}_{variant}_ratio"] = statistics.median(ratios)
     return row
 
 

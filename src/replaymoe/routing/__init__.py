@@ -31,7 +31,7 @@ import torch
 
 from replaymoe._backend import resolve_backend
 from replaymoe._validation import fail
-from replaymoe.routing._checks import check_replay_ids, validate, validate_config
+from replaymoe.routing._checks import check_replay_ids, mark_valid_ids, validate, validate_config
 from replaymoe.routing._triton import route_triton
 from replaymoe.routing.methods import Params, RoutingMethod, select_torch, weights_torch
 
@@ -324,7 +324,10 @@ def route(
         routing = _renamed_config(routing, config, "route")
     routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
     p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay)
-    return route_unchecked(router_logits, p, routing.bias, routing_replay_out, replay_ids, backend)
+    out = route_unchecked(router_logits, p, routing.bias, routing_replay_out, replay_ids, backend)
+    if (replay_ids is None or check_replay) and not torch.compiler.is_compiling():
+        mark_valid_ids(out.topk_ids, router_logits.shape[1])  # fused_moe need not check them again
+    return out
 
 
 def route_unchecked(

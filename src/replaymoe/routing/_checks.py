@@ -32,6 +32,7 @@ __all__ = [
     "BIAS_DTYPES",
     "check_id_values",
     "check_replay_ids",
+    "mark_valid_ids",
     "topk_ids_for_kernels",
     "validate",
     "validate_config",
@@ -255,20 +256,37 @@ def _check_topk_ids_fake(topk_ids, num_experts):
     return torch.empty_like(topk_ids)
 
 
+_VALID_MARK = "_replaymoe_valid_ids"  # (experts E, the tensor's version counter when marked)
+
+
+def mark_valid_ids(ids: torch.Tensor, num_experts: int) -> None:
+    """Mark ``ids`` (``route``'s output) as valid for models of at least ``num_experts`` experts: a
+    later :func:`topk_ids_for_kernels` of the same, unmodified tensor (its version counter unchanged:
+    any in-place write, through a view too, changes it) skips the by-value check. Eager only."""
+    setattr(ids, _VALID_MARK, (num_experts, ids._version))
+
+
+def _marked_valid(ids: torch.Tensor, num_experts: int) -> bool:
+    mark = getattr(ids, _VALID_MARK, None)
+    return mark is not None and mark[0] <= num_experts and mark[1] == ids._version
+
+
 def topk_ids_for_kernels(topk_ids: torch.Tensor, num_experts: int, check: bool) -> torch.Tensor:
     """``fused_moe``'s caller-given ``topk_ids`` checked by value, once, at the public boundary.
 
     Eagerly (``check``, not capturing a CUDA graph) :func:`check_id_values` runs here (one host sync)
     and the ids come back as they are (any strides: the experts read them in place); under
     ``torch.compile`` they come back through the op ``replaymoe::check_topk_ids``, which checks them
-    inside the graph (skipped while a CUDA graph is being captured). ``check=False`` returns them
+    inside the graph (skipped while a CUDA graph is being captured). Ids that :func:`route` returned
+    and nobody modified since (:func:`mark_valid_ids`) were valid when made: eagerly they are not
+    checked again, so ``route`` then ``fused_moe`` costs no host sync. ``check=False`` returns them
     untouched on every path.
     """
     if not check:
         return topk_ids
     if torch.compiler.is_compiling():
         return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts)
-    if not is_capturing():
+    if not is_capturing() and not _marked_valid(topk_ids, num_experts):
         check_id_values(topk_ids, num_experts, "topk_ids", minus_one="slots")
     return topk_ids
 
