@@ -427,6 +427,9 @@ class ReplayTable:
             self.uncovered = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.uncovered_example = _static(torch.full((3,), -1, dtype=torch.int64, device=device))
             self._snapshot = None
+            if device.type == "cuda":  # made here, not in a forward (a pinned allocation may wait)
+                host = torch.empty(L + 3, dtype=torch.int64, pin_memory=True)
+                self._snapshot = (host, torch.cuda.Event())
         self._clear_uncovered()
         self.reset_report()
 
@@ -571,11 +574,8 @@ class ReplayTable:
         """Start copying the counters to pinned host memory, without waiting (CUDA, eager, outside a
         graph capture): a later :meth:`check_uncovered` with ``block=False`` reads them once the
         copy is done."""
-        if not self.uncovered.is_cuda or self.missing != "error":
+        if not self.uncovered.is_cuda or self.missing != "error" or self._snapshot is None:
             return
-        if self._snapshot is None:
-            host = torch.empty(self.uncovered.numel() + 3, dtype=torch.int64, pin_memory=True)
-            self._snapshot = (host, torch.cuda.Event())
         host, event = self._snapshot
         host.copy_(torch.cat([self.uncovered, self.uncovered_example]), non_blocking=True)
         event.record()
