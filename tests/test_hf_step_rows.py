@@ -66,11 +66,14 @@ def test_step_rows_matches_reference(device, pattern, S, past, seq_cap, traces_s
     overflow_ref = bool(cap.overflow.item()) if capture else None
     if capture:
         cap.overflow.zero_()
-    forced_ref = seen_ref = fallback_ref = None
+    forced_ref = seen_ref = fallback_ref = uncovered_ref = None
     if replay:
         forced_ref = table.gather(positions)
         seen_ref, fallback_ref = table.seen.clone(), table.fallback.clone()
+        table.count_uncovered(forced_ref, positions, by_content=False)  # the coverage counts' reference
+        uncovered_ref = table.uncovered.clone()
         table.reset_report()
+        table._clear_uncovered()
 
     poison = torch.full((L, B * S, K), 12345, dtype=torch.int32, device=device) if replay else None
     slot, forced = step_rows(mask, S, past, capture=cap, replay=table, forced_out=poison)
@@ -84,6 +87,7 @@ def test_step_rows_matches_reference(device, pattern, S, past, seq_cap, traces_s
         torch.testing.assert_close(forced, forced_ref, rtol=0, atol=0)
         torch.testing.assert_close(table.seen, seen_ref, rtol=0, atol=0)
         torch.testing.assert_close(table.fallback, fallback_ref, rtol=0, atol=0)
+        torch.testing.assert_close(table.uncovered, uncovered_ref, rtol=0, atol=0)  # counts and first key
     else:
         assert forced is None
 
@@ -218,6 +222,9 @@ def test_decode_head_continues_step_rows(device, pattern, S, seq_cap, steps, cap
             torch.testing.assert_close(forced_slab, ref_forced, rtol=0, atol=0)
             torch.testing.assert_close(tables[1].seen, tables[0].seen, rtol=0, atol=0)
             torch.testing.assert_close(tables[1].fallback, tables[0].fallback, rtol=0, atol=0)
+            torch.testing.assert_close(tables[1].uncovered, tables[0].uncovered, rtol=0, atol=0)
+    if replay:  # the traces end before the last steps: uncovered lookups, counted alike by both kernels
+        assert int(tables[0].uncovered[:-1].sum()) > 0
     if capture:
         for c in caps:
             c.flush()

@@ -282,3 +282,17 @@ def test_trace_fingerprint_is_its_metadata():
     ids[..., 1] = 1
     t = RoutingTrace(ids, num_experts=8, top_k=2, layer_ids=[1, 2, 3], model_id="x")
     assert t.fingerprint == RoutingFingerprint("x", (1, 2, 3), 3, 8, 2)
+
+
+@pytest.mark.interpret
+def test_step_bookkeeping_kernel_counts_uncovered_tokens():
+    # the eager Triton path (one bookkeeping launch per forward, under the interpreter here) counts
+    # uncovered lookups in its kernel: the same error as the torch path, naming row, position, layer
+    model, moe, ids, mask, traces = _captured(backend="triton")
+    bare = [t.replace(ids=t.ids[:3], token_ids=None) for t in traces]  # by batch row
+    with pytest.raises(ValueError, match="batch row 0, position 4, MoE layer 0"), moe.replaying(bare):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    with moe.replaying(bare, missing="native"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        assert moe.report().fallback_tokens_per_layer.tolist() == [2 * 9] * len(moe.layers)

@@ -10,7 +10,10 @@ kept columns up to and including it, plus ``pos_shift``; -1 for padding. Then, p
 * ``REPLAY``: the replay-table row ``pos + shift[b]`` when ``offsets[b] <= pos < ends[b]`` (else the
   table's last row, all -1), copied for every layer into ``forced [L, T, K]``; per layer, the
   non-padding tokens are added to ``seen`` and those whose row is -1 to ``fallback`` (integer
-  atomics: the sums do not depend on the order).
+  atomics: the sums do not depend on the order); of those, the ones that coverage does not excuse
+  (every position but ``ends[b]``, the row's last sampled token) to ``uncovered[layer]``, and the
+  smallest of their keys ``layer << 48 | b << 28 | pos`` to ``uncovered[L]`` (an atomic minimum:
+  ``ReplayTable.count_uncovered`` is the reference).
 
 ``PENDING`` (capture): the previous forward's deferred commit rides along. Its staged router ids
 ``[L, Tp, K]`` are written to the capture buffer ``ids [L, R, K]`` at its slots ``[Tp]``, the
@@ -29,7 +32,7 @@ import triton.language as tl
 _INTS = "stride_mb P S pos_shift seq_cap dump stride_tl last_row stride_fl L Tp stride_il".split()
 _POINTERS = (
     "mask_ptr slot_ptr overflow_ptr table_ptr offsets_ptr ends_ptr shift_ptr forced_ptr seen_ptr "
-    "fallback_ptr pend_staged_ptr pend_slot_ptr ids_ptr next_pos_ptr"
+    "fallback_ptr uncovered_ptr pend_staged_ptr pend_slot_ptr ids_ptr next_pos_ptr"
 ).split()
 
 
@@ -58,8 +61,8 @@ def _replay_window(offsets_ptr, ends_ptr, shift_ptr, b, REPLAY: tl.constexpr):
 
 @triton.jit
 def _token_rows(pos, real, in_s, t, kc, row_base, slot_ptr, seq_cap, dump, overflow_ptr, table_ptr, stride_tl,
-                last_row, first, end, shift, forced_ptr, stride_fl, seen_ptr, fallback_ptr, L,
-                K: tl.constexpr, CAPTURE: tl.constexpr, REPLAY: tl.constexpr):  # fmt: skip
+                last_row, first, end, shift, forced_ptr, stride_fl, seen_ptr, fallback_ptr, uncovered_ptr, b,
+                L, K: tl.constexpr, CAPTURE: tl.constexpr, REPLAY: tl.constexpr):  # fmt: skip
     """Tokens ``t`` (int64; ``in_s``: valid) of one batch row at positions ``pos`` (-1: padding;
     ``real``: not padding): capture rows ``row_base + pos`` into ``slot_ptr`` (the dump row outside
     the capacity, which also sets ``overflow``), replay ids into ``forced_ptr`` and the per-layer
@@ -82,6 +85,12 @@ def _token_rows(pos, real, in_s, t, kc, row_base, slot_ptr, seq_cap, dump, overf
             fell_back = tl.sum((real & (first_id < 0)).to(tl.int64), axis=0)
             tl.atomic_add(seen_ptr + layer, n_real)
             tl.atomic_add(fallback_ptr + layer, fell_back)
+            bad = real & (first_id < 0) & (pos != end)
+            n_bad = tl.sum(bad.to(tl.int64), axis=0)
+            if n_bad > 0:
+                tl.atomic_add(uncovered_ptr + layer, n_bad)
+                key = (tl.full([], layer, tl.int64) << 48) | (b.to(tl.int64) << 28) | pos
+                tl.atomic_min(uncovered_ptr + L, tl.min(tl.where(bad, key, 9223372036854775807), axis=0))
 
 
 @triton.jit(do_not_specialize=_INTS, do_not_specialize_on_alignment=_POINTERS)
@@ -105,6 +114,7 @@ def step_rows_kernel(
     stride_fl,
     seen_ptr,  # int64 [L] (REPLAY)
     fallback_ptr,
+    uncovered_ptr,  # int64 [L + 1] (REPLAY): per-layer counts, then the smallest key
     L,
     pend_staged_ptr,  # int16 [L, Tp, K] contiguous (PENDING)
     pend_slot_ptr,  # int64 [Tp] (PENDING)
@@ -151,7 +161,7 @@ def step_rows_kernel(
         t = b.to(tl.int64) * S + j
         _token_rows(pos, real, in_s, t, kc, b.to(tl.int64) * seq_cap, slot_ptr, seq_cap, dump, overflow_ptr,
                     table_ptr, stride_tl, last_row, first, end, shift, forced_ptr, stride_fl, seen_ptr,
-                    fallback_ptr, L, K, CAPTURE, REPLAY)  # fmt: skip
+                    fallback_ptr, uncovered_ptr, b, L, K, CAPTURE, REPLAY)  # fmt: skip
     if NEXT_POS:  # the position the row's next token gets (a decode step that only appends a kept column)
         tl.store(next_pos_ptr + b, carry + pos_shift)
 
@@ -159,7 +169,7 @@ def step_rows_kernel(
 _DECODE_INTS = "seq_cap dump stride_tl last_row stride_fl L stride_il".split()
 _DECODE_POINTERS = (
     "next_pos_ptr slot_ptr overflow_ptr table_ptr offsets_ptr ends_ptr shift_ptr forced_ptr seen_ptr "
-    "fallback_ptr pend_staged_ptr ids_ptr"
+    "fallback_ptr uncovered_ptr pend_staged_ptr ids_ptr"
 ).split()
 
 
@@ -180,6 +190,7 @@ def decode_rows_kernel(
     stride_fl,
     seen_ptr,  # int64 [L] (REPLAY)
     fallback_ptr,
+    uncovered_ptr,  # int64 [L + 1] (REPLAY)
     L,
     pend_staged_ptr,  # int16 [L, B, K] contiguous: the previous step's staged ids (PENDING)
     ids_ptr,  # int16 [L, R, K] capture buffer, contiguous (PENDING)
@@ -212,4 +223,4 @@ def decode_rows_kernel(
     first, end, shift = _replay_window(offsets_ptr, ends_ptr, shift_ptr, b, REPLAY)
     _token_rows(pos, in_s, in_s, b.to(tl.int64) + j, kc, b.to(tl.int64) * seq_cap, slot_ptr, seq_cap, dump,
                 overflow_ptr, table_ptr, stride_tl, last_row, first, end, shift, forced_ptr, stride_fl,
-                seen_ptr, fallback_ptr, L, K, CAPTURE, REPLAY)  # fmt: skip
+                seen_ptr, fallback_ptr, uncovered_ptr, b, L, K, CAPTURE, REPLAY)  # fmt: skip

@@ -15,7 +15,6 @@ capture and replay fill), and :func:`enable` documents every option of it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 import warnings
 import weakref
@@ -409,12 +408,8 @@ class ReplayMoE:
             tokens = input_ids.reshape(-1).to(device=ref.device, dtype=torch.int64)
         coverage = None
         if self._replay is not None and self._replay.missing == "error":
-            if fused:  # positions were the kernel's: the same values, computed at the check
-                make = functools.partial(token_positions, B, S, attention_mask=mask, past_length=past,
-                                         device=ref.device)  # fmt: skip
-                coverage = (self._replay, False, None, make)
-            else:
-                coverage = (self._replay, content, positions, None)
+            # the step bookkeeping kernel counts uncovered lookups itself (positions None)
+            coverage = (self._replay, content, None if fused else positions)
         self._step = Step(B * S, forced, staged, slot, graphed, fused, head, tokens, coverage)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -884,10 +879,9 @@ class ReplayMoE:
         route and found none (:meth:`ReplayTable.count_uncovered`, device ops only, whichever
         producer wrote the forced ids), and, eagerly, start the counters' copy to the host that the
         next forward's start reads without waiting."""
-        table, by_content, positions, make_positions = step.coverage
-        if positions is None:
-            positions = make_positions()
-        table.count_uncovered(step.forced, positions, by_content=by_content)
+        table, by_content, positions = step.coverage
+        if positions is not None:
+            table.count_uncovered(step.forced, positions, by_content=by_content)
         if torch.compiler.is_compiling() or is_capturing():
             return
         if table.uncovered.is_cuda:

@@ -37,8 +37,8 @@ class Step:
     defer_commit: bool = False  # capture: the next step_rows launch writes the staged ids
     head: Optional[DecodeHead] = None  # run by the first MoE block, before its router (then None)
     tokens: Optional[torch.Tensor] = None  # int64 [T] the forward's tokens (capture records them), or None
-    # replay with missing="error": (table, matched by content, positions int64 [B, S] or None, a
-    # function that computes them); checked when the forward ends (ReplayMoE._check_coverage)
+    # replay with missing="error": (table, matched by content, positions int64 [B, S], or None where the
+    # step bookkeeping kernel counted the uncovered lookups); counted when the forward ends
     coverage: Optional[tuple] = None
 
 
@@ -130,7 +130,8 @@ def step_rows(
         Gives the capture rows ``int64 [B*S]`` (and its ``overflow`` flag).
     replay : ReplayTable, optional
         Gives the forced ids ``int32 [L, B*S, K]`` (into ``forced_out`` when given) and counts
-        ``seen`` / ``fallback``.
+        ``seen`` / ``fallback`` / ``uncovered`` (:meth:`ReplayTable.count_uncovered`'s counts, by batch
+        row).
     slot_out : torch.Tensor, optional
         ``int64 [B*S]`` for the capture rows (not the pending commit's slots: they are read here).
     next_pos_out : torch.Tensor, optional
@@ -171,7 +172,7 @@ def step_rows(
         capture.overflow_i8 if cap else d,
         replay.table if rep else d, R * K, R - 1, replay.offsets if rep else d, replay.ends if rep else d,
         replay.shift if rep else d, d if forced is None else forced, T * K, replay.seen if rep else d,
-        replay.fallback if rep else d, L,
+        replay.fallback if rep else d, replay.uncovered if rep else d, L,
         pending[0] if pend else d, pending[1] if pend else d, pending[1].shape[0] if pend else 0,
         capture.ids if pend else d, capture.ids.stride(0) if pend else 0,
     )  # fmt: skip
@@ -217,7 +218,8 @@ class DecodeHead:
             capture.batch_cap * capture.seq_cap if cap else 0, capture.overflow_i8 if cap else d,
             replay.table if rep else d, R * K if rep else 0, R - 1 if rep else 0,
             replay.offsets if rep else d, replay.ends if rep else d, replay.shift if rep else d,
-            forced if rep else d, B * K, replay.seen if rep else d, replay.fallback if rep else d, L,
+            forced if rep else d, B * K, replay.seen if rep else d, replay.fallback if rep else d,
+            replay.uncovered if rep else d, L,
             staged if cap else d, capture.ids if cap else d, capture.ids.stride(0) if cap else 0,
         )  # fmt: skip
         self.consts = dict(K=K, KP=next_power_of_2(K), CAPTURE=cap, REPLAY=rep, PENDING=cap)
@@ -295,8 +297,8 @@ class DecodeChain:
         next_pos = self.buffers.vector("next_pos", B, torch.int64, device)
         src = (  # everything the head's arguments hold (a reloaded pooled replay table replaces its tensors)
             capture, None if capture is None else capture.ids, staged, forced, slot, next_pos, replay,
-            *((replay.table, replay.offsets, replay.ends, replay.shift, replay.seen, replay.fallback)
-              if replay is not None else ()),
+            *((replay.table, replay.offsets, replay.ends, replay.shift, replay.seen, replay.fallback,
+               replay.uncovered) if replay is not None else ()),
         )  # fmt: skip
         old = self._head_src
         if self._head is None or old is None or any(x is not y for x, y in zip(src, old)):

@@ -47,6 +47,7 @@ __all__ = [
 # What a replayed forward does with a token its traces do not cover (``replaying(..., missing=)``):
 # "error" raises (the default), "native" routes it natively and counts it in the report
 MISSING_MODES = ("error", "native")
+_NO_KEY = (1 << 63) - 1  # ReplayTable.uncovered's last entry while no uncovered lookup was counted
 
 
 def _next_power_of_2(n: int) -> int:
@@ -343,11 +344,11 @@ class ReplayTable:
         ``shift`` are ``offsets + lengths`` and ``bases - offsets``).
     seen, fallback : torch.Tensor int64 [L]
         Non-padding tokens looked up, and those routed natively (no recorded row), per layer.
-    uncovered : torch.Tensor int64 [L]
-        Lookups that no trace covers and that coverage does not excuse (:meth:`uncovered_mask`),
-        per layer, since the last :meth:`check_uncovered` (:meth:`count_uncovered` adds them).
-    uncovered_example : torch.Tensor int64 [3]
-        ``(layer, batch row, position)`` of one of them (-1 while there is none).
+    uncovered : torch.Tensor int64 [L + 1]
+        ``[:L]``: lookups that no trace covers and that coverage does not excuse (:meth:`uncovered_mask`),
+        per layer, since the last :meth:`check_uncovered` (:meth:`count_uncovered` adds them, and so
+        does the step bookkeeping kernel, ``hf/_kernel_step_rows.py``); ``[L]``: the smallest key
+        ``layer << 48 | batch row << 28 | position`` among them (:data:`_NO_KEY` while there is none).
     missing : {"error", "native"}
         What a forward does with a token no trace covers: raise (the default) or route it natively
         (counted in :attr:`fallback`).
@@ -367,9 +368,9 @@ class ReplayTable:
         self.source: tuple | None = None  # (traces, layer_of): what load() was given, to reload elsewhere
         self.hashes = self.hash_rows = self.powers = torch.empty(0)
         self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
-        self.seen = self.fallback = self.uncovered = self.uncovered_example = torch.empty(0)
+        self.seen = self.fallback = self.uncovered = torch.empty(0)
         self.missing = "error"
-        self._snapshot: tuple | None = None  # (pinned int64 [L + 3], event): the counters' last async copy
+        self._snapshot: tuple | None = None  # (pinned int64 [L + 1], event): the counters' last async copy
         self._snapshot_pending = False
 
     @property
@@ -424,11 +425,10 @@ class ReplayTable:
         if tuple(self.seen.shape) != (L,) or self.seen.device != device:
             self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
-            self.uncovered = _static(torch.zeros(L, dtype=torch.int64, device=device))
-            self.uncovered_example = _static(torch.full((3,), -1, dtype=torch.int64, device=device))
+            self.uncovered = _static(torch.zeros(L + 1, dtype=torch.int64, device=device))
             self._snapshot = None
             if device.type == "cuda":  # made here, not in a forward (a pinned allocation may wait)
-                host = torch.empty(L + 3, dtype=torch.int64, pin_memory=True)
+                host = torch.empty(L + 1, dtype=torch.int64, pin_memory=True)
                 self._snapshot = (host, torch.cuda.Event())
         self._clear_uncovered()
         self.reset_report()
@@ -558,17 +558,19 @@ class ReplayTable:
         return (forced[:, :, 0] < 0) & need
 
     def count_uncovered(self, forced: torch.Tensor, positions: torch.Tensor, *, by_content: bool) -> None:
-        """Add one forward's uncovered lookups (:meth:`uncovered_mask`) to :attr:`uncovered` and keep
-        one of them in :attr:`uncovered_example`. Device ops only (no host sync, fixed shapes): runs
-        eagerly, under ``torch.compile`` and inside CUDA graphs."""
+        """Add one forward's uncovered lookups (:meth:`uncovered_mask`) to :attr:`uncovered`, and their
+        smallest key. Device ops only (no host sync, fixed shapes): runs eagerly, under
+        ``torch.compile`` and inside CUDA graphs. (The eager CUDA forwards that the step bookkeeping
+        kernel serves count in that kernel instead, by batch row.)"""
         bad = self.uncovered_mask(forced, positions, by_content=by_content)
-        self.uncovered.add_(bad.sum(dim=1))
-        T, S = bad.shape[1], positions.shape[1]
-        first = torch.argmax(bad.reshape(-1).to(torch.int32))  # the first True (0 when none)
-        layer, t = first // T, first % T
-        pos = positions.reshape(-1).index_select(0, t.reshape(1)).reshape(())  # (no host read of t)
-        example = torch.stack([layer, t // S, pos])
-        self.uncovered_example.copy_(torch.where(bad.any(), example, self.uncovered_example))
+        L = bad.shape[0]
+        B, S = positions.shape
+        rows = torch.arange(B, device=positions.device).repeat_interleave(S)
+        layers = torch.arange(L, device=positions.device)[:, None]
+        key = (layers << 48) | ((rows << 28) | positions.reshape(-1))[None, :]
+        smallest = torch.where(bad, key, _NO_KEY).amin().reshape(1)
+        self.uncovered[:L].add_(bad.sum(dim=1))
+        self.uncovered[L:].copy_(torch.minimum(self.uncovered[L:], smallest))
 
     def snapshot_uncovered(self) -> None:
         """Start copying the counters to pinned host memory, without waiting (CUDA, eager, outside a
@@ -577,7 +579,7 @@ class ReplayTable:
         if not self.uncovered.is_cuda or self.missing != "error" or self._snapshot is None:
             return
         host, event = self._snapshot
-        host.copy_(torch.cat([self.uncovered, self.uncovered_example]), non_blocking=True)
+        host.copy_(self.uncovered, non_blocking=True)
         event.record()
         self._snapshot_pending = True
 
@@ -591,15 +593,16 @@ class ReplayTable:
         if self.missing != "error" or self.uncovered.numel() == 0:
             return
         if block or not self.uncovered.is_cuda:
-            values = torch.cat([self.uncovered, self.uncovered_example]).tolist()
+            values = self.uncovered.tolist()
         elif self._snapshot_pending and self._snapshot[1].query():
             values = self._snapshot[0].tolist()
             self._snapshot_pending = False
         else:
             return
-        counts, (layer, row, pos) = values[:-3], values[-3:]
+        counts, key = values[:-1], values[-1]
         if not any(counts):
             return
+        layer, row, pos = key >> 48, (key >> 28) & ((1 << 20) - 1), key & ((1 << 28) - 1)
         self._clear_uncovered()
         per_layer = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
         fail(
@@ -612,8 +615,8 @@ class ReplayTable:
         )
 
     def _clear_uncovered(self) -> None:
-        self.uncovered.zero_()
-        self.uncovered_example.fill_(-1)
+        self.uncovered[:-1].zero_()
+        self.uncovered[-1:].fill_(_NO_KEY)
         self._snapshot_pending = False
 
     def report(self) -> ReplayReport:
