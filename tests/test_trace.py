@@ -628,6 +628,30 @@ def test_from_sglang_rejects(rng):
         RoutingTrace.from_sglang(b64, 3, 4, num_experts=8)  # ids up to 15 do not fit E=8
 
 
+@pytest.mark.parametrize(
+    "prompt, completion, start",
+    [
+        (4, 4, 0),  # 7 rows = 4 + 4 - 1: the last sampled token has no routing
+        (5, 3, 0),  # another split of the same 8 tokens
+        (6, 4, 2),  # from start 2: 6 + 4 - 1 - 2 = 7 rows
+        (4, 5, 0),  # one completion token more than the rows cover: refused
+        (6, 4, 3),  # a start off by one: refused
+    ],
+)
+def test_from_sglang_rows_checked_against_meta_info_token_counts(rng, prompt, completion, start):
+    ids = random_ids(rng, 7, 3, 4, 16)
+    meta = {
+        "routed_experts": base64.b64encode(ids.astype("<i4").tobytes()).decode(),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+    }
+    if prompt + completion - 1 - start == 7:
+        assert RoutingTrace.from_sglang(meta, 3, 4, start=start).num_tokens == 7
+    else:
+        with pytest.raises(TraceFormatError, match=r"7 rows, expected \d+ .*prompt .*completion"):
+            RoutingTrace.from_sglang(meta, 3, 4, start=start)
+
+
 # ----------------------------------------------------------------------------- concat / merge
 
 

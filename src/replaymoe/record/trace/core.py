@@ -471,7 +471,9 @@ class RoutingTrace:
         b64 : str, bytes or dict
             Base64 of the flat little-endian array, or the ``meta_info`` dict (then
             ``routed_experts`` is read from it, and its ``routed_experts_dtype`` -- ``"uint8"`` or
-            ``"torch.uint8"`` alike -- overrides ``dtype`` when present).
+            ``"torch.uint8"`` alike -- overrides ``dtype`` when present). With a dict holding
+            ``prompt_tokens`` and ``completion_tokens``, the rows must number
+            ``prompt_tokens + completion_tokens - 1 - start`` (TraceFormatError otherwise).
         num_layers, top_k : int
             The logical shape [rows, num_layers, top_k] (SGLang does not send it). When SGLang fuses
             shared experts into the capture, top_k counts them too.

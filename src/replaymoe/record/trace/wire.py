@@ -253,6 +253,7 @@ def decode_sglang(
     """Decode SGLang's flat ``meta_info.routed_experts`` into ``build(ids, **meta)`` (see ``from_sglang``)."""
     check_int("num_layers", num_layers, low=1)
     check_int("top_k", top_k, low=1)
+    meta = None
     if isinstance(b64, Mapping):
         meta = b64
         if "routed_experts" not in meta:
@@ -273,6 +274,16 @@ def decode_sglang(
             f"[num_layers={num_layers}, top_k={top_k}] rows ({itemsize * row} bytes each)"
         )
     flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+    rows = flat.size // row
+    counts = [meta.get(k) for k in ("prompt_tokens", "completion_tokens")] if meta is not None else []
+    if all(isinstance(n, int) and not isinstance(n, bool) for n in counts) and len(counts) == 2:
+        want = counts[0] + counts[1] - 1 - start  # the last sampled token was never fed through the model
+        if rows != want:
+            raise TraceFormatError(
+                f"SGLang routed_experts: {rows} rows, expected {want} (meta_info's {counts[0]} prompt + "
+                f"{counts[1]} completion tokens - 1 - start {start}); is num_layers={num_layers} or the "
+                "start right?"
+            )
     ids = select_moe_layers(flat.reshape(-1, num_layers, top_k), layer_ids, "SGLang routed_experts")
     return build(
         ids.astype(np.int64),
