@@ -862,6 +862,11 @@ class ReplayMoE:
         self._raise_uncovered()
         return None if self._replay is None else self._replay.report()
 
+    def reset_report(self) -> None:
+        """Start :meth:`report`'s counts again (the active replay's)."""
+        if self._replay is not None:
+            self._replay.reset_report()
+
     def _layer_names(self) -> list[str]:
         return [f"MoE layer {i} (model layer {n})" for i, n in enumerate(self.layer_ids)]
 
