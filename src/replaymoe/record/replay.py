@@ -621,7 +621,8 @@ class ReplayTable:
 
     def report(self) -> ReplayReport:
         """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""
-        return ReplayReport.from_counts(self.seen.cpu().numpy(), self.fallback.cpu().numpy())
+        # copies: on the CPU, .numpy() would share memory with the live counters
+        return ReplayReport.from_counts(self.seen.cpu().numpy().copy(), self.fallback.cpu().numpy().copy())
 
     def reset_report(self) -> None:
         self.seen.zero_()
