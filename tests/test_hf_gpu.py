@@ -228,9 +228,11 @@ def test_gpu_minus_one_rows_fall_back():
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["block-graphs", "eager-blocks"])
 def test_gpu_uncovered_tokens_raise_without_a_sync_in_the_forward(graphs):
-    # strict coverage on the GPU: the forward counts uncovered lookups on the device and copies the
-    # counters to the host asynchronously (CUDA's sync debug mode would turn any wait into an error);
-    # the next forward's start raises once the copy is done, naming row, position and layer
+    # strict coverage on the GPU: a forward counts uncovered lookups on the device and copies the
+    # counters to the host asynchronously; the next forward's start raises once the copy is done,
+    # naming row, position and layer. Without a mask (transformers' own mask builder reads a mask on
+    # the host) CUDA's sync debug mode checks that the counting waits for nothing; with a 2-D mask the
+    # step bookkeeping kernel counts them itself
     model = _model("qwen3_moe")
     ids, mask = _batch(model.config.vocab_size, [16, 16], seed=3)
     moe = rhf.enable(model, capture=True, graphs=graphs)
@@ -240,15 +242,17 @@ def test_gpu_uncovered_tokens_raise_without_a_sync_in_the_forward(graphs):
     moe.set_capture(False)
     moe.set_replay(cut)
     with torch.no_grad():
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            model(input_ids=ids, attention_mask=mask)  # no wait, no error yet
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        with pytest.raises(ValueError, match="batch row 0, position 5, MoE layer 0"):
-            model(input_ids=ids, attention_mask=mask)
+        for masked in (False, True):
+            kw = dict(attention_mask=mask) if masked else {}
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("default" if masked else "error")
+            try:
+                model(input_ids=ids, **kw)  # no wait, no error yet
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            with pytest.raises(ValueError, match="batch row 0, position 5, MoE layer 0"):
+                model(input_ids=ids, **kw)
         model(input_ids=ids, attention_mask=mask)  # the counters start again: this one raises
         with pytest.raises(ValueError, match="coverage of replay"):
             moe.report()  # at the latest at a check point (one host sync)
