@@ -877,7 +877,7 @@ class ReplayMoE:
         otherwise only a finished asynchronous snapshot is read (the start of every eager forward)."""
         table = self._replay
         if table is not None and not torch.compiler.is_compiling() and not is_capturing():
-            table.check_uncovered(self._layer_names, block=block)
+            table.check_uncovered(self._layer_names(), block=block)
 
     def _count_uncovered(self, step: Step) -> None:
         """End of a replayed forward with ``missing="error"``: count the tokens that needed a recorded
@@ -892,7 +892,7 @@ class ReplayMoE:
         if table.uncovered.is_cuda:
             table.snapshot_uncovered()
         else:  # host memory: reading it waits for nothing, so this forward raises itself
-            table.check_uncovered(self._layer_names, block=True)
+            table.check_uncovered(self._layer_names(), block=True)
 
     # ---------------------------------------------------------------- per layer
     def _layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any]:

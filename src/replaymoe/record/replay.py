@@ -26,7 +26,7 @@ are one contract (the rows a source fills are the rows the table serves).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -583,16 +583,14 @@ class ReplayTable:
         event.record()
         self._snapshot_pending = True
 
-    def check_uncovered(self, layer_names: Callable[[], Sequence[str]], *, block: bool) -> None:
+    def check_uncovered(self, layer_names: Sequence[str], *, block: bool) -> None:
         """Raise ValueError for uncovered lookups counted since the last check (then start again).
 
         ``block=True`` reads the device counters (one host sync; on the CPU, no wait). ``block=False``
         never waits: it reads the last :meth:`snapshot_uncovered` once its copy is done, and does
-        nothing before. ``layer_names()[l]`` names MoE layer ``l`` in the message (called only then).
+        nothing before. ``layer_names[l]`` names MoE layer ``l`` in the message.
         """
         if self.missing != "error" or self.uncovered.numel() == 0:
-            return
-        if not block and self.uncovered.is_cuda and not self._snapshot_pending:  # (every eager forward)
             return
         if block or not self.uncovered.is_cuda:
             values = self.uncovered.tolist()
@@ -606,13 +604,12 @@ class ReplayTable:
             return
         layer, row, pos = key >> 48, (key >> 28) & ((1 << 20) - 1), key & ((1 << 28) - 1)
         self._clear_uncovered()
-        names = layer_names()
-        per_layer = ", ".join(f"{names[i]}: {n}" for i, n in enumerate(counts) if n)
+        per_layer = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
         fail(
             "replay",
             "a recorded route for every token of a replayed forward except padding and each "
             "sequence's last sampled token (or missing='native' to route the others natively)",
-            f"none for batch row {row}, position {pos}, {names[layer]}; token-layer lookups "
+            f"none for batch row {row}, position {pos}, {layer_names[layer]}; token-layer lookups "
             f"without one since the last check: {per_layer}",
             what="coverage",
         )

@@ -286,7 +286,7 @@ def topk_ids_for_kernels(topk_ids: torch.Tensor, num_experts: int, check: bool) 
         return topk_ids
     if torch.compiler.is_compiling():
         return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts)
-    if not _marked_valid(topk_ids, num_experts) and not is_capturing():  # (the mark: the cheaper test)
+    if not is_capturing() and not _marked_valid(topk_ids, num_experts):
         check_id_values(topk_ids, num_experts, "topk_ids", minus_one="slots")
     return topk_ids
 
