@@ -8,8 +8,8 @@ logits, seed 0, as ``bench moe``'s peer driver draws them), their weight bytes i
 small config sweep, timed as every ``bench moe`` point is (one CUDA-graph replay, L2 flushed before each:
 ``replaymoe.bench._timing.time_graph``). The read is of one contiguous buffer, so it is a floor for the
 experts' scattered weights, not their exact cost. Prints one line per point and writes
-``$OUT/read_floors.txt``. Goal 3 compares ``bench/fp8_decode_probe.py``'s / the side-by-side's decode times
-with 1.10 x these.
+``$OUT/read_floors.txt``. Goal 3 compares the side-by-side's decode times with 1.10 x these (current
+figures: bench/README.md, "Read floors").
 """
 
 import argparse

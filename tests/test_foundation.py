@@ -165,6 +165,19 @@ def test_lazy_exports_unknown_name():
         replaymoe.nope  # noqa: B018
 
 
+def test_every_public_name_resolves_to_its_module():
+    # replaymoe and replaymoe.record: each lazy name is the object of the real module it points to
+    import importlib
+
+    import replaymoe.record
+
+    for package in (replaymoe, replaymoe.record):
+        assert set(package.__all__) - {"__version__"} == set(package._EXPORTS)
+        for name, module in package._EXPORTS.items():
+            owner = importlib.import_module(f"{package.__name__}.{module}")
+            assert getattr(package, name) is getattr(owner, name), (package.__name__, name)
+
+
 @pytest.mark.parametrize("files", [(), ("vllm_moe_peer.py",)])  # empty folder; the kernel file missing
 def test_cli_bench_moe_peer_dir_rejected_before_anything_runs(files, tmp_path, capsys):
     for f in files:

@@ -97,3 +97,35 @@ def test_call_key_reads_keywords_and_parameters():
 def test_call_key_of_an_unkeyable_argument_is_none(arg):
     assert _flat(torch.zeros(2), arg) is None
     assert _flat(torch.zeros(2), x=arg) is None
+
+
+def test_the_fast_launch_switch():
+    # REPLAYMOE_FAST_LAUNCH=0 turns both launchers off (one attribute, replaymoe._launch.ENABLED), read
+    # when the module is imported; REPLAYMOE_EP_FAST_LAUNCH, an unreleased old switch, is ignored
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import importlib, os, sys
+import replaymoe._launch as launch
+for case in sys.argv[1:]:
+    for name in ("REPLAYMOE_FAST_LAUNCH", "REPLAYMOE_EP_FAST_LAUNCH"):
+        os.environ.pop(name, None)
+    os.environ.update(kv.split("=") for kv in case.split(",") if kv)
+    importlib.reload(launch)
+    print(f"{case}|{launch.ENABLED}")
+"""
+    cases = {  # environment -> ENABLED
+        "": "True",
+        "REPLAYMOE_FAST_LAUNCH=0": "False",
+        "REPLAYMOE_FAST_LAUNCH=1": "True",
+        "REPLAYMOE_EP_FAST_LAUNCH=0": "True",
+        "REPLAYMOE_FAST_LAUNCH=0,REPLAYMOE_EP_FAST_LAUNCH=1": "False",
+    }
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.endswith("FAST_LAUNCH")}
+    run = subprocess.run(
+        [sys.executable, "-c", code, *cases], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert dict(line.split("|", 1) for line in run.stdout.splitlines()) == cases

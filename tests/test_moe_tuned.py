@@ -41,7 +41,7 @@ def _no_override():
 
 def test_shipped_tables_hold_the_tuned_entries():
     h200, h100 = builtin_table("h200"), builtin_table("h100")
-    # DeepSeek-V3 bf16 decode and Qwen3 fp8 decode, as tuned on the H200 (bench/moe_notes.md; the fp8
+    # DeepSeek-V3 bf16 decode and Qwen3 fp8 decode, as tuned on the H200 (bench/README.md; the fp8
     # decode entry re-tuned for the swapped kernels in session 23)
     assert h200.lookup((7168, 2048, 256, 8, False, 1)) == MoEConfig(True, 16, 64, 128, 4, 4, 32, 256, 4, 4)
     assert h200.lookup((2048, 768, 128, 8, True, 1)) == MoEConfig(True, 64, 32, 128, 4, 5, 128, 128, 8, 4)
@@ -280,7 +280,7 @@ def test_moe_bwd_config_reads_the_backward_section(tma):
 
 
 def test_shipped_backward_entries():
-    # the H100's Mixtral entries (bench/moe_notes.md, session 20): the heuristics with the dX GEMM in 3
+    # the H100's Mixtral entries (bench/README.md, session 20): the heuristics with the dX GEMM in 3
     # stages, at each bench token count; the H200's one entry (session 35's local search): Mixtral T <= 1024
     # with dX in 3 stages and group_m 4, its heuristics elsewhere
     H, I, E, K = MIXTRAL  # noqa: E741

@@ -412,7 +412,7 @@ def test_triton_backend_expert_limit():
 
 
 # --------------------------------------------------------------------------------------------------
-# the routing object: one name (routing=), the loose keywords folded into it, config= deprecated
+# the routing object: one name (routing=), the loose keywords folded into it
 # --------------------------------------------------------------------------------------------------
 
 
@@ -427,21 +427,11 @@ def test_routing_object_equals_the_keywords(fn, method, generator):
     assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
 
 
-@pytest.mark.parametrize("method", [M.RENORMALIZE, M.DEEPSEEK_V3])
 @pytest.mark.parametrize("fn", ["route", "route_torch"])
-def test_config_is_the_deprecated_name_of_routing(fn, method, generator):
-    x = tie_free_logits(6, 16, generator=generator)
-    cfg = routing_mod.RoutingConfig(method=method, **routing_kwargs(method, 16, generator, groups=(4, 2)))
-    f = getattr(routing_mod, fn)
-    cap, cap_old = (torch.full((8, cfg.top_k), -5, dtype=torch.int16) for _ in range(2))
-    want = f(x, routing=cfg, routing_replay_out=cap)
-    with pytest.warns(DeprecationWarning, match=rf"{fn}\(config=\.\.\.\) is deprecated.*routing=") as seen:
-        got = f(x, config=cfg, routing_replay_out=cap_old)
-    assert seen[0].filename == __file__  # the warning points at the caller's line
-    assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
-    assert torch.equal(cap_old, cap)
-    with pytest.raises(ValueError, match=r"config.*routing.*both config= and routing="):
-        f(x, config=cfg, routing=cfg)
+def test_config_is_not_a_keyword(fn):
+    # routing= is the one name of the routing object (config=, an unreleased old name, is gone)
+    with pytest.raises(TypeError, match="config"):
+        getattr(routing_mod, fn)(X, config=routing_mod.RoutingConfig(2))
 
 
 @pytest.mark.parametrize(
@@ -477,7 +467,7 @@ def test_route_torch_is_route_on_the_torch_backend():
 
 def test_routing_object_under_torch_compile_fullgraph(generator):
     # the object (a frozen dataclass holding the bias tensor) traces without a graph break, through
-    # route and route_torch alike; the deprecated config= branch is never entered without config=
+    # route and route_torch alike
     x = tie_free_logits(6, 32, generator=generator)
     kw = routing_kwargs(M.DEEPSEEK_V3, 32, generator, groups=(4, 2))
     cfg = routing_mod.RoutingConfig(method=M.DEEPSEEK_V3, **kw)

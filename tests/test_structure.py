@@ -8,11 +8,11 @@
 * no source module over ``MAX_LINES`` lines unless its docstring says why (a line starting
   ``Size:``);
 * the kernels of an op inside its package: Triton code (``@triton.jit``) lives only in the
-  ``_kernel*.py`` modules of its op's package (``routing``, ``moe``, ``ep``, ``hf``); ``_kernels/``
-  holds only the deprecation aliases of the kernels' old paths;
-* deprecated import paths (shims calling ``replaymoe._deprecated.alias``) stay small, import only the
-  modules that replaced them, and nothing imports one: no module of the package, and no test, script
-  or benchmark tool (``tests/test_deprecated.py`` imports them by name, to check them).
+  ``_kernel*.py`` modules of its op's package (``routing``, ``moe``, ``ep``, ``hf``);
+* the package root holds only its listed modules and packages (``ROOT_FILES``, ``ROOT_PACKAGES``), and
+  the old deep import paths, deleted before any release (``REMOVED``: ``replaymoe.moe_triton``,
+  ``replaymoe._kernels.*``, ...), stay gone: no module of the package, and no test, script or benchmark
+  tool imports one or names one in a string.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ MAX_LINES = 600
 # layer of a module by its first name below the package; higher layers may import lower ones
 LAYERS = {
     # Triton code, the helpers every op uses and the packages' lazy facade (``_lazy``)
-    # (``_kernels/`` holds only deprecation aliases, layered as such: see ``_layer``)
-    0: {"_launch", "_validation", "_backend", "_deprecated", "_lazy"},
+    0: {"_launch", "_validation", "_backend", "_lazy"},
     # ops
     1: {
         "routing",
@@ -48,11 +47,34 @@ LAYERS = {
 ROOT_LAYER = 4
 # ops that are one package each, their Triton code in ``<op>/_kernel*.py``
 OP_PACKAGES = {"routing", "moe", "ep", "hf"}
-# what a deprecation shim may import: the alias helper and the modules that replaced the old paths
-REPLACEMENTS = OP_PACKAGES | {"_deprecated", "_launch", "record"}
-# Python files outside the package that must not import a deprecated path either
-OUTSIDE = [p for d in ("tests", "scripts", "bench") for p in sorted((SRC.parent / d).rglob("*.py"))]
-SHIM_MAX_LINES = 40
+# what the package root holds: these modules (and the package marker) and these packages, nothing else
+ROOT_FILES = {"__init__.py", "__main__.py", "_backend.py", "_launch.py", "_lazy.py", "_validation.py"}
+ROOT_FILES |= {"testing.py", "py.typed"}
+ROOT_PACKAGES = {"routing", "moe", "ep", "hf", "record", "integrations", "apps", "bench"}
+# the old deep import paths (and their submodules), deleted before any release: see CHANGELOG.md
+REMOVED = {
+    f"{PACKAGE}.{m}"
+    for m in (
+        "_deprecated",
+        "_routing_method",
+        "routing_table",
+        "routing_config",
+        "routing_checks",
+        "routing_triton",
+        "moe_triton",
+        "layout",
+        "quant",
+        "_kernels",
+        "ep._launch",
+        "capture",
+        "capture_transfer",
+        "trace",
+        "replay",
+        "stats",
+    )
+}
+# folders outside the package whose Python files must not import a removed path either
+OUTSIDE = ("tests", "scripts", "bench")
 
 
 def _modules() -> dict[str, Path]:
@@ -104,8 +126,6 @@ def _imports(module: str) -> set[str]:
 
 
 GRAPH = {m: _imports(m) for m in MODULES}
-# deprecated import paths: the modules built by replaymoe._deprecated.alias
-SHIMS = {m for m, deps in GRAPH.items() if f"{PACKAGE}._deprecated" in deps}
 
 
 def _has_kernels(module: str) -> bool:
@@ -121,8 +141,6 @@ def _has_kernels(module: str) -> bool:
 
 
 def _layer(module: str) -> int:
-    if module in SHIMS:  # an old path re-exporting its replacements, above everything (nothing imports it)
-        return max(LAYERS) + 1
     parts = module.split(".")
     if len(parts) == 1:
         return ROOT_LAYER
@@ -241,63 +259,90 @@ def test_checker_sees_a_cycle_and_an_upward_import():
     assert _layer("replaymoe.routing") < _layer("replaymoe.hf.session")
 
 
-def test_shims_are_small_and_nothing_imports_them():
-    assert {
-        f"{PACKAGE}.routing_table",
-        f"{PACKAGE}.moe_triton",
-        f"{PACKAGE}._kernels.moe",
-        f"{PACKAGE}.ep._launch",
-        f"{PACKAGE}.capture",
-        f"{PACKAGE}.trace",
-        f"{PACKAGE}.trace.core",
-    } <= SHIMS
-    for shim in sorted(SHIMS):
-        lines = len(MODULES[shim].read_text().splitlines())
-        assert lines <= SHIM_MAX_LINES, f"{shim}: a deprecation shim of {lines} lines"
-        assert not _has_kernels(shim), shim
-        assert all(d.split(".")[1] in REPLACEMENTS for d in GRAPH[shim]), (shim, GRAPH[shim])
-    users = {m: sorted(GRAPH[m] & SHIMS) for m in MODULES if GRAPH[m] & SHIMS}
-    assert users == {}, f"modules importing a deprecated path: {users}"
+def test_the_root_holds_only_the_listed_modules_and_packages():
+    root = SRC / PACKAGE
+    entries = {p.name for p in root.iterdir() if p.name != "__pycache__"}
+    assert entries == ROOT_FILES | ROOT_PACKAGES, (
+        f"unexpected: {sorted(entries - ROOT_FILES - ROOT_PACKAGES)}, "
+        f"missing: {sorted((ROOT_FILES | ROOT_PACKAGES) - entries)}"
+    )
+    assert all((root / p / "__init__.py").is_file() for p in ROOT_PACKAGES)
+    removed = {m for m in MODULES if _is_removed(m)}
+    assert removed == set(), f"a removed path is back: {sorted(removed)}"
 
 
 def test_the_kernels_of_an_op_live_in_its_package():
     placed = {}
     for m in MODULES:
-        if m in SHIMS or not _has_kernels(m):
+        if not _has_kernels(m):
             continue
         parts = m.split(".")
         placed[m] = len(parts) == 3 and parts[1] in OP_PACKAGES and parts[-1].startswith("_kernel")
     assert {m for m, ok in placed.items() if not ok} == set()
     for op in OP_PACKAGES:  # every op package has its kernels inside it
         assert any(m.startswith(f"{PACKAGE}.{op}._kernel") for m in placed), op
-    # _kernels/ holds only the deprecation shims of the kernels' old paths
-    left = {m for m in MODULES if m.startswith(f"{PACKAGE}._kernels") and m not in SHIMS}
-    assert left == set()
-    assert {f"{PACKAGE}._kernels.ep", f"{PACKAGE}._kernels.step_rows"} <= SHIMS
 
 
-def _absolute_imports(path: Path) -> set[str]:
-    """The ``replaymoe`` modules a file outside the package imports (``from pkg import sub`` counted as
-    ``pkg.sub`` where that is a module)."""
+def _is_removed(name: str) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in REMOVED)
+
+
+def _named_paths(path: Path, module: str | None = None) -> set[str]:
+    """The dotted ``replaymoe`` paths a file names: what it imports (``from pkg import sub`` counted as
+    ``pkg.sub`` too; relative imports resolved for ``module``, a module of the package) and its string
+    constants that start with the package's name (``monkeypatch.setattr("replaymoe.x.Y", ...)``)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return {m for m in found if m in MODULES}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                if module is None:
+                    continue
+                base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+    return {m for m in found if m.startswith(f"{PACKAGE}.")}
 
 
-def test_nothing_outside_the_package_imports_a_deprecated_path():
-    assert OUTSIDE
+def test_nothing_names_a_removed_path():
+    outside = [
+        p for d in OUTSIDE for p in sorted((SRC.parent / d).rglob("*.py"))
+    ]  # listed now, not at import
+    assert outside
     users = {}
-    for path in OUTSIDE:
-        if path.name == "test_deprecated.py":  # imports each shim by name, to check it
+    for module, path in MODULES.items():
+        if bad := sorted(m for m in _named_paths(path, module) if _is_removed(m)):
+            users[str(path.relative_to(SRC))] = bad
+    for path in outside:
+        if path == Path(__file__).resolve():  # REMOVED above lists them
             continue
-        if bad := sorted(_absolute_imports(path) & SHIMS):
+        if bad := sorted(m for m in _named_paths(path) if _is_removed(m)):
             users[str(path.relative_to(SRC.parent))] = bad
-    assert users == {}, f"files importing a deprecated path: {users}"
+    assert users == {}, f"files naming a removed path: {users}"
+
+
+def test_the_removed_path_checker_sees_old_paths_only():
+    for old in (
+        "replaymoe.moe_triton",
+        "replaymoe._kernels.moe",
+        "replaymoe.trace.core",
+        "replaymoe.ep._launch",
+    ):
+        assert _is_removed(old), old
+    for new in (
+        "replaymoe.moe.configs",
+        "replaymoe.record.trace.core",
+        "replaymoe._launch",
+        "replaymoe.moe.layout",
+    ):
+        assert not _is_removed(new), new
 
 
 @pytest.mark.parametrize(

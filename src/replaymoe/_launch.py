@@ -33,32 +33,19 @@ where the caller can promise that; else :class:`FastLaunch`.
 
 The plain Triton path is used when the process runs Triton's interpreter, when CUDA is
 unavailable, when a launch hook (a profiler) is installed, and when ``REPLAYMOE_FAST_LAUNCH=0``
-(both mechanisms; :data:`ENABLED` holds it). ``REPLAYMOE_EP_FAST_LAUNCH=0``, once the all-to-all's
-own switch, is a deprecated synonym (a ``DeprecationWarning`` at import when it is set).
+(both mechanisms; :data:`ENABLED` holds it).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import torch
 
 __all__ = ["FastLaunch", "Launcher", "addresses", "cdiv", "fast", "hooks_off", "next_power_of_2"]
 
-if "REPLAYMOE_EP_FAST_LAUNCH" in os.environ:
-    warnings.warn(
-        "REPLAYMOE_EP_FAST_LAUNCH is deprecated and will be removed in the next release; "
-        "REPLAYMOE_FAST_LAUNCH=0 turns every fast launch off (the all-to-all's included)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-ENABLED = (
-    os.environ.get("REPLAYMOE_FAST_LAUNCH", "1") != "0"
-    and os.environ.get("REPLAYMOE_EP_FAST_LAUNCH", "1") != "0"
-    and os.environ.get("TRITON_INTERPRET") != "1"
-)
+ENABLED = os.environ.get("REPLAYMOE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def cdiv(a: int, b: int) -> int:

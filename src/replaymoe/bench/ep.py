@@ -17,9 +17,9 @@ eager pairs (``eager_loop``: dispatch + combine rows only, per pair); ``naive`` 
 Each iteration: all ranks synchronize (a host barrier, then a one-element all-reduce on the stream so
 that the ranks start together on the devices; before a CUDA-graph replay a device-side wait long
 enough for every host to enqueue it and a second all-reduce: ``bench.ep_timing.align_ranks``;
-``--no-align`` keeps the host barrier alone, as before session 24), then CUDA events around dispatch
-and combine (and around the whole layer). The reported time is the **median over iterations of the
-maximum over ranks**.
+``--no-align`` keeps the host barrier alone), then CUDA events around dispatch and combine (and
+around the whole layer). The reported time is the **median over iterations of the maximum over
+ranks**.
 Algorithmic bandwidth per rank counts only bytes that must cross between ranks: for each (token,
 remote destination rank) pair, the dispatch payload bytes, and 2·H bytes for the combine; the
 ``floor`` is those bytes at 450 GB/s (NVLink 4, one direction), ``pct_floor`` = floor / time.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ._timing import print_table
 
-# naive NCCL dispatch measured on this machine before (reference/toolchain.md), ms
+# the naive NCCL dispatch's time that the summary prints as an anchor (reference/toolchain.md), ms
 NAIVE_ANCHOR_MS = {128: 0.43, 4096: 0.94}
 # issue 37's bounds
 DEEPEP_RATIO = 0.95

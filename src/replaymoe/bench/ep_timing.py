@@ -46,8 +46,8 @@ def device() -> torch.device:
 
 # device cycles that a timed CUDA-graph replay waits between the two aligning all-reduces (about 200 µs
 # at 2 GHz): longer than any rank's host takes to enqueue the second all-reduce, the event and the replay
-# (2 x H100, session 24: 100 µs and one all-reduce left the last rank's replays about 35 µs late; a 1 ms
-# wait ended up to 30 µs apart on 4 x H200, the cycle count running at each card's own clock)
+# (a shorter wait and one all-reduce left the last rank's replays late, and the second all-reduce evens
+# out the cards' clocks, at which each rank's wait runs: docs/TUNING.md, "Benchmarks and timing")
 SETTLE_CYCLES = 400_000
 # align_ranks on (bench ep's default; its --no-align turns it off)
 ALIGN_RANKS = True

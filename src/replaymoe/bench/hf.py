@@ -27,14 +27,13 @@ time / this time, same round), with the smallest and largest round beside it. ``
 the same paired ratio against plain ``replaymoe`` (what capture and replay cost: 0.97 = 3 %
 slower), and ``vs_replaymoe_best`` the ratio of the best rounds. An eager row is bound by the
 host, whose speed changes in episodes of about a second (every decode step of a ``generate`` then
-slower alike: ``scripts/hf_step_times.py``; on the H200 machine one B=1 generate's steps went from 9
-to 15 ms and back), so round totals differ by 10-20 % and a paired median over 20-30 rounds is good
-to about 2 %. Each decode step is therefore also timed (a no-op logits processor stamps the host
-clock once per token): ``step_ms_p10`` is the 10th percentile of every decode step of the timed
-rounds, and ``vs_replaymoe_step_p10`` plain replaymoe's over this row's. An episode only adds time,
-and hundreds of pooled steps make that percentile steady, so it is the per-step cost of capture or
-replay read where the host ran at its own speed (``vs_replaymoe_step_median`` is the same with the
-pooled medians).
+slower alike, by up to a half), so round totals differ by 10-20 % and a paired median over 20-30
+rounds is good to about 2 %. Each decode step is therefore also timed (a no-op logits processor
+stamps the host clock once per token): ``step_ms_p10`` is the 10th percentile of every decode step
+of the timed rounds, and ``vs_replaymoe_step_p10`` plain replaymoe's over this row's. An episode
+only adds time, and hundreds of pooled steps make that percentile steady, so it is the per-step cost
+of capture or replay read where the host ran at its own speed (``vs_replaymoe_step_median`` is the
+same with the pooled medians).
 
 Reported per row: median wall time of ``generate``, generated tokens/s, the paired speed-up over
 ``grouped_mm``, graph breaks, recompiles and CUDA-graph skips seen by dynamo/inductor during the

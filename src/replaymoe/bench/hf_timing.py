@@ -1,6 +1,6 @@
-"""Timing pieces of ``replaymoe bench hf`` (also used by the ``scripts/hf_*`` diagnostics): one timed
-``generate`` call with its decode steps, a count of the CUDA graphs captured, a percentile, and the
-shared-weight model copies each implementation runs on. GPU only where a function says so."""
+"""Timing pieces of ``replaymoe bench hf``: one timed ``generate`` call with its decode steps, a count
+of the CUDA graphs captured, a percentile, and the shared-weight model copies each implementation runs
+on. GPU only where a function says so."""
 
 from __future__ import annotations
 

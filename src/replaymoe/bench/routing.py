@@ -7,7 +7,7 @@ flush before each call, see ``bench._timing.time_eager``) and the host time of a
 groups / 4 kept, top-8, scale 2.5, fp32 bias) and RENORMALIZE (E=128, top-8), fp32 and bf16
 logits, capture (``routing_replay_out``) on and off, T in {1, 16, 128, 1024, 4096, 16384}. The
 HBM floor is the bytes of logits read plus outputs written over 4.27 TB/s; FlashInfer's
-``fused_topk_deepseek`` measured on the same H200 (reference/toolchain.md) is shown for the
+``fused_topk_deepseek`` time on an H200 (reference/toolchain.md) is shown for the
 DeepSeek-V3 rows.
 """
 

@@ -131,8 +131,7 @@ def _rmoe_fn(recompute: bool):
 
 
 def layer_weights(H, I, E, seed=0):  # noqa: E741
-    """bf16 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` on the GPU (leaves requiring grad); also used by
-    ``bench/moe_bwd_tune.py``."""
+    """bf16 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` on the GPU (leaves requiring grad)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
     w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")

@@ -47,7 +47,7 @@ from .moe import SHAPES, TOKENS, make_weights, routing_inputs
 # direct (decode) mode: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2)
 DIRECT_GRID = [
     (32, 128, 4, 4, 32, 128, 4, 4),
-    (32, 128, 4, 5, 64, 128, 4, 4),  # fp8: the swapped decode kernels' H100 winners (session 22)
+    (32, 128, 4, 5, 64, 128, 4, 4),  # fp8: the swapped decode kernels' H100 winners
     (64, 128, 4, 4, 128, 128, 8, 4),
     (64, 128, 4, 4, 64, 128, 4, 4),
     (32, 256, 4, 3, 64, 128, 4, 3),
@@ -58,7 +58,8 @@ DIRECT_GRID = [
 # tile mode, per tile height: (block_n1, block_k1, warps1, stages1, block_n2, block_k2, warps2, stages2,
 # group_m)
 # fp8 batch-invariant tile mode with swapped operands (16- and 32-row tiles): GEMM1 on 32 (gate and up
-# stacked) or 128 columns, GEMM2 on 64 or 128 (H100 winners, bench/moe_notes.md session 29)
+# stacked) or 128 columns, GEMM2 on 64 or 128 (H100 winners; docs/TUNING.md, "fp8 decode with swapped
+# operands")
 SWAPPED_TILE_GRID = [
     (32, 128, 4, 3, 64, 128, 4, 3),
     (128, 128, 4, 3, 64, 128, 4, 3),

@@ -97,27 +97,18 @@ _CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped firs
 #   "wide"   num_sms from _WIDE_MIN_PROGRAMS, or unset above _DENSE_PACK_MAX_T tokens: one persistent
 #            program per SM (at most num_sms), one token per iteration.
 # The persistent grids compute the plan by look-back at every size (the scan re-reads every earlier id in
-# each of a program's iterations: 24 programs took 52 / 74 µs at 128 / 256 tokens against 37 / 55 by
-# look-back). Measured on 4 x H200, DeepSeek-V3 rows (3584 units), dispatch in CUDA graphs, µs at 128 /
-# 256 / 512 / 1024 / 4096 tokens/rank (session 27, bench/ep_notes.md):
-#   dense 31.9 / 51.5 / 102.8 / 172.9 / 524.1 (above 256 tokens: the plan kernel, pack, sanitize);
-#   24 programs, 2 tokens 34.6 / 50.5 / 83.6 / 146.4 / 519.9, 4 tokens 37.3 / 55.0 / 88.6 / 147.2 / 516.3;
-#   132 programs, 1 token 36.9 / 52.9 / 82.6 / 137.9 / 482.1, 2 tokens 37.6 / 62.4 / 97.6 / 155.4 / 499.9.
-# The dense grid's chunk, 2 x H200 (ep = 2, µs at 32 / 128 / 192 / 256 tokens): 1024 units 13.5 / 18.6 /
-# 27.0 / 30.4, 4096 units (one program per token) with 8 warps 13.4 / 17.7 / 20.7 / 23.6, 4 warps 13.2 /
-# 17.7 / 20.7 / 24.0, 16 warps 14.2 / 18.3 / 22.7 / 25.4 (ep = 4 unmeasured with it).
+# each of a program's iterations, slower than the look-back on persistent grids). The grids, tokens per
+# iteration and the dense grid's whole-row chunks were chosen from measurements on 4 x H200 and 2 x H200
+# at DeepSeek-V3's rows (docs/DESIGN.md, "Expert parallelism", "The pack's grid").
 _DENSE_PACK_MAX_T = 256
 _WIDE_MIN_PROGRAMS = 64
-# the persistent grids whose pack loads a program's next rows before it stores the current ones (PREFETCH).
-# 4 x H100, ep = 4, dispatch µs in CUDA graphs at 128 / 1024 / 4096 tokens/rank (two runs each; session 31,
-# bench/results/ep_pack_variants_h100x4_s31.txt): 24 programs 40.4-40.6 / 156.2-157.0 / 544.7-546.3 without,
-# 39.8-39.9 / 155.2-155.3 / 547.2-547.6 with; the wide grid at 1024 / 4096 143.6 / 486.3 -> 143.1 / 484.1
+# the persistent grids whose pack loads a program's next rows before it stores the current ones (PREFETCH):
+# a little faster where the stores are not the limit, the same where they are (4 x H100; docs/DESIGN.md,
+# "The pack's grid")
 _PACK_PREFETCH_GRIDS = ("narrow", "wide")
 # the pack's stores of a tile go to the ranks from this rank + 1 on, its own block last (True), or from
-# rank 0 on (False). 4 x H100, ep = 4, 24 programs, dispatch µs in CUDA graphs at 128 / 1024 / 4096
-# tokens/rank, two calls (session 32, bench/results/ep_variants_h100x4_s32.txt): rank order 39.6-40.1 /
-# 154.4-154.6 / 538.7-540.5, peers first 38.6-39.1 / 154.4-154.8 / 534.5-538.5; dense at 1024 / 4096
-# 140.5 / 480.4 -> 137.6 / 477.4 (one call)
+# rank 0 on (False): peers first is 1-4 µs faster at ep = 4 (4 x H100; docs/DESIGN.md, "The pack's store
+# order")
 _PACK_PEERS_FIRST = True
 
 
@@ -144,11 +135,9 @@ def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, 
 # the receive side's sanitize inside the pack (no sanitize launch): up to _FUSED_SANITIZERS of the pack's
 # last programs to arrive (one in the interpreter, which runs programs one after another) share the
 # received rows in blocks of _FUSED_SANITIZE_BLOCK; None: at every size (a number: up to that many
-# received rows, ep * (runtime_max + 1), the larger ones in a sanitize launch). 4 x H100, ep = 4, 24
-# programs, dispatch µs in CUDA graphs at 128 / 1024 / 4096 tokens/rank (session 32,
-# bench/results/ep_variants_h100x4_s32.txt): 16 sanitizers 40.1 / 154.6 / 540.5, 32 40.3 / 156.0 / 540.9,
-# the last program alone 40.7 / 162.1 / 569.5, the sanitize launch above 2048 rows (before) 40.7 / 156.5 /
-# 550.5
+# received rows, ep * (runtime_max + 1), the larger ones in a sanitize launch). 16 sanitizers are as fast
+# as 32 and faster than the last program alone or a sanitize launch (4 x H100; docs/DESIGN.md, "The receive
+# side of a dispatch")
 _FUSED_SANITIZE_MAX_ROWS: int | None = None
 _FUSED_SANITIZE_BLOCK = 512
 _FUSED_SANITIZERS = 16

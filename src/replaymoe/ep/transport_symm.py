@@ -57,8 +57,7 @@ _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
 # the pipelined combine: rows per arrival flag, and where the flags start in a signal pad (int32 units).
 # 16-row chunks: with 64, each sender's chunks landed in a few waves, and the reducers summed the last
-# wave's tokens after the send had ended (2 x H200, 4096 tokens/rank, 132 programs: 197-206 µs at 64 rows,
-# 181-190 at 32, 182-183 at 16; 24 programs: 300 / 295-316 / 297-357; session 25)
+# wave's tokens after the send had ended (docs/DESIGN.md, "The pipelined combine")
 PIPE_CHUNK = 16
 # narrow grids (below 64 programs) from this many tokens/rank flag every PIPE_CHUNK_NARROW rows instead
 # (:func:`pipe_chunk`); the pads are sized for PIPE_CHUNK flags per source, so fewer always fit
@@ -68,17 +67,11 @@ _FLAG_BASE = 64
 PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them all)
 # pipelined_combine=None (the default): one pipelined launch only where runtime_max (tokens per rank) is
 # above PIPE_MIN_TOKENS, i.e. a rank sends back more than pipe_min_rows(ep) = (ep - 1) * PIPE_MIN_TOKENS
-# rows; below, the send kernel + reduce kernel are as fast or faster. Pipelined / two kernels, graph,
-# 16-row chunks:
-# - ep = 2 (2 x H200, session 25, bench/results/ep_dense_x2_h200_s25.csv): 24 SMs 1.01 at 128 tokens,
-#   0.92 / 0.95 / 0.87 / 0.84 / 0.82 at 256 ... 4096; every SM 1.18 at 128, 0.96 / 1.01 / 0.98 / 0.91 / 0.85.
-# - ep = 4 (4 x H200, session 26, bench/results/ep_x4_h200_s26.csv): 24 SMs 1.10 at 128 tokens,
-#   0.91 / 0.77 / 0.67 / 0.66 / 0.65 at 256 ... 4096; every SM 1.13 at 128, 0.89 / 1.02 / 0.94 / 0.92 / 0.89.
-# The same crossover at both ep and both grids (between 128 and 256 tokens/rank); other ep are unmeasured
-# and take the same rule. It holds for CUDA-graph captures. Eager calls run the pipelined launch at every
-# size: at 128 tokens/rank an eager call is bound by its host, and the one launch saves one launch's host
-# time (eager µs, pipelined / two kernels: ep = 2 97.7 / 132.6 (24 SMs) and 106.3 / 136.7 (every SM),
-# ep_dense_x2_h200_s25.csv; ep = 4 96.8 / 107.9 and 106.1 / 114.1, ep_x4_h200_s26.csv).
+# rows; below, the send kernel + reduce kernel are as fast or faster in CUDA graphs: the same crossover,
+# between 128 and 256 tokens/rank, at ep = 2 and 4 (2 and 4 x H200) and on both grids; other ep are
+# unmeasured and take the same rule. It holds for CUDA-graph captures. Eager calls run the pipelined launch
+# at every size: at 128 tokens/rank an eager call is bound by its host, and the one launch saves one
+# launch's host time (the figures: docs/DESIGN.md, "The pipelined combine").
 PIPE_MIN_TOKENS = 128
 
 
@@ -91,12 +84,9 @@ def pipe_min_rows(ep: int) -> int:
 
 def pipe_senders(n: int, ep: int) -> int:
     """Sender programs of the pipelined combine's ``n``: a third at ep = 2 (one peer to send to, two
-    rows to sum per token), half at larger ep. Measured with 24 programs on H100s (4096 / 1024
-    tokens/rank, combine µs): ep = 2: a third 421 / 161, half 508 / 214 (the two-kernel combine 435 /
-    171); ep = 4: a third 781, half 739 (two-kernel 1025) at 4096 tokens. On 4 x H200 (session 27, ep = 4,
-    24 programs, 1024 / 4096 tokens/rank): 10 senders 182 / 692, 11 170 / 654, 12 (half) 163 / 591, 13
-    175 / 650; with 12, each sender's chunks all go to one peer (senders stride the chunks, which
-    alternate peers)."""
+    rows to sum per token), half at larger ep: the fastest shares measured with 24 programs on H100s and
+    H200s (docs/DESIGN.md, "The pipelined combine"); at ep = 4, 12 of 24 beat 10, 11 and 13 because each
+    sender's chunks then all go to one peer (senders stride the chunks, which alternate peers)."""
     share = 1 / 3 if ep == 2 else 1 / 2
     return min(n - 1, max(1, round(n * share)))
 
@@ -110,13 +100,9 @@ def pipe_tiling(W: int, programs: int, rt: int) -> tuple[int, int, int]:
     """``(nb, tt, warps)`` of the pipelined combine for rows of ``W`` elements: columns per tile (a power
     of two, ``PIPE_CHUNK`` a multiple of ``tt``), rows (send) / tokens (reduce) per tile, ``num_warps``.
     Below 64 programs and from :data:`PIPE_TALL_MIN_TOKENS` tokens/rank, tall tiles of 1024 x 16;
-    otherwise :func:`row_tiling`'s persistent tiles (4096 x 4 for DeepSeek-V3 rows). Measured (session
-    27, DeepSeek-V3 rows, combine µs in CUDA graphs, ``bench/results/ep_combine_tiles_s27.txt``):
-    - ep = 4, 4 x H200, 128 / 256 / 512 / 1024 / 4096 tokens/rank: 24 programs 4096 x 4 36.6 / 54.3 /
-      92.8 / 160.6 / 583.3, 1024 x 16 40.9 / 59.7 / 99.0 / 161.5 / 559.9 (1024 x 32 and 512 x 32 slower
-      everywhere; every tile shape with 8 warps 1.3-1.8x slower at 4096); every SM 29.8 / 44.7 / 86.2 /
-      136.2 / 483.2 against 38.3 / 54.0 / 106.1 / 147.9 / 496.5;
-    - ep = 2, 2 x H200, 1024 / 2048 / 4096: 24 programs 82.0 / 153.8 / 295.0 against 83.1 / 143.1 / 274.0."""
+    otherwise :func:`row_tiling`'s persistent tiles (4096 x 4 for DeepSeek-V3 rows). The tall tiles are
+    faster on 24 programs from 2048 tokens/rank at ep = 2 and 4, slower at smaller sizes and on every SM;
+    every 8-warp shape is slower (4 x H200 and 2 x H200; docs/DESIGN.md, "The pipelined combine")."""
     if programs < 64 and rt >= PIPE_TALL_MIN_TOKENS:
         nb, tt = min(1024, next_power_of_2(W)), 16
         warps = 16 if nb * tt >= 8192 else 8 if nb * tt >= 2048 else 4
@@ -130,10 +116,8 @@ def pipe_chunk(programs: int, rt: int) -> int:
     :data:`PIPE_CHUNK_NARROW_MIN_TOKENS` tokens/rank, else :data:`PIPE_CHUNK` (a multiple of
     :func:`pipe_tiling`'s rows either way). Each flag is a system-scope release that waits for its
     chunk's stores to land; on a narrow grid each sender has many chunks, and fewer flags let its stores
-    run on. Measured (4 x H100, ep = 4, 24 programs, DeepSeek-V3 rows, combine µs in CUDA graphs at 1024
-    / 4096 tokens/rank, ``bench/ep_variants_probe.py``): 16 rows 165.8 / 570.3 and 164.2 / 564.6, 32 rows
-    158.5 / 539.4, 64 rows 176.3 / 576.9 (session 32); on every SM 32 rows was slower (160.4 / 500.9
-    against 138.9 / 485.6)."""
+    run on: 5-7 % faster at 4096 tokens/rank on 24 programs, no slower at 1024 or 2048; 64 rows, and 32
+    rows on every SM, are slower (4 x H100, ep = 4; docs/DESIGN.md, "The pipelined combine")."""
     if programs < 64 and rt >= PIPE_CHUNK_NARROW_MIN_TOKENS:
         return PIPE_CHUNK_NARROW
     return PIPE_CHUNK
@@ -148,11 +132,9 @@ def send_tiling(W: int, persistent: bool) -> tuple[int, int, int, int]:
     """``(nb, chunks, tt, warps)`` of ``ep_combine_send_kernel`` (the two-kernel combine's send) for rows of
     ``W`` elements. With a ``num_sms`` cap, :func:`row_tiling`'s persistent tiles. Without one, one program
     per row (up to :data:`SEND_DENSE_MAX_COLS` columns each, 8 warps), as the dense pack copies whole rows,
-    instead of row_tiling's 1024-column programs (2 KB each). Measured (4 x H100, DeepSeek-V3 rows, combine
-    µs in CUDA graphs at 32 / 128 tokens/rank, 1024 columns -> whole rows, session 33,
-    ``bench/results/ep_send_tiles_h100x4_s33.txt``): ep = 2 14.6 / 19.9 -> 13.6-14.1 / 18.6-18.9; ep = 4
-    23.7 / 35.8 -> 22.5-23.2 / 35.7-36.0. The ep = 4 send stays ~10 µs above a plain copy of its bytes, so
-    the programs' size is not what costs there."""
+    instead of row_tiling's 1024-column programs (2 KB each): about 1 µs faster at ep = 2, the same at
+    ep = 4, where the send stays ~10 µs above a plain copy of its bytes, so the programs' size is not what
+    costs there (4 x H100; docs/DESIGN.md, "The pipelined combine")."""
     if persistent:
         return row_tiling(W, True)
     nb = min(next_power_of_2(W), SEND_DENSE_MAX_COLS)
@@ -162,8 +144,7 @@ def send_tiling(W: int, persistent: bool) -> tuple[int, int, int, int]:
 def pipe_group(T: int, tt: int, reducers: int) -> int:
     """Token tiles per reducer step: the largest power of two up to :data:`PIPE_MAX_GROUP` that still
     leaves every reducer about 8 steps (fewer flag waits at large ``T``, an even tail at small ``T``;
-    4 x H100, 24 SMs: 4096 tokens/rank 740 / 739 / 696 us at 1 / 4 / 8 tiles, 1024 tokens 257 / 321 /
-    301 us)."""
+    docs/DESIGN.md, "The pipelined combine")."""
     g = 1
     while g < PIPE_MAX_GROUP and T >= 2 * g * tt * reducers * 8:
         g *= 2

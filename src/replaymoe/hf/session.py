@@ -8,7 +8,7 @@ slab into the capture buffer with one indexing op. Nothing in a forward reads th
 host, so the patched model runs eagerly, under ``torch.compile(fullgraph=True)``, with
 ``generate(cache_implementation="static")`` and in CUDA graphs.
 
-Size: over 450 lines; :class:`ReplayMoE` is one unit (its hooks share the per-forward state that
+Size: over 600 lines (about 1000); :class:`ReplayMoE` is one unit (its hooks share the per-forward state that
 capture and replay fill), and :func:`enable` documents every option of it.
 """
 

@@ -3,11 +3,10 @@
 transformers (5.x) makes a new ``StaticCache`` in every such ``generate`` call, and its tensors are
 allocated lazily during the prefill. The decode step it compiles runs as CUDA graphs (inductor's
 cudagraph trees), which take the cache tensors as static inputs: when a call's cache lands at other
-addresses than the recorded one's, the tree records the step again (15-30 ms on the H200, and
-another graph's memory). Where the cache lands depends on what else the prefill allocated before
-it, so with replaymoe's kernels in the prefill it moved in about half of the calls
-(``bench/hf_notes.md``, session 12), and stock transformers was spared only by its allocation
-pattern.
+addresses than the recorded one's, the tree records the step again (tens of ms, and another graph's
+memory). Where the cache lands depends on what else the prefill allocated before it, so with
+replaymoe's kernels in the prefill it moved in about half of the calls (docs/TUNING.md,
+"Transformers integration"), and stock transformers was spared only by its allocation pattern.
 
 :class:`StaticCacheKeeper` replaces the model's ``_prepare_static_cache`` (an instance attribute,
 removed by :meth:`StaticCacheKeeper.uninstall`) so that a call that would make the same cache as the

@@ -222,7 +222,7 @@ def fused_moe(
         a token's output bitwise the same whatever T is and whichever tokens share the batch (every
         fp8 configuration runs one MMA kind: 64-row tiles, or the swapped kernels with the weights on
         the MMA's 64 rows, ``moe.configs.fp8_invariant``); ``False`` lets decode-size batches use
-        16/32-row tiles on Hopper's narrower MMA, faster there (bench/moe_notes.md) but rounding
+        16/32-row tiles on Hopper's narrower MMA, faster there (docs/TUNING.md) but rounding
         differently from larger batches.
     check_ids : bool, keyword-only
         ``True`` (default) checks the values of caller-given ids: ``topk_ids`` (above), or

@@ -423,8 +423,8 @@ def launch_bwd(
     def rows_of(t):  # t's token rows [T*K, features] in compact order; mode 2: transposed [features, T*K]
         n = t.shape[1]
         g = torch.empty(slots, n, dtype=t.dtype, device=dev)
-        # H200 sweep (bench/results/diag/s10_gather_rows_sweep_h200.txt): 512-column blocks, 8 warps and
-        # streaming stores, Qwen3 T=16384 226 -> 185 us per gather
+        # 512-column blocks, 8 warps and streaming stores: the fastest of an H200 sweep (the copies are
+        # read only after the rest of the backward has passed through the L2)
         bn_g = min(512, next_power_of_2(n))
         fast(moe_bwd_gather_rows_kernel)[(cdiv(slots, 8), cdiv(n, bn_g))](
             t, g, cl.compact_slots, slots, K, n, t.stride(0), g.stride(0), BLOCK_R=8, BLOCK_N=bn_g,
@@ -454,9 +454,8 @@ def launch_bwd(
         tiles = E_local * cdiv(m, c.bm_w) * cdiv(n, c.bn_w)
         progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
         # an expert's partial last chunk in 16-row pieces (the narrowest dot) on the tile grid; the
-        # persistent grid keeps one masked full chunk (H100, bench/moe_notes.md, session 23: pieces
-        # take Mixtral T=1024's dW13 / dW2 from 1305-1414 / 741-744 to 1221-1243 / 704 us and lose 2-8 %
-        # on the persistent 128x256 tiles at T=4096)
+        # persistent grid keeps one masked full chunk, where the pieces lost (docs/TUNING.md, "The dW
+        # tail in 16-row pieces")
         tail_k = DW_TAIL_K if progs == 0 and c.bk_w > DW_TAIL_K else c.bk_w
         a_tail = a_desc if tail_k == c.bk_w else _dw_desc(a, slots, [tail_k, c.bm_w])
         b_tail = b_desc if tail_k == c.bk_w else _dw_desc(b, slots, [tail_k, c.bn_w])

@@ -337,8 +337,8 @@ def _reduce_slots(y, ids, out, offset: int, E_local: int, pdl: bool = False) -> 
 
     T, K = ids.shape
     H = y.shape[1]
-    # 512-column blocks: at decode sizes 0.3 µs faster than 1024 (Qwen3 T=8 / 64: 2.46 / 2.72 -> 2.15 / 2.37
-    # µs, H100, bench/small_kernels_probe.py; DeepSeek-V3 and Mixtral within 0.1 µs); each sum keeps its order
+    # 512-column blocks: at decode sizes about 0.3 µs faster than 1024, the same at prefill (docs/TUNING.md,
+    # "Small kernels at decode sizes"); each sum keeps its order
     bh = min(512, max(16, 1 << (H - 1).bit_length()))
     fast(moe_reduce_kernel)[(T, cdiv(H, bh))](
         y, ids, out, H, K, offset, E_local, y.stride(0), out.stride(0), BLOCK_H=bh, PDL=pdl, num_warps=4,

@@ -33,7 +33,7 @@ passes are bitwise equal):
   expert's last partial chunk is zeroed past its end in both operands (the next expert's rows may be
   anything, NaN included); C is stored through a descriptor over dW viewed [E*M, N] when BLOCK_M
   divides M, else by pointer stores. Same chunks, same order, same operand values: the pointer
-  kernel's bits (bitwise on the H200; scripts/dw_tma_check.py, scripts/dw_tma_ptx_check.py).
+  kernel's bits (bitwise on the H200; the sm_90 compile check: scripts/dw_tma_ptx_check.py).
 * ``moe_bwd_gather_rows_kernel`` (grid: compact-row blocks × feature blocks): the token rows of x
   or dO in compact order for the dW GEMMs, ``dst[r] = src[compact_slots[r] // K]`` (token 0 for
   the rows of non-local slots, which the dW GEMMs never read).
@@ -48,7 +48,7 @@ b2): the launcher computes that term with one matmul). Weights may have any stri
 
 dA and dX take half tiles (``HALF_TILES``) as the forward GEMMs do (:mod:`replaymoe.moe._kernel_fwd`).
 
-Size: over 600 lines (about 640); the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
+Size: over 600 lines (about 660); the TMA dW kernel is the pointer dW kernel's twin (same tiles, same
 chunk order, tested bitwise against it), so the two stay side by side, and dA / dX each carry a
 half-tile dispatcher next to their tile body.
 """

@@ -48,7 +48,7 @@ body with a constexpr row count; a tile whose row ``BLOCK_M // 2`` is padding (a
 most half full) runs the body with ``BLOCK_M // 2`` rows, the others with ``BLOCK_M``. A row's dot does
 not depend on the tile height on the GPU (bf16 / fp16), so the same bits; the padding rows are skipped.
 
-Size: over 600 lines (about 640); ``moe_reduce_kernel`` also serves the backward (the dX rows and the
+Size: over 600 lines (about 820); ``moe_reduce_kernel`` also serves the backward (the dX rows and the
 ``topk_weights`` partials, ``DWTS``), the GEMMs share their variant and fp8 code paths here, and each
 half-tile dispatcher sits next to its tile body.
 """

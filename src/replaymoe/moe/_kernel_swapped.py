@@ -26,8 +26,8 @@ Two modes, as the unswapped kernels:
   kernel sums a token's rows).
 
 Only the standard experts variant (no biases, SwiGLU, gate rows then up rows), as every fp8 call.
-At decode the gain is the narrower GEMM1 blocks more than the smaller MMA (H100, bench/moe_notes.md
-session 22): the decode is bound by load latency, not by the tensor cores.
+At decode the gain is the narrower GEMM1 blocks more than the smaller MMA (docs/TUNING.md, "fp8 decode
+with swapped operands"): the decode is bound by load latency, not by the tensor cores.
 """
 
 from __future__ import annotations

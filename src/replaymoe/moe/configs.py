@@ -2,8 +2,8 @@
 
 :class:`MoEConfig` / :func:`moe_config` (forward) and :class:`MoEBwdConfig` / :func:`moe_bwd_config`
 (backward) pick the tiles of a call from its shape: the forward from the device's tuned table
-(:mod:`replaymoe.moe.tuned`) and heuristics tuned on the H200 (bench/moe_notes.md,
-bench/train_notes.md), the backward from heuristics.
+(:mod:`replaymoe.moe.tuned`) and heuristics tuned on the H200 (what each choice measured:
+docs/TUNING.md), the backward from heuristics.
 
 Which hardware features the kernels use is chosen per call by fields of those configurations, all
 bit-neutral (the same results either way): :attr:`MoEConfig.tma`, :attr:`MoEConfig.half_tiles`,
@@ -144,8 +144,8 @@ def table_key(H: int, I: int, E_local: int, K: int, fp8: bool, T: int) -> tuple:
     return (H, I, E_local, K, bool(fp8), token_bucket(T))
 
 
-# Eager calls: the host time that the direct mode saves (the 2 layout launches and their buffers),
-# measured on the H200 host at decode sizes (scripts/host_profile.py).
+# Eager calls: the host time that the direct mode saves (the 2 layout launches and their buffers) at
+# decode sizes on an H200 host (docs/TUNING.md, "Launch overhead").
 EAGER_LAUNCH_SAVING_S = 40e-6
 _HBM_BYTES_PER_S = 4.27e12
 
@@ -189,8 +189,8 @@ def moe_config(
     (e.g. DeepSeek-V3 T=8) but rounding differently from the prefill tiles.
 
     ``tma``: the device can use TMA tensor descriptors (``experts_triton`` passes :func:`tma_ok`):
-    the bf16/fp16 prefill configuration (128-row tiles) then sets :attr:`MoEConfig.tma` (H200:
-    1.04-1.11x at T >= 4096, bench/moe_notes.md session 6); the bits are the same either way.
+    the bf16/fp16 prefill configuration (128-row tiles) then sets :attr:`MoEConfig.tma` (faster at
+    T >= 4096: docs/TUNING.md, "TMA in tile mode"); the bits are the same either way.
 
     ``table``: the :class:`~replaymoe.moe.tuned.TunedTable` of the device (the launchers pass
     :func:`~replaymoe.moe.tuned.table_for`); None: no tuned entries, the heuristics alone. Its
@@ -210,9 +210,8 @@ def moe_config(
         # decode: one tile per slot, each active expert's weights streamed once, split along N
         if fp8 and batch_invariant:
             # the swapped decode kernels (swap_ab) with GEMM1 on 32-column blocks (gate and up rows stacked
-            # in one 64-row dot), both GEMMs on 4 warps. H100 (bench/moe_notes.md, session 22), against
-            # the unswapped 128-column blocks on 8 warps: DeepSeek-V3 T=1 / 4 / 8 152.5 / 511.7 / 988.1 ->
-            # 148.2 / 502.6 / 979.3 us
+            # in one 64-row dot), both GEMMs on 4 warps: faster than the unswapped 128-column blocks on 8
+            # warps (H100; docs/TUNING.md, "fp8 decode with swapped operands")
             return MoEConfig(True, FP8_BLOCK_M, 32, 128, 4, 4, 64, 128, 4, 4)
         if fp8:
             return MoEConfig(True, 16, 128, 128, 4, 3, 128, 128, 4, 3)
@@ -220,10 +219,9 @@ def moe_config(
     m_avg = slots / min(E_local, slots)  # rows per active expert
     if fp8 and batch_invariant and m_avg <= 8:
         # 1-8 rows per expert: 16-row tiles on the swapped kernels' N side (the bits of the 64-row tiles),
-        # GEMM1 on 32 columns (gate and up rows stacked in one 64-row dot), GEMM2 on 64, 3 stages, 4 warps.
-        # H100, graph replay (bench/fp8_decode_probe.py, bench/moe_notes.md session 29), 64-row tiles ->
-        # these, us: Qwen3 T=8 / 32 / 128 122.8 / 225.0 / 246.9 -> 116.2 / 214.5 / 241.0, Mixtral T=16 /
-        # 32 455.7 / 519.8 -> 450.2 / 510.4, DeepSeek-V3 T=32 / 256 2408 / 3936 -> 2345 / 3883
+        # GEMM1 on 32 columns (gate and up rows stacked in one 64-row dot), GEMM2 on 64, 3 stages, 4 warps:
+        # better or equal to the 64-row tiles at every such point measured (H100; docs/TUNING.md, "fp8
+        # decode with swapped operands")
         return MoEConfig(False, 16, 32, 128, 4, 3, 64, 128, 4, 3, swap_ab=True)
     if fp8 and batch_invariant and m_avg < 48:  # H200 sweep: 4 stages, GEMM2 on 4 warps (2-8 % faster)
         return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 4, 128, 128, 4, 4)
@@ -231,15 +229,14 @@ def moe_config(
         return MoEConfig(False, FP8_BLOCK_M, 128, 128, 8, 3, 128, 128, 8, 3)
     if fp8:
         return MoEConfig(False, 16 if m_avg < 12 else 32, 128, 128, 4, 3, 128, 128, 4, 3)
-    if m_avg < 12:  # H200 sweep (bench/moe_notes.md): memory-bound, deep K tiles
+    if m_avg < 12:  # H200 sweep: memory-bound, deep K tiles
         return MoEConfig(False, 16, 64, 256, 4, 3, 64, 256, 4, 3)
     if m_avg < 48:
         return MoEConfig(False, 32, 64, 128, 4, 4, 64, 128, 4, 4)
     if tma and m_avg >= 256:
         # Hopper, long expert segments: GEMM1 in 32-deep K chunks, 6 stages (the same shared memory as
-        # 64 x 4; the same bits). H200 sweep (bench/moe_notes.md, session 14), GEMM1 with the training
-        # rows: Qwen3 T=16384 1490 -> 1454 us, Mixtral T=4096 3313 -> 3243, DSv3 T=4096 3382 -> 3332;
-        # at Qwen3 T=1024 (64 rows per expert) 227 -> 231, so not below 256 rows
+        # 64 x 4; the same bits): faster at every such point of an H200 sweep, slower at 64 rows per
+        # expert, so not below 256 rows (docs/TUNING.md, "Long expert segments")
         return MoEConfig(False, 128, 128, 32, 8, 6, 256, 64, 8, 4, 4, tma=tma)
     return MoEConfig(False, 128, 128, 64, 8, 4, 256, 64, 8, 4, 4, tma=tma)
 
@@ -317,9 +314,8 @@ def moe_bwd_config(
 
     ``tma``: the device and dtype allow TMA descriptors (:func:`dw_tma_ok`); sets
     :attr:`MoEBwdConfig.dw_tma`, and for the large-expert tiles a persistent dW grid (one program
-    per SM). H200, scripts/dw_tma_check.py: dW kernels 1.08-1.42x the pointer kernel's speed
-    (Qwen3 T=16384 2.56 -> 2.16 ms, Mixtral 25.2 -> 17.8, DSv3 26.7 -> 19.9), the persistent grid a
-    further 1-4 %. ``table``: a :class:`~replaymoe.moe.tuned.TunedTable`; where its ``backward``
+    per SM): faster than the pointer kernel, bitwise the same (docs/TUNING.md, "Backward dW through
+    TMA"). ``table``: a :class:`~replaymoe.moe.tuned.TunedTable`; where its ``backward``
     section has the problem's token bucket, its kernel tiles (:data:`BWD_TILE_FIELDS`) replace the
     heuristics' and the switches stay as chosen here.
     """
@@ -331,31 +327,29 @@ def moe_bwd_config(
 def _bwd_heuristics(T: int, K: int, H: int, I: int, E_local: int, tma: bool) -> MoEBwdConfig:  # noqa: E741
     slots = max(T * K, 1)
     m_avg = slots / min(E_local, slots)
-    # H200 sweep (bench/moe_bwd_tune.py, bench/results/train_bwd_tune.txt): dW over pre-gathered rows
+    # H200 sweeps (docs/TUNING.md, "Training backward"): dW over pre-gathered rows
     if m_avg < 12:
         return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
     if m_avg < 40:
         return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
     g = tma and BWD_GEMM_TMA_ENABLED
     if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
-        # Hopper (H200, Qwen3 T=4096 / 1024, bitwise the same): dA 128x256 tiles 250 -> 209 / 124 -> 113 us;
-        # dW capped at 168 registers (three programs per SM) 939 -> 804 / 664 -> 551 us
+        # Hopper (bitwise the same, faster at Qwen3 T = 1024 / 4096 on the H200): dA 128x256 tiles; dW capped
+        # at 168 registers, three programs per SM (docs/TUNING.md, "Small experts")
         bn_a = 256 if tma else 128
         return MoEBwdConfig(128, bn_a, 64, 8, 4, 256, 64, 8, 4, 128, 128, 32, 4, 4, 8, 1, tma, gemm_tma=g,
                             maxnreg_w=168 if tma else 0)  # fmt: skip
-    if tma:  # Hopper (H200 sweep, session 14; bitwise the same): dA 128x256 tiles, Qwen3 T=16384
-        # 770 -> 650 us, Mixtral / DSv3 T=4096 1678 -> 1436 / 1788 -> 1527; dW 32-deep K chunks in 6
-        # stages, 2029 -> 1958, 4837 -> 4728, 6759 -> 6109 us
+    if tma:  # Hopper (H200 sweep; bitwise the same): dA 128x256 tiles, dW 32-deep K chunks in 6 stages
+        # (docs/TUNING.md, "Long expert segments")
         return MoEBwdConfig(128, 256, 64, 8, 4, 256, 64, 8, 4, 128, 256, 32, 8, 6, 8, 1, tma, -1, gemm_tma=g)
     return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, 0, gemm_tma=g)
 
 
 # Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer: opt-in (True, or
 # the environment variable REPLAYMOE_PDL=1; per call MoEConfig.pdl). Results are the same either way.
-# Off by default because it measured slower on the H200 at every decode point
-# (scripts/pdl_decode_check.py, graph replay: Qwen3 T=1 36.7 -> 40.1 us, Mixtral T=1 189 -> 288 us,
-# DSv3 T=8 1278 -> 1549 us): GEMM2's programs sit resident while GEMM1 still runs, and its L2
-# prefetch of weights larger than L2 reads them twice.
+# Off by default because it is slower at every decode point measured (H200 and H100; docs/TUNING.md,
+# "Launch overhead"): GEMM2's programs sit resident while GEMM1 still runs, and its L2 prefetch of
+# weights larger than L2 reads them twice.
 PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "0") == "1"
 
 
@@ -389,12 +383,9 @@ def _swap_ab(c, fp8: bool) -> bool:
 # where they are few (a [tile rows, slots] comparison in registers)
 MERGE_MAX_SLOTS = 256
 # merge_slots=None merges where random routing is expected to leave at least one slot sharing an expert
-# with another and the weight reads saved take at least this long. Measured (H100, graph replay, the
-# direct mode's tiles with and without merging, bench/merge_slots_probe.py, bench/moe_notes.md session
-# 30): the scan costs 1.5-5 us where nothing merges (Qwen3 T=2 bf16 74.4 -> 79.1 us, expected 0.9
-# duplicate slots); merged, DeepSeek-V3 T=4 bf16 932 -> 885, fp8 510 -> 481, T=8 fp8 978 -> 863,
-# Mixtral fp8 T=4 286 -> 271, Qwen3 bf16 T=4 (7.9 us of reads saved) 117.3 -> 114.4; Qwen3 fp8 T=4
-# (4.0 us saved) 72.3 -> 75.1 loses
+# with another and the weight reads saved take at least this long: the scan costs 1.5-5 us where nothing
+# merges, and merging lost with 4 us of reads saved and won with 8 (H100; docs/TUNING.md, "Merged direct
+# tiles")
 MERGE_MIN_SAVED_S = 6e-6
 
 
@@ -423,8 +414,8 @@ def _fused_reduce(c) -> bool:
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
 # (:attr:`MoEConfig.tma`, chosen by :func:`moe_config` where :func:`tma_ok`); False (or the environment
 # variable REPLAYMOE_TMA=0) keeps pointer loads where the configuration is chosen for the call (a
-# configuration given with tma=True still uses TMA). Results are the same either way. H200 A/B
-# (scripts/fwd_tma_check.py, graph replay): 1.04-1.11x at T >= 4096 (Mixtral T=16384 22.5 -> 20.3 ms).
+# configuration given with tma=True still uses TMA). Results are the same either way; faster at
+# T >= 4096 (docs/TUNING.md, "TMA in tile mode").
 TMA_ENABLED = os.environ.get("REPLAYMOE_TMA", "1") != "0"
 
 
@@ -439,12 +430,12 @@ def tma_ok(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
 
 # The weight-gradient GEMMs through TMA tensor descriptors on Hopper and newer (MoEBwdConfig.dw_tma,
 # set by moe_bwd_config where dw_tma_ok); False (or the environment variable REPLAYMOE_DW_TMA=0) keeps
-# the pointer kernel. The bits are the same either way (H200 A/B: scripts/dw_tma_check.py).
+# the pointer kernel. The bits are the same either way (docs/TUNING.md, "Backward dW through TMA").
 DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
 # The dA / dX GEMMs' weight (and dX's dh) tiles through TMA descriptors where dw_tma_ok
 # (MoEBwdConfig.gemm_tma; the same bits as the pointer loads, H200 test); REPLAYMOE_BWD_GEMM_TMA=0 turns it
-# off. H200, bench train, two A/B runs each: Qwen3 fwd+bwd T=1024 1.51 -> 1.46 ms, T=4096 2.75 -> 2.73,
-# T=16384 8.38-8.43 -> 8.27-8.35 (peaks unchanged); DSv3 T=4096 19.5 -> 19.4.
+# off (a small gain at every Qwen3 point, peaks unchanged: docs/TUNING.md, "Backward dA / dX through
+# TMA").
 BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
 # Tile mode, bf16 / fp16 / fp32: a tile with at most half its rows real (an expert's last) computes
 # only that half (the kernels' HALF_TILES; the same bits). REPLAYMOE_HALF_TILES=0 turns it off where a

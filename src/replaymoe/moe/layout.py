@@ -260,9 +260,9 @@ def expert_layout_unchecked(
                             COMPACT=True)  # fmt: skip
     ch, e_pad = plan.ch, plan.e_pad
     single = plan.num_chunks == 1  # the scatter counts the one chunk's slots itself: one launch
-    # the scatter on 4 warps over 2-16 chunks of 64 slots (decode to mid-size batches): Qwen3 T=64 8.8 -> 6.2
-    # µs, DeepSeek-V3 T=64 7.5 -> 6.3, Mixtral T=64 4.05 -> 3.9 (H100, bench/small_kernels_probe.py: 2-8
-    # chunks); one chunk keeps 8 (3.75 vs 3.99), so do prefill's larger chunks (Qwen3 T=16384 24.8 vs 31.4)
+    # the scatter on 4 warps over 2-16 chunks of 64 slots (decode to mid-size batches), faster there; one
+    # chunk keeps 8, and so do prefill's larger chunks, where 8 win (docs/TUNING.md, "Small kernels at
+    # decode sizes")
     warps = 4 if ch == 64 and 1 < plan.num_chunks <= 16 else 8
     if not single:
         fast(layout_hist_kernel)[(plan.num_chunks,)](

@@ -6,10 +6,10 @@ A :class:`TunedTable` maps a problem ``(H, I, E_local, K, fp8, token bucket)`` t
 elsewhere. Its ``backward`` section does the same for the training backward's kernel tiles
 (:class:`~replaymoe.moe.configs.MoEBwdConfig` less its data-movement switches, which stay the device's),
 read by :func:`moe_bwd_config <replaymoe.moe.configs.moe_bwd_config>`. The tables ship as JSON beside
-this module (``tables/<name>.json``, written by ``replaymoe bench tune``; backward entries come from
-``bench/moe_bwd_tune.py`` sweeps):
+this module (``tables/<name>.json``, written by ``replaymoe bench tune``, ``--backward`` for the
+backward entries; what each run found: bench/README.md, "bench tune"):
 
-* ``h200``: tuned on the H200 (bench/moe_notes.md);
+* ``h200``: tuned on the H200;
 * ``h100``: tuned on the H100; the problems it was not re-tuned for keep the H200's entries (its
   ``base``); backward entries for Mixtral (the dX GEMM in 3 stages);
 * ``generic``: no entries, the heuristics alone: what a GPU other than Hopper, and the CPU

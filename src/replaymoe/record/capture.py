@@ -50,10 +50,6 @@ allocated lazily for the positions it actually computes; positions never compute
 from a prefix cache, or by another rank) stay -1. ``finish`` assembles the request's
 [positions, L, K] array, returns it as a trace and frees the pages; ``abort`` frees them.
 Paging makes the per-step scatter one vectorised copy per slab instead of one per request.
-
-Size: over 450 lines because the step protocol (``end_step``, ``poll``, ``finish``, ``abort``), the
-host page pool and the draining of pending copies all work on the capturer's shared fields; a
-page-pool class of its own is the next split.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ inside a CUDA graph once :meth:`ReplaySource.prepare` has put the tables on the 
 batch row and position, and the transformers integration (:mod:`replaymoe.hf`) by batch row or by
 content (each token's prefix hash: :func:`prefix_hashes`), all layers with one gather per forward.
 
-Size: over 450 lines; the replay table, its content hashes and the source that feeds it per layer
+Size: over 600 lines (about 630); the replay table, its content hashes and the source that feeds it per layer
 are one contract (the rows a source fills are the rows the table serves).
 """
 

@@ -23,7 +23,6 @@ Semantics shared by every method and backend
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -162,23 +161,6 @@ def as_routing(
     return routing
 
 
-def _renamed_config(routing: Optional[RoutingConfig], config: RoutingConfig, func: str) -> RoutingConfig:
-    """``config=``, the deprecated name of ``routing=`` (kept for one release): warns and returns it.
-    Only called when ``config`` is given, so a compiled call without it never reaches the warning."""
-    if routing is not None:
-        fail(
-            "config",
-            "routing= alone (config= is its deprecated name)",
-            "both config= and routing=",
-        )
-    warnings.warn(
-        f"{func}(config=...) is deprecated and will be removed in the next release; pass routing=...",
-        DeprecationWarning,
-        stacklevel=3,  # the caller of route / route_torch
-    )
-    return config
-
-
 # --------------------------------------------------------------------------------------------------
 # torch reference
 # --------------------------------------------------------------------------------------------------
@@ -220,8 +202,6 @@ def route_torch(
     """
     if "backend" in kwargs:
         fail("backend", "not given to route_torch (it is the torch backend)", kwargs["backend"])
-    if kwargs.get("config") is not None:  # the deprecated name, warned about at the caller's line
-        kwargs["routing"] = _renamed_config(kwargs.get("routing"), kwargs.pop("config"), "route_torch")
     return route(router_logits, top_k, method, backend="torch", **kwargs)
 
 
@@ -258,7 +238,6 @@ def route(
     replay_ids: Optional[torch.Tensor] = None,
     backend: str = "auto",
     check_replay: bool = True,
-    config: Optional[RoutingConfig] = None,
 ) -> RoutingOutput:
     """Select the top-k experts of every token and their weights (one fused kernel on the GPU).
 
@@ -304,9 +283,6 @@ def route(
         under ``torch.compile``). Pass False only for ids already checked once with
         :func:`check_replay_ids` (e.g. a replay table built from validated traces), so that a
         forward replaying them pays no sync.
-    config : RoutingConfig, optional
-        Deprecated name of ``routing`` (kept for one release): warns (DeprecationWarning) and
-        behaves the same; giving both is a ValueError.
 
     Returns
     -------
@@ -318,10 +294,8 @@ def route(
     ------
     ValueError
         Naming the argument, for any invalid dtype, shape, device, layout or value; ``routing``
-        together with a routing keyword it holds, or with ``config``.
+        together with a routing keyword it holds.
     """
-    if config is not None:
-        routing = _renamed_config(routing, config, "route")
     routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
     p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay)
     out = route_unchecked(router_logits, p, routing.bias, routing_replay_out, replay_ids, backend)

@@ -46,7 +46,7 @@ _METHOD_VALUES = tuple(int(m) for m in METHODS)
 _METHOD_CHOICES = ", ".join(f"{m.name}={int(m)}" for m in METHODS)  # every method of the table
 
 
-# RoutingConfig's fields spelled out (as in as_routing): also a signature of the deprecated routing_config
+# RoutingConfig's fields spelled out (as in as_routing)
 def validate_config(
     top_k: object,
     method: object,

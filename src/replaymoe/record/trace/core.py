@@ -11,9 +11,6 @@ MoE layer chose for every token::
 Its file-format methods (``save``, ``load``) delegate to :mod:`replaymoe.record.trace.file` and its
 wire-format methods (``to_vllm``, ``from_vllm``, ``to_sglang``, ``from_sglang``) to
 :mod:`replaymoe.record.trace.wire`; neither of those imports this module.
-
-Size: over 450 lines; :class:`RoutingTrace`'s validation, its optional ``token_ids`` and the joining
-of traces (``concat``, ``merge``) are one data model, and its docstrings carry the format's contract.
 """
 
 from __future__ import annotations
