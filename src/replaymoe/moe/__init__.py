@@ -8,6 +8,8 @@ Public entry points
 * :func:`swap_gate_up` — convert w13 between our order (gate rows first) and
   FlashInfer TRT-LLM's order (up rows first).
 * :class:`ClampedSwiGLU` — gpt-oss's activation, ``activation=ClampedSwiGLU(alpha, limit)``.
+* :func:`raise_id_errors` — wait for the GPU and raise the error of bad caller ``topk_ids`` at once
+  (``fused_moe`` checks them on the device and raises at its next call).
 
 Semantics (DESIGN.md, "Fused MoE")::
 
@@ -23,20 +25,24 @@ Routing is always over all ``num_experts`` experts with global ids; a rank holdi
 ``[local_expert_offset, +E_local)`` produces a partial sum (expert parallelism). Ids outside the
 slice — and ``-1``, a slot with no expert (EP dispatch's padding) — contribute nothing. Caller-given
 ``topk_ids`` must lie in ``[0, num_experts)`` or be ``-1``, with no id twice in a row (checked unless
-``check_ids=False``).
+``check_ids=False``). On CUDA the Triton experts check them on the device, inside the kernel that
+reads them first (no launch, no host sync, CUDA graphs included); the ValueError comes at the next
+``fused_moe`` call on that device, or at :func:`raise_id_errors`.
 
 The package, one op: this module (the public entry points and their documentation), ``_validate``
 (argument checks, once per call), ``_reference`` (the torch spec: forward loop and closed-form
 backward, :class:`ClampedSwiGLU`), ``configs`` (tuned tables, heuristics, hardware switches),
 ``_forward`` and ``_backward`` (the Triton host side: launchers, ``replaymoe::`` custom ops, autograd),
-``layout`` (the expert-sorted token layout) and ``quant`` (fp8 block-scale helpers), and the Triton code
-``_kernel_fwd``, ``_kernel_bwd`` and ``_kernel_layout``. ``MoEConfig``, ``moe_config``,
+``layout`` (the expert-sorted token layout), ``quant`` (fp8 block-scale helpers) and ``_id_mailbox`` (the
+device-side id check's host side), and the Triton code ``_kernel_fwd``, ``_kernel_bwd``,
+``_kernel_layout`` and ``_kernel_ids``. ``MoEConfig``, ``moe_config``,
 ``MoEBwdConfig``, ``moe_bwd_config`` and ``experts_backward_torch`` are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -46,6 +52,7 @@ from .._validation import check_choice, check_int, check_tensor, fail
 from ..routing import RoutingConfig, RoutingMethod, as_routing, route_unchecked
 from ._backward import experts_triton_train
 from ._forward import STANDARD, ExpertsVariant, experts_triton
+from ._id_mailbox import raise_id_errors as raise_id_errors  # re-exported: replaymoe.moe.raise_id_errors
 from ._reference import ClampedSwiGLU as ClampedSwiGLU  # re-exported: replaymoe.moe.ClampedSwiGLU
 from ._reference import experts_backward_torch as experts_backward_torch  # re-exported
 from ._reference import experts_torch
@@ -55,14 +62,15 @@ from .configs import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoECon
 from .configs import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
 from .configs import moe_config as moe_config  # re-exported: replaymoe.moe.moe_config
 
-__all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up", "ClampedSwiGLU"]
+__all__ = ["fused_moe", "fused_moe_torch", "MoELayer", "swap_gate_up", "ClampedSwiGLU", "raise_id_errors"]
 
 
-def _variant(w13_bias, w2_bias, activation, gate_up_layout) -> ExpertsVariant:
-    """The Triton side's description of a validated call's expert options."""
+def _variant(w13_bias, w2_bias, activation, gate_up_layout, id_bound: int) -> ExpertsVariant:
+    """The Triton side's description of a validated call's expert options (``id_bound``: E when the
+    kernels check the caller's ids on the device, else 0)."""
     clamped = isinstance(activation, ClampedSwiGLU)
     if w13_bias is None and w2_bias is None and not clamped and gate_up_layout == "halves":
-        return STANDARD
+        return _checked_standard(id_bound) if id_bound else STANDARD
     return ExpertsVariant(
         w13_bias,
         w2_bias,
@@ -70,7 +78,14 @@ def _variant(w13_bias, w2_bias, activation, gate_up_layout) -> ExpertsVariant:
         activation.alpha if clamped else 0.0,
         activation.limit if clamped else 0.0,
         gate_up_layout == "interleaved",
+        id_bound,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_standard(id_bound: int) -> ExpertsVariant:
+    """The standard experts with the device-side id check against ``[-1, id_bound)`` (one object per E)."""
+    return ExpertsVariant(id_bound=id_bound)
 
 
 def fused_moe_unchecked(
@@ -227,11 +242,17 @@ def fused_moe(
     check_ids : bool, keyword-only
         ``True`` (default) checks the values of caller-given ids: ``topk_ids`` (above), or
         ``replay_ids`` with ``router_logits`` (as :func:`replaymoe.routing.route` does with
-        ``check_replay=True``). Eagerly this costs one host sync per call; under ``torch.compile``
-        the check runs inside the graph (the op ``replaymoe::check_topk_ids``); while a CUDA graph is
-        being captured it is skipped (a capture never syncs). ``False`` skips it, for callers whose
-        ids come from a trusted producer (``route``'s output, a validated trace): invalid ids are
-        then silently dropped or counted twice.
+        ``check_replay=True``). ``topk_ids`` on CUDA (Triton backend): checked on the device by the
+        kernel that reads them first (the layout, or GEMM1 in direct mode), with no launch and no host
+        sync, eagerly, under ``torch.compile`` and in CUDA graphs; a bad id raises at the next
+        ``fused_moe`` call on that device once the GPU has run this one (or at
+        :func:`raise_id_errors`), and this call's output is unspecified. Elsewhere (the CPU, the
+        torch backend, and ``replay_ids``): eagerly on the host (one host sync on a GPU), under
+        ``torch.compile`` inside the graph (the ops ``replaymoe::check_topk_ids`` /
+        ``check_replay_ids``), skipped while a CUDA graph is being captured. Ids that
+        :func:`~replaymoe.routing.route` returned, unmodified, are not checked again. ``False``
+        skips the check, for callers whose ids come from a trusted producer (a validated trace):
+        invalid ids are then silently dropped or counted twice.
 
     Returns
     -------
@@ -258,7 +279,8 @@ def fused_moe(
         Naming the argument: shape/dtype/device mismatches between hidden_states, w13, w2 and the scales
         and biases; fp8 dims not multiples of 128; fp8 with biases, interleaved rows or the clamped
         activation; wrong topk dtypes; ``topk_ids`` values outside ``[0, num_experts)`` other than
-        ``-1``, or an id twice in a row (the message gives the first bad row and its values); bad
+        ``-1``, or an id twice in a row (the message gives the row and the id; on CUDA at the next
+        call, see ``check_ids``); bad
         ``gate_up_layout``; routing arguments together with topk tensors; missing routing; bad
         ``activation``, ``backend``, ``recompute``, ``batch_invariant`` or ``check_ids``; fp8 weights
         with an input that requires grad; float64 on the Triton backend.
@@ -299,6 +321,7 @@ def fused_moe(
         gate_up_layout=gate_up_layout,
         act_dtypes=_ACT_DTYPES if use_triton else _REF_DTYPES,
         check_ids=check_ids,
+        triton=use_triton,
     )
     if use_triton:
         resolve_backend(backend, hidden_states)  # 'triton' on CPU needs the interpreter
@@ -330,7 +353,7 @@ def fused_moe(
         return out.copy_(res) if out is not None else res
     args = (hidden_states, w13, w2, topk_ids, topk_weights)
     if use_triton:
-        variant = _variant(w13_bias, w2_bias, activation, gate_up_layout)
+        variant = _variant(w13_bias, w2_bias, activation, gate_up_layout, p.id_bound)
         if not needs_grad:  # inference: writes into out itself
             return experts_triton(
                 *args,

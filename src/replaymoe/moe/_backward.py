@@ -67,6 +67,7 @@ def _moe_train_op(
     alpha: float = 0.0,
     limit: float = 0.0,
     interleaved: bool = False,
+    id_bound: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of the differentiable experts: ``(out [T, H], saved)``.
 
@@ -76,7 +77,7 @@ def _moe_train_op(
     bitwise the inference output. The trailing arguments are :class:`ExpertsVariant`'s.
     """
     return _train_forward(x, w13, w2, topk_ids, topk_weights, local_expert_offset, config, recompute,
-                          w13_bias, w2_bias, act, alpha, limit, interleaved)  # fmt: skip
+                          w13_bias, w2_bias, act, alpha, limit, interleaved, id_bound)  # fmt: skip
 
 
 def _train_forward(
@@ -94,6 +95,7 @@ def _train_forward(
     alpha,
     limit,
     interleaved,
+    id_bound=0,
     layout_out=None,
 ):
     """The body of ``replaymoe::moe_experts_train``; ``layout_out`` (a list) receives the forward's
@@ -102,7 +104,7 @@ def _train_forward(
     K = topk_ids.shape[1]
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
-    v = ExpertsVariant(b13, b2, act, alpha, limit, interleaved)
+    v = ExpertsVariant(b13, b2, act, alpha, limit, interleaved, id_bound)
     c = config if isinstance(config, MoEConfig) else config_from_list(config)  # eager: the object
     _launch(x, w13, w2, topk_ids, topk_weights, None, None, offset, out, c,
             saved=None if recompute else saved, v=v, layout_out=layout_out)  # fmt: skip
@@ -125,8 +127,8 @@ def _saved_tensor_hooks_active() -> bool:
 
 def _train_setup_context(ctx, inputs, output):
     x, w13, w2, topk_ids, topk_weights, local_expert_offset, _config, recompute = inputs[:8]
-    b13, b2, act, alpha, limit, interleaved = (
-        tuple(inputs[8:]) + (None, None, 0, 0.0, 0.0, False)[len(inputs) - 8 :]
+    b13, b2, act, alpha, limit, interleaved, _id_bound = (
+        tuple(inputs[8:]) + _TRAIN_DEFAULTS[len(inputs) - 8 :]
     )
     saved = output[1]
     ctx.offset, ctx.recompute = local_expert_offset, recompute
@@ -210,7 +212,7 @@ class _EagerTrain(torch.autograd.Function):
         return _train_backward(ctx, grad_out, grad_saved)
 
 
-_TRAIN_DEFAULTS = (None, None, 0, 0.0, 0.0, False)  # the op's optional trailing arguments
+_TRAIN_DEFAULTS = (None, None, 0, 0.0, 0.0, False, 0)  # the op's optional trailing arguments
 
 
 @torch.library.custom_op("replaymoe::moe_experts_bwd", mutates_args=())

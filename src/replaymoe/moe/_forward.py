@@ -15,6 +15,7 @@ import torch
 
 from .._launch import cdiv, fast, next_power_of_2
 from .._validation import is_capturing
+from ._id_mailbox import mailbox, raise_pending
 from .configs import (
     MoEConfig,
     _fused_reduce,
@@ -38,7 +39,9 @@ class ExpertsVariant:
 
     ``w13_bias`` [E_local, 2I] (rows as w13's) and ``w2_bias`` [E_local, H]: added in the GEMM
     epilogues; ``act`` 0 = SwiGLU, 1 = clamped SwiGLU with ``alpha`` and ``limit`` (gpt-oss);
-    ``interleaved``: w13's gate row j is row 2j, its up row 2j + 1 (otherwise j and I + j).
+    ``interleaved``: w13's gate row j is row 2j, its up row 2j + 1 (otherwise j and I + j);
+    ``id_bound``: E > 0 when the caller's ``topk_ids`` still need their value check, which the kernels
+    that read the ids run on the device (:mod:`replaymoe.moe._id_mailbox`); 0: ids known valid.
     """
 
     w13_bias: torch.Tensor | None = None
@@ -47,10 +50,12 @@ class ExpertsVariant:
     alpha: float = 0.0
     limit: float = 0.0
     interleaved: bool = False
+    id_bound: int = 0
 
     def op_args(self) -> tuple:
-        """The trailing arguments of the ``replaymoe::moe_experts*`` custom ops."""
-        return (self.w13_bias, self.w2_bias, self.act, self.alpha, self.limit, self.interleaved)
+        """The trailing arguments of the ``replaymoe::moe_experts`` and ``moe_experts_train`` ops."""
+        v = self
+        return (v.w13_bias, v.w2_bias, v.act, v.alpha, v.limit, v.interleaved, v.id_bound)
 
 
 STANDARD = ExpertsVariant()
@@ -120,12 +125,13 @@ def _moe_experts_op(
     alpha: float = 0.0,
     limit: float = 0.0,
     interleaved: bool = False,
+    id_bound: int = 0,
 ) -> None:
     """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call);
     the trailing arguments are :class:`ExpertsVariant`'s."""
     _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
             config_from_list(config),
-            v=ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved))  # fmt: skip
+            v=ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved, id_bound))  # fmt: skip
 
 
 @_moe_experts_op.register_fake
@@ -194,13 +200,16 @@ def _launch(
     """Launch layout + GEMM1 + GEMM2 + reduce into ``out``; ``saved`` [T*K, 2I] (optional, not fp8)
     receives GEMM1's gate/up outputs per slot for the backward; ``v``: the experts variant (bf16 /
     fp16 / fp32 weights of any strides; fp8 takes the standard variant only); ``layout_out`` (a list)
-    receives the expert layout in tile mode."""
+    receives the expert layout in tile mode. With ``v.id_bound`` the kernel that reads the ids first
+    (the layout's scatter, or GEMM1 in direct mode) checks them on the device; an error an earlier call
+    left in the mailbox is raised first."""
     from ._kernel_fwd import moe_gemm1_kernel, moe_gemm2_kernel
     from .layout import expert_layout_unchecked
 
     T, H = x.shape
     if T == 0:
         return
+    id_check = _id_check(topk_ids, v.id_bound)
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741
@@ -230,7 +239,9 @@ def _launch(
         if fp8:
             xq_xs = _x_buffers(x)
             quant = (x, *xq_xs)
-        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, layout_out is not None, quant)
+        lay = expert_layout_unchecked(
+            ids, E_local, c.block_m, offset, 1, layout_out is not None, quant, id_check=id_check
+        )
         if layout_out is not None:
             layout_out.append(lay)
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
@@ -238,7 +249,9 @@ def _launch(
         rows = max(lay.sorted_slots.shape[0], 1)
     if _swap_ab(c, fp8):
         tiles = None if c.direct else lay
-        _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c, tiles, xq_xs)
+        check = id_check if c.direct else None  # tile mode: the layout checked them
+        _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c, tiles, xq_xs,
+                            check)  # fmt: skip
         return
     # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
     # quantize its activation tiles again in every N-block program (the same bits)
@@ -252,7 +265,7 @@ def _launch(
     else:
         inter = torch.empty(rows, I, dtype=inter_dt, device=dev)
         inter_s = inter
-    if num_pid_m == 0:
+    if num_pid_m == 0:  # tile mode (the layout checked the ids), or an empty direct call
         out.zero_()
         return
     # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper; c.pdl, opt-in), so
@@ -275,7 +288,7 @@ def _launch(
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
         PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
         num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl, cnt_ptr=cnt, num_cnt_n=n_cnt, TICKET=ticket,
-        MERGE=merge, SCAN=scan,
+        MERGE=merge, SCAN=scan, **_direct_check_args(c, id_check),
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * cdiv(H, c.block_n2),)
@@ -296,6 +309,24 @@ def _launch(
     )  # fmt: skip
     if not ticket:
         _reduce_slots(y, ids, out, offset, E_local, pdl)
+
+
+def _id_check(ids: torch.Tensor, id_bound: int) -> tuple[torch.Tensor, int] | None:
+    """(mailbox, id_bound) for a launch that checks the caller's ids on the device, or None (ids known
+    valid). Raises the error an earlier call left in the device's mailbox first."""
+    if not id_bound:
+        return None
+    index = max(ids.get_device(), 0)  # -1 on the CPU (Triton's interpreter): the mailbox of index 0
+    if ids.is_cuda:
+        raise_pending(index)
+    return mailbox(index), id_bound
+
+
+def _direct_check_args(c: MoEConfig, id_check: tuple[torch.Tensor, int] | None) -> dict:
+    """GEMM1's keyword arguments for the id check of direct mode (tile mode: the layout checks)."""
+    if id_check is None or not c.direct:
+        return {}
+    return dict(err_ptr=id_check[0], id_bound=id_check[1], CHECK_IDS=True)
 
 
 def _scan_width(slots: int) -> int:
@@ -351,12 +382,13 @@ _DECODE_TN = 16
 
 
 def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c: MoEConfig, lay,
-                        xq_xs=None) -> None:  # fmt: skip
+                        xq_xs=None, id_check=None) -> None:  # fmt: skip
     """The fp8 experts with swapped operands (``c.swap_ab``, ``_kernel_swapped.py``): x quantized per
     1×128 group -> GEMM1 -> GEMM2 -> reduce (or the top-k sum in GEMM2, direct mode). Arguments as
     :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit stride along K);
     ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`_launch` (None in direct mode);
-    ``xq_xs``: x already quantized (tile mode: by the layout's launch), else quantized here."""
+    ``xq_xs``: x already quantized (tile mode: by the layout's launch), else quantized here; ``id_check``:
+    direct mode's (mailbox, id_bound) for GEMM1's device-side id check (:func:`_id_check`)."""
     from ._kernel_swapped import moe_gemm1_swapped_fp8_kernel, moe_gemm2_swapped_fp8_kernel
 
     T, H = x.shape
@@ -385,7 +417,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), inter.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128,
         TN=tn, GROUP_M=c.group_m, num_warps=c.warps1, num_stages=c.stages1, cnt_ptr=cnt, num_cnt_n=n_cnt,
-        TICKET=ticket, MERGE=merge, SCAN=scan,
+        TICKET=ticket, MERGE=merge, SCAN=scan, **_direct_check_args(c, id_check),
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     fast(moe_gemm2_swapped_fp8_kernel)[(num_pid_m * cdiv(H, c.block_n2),)](

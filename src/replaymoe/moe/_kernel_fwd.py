@@ -59,6 +59,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ._kernel_ids import check_all_ids
+
 FP8_MAX = tl.constexpr(448.0)
 
 
@@ -256,6 +258,9 @@ def moe_gemm1_kernel(
     TICKET: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     SCAN: tl.constexpr = 16,
+    err_ptr=None,
+    id_bound=0,
+    CHECK_IDS: tl.constexpr = False,
 ):
     """inter[row, n] = act(x[tok] @ w13[e, gate n] + b, x[tok] @ w13[e, up n] + b) for one tile × BLOCK_N.
 
@@ -278,8 +283,12 @@ def moe_gemm1_kernel(
     ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``_zero_tickets``).
 
     ``MERGE`` (DIRECT): the slots that share an expert run as the rows of one tile (``_merged_slots``;
-    ``SCAN``: ``num_slots`` rounded up to a power of two); rows are written per slot."""
+    ``SCAN``: ``num_slots`` rounded up to a power of two); rows are written per slot.
+
+    ``CHECK_IDS`` (DIRECT): program 0 also checks the caller's ids against ``[-1, id_bound)`` and for
+    duplicates within a row, into the error mailbox ``err_ptr`` (``_kernel_ids.py``)."""
     tl.static_assert(not TMA or (not DIRECT and not FP8))
+    tl.static_assert(DIRECT or not CHECK_IDS)
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
     tl.static_assert(DIRECT or not TICKET)
     if PDL:
@@ -288,6 +297,9 @@ def moe_gemm1_kernel(
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    if CHECK_IDS:
+        if pid == 0:
+            check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_ptr)
     if TICKET:
         _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     if HALF_TILES:  # rows are a tile's first entries, padding markers (>= num_slots) after them

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._kernel_fwd import _quant_group_block
+from ._kernel_ids import check_id_block
 
 
 @triton.jit
@@ -85,11 +86,17 @@ def layout_scatter_kernel(
     stride_xm=0,
     QUANT: tl.constexpr = False,
     QG: tl.constexpr = 8,
+    top_k=1,
+    err_ptr=None,
+    id_bound=0,
+    CHECK_IDS: tl.constexpr = False,
 ):
     """See the module docstring. ``SINGLE`` (one chunk): every program counts the slots itself
     (``layout_hist_kernel``'s histogram, ``hist_ptr`` unused), so the layout is one launch. ``QUANT``:
     the programs from ``layout_grid`` on quantize x [T, H] (``n_groups`` = H // 128 groups per row,
-    ``QG`` per program) into ``xq`` [T, H] e4m3 and ``xs`` [T, n_groups] fp32."""
+    ``QG`` per program) into ``xq`` [T, H] e4m3 and ``xs`` [T, n_groups] fp32. ``CHECK_IDS``: each
+    program also checks its chunk of the caller's ids (rows of ``top_k``) against ``[-1, id_bound)`` and
+    for duplicates within a row, into the error mailbox ``err_ptr`` (``_kernel_ids.py``)."""
     pid = tl.program_id(0)
     if QUANT:
         if pid >= layout_grid:
@@ -118,6 +125,8 @@ def layout_scatter_kernel(
         mine = tl.sum(tl.where((rows == pid)[:, None], hist, 0), axis=0)
         chunk_excl = tl.cumsum(mine, axis=0) - mine
         tl.store(base_ptr + pid * E_PAD + ev, padded_start + prev - chunk_excl)
+        if CHECK_IDS:
+            check_id_block(ids_ptr, pid * CH + tl.arange(0, CH), num_slots, top_k, id_bound, err_ptr)
         tl.debug_barrier()
         i = tl.arange(0, CH)
         e, local = _local_expert(ids_ptr, pid * CH + i, num_slots, expert_offset, num_local)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._kernel_fwd import _act, _direct_rows, _grouped_pid, _ticket_sum, _ticket_sum_rows, _zero_tickets
+from ._kernel_ids import check_all_ids
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -107,6 +108,9 @@ def moe_gemm1_swapped_fp8_kernel(
     TICKET: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     SCAN: tl.constexpr = 16,
+    err_ptr=None,
+    id_bound=0,
+    CHECK_IDS: tl.constexpr = False,
 ):
     """inter[row, n] = silu(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n]) for ``BLOCK_N`` columns n of
     each real row of a tile, computed transposed (module docstring).
@@ -121,11 +125,16 @@ def moe_gemm1_swapped_fp8_kernel(
     ``sorted_slots`` / ``tile_expert`` / ``num_tiles`` (tile mode); inter [rows, I] (e4m3 and
     ``inter_s`` [rows, I // 128] fp32 with ``PREQ``, else bf16; rows: T * K in DIRECT mode, the
     layout's rows otherwise). H and I are multiples of 128 (BLOCK_K); BLOCK_N is 32, 64 or 128.
-    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n]."""
+    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n]. ``CHECK_IDS`` (DIRECT): program
+    0 also checks the caller's ids into the error mailbox ``err_ptr`` (``_kernel_ids.py``)."""
     tl.static_assert(not PREQ or BLOCK_N == 128)
     tl.static_assert(DIRECT or not TICKET)
+    tl.static_assert(DIRECT or not CHECK_IDS)
     STACK: tl.constexpr = BLOCK_N < 64
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if CHECK_IDS:
+        if tl.program_id(0) == 0:
+            check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_ptr)
     if TICKET:
         _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_slots,

@@ -3,10 +3,12 @@
 :func:`_validate` checks the tensors, their shapes, dtypes and devices and the options against each
 other, and with routing inside (``router_logits``) runs the routing's own per-call checks
 (:func:`replaymoe.routing._checks.validate`) so that the routing after it (``route_unchecked``)
-checks nothing again. Caller-given ``topk_ids`` are checked by value by the routing's own id check
-(:func:`replaymoe.routing._checks.topk_ids_for_kernels`: eagerly one host sync, under ``torch.compile``
-the op ``replaymoe::check_topk_ids``, nothing while a CUDA graph is captured) unless ``check_ids``
-is False. It returns the sizes of the call (:class:`_Problem`).
+checks nothing again. Caller-given ``topk_ids`` are checked by value unless ``check_ids`` is False
+(:func:`replaymoe.routing._checks.topk_ids_for_kernels`): for the Triton experts on CUDA by the
+kernels that read them, on the device without a host sync (``_Problem.id_bound``; eager, compiled and
+CUDA-graph calls alike); otherwise here, by the routing's own id check (on the CPU, and the torch
+backend: eagerly on the host, under ``torch.compile`` the op ``replaymoe::check_topk_ids``). It
+returns the sizes of the call (:class:`_Problem`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class _Problem:
     route_params: Params | None = None  # with router_logits: the routing's checked arguments
     replay_ids: torch.Tensor | None = None  # with router_logits: replay ids as the kernels read them
     topk_ids: torch.Tensor | None = None  # with given routing: the ids as the kernels read them
+    id_bound: int = 0  # E when the kernels check topk_ids on the device, else 0
 
 
 def _validate(
@@ -79,6 +82,7 @@ def _validate(
     gate_up_layout="halves",
     act_dtypes=_ACT_DTYPES,
     check_ids=True,
+    triton=True,
 ) -> _Problem:
     _check_activation(activation)
     check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
@@ -205,10 +209,13 @@ def _validate(
     out_dtype = torch.bfloat16 if fp8 else hidden_states.dtype
     if out is not None:
         check_tensor("out", out, shape=(T, H), dtype=out_dtype, device=dev, contiguous=True)
+    id_bound = 0
     if router_logits is None:
-        # last (a host sync eagerly): global ids in [0, E) of the whole model (ids outside this rank's
-        # slice are legal: other ranks own them), -1 for a slot with no expert, no id twice in a row
-        topk_ids = topk_ids_for_kernels(topk_ids, E, check_ids)
+        # last: global ids in [0, E) of the whole model (ids outside this rank's slice are legal: other
+        # ranks own them), -1 for a slot with no expert, no id twice in a row; on the device for the
+        # Triton experts on CUDA, else here (the CPU, the torch backend)
+        on_device = triton and topk_ids.is_cuda
+        topk_ids, id_bound = topk_ids_for_kernels(topk_ids, E, check_ids, on_device=on_device)
     return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=routing,
                     route_params=route_params, replay_ids=replay_ids,
-                    topk_ids=None if router_logits is not None else topk_ids)  # fmt: skip
+                    topk_ids=None if router_logits is not None else topk_ids, id_bound=id_bound)  # fmt: skip

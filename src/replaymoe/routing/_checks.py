@@ -271,24 +271,34 @@ def _marked_valid(ids: torch.Tensor, num_experts: int) -> bool:
     return mark is not None and mark[0] <= num_experts and mark[1] == ids._version
 
 
-def topk_ids_for_kernels(topk_ids: torch.Tensor, num_experts: int, check: bool) -> torch.Tensor:
-    """``fused_moe``'s caller-given ``topk_ids`` checked by value, once, at the public boundary.
+def topk_ids_for_kernels(
+    topk_ids: torch.Tensor, num_experts: int, check: bool, *, on_device: bool = False
+) -> tuple[torch.Tensor, int]:
+    """``fused_moe``'s caller-given ``topk_ids`` checked by value, once, at the public boundary:
+    ``(ids as the experts read them, id_bound)``.
 
-    Eagerly (``check``, not capturing a CUDA graph) :func:`check_id_values` runs here (one host sync)
-    and the ids come back as they are (any strides: the experts read them in place); under
-    ``torch.compile`` they come back through the op ``replaymoe::check_topk_ids``, which checks them
-    inside the graph (skipped while a CUDA graph is being captured). Ids that :func:`route` returned
-    and nobody modified since (:func:`mark_valid_ids`) were valid when made: eagerly they are not
-    checked again, so ``route`` then ``fused_moe`` costs no host sync. ``check=False`` returns them
-    untouched on every path.
+    ``on_device`` (the Triton experts on CUDA): the ids come back as they are with ``id_bound = E``,
+    and the kernel that reads them first checks them on the device, without a host sync, in eager,
+    compiled and CUDA-graph calls alike (:mod:`replaymoe.moe._id_mailbox`). Otherwise (the CPU, the
+    torch backend) ``id_bound`` is 0 and the check runs here: eagerly :func:`check_id_values` (one host
+    sync on a GPU), under ``torch.compile`` the op ``replaymoe::check_topk_ids``, which checks them
+    inside the graph (skipped while a CUDA graph is being captured).
+
+    Ids that :func:`route` returned and nobody modified since (:func:`mark_valid_ids`) were valid when
+    made: eagerly they are not checked again. ``check=False`` returns them untouched on every path.
     """
     if not check:
-        return topk_ids
-    if torch.compiler.is_compiling():
-        return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts)
-    if not is_capturing() and not _marked_valid(topk_ids, num_experts):
+        return topk_ids, 0
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _marked_valid(topk_ids, num_experts):
+        return topk_ids, 0
+    if on_device:
+        return topk_ids, num_experts
+    if compiling:
+        return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts), 0
+    if not is_capturing():
         check_id_values(topk_ids, num_experts, "topk_ids", minus_one="slots")
-    return topk_ids
+    return topk_ids, 0
 
 
 def check_id_values(

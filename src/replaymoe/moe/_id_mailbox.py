@@ -1,0 +1,100 @@
+"""Host side of the device-side caller-id check: the error mailbox and the error it raises.
+
+``fused_moe`` checks caller-given ``topk_ids`` on CUDA inside a kernel that reads them anyway
+(:mod:`replaymoe.moe._kernel_ids`): no extra launch, no host synchronization, in eager mode, under
+``torch.compile`` and inside CUDA graphs alike. A bad slot writes one packed word into this module's
+mailbox: two int64 words per device in pinned host memory, which the kernels write through its device
+mapping and the host reads in place (a numpy view: no copy, no sync).
+
+The error therefore comes one call late: the host reads the mailbox when the next checked
+``fused_moe`` call on that device starts, and raises there, once the device has run the bad call;
+:func:`raise_id_errors` waits for the device and raises at once (tests, the end of a step). A CUDA
+graph's replays write the mailbox too; nothing is raised while a graph is being captured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._validation import fail, is_capturing
+from ._kernel_ids import KIND_SHIFT, PRESENT, ROW_SHIFT, SLOT_SHIFT
+
+__all__ = ["mailbox", "raise_pending", "raise_id_errors"]
+
+_MAX_DEVICES = 64
+_box: torch.Tensor | None = None  # int64 [2 * _MAX_DEVICES]: per device (word, id bound)
+_words: np.ndarray | None = None  # the same memory, as the host reads it
+_slots: list[torch.Tensor] = []  # per device, the [2] view a kernel writes
+
+
+def mailbox(index: int) -> torch.Tensor:
+    """Device ``index``'s two mailbox words, int64 [2] in pinned host memory (the kernels' ``err_ptr``).
+
+    Allocated at the first call (pinned where CUDA is present; on a CPU-only machine plain memory, for
+    Triton's interpreter); the same tensors afterwards, so a CUDA graph may keep their address.
+    """
+    global _box, _words
+    if _box is None:
+        box = torch.zeros(2 * _MAX_DEVICES, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        _slots.extend(box[2 * i : 2 * i + 2] for i in range(_MAX_DEVICES))
+        _words, _box = box.numpy(), box
+    if not 0 <= index < _MAX_DEVICES:
+        raise RuntimeError(f"fused_moe's id check supports device indices below {_MAX_DEVICES}, got {index}")
+    return _slots[index]
+
+
+def raise_pending(index: int) -> None:
+    """Raise the id error that an earlier call on device ``index`` left in the mailbox, if any (a read of
+    host memory: no copy, no sync). Nothing while a CUDA graph is being captured."""
+    if _words is not None and _words[2 * index] and not is_capturing():
+        _raise(index, synced=False)
+
+
+def raise_id_errors(device: torch.device | str | int | None = None) -> None:
+    """Wait for ``device`` (default: the current CUDA device) and raise the id error of any
+    ``fused_moe`` call that ran there with bad caller ``topk_ids``; a no-op without CUDA.
+
+    ``fused_moe`` checks caller ids on the device, without a host sync, and raises at its next call on
+    the same device; call this where the error must surface at once (after the last call of a step, in
+    tests).
+
+    Raises
+    ------
+    ValueError
+        Naming ``topk_ids``, the rule broken, the row, the slot and the id.
+    """
+    if not torch.cuda.is_available() or _words is None:
+        return
+    if isinstance(device, int):
+        index = device
+    else:
+        d = torch.device("cuda") if device is None else torch.device(device)
+        if d.type != "cuda":
+            fail("device", "a CUDA device", str(d))
+        index = torch.cuda.current_device() if d.index is None else d.index
+    torch.cuda.synchronize(index)
+    if _words[2 * index]:
+        _raise(index, synced=True)
+
+
+def _raise(index: int, synced: bool) -> None:
+    assert _words is not None
+    if not synced:  # both words have landed once the device has run the writer
+        torch.cuda.synchronize(index)
+    word, bound = int(_words[2 * index]), int(_words[2 * index + 1])
+    _words[2 * index : 2 * index + 2] = 0
+    row = (word & ~PRESENT.value) >> ROW_SHIFT.value
+    duplicate = (word >> KIND_SHIFT.value) & 1
+    slot = (word >> SLOT_SHIFT.value) & 0x7F
+    value = (word & 0xFFFFFFFF) - (1 << 31)
+    where = (
+        f"row {row}, slot {slot} of an earlier fused_moe call on cuda:{index} (caller ids are checked on "
+        "the device without a host sync: the error comes at the next call, or at "
+        "replaymoe.moe.raise_id_errors())"
+    )
+    if duplicate:
+        fail("topk_ids", "distinct expert ids within each row (-1 aside)", f"id {value} again at {where}")
+    # the word holds the id clamped to int32
+    shown = f">= {value}" if value == 2**31 - 1 else f"<= {value}" if value == -(2**31) else str(value)
+    fail("topk_ids", f"expert ids in [0, {bound}) (or -1: a slot with no expert)", f"{shown} at {where}")

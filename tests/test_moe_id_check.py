@@ -1,0 +1,95 @@
+"""fused_moe's device-side check of caller ids, its kernels under Triton's interpreter (CPU).
+
+On CUDA the Triton experts check caller ``topk_ids`` inside the kernel that reads them first: the
+layout's scatter (tile mode) or GEMM1's program 0 (direct mode, both GEMM families), writing the first
+bad slot into the pinned error mailbox (``replaymoe.moe._id_mailbox``). On the CPU the public path
+checks on the host instead, so these tests drive the launcher itself with ``id_bound`` set and read
+the mailbox as the host does. The device paths on a GPU: ``tests/test_moe_id_check_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replaymoe.moe import _id_mailbox
+from replaymoe.moe._forward import ExpertsVariant, _launch
+from replaymoe.moe.configs import MoEConfig
+
+pytestmark = pytest.mark.interpret
+
+# T = 3 tokens, K = 3 slots, E = 8 experts of which this rank holds [2, 5)
+_DIRECT = MoEConfig(direct=True, block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1, block_n2=16,
+                    block_k2=16, warps2=4, stages2=1)  # fmt: skip
+_TILES = MoEConfig(direct=False, block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1, block_n2=16,
+                   block_k2=16, warps2=4, stages2=1)  # fmt: skip
+MODES = [pytest.param(_DIRECT, id="direct"), pytest.param(_TILES, id="tiles")]
+
+_RANGE = r"Invalid value of topk_ids: expected expert ids in \[0, 8\) \(or -1: a slot with no expert\), got "
+_DISTINCT = r"Invalid value of topk_ids: expected distinct expert ids within each row \(-1 aside\), got "
+BAD = [
+    # (rows, message): the mailbox names the first bad slot (smallest row, range before duplicates)
+    pytest.param([[0, 1, 2], [2, 10**6, 3], [4, 5, 6]], _RANGE + r"1000000 at row 1, slot 1 ", id="high"),
+    pytest.param([[0, 1, 2], [2, 3, 4], [5, -3, 6]], _RANGE + r"-3 at row 2, slot 1 ", id="negative"),
+    pytest.param([[0, 1, 8], [2, 3, 4], [5, 6, 7]], _RANGE + r"8 at row 0, slot 2 ", id="E"),  # one past the end
+    pytest.param([[0, 1, 2], [6, 3, 6], [4, 5, 7]], _DISTINCT + r"id 6 again at row 1, slot 2 ", id="duplicate"),
+    # several -1 in a row are no duplicate (row 0); row 2 repeats 3 two slots apart
+    pytest.param([[-1, -1, 0], [7, -1, 1], [3, 2, 3]], _DISTINCT + r"id 3 again at row 2, slot 2 ", id="dup-far"),
+    # int64 ids past int32: clamped in the message, still out of range (the kernels read int32)
+    pytest.param([[0, 1, 2], [2, 2**32 + 3, 4], [5, 6, 7]], _RANGE + r">= 2147483647 at row 1, slot 1 ", id="int64-wrap"),
+]
+
+
+def _run(rows, config, id_dtype=torch.int32, id_bound=8):
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E_local = 3, 32, 16, 3  # noqa: E741
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E_local, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E_local, H, I, generator=g) / I**0.5
+    ids = torch.tensor(rows, dtype=id_dtype)
+    wts = torch.rand(T, 3, generator=g)
+    out = torch.empty(T, H)
+    _launch(x, w13, w2, ids, wts, None, None, 2, out, config, v=ExpertsVariant(id_bound=id_bound))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _empty_mailbox():
+    box = _id_mailbox.mailbox(0)
+    box.zero_()
+    yield
+    box.zero_()
+
+
+@pytest.mark.parametrize("config", MODES)
+@pytest.mark.parametrize("rows,match", BAD)
+def test_bad_ids_leave_their_slot_in_the_mailbox(rows, match, config):
+    _run(rows, config, torch.int64)
+    with pytest.raises(ValueError, match=match + r"of an earlier fused_moe call"):
+        _id_mailbox._raise(0, synced=True)
+    assert not _id_mailbox.mailbox(0).any()  # read once: the next call starts clean
+
+
+@pytest.mark.parametrize("config", MODES)
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [[0, 1, 2], [3, 4, 7], [7, 6, 5]],  # every id in [0, E), some outside the slice [2, 5)
+        [[-1, 3, -1], [7, -1, 2], [-1, -1, -1]],  # -1 slots anywhere, a whole -1 row (EP padding)
+    ],
+)
+def test_valid_ids_leave_the_mailbox_empty_and_the_output_unchanged(rows, config):
+    out = _run(rows, config)
+    assert not _id_mailbox.mailbox(0).any()
+    assert torch.equal(out, _run(rows, config, id_bound=0))  # the check changes no value
+
+
+@pytest.mark.parametrize("config", MODES)
+def test_the_bound_is_the_whole_model(config):
+    # id 7 lies outside this rank's slice [2, 5) but inside the model's 8 experts: valid; with a bound
+    # of 5 (no num_experts: offset + E_local) it is out of range
+    _run([[0, 1, 2], [3, 4, 7], [5, 6, 0]], config, id_bound=8)
+    assert not _id_mailbox.mailbox(0).any()
+    _run([[0, 1, 2], [3, 4, 7], [5, 6, 0]], config, id_bound=5)
+    with pytest.raises(ValueError, match=r"expected expert ids in \[0, 5\).*got 7 at row 1, slot 2"):
+        _id_mailbox._raise(0, synced=True)
