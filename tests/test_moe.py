@@ -554,6 +554,10 @@ def test_bench_moe_check_ids_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_moe.main(["--check-ids", "--peer-dir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert exc.value.code == 2 and "--peer-dir does not apply" in capsys.readouterr().err
+    for extra in (["--read-floors", "--peer-dir", str(tmp_path)], ["--read-floors", "--check-ids"]):
+        with pytest.raises(SystemExit) as exc:  # one measurement at a time, replaymoe alone
+            bench_moe.main([*extra, "--out", str(tmp_path / "out")])
+        assert exc.value.code == 2
     if not torch.cuda.is_available():
         assert bench_moe.main(["--check-ids", "--out", str(tmp_path / "out")]) == NO_CUDA_EXIT
     assert not (tmp_path / "out").exists()

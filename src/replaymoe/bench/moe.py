@@ -21,18 +21,23 @@ activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed
 ``topk_ids``, bf16, at ``--tokens`` (default 1: decode), for each shape, in three variants
 (:data:`CHECK_VARIANTS`): ``off`` (``check_ids=False``, the behaviour before the check), ``route``
 (``route``'s ids as it returned them: marked valid, not checked again) and ``caller`` (a copy of the
-same ids, as an engine or a file hands them: checked by value, eagerly one host sync). Each is timed as
-CUDA-graph replay (``graph_*``: the check is skipped during capture), eager device time (``eager_*``,
-``do_bench``) and eager host time (``host_*``); the variants alternate in :data:`CHECK_ROUNDS` rounds
-(the card's clock drifts), each figure is the median over the rounds and ``*_ratio`` the median of the
-rounds' variant / off ratios. Written to ``moe_check_ids.csv`` / ``.json``.
+same ids, as an engine or a file hands them: checked on the device by the kernel that reads them first,
+plus the host's read of the error mailbox). Each is timed as CUDA-graph replay (``graph_*``: the check
+runs in every replay), eager device time (``eager_*``, ``do_bench``) and eager host time (``host_*``);
+the variants alternate in :data:`CHECK_ROUNDS` rounds (the card's clock drifts), each figure is the
+median over the rounds and ``*_ratio`` the median of the rounds' variant / off ratios. Written to
+``moe_check_ids.csv`` / ``.json``.
+
+``--read-floors`` measures the bare-read floor of each decode point instead (:mod:`replaymoe.bench.floors`):
+the bytes of the experts the bench's routing hits, read by one plain kernel. Written to
+``read_floors.csv`` / ``.json``.
 
 ``--peer-dir`` names a git-ignored folder prepared as ``../shared/peers/README.md`` says: vLLM's
 kernel extracted from the vLLM wheel at run time plus the peer driver ``vllm_moe_peer.py``, which
 this module imports from there (nothing of vLLM is part of replaymoe).
 
 Usage: ``replaymoe bench moe [--out DIR] [--shapes qwen3,mixtral,deepseek] [--tokens 1,8,64]
-[--peer-dir .peers] [--check-ids]``.
+[--peer-dir .peers] [--check-ids | --read-floors]``.
 """
 
 from __future__ import annotations
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tokens",
         default=None,
-        help=f"comma list of token counts (default {','.join(map(str, TOKENS))}; with --check-ids 1)",
+        help=f"comma list of token counts (default {','.join(map(str, TOKENS))}; with --check-ids 1; "
+        "with --read-floors 1,8,64)",
     )
     p.add_argument("--peer-dir", default=None, help="folder with vLLM's extracted kernel (time it too)")
     p.add_argument(
@@ -329,9 +335,18 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of the layer table: fused_moe with caller topk_ids, its id check on against off "
         "(graph, eager, host; alternating rounds) -> moe_check_ids.csv",
     )
+    p.add_argument(
+        "--read-floors",
+        action="store_true",
+        help="instead of the layer table: a plain one-kernel read of each point's active expert bytes "
+        "(bf16 and fp8), the floor the decode times are held to -> read_floors.csv",
+    )
     a = p.parse_args(argv)
-    if a.check_ids and a.peer_dir:
-        p.error("--check-ids times replaymoe alone: --peer-dir does not apply")
+    if a.check_ids and a.read_floors:
+        p.error("--check-ids and --read-floors are two different measurements: give one")
+    for flag, on in (("--check-ids", a.check_ids), ("--read-floors", a.read_floors)):
+        if on and a.peer_dir:
+            p.error(f"{flag} times replaymoe alone: --peer-dir does not apply")
     if a.peer_dir:
         try:
             peer_root = check_peer_dir(a.peer_dir)
@@ -340,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if no_cuda("replaymoe bench moe"):
         return NO_CUDA_EXIT
     shapes = choice_list(p, a.shapes, SHAPES, "shapes")
-    default_tokens = "1" if a.check_ids else ",".join(map(str, TOKENS))
+    default_tokens = "1" if a.check_ids else "1,8,64" if a.read_floors else ",".join(map(str, TOKENS))
     tokens = [int(t) for t in (a.tokens or default_tokens).split(",") if t]
     from ..moe.tuned import table_for
 
@@ -349,6 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     base = f", base {table.base}" if table.base else ""
     print(f"card: {torch.cuda.get_device_name(dev)}; tuned table: {table.name} (tuned on "
           f"{table.tuned_on or 'nothing'}{base})", flush=True)  # fmt: skip
+    if a.read_floors:
+        from .floors import FLOOR_COLUMNS, run_read_floors
+
+        rows = run_read_floors(shapes, tokens)
+        write_results(rows, a.out, "read_floors")
+        print_table(rows, FLOOR_COLUMNS)
+        return 0
     if a.check_ids:
         rows = run_check_ids(shapes, tokens)
         write_results(rows, a.out, "moe_check_ids")
