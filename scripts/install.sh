@@ -86,6 +86,13 @@ EOF
             exit 1
         }
     fi
+    # mypy (make test's type check; make test-gpu and make demo do not need it) at the dev extra's pin:
+    # best effort, so that an offline machine without it still installs
+    mypy_req=$(sed -n 's/.*"\(mypy==[^"]*\)".*/\1/p' pyproject.toml | head -n 1)
+    mypy_have=$("$PY" -c "import importlib.metadata as m; print(m.version('mypy'))" 2>/dev/null || true)
+    if [ -n "$mypy_req" ] && [ "mypy==$mypy_have" != "$mypy_req" ]; then
+        "${PIP[@]}" "$mypy_req" || say "note: could not install $mypy_req (make test's type check needs it)"
+    fi
 else
     # ------------------------------------------------------------------ CPU machine
     test -x "$PY" || "$PYTHON" -m venv "$VENV"

@@ -448,7 +448,7 @@ def test_block_graphs_usable_tracks_hooks_and_structure():
     # the per-block conditions of replaying a captured graph (checked on the CPU: capture is GPU-only)
     model = _model("deepseek_v3").eval()
     moe = rhf.enable(model)
-    g = moe._block_graphs[0]
+    g = moe._engine.patch.block_graphs[0]
     block = g.block
     assert g.usable()
     g.graphs["shape"] = "a captured graph"
@@ -481,15 +481,17 @@ def test_block_graphs_patched_and_restored():
     model = _model("qwen3_moe")
     moe = rhf.enable(model)
     # fused experts: each MoE block's forward goes through its graphs wrapper (eager on the CPU)
-    assert len(moe._block_graphs) == len(moe.layers)
+    assert len(moe._engine.patch.block_graphs) == len(moe.layers)
     assert all("forward" in info.block.__dict__ for info in moe.layers)
-    assert not any(g.captured() for g in moe._block_graphs)
+    assert not any(g.captured() for g in moe._engine.patch.block_graphs)
     moe.disable()
     assert not any("forward" in info.block.__dict__ for info in moe.layers)
     # graphs=False, or the torch backend (no kernels worth graphing): blocks stay unpatched
     for kw in ({"graphs": False}, {"backend": "torch"}):
         moe = rhf.enable(model, **kw)
-        assert not moe._block_graphs and not any("forward" in i.block.__dict__ for i in moe.layers)
+        assert not moe._engine.patch.block_graphs and not any(
+            "forward" in i.block.__dict__ for i in moe.layers
+        )
         moe.disable()
 
 
@@ -534,7 +536,9 @@ def test_deferred_commit_through_generate(generator, monkeypatch):
         moe = rhf.enable(model, capture=True, backend="triton")
         with torch.no_grad():
             model.generate(input_ids=ids, **kw)
-        assert moe._capture.pending is None  # generate writes its last forward's ids before returning
+        assert (
+            moe._engine.capture.buffer.pending is None
+        )  # generate writes its last forward's ids before returning
         traces = moe.traces()
         moe.disable()
         return traces

@@ -46,7 +46,7 @@ def _inputs(vocab, batch, length=12, seed=0):
 
 
 def _captured(moe) -> int:
-    return sum(g.captured() for g in moe._block_graphs)
+    return sum(g.captured() for g in moe._engine.patch.block_graphs)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,9 @@ def test_graphs_match_eager(arch, batch):
         for x, y, z in zip(ta, tb, tc):
             assert (x.ids == y.ids).all() and (x.ids == z.ids).all()
     # the decode steps after the first of each generate took the device rows (DecodeHead)
-    assert m_graph._decode.heads == 2 * (6 - 2) and m_launched._decode.heads == 0  # private: the path
+    assert (
+        m_graph._engine.decode.heads == 2 * (6 - 2) and m_launched._engine.decode.heads == 0
+    )  # private: the path
     # per block: the decode shape (captured in the first generate) and the prefill's (in the second);
     # the first block also holds the decode step with the head
     assert _captured(m_graph) == 2 * len(m_graph.layers) + 1
@@ -170,7 +172,7 @@ def test_no_graphs_with_grad_or_training():
     assert _captured(moe32) == 0
     assert not [w for w in caught if "CUDA graph" in str(w.message)]
     moe32.disable()
-    assert all(isinstance(g, BlockGraphs) for g in moe._block_graphs)
+    assert all(isinstance(g, BlockGraphs) for g in moe._engine.patch.block_graphs)
     moe.disable()
     assert "forward" not in moe.layers[0].block.__dict__
 
@@ -185,7 +187,7 @@ def test_no_garbage_collection_inside_block_capture():
     ids, mask = _inputs(model.config.vocab_size, 2)
     moe = rhf.enable(model, capture=True, max_batch_size=2, max_positions=32)
     seen = []
-    graphs = moe._block_graphs[0]
+    graphs = moe._engine.patch.block_graphs[0]
     block_forward = graphs.forward
 
     def probe(hidden_states):  # the block's own forward, which the captures record
@@ -197,5 +199,5 @@ def test_no_garbage_collection_inside_block_capture():
     _generate(model, ids, mask, new=4)
     assert seen and not any(seen)  # the block ran inside a capture, with the collector off
     assert gc.isenabled()
-    assert _captured(moe) > 0 and not any(g.failed for g in moe._block_graphs)
+    assert _captured(moe) > 0 and not any(g.failed for g in moe._engine.patch.block_graphs)
     moe.disable()

@@ -63,7 +63,7 @@ def test_kept_cache_generates_what_a_new_cache_does(generator):
         caches = {id(c) for c, _ in spy.seen}
         ptrs = {p for _, p in spy.seen if p is not None}
         assert len(caches) == 1 and len(ptrs) == 1  # one cache object, its tensors never moved
-        assert moe._static_cache.reuses == 2
+        assert moe._engine.patch.static_cache.reuses == 2
     finally:
         spy.handle.remove()
         moe.disable()
@@ -88,8 +88,8 @@ def test_other_call_shape_gets_a_new_cache(change, generator):
         else:
             _generate(model, ids, new=9)
         first, last = spy.seen[0][0], spy.seen[-1][0]
-        assert first is not last and moe._static_cache.cache is last
-        assert moe._static_cache.reuses == 0
+        assert first is not last and moe._engine.patch.static_cache.cache is last
+        assert moe._engine.patch.static_cache.reuses == 0
     finally:
         spy.handle.remove()
         moe.disable()
@@ -104,7 +104,7 @@ def test_returned_cache_is_not_reset_by_a_later_call(generator):
         held = out.past_key_values
         length = int(held.get_seq_length())
         keys = held.layers[0].keys.clone()
-        assert moe._static_cache.cache is None  # given away with the output
+        assert moe._engine.patch.static_cache.cache is None  # given away with the output
         _generate(model, ids)
         assert int(held.get_seq_length()) == length  # the caller's cache is untouched
         torch.testing.assert_close(held.layers[0].keys, keys, rtol=0, atol=0)
@@ -131,14 +131,14 @@ def test_capture_through_kept_cache_equals_fresh_caches(generator):
     for model, keep in ((kept, True), (fresh, False)):
         moe = rhf.enable(model, backend="torch", capture=True, max_batch_size=2, max_positions=16)
         if not keep:
-            moe._static_cache.uninstall()
+            moe._engine.patch.static_cache.uninstall()
         try:
             traces = []
             for ids in prompts:
                 _generate(model, ids)
                 traces += moe.traces()
             runs.append(traces)
-            assert moe._static_cache.reuses == (2 if keep else 0)
+            assert moe._engine.patch.static_cache.reuses == (2 if keep else 0)
         finally:
             moe.disable()
     assert len(runs[0]) == len(runs[1]) == 6
@@ -150,7 +150,7 @@ def test_capture_through_kept_cache_equals_fresh_caches(generator):
 def test_model_without_generate_is_left_alone():
     base = build_model("qwen3_moe", "tiny", seed=0).model  # the decoder stack: no generate, no caches made
     moe = rhf.enable(base, backend="torch")
-    assert not moe._static_cache.installed and "_prepare_static_cache" not in base.__dict__
+    assert not moe._engine.patch.static_cache.installed and "_prepare_static_cache" not in base.__dict__
     moe.disable()  # nothing to restore, no error
 
 
@@ -164,14 +164,16 @@ def test_release_and_opt_out_make_new_caches(how, generator):
     try:
         _generate(model, ids)
         if how == "release":
-            assert moe._static_cache.cache is spy.seen[0][0]
+            assert moe._engine.patch.static_cache.cache is spy.seen[0][0]
             moe.release_static_cache()
-            assert moe._static_cache.cache is None
+            assert moe._engine.patch.static_cache.cache is None
         else:
-            assert not moe._static_cache.installed and "_prepare_static_cache" not in model.__dict__
+            assert (
+                not moe._engine.patch.static_cache.installed and "_prepare_static_cache" not in model.__dict__
+            )
         _generate(model, ids)
         assert spy.seen[0][0] is not spy.seen[-1][0]  # the second call made its own cache
-        assert moe._static_cache.reuses == 0
+        assert moe._engine.patch.static_cache.reuses == 0
     finally:
         spy.handle.remove()
         moe.disable()

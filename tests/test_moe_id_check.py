@@ -27,16 +27,18 @@ MODES = [pytest.param(_DIRECT, id="direct"), pytest.param(_TILES, id="tiles")]
 
 _RANGE = r"Invalid value of topk_ids: expected expert ids in \[0, 8\) \(or -1: a slot with no expert\), got "
 _DISTINCT = r"Invalid value of topk_ids: expected distinct expert ids within each row \(-1 aside\), got "
+_CLAMPED = _RANGE + r">= 2147483647 at row 1, slot 1 "
 BAD = [
     # (rows, message): the mailbox names the first bad slot (smallest row, range before duplicates)
     pytest.param([[0, 1, 2], [2, 10**6, 3], [4, 5, 6]], _RANGE + r"1000000 at row 1, slot 1 ", id="high"),
     pytest.param([[0, 1, 2], [2, 3, 4], [5, -3, 6]], _RANGE + r"-3 at row 2, slot 1 ", id="negative"),
-    pytest.param([[0, 1, 8], [2, 3, 4], [5, 6, 7]], _RANGE + r"8 at row 0, slot 2 ", id="E"),  # one past the end
-    pytest.param([[0, 1, 2], [6, 3, 6], [4, 5, 7]], _DISTINCT + r"id 6 again at row 1, slot 2 ", id="duplicate"),
+    # one past the end
+    pytest.param([[0, 1, 8], [2, 3, 4], [5, 6, 7]], _RANGE + r"8 at row 0, slot 2 ", id="E"),
+    pytest.param([[0, 1, 2], [6, 3, 6], [4, 5, 7]], _DISTINCT + r"id 6 again at row 1, slot 2 ", id="dup"),
     # several -1 in a row are no duplicate (row 0); row 2 repeats 3 two slots apart
-    pytest.param([[-1, -1, 0], [7, -1, 1], [3, 2, 3]], _DISTINCT + r"id 3 again at row 2, slot 2 ", id="dup-far"),
+    pytest.param([[-1, -1, 0], [7, -1, 1], [3, 2, 3]], _DISTINCT + r"id 3 again at row 2, slot 2 ", id="far"),
     # int64 ids past int32: clamped in the message, still out of range (the kernels read int32)
-    pytest.param([[0, 1, 2], [2, 2**32 + 3, 4], [5, 6, 7]], _RANGE + r">= 2147483647 at row 1, slot 1 ", id="int64-wrap"),
+    pytest.param([[0, 1, 2], [2, 2**32 + 3, 4], [5, 6, 7]], _CLAMPED, id="i64"),
 ]
 
 

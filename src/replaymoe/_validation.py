@@ -12,13 +12,14 @@ Internal invariants use ``assert``; kernels use ``tl.static_assert``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NoReturn, TypeGuard
 
 import torch
 
 __all__ = ["fail", "check_tensor", "check_int", "check_choice", "is_capturing", "tensor_ok"]
 
 
-def fail(name: str, expected: object, got: object, *, what: str = "value") -> None:
+def fail(name: str, expected: object, got: object, *, what: str = "value") -> NoReturn:
     """Raise ``ValueError("Invalid {what} of {name}: expected {expected}, got {got}")``."""
     raise ValueError(f"Invalid {what} of {name}: expected {expected}, got {got}")
 
@@ -118,7 +119,9 @@ def is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def tensor_ok(t: object, ndim: int, dtypes: tuple, device: torch.device | None, contiguous: bool) -> bool:
+def tensor_ok(
+    t: object, ndim: int, dtypes: tuple, device: torch.device | None, contiguous: bool
+) -> TypeGuard[torch.Tensor]:
     """Cheap predicate for the common valid case (:func:`check_tensor` then explains a failure)."""
     return (
         isinstance(t, torch.Tensor)

@@ -13,25 +13,11 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
+from ._kernel_read import read_kernel
 from ._timing import time_graph
-from .moe import SHAPES
 
 FLOOR_COLUMNS = ["shape", "T", "dtype", "active_experts", "mbytes", "read_us", "tb_s", "bound_us", "config"]
-
-
-@triton.jit
-def _read_kernel(p, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """out[pid] = the fp32 sum of ``ITERS`` blocks of ``BLOCK`` bf16 elements (a read that cannot be
-    optimized away)."""
-    pid = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), tl.float32)
-    base = pid.to(tl.int64) * BLOCK * ITERS
-    for i in range(ITERS):
-        o = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(p + o, mask=o < n, other=0.0).to(tl.float32)
-    tl.store(out + pid, tl.sum(acc))
 
 
 def best_read_us(nbytes: int) -> tuple[float, str]:
@@ -46,7 +32,7 @@ def best_read_us(nbytes: int) -> tuple[float, str]:
                 out = torch.empty(grid, device="cuda")
 
                 def read(grid=grid, out=out, block=block, iters=iters, warps=warps):
-                    _read_kernel[(grid,)](x, out, n, BLOCK=block, ITERS=iters, num_warps=warps)
+                    read_kernel[(grid,)](x, out, n, BLOCK=block, ITERS=iters, num_warps=warps)
 
                 us = time_graph(read, rep_ms=50)
                 if best is None or us < best[0]:
@@ -55,11 +41,11 @@ def best_read_us(nbytes: int) -> tuple[float, str]:
     return best
 
 
-def run_read_floors(shapes: list[str], tokens: list[int]) -> list[dict]:
-    """One row per (shape, T, dtype): the active experts, their bytes, the best read and 1.10 × it."""
+def run_read_floors(shapes: dict[str, tuple[int, int, int, int]], tokens: list[int]) -> list[dict]:
+    """One row per (shape, T, dtype) of ``shapes`` (name -> (H, I, E, K), ``bench moe``'s): the active
+    experts, their bytes, the best read and 1.10 × it."""
     rows: list[dict] = []
-    for name in shapes:
-        H, I, E, K = SHAPES[name][:4]  # noqa: E741
+    for name, (H, I, E, K) in shapes.items():  # noqa: E741
         for T in tokens:
             g = torch.Generator(device="cuda").manual_seed(0)
             logits = torch.randn(T, E, device="cuda", generator=g)

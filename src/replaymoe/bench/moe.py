@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.read_floors:
         from .floors import FLOOR_COLUMNS, run_read_floors
 
-        rows = run_read_floors(shapes, tokens)
+        rows = run_read_floors({n: SHAPES[n][:4] for n in shapes}, tokens)
         write_results(rows, a.out, "read_floors")
         print_table(rows, FLOOR_COLUMNS)
         return 0

@@ -1,11 +1,12 @@
 """What :func:`replaymoe.hf.enable` patches into a model: each router's forward, each MoE block's
 forward, ``generate`` and ``init_continuous_batching``.
 
-Each patch talks to the session (:class:`replaymoe.hf.session.ReplayMoE`) through
-:class:`SessionHooks`, the small interface below (the session is not imported here, so that it can
-import this module). A patched router computes its logits as the model's own router does, takes this
-forward's replay ids and capture slab from the session (:meth:`SessionHooks.layer_io`), and routes
-with one :func:`replaymoe.routing.route` call.
+Each patch talks to the session's engine (:class:`replaymoe.hf._engine.Engine`, the private
+collaborator of :class:`replaymoe.hf.session.ReplayMoE`) through :class:`SessionHooks`, the small
+interface below (the engine is not imported here, so that it can import this module). A patched
+router computes its logits as the model's own router does, takes this forward's replay ids and
+capture slab from the engine (:meth:`SessionHooks.layer_io`), and routes with one
+:func:`replaymoe.routing.route` call.
 """
 
 from __future__ import annotations

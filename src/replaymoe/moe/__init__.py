@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -327,6 +328,7 @@ def fused_moe(
         resolve_backend(backend, hidden_states)  # 'triton' on CPU needs the interpreter
     if router_logits is not None:
         # validated in _validate (routing's own checks included): no second pass here
+        assert p.route_params is not None and p.routing is not None  # set with router_logits
         topk_ids, topk_weights = route_unchecked(
             router_logits,
             p.route_params,
@@ -496,7 +498,7 @@ class MoELayer(nn.Module):
         if not isinstance(recompute, bool):
             fail("recompute", "a bool", type(recompute).__name__, what="type")
         self.recompute = recompute
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.router = nn.Linear(H, E, bias=False, **kw)
         self.w13 = nn.Parameter(torch.empty(E_local, 2 * I, H, **kw))
         self.w2 = nn.Parameter(torch.empty(E_local, H, I, **kw))

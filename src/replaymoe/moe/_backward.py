@@ -10,6 +10,8 @@ backward, dX, dW13, dW2, bias gradients; kernels in ``_kernel_bwd.py``), also th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from .._launch import cdiv, fast, next_power_of_2
@@ -28,6 +30,9 @@ from .configs import (
 )
 from .tuned import table_for
 
+if TYPE_CHECKING:
+    from .layout import ExpertLayout
+
 
 def experts_triton_train(
     x, w13, w2, topk_ids, topk_weights, *, local_expert_offset, recompute, config=None, variant=STANDARD
@@ -41,6 +46,7 @@ def experts_triton_train(
     c = config or moe_config(
         T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype), table=table_for(x.device)
     )
+    args: tuple[Any, ...]  # the op takes the config as an int list, the eager path as the object
     if torch.compiler.is_compiling():
         args = (x, w13, w2, topk_ids, topk_weights, local_expert_offset, config_tuple(c), recompute)
         out, _ = torch.ops.replaymoe.moe_experts_train(*args, *variant.op_args())
@@ -96,6 +102,7 @@ def _train_forward(
     limit,
     interleaved,
     id_bound=0,
+    *,
     layout_out=None,
 ):
     """The body of ``replaymoe::moe_experts_train``; ``layout_out`` (a list) receives the forward's
@@ -182,6 +189,7 @@ def _train_backward(ctx, grad_out, _grad_saved):
             grad_out.contiguous(), x, w13, w2, topk_ids, topk_weights, holder, ctx.offset, ctx.recompute,
             flags, v=v, layout=layout,
         )  # fmt: skip
+    grads: tuple[torch.Tensor | None, ...]
     grads = (dx if need[0] else None, dw13 if need[1] else None, dw2 if need[2] else None, None,
              dwts if need[4] else None, None, None, None)  # fmt: skip
     if len(need) > 8:
@@ -200,7 +208,7 @@ class _EagerTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        layout = []
+        layout: list[ExpertLayout] = []
         out, saved = _train_forward(*inputs, *_TRAIN_DEFAULTS[len(inputs) - 8 :], layout_out=layout)
         _train_setup_context(ctx, inputs, (out, saved))
         ctx.layout = layout[0] if layout else None
@@ -401,7 +409,7 @@ def launch_bwd(
             ACT=v.act, BLOCK_R=br, BLOCK_N=bn_e, num_warps=4,
         )  # fmt: skip
     del saved
-    res = [None] * 6
+    res: list[torch.Tensor | None] = [None] * 6
     if need[3]:
         res[3] = (torch.empty if num_pid_m else torch.zeros)(T, K, dtype=topk_weights.dtype, device=dev)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -100,8 +100,10 @@ def config_from_list(config: list[int]) -> MoEConfig:
     """The inverse of :func:`config_tuple` (shorter lists, from before later switches, are accepted
     too: 11 entries, without the switches; 12, without ``half_tiles`` and after; 14, without
     ``swap_ab`` and after; 15, without ``fused_reduce`` and after; 16, without ``merge_slots``)."""
-    return MoEConfig(bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]),
-                     *(_switch_value(v) for v in config[12:17]))  # fmt: skip
+    # the fields in order, as many as the list holds (ints, then the bool and optional switches)
+    values: list[Any] = [bool(config[0]), *config[1:11], *(bool(v) for v in config[11:12]),
+                         *(_switch_value(v) for v in config[12:17])]  # fmt: skip
+    return MoEConfig(*values)
 
 
 def config_tuple(c: MoEConfig) -> list[int]:

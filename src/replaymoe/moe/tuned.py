@@ -32,6 +32,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,8 +134,8 @@ class TunedTable:
         """A copy with ``entries`` added (they win over this table's; ``backward``: backward entries, kernel
         tiles per key), and other fields changed."""
         which = "backward" if backward else "fp8_fast" if fp8_fast else "entries"
-        merged = {**getattr(self, which), **entries}
-        return dataclasses.replace(self, **{which: merged}, **changes)
+        merged: dict[str, Any] = {which: {**getattr(self, which), **entries}}
+        return dataclasses.replace(self, **merged, **changes)
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> dict:

@@ -322,8 +322,9 @@ class RoutedExpertsCapturer:
 
         # staging slot: the copy issued num_buffers steps ago must have landed and been scattered
         slot = step % self.num_buffers
-        if self._slot_busy[slot] is not None:
-            self._drain(block=True, upto=self._slot_busy[slot].step)
+        busy = self._slot_busy[slot]
+        if busy is not None:
+            self._drain(block=True, upto=busy.step)
         handle = self._transfer.start(slot, start, T)
         if self.clear_after_copy:
             self.buffer[:, start : start + T].fill_(-1)

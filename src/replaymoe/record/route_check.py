@@ -385,7 +385,7 @@ class RouteCheckReport:
         else:
             lines.append(f"  defects ({thresholds}):")
             lines += [f"    {d}" for d in self.defects]
-            names = " | ".join(c.name for c in CheckCode if c and c in self.code)
+            names = " | ".join(str(c.name) for c in CheckCode if c and c in self.code)  # members: named
             lines.append(f"  exit {self.exit_code} ({names})")
         return "\n".join(lines)
 

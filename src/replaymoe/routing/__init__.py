@@ -117,12 +117,12 @@ class RoutingConfig:
 
 def as_routing(
     routing: object,
-    top_k: object,
-    method: object,
-    bias: object,
-    n_group: object,
-    topk_group: object,
-    routed_scaling_factor: object,
+    top_k: Optional[int],
+    method: Optional[RoutingMethod],
+    bias: Optional[torch.Tensor],
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    routed_scaling_factor: Optional[float],
 ) -> RoutingConfig:
     """The routing object of a public entry point: ``routing``, or a :class:`RoutingConfig` built from
     the loose keyword arguments (exactly one of the two; ``method`` None means RENORMALIZE).

@@ -128,7 +128,7 @@ def validate(
     # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
     x = router_logits
     if not tensor_ok(x, 2, _LOGIT_DTYPES, None, False):
-        check_tensor("router_logits", router_logits, ndim=2, dtype=_LOGIT_DTYPES)
+        x = check_tensor("router_logits", router_logits, ndim=2, dtype=_LOGIT_DTYPES)
     if x.shape[1] > 1 and x.stride(1) != 1:
         fail(
             "router_logits",
@@ -159,7 +159,7 @@ def validate(
     if routing_replay_out is not None:
         r = routing_replay_out
         if not tensor_ok(r, 2, (torch.int16,), dev, True):
-            check_tensor(
+            r = check_tensor(
                 "routing_replay_out",
                 routing_replay_out,
                 ndim=2,
@@ -184,7 +184,9 @@ def validate(
             tensor_ok(replay_ids, 2, _ID_DTYPES, dev, False)  # any strides: copied when needed
             and tuple(replay_ids.shape) == (num_tokens, top_k)
         ):
-            check_tensor("replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev)
+            replay_ids = check_tensor(
+                "replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev
+            )
         if check_replay and not is_capturing() and not torch.compiler.is_compiling():
             check_id_values(replay_ids, num_experts)
         # under torch.compile the check runs inside the graph, in the op from _replay_ids_for_kernels

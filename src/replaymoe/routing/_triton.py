@@ -60,6 +60,7 @@ def _launch(
     gs = num_experts // n_group
     ngp, gsp = next_power_of_2(n_group), next_power_of_2(gs)
     block_t, num_warps, algo = _launch_config(ngp * gsp)
+    flags = KERNEL_FLAGS[method]
     grid = ((num_tokens + block_t - 1) // block_t,)
     fast(route_kernel)[grid](
         router_logits,
@@ -71,7 +72,7 @@ def _launch(
         router_logits if routing_replay_out is None else routing_replay_out,
         num_tokens,
         scale,
-        **KERNEL_FLAGS[method],
+        **flags,
         K=top_k,
         KP=next_power_of_2(top_k),
         NG=n_group,
@@ -84,7 +85,7 @@ def _launch(
         HAS_CAPTURE=routing_replay_out is not None,
         BLOCK_T=block_t,
         ALGO=algo,
-        KEY32=router_logits.dtype != torch.float32 and not METHODS[method].biased,
+        KEY32=router_logits.dtype != torch.float32 and not flags["BIASED"],
         LOG_EP=(ngp * gsp).bit_length() - 1,
         num_warps=num_warps,
     )
@@ -143,7 +144,7 @@ def weights_backward(
     x = router_logits.detach().to(acc)
     if closed is not None:
         return closed(x, idl, grad_w.to(acc), p).to(router_logits.dtype)
-    _, vjp = torch.func.vjp(lambda t: weights_torch(t, idl, p), x)
+    vjp = torch.func.vjp(lambda t: weights_torch(t, idl, p), x)[1]  # (output, vjp_fn)
     (gx,) = vjp(grad_w.to(acc))
     return gx.to(router_logits.dtype)
 

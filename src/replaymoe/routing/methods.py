@@ -273,8 +273,9 @@ METHODS: dict[RoutingMethod, MethodSpec] = {
     RoutingMethod.TOPK_SIGMOID: MethodSpec(False, False, False, W_SIGMOID),
 }
 
-# ``route_kernel``'s method constexprs per method, built once (looked up on every launch)
-KERNEL_FLAGS: dict[RoutingMethod, dict[str, object]] = {m: spec.kernel_flags() for m, spec in METHODS.items()}
+# ``route_kernel``'s method constexprs per method, built once (looked up on every launch, by the int
+# that the custom op ``replaymoe::route`` carries)
+KERNEL_FLAGS: dict[int, dict[str, object]] = {m: spec.kernel_flags() for m, spec in METHODS.items()}
 
 
 def methods_where(attribute: str) -> str:

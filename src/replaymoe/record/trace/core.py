@@ -18,13 +18,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from ..._validation import check_choice, check_int, fail
 from . import file as _file
 from . import wire as _wire
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = ["RoutingFingerprint", "RoutingTrace"]
 
@@ -89,7 +92,7 @@ def _check_ids(ids: np.ndarray, num_experts: int | None, name: str = "ids") -> n
     return out
 
 
-def _fail_row(name: str, expected: str, ids: np.ndarray, bad: np.ndarray) -> None:
+def _fail_row(name: str, expected: str, ids: np.ndarray, bad: npt.ArrayLike) -> NoReturn:
     """ValueError naming the first [token, layer] row of ``ids`` where ``bad`` [N, L] holds."""
     t, layer = np.argwhere(bad)[0].tolist()
     fail(name, expected, f"row {ids[t, layer].tolist()} at token {t}, layer {layer}")
@@ -153,9 +156,9 @@ class RoutingFingerprint:
             out.append(f"model_id {self.model_id!r} vs {other.model_id!r}")
         if self.num_layers != other.num_layers:
             out.append(f"{self.num_layers} vs {other.num_layers} MoE layers")
-        layers = (self.layer_ids, other.layer_ids)
-        if None not in layers and sorted(layers[0]) != sorted(layers[1]):
-            out.append(f"MoE layers {list(self.layer_ids)} vs {list(other.layer_ids)}")
+        mine, theirs = self.layer_ids, other.layer_ids
+        if mine is not None and theirs is not None and sorted(mine) != sorted(theirs):
+            out.append(f"MoE layers {list(mine)} vs {list(theirs)}")
         if None not in (self.num_experts, other.num_experts) and self.num_experts != other.num_experts:
             out.append(f"{self.num_experts} vs {other.num_experts} experts")
         if self.top_k != other.top_k:

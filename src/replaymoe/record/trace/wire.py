@@ -275,7 +275,10 @@ def decode_sglang(
         )
     flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
     rows = flat.size // row
-    counts = [meta.get(k) for k in ("prompt_tokens", "completion_tokens")] if meta is not None else []
+    # JSON values, checked to be ints below
+    counts: list[Any] = (
+        [meta.get(k) for k in ("prompt_tokens", "completion_tokens")] if meta is not None else []
+    )
     if all(isinstance(n, int) and not isinstance(n, bool) for n in counts) and len(counts) == 2:
         want = counts[0] + counts[1] - 1 - start  # the last sampled token was never fed through the model
         if rows != want:

@@ -1,0 +1,119 @@
+"""One forward of a patched model's decoder stack, planned at its start: the :class:`~replaymoe.hf.step.Step`
+its routers read (replay ids, capture slab and rows, coverage bookkeeping), all on the device."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from replaymoe._validation import fail
+
+from .graphs import graphable
+from .positions import cache_length, token_positions
+from .step import Step, fused_rows_ok, positions_bound, step_rows
+
+__all__ = ["plan_step"]
+
+
+def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor, kwargs: dict) -> Step:
+    """The :class:`Step` of a forward of ``ref.shape[:2]`` tokens (``input_ids`` or ``inputs_embeds``,
+    the forward's keyword arguments in ``kwargs``) for ``engine``
+    (:class:`~replaymoe.hf._engine.Engine`: its capture and replay state, step buffers, decode chain).
+
+    Positions come from :func:`~replaymoe.hf.positions.token_positions`, or, eagerly with a 2-D mask,
+    with the capture rows and replay ids from one :func:`~replaymoe.hf.step.step_rows` launch, or from
+    the decode chain's head (:class:`~replaymoe.hf.step.DecodeChain`) inside the first MoE block.
+    """
+    B, S = ref.shape[0], ref.shape[1]
+    replay, capturing = engine.replay.table, engine.capture.on
+    graphed = not torch.compiler.is_compiling() and engine.patch.graphs_on and graphable(B * S, ref.device)
+    if replay is None and not capturing:
+        engine.decode.reset()
+        return Step(B * S, None, None, None, graphed)
+    # transformers >= 5.24 names the cache `cache` and, in generate, passes no attention mask: the
+    # padding is in the position ids (a pad token starts a sequence of its own)
+    cache, cache_kw = kwargs.get("past_key_values"), False
+    if cache is None and kwargs.get("cache") is not None:
+        cache, cache_kw = kwargs["cache"], True
+    past = cache_length(cache)
+    mask, eager = kwargs.get("attention_mask"), not torch.compiler.is_compiling()
+    # replay matched by content: whole sequences (no cache) of traces that carry their tokens
+    content = (
+        replay is not None
+        and replay.by_content
+        and input_ids is not None
+        and isinstance(past, int)
+        and past == 0
+    )
+    # eagerly, with a 2-D mask: positions, capture rows and replay ids in one kernel launch
+    fused = eager and not content and fused_rows_ok(mask, S, past, ref.device, engine.backend)
+    if not fused:
+        positions = token_positions(
+            B,
+            S,
+            attention_mask=mask,
+            past_length=past,
+            device=ref.device,
+            position_ids=kwargs.get("position_ids"),
+            padding_in_positions=cache_kw and mask is None,
+        )
+    forced = forced_out = staged = slot = None
+    buffers = engine.step_buffers
+    if replay is not None:
+        if not content and replay.batch_size != B:
+            fail(
+                "replay",
+                f"one trace per batch row ({B} rows in this forward), or traces that carry their "
+                "tokens (captured by replaymoe) for forwards over whole sequences (no KV cache), "
+                "which are matched to rows by content",
+                f"{replay.batch_size} trace(s)",
+            )
+        forced_out = buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
+        if content:
+            tokens = input_ids.to(device=ref.device, dtype=torch.int64)
+            forced = replay.gather_by_content(tokens, positions, out=forced_out)
+        elif not fused:
+            forced = replay.gather(positions, out=forced_out)
+    if capturing:
+        cap = engine.capture.buffer
+        needed = positions_bound(cache, past, S) if eager else None
+        cap.prepare(B, past, needed, new_batch=engine.capture.begin_pending, eager=eager)
+        engine.capture.begin_pending = False
+        if not fused:
+            slot = cap.slots(positions, check_overflow=not eager or needed is None)
+        if graphed:
+            staged = buffers.get("staged", B * S, torch.int16, ref.device)
+        else:
+            staged = torch.empty(
+                (len(engine.layers), B * S, engine.top_k), dtype=torch.int16, device=ref.device
+            )
+    head = None
+    decode = engine.decode
+    if fused:
+        cap = engine.capture.buffer if capturing else None
+        if graphed and engine.device_decode:  # a decode step continuing the chain: no launch here
+            P = mask.shape[1]
+            head = decode.head(engine.generation, B, S, P, past, cap, replay, staged, forced_out)
+        if head is not None:
+            if cap is not None:
+                cap.take_pending()  # the head writes it, inside the first MoE block
+            slot, forced = head.slot, forced_out
+        elif graphed:
+            slot_out, next_pos = decode.outputs(B * S, B, ref.device, cap)
+            slot, forced = step_rows(mask, S, past, capture=cap, replay=replay, forced_out=forced_out,
+                                     slot_out=slot_out, next_pos_out=next_pos)  # fmt: skip
+            decode.served(engine.generation, B, mask.shape[1], past + S, slot)
+        else:
+            decode.reset()
+            slot, forced = step_rows(mask, S, past, capture=cap, replay=replay, forced_out=forced_out)
+    else:
+        decode.reset()
+    tokens = None
+    if capturing and input_ids is not None:
+        tokens = input_ids.reshape(-1).to(device=ref.device, dtype=torch.int64)
+    coverage = None
+    if replay is not None and replay.missing == "error":
+        # the step bookkeeping kernel counts uncovered lookups itself (positions None)
+        coverage = (replay, content, None if fused else positions)
+    return Step(B * S, forced, staged, slot, graphed, fused, head, tokens, coverage)

@@ -1,0 +1,191 @@
+"""The replay side of a :class:`~replaymoe.hf.session.ReplayMoE` session: the active replay table and
+its pool, the checks of traces against the model, the coverage checks of ``missing="error"``, the
+routing-mismatch counters and the ids the routers of the latest replayed forward used (aux loss)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from replaymoe._validation import fail, is_capturing
+from replaymoe.record.replay import ReplaySource
+from replaymoe.record.trace import RoutingFingerprint
+from replaymoe.routing import RoutingConfig, route
+
+from .discovery import MoELayerInfo
+from .state import ReplayTable
+from .step import Step
+
+__all__ = ["ReplayState", "model_device"]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s (first) parameter lives: where new capture and replay state goes."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover - a model without parameters has no MoE layers
+        return torch.device("cpu")
+
+
+class ReplayState:
+    """What one session replays.
+
+    Attributes
+    ----------
+    table : ReplayTable or None
+        The active table (None: routing is native).
+    pool : list[ReplayTable]
+        Tables made so far, reused (:meth:`spare`).
+    mismatch : torch.Tensor or None
+        int64 ``[L, 3]`` while ``track_mismatch`` is on: replayed lookups, native top-k differing,
+        used ids differing.
+    used : dict[int, tuple[torch.Tensor, torch.Tensor]]
+        The latest replayed forward's router logits and used ids, per MoE layer (aux loss).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[MoELayerInfo], fingerprint: RoutingFingerprint) -> None:
+        self.model, self.layers, self.fingerprint = model, layers, fingerprint
+        self.layer_ids = [info.layer_number for info in layers]
+        self.table: Optional[ReplayTable] = None
+        self.pool: list[ReplayTable] = []
+        self.mismatch: Optional[torch.Tensor] = None
+        self.used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def spare(self, exclude: Optional[ReplayTable]) -> ReplayTable:
+        """A pooled table other than ``exclude``: tables are reused, so that their buffers keep
+        their shapes and addresses across batches (no recompile, no CUDA-graph re-record)."""
+        for table in self.pool:
+            if table is not exclude:
+                return table
+        table = ReplayTable()
+        self.pool.append(table)
+        return table
+
+    def load(self, replay: Any, missing: str, check_model_id: bool) -> ReplayTable:
+        """The table holding ``replay`` (``set_replay``'s, not None), checked against the model: the
+        active one, or a spare one when none is."""
+        src = replay if isinstance(replay, ReplaySource) else ReplaySource(replay)
+        mine = self.fingerprint
+        src.check_model(len(self.layers), mine.top_k, mine.num_experts)
+        if src.traces[0].layer_ids is None:
+            mapping = [info.index for info in self.layers]  # MoE order
+        else:
+            try:
+                mapping = [src.layer_for_model_layer(info.layer_number) for info in self.layers]
+            except ValueError as exc:
+                fail(
+                    "replay",
+                    f"traces whose layer_ids are the model's MoE layers {self.layer_ids}",
+                    f"layer_ids {list(src.traces[0].layer_ids)} ({exc})",
+                    what="layers",
+                )
+        for i, trace in enumerate(src.traces):
+            diff = trace.fingerprint.differences(mine, model_id=check_model_id)
+            if diff:
+                fail(
+                    "replay",
+                    f"traces of this model ({mine.model_id!r}: MoE layers {list(mine.layer_ids)}, top-"
+                    f"{mine.top_k} of {mine.num_experts} experts; check_model_id=False when a differing "
+                    "model id names the same model)",
+                    f"traces[{i}] of another model: " + "; ".join(diff),
+                    what="model",
+                )
+        table = self.table if self.table is not None else self.spare(exclude=None)
+        if table.holds(src.traces, mapping, model_device(self.model)):  # the same traces again (e.g.
+            table.reset_report()  # replaying() around every step): the table already holds them
+        else:
+            table.load(src.traces, mapping, model_device(self.model))
+        table.missing = missing
+        return table
+
+    def table_like(self, table: ReplayTable) -> Optional[ReplayTable]:
+        """This (attached) session's table holding what ``table`` of its parent holds."""
+        if table.source is None:
+            return None
+        mine = self.table if self.table is not None else self.spare(exclude=None)
+        if mine.holds(*table.source, model_device(self.model)):  # (replaying() around every step: no reload)
+            mine.reset_report()
+        else:
+            mine.load(*table.source, model_device(self.model))
+        mine.missing = table.missing
+        return mine
+
+    # ---------------------------------------------------------------- coverage (missing="error")
+    def layer_names(self) -> list[str]:
+        return [f"MoE layer {i} (model layer {n})" for i, n in enumerate(self.layer_ids)]
+
+    def raise_uncovered(self, *, block: bool = True) -> None:
+        """Raise for the active replay's uncovered lookups since the last check
+        (:meth:`ReplayTable.check_uncovered`): ``block`` reads the device counters (one host sync, at
+        the user's calls: traces(), report(), set_replay, the end of replaying() or generate);
+        otherwise only a finished asynchronous snapshot is read (the start of every eager forward)."""
+        table = self.table
+        if table is not None and not torch.compiler.is_compiling() and not is_capturing():
+            table.check_uncovered(self.layer_names(), block=block)
+
+    def count_uncovered(self, step: Step) -> None:
+        """End of a replayed forward with ``missing="error"``: count the tokens that needed a recorded
+        route and found none (:meth:`ReplayTable.count_uncovered`, device ops only, whichever
+        producer wrote the forced ids), and, eagerly, start the counters' copy to the host that the
+        next forward's start reads without waiting."""
+        table, by_content, positions = step.coverage
+        if positions is not None:
+            table.count_uncovered(step.forced, positions, by_content=by_content)
+        if torch.compiler.is_compiling() or is_capturing():
+            return
+        if table.uncovered.is_cuda:
+            table.snapshot_uncovered()
+        else:  # host memory: reading it waits for nothing, so this forward raises itself
+            table.check_uncovered(self.layer_names(), block=True)
+
+    # ---------------------------------------------------------------- routing mismatch
+    def track_mismatch(self, enabled: bool) -> None:
+        """Counters on (zeroed) or off."""
+        self.mismatch = (
+            torch.zeros(len(self.layers), 3, dtype=torch.int64, device=model_device(self.model))
+            if enabled
+            else None
+        )
+
+    def count_mismatch(self, index: int, logits: torch.Tensor, forced: torch.Tensor, used: torch.Tensor,
+                       routing: RoutingConfig, backend: str) -> None:  # fmt: skip
+        if self.mismatch is None:
+            return
+        if self.mismatch.device != logits.device:
+            self.mismatch = self.mismatch.to(logits.device)
+        with torch.no_grad():
+            native = route(logits.detach(), routing=routing, backend=backend).topk_ids
+            replayed = forced[:, 0] >= 0
+            want = torch.sort(forced.long(), dim=1).values
+            differs_native = (torch.sort(native.long(), dim=1).values != want).any(dim=1) & replayed
+            differs_used = (torch.sort(used.long(), dim=1).values != want).any(dim=1) & replayed
+            row = torch.stack([replayed.sum(), differs_native.sum(), differs_used.sum()])
+            self.mismatch[index].add_(row)
+
+    def read_mismatch(self, reset: bool) -> dict:
+        """``mismatch()``: the counters as fractions (one host sync)."""
+        if self.mismatch is None:
+            fail("track_mismatch", "on (call track_mismatch() first)", "off", what="state")
+        self.raise_uncovered()
+        n, native, used = (int(v) for v in self.mismatch.sum(dim=0).tolist())
+        if reset:
+            self.mismatch.zero_()
+        return {
+            "tokens": n,
+            "native_vs_rollout": native / n if n else 0.0,
+            "replayed_vs_rollout": used / n if n else 0.0,
+        }
+
+    # ---------------------------------------------------------------- aux loss
+    def aux_ids(self, gate_logits: Any) -> Optional[list]:
+        """The load-balancing loss's provider (:mod:`replaymoe.hf.aux_loss`): for the router logits
+        of this model's latest replayed forward (matched by identity), the ids its routers used;
+        None otherwise (transformers' own function runs)."""
+        used = self.used
+        if not isinstance(gate_logits, (tuple, list)) or len(gate_logits) != len(self.layers) or not used:
+            return None
+        if len(used) != len(self.layers) or any(gate_logits[i] is not used[i][0] for i in range(len(used))):
+            return None
+        return [used[i][1] for i in range(len(used))]
