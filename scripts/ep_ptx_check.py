@@ -107,15 +107,16 @@ def main() -> int:
     import triton
     from triton.compiler import ASTSource
 
-    from replaymoe.ep import _kernel
+    from replaymoe.ep import _kernel_combine, _kernel_pack, _kernel_plan, _kernel_sanitize
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sm90_compile import TARGET
 
     out = os.environ.get("EP_PTX_DIGESTS")  # a file: one line per distinct launch, its PTX's digest
+    modules = (_kernel_plan, _kernel_pack, _kernel_sanitize, _kernel_combine)  # every launched EP kernel
     seen, failed, digests = set(), 0, []
     for c in calls:
-        fn = getattr(_kernel, c["kernel"])
+        fn = next(getattr(m, c["kernel"]) for m in modules if hasattr(m, c["kernel"]))
         sig, consts = _signature(fn, c["args"])
         for over in ({}, {k: v for k, v in ON_GPU.items() if k in consts}):
             cs = dict(consts, **over)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.ep._kernel import ep_combine_send_kernel
+from replaymoe.ep._kernel_combine import ep_combine_send_kernel
 
 pytestmark = pytest.mark.interpret
 

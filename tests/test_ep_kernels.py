@@ -119,10 +119,10 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     from replaymoe.ep.transport_symm import SymmTransport
 
     monkeypatch.setattr(symm, "FUSED_BARRIER", not fused)  # the process default; the argument wins
-    import replaymoe.ep.alltoall as alltoall
+    import replaymoe.ep._dispatch_plan as dispatch_plan
 
     # the three-rank cases store each tile to the peers first and to the own block last
-    monkeypatch.setattr(alltoall, "_PACK_PEERS_FIRST", ep == 3)
+    monkeypatch.setattr(dispatch_plan, "PACK_PEERS_FIRST", ep == 3)
 
     H, rt = 16, max(5, *Ts)
     max_tokens = rt + 1
@@ -294,8 +294,8 @@ def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, capturing, pipe
 )
 def test_pack_grid_and_tiles(num_sms, device_sms, T, grid, TT):
     """The pack's grid by ``num_sms`` and tokens, and its tokens per iteration for DeepSeek-V3 rows
-    (7168 bf16 = 3584 int32 units; the measurements behind them are in ``alltoall``'s comments)."""
-    from replaymoe.ep.alltoall import _pack_tiles
+    (7168 bf16 = 3584 int32 units; the measurements behind them are in ``_dispatch_plan``'s comments)."""
+    from replaymoe.ep._dispatch_plan import pack_tiles as _pack_tiles
 
     a = _fake_a2a(0, 4, 4096, 8, 256, 7168, num_sms)
     a._device_sms = device_sms
@@ -349,7 +349,7 @@ def test_pipelined_combine_matches_two_kernel_combine(
     (Triton's interpreter runs one program at a time): every rank's send (roles 1), then every rank's
     reduce (roles 2), which finds every flag it waits for already set."""
     import replaymoe.ep.transport_symm as symm
-    from replaymoe.ep.transport_symm import _FLAG_BASE, PIPE_CHUNK, PIPE_CHUNK_NARROW, SymmTransport
+    from replaymoe.ep.transport_symm import FLAG_BASE, PIPE_CHUNK, PIPE_CHUNK_NARROW, SymmTransport
 
     E, H, rt = 2 * ep, 24, max(max(Ts), 1)
     if tall:  # the tall tiles' threshold lowered to this test's runtime_max (2048 tokens: too slow here)
@@ -364,7 +364,7 @@ def test_pipelined_combine_matches_two_kernel_combine(
     assert all(a.combine_pipelines(rt) for a in a2as)  # _fake_a2a: pipelined_combine=True
     es = torch.tensor([], dtype=dtype).element_size()
     comb = _fake_buffers(ep, ep * max_tokens * H * es)
-    pads = [torch.zeros(_FLAG_BASE + 8 * trs[0].ncmax, dtype=torch.int32) for _ in range(ep)]
+    pads = [torch.zeros(FLAG_BASE + 8 * trs[0].ncmax, dtype=torch.int32) for _ in range(ep)]
     ids, plans = [], []
     for r, T in enumerate(Ts):
         ids.append(torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).to(torch.int32)
@@ -389,7 +389,7 @@ def test_pipelined_combine_matches_two_kernel_combine(
         for s in range(ep):
             if s != r:
                 n = int(a2as[s].recv_counts[r])  # rows s sends back to r
-                flags = pads[r][_FLAG_BASE + s * trs[0].ncmax :][: trs[0].ncmax].tolist()
+                flags = pads[r][FLAG_BASE + s * trs[0].ncmax :][: trs[0].ncmax].tolist()
                 assert flags == [1] * -(-n // chunk) + [0] * (len(flags) + n // -chunk), (r, s, flags)
         assert int(trs[r].state[1]) == 1 and int(trs[r].state[3]) == 0  # epoch moved, arrivals reset
         # every peer's "sends done" flag (what the reducers wait on last), sender arrivals reset
@@ -536,7 +536,7 @@ def test_plan_kernel_reuses_its_scratch(generator):
     """Three calls of different sizes on one scratch (as one MoeAlltoAll makes them): each gives the
     torch plan, and each leaves the ticket and arrivals at zero and the epoch one higher, so the next
     call's flags wait for its own blocks."""
-    from replaymoe.ep._kernel import ep_plan_kernel
+    from replaymoe.ep._kernel_plan import ep_plan_kernel
     from replaymoe.ep.partition import PLAN_BLOCKS, PLAN_SCRATCH, plan_grid
 
     E, ep, K = 16, 4, 2

@@ -42,7 +42,7 @@ def test_plan_kernel_matches_torch_on_gpu(T, E, ep, K):
 def test_plan_kernel_back_to_back_on_one_scratch():
     """Launches of different sizes on one scratch, queued without a sync: every launch's flags must
     wait for its own blocks, not an earlier launch's (the epoch), and tickets must restart at 0."""
-    from replaymoe.ep._kernel import ep_plan_kernel
+    from replaymoe.ep._kernel_plan import ep_plan_kernel
 
     E, ep, K = 256, 4, 8
     scratch = torch.zeros(PLAN_SCRATCH, dtype=torch.int32, device="cuda")

@@ -46,34 +46,37 @@ was seen before skips validation and planning and launches the cached kernels di
 Received views alias internal buffers: they are valid until ``combine`` (the next ``dispatch`` on
 any rank may overwrite them). Consume them (or copy them) before calling ``combine``.
 
-Size: the :class:`MoeAlltoAll` class is one unit (validation, steady-state plan cache, dispatch and
-combine phases); the expert split, row layout and packing, receive-side kernels, transports and the
-reference live in their own modules of this package.
+Modules: the class is the front door (arguments, phases, the steady-state caches); the launch plan of a
+dispatch is built in :mod:`~replaymoe.ep._dispatch_plan` and run by :mod:`~replaymoe.ep._dispatch`, the
+combine's steps are in :mod:`~replaymoe.ep._combine`, the phase and growth errors in
+:mod:`~replaymoe.ep._errors`; the expert split, row layout and packing, receive-side kernels, transports
+and the reference live in their own modules of this package, the Triton code in its ``_kernel_*``
+modules.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .._backend import BACKENDS, resolve_backend
-from .._launch import cdiv, next_power_of_2
-from .._validation import check_choice, check_int, check_tensor, fail, is_capturing
-from .packing import (
-    _PACK_CHUNK,
-    _align,
-    _gcd_all,
-    _RowLayout,
-    _unit_dtype,
-    recv_views,
-    row_layout,
+from .._validation import check_choice, check_int, fail
+from ._combine import combine_payload, combine_rows
+from ._dispatch import dispatch_torch_ops, receive, send
+from ._dispatch_plan import (
+    DispatchState,
+    build_dispatch,
+    find_dispatch,
+    keep_dispatch,
+    pack_grid,
+    validate_dispatch,
 )
-from .partition import PLAN_BLOCKS, PLAN_SCRATCH, expert_owner, expert_partition, make_plan, plan_grid
-from .receive import combine_reduce
+from ._errors import phase_error
+from .packing import align
+from .partition import PLAN_SCRATCH, expert_owner, expert_partition
 from .reference import combine_torch, dispatch_torch
 
 __all__ = [
@@ -84,113 +87,10 @@ __all__ = [
     "combine_torch",
 ]
 
-_COMBINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRANSPORTS = ("nccl", "symm")
 
-_CACHE_SIZE = 64  # steady-state plans kept per MoeAlltoAll (oldest dropped first)
-
-# ep_pack_kernel's grids, chosen per call (MoeAlltoAll._pack_grid):
-#   "dense"  num_sms unset, up to _DENSE_PACK_MAX_T tokens: one short-lived program per (token, 4096-unit
-#            chunk), many resident per SM; the plan by a scan of the earlier ids in every tile;
-#   "narrow" num_sms below _WIDE_MIN_PROGRAMS: num_sms persistent programs, 2 tokens x 4096 units per
-#            iteration below 2048 tokens, 4 from there;
-#   "wide"   num_sms from _WIDE_MIN_PROGRAMS, or unset above _DENSE_PACK_MAX_T tokens: one persistent
-#            program per SM (at most num_sms), one token per iteration.
-# The persistent grids compute the plan by look-back at every size (the scan re-reads every earlier id in
-# each of a program's iterations, slower than the look-back on persistent grids). The grids, tokens per
-# iteration and the dense grid's whole-row chunks were chosen from measurements on 4 x H200 and 2 x H200
-# at DeepSeek-V3's rows (docs/DESIGN.md, "Expert parallelism", "The pack's grid").
-_DENSE_PACK_MAX_T = 256
-_WIDE_MIN_PROGRAMS = 64
-# the persistent grids whose pack loads a program's next rows before it stores the current ones (PREFETCH):
-# a little faster where the stores are not the limit, the same where they are (4 x H100; docs/DESIGN.md,
-# "The pack's grid")
-_PACK_PREFETCH_GRIDS = ("narrow", "wide")
-# the pack's stores of a tile go to the ranks from this rank + 1 on, its own block last (True), or from
-# rank 0 on (False): peers first is 1-4 µs faster at ep = 4 (4 x H100; docs/DESIGN.md, "The pack's store
-# order")
-_PACK_PEERS_FIRST = True
-
-
-def _pack_tiles(Ns: list[int], grid: str, T: int) -> tuple[list[int], int, int, int]:
-    """``(NBs, chunks, TT, warps)`` of ``ep_pack_kernel`` on ``grid`` (``"dense"``, ``"narrow"`` or
-    ``"wide"``, see above) for ``T`` tokens whose payload rows have ``Ns`` units: the column chunk of
-    each payload (a power of two), chunks per row, tokens per iteration and ``num_warps``."""
-    NBs = [min(next_power_of_2(n), _PACK_CHUNK) for n in Ns]
-    chunks = max(cdiv(n, b) for n, b in zip(Ns, NBs))
-    nb = max(NBs)
-    if grid == "dense":
-        TT = 1 if nb >= 256 else 16
-    elif grid == "wide" and nb >= 1024:
-        TT = 1
-    else:
-        TT = 4 if nb >= 2048 else 2 if nb >= 1024 else 16
-        if TT == 4 and T < 2048:
-            TT = 2
-    elems = TT * nb
-    warps = 16 if elems >= 8192 else 8 if elems >= 2048 else 4
-    return NBs, chunks, TT, warps
-
-
-# the receive side's sanitize inside the pack (no sanitize launch): up to _FUSED_SANITIZERS of the pack's
-# last programs to arrive (one in the interpreter, which runs programs one after another) share the
-# received rows in blocks of _FUSED_SANITIZE_BLOCK; None: at every size (a number: up to that many
-# received rows, ep * (runtime_max + 1), the larger ones in a sanitize launch). 16 sanitizers are as fast
-# as 32 and faster than the last program alone or a sanitize launch (4 x H100; docs/DESIGN.md, "The receive
-# side of a dispatch")
-_FUSED_SANITIZE_MAX_ROWS: int | None = None
-_FUSED_SANITIZE_BLOCK = 512
-_FUSED_SANITIZERS = 16
 # the process default of MoeAlltoAll(fused_plan=None); REPLAYMOE_EP_FUSED_PLAN=0 turns it off
 FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
-
-
-@dataclass
-class _PackGroup:
-    """Launch plan of one :func:`ep_pack_kernel` call (up to four payloads in one unit dtype)."""
-
-    idx: list[int]
-    unit: torch.dtype
-    dsts: list[torch.Tensor]
-    chunks: int
-    TT: int
-    warps: int
-    consts: tuple
-    consts_b: tuple = ()  # after the ids argument
-    launch: object = None
-    tail_i: tuple = ()  # (dsts..., T, consts...) with addresses, for direct launches
-    tail_b_i: tuple = ()
-
-
-@dataclass
-class _DState:
-    """Everything a dispatch with one signature needs, built once (see ``MoeAlltoAll`` Notes)."""
-
-    T: int
-    rt: int
-    layout: _RowLayout
-    triton: bool
-    targets: object
-    views: list[torch.Tensor]
-    counts: torch.Tensor
-    slot: torch.Tensor | None = None
-    send_counts: torch.Tensor | None = None
-    plan_args: tuple = ()
-    plan_args_i: tuple = ()  # the same with addresses for tensors (direct launches)
-    plan_launch: object = None
-    plan_programs: int = 1
-    packs: list = field(default_factory=list)
-    sanitize: tuple | None = None
-    reduce: dict = field(default_factory=dict)  # reduce launch plans per returned-rows layout
-    slot_i: int = 0
-    fused_plan: bool = False  # the first pack on the dense grid computes the plan by a scan
-    lookback: bool = False  # ... on the persistent grids by look-back
-    fused_sanitize: bool = False  # the pack's last programs wait and sanitize (no sanitize launch)
-
-
-# ----------------------------------------------------------------------------------------------
-# MoeAlltoAll
-# ----------------------------------------------------------------------------------------------
 
 
 class MoeAlltoAll:
@@ -365,7 +265,7 @@ class MoeAlltoAll:
             self._device_sms = 4  # CPU (interpreter): a few programs, so the persistent loops iterate
         self._dcache: dict = {}  # steady-state dispatch plans, keyed by the call's signature
         self._ccache: dict = {}  # steady-state combine plans
-        self._st: _DState | None = None  # the state of the dispatch in flight
+        self._st: DispatchState | None = None  # the state of the dispatch in flight
 
         if self.transport == "symm" and self.device.type != "cuda":
             fail("transport", "'nccl' for a CPU device ('symm' needs CUDA symmetric memory)", "'symm'")
@@ -379,7 +279,7 @@ class MoeAlltoAll:
             self._transport = NcclTransport(self)
         if payload_bytes_per_token is not None:
             check_int("payload_bytes_per_token", payload_bytes_per_token, low=1)
-            self._transport.ensure_dispatch(_align(payload_bytes_per_token))
+            self._transport.ensure_dispatch(align(payload_bytes_per_token))
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -425,11 +325,8 @@ class MoeAlltoAll:
         return max(1, min(n, work) // chunks)
 
     def _pack_grid(self, T: int) -> str:
-        """The pack's grid for ``T`` tokens on this rank: ``"dense"``, ``"narrow"`` or ``"wide"`` (see
-        :func:`_pack_tiles`). A local choice: the peers never see the pack's grid."""
-        if self._num_sms is None:
-            return "dense" if T <= _DENSE_PACK_MAX_T else "wide"
-        return "wide" if min(self._num_sms, self._device_sms) >= _WIDE_MIN_PROGRAMS else "narrow"
+        """The pack's grid for ``T`` tokens on this rank (:func:`~replaymoe.ep._dispatch_plan.pack_grid`)."""
+        return pack_grid(self._num_sms, self._device_sms, T)
 
     def _dense_programs(self, work: int, chunks: int = 1) -> int:
         """The same for the dense grids (num_sms unset): up to 16 programs per SM, then a grid-stride loop."""
@@ -490,30 +387,21 @@ class MoeAlltoAll:
             Views alias internal buffers; valid until ``combine``.
         """
         if self._phase != "idle":
-            self._phase_error("dispatch")
+            phase_error(self, "dispatch")
         ids = token_selected_experts
         rt = runtime_max_tokens_per_rank
         idx = expert_id_payload_index
-        try:  # the call's signature: everything validation and the launch plan depend on
-            pkey = tuple((p.dtype, p.shape, p.get_device(), p.is_contiguous(), p.data_ptr() & 15)
-                         for p in payloads)  # fmt: skip
-            ikey = (ids.shape, ids.dtype, ids.get_device(), ids.data_ptr() & 15)
-            key = (ikey, rt, invalid_token_expert_id, idx, pkey)
-            st = self._dcache.get(key) if isinstance(payloads, (list, tuple)) else None
-        except (AttributeError, TypeError):  # not tensors / unhashable: validation says what is wrong
-            key, st = None, None
+        key, st = find_dispatch(self._dcache, ids, payloads, rt, invalid_token_expert_id, idx)
         if st is None:
             st = self._dispatch_setup(ids, payloads, rt, invalid_token_expert_id, idx)
             if key is not None:
-                if len(self._dcache) >= _CACHE_SIZE:
-                    self._dcache.pop(next(iter(self._dcache)))
-                self._dcache[key] = st
+                keep_dispatch(self._dcache, key, st)
         self._phase = "dispatching"
         try:
             if st.triton:
                 self._dispatch_triton(st, ids, payloads)
             else:
-                self._dispatch_torch(st, ids, payloads, invalid_token_expert_id, idx)
+                dispatch_torch_ops(self, st, ids, payloads, invalid_token_expert_id, idx)
         except BaseException:
             self._phase = "broken"
             raise
@@ -525,242 +413,28 @@ class MoeAlltoAll:
         return st.views
 
     # ------------------------------------------------------------------------------------------
-    def _phase_error(self, op: str) -> None:
-        if self._phase == "broken":
-            raise RuntimeError(
-                f"MoeAlltoAll on rank {self.rank}: a previous dispatch/combine failed part-way; the ranks "
-                "are no longer in lockstep, build a new MoeAlltoAll (on every rank)"
-            )
-        if op == "dispatch":
-            raise RuntimeError(
-                f"MoeAlltoAll.dispatch on rank {self.rank}: called twice without combine "
-                "(the phases are dispatch -> combine -> dispatch ...)"
-            )
-        raise RuntimeError(
-            f"MoeAlltoAll.combine on rank {self.rank}: called before dispatch "
-            f"(phase is {self._phase!r}; the phases are dispatch -> combine -> dispatch ...)"
-        )
-
     def _validate_dispatch(self, ids, payloads, rt, invalid, idx) -> tuple[int, int]:
-        check_tensor("token_selected_experts", ids, ndim=2, dtype=torch.int32, device=self.device)
-        T, K = ids.shape
-        if K != self.top_k:
-            fail("token_selected_experts", f"[T_local, top_k={self.top_k}]", tuple(ids.shape), what="shape")
-        check_int("runtime_max_tokens_per_rank", rt, low=1, high=self.max_num_tokens)
-        if T > rt:
-            fail(
-                "token_selected_experts",
-                f"at most runtime_max_tokens_per_rank={rt} tokens",
-                f"{T} tokens",
-                what="shape",
-            )
-        if not isinstance(payloads, (list, tuple)) or len(payloads) == 0:
-            fail("payloads", "a non-empty list of [T_local, *] tensors", type(payloads).__name__)
-        for i, p in enumerate(payloads):
-            check_tensor(f"payloads[{i}]", p, device=self.device)
-            if p.dim() < 1 or p.shape[0] != T:
-                fail(f"payloads[{i}]", f"[T_local={T}, *]", tuple(p.shape), what="shape")
-            if p.element_size() > 8:
-                fail(f"payloads[{i}]", "an element size of at most 8 bytes", p.dtype, what="dtype")
-        check_int("invalid_token_expert_id", invalid, low=-(2**31), high=2**31 - 1)
-        if idx is not None:
-            check_int("expert_id_payload_index", idx, low=0, high=len(payloads) - 1)
-            check_tensor(f"payloads[{idx}]", payloads[idx], shape=(T, K), dtype=torch.int32)
-        return T, K
+        return validate_dispatch(self, ids, payloads, rt, invalid, idx)
 
-    def _dispatch_setup(self, ids, payloads, rt, invalid, idx) -> _DState:
+    def _dispatch_setup(self, ids, payloads, rt, invalid, idx) -> DispatchState:
         """Validate a call with a new signature and build its launch plan (buffers, views, kernel
-        arguments); every later call with the same signature reuses it."""
+        arguments; :func:`~replaymoe.ep._dispatch_plan.build_dispatch`); every later call with the same
+        signature reuses it."""
         T, K = self._validate_dispatch(ids, payloads, rt, invalid, idx)
-        layout = row_layout(list(payloads))
-        use_triton = self.use_triton()
-        self._transport.ensure_dispatch(layout.row_bytes)
-        tg = self._transport.dispatch_targets(layout, rt)
-        views, counts = recv_views(tg.recv, layout, self.ep, rt, tg.block)
-        st = _DState(T=T, rt=rt, layout=layout, triton=use_triton, targets=tg, views=views, counts=counts)
-        st.slot = torch.empty(T, self.ep, dtype=torch.int32, device=self.device)
-        st.send_counts = torch.empty(self.ep, dtype=torch.int32, device=self.device)
-        if not use_triton:
-            return st
+        return build_dispatch(self, T, K, payloads, rt, invalid, idx)
 
-        from .._launch import Launcher
-        from ._kernel import ep_pack_kernel, ep_plan_kernel, ep_sanitize_kernel
-
-        st.plan_launch = Launcher(ep_plan_kernel, num_warps=4)
-        # plan kernel (+ the counts into every destination's header row)
-        base, rem = divmod(self.num_experts, self.ep)
-        ep_p2 = max(2, next_power_of_2(self.ep))
-        hdrs = [h.view(torch.int32) for h in tg.dsts]
-        hdrs = hdrs + [hdrs[0]] * (8 - len(hdrs))
-        hdr_off = tg.dst_base + rt * layout.row_bytes + layout.count_offset
-        bt, st.plan_programs = plan_grid(T)
-        st.plan_args = (
-            st.slot, st.send_counts, *hdrs, tg.stride_dst_rank // 4, hdr_off // 4, T, self.num_experts,
-            base, rem, self._plan_scratch, K, self.ep, ep_p2, bt, PLAN_BLOCKS, True,
-        )  # fmt: skip
-        # the receive side: sanitize the ids (if any) and copy the counts; with the fused barrier, wait for
-        # the peers' dispatch signals first. With one pack launch its last programs to arrive do it (one
-        # launch less; see _FUSED_SANITIZERS)
-        hdr = tg.recv.view(torch.int32)
-        blk = 128
-        if idx is not None:
-            v = views[idx]
-            n = self.ep * (rt + 1) - 1
-            flat = torch.as_strided(v, (n, K), v.stride()[1:])
-        else:
-            n, flat = 0, self.recv_counts
-        wait = tg.wait if tg.wait is not None else (self.recv_counts, self.recv_counts, 0, 0, False)
-        san = (flat, hdr, self.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
-               counts.storage_offset() - hdr.storage_offset(), self.local_expert_offset,
-               self.local_expert_offset + self.num_local_experts, invalid)  # fmt: skip
-        k_p2 = max(2, next_power_of_2(K))
-        specs = layout.specs
-        live = [i for i, sp in enumerate(specs) if sp.nbytes > 0]
-        st.fused_sanitize = (
-            tg.wait is not None and self._fused_sanitize and 1 <= len(live) <= 4
-            and (_FUSED_SANITIZE_MAX_ROWS is None or self.ep * (rt + 1) <= _FUSED_SANITIZE_MAX_ROWS)
-        )  # fmt: skip
-        if st.fused_sanitize:
-            nz = _FUSED_SANITIZERS if self.device.type == "cuda" else 1
-            zs = (*san, *wait[1:4], k_p2, _FUSED_SANITIZE_BLOCK, idx is not None, True, wait[4], nz)
-        else:
-            zs = (st.send_counts,) * 3 + (0,) * 8 + (st.send_counts, 0, 0, 2, 2, False, False, False, 1)
-        if not st.fused_sanitize and (idx is not None or tg.wait is not None):
-            st.sanitize = (
-                Launcher(ep_sanitize_kernel, num_warps=4),
-                max(1, cdiv(n, blk)),
-                (*san, *wait[:4], K, k_p2, self.ep, ep_p2, blk, self.rank, idx is not None,
-                 tg.wait is not None, wait[4]),
-            )  # fmt: skip
-        # pack kernel: payloads in groups of four, each group in one unit dtype
-        for g0 in range(0, len(live), 4):
-            grp = live[g0 : g0 + 4]
-            ptrs = [payloads[i].data_ptr() for i in grp]
-            unit = _unit_dtype(_gcd_all([specs[i].nbytes for i in grp]), *ptrs)
-            u = torch.empty((), dtype=unit).element_size()
-            Ns = [specs[i].nbytes // u for i in grp]
-            Os = [specs[i].offset // u for i in grp]
-            pad = 4 - len(grp)
-            dsts = [d.view(unit) for d in tg.dsts]
-            dsts = dsts + [dsts[0]] * (8 - len(dsts))
-            last = g0 + 4 >= len(live)
-            # the first group's pack computes the plan itself (one launch less; int32 units so that it
-            # can store the counts into the headers): on the dense grid by a scan of the earlier ids in
-            # every tile, on the persistent ones by the plan kernel's look-back over 128-token blocks
-            own_plan = g0 == 0 and unit == torch.int32 and self._fused_plan
-            st.fused_plan = st.fused_plan or (own_plan and T <= _DENSE_PACK_MAX_T)
-            st.lookback = st.lookback or own_plan
-            hdr_units = (rt * layout.row_bytes + layout.count_offset) // 4
-            plan_b = (st.send_counts, self.num_experts, base, rem, hdr_units)
-            if not own_plan:
-                plan_b = (st.send_counts, 1, 1, 0, 0)
-            if tg.signal is not None and last:
-                sig, signal = tg.signal, True
-            else:
-                sig, signal = (st.send_counts,) * 10 + (0,), False
-            variants = {}
-            for grid in ("dense", "narrow", "wide") if T <= _DENSE_PACK_MAX_T else ("narrow", "wide"):
-                fplan = own_plan and grid == "dense"
-                lookback = own_plan and grid != "dense"
-                NBs, chunks, TT, warps = _pack_tiles(Ns, grid, T)
-                variants[grid] = _PackGroup(
-                    idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
-                    consts=(tg.stride_dst_rank // u, tg.dst_base // u, *sig),
-                    consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
-                              *(Os + [0] * pad), len(grp), self.ep, ep_p2, TT, self.rank, signal, fplan, K,
-                              64, *zs, self._plan_scratch, bt, PLAN_BLOCKS, lookback,
-                              self.device.type == "cuda", grid in _PACK_PREFETCH_GRIDS and not fplan,
-                              (self.rank + 1) % self.ep if _PACK_PEERS_FIRST else 0),
-                    launch=Launcher(ep_pack_kernel, num_warps=warps),
-                )  # fmt: skip
-            st.packs.append(variants)
-        from .._launch import addresses
-
-        st.plan_args_i = addresses(st.plan_args)
-        for variants in st.packs:
-            for g in variants.values():
-                g.tail_i = addresses((*g.dsts, T, *g.consts))
-                g.tail_b_i = addresses(g.consts_b)
-        if st.sanitize is not None:
-            st.sanitize = (*st.sanitize, addresses(st.sanitize[2]))
-        st.slot_i = st.slot.data_ptr()
-        return st
-
-    def _dispatch_triton(self, st: _DState, ids: torch.Tensor, payloads) -> None:
-        self._dispatch_send(st, ids, payloads)
+    def _dispatch_triton(self, st: DispatchState, ids: torch.Tensor, payloads) -> None:
+        send(self, st, ids, payloads)
         self._transport.exchange_dispatch(st.targets)
-        self._dispatch_recv(st)
+        receive(self, st)
 
-    def _dispatch_send(self, st: _DState, ids: torch.Tensor, payloads) -> None:
+    def _dispatch_send(self, st: DispatchState, ids: torch.Tensor, payloads) -> None:
         """Plan + pack (with the fused barrier, the pack's last program signals the peers)."""
-        if not ids.is_contiguous():
-            ids = ids.contiguous()
-        grid_kind = self._pack_grid(st.T)
-        own_plan = st.fused_plan if grid_kind == "dense" else st.lookback
-        if own_plan:
-            pass  # the first pack computes it
-        elif st.plan_launch.ready():
-            st.plan_launch.fast((st.plan_programs,), (ids.data_ptr(), *st.plan_args_i))
-        else:
-            st.plan_launch((st.plan_programs,), (ids, *st.plan_args))
-        T = st.T
-        if T > 0 or st.targets.signal is not None or own_plan:  # (signal / counts need the launch)
-            for variants in st.packs:
-                g = variants[grid_kind]
-                work = cdiv(T, g.TT)
-                if grid_kind == "dense":
-                    grid = (self._dense_programs(work, g.chunks), g.chunks)
-                else:
-                    grid = (self._programs(work * g.chunks, g.chunks), g.chunks)
-                if g.launch.ready():  # addresses only: no views, no per-pointer driver queries
-                    keep = [payloads[i] for i in g.idx]
-                    keep = [p if p.is_contiguous() else p.contiguous() for p in keep]
-                    ptrs = [p.data_ptr() for p in keep]
-                    ptrs = ptrs + [ptrs[0]] * (4 - len(ptrs))
-                    g.launch.fast(grid, (st.slot_i, *ptrs, *g.tail_i, ids.data_ptr(), *g.tail_b_i))
-                    continue
-                srcs = []
-                for i in g.idx:
-                    p = payloads[i]
-                    if not p.is_contiguous():
-                        p = p.contiguous()
-                    srcs.append(p if p.dtype == g.unit else p.view(torch.uint8).view(g.unit))
-                srcs = srcs + [srcs[0]] * (4 - len(srcs))
-                g.launch(grid, (st.slot, *srcs, *g.dsts, T, *g.consts, ids, *g.consts_b))
+        send(self, st, ids, payloads)
 
-    def _dispatch_recv(self, st: _DState) -> None:
+    def _dispatch_recv(self, st: DispatchState) -> None:
         """After the exchange: (wait for the peers,) sanitize the ids, copy the counts."""
-        if st.fused_sanitize:  # the pack's last programs to arrive did it
-            return
-        if st.sanitize is None:
-            self.recv_counts.copy_(st.counts)
-        else:
-            launch, work, args, args_i = st.sanitize
-            grid = (self._programs(work) if self._num_sms is not None else self._dense_programs(work),)
-            if launch.ready():
-                launch.fast(grid, args_i)
-            else:
-                launch(grid, args)
-
-    def _dispatch_torch(self, st: _DState, ids, payloads, invalid, idx) -> None:
-        """The torch-ops path (CPU/gloo): plan, pack by index_copy, exchange, sanitize."""
-        plan = make_plan(ids, self.num_experts, self.ep)
-        st.slot, st.send_counts = plan.slot, plan.send_counts
-        payloads = [p.contiguous() for p in payloads]
-        self._transport.dispatch_torch(plan, payloads, st.layout, st.rt, st.targets)
-        if idx is None:
-            self.recv_counts.copy_(st.counts)
-            return
-        rt, K = st.rt, self.top_k
-        v = st.views[idx]
-        n = self.ep * (rt + 1) - 1
-        flat = torch.as_strided(v, (n, K), v.stride()[1:])
-        lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
-        self.recv_counts.copy_(st.counts)
-        i = torch.arange(n, device=self.device, dtype=torch.int64)
-        pad = (i % (rt + 1)) >= self.recv_counts[i // (rt + 1)]
-        drop = pad[:, None] | (flat < lo) | (flat >= hi)
-        flat.copy_(torch.where(drop, torch.full_like(flat, invalid), flat))
+        receive(self, st)
 
     # ------------------------------------------------------------------------------------------
     def combine(
@@ -790,71 +464,16 @@ class MoeAlltoAll:
             from every rank it was sent to (zeros for a token sent nowhere).
         """
         if self._phase != "dispatched":
-            self._phase_error("combine")
-        rt = runtime_max_tokens_per_rank
-        W = self.hidden_size if width is None else width
-        try:
-            s = payload.stride()
-            key = (payload.shape, payload.dtype, s, payload.get_device(), rt, W)
-        except (AttributeError, TypeError):
-            key = None
-        if key is None or key not in self._ccache or rt != self._runtime_max:
-            self._validate_combine(payload, rt, W)
-            s = payload.stride()
-            if key is not None:
-                if len(self._ccache) >= _CACHE_SIZE:
-                    self._ccache.pop(next(iter(self._ccache)))
-                self._ccache[key] = True
-        if s[2] != 1 or s[0] < rt * s[1] or s[1] < W:
-            payload = payload.contiguous()
+            phase_error(self, "combine")
+        payload, W = combine_payload(self, payload, runtime_max_tokens_per_rank, width)
         st = self._st
         assert st is not None
         self._phase = "combining"
         try:
-            tr = self._transport
-            out = torch.empty(st.T, W, dtype=payload.dtype, device=self.device)
-            pipelines = getattr(tr, "pipelines", None)  # the symm transport (ep > 1)
-            if pipelines is not None and pipelines(rt):
-                tr.combine_pipelined(payload, rt, st.slot, out)
-            else:
-                rows, block_stride, own, wait = tr.combine(payload, rt)
-                combine_reduce(self, rows, block_stride, st.slot, out, st.reduce, own, wait)
+            out = combine_rows(self, st, payload, runtime_max_tokens_per_rank, W)
         except BaseException:
             self._phase = "broken"
             raise
         self._phase = "idle"
         self._st = None
         return out
-
-    def _validate_combine(self, payload, rt, W) -> None:
-        check_int("runtime_max_tokens_per_rank", rt, low=1, high=self.max_num_tokens)
-        check_int("width", W, low=1)
-        if rt != self._runtime_max:
-            fail(
-                "runtime_max_tokens_per_rank",
-                f"the value given to dispatch ({self._runtime_max})",
-                rt,
-            )
-        check_tensor(
-            "payload",
-            payload,
-            shape=(self.ep, rt, W),
-            dtype=_COMBINE_DTYPES,
-            device=self.device,
-        )
-
-    # ------------------------------------------------------------------------------------------
-    def _guard_growth(self, what: str) -> None:
-        if is_capturing():
-            raise RuntimeError(
-                f"MoeAlltoAll on rank {self.rank}: the {what} buffer must grow during CUDA-graph capture; "
-                "run one dispatch/combine with the same payloads before capturing (or pass "
-                "payload_bytes_per_token)"
-            )
-
-    def _collective_error(self, op: str, err: BaseException) -> RuntimeError:
-        return RuntimeError(
-            f"MoeAlltoAll.{op}: rank {self.rank} of {self.ep} (global rank "
-            f"{dist.get_rank()}) failed in the all-to-all — a peer rank did not arrive within the "
-            f"timeout or left the group (all ranks must call {op} in lockstep with valid arguments): {err}"
-        )

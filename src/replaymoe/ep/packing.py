@@ -3,8 +3,8 @@
 A dispatch sends each token as one packed row of bytes: every payload in its own 64-byte aligned
 region, then a region for the per-block count (:func:`row_layout`). This module holds that layout,
 the typed views of a receive buffer (:func:`recv_views`), where a transport wants rows written
-(:class:`_Targets`), the copy-unit and tile-size choices of the Triton copies, and the torch-ops
-packing used on CPU (:func:`_pack`).
+(:class:`Targets`), the copy-unit and tile-size choices of the Triton copies, and the torch-ops
+packing used on CPU (:func:`pack_rows`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from .._launch import cdiv, next_power_of_2
 
 _ALIGN = 64  # bytes: payload regions and rows are aligned so Triton sees 16-unit divisibility
-_PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration (any grid)
+PACK_CHUNK = 4096  # most units one pack program copies per payload row and iteration (any grid)
 _REDUCE_CHUNK = 4096  # most columns one reduce / combine-send program handles per iteration
 _DENSE_CHUNK = 1024  # the combine kernels without num_sms: one short-lived program per (row, chunk)
 
@@ -37,11 +37,11 @@ def row_tiling(H: int, persistent: bool) -> tuple[int, int, int, int]:
     return nb, chunks, tt, warps
 
 
-def _align(n: int, a: int = _ALIGN) -> int:
+def align(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def _gcd_all(values: list[int]) -> int:
+def gcd_all(values: list[int]) -> int:
     import math
 
     g = 0
@@ -51,7 +51,7 @@ def _gcd_all(values: list[int]) -> int:
 
 
 @dataclass
-class _Targets:
+class Targets:
     """Where a transport wants a dispatch of one (row layout, runtime_max) written (bytes).
 
     recv : the local receive buffer (uint8); block : bytes per source block in it.
@@ -86,7 +86,7 @@ class _PayloadSpec:
 
 
 @dataclass(frozen=True)
-class _RowLayout:
+class RowLayout:
     """Packed row: payload regions, then one 64-byte region no payload covers, where the header row
     (row ``runtime_max`` of each block) keeps the int32 count, so that sanitizing the id payload over
     all rows (header rows included) cannot clobber a count.
@@ -99,20 +99,20 @@ class _RowLayout:
     count_offset: int
 
 
-def row_layout(payloads: list[torch.Tensor]) -> _RowLayout:
+def row_layout(payloads: list[torch.Tensor]) -> RowLayout:
     """The packed row of ``payloads`` (each ``[T, *inner]``): one 64-byte-aligned region per payload
-    in order, then the count region (:class:`_RowLayout`). Used by the all-to-all and by the tests
+    in order, then the count region (:class:`RowLayout`). Used by the all-to-all and by the tests
     that build receive buffers by hand."""
     specs, off = [], 0
     for p in payloads:
         inner = tuple(p.shape[1:])
         nbytes = math.prod(inner) * p.element_size()
         specs.append(_PayloadSpec(p.dtype, inner, nbytes, off))
-        off += _align(max(nbytes, 1))
-    return _RowLayout(tuple(specs), off + _ALIGN, off)
+        off += align(max(nbytes, 1))
+    return RowLayout(tuple(specs), off + _ALIGN, off)
 
 
-def _unit_dtype(nbytes: int, *ptrs: int) -> torch.dtype:
+def unit_dtype(nbytes: int, *ptrs: int) -> torch.dtype:
     """Widest integer unit (int32, int16 or uint8) dividing the row width and the addresses."""
     for size, dt in ((4, torch.int32), (2, torch.int16)):
         if nbytes % size == 0 and all(p % size == 0 for p in ptrs):
@@ -120,7 +120,7 @@ def _unit_dtype(nbytes: int, *ptrs: int) -> torch.dtype:
     return torch.uint8
 
 
-def _typed_view(buf: torch.Tensor, dtype: torch.dtype, size, stride, offset_bytes: int) -> torch.Tensor:
+def typed_view(buf: torch.Tensor, dtype: torch.dtype, size, stride, offset_bytes: int) -> torch.Tensor:
     """A strided ``dtype`` view into the uint8 buffer ``buf`` starting ``offset_bytes`` in."""
     es = torch.empty((), dtype=dtype).element_size()
     assert offset_bytes % es == 0 and buf.numel() % es == 0
@@ -132,7 +132,7 @@ def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def recv_views(
-    recv: torch.Tensor, layout: _RowLayout, ep: int, rt: int, block_bytes: int
+    recv: torch.Tensor, layout: RowLayout, ep: int, rt: int, block_bytes: int
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per-payload views [ep, rt, *inner] of a receive buffer (source s's block at ``s * block_bytes``,
     row j at ``j * row_bytes``) and the int32 [ep] view of the counts (in row ``rt`` of each block)."""
@@ -141,13 +141,13 @@ def recv_views(
         es = torch.empty((), dtype=s.dtype).element_size()
         size = (ep, rt, *s.inner)
         stride = (block_bytes // es, layout.row_bytes // es, *_contig_strides(s.inner))
-        views.append(_typed_view(recv, s.dtype, size, stride, s.offset))
+        views.append(typed_view(recv, s.dtype, size, stride, s.offset))
     count_at = rt * layout.row_bytes + layout.count_offset
-    counts = _typed_view(recv, torch.int32, (ep,), (block_bytes // 4,), count_at)
+    counts = typed_view(recv, torch.int32, (ep,), (block_bytes // 4,), count_at)
     return views, counts
 
 
-def _pack(a, plan, payloads, layout, dst: torch.Tensor, *, block_bytes) -> None:
+def pack_rows(a, plan, payloads, layout, dst: torch.Tensor, *, block_bytes) -> None:
     """Write token rows into the local buffer ``dst`` (uint8) with torch ops: rank r, slot j, payload p
     lands at ``r * block_bytes + j * row_bytes + offset_p``; rows not sent go to a trash row past the
     last block."""

@@ -73,7 +73,7 @@ def make_plan(ids: torch.Tensor, num_experts: int, ep: int, *, use_triton: bool 
     ``ep_plan_kernel`` alone (the all-to-all fuses it with its header writes)."""
     T = ids.shape[0]
     if use_triton:
-        from ._kernel import ep_plan_kernel
+        from ._kernel_plan import ep_plan_kernel
 
         ids = ids.contiguous()
         slot = torch.empty(T, ep, dtype=torch.int32, device=ids.device)

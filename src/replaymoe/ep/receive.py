@@ -18,7 +18,7 @@ def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
     all blocks of ``recv``): ids outside ``[lo, hi)`` and rows past each source's count (read from
     ``counts``) become ``invalid``. The all-to-all fuses this into its receive; tests call it."""
 
-    from ._kernel import ep_sanitize_kernel
+    from ._kernel_sanitize import ep_sanitize_kernel
 
     n, K = flat.shape
     hdr = recv.view(torch.int32)
@@ -59,7 +59,7 @@ def combine_reduce(
         plan = None if cache is None else cache.get(key)
         if plan is None:
             from .._launch import Launcher
-            from ._kernel import ep_combine_reduce_kernel
+            from ._kernel_combine import ep_combine_reduce_kernel
 
             nb, chunks, tt, warps = row_tiling(H, persistent)
             plan = (Launcher(ep_combine_reduce_kernel, num_warps=warps), chunks, max(1, -(-T // tt)), nb, tt)

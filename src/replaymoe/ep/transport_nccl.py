@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .packing import _pack, _Targets, _typed_view
+from ._errors import collective_error, guard_growth
+from .packing import Targets, pack_rows, typed_view
 
 
 class NcclTransport:
@@ -44,7 +45,7 @@ class NcclTransport:
         if row_bytes <= self.row_cap:
             return
         a = self.a2a
-        a._guard_growth("dispatch")
+        guard_growth(a, "dispatch")
         n = a.ep * (a.max_num_tokens + 1) * row_bytes + row_bytes  # + one trash row (torch packing)
         self.recv = torch.empty(n, dtype=torch.uint8, device=a.device)
         self.send = self.recv if a.ep == 1 else torch.empty(n, dtype=torch.uint8, device=a.device)
@@ -55,30 +56,30 @@ class NcclTransport:
         try:
             dist.all_to_all_single(out, inp, group=self.pg)
         except Exception as e:  # re-raised with the rank named
-            raise self.a2a._collective_error(op, e) from e
+            raise collective_error(self.a2a, op, e) from e
 
     # ------------------------------------------------------------------------------------------
-    def dispatch_targets(self, layout, rt: int) -> _Targets:
+    def dispatch_targets(self, layout, rt: int) -> Targets:
         a = self.a2a
         send, recv = self.send, self.recv
         assert send is not None and recv is not None
         block = (rt + 1) * layout.row_bytes
-        return _Targets(
+        return Targets(
             recv=recv, block=block, dsts=[send] * a.ep, stride_dst_rank=block, dst_base=0,
             send=send[: a.ep * block], recv_out=recv[: a.ep * block],
         )  # fmt: skip
 
-    def exchange_dispatch(self, tg: _Targets) -> None:
+    def exchange_dispatch(self, tg: Targets) -> None:
         if self.a2a.ep > 1:
             self._exchange("dispatch", tg.recv_out, tg.send)
 
-    def dispatch_torch(self, plan, payloads, layout, rt: int, tg: _Targets) -> None:
+    def dispatch_torch(self, plan, payloads, layout, rt: int, tg: Targets) -> None:
         """Pack with torch ops (CPU/gloo path), write the counts, exchange."""
         a = self.a2a
         RB = layout.row_bytes
-        _pack(a, plan, payloads, layout, tg.dsts[0], block_bytes=tg.block)
+        pack_rows(a, plan, payloads, layout, tg.dsts[0], block_bytes=tg.block)
         at = rt * RB + layout.count_offset
-        cnt = _typed_view(tg.dsts[0], torch.int32, (a.ep,), (tg.block // 4,), at)
+        cnt = typed_view(tg.dsts[0], torch.int32, (a.ep,), (tg.block // 4,), at)
         cnt.copy_(plan.send_counts)
         self.exchange_dispatch(tg)
 
@@ -96,14 +97,14 @@ class NcclTransport:
         else:
             cap = a.ep * (a.max_num_tokens + 1) * H * es
             if self.csend is None or self.csend.numel() < a.ep * block * es:
-                a._guard_growth("combine")
+                guard_growth(a, "combine")
                 self.csend = torch.empty(cap, dtype=torch.uint8, device=a.device)
             send = self.csend[: a.ep * block * es].view(payload.dtype)
             send.view(a.ep, rt + 1, H)[:, :rt].copy_(payload)
         if a.ep == 1:
             return send.view(rt + 1, H), block, None, None
         if self.crecv is None or self.crecv.numel() < a.ep * block * es:
-            a._guard_growth("combine")
+            guard_growth(a, "combine")
             self.crecv = torch.empty(
                 a.ep * (a.max_num_tokens + 1) * H * es, dtype=torch.uint8, device=a.device
             )

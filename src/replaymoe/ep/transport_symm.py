@@ -51,7 +51,8 @@ import torch  # noqa: E402
 
 from .._launch import cdiv, next_power_of_2
 from .._validation import fail, is_capturing  # noqa: E402
-from .packing import _Targets, row_tiling  # noqa: E402
+from ._errors import guard_growth  # noqa: E402
+from .packing import Targets, row_tiling  # noqa: E402
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
@@ -63,7 +64,7 @@ PIPE_CHUNK = 16
 # (:func:`pipe_chunk`); the pads are sized for PIPE_CHUNK flags per source, so fewer always fit
 PIPE_CHUNK_NARROW = 32
 PIPE_CHUNK_NARROW_MIN_TOKENS = 1024
-_FLAG_BASE = 64
+FLAG_BASE = 64
 PIPE_MAX_GROUP = 8  # most token tiles per reducer step (its waits cover them all)
 # pipelined_combine=None (the default): one pipelined launch only where runtime_max (tokens per rank) is
 # above PIPE_MIN_TOKENS, i.e. a rank sends back more than pipe_min_rows(ep) = (ep - 1) * PIPE_MIN_TOKENS
@@ -213,11 +214,11 @@ class SymmTransport:
 
     def _init_signal(self) -> None:
         """Signal pads for the fused barrier (collective: every rank's first dispatch): int32 per rank,
-        slot ``s`` = source s's dispatch epoch, ``8 + s`` its combine epoch, and from ``_FLAG_BASE`` the
+        slot ``s`` = source s's dispatch epoch, ``8 + s`` its combine epoch, and from ``FLAG_BASE`` the
         pipelined combine's chunk flags (``ncmax`` per source); and this rank's counters [dispatch epoch,
         combine epoch, pack arrivals, send arrivals, the pipelined combine's sender arrivals]."""
         a = self.a2a
-        self.sig = _SymmBuffer(a, 4 * (_FLAG_BASE + _MAX_EP * self.ncmax), "signal")
+        self.sig = _SymmBuffer(a, 4 * (FLAG_BASE + _MAX_EP * self.ncmax), "signal")
         self.sig.local.zero_()
         self.state = torch.zeros(8, dtype=torch.int32, device=a.device)
         self.sig.handle.barrier(channel=0, timeout_ms=self.timeout_ms)  # zeroed everywhere before use
@@ -240,7 +241,7 @@ class SymmTransport:
         if row_bytes <= self.row_cap:
             return
         a = self.a2a
-        a._guard_growth("dispatch")
+        guard_growth(a, "dispatch")
         if self.disp is not None:
             self._retired.append(self.disp)
         self.disp = _SymmBuffer(a, a.ep * (a.max_num_tokens + 1) * row_bytes, "dispatch")
@@ -248,17 +249,17 @@ class SymmTransport:
         a._dcache.clear()  # cached views alias the old buffers
 
     # ------------------------------------------------------------------------------------------
-    def dispatch_targets(self, layout, rt: int) -> _Targets:
+    def dispatch_targets(self, layout, rt: int) -> Targets:
         """Token rows of this source go to block ``rank`` of every peer's receive buffer."""
         a = self.a2a
         buf = self.disp
         assert buf is not None
         block = (rt + 1) * layout.row_bytes  # all ranks use the same rt in a round; barriers order rounds
-        return _Targets(recv=buf.local, block=block, dsts=list(buf.peers), stride_dst_rank=0,
-                           dst_base=a.rank * block, signal=self.signal_args[0] if self.fused else None,
-                           wait=self.wait_args[0] if self.fused else None)  # fmt: skip
+        return Targets(recv=buf.local, block=block, dsts=list(buf.peers), stride_dst_rank=0,
+                       dst_base=a.rank * block, signal=self.signal_args[0] if self.fused else None,
+                       wait=self.wait_args[0] if self.fused else None)  # fmt: skip
 
-    def exchange_dispatch(self, tg: _Targets) -> None:
+    def exchange_dispatch(self, tg: Targets) -> None:
         if not self.fused:
             self._barrier()
 
@@ -268,7 +269,7 @@ class SymmTransport:
         a = self.a2a
         nbytes = a.ep * a.max_num_tokens * payload.shape[2] * payload.element_size()
         if self.comb is None or self.comb.nbytes < nbytes:
-            a._guard_growth("combine")
+            guard_growth(a, "combine")
             if self.comb is not None:
                 self._retired.append(self.comb)
             self.comb = _SymmBuffer(a, nbytes, "combine")
@@ -286,7 +287,7 @@ class SymmTransport:
         c = self._ckeys.get(key)  # (a buffer's growth clears the plans: a plan found fits the buffer)
         if c is None:
             from .._launch import Launcher, addresses
-            from ._kernel import ep_combine_send_kernel
+            from ._kernel_combine import ep_combine_send_kernel
 
             es = payload.element_size()
             buf = self._combine_buffer(payload)
@@ -367,7 +368,7 @@ class SymmTransport:
         c = self._pkeys.get(key)  # (a buffer's growth clears the plans: a plan found fits the buffer)
         if c is None:
             from .._launch import Launcher, addresses
-            from ._kernel import ep_combine_kernel
+            from ._kernel_combine import ep_combine_kernel
 
             self._combine_buffer(payload)
             dst = [p.view(payload.dtype) for p in self.comb.peers]
@@ -375,7 +376,7 @@ class SymmTransport:
             st = self.state
             bufs = (*dst, *self.pads)  # the receive buffers and signal pads (fixed addresses)
             ep_p2 = max(2, next_power_of_2(a.ep))
-            after_t = (payload.stride(0), payload.stride(1), rt * W, payload.stride(1), _FLAG_BASE, st[3:4],
+            after_t = (payload.stride(0), payload.stride(1), rt * W, payload.stride(1), FLAG_BASE, st[3:4],
                        st[1:2], st[4:5], 8, self.timeout_ms * 1_000_000, a.ep, ep_p2, a.rank, senders,
                        self.ncmax, chunk, nb, tt, group, roles, a.device.type == "cuda")  # fmt: skip
             c = (Launcher(ep_combine_kernel, num_warps=warps), (n,), bufs, addresses(bufs), after_t,
