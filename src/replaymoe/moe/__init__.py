@@ -33,9 +33,9 @@ The package, one op: this module (the public entry points and their documentatio
 (argument checks, once per call), ``_reference`` (the torch spec: forward loop and closed-form
 backward, :class:`ClampedSwiGLU`), ``configs`` (tuned tables, heuristics, hardware switches),
 ``_forward`` and ``_backward`` (the Triton host side: launchers, ``replaymoe::`` custom ops, autograd),
-``layout`` (the expert-sorted token layout), ``quant`` (fp8 block-scale helpers) and ``_id_mailbox`` (the
-device-side id check's host side), and the Triton code ``_kernel_fwd``, ``_kernel_bwd``,
-``_kernel_layout`` and ``_kernel_ids``. ``MoEConfig``, ``moe_config``,
+``layout`` (the expert-sorted token layout) and ``quant`` (fp8 block-scale helpers), and the Triton code
+``_kernel_fwd``, ``_kernel_bwd`` and ``_kernel_layout`` (the device-side id check they run lives in
+``routing``: ``_kernel_ids``, ``_id_mailbox``). ``MoEConfig``, ``moe_config``,
 ``MoEBwdConfig``, ``moe_bwd_config`` and ``experts_backward_torch`` are re-exported here.
 """
 
@@ -51,9 +51,9 @@ from torch import nn
 from .._backend import BACKENDS, resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail
 from ..routing import RoutingConfig, RoutingMethod, as_routing, route_unchecked
+from ..routing._id_mailbox import raise_id_errors as raise_id_errors  # re-exported here
 from ._backward import experts_triton_train
 from ._forward import STANDARD, ExpertsVariant, experts_triton
-from ._id_mailbox import raise_id_errors as raise_id_errors  # re-exported: replaymoe.moe.raise_id_errors
 from ._reference import ClampedSwiGLU as ClampedSwiGLU  # re-exported: replaymoe.moe.ClampedSwiGLU
 from ._reference import experts_backward_torch as experts_backward_torch  # re-exported
 from ._reference import experts_torch

@@ -15,7 +15,7 @@ import torch
 
 from .._launch import cdiv, fast, next_power_of_2
 from .._validation import is_capturing
-from ._id_mailbox import mailbox, raise_pending
+from ..routing._id_mailbox import mailbox, raise_pending
 from .configs import (
     MoEConfig,
     _fused_reduce,
@@ -41,7 +41,7 @@ class ExpertsVariant:
     epilogues; ``act`` 0 = SwiGLU, 1 = clamped SwiGLU with ``alpha`` and ``limit`` (gpt-oss);
     ``interleaved``: w13's gate row j is row 2j, its up row 2j + 1 (otherwise j and I + j);
     ``id_bound``: E > 0 when the caller's ``topk_ids`` still need their value check, which the kernels
-    that read the ids run on the device (:mod:`replaymoe.moe._id_mailbox`); 0: ids known valid.
+    that read the ids run on the device (:mod:`replaymoe.routing._id_mailbox`); 0: ids known valid.
     """
 
     w13_bias: torch.Tensor | None = None

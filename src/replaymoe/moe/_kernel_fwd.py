@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._kernel_ids import check_all_ids
+from replaymoe.routing._kernel_ids import check_all_ids
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -286,7 +286,7 @@ def moe_gemm1_kernel(
     ``SCAN``: ``num_slots`` rounded up to a power of two); rows are written per slot.
 
     ``CHECK_IDS`` (DIRECT): program 0 also checks the caller's ids against ``[-1, id_bound)`` and for
-    duplicates within a row, into the error mailbox ``err_ptr`` (``_kernel_ids.py``)."""
+    duplicates within a row, into the error mailbox ``err_ptr`` (``routing/_kernel_ids.py``)."""
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(DIRECT or not CHECK_IDS)
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))

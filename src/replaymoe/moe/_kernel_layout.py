@@ -26,8 +26,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from replaymoe.routing._kernel_ids import check_id_block
+
 from ._kernel_fwd import _quant_group_block
-from ._kernel_ids import check_id_block
 
 
 @triton.jit
@@ -96,7 +97,7 @@ def layout_scatter_kernel(
     the programs from ``layout_grid`` on quantize x [T, H] (``n_groups`` = H // 128 groups per row,
     ``QG`` per program) into ``xq`` [T, H] e4m3 and ``xs`` [T, n_groups] fp32. ``CHECK_IDS``: each
     program also checks its chunk of the caller's ids (rows of ``top_k``) against ``[-1, id_bound)`` and
-    for duplicates within a row, into the error mailbox ``err_ptr`` (``_kernel_ids.py``)."""
+    for duplicates within a row, into the error mailbox ``err_ptr`` (``routing/_kernel_ids.py``)."""
     pid = tl.program_id(0)
     if QUANT:
         if pid >= layout_grid:

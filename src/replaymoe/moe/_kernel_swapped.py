@@ -35,8 +35,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from replaymoe.routing._kernel_ids import check_all_ids
+
 from ._kernel_fwd import _act, _direct_rows, _grouped_pid, _ticket_sum, _ticket_sum_rows, _zero_tickets
-from ._kernel_ids import check_all_ids
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -126,7 +127,7 @@ def moe_gemm1_swapped_fp8_kernel(
     ``inter_s`` [rows, I // 128] fp32 with ``PREQ``, else bf16; rows: T * K in DIRECT mode, the
     layout's rows otherwise). H and I are multiples of 128 (BLOCK_K); BLOCK_N is 32, 64 or 128.
     ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n]. ``CHECK_IDS`` (DIRECT): program
-    0 also checks the caller's ids into the error mailbox ``err_ptr`` (``_kernel_ids.py``)."""
+    0 also checks the caller's ids into the error mailbox ``err_ptr`` (``routing/_kernel_ids.py``)."""
     tl.static_assert(not PREQ or BLOCK_N == 128)
     tl.static_assert(DIRECT or not TICKET)
     tl.static_assert(DIRECT or not CHECK_IDS)

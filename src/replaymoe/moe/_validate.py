@@ -174,7 +174,7 @@ def _validate(
         # top_k and the grouping against E, the capture buffer, the replay ids (any strides: the small
         # [T, K] tensor comes back contiguous)
         route_params, replay_ids = validate_routing(
-            router_logits, routing, routing_replay_out, replay_ids, check_replay=check_ids
+            router_logits, routing, routing_replay_out, replay_ids, check_replay=check_ids, defer=True
         )
     else:
         route_params = None

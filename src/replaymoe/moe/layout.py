@@ -231,7 +231,7 @@ def expert_layout_unchecked(
     fewer than a separate quantization).
 
     ``id_check`` = (the error mailbox, E): the scatter launch also checks the caller's ids against
-    ``[-1, E)`` and for duplicates within a row, on the device (:mod:`replaymoe.moe._id_mailbox`)."""
+    ``[-1, E)`` and for duplicates within a row, on the device (:mod:`replaymoe.routing._id_mailbox`)."""
     from .._launch import fast
     from ._kernel_layout import layout_hist_kernel, layout_scatter_kernel
 

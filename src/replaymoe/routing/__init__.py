@@ -30,11 +30,26 @@ import torch
 
 from replaymoe._backend import resolve_backend
 from replaymoe._validation import fail
-from replaymoe.routing._checks import check_replay_ids, mark_valid_ids, validate, validate_config
+from replaymoe.routing._checks import (
+    check_replay_ids,
+    mark_valid_ids,
+    replay_ids_for_torch,
+    validate,
+    validate_config,
+)
+from replaymoe.routing._id_mailbox import raise_id_errors
 from replaymoe.routing._triton import route_triton
 from replaymoe.routing.methods import Params, RoutingMethod, select_torch, weights_torch
 
-__all__ = ["RoutingConfig", "RoutingMethod", "RoutingOutput", "check_replay_ids", "route", "route_torch"]
+__all__ = [
+    "RoutingConfig",
+    "RoutingMethod",
+    "RoutingOutput",
+    "check_replay_ids",
+    "raise_id_errors",
+    "route",
+    "route_torch",
+]
 
 
 _MAX_KERNEL_EXPERTS = 4096  # the kernel holds a token's experts in registers
@@ -297,7 +312,7 @@ def route(
         together with a routing keyword it holds.
     """
     routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay)
+    p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay, defer=True)
     out = route_unchecked(router_logits, p, routing.bias, routing_replay_out, replay_ids, backend)
     if (replay_ids is None or check_replay) and not torch.compiler.is_compiling():
         mark_valid_ids(out.topk_ids, router_logits.shape[1])  # fused_moe need not check them again
@@ -317,5 +332,9 @@ def route_unchecked(
     :func:`replaymoe.routing._checks.validate` returns them, ``bias`` the routing's."""
     be = _resolve_backend(backend, router_logits)
     if be == "torch":
+        if p.check_replay:  # deferred by validate: the torch path checks them on the host
+            assert replay_ids is not None
+            replay_ids = replay_ids_for_torch(replay_ids, router_logits.shape[1])
+            p = p._replace(check_replay=False)
         return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)
     return RoutingOutput(*route_triton(router_logits, p, bias, routing_replay_out, replay_ids))

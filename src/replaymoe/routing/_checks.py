@@ -119,11 +119,16 @@ def validate(
     routing_replay_out: object,
     replay_ids: object,
     check_replay: bool = True,
+    *,
+    defer: bool = False,
 ) -> tuple[Params, Optional[torch.Tensor]]:
     """The per-call checks of ``route``: the logits, and ``routing`` against their number of experts.
 
     Returns the normalised :class:`Params` and ``replay_ids`` as the kernels read them
-    (:func:`_replay_ids_for_kernels`).
+    (:func:`_replay_ids_for_kernels`). ``defer`` (the caller runs :func:`route_unchecked` next): replay
+    ids on CUDA are not checked here but flagged (``Params.check_replay``) for the backend, which checks
+    them without a host sync on the Triton path (the routing kernel, :mod:`._id_mailbox`) and on the host
+    on the torch path (:func:`replay_ids_for_torch`).
     """
     # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
     x = router_logits
@@ -187,12 +192,25 @@ def validate(
             replay_ids = check_tensor(
                 "replay_ids", replay_ids, shape=(num_tokens, top_k), dtype=_ID_DTYPES, device=dev
             )
+        if check_replay and defer and replay_ids.is_cuda:  # the backend checks them
+            if not replay_ids.is_contiguous():
+                replay_ids = replay_ids.contiguous()
+            return Params(routing.method, top_k, ng, tg, routing.scale, True), replay_ids
         if check_replay and not is_capturing() and not torch.compiler.is_compiling():
             check_id_values(replay_ids, num_experts)
         # under torch.compile the check runs inside the graph, in the op from _replay_ids_for_kernels
         replay_ids = _replay_ids_for_kernels(replay_ids, num_experts, check_replay)
 
     return Params(routing.method, top_k, ng, tg, routing.scale), replay_ids
+
+
+def replay_ids_for_torch(replay_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The torch path's check of replay ids that :func:`validate` deferred (``Params.check_replay``):
+    eagerly on the host (one sync; skipped while a CUDA graph is captured), under ``torch.compile``
+    through the op ``replaymoe::check_replay_ids``."""
+    if not is_capturing() and not torch.compiler.is_compiling():
+        check_id_values(replay_ids, num_experts)
+    return _replay_ids_for_kernels(replay_ids, num_experts, True)
 
 
 @torch.library.custom_op("replaymoe::check_replay_ids", mutates_args=())

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from replaymoe.routing import methods
+from replaymoe.routing._kernel_ids import check_replay_tile
 
 # The weights formulas' branch numbers, from the method table (a plain int each, as Triton's constexpr
 # globals must be); the kernel reads a method's properties from its row's flags, never its name.
@@ -222,6 +223,8 @@ def route_kernel(
     ALGO: tl.constexpr,
     KEY32: tl.constexpr,  # 16-bit logits and a method selecting on the raw logits
     LOG_EP: tl.constexpr,  # log2(NGP * GSP)
+    err_ptr=None,  # int64 [2] error mailbox (routing/_id_mailbox.py; dummy when CHECK_REPLAY is False)
+    CHECK_REPLAY: tl.constexpr = False,  # check the replay ids on the device (routing/_kernel_ids.py)
 ):
     EP: tl.constexpr = NGP * GSP
     pid = tl.program_id(0)
@@ -259,7 +262,12 @@ def route_kernel(
     out_off = rows64[:, None] * K + cols
 
     if HAS_REPLAY:
-        forced = tl.load(replay_ptr + out_off, mask=omask, other=-1).to(tl.int32)
+        if CHECK_REPLAY:
+            raw = tl.load(replay_ptr + out_off, mask=omask, other=-1).to(tl.int64)
+            check_replay_tile(raw, rows64, cols, omask, K, NG * GS, err_ptr)
+            forced = raw.to(tl.int32)
+        else:
+            forced = tl.load(replay_ptr + out_off, mask=omask, other=-1).to(tl.int32)
         native = tl.sum(((forced != -1) & col_ok).to(tl.int32), axis=1) == 0
         ids = forced
         if tl.max((native & row_ok).to(tl.int32), axis=0) > 0:
@@ -306,8 +314,10 @@ def route_kernel(
             row_ok,
         )
 
-    # weights from the logits at the chosen experts (a cached gather), by the method's formula
-    xs = tl.load(logits_ptr + rows64[:, None] * stride_lt + ids, mask=omask, other=0.0).to(tl.float32)
+    # weights from the logits at the chosen experts (a cached gather), by the method's formula; replay
+    # ids outside [0, E) (checked on the device, reported later: CHECK_REPLAY) read nothing
+    gmask = omask & (ids >= 0) & (ids < NG * GS) if HAS_REPLAY else omask
+    xs = tl.load(logits_ptr + rows64[:, None] * stride_lt + ids, mask=gmask, other=0.0).to(tl.float32)
     if WEIGHTS == _W_SOFTMAX_ALL:
         w = tl.exp(xs - row_max[:, None]) / denom[:, None]
     elif WEIGHTS == _W_SOFTMAX_ALL_RENORM:

@@ -86,7 +86,9 @@ def route_weights_grad_kernel(
         d = _scatter(g, onehot)
         gx = probs * (d - tl.sum(d * probs, axis=1)[:, None])
     else:
-        xs = tl.load(x_ptr + rt64[:, None] * stride_x + tl.where(sel_ok, ids, 0), mask=sel_ok, other=0.0)
+        # ids outside [0, E) (bad replay ids, reported by the forward's device check) read nothing
+        in_range = sel_ok & (ids >= 0) & (ids < E)
+        xs = tl.load(x_ptr + rt64[:, None] * stride_x + tl.where(in_range, ids, 0), mask=in_range, other=0.0)
         xs = xs.to(tl.float32)
         if KIND == _W_SOFTMAX_SELECTED:
             z = tl.where(sel_ok, xs, float("-inf"))

@@ -20,6 +20,7 @@ import torch
 from replaymoe.routing.methods import EPS, KERNEL_FLAGS, METHODS, Params, RoutingMethod, weights_torch
 
 from .._launch import cdiv, next_power_of_2
+from ._id_mailbox import mailbox, raise_pending
 
 __all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
 
@@ -46,8 +47,11 @@ def _launch(
     n_group: int,
     topk_group: int,
     scale: float,
+    check_replay: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate the outputs and run the routing kernel once (no validation)."""
+    """Allocate the outputs and run the routing kernel once (no validation). ``check_replay``: the
+    kernel also checks ``replay_ids`` on the device, into the error mailbox (:mod:`._id_mailbox`), after
+    raising the error an earlier call left there."""
     from replaymoe._launch import fast
     from replaymoe.routing._kernel import route_kernel
 
@@ -57,6 +61,12 @@ def _launch(
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=dev)
     if num_tokens == 0:
         return ids, weights
+    check = {}
+    if check_replay and replay_ids is not None:
+        index = max(replay_ids.get_device(), 0)  # -1 on the CPU (Triton's interpreter): index 0's words
+        if replay_ids.is_cuda:
+            raise_pending(index)
+        check = dict(err_ptr=mailbox(index), CHECK_REPLAY=True)
     gs = num_experts // n_group
     ngp, gsp = next_power_of_2(n_group), next_power_of_2(gs)
     block_t, num_warps, algo = _launch_config(ngp * gsp)
@@ -88,6 +98,7 @@ def _launch(
         KEY32=router_logits.dtype != torch.float32 and not flags["BIASED"],
         LOG_EP=(ngp * gsp).bit_length() - 1,
         num_warps=num_warps,
+        **check,
     )
     return ids, weights
 
@@ -98,8 +109,9 @@ _route_op = torch.library.custom_op("replaymoe::route", mutates_args=("routing_r
 
 @_route_op.register_fake
 def _route_op_fake(
-    router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
-):
+    router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale,
+    check_replay=False,
+):  # fmt: skip
     t = router_logits.shape[0]
     return (
         router_logits.new_empty((t, top_k), dtype=torch.int32),
@@ -110,7 +122,7 @@ def _route_op_fake(
 def _op_args(router_logits, bias, replay_ids, routing_replay_out, p: Params) -> tuple:
     """The arguments of :func:`_launch` / ``replaymoe::route`` / :class:`RouteFunction`, in order."""
     return (router_logits, bias, replay_ids, routing_replay_out, p.top_k, int(p.method), p.n_group,
-            p.topk_group, p.scale)  # fmt: skip
+            p.topk_group, p.scale, p.check_replay)  # fmt: skip
 
 
 def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params):
@@ -140,7 +152,9 @@ def weights_backward(
             return torch.ops.replaymoe.route_weights_grad(router_logits, ids, grad_w, kind, float(scale))
         return _grad_launch(router_logits, ids, grad_w, kind, float(scale))
     p = Params(m, ids.shape[1], 1, 1, scale)
-    idl = ids.long()
+    # bad replay ids (checked on the device, reported later) must not index out of the row: clamped,
+    # which leaves valid ids as they are
+    idl = ids.long().clamp(0, router_logits.shape[1] - 1)
     x = router_logits.detach().to(acc)
     if closed is not None:
         return closed(x, idl, grad_w.to(acc), p).to(router_logits.dtype)
@@ -196,9 +210,10 @@ class RouteFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale
-    ):
-        p = Params(RoutingMethod(method), top_k, n_group, topk_group, scale)
+        ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale,
+        check_replay,
+    ):  # fmt: skip
+        p = Params(RoutingMethod(method), top_k, n_group, topk_group, scale, check_replay)
         ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
         ctx.save_for_backward(router_logits, ids)
         ctx.method, ctx.scale = method, scale
@@ -209,7 +224,7 @@ class RouteFunction(torch.autograd.Function):
     def backward(ctx, grad_ids, grad_w):
         router_logits, ids = ctx.saved_tensors
         gx = weights_backward(router_logits, ids, grad_w, ctx.method, ctx.scale)
-        return gx, None, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None, None
 
 
 def route_triton(

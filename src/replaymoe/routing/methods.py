@@ -83,13 +83,15 @@ class RoutingMethod(IntEnum):
 
 
 class Params(NamedTuple):
-    """Validated, normalised routing arguments."""
+    """Validated, normalised routing arguments; ``check_replay``: the replay ids still need their value
+    check, which the backend runs (the routing kernel on the device, the torch path on the host)."""
 
     method: RoutingMethod
     top_k: int
     n_group: int
     topk_group: int
     scale: float
+    check_replay: bool = False
 
 
 def _softmax_at(x32, ids, p):

@@ -1,10 +1,12 @@
-"""fused_moe's device-side check of caller ids, its kernels under Triton's interpreter (CPU).
+"""The device-side checks of caller ids (fused_moe's topk_ids, route's replay_ids), their kernels under
+Triton's interpreter (CPU).
 
 On CUDA the Triton experts check caller ``topk_ids`` inside the kernel that reads them first: the
-layout's scatter (tile mode) or GEMM1's program 0 (direct mode, both GEMM families), writing the first
-bad slot into the pinned error mailbox (``replaymoe.moe._id_mailbox``). On the CPU the public path
-checks on the host instead, so these tests drive the launcher itself with ``id_bound`` set and read
-the mailbox as the host does. The device paths on a GPU: ``tests/test_moe_id_check_gpu.py``.
+layout's scatter (tile mode) or GEMM1's program 0 (direct mode, both GEMM families); the routing kernel
+checks ``replay_ids`` on the tile it loads. Each writes the first bad slot into the pinned error
+mailbox (``replaymoe.routing._id_mailbox``). On the CPU the public paths check on the host instead, so
+these tests drive the launchers themselves with the check on and read the mailbox as the host does.
+The device paths on a GPU: ``tests/test_id_check_gpu.py``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.moe import _id_mailbox
 from replaymoe.moe._forward import ExpertsVariant, _launch
 from replaymoe.moe.configs import MoEConfig
+from replaymoe.routing import _id_mailbox
 
 pytestmark = pytest.mark.interpret
 
@@ -95,3 +97,48 @@ def test_the_bound_is_the_whole_model(config):
     _run([[0, 1, 2], [3, 4, 7], [5, 6, 0]], config, id_bound=5)
     with pytest.raises(ValueError, match=r"expected expert ids in \[0, 5\).*got 7 at row 1, slot 2"):
         _id_mailbox._raise(0, synced=True)
+
+
+# ---------------------------------------------------------------- route's replay_ids (the routing kernel)
+
+_R_RANGE = r"Invalid value of replay_ids: expected expert ids in \[0, 8\) \(or a row of all -1\), got "
+_R_DISTINCT = r"Invalid value of replay_ids: expected distinct expert ids within each row \(-1 aside\), got "
+_R_MIXED = r"replay_ids: expected each row either all -1 \(route natively\) or all valid ids, "
+BAD_REPLAY = [
+    pytest.param([[0, 1, 2], [2, 10**6, 3], [4, 5, 6]], _R_RANGE + r"1000000 at row 1, slot 1 ", id="high"),
+    pytest.param([[0, 1, 2], [2, 3, 4], [5, -3, 6]], _R_RANGE + r"-3 at row 2, slot 1 ", id="negative"),
+    pytest.param([[0, 1, 8], [2, 3, 4], [5, 6, 7]], _R_RANGE + r"8 at row 0, slot 2 ", id="E"),
+    pytest.param([[0, 1, 2], [6, 3, 6], [4, 5, 7]], _R_DISTINCT + r"id 6 again at row 1, slot 2 ", id="dup"),
+    # a -1 beside ids (rows of all -1 are fine: row 0)
+    pytest.param([[-1, -1, -1], [7, -1, 1], [3, 2, 4]], _R_MIXED + r"got -1 at row 1, slot 1 ", id="mixed"),
+]
+
+
+def _route_launch(rows, check=True):
+    from replaymoe.routing._triton import _launch as route_launch
+
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    replay = torch.tensor(rows, dtype=torch.int64)
+    return route_launch(logits, None, replay, None, 3, 0, 1, 1, 1.0, check)
+
+
+@pytest.mark.parametrize("rows,match", BAD_REPLAY)
+def test_bad_replay_ids_leave_their_slot_in_the_mailbox(rows, match):
+    _route_launch(rows)
+    with pytest.raises(ValueError, match=match + r"of an earlier route call"):
+        _id_mailbox._raise(0, synced=True)
+    assert not _id_mailbox.mailbox(0).any()
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [[0, 1, 2], [3, 4, 7], [7, 6, 5]],  # K distinct ids per row
+        [[-1, -1, -1], [7, 0, 2], [-1, -1, -1]],  # whole -1 rows route natively
+    ],
+)
+def test_valid_replay_ids_leave_the_mailbox_empty(rows):
+    ids, weights = _route_launch(rows)
+    assert not _id_mailbox.mailbox(0).any()
+    ref_ids, ref_weights = _route_launch(rows, check=False)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)  # the check changes nothing

@@ -1,15 +1,16 @@
-"""Host side of the device-side caller-id check: the error mailbox and the error it raises.
+"""Host side of the device-side id checks: the error mailbox and the error it raises.
 
-``fused_moe`` checks caller-given ``topk_ids`` on CUDA inside a kernel that reads them anyway
-(:mod:`replaymoe.moe._kernel_ids`): no extra launch, no host synchronization, in eager mode, under
-``torch.compile`` and inside CUDA graphs alike. A bad slot writes one packed word into this module's
-mailbox: two int64 words per device in pinned host memory, which the kernels write through its device
-mapping and the host reads in place (a numpy view: no copy, no sync).
+On CUDA, ``fused_moe``'s caller-given ``topk_ids`` and ``route``'s ``replay_ids`` are checked inside a
+kernel that reads them anyway (:mod:`replaymoe.routing._kernel_ids`): no extra launch, no host
+synchronization, in eager mode, under ``torch.compile`` and inside CUDA graphs alike. A bad slot writes
+one packed word into this module's mailbox: two int64 words per device in pinned host memory, which the
+kernels write through its device mapping and the host reads in place (a numpy view: no copy, no sync).
 
-The error therefore comes one call late: the host reads the mailbox when the next checked
-``fused_moe`` call on that device starts, and raises there, once the device has run the bad call;
-:func:`raise_id_errors` waits for the device and raises at once (tests, the end of a step). A CUDA
-graph's replays write the mailbox too; nothing is raised while a graph is being captured.
+The error therefore comes one call late: the host reads the mailbox when the next checked call on that
+device starts (``fused_moe`` with caller ids, ``route`` with replay ids), and raises there, once the
+device has run the bad call; :func:`raise_id_errors` waits for the device and raises at once (tests, the
+end of a step). A CUDA graph's replays write the mailbox too; nothing is raised while a graph is being
+captured.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from .._validation import fail, is_capturing
-from ._kernel_ids import KIND_SHIFT, PRESENT, ROW_SHIFT, SLOT_SHIFT
+from ._kernel_ids import ARG_SHIFT, KIND_SHIFT, PRESENT, ROW_SHIFT, SLOT_SHIFT
 
 __all__ = ["mailbox", "raise_pending", "raise_id_errors"]
 
@@ -52,17 +53,18 @@ def raise_pending(index: int) -> None:
 
 
 def raise_id_errors(device: torch.device | str | int | None = None) -> None:
-    """Wait for ``device`` (default: the current CUDA device) and raise the id error of any
-    ``fused_moe`` call that ran there with bad caller ``topk_ids``; a no-op without CUDA.
+    """Wait for ``device`` (default: the current CUDA device) and raise the id error of any call that
+    ran there with bad caller ids (``fused_moe``'s ``topk_ids``, ``route``'s ``replay_ids``); a no-op
+    without CUDA.
 
-    ``fused_moe`` checks caller ids on the device, without a host sync, and raises at its next call on
-    the same device; call this where the error must surface at once (after the last call of a step, in
-    tests).
+    On CUDA those ids are checked on the device, without a host sync, and the error comes at the next
+    checked call on the same device; call this where it must surface at once (after the last call of
+    a step, in tests).
 
     Raises
     ------
     ValueError
-        Naming ``topk_ids``, the rule broken, the row, the slot and the id.
+        Naming the argument, the rule broken, the row, the slot and the id.
     """
     if not torch.cuda.is_available() or _words is None:
         return
@@ -85,16 +87,21 @@ def _raise(index: int, synced: bool) -> None:
     word, bound = int(_words[2 * index]), int(_words[2 * index + 1])
     _words[2 * index : 2 * index + 2] = 0
     row = (word & ~PRESENT.value) >> ROW_SHIFT.value
-    duplicate = (word >> KIND_SHIFT.value) & 1
-    slot = (word >> SLOT_SHIFT.value) & 0x7F
+    replay = (word >> ARG_SHIFT.value) & 1
+    kind = (word >> KIND_SHIFT.value) & 3
+    slot = (word >> SLOT_SHIFT.value) & 0x3F
     value = (word & 0xFFFFFFFF) - (1 << 31)
+    name = "replay_ids" if replay else "topk_ids"
     where = (
-        f"row {row}, slot {slot} of an earlier fused_moe call on cuda:{index} (caller ids are checked on "
-        "the device without a host sync: the error comes at the next call, or at "
-        "replaymoe.moe.raise_id_errors())"
+        f"row {row}, slot {slot} of an earlier {'route' if replay else 'fused_moe'} call on cuda:{index} "
+        f"({name} is checked on the device without a host sync: the error comes at the next checked call, "
+        "or at replaymoe.moe.raise_id_errors())"
     )
-    if duplicate:
-        fail("topk_ids", "distinct expert ids within each row (-1 aside)", f"id {value} again at {where}")
+    if kind == 1:
+        fail(name, "distinct expert ids within each row (-1 aside)", f"id {value} again at {where}")
+    if kind == 2:
+        fail(name, "each row either all -1 (route natively) or all valid ids", f"-1 at {where}")
     # the word holds the id clamped to int32
     shown = f">= {value}" if value == 2**31 - 1 else f"<= {value}" if value == -(2**31) else str(value)
-    fail("topk_ids", f"expert ids in [0, {bound}) (or -1: a slot with no expert)", f"{shown} at {where}")
+    spare = "or a row of all -1" if replay else "or -1: a slot with no expert"
+    fail(name, f"expert ids in [0, {bound}) ({spare})", f"{shown} at {where}")

@@ -1,12 +1,13 @@
-"""fused_moe's device-side check of caller ``topk_ids`` on the GPU: every kernel family that reads the
-ids first (bf16 direct and tile modes, fp8 swapped and tile, the training forward), eager, CUDA graphs
-and ``torch.compile``, without a host sync.
+"""The device-side checks of caller ids on the GPU: fused_moe's ``topk_ids`` in every kernel family
+that reads them first (bf16 direct and tile modes, fp8 swapped and tile, the training forward) and
+route's ``replay_ids`` in the routing kernel (and its backward, which must not read out of the row),
+eager, CUDA graphs and ``torch.compile``, without a host sync.
 
 A bad id writes the mailbox during the call; the ValueError comes at the next checked call on the
 device, or at ``replaymoe.moe.raise_id_errors()``. The kernels' arithmetic under the interpreter:
-``tests/test_moe_id_check.py``.
+``tests/test_id_check.py``.
 
-Run with ``PYTHONPATH=src python3 -m pytest -m gpu tests/test_moe_id_check_gpu.py``.
+Run with ``PYTHONPATH=src python3 -m pytest -m gpu tests/test_id_check_gpu.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.moe import _id_mailbox, fused_moe, raise_id_errors
+from replaymoe.moe import fused_moe, raise_id_errors
+from replaymoe.routing import _id_mailbox
 
 pytestmark = pytest.mark.gpu
 
@@ -184,3 +186,73 @@ def test_route_ids_skip_the_check():
     assert p[1] == 0
     assert _validate.topk_ids_for_kernels(ids.clone(), E, True, on_device=True)[1] == E
     assert _id_mailbox.mailbox(0).is_pinned()
+
+
+# ---------------------------------------------------------------- route's replay_ids (the routing kernel)
+
+_R_RANGE = r"replay_ids: expected expert ids in \[0, 16\) \(or a row of all -1\), got "
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ((1, 2, 99), _R_RANGE + r"99 at row 1, slot 2 of an earlier route call"),
+        ((1, 2, -1), r"replay_ids: expected each row either all -1 .* got -1 at row 1, slot 2 "),
+        ("dup", r"replay_ids: expected distinct expert ids .* got id \d+ again at row 1, slot 1 "),
+    ],
+    ids=["high", "mixed", "duplicate"],
+)
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_bad_replay_ids_raise_at_the_next_route(bad, match, grad):
+    from replaymoe import route
+
+    logits = torch.randn(5, E, device="cuda", requires_grad=grad)
+    _, ids, _ = _inputs(5, 8)
+    replay = ids.clone()
+    if bad == "dup":
+        replay[1, 1] = replay[1, 0]
+    else:
+        replay[bad[0], bad[1]] = bad[2]
+    out = route(logits, K, replay_ids=replay)  # no error here: nothing waits for the GPU
+    if grad:
+        out.topk_weights.sum().backward()  # bad ids read nothing out of the row in the backward either
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=match):
+        route(logits, K, replay_ids=ids)
+    good = route(logits, K, replay_ids=ids)
+    assert torch.equal(good.topk_ids, ids)
+    # through fused_moe (routing inside), too
+    x, _, _ = _inputs(5, 256)
+    w13, w2, _ = _weights(256, 256, False)
+    fused_moe(x, w13, w2, router_logits=logits.detach(), top_k=K, replay_ids=replay)
+    with pytest.raises(ValueError, match=match.replace("route call", "(route|fused_moe) call")):
+        raise_id_errors()
+
+
+def test_replay_ids_on_the_torch_backend_raise_at_once():
+    # the torch path checks on the host, at the call
+    from replaymoe import route
+
+    logits = torch.randn(3, E, device="cuda")
+    replay = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 99], [7, 8, 9, 10]], device="cuda")
+    with pytest.raises(ValueError, match=r"replay_ids: expected expert ids in \[0, 16\).*row 1 = "):
+        route(logits, K, replay_ids=replay, backend="torch")
+    raise_id_errors()
+
+
+def test_valid_replay_ids_no_host_sync():
+    from replaymoe import route
+
+    logits = torch.randn(4, E, device="cuda")
+    _, ids, _ = _inputs(4, 8)
+    ids[2] = -1  # a native row
+    ref = route(logits, K, replay_ids=ids, check_replay=False)
+    route(logits, K, replay_ids=ids)  # compile the checking variant first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = route(logits, K, replay_ids=ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.topk_ids, ref.topk_ids) and torch.equal(out.topk_weights, ref.topk_weights)
+    raise_id_errors()
