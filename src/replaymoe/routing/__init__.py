@@ -289,15 +289,20 @@ def route(
         contiguous, e.g. ``trace_ids[:, layer]``): selection is skipped and the weights
         are recomputed from the logits over these ids (in this column order). A row of all -1
         is routed natively. Any other id outside ``[0, E)``, a row mixing -1 with ids, or a
-        repeated id in a row raises ValueError (checked except during CUDA-graph capture).
+        repeated id in a row raises ValueError (see ``check_replay``).
     backend : {"auto", "triton", "torch"}
         ``auto``: the Triton kernel on CUDA tensors (up to 4096 experts), the torch reference
         otherwise. ``triton`` on CPU tensors needs the process started with ``TRITON_INTERPRET=1``.
     check_replay : bool
-        Check the values of ``replay_ids`` (one host sync per call eagerly; an op in the graph
-        under ``torch.compile``). Pass False only for ids already checked once with
-        :func:`check_replay_ids` (e.g. a replay table built from validated traces), so that a
-        forward replaying them pays no sync.
+        Check the values of ``replay_ids``. On CUDA with the Triton kernel: on the device, by the
+        routing kernel itself (no launch, no host sync; eager, compiled and CUDA-graph calls alike);
+        the ValueError comes at the next checked call on the device (``route`` with replay ids,
+        ``fused_moe`` with caller ids), or at once from :func:`raise_id_errors`, and this call's
+        output for a bad row is unspecified (nothing is read outside the row). Elsewhere (the CPU,
+        the torch backend) on the host: one host sync per call eagerly on a GPU, an op in the graph
+        under ``torch.compile``, skipped during CUDA-graph capture. Pass False only for ids already
+        checked once with :func:`check_replay_ids` (e.g. a replay table built from validated
+        traces).
 
     Returns
     -------
