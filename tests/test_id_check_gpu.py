@@ -178,13 +178,11 @@ def test_route_ids_skip_the_check():
     # route()'s own output is marked valid: no id_bound, so the kernels check nothing (and a mailbox
     # word left by another call is not read either)
     from replaymoe import route
-    from replaymoe.moe import _validate
+    from replaymoe.routing._checks import topk_ids_for_kernels
 
-    x, _, _ = _inputs(3, 256)
     ids, wts = route(torch.randn(3, E, device="cuda"), K)
-    p = _validate.topk_ids_for_kernels(ids, E, True, on_device=True)
-    assert p[1] == 0
-    assert _validate.topk_ids_for_kernels(ids.clone(), E, True, on_device=True)[1] == E
+    assert topk_ids_for_kernels(ids, E, True, on_device=True)[1] == 0
+    assert topk_ids_for_kernels(ids.clone(), E, True, on_device=True)[1] == E
     assert _id_mailbox.mailbox(0).is_pinned()
 
 

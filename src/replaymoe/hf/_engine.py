@@ -37,7 +37,14 @@ from .recompute import MISSING, RecomputeBindings
 from .state import ReplayTable, TraceMeta
 from .step import DecodeChain, Step, StepBuffers
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "enabled_handle"]
+
+_HANDLE = "_replaymoe"  # the model's attribute that holds its handle while replaymoe is enabled on it
+
+
+def enabled_handle(model: nn.Module) -> Optional[object]:
+    """The handle of the session enabled on ``model`` (``model._replaymoe``), or None."""
+    return getattr(model, _HANDLE, None)
 
 
 class Engine:
@@ -90,10 +97,12 @@ class Engine:
         self.patch: Optional[ModelPatch] = None
 
     def install(self, owner: object, *, experts: bool, graphs: bool, keep_static_cache: bool) -> None:
-        """Patch the model (:class:`~replaymoe.hf._patching.ModelPatch`); ``owner``: the handle."""
+        """Patch the model (:class:`~replaymoe.hf._patching.ModelPatch`); ``owner``: the handle, which
+        the model then holds (:func:`enabled_handle`) until :meth:`disable`."""
         self.patch = ModelPatch(
             self, owner, experts=experts, graphs=graphs, keep_static_cache=keep_static_cache
         )
+        setattr(self.model, _HANDLE, owner)
 
     def device(self) -> torch.device:
         return model_device(self.model)
@@ -120,7 +129,7 @@ class Engine:
         self.replay.used.clear()
         self.patch.remove()
         self.step_buffers.clear()
-        self.model._replaymoe = None
+        setattr(self.model, _HANDLE, None)
         self.step = None
 
     # ---------------------------------------------------------------- capture
@@ -348,5 +357,5 @@ class Engine:
                 self.capture.harvest(3)
             self.capture.allocate(device)
         rep = self.replay.table
-        if rep is not None and rep.source is not None and rep.table.device != device:
+        if rep is not None and rep.source is not None and rep.device != device:
             rep.load(*rep.source, device)

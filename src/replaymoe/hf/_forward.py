@@ -70,11 +70,9 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
                 f"{replay.batch_size} trace(s)",
             )
         forced_out = buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
-        if content:
-            tokens = input_ids.to(device=ref.device, dtype=torch.int64)
-            forced = replay.gather_by_content(tokens, positions, out=forced_out)
-        elif not fused:
-            forced = replay.gather(positions, out=forced_out)
+        if not fused:  # the table's torch gathers (the fused launch asks the table below, in step_rows)
+            matched = input_ids.to(device=ref.device, dtype=torch.int64) if content else None
+            forced = replay.lookup(positions, tokens=matched, out=forced_out)
     if capturing:
         cap = engine.capture.buffer
         needed = positions_bound(cache, past, S) if eager else None

@@ -20,7 +20,7 @@ from torch import nn
 from .aux_loss import install as install_aux_loss
 from .aux_loss import target_modules
 from .discovery import MoELayerInfo
-from .experts import IMPLEMENTATION_NAME, fused_compatible, register
+from .experts import IMPLEMENTATION_NAME, fused_compatible, register, set_backend
 from .graphs import BlockGraphs
 from .patches import block_forward, mark_batch_start, refuse_paged, router_forward
 from .recompute import find_in_checkpoint, unwrap_checkpoint
@@ -95,7 +95,7 @@ class ModelPatch:
         for info in self.layers:
             fused = switch and fused_compatible(info.experts)
             info.router.forward = types.MethodType(router_forward(engine, info, fused), info.router)
-            info.experts._replaymoe_backend = engine.backend
+            set_backend(info.experts, engine.backend)
             for module, is_block in ((self.decoder_layer(info), False), (info.block, True)):
                 if module is not None:
                     hook = module.register_forward_pre_hook(
@@ -155,7 +155,7 @@ class ModelPatch:
                 unwrap_checkpoint(layer)
         for info in self.layers:
             info.router.__dict__.pop("forward", None)
-            info.experts.__dict__.pop("_replaymoe_backend", None)
+            set_backend(info.experts, None)
             if info.block is not None:
                 info.block.__dict__.pop("forward", None)
         for block_graphs in self.block_graphs:

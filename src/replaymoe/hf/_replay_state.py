@@ -135,7 +135,7 @@ class ReplayState:
             table.count_uncovered(step.forced, positions, by_content=by_content)
         if torch.compiler.is_compiling() or is_capturing():
             return
-        if table.uncovered.is_cuda:
+        if table.device.type == "cuda":
             table.snapshot_uncovered()
         else:  # host memory: reading it waits for nothing, so this forward raises itself
             table.check_uncovered(self.layer_names(), block=True)

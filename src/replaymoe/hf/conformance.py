@@ -72,6 +72,7 @@ from replaymoe.record.route_check import (
 )
 from replaymoe.routing.methods import METHODS, Params, selection_scores
 
+from ._engine import enabled_handle
 from .discovery import MoELayerInfo
 from .session import enable
 
@@ -504,7 +505,7 @@ def check_routes(
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= high:
             fail(name, want, v)
     check_int("min_constant_rows", min_constant_rows, low=2)
-    if getattr(model, "_replaymoe", None) is not None:
+    if enabled_handle(model) is not None:
         fail("model", "a model without replaymoe enabled (call .disable() first)", "already enabled")
     lay = model_layout(model)
     if num_experts is not None and num_experts != lay.num_experts:

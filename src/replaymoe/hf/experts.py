@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["IMPLEMENTATION_NAME", "fused_compatible", "register", "replaymoe_experts_forward"]
+__all__ = ["IMPLEMENTATION_NAME", "fused_compatible", "register", "replaymoe_experts_forward", "set_backend"]
 
 IMPLEMENTATION_NAME = "replaymoe"
+_BACKEND = "_replaymoe_backend"  # where set_backend keeps an experts module's backend (its __dict__)
 
 
 def _default_apply_gate() -> Callable:
@@ -156,7 +157,7 @@ def replaymoe_experts_forward(
         (gpt-oss: ``Σ_k w_k · (down_e(act(gate_up_e(x) + b)) + b_down)`` with its clamped SwiGLU).
 
     Fused-compatible experts run :func:`replaymoe.moe.fused_moe` (backend from
-    ``self._replaymoe_backend``, default ``"auto"``; fp32 weights on CUDA take the torch
+    :func:`set_backend`, default ``"auto"``; fp32 weights on CUDA take the torch
     reference, the kernels being bf16/fp16), with or without a gradient; gpt-oss's experts too,
     with its transposed weights as views, its biases, ``gate_up_layout="interleaved"`` and
     ``ClampedSwiGLU(self.alpha, self.limit)``. Other layouts (biased or transposed other than
@@ -178,7 +179,7 @@ def replaymoe_experts_forward(
     else:
         w13, w2 = self.gate_up_proj, self.down_proj
         extra = {}
-    backend = self.__dict__.get("_replaymoe_backend", "auto")
+    backend = self.__dict__.get(_BACKEND, "auto")
     if backend == "auto" and w13.is_cuda and w13.dtype == torch.float32:
         backend = "torch"  # the kernels take bf16/fp16
     ids = top_k_index if top_k_index.dtype == torch.int32 else top_k_index.to(torch.int32)
@@ -191,6 +192,15 @@ def replaymoe_experts_forward(
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
     out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend, check_ids=False, **extra)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+def set_backend(experts: nn.Module, backend: str | None) -> None:
+    """The backend :func:`replaymoe_experts_forward` runs ``experts`` with (a session's ``backend``);
+    None: back to the default, ``"auto"``."""
+    if backend is None:
+        experts.__dict__.pop(_BACKEND, None)
+    else:
+        experts.__dict__[_BACKEND] = backend
 
 
 def register() -> None:

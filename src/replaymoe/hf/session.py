@@ -17,7 +17,7 @@ from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, check_int, fail
 from replaymoe.record.trace import RoutingFingerprint
 
-from ._engine import Engine
+from ._engine import Engine, enabled_handle
 from .discovery import find_moe_layers
 from .state import TraceMeta
 
@@ -64,7 +64,7 @@ class ReplayMoE:
         check_bool("keep_static_cache", keep_static_cache)
         check_int("max_batch_size", max_batch_size, low=1)
         check_int("max_positions", max_positions, low=1)
-        if getattr(model, "_replaymoe", None) is not None:
+        if enabled_handle(model) is not None:
             fail("model", "a model without replaymoe enabled (call .disable() first)", "already enabled")
         self.model = model
         self.graphs = graphs
@@ -86,7 +86,6 @@ class ReplayMoE:
         )
         self._engine.install(self, experts=experts, graphs=graphs, keep_static_cache=keep_static_cache)
         self._block_graphs = self._engine.patch.block_graphs  # (read by replaymoe.bench.hf)
-        model._replaymoe = self
 
     @property
     def backend(self) -> str:

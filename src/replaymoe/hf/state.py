@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from replaymoe._validation import fail
-from replaymoe.record.replay import ReplayTable, _static, prefix_hashes, prefix_hashes_np
+from replaymoe.record.replay import ReplayTable, prefix_hashes, prefix_hashes_np
 from replaymoe.record.trace import RoutingTrace
 
 from .._launch import next_power_of_2
@@ -27,6 +27,13 @@ from .._launch import next_power_of_2
 # ReplayTable and the prefix hashes live in replaymoe.record.replay (one replay table: ReplaySource uses it
 # too); they stay importable from here
 __all__ = ["CaptureBuffer", "ReplayTable", "TraceMeta", "prefix_hashes", "prefix_hashes_np"]
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Mark a long-lived buffer as a static input of compiled graphs (no copy into CUDA graphs), as
+    :class:`ReplayTable` marks its own."""
+    torch._dynamo.mark_static_address(t)
+    return t
 
 
 @dataclass(frozen=True)

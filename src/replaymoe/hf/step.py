@@ -4,6 +4,7 @@ slabs of forwards whose MoE blocks replay CUDA graphs (:class:`StepBuffers`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from replaymoe._backend import INTERPRET
 from replaymoe._launch import fast
 from replaymoe.hf._kernel_step_rows import decode_rows_kernel, step_rows_kernel
+from replaymoe.record.replay import ReplayTable
 
 from .._launch import next_power_of_2
 
@@ -131,7 +133,8 @@ def step_rows(
     replay : ReplayTable, optional
         Gives the forced ids ``int32 [L, B*S, K]`` (into ``forced_out`` when given) and counts
         ``seen`` / ``fallback`` / ``uncovered`` (:meth:`ReplayTable.count_uncovered`'s counts, by batch
-        row).
+        row): the launch is the producer that :meth:`ReplayTable.lookup` picks, reading the table
+        through :meth:`ReplayTable.kernel_args`.
     slot_out : torch.Tensor, optional
         ``int64 [B*S]`` for the capture rows (not the pending commit's slots: they are read here).
     next_pos_out : torch.Tensor, optional
@@ -142,37 +145,59 @@ def step_rows(
     -------
     (slot or None, forced or None)
     """
-    B, P = attention_mask.shape
-    T = B * seq_len
+    T = attention_mask.shape[0] * seq_len
     dev = attention_mask.device
-    slot = forced = pending = None
+    slot = pending = None
     if capture is not None:
         slot = slot_out if slot_out is not None else torch.empty(T, dtype=torch.int64, device=dev)
         pending = capture.take_pending()
         assert pending is None or pending[1] is not slot, "the pending slots are read by this launch"
-    if replay is not None:
-        L, R, K = replay.table.shape
+    launch = partial(_launch_step_rows, attention_mask, seq_len, past, capture, slot, pending, next_pos_out)
+    if replay is None:
+        launch(None, None)
+        return slot, None
+    return slot, replay.lookup(kernel=launch, out=forced_out)  # the table's producer: this launch
+
+
+def _launch_step_rows(
+    attention_mask: torch.Tensor,
+    seq_len: int,
+    past: int,
+    capture: Any,
+    slot: Optional[torch.Tensor],
+    pending: Optional[tuple],
+    next_pos_out: Optional[torch.Tensor],
+    rows: Optional[ReplayTable.KernelArgs],
+    forced_out: Optional[torch.Tensor],
+) -> Optional[torch.Tensor]:
+    """:func:`step_rows`'s launch, with the replay table's ``rows`` (:meth:`ReplayTable.kernel_args`)
+    or None; returns the forced ids (``forced_out`` when given) or None without ``rows``."""
+    B, P = attention_mask.shape
+    T = B * seq_len
+    dev = attention_mask.device
+    forced = None
+    if rows is not None:
+        L, K = rows.num_layers, rows.top_k
         forced = (
             forced_out if forced_out is not None else torch.empty((L, T, K), dtype=torch.int32, device=dev)
         )
     else:
-        L, R, K = 0, 1, 1
+        L, K = 0, 1
     if T == 0:
         if pending is not None:
             capture.pending = pending
             capture.flush()
-        return slot, forced
+        return forced
     if pending is not None:
         L, _, K = pending[0].shape  # the capture's layers (replay's, when both are on: the same)
     d = attention_mask  # stands in for the pointers of the parts that are off
-    cap, rep, pend = capture is not None, replay is not None, pending is not None
+    cap, rep, pend = capture is not None, rows is not None, pending is not None
+    table, counters = (rows[:6], rows[6:9]) if rows is not None else ((d, K, 0, d, d, d), (d, d, d))
     args = (  # in the kernel's order
         attention_mask, attention_mask.stride(0), P, seq_len, past + seq_len - P,
         slot if cap else d, capture.seq_cap if cap else 1, capture.batch_cap * capture.seq_cap if cap else 0,
         capture.overflow_i8 if cap else d,
-        replay.table if rep else d, R * K, R - 1, replay.offsets if rep else d, replay.ends if rep else d,
-        replay.shift if rep else d, d if forced is None else forced, T * K, replay.seen if rep else d,
-        replay.fallback if rep else d, replay.uncovered if rep else d, L,
+        *table, d if forced is None else forced, T * K, *counters, L,
         pending[0] if pend else d, pending[1] if pend else d, pending[1].shape[0] if pend else 0,
         capture.ids if pend else d, capture.ids.stride(0) if pend else 0,
     )  # fmt: skip
@@ -184,7 +209,7 @@ def step_rows(
         _STEP_ROWS.launch_fixed((dev.index, attention_mask.dtype, K, cap, rep, pend, nxt), (B,), args, consts)
     else:
         _STEP_ROWS[(B,)](*args, **consts)
-    return slot, forced
+    return forced
 
 
 _STEP_ROWS = fast(step_rows_kernel)
@@ -205,21 +230,27 @@ class DecodeHead:
     __slots__ = ("args", "consts", "grid", "key", "slot", "fixed")
 
     def __init__(self, next_pos, slot, staged, capture=None, replay=None, forced=None) -> None:
-        B = next_pos.shape[0]
         self.slot = slot
+        if replay is None:
+            self._bind(next_pos, staged, capture, None, None)
+        else:  # the table's producer of this step's ids: this head, which writes ``forced`` at its launch
+            replay.lookup(kernel=partial(self._bind, next_pos, staged, capture), out=forced)
+
+    def _bind(self, next_pos, staged, capture, rows: Optional[ReplayTable.KernelArgs], forced):
+        """The launch's arguments, with the replay table's ``rows`` (:meth:`ReplayTable.kernel_args`)
+        or None; returns ``forced`` (written when the head launches)."""
+        B = next_pos.shape[0]
         d = next_pos  # stands in for the pointers of the parts that are off
-        cap, rep = capture is not None, replay is not None
-        if rep:
-            L, R, K = replay.table.shape
+        cap, rep = capture is not None, rows is not None
+        if rows is not None:
+            L, K = rows.num_layers, rows.top_k
         else:
             L, _, K = staged.shape
+        table, counters = (rows[:6], rows[6:9]) if rows is not None else ((d, 0, 0, d, d, d), (d, d, d))
         self.args = (  # in the kernel's order
-            next_pos, slot if cap else d, capture.seq_cap if cap else 1,
+            next_pos, self.slot if cap else d, capture.seq_cap if cap else 1,
             capture.batch_cap * capture.seq_cap if cap else 0, capture.overflow_i8 if cap else d,
-            replay.table if rep else d, R * K if rep else 0, R - 1 if rep else 0,
-            replay.offsets if rep else d, replay.ends if rep else d, replay.shift if rep else d,
-            forced if rep else d, B * K, replay.seen if rep else d, replay.fallback if rep else d,
-            replay.uncovered if rep else d, L,
+            *table, forced if rep else d, B * K, *counters, L,
             staged if cap else d, capture.ids if cap else d, capture.ids.stride(0) if cap else 0,
         )  # fmt: skip
         self.consts = dict(K=K, KP=next_power_of_2(K), CAPTURE=cap, REPLAY=rep, PENDING=cap)
@@ -232,6 +263,7 @@ class DecodeHead:
         )
         ints = [a for a in self.args if isinstance(a, int)]
         self.fixed = max(ints) < 2**31 and min(ints) >= -(2**31)  # the int32 variant (launch_fixed's key)
+        return forced
 
     def launch(self) -> None:
         c = self.consts
@@ -297,8 +329,7 @@ class DecodeChain:
         next_pos = self.buffers.vector("next_pos", B, torch.int64, device)
         src = (  # everything the head's arguments hold (a reloaded pooled replay table replaces its tensors)
             capture, None if capture is None else capture.ids, staged, forced, slot, next_pos, replay,
-            *((replay.table, replay.offsets, replay.ends, replay.shift, replay.seen, replay.fallback,
-               replay.uncovered) if replay is not None else ()),
+            *(replay.kernel_args().tensors() if replay is not None else ()),
         )  # fmt: skip
         old = self._head_src
         if self._head is None or old is None or any(x is not y for x, y in zip(src, old)):

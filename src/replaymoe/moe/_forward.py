@@ -209,7 +209,7 @@ def _launch(
     T, H = x.shape
     if T == 0:
         return
-    id_check = _id_check(topk_ids, v.id_bound)
+    check = _id_check(topk_ids, v.id_bound) if v.id_bound else None
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741
@@ -240,7 +240,7 @@ def _launch(
             xq_xs = _x_buffers(x)
             quant = (x, *xq_xs)
         lay = expert_layout_unchecked(
-            ids, E_local, c.block_m, offset, 1, layout_out is not None, quant, id_check=id_check
+            ids, E_local, c.block_m, offset, 1, layout_out is not None, quant, id_check=check
         )
         if layout_out is not None:
             layout_out.append(lay)
@@ -249,9 +249,9 @@ def _launch(
         rows = max(lay.sorted_slots.shape[0], 1)
     if _swap_ab(c, fp8):
         tiles = None if c.direct else lay
-        check = id_check if c.direct else None  # tile mode: the layout checked them
+        direct_check = check if c.direct else None  # tile mode: the layout checked them
         _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c, tiles, xq_xs,
-                            check)  # fmt: skip
+                            direct_check)  # fmt: skip
         return
     # GEMM1 on 128-column blocks writes e4m3 SwiGLU rows + per-128 scales (both modes), so GEMM2 does not
     # quantize its activation tiles again in every N-block program (the same bits)
@@ -288,7 +288,7 @@ def _launch(
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
         PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
         num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl, cnt_ptr=cnt, num_cnt_n=n_cnt, TICKET=ticket,
-        MERGE=merge, SCAN=scan, **_direct_check_args(c, id_check),
+        MERGE=merge, SCAN=scan, **(check if check is not None and c.direct else _NO_CHECK),
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * cdiv(H, c.block_n2),)
@@ -311,22 +311,22 @@ def _launch(
         _reduce_slots(y, ids, out, offset, E_local, pdl)
 
 
-def _id_check(ids: torch.Tensor, id_bound: int) -> tuple[torch.Tensor, int] | None:
-    """(mailbox, id_bound) for a launch that checks the caller's ids on the device, or None (ids known
-    valid). Raises the error an earlier call left in the device's mailbox first."""
-    if not id_bound:
-        return None
-    index = max(ids.get_device(), 0)  # -1 on the CPU (Triton's interpreter): the mailbox of index 0
-    if ids.is_cuda:
+_CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (device index, id_bound) -> the kernels' check arguments
+_NO_CHECK: dict = {}
+
+
+def _id_check(ids: torch.Tensor, id_bound: int) -> dict:
+    """The kernels' keyword arguments for the device-side check of the caller's ids against
+    ``[-1, id_bound)`` (``err_ptr``: the device's mailbox, ``id_bound``, ``CHECK_IDS``; one dict per
+    device and bound, built once), after raising the error an earlier call left in the mailbox."""
+    index = ids.get_device()  # -1 on the CPU (Triton's interpreter): the mailbox of index 0
+    if index >= 0:
         raise_pending(index)
-    return mailbox(index), id_bound
-
-
-def _direct_check_args(c: MoEConfig, id_check: tuple[torch.Tensor, int] | None) -> dict:
-    """GEMM1's keyword arguments for the id check of direct mode (tile mode: the layout checks)."""
-    if id_check is None or not c.direct:
-        return {}
-    return dict(err_ptr=id_check[0], id_bound=id_check[1], CHECK_IDS=True)
+    args = _CHECK_ARGS.get((index, id_bound))
+    if args is None:
+        box = mailbox(max(index, 0))
+        args = _CHECK_ARGS[(index, id_bound)] = dict(err_ptr=box, id_bound=id_bound, CHECK_IDS=True)
+    return args
 
 
 def _scan_width(slots: int) -> int:
@@ -388,7 +388,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit stride along K);
     ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`_launch` (None in direct mode);
     ``xq_xs``: x already quantized (tile mode: by the layout's launch), else quantized here; ``id_check``:
-    direct mode's (mailbox, id_bound) for GEMM1's device-side id check (:func:`_id_check`)."""
+    direct mode's keyword arguments for GEMM1's device-side id check (:func:`_id_check`)."""
     from ._kernel_swapped import moe_gemm1_swapped_fp8_kernel, moe_gemm2_swapped_fp8_kernel
 
     T, H = x.shape
@@ -417,7 +417,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), inter.stride(0), DIRECT=c.direct, PREQ=preq, BLOCK_N=c.block_n1, BLOCK_K=128,
         TN=tn, GROUP_M=c.group_m, num_warps=c.warps1, num_stages=c.stages1, cnt_ptr=cnt, num_cnt_n=n_cnt,
-        TICKET=ticket, MERGE=merge, SCAN=scan, **_direct_check_args(c, id_check),
+        TICKET=ticket, MERGE=merge, SCAN=scan, **(id_check or _NO_CHECK),
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     fast(moe_gemm2_swapped_fp8_kernel)[(num_pid_m * cdiv(H, c.block_n2),)](

@@ -221,7 +221,7 @@ def expert_layout_unchecked(
     with_compact: bool = False,
     quant_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
-    id_check: tuple[torch.Tensor, int] | None = None,
+    id_check: dict | None = None,
 ) -> ExpertLayout:
     """:func:`expert_layout` without its argument checks, for callers inside the library whose
     public entry point validated the ids already (host work per call matters at decode sizes).
@@ -230,8 +230,10 @@ def expert_layout_unchecked(
     same launch also quantizes x per 1×128 group into xq and xs (the fp8 experts' input; one launch
     fewer than a separate quantization).
 
-    ``id_check`` = (the error mailbox, E): the scatter launch also checks the caller's ids against
-    ``[-1, E)`` and for duplicates within a row, on the device (:mod:`replaymoe.routing._id_mailbox`)."""
+    ``id_check`` = the check's keyword arguments (``err_ptr``: the error mailbox, ``id_bound``: E,
+    ``CHECK_IDS``; ``replaymoe.moe._forward._id_check``): the scatter launch also checks the caller's
+    ids against ``[-1, E)`` and for duplicates within a row, on the device
+    (:mod:`replaymoe.routing._id_mailbox`)."""
     from .._launch import fast
     from ._kernel_layout import layout_hist_kernel, layout_scatter_kernel
 
@@ -280,9 +282,7 @@ def expert_layout_unchecked(
         grid += x.shape[0] * cdiv(n_groups, 8)
         quant_args = dict(layout_grid=plan.grid, x_ptr=x, xq_ptr=xq, xs_ptr=xs, n_groups=n_groups,
                           stride_xm=x.stride(0), QUANT=True, QG=8)  # fmt: skip
-    check_args = {}
-    if id_check is not None:
-        check_args = dict(top_k=K, err_ptr=id_check[0], id_bound=id_check[1], CHECK_IDS=True)
+    check_args = {} if id_check is None else {"top_k": K, **id_check}
     fast(layout_scatter_kernel)[(grid,)](
         topk_ids, hist, base, out.sorted_slots, out.tile_expert, out.tile_row_end, out.expert_offsets,
         out.expert_counts, out.num_tiles, num_slots, local_expert_offset, num_local_experts, plan.num_chunks,

@@ -19,15 +19,18 @@ inside a CUDA graph once :meth:`ReplaySource.prepare` has put the tables on the 
 :class:`ReplayTable` is the one device table behind every replay: ``ReplaySource`` looks its rows up by
 batch row and position, and the transformers integration (:mod:`replaymoe.hf`) by batch row or by
 content (each token's prefix hash: :func:`prefix_hashes`), all layers with one gather per forward.
+Its :meth:`~ReplayTable.lookup` picks the producer of a forward's ids (a torch gather here, or a
+caller's device kernel handed :meth:`~ReplayTable.kernel_args`), so no caller reads the table's layout.
 
-Size: over 600 lines (about 630); the replay table, its content hashes and the source that feeds it per layer
+Size: over 600 lines (about 760); the replay table, its content hashes and the source that feeds it per layer
 are one contract (the rows a source fills are the rows the table serves).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +51,7 @@ __all__ = [
 # "error" raises (the default), "native" routes it natively and counts it in the report
 MISSING_MODES = ("error", "native")
 _NO_KEY = (1 << 63) - 1  # ReplayTable.uncovered's last entry while no uncovered lookup was counted
+_HASHES_KEY = "_replaymoe_prefix_hashes"  # where _trace_hashes keeps a trace's hashes (its __dict__)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -89,12 +93,16 @@ def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
 
 
 def _trace_hashes(trace: RoutingTrace) -> np.ndarray:
-    """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept on the trace)."""
-    cached = getattr(trace, "_replaymoe_prefix_hashes", None)
-    if cached is not None and cached[0] is trace.token_ids:
+    """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept in the trace's
+    ``__dict__``, with the token array it was computed from). Only traces that carry their tokens
+    come here (:attr:`ReplayTable.by_content`)."""
+    tokens = trace.token_ids
+    assert tokens is not None, "content matching hashes traces that carry their tokens"
+    cached = trace.__dict__.get(_HASHES_KEY)
+    if cached is not None and cached[0] is tokens:
         return cached[1]
-    hashes = prefix_hashes_np(trace.token_ids)
-    trace._replaymoe_prefix_hashes = (trace.token_ids, hashes)
+    hashes = prefix_hashes_np(tokens)
+    trace.__dict__[_HASHES_KEY] = (tokens, hashes)
     return hashes
 
 
@@ -174,8 +182,8 @@ class ReplayReport:
             f"token-layer lookups routed natively (no recorded row: "
             f"{100 * self.fallback_fraction:.2f}%), in {self.layers_with_fallback} of the {L} layers"
         ]
-        worst = np.argsort(-self.fallback_tokens_per_layer, kind="stable")[: min(5, L)]
-        worst = [int(i) for i in worst if self.fallback_tokens_per_layer[i] > 0]
+        order = np.argsort(-self.fallback_tokens_per_layer, kind="stable")[: min(5, L)]
+        worst = [int(i) for i in order if self.fallback_tokens_per_layer[i] > 0]
         if worst:
             lines.append(
                 "  tokens routed natively, by MoE-layer index: "
@@ -197,7 +205,7 @@ class ReplaySource:
 
     def __init__(self, traces: RoutingTrace | Sequence[RoutingTrace]):
         self._single = isinstance(traces, RoutingTrace)
-        tr = [traces] if self._single else list(traces)
+        tr = [traces] if isinstance(traces, RoutingTrace) else list(traces)
         if not tr:
             fail("traces", "at least one RoutingTrace", "an empty sequence")
         for i, t in enumerate(tr):
@@ -332,6 +340,12 @@ class ReplaySource:
 class ReplayTable:
     """Recorded ids of a batch of sequences as one device table, gathered once per forward.
 
+    A forward's replay ids come from :meth:`lookup`, which picks their producer: the torch gathers here
+    (by batch row, :meth:`gather`; by content, :meth:`gather_by_content`) or a device kernel that
+    derives each token's position itself and reads the table through :meth:`kernel_args` (the
+    transformers integration's step bookkeeping kernels, ``hf/_kernel_step_rows.py``). Every producer
+    counts :attr:`seen` and :attr:`fallback`.
+
     Attributes
     ----------
     table : torch.Tensor int32 [L, R_cap, K]
@@ -360,22 +374,134 @@ class ReplayTable:
         hash), and the table row each one names.
     powers : torch.Tensor int64 [2, P_cap]
         (content mode) The hash's powers, for positions below the longest trace.
+    source : tuple of (list of RoutingTrace, list of int), or None
+        What :meth:`load` was given last (``traces``, ``layer_of``), to load it again elsewhere
+        (None before the first load).
     """
+
+    class KernelArgs(NamedTuple):
+        """The table as a device kernel reads it (:meth:`ReplayTable.kernel_args`): the step
+        bookkeeping kernels (``hf/_kernel_step_rows.py``) take these fields in this order, with the
+        forced ids (and their layer stride) between ``shift`` and ``seen``.
+
+        Attributes
+        ----------
+        table : torch.Tensor int32 [L, R_cap, K]
+            :attr:`ReplayTable.table` (contiguous).
+        stride_layer : int
+            ``R_cap * K``: elements from one layer of ``table`` to the next.
+        last_row : int
+            ``R_cap - 1``: the all -1 row (no recorded route).
+        offsets, ends, shift : torch.Tensor int64 [B]
+            Per batch row: the first position its trace covers, one past the last, and the table row
+            of position ``p`` minus ``p`` (:attr:`ReplayTable.offsets`, ``ends``, ``shift``).
+        seen, fallback : torch.Tensor int64 [L]
+            The counters the kernel adds to (:attr:`ReplayTable.seen`, ``fallback``).
+        uncovered : torch.Tensor int64 [L + 1]
+            The coverage counters (:attr:`ReplayTable.uncovered`; counted by batch row: every
+            position but the row's ``ends``, and padding, needs a recorded route).
+        num_layers, top_k : int
+            ``L`` and ``K``.
+        """
+
+        table: torch.Tensor
+        stride_layer: int
+        last_row: int
+        offsets: torch.Tensor
+        ends: torch.Tensor
+        shift: torch.Tensor
+        seen: torch.Tensor
+        fallback: torch.Tensor
+        uncovered: torch.Tensor
+        num_layers: int
+        top_k: int
+
+        def tensors(self) -> tuple[torch.Tensor, ...]:
+            """The tensors (``table``, ``offsets``, ``ends``, ``shift``, ``seen``, ``fallback``,
+            ``uncovered``): a kernel bound to their addresses must be bound again when one changes."""
+            return (self.table, self.offsets, self.ends, self.shift, self.seen, self.fallback, self.uncovered)
 
     def __init__(self) -> None:
         self.table = torch.empty(0)
         self.by_content = False
-        self.source: tuple | None = None  # (traces, layer_of): what load() was given, to reload elsewhere
+        self.source: tuple[list[RoutingTrace], list[int]] | None = None
         self.hashes = self.hash_rows = self.powers = torch.empty(0)
         self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
         self.seen = self.fallback = self.uncovered = torch.empty(0)
         self.missing = "error"
-        self._snapshot: tuple | None = None  # (pinned int64 [L + 1], event): the counters' last async copy
+        # (pinned int64 [L + 1], event): the counters' last asynchronous copy (CUDA)
+        self._snapshot: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self._snapshot_pending = False
 
     @property
     def batch_size(self) -> int:
+        """Number of traces loaded (``B``): one per batch row of a forward looked up by batch row."""
         return int(self.offsets.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Where the table and its counters live (the CPU before the first :meth:`load`)."""
+        return self.table.device
+
+    def kernel_args(self) -> ReplayTable.KernelArgs:
+        """The table's device tensors and sizes as a device kernel reads them (after :meth:`load`).
+
+        Returns
+        -------
+        ReplayTable.KernelArgs
+            ``table`` int32 [L, R_cap, K], ``offsets`` / ``ends`` / ``shift`` int64 [B], the counters
+            ``seen`` / ``fallback`` int64 [L] and ``uncovered`` int64 [L + 1], and the ints
+            ``stride_layer`` (``R_cap * K``), ``last_row`` (``R_cap - 1``), ``num_layers``, ``top_k``.
+        """
+        L, R, K = self.table.shape
+        return ReplayTable.KernelArgs(
+            self.table, R * K, R - 1, self.offsets, self.ends, self.shift,
+            self.seen, self.fallback, self.uncovered, L, K,
+        )  # fmt: skip
+
+    def lookup(
+        self,
+        positions: torch.Tensor | None = None,
+        *,
+        tokens: torch.Tensor | None = None,
+        kernel: Callable[[ReplayTable.KernelArgs, torch.Tensor | None], torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A forward's forced ids, from the one producer that serves it.
+
+        The producer, in this order: ``kernel`` when given; by content (:meth:`gather_by_content`)
+        when ``tokens`` are given; else by batch row (:meth:`gather`). Each gives the same ids for the
+        same tokens and counts them (:attr:`seen`, :attr:`fallback`); a kernel also counts
+        :attr:`uncovered`, by batch row (the gathers leave that to :meth:`count_uncovered`).
+
+        Parameters
+        ----------
+        positions : torch.Tensor int64 [B, S], optional
+            Each token's position in its sequence (-1 = padding); needed unless ``kernel`` is given,
+            which derives them on the device.
+        tokens : torch.Tensor int64 [B, S], optional
+            The forward's tokens, whole sequences (no KV cache), to match rows by content; the table
+            must hold its traces' tokens (:attr:`by_content`).
+        kernel : callable, optional
+            ``kernel(self.kernel_args(), out)``: a device kernel that writes the ids into ``out`` (or a
+            tensor of its own) and returns them; it may launch later, as long as it writes them
+            before they are read (a decode step's head, inside a CUDA graph).
+        out : torch.Tensor int32 [L, B*S, K], optional
+            Contiguous; where the ids go.
+
+        Returns
+        -------
+        torch.Tensor int32 [L, B*S, K]
+            Row-major over the forward's tokens; a row of -1 where no trace recorded a route (routed
+            natively), padding included.
+        """
+        if kernel is not None:
+            return kernel(self.kernel_args(), out)
+        if positions is None:
+            fail("positions", "int64 [B, S] (or a kernel that derives them on the device)", None)
+        if tokens is not None:
+            return self.gather_by_content(tokens, positions, out)
+        return self.gather(positions, out)
 
     def load(
         self,
@@ -394,8 +520,8 @@ class ReplayTable:
         the queued step."""
         self.source = (list(traces), list(layer_of))
         L, K = len(layer_of), traces[0].top_k
-        lengths = [t.num_tokens for t in traces]
-        total = sum(lengths)
+        counts = [t.num_tokens for t in traces]
+        total = sum(counts)
         rows = max(_next_power_of_2(total + 1), 64)
         host = np.full((L, rows, K), -1, dtype=np.int32)
         base = 0
@@ -406,9 +532,9 @@ class ReplayTable:
         if tuple(self.table.shape) != shape or self.table.device != device:
             self.table = _static(torch.empty(shape, dtype=torch.int32, device=device))
         _upload(self.table, host)
-        bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        bases = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         offsets = np.array([t.token_offset for t in traces], dtype=np.int64)
-        lengths = np.array(lengths, dtype=np.int64)
+        lengths = np.array(counts, dtype=np.int64)
         # offsets, lengths, bases; ends = offsets + lengths; shift = bases - offsets
         meta = torch.from_numpy(np.stack([offsets, lengths, bases, offsets + lengths, bases - offsets]))
         if tuple(self.offsets.shape) != (len(traces),) or self.offsets.device != device:
@@ -428,8 +554,8 @@ class ReplayTable:
             self.uncovered = _static(torch.zeros(L + 1, dtype=torch.int64, device=device))
             self._snapshot = None
             if device.type == "cuda":  # made here, not in a forward (a pinned allocation may wait)
-                host = torch.empty(L + 1, dtype=torch.int64, pin_memory=True)
-                self._snapshot = (host, torch.cuda.Event())
+                pinned = torch.empty(L + 1, dtype=torch.int64, pin_memory=True)
+                self._snapshot = (pinned, torch.cuda.Event())
         self._clear_uncovered()
         self.reset_report()
 
@@ -592,10 +718,11 @@ class ReplayTable:
         """
         if self.missing != "error" or self.uncovered.numel() == 0:
             return
+        snapshot = self._snapshot
         if block or not self.uncovered.is_cuda:
             values = self.uncovered.tolist()
-        elif self._snapshot_pending and self._snapshot[1].query():
-            values = self._snapshot[0].tolist()
+        elif self._snapshot_pending and snapshot is not None and snapshot[1].query():
+            values = snapshot[0].tolist()
             self._snapshot_pending = False
         else:
             return
