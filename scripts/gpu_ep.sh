@@ -61,10 +61,10 @@ fi
 
 if [[ " $STEPS " == *" test "* ]]; then
   step test_2gpu 150 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
-  # (the EP variables set the process defaults of MoeAlltoAll(fused_barrier=, fused_plan=))
+  # (REPLAYMOE_EP_FUSED sets the process default of MoeAlltoAll(fused_barrier=, fused_plan=))
   if ! grep -q "1 passed" "$OUT/test_2gpu.log"; then  # the in-kernel barrier failed: torch's barrier from here on
-    export REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_FAST_LAUNCH=0
-    echo "REPLAYMOE_EP_FUSED_BARRIER=0 REPLAYMOE_EP_FUSED_PLAN=0 REPLAYMOE_FAST_LAUNCH=0 from here on" | tee -a "$SUMMARY"
+    export REPLAYMOE_EP_FUSED=0 REPLAYMOE_FAST_LAUNCH=0
+    echo "REPLAYMOE_EP_FUSED=0 REPLAYMOE_FAST_LAUNCH=0 from here on" | tee -a "$SUMMARY"
     step test_2gpu_unfused 120 "$PY" -m pytest -q -x -rA -m multigpu "tests/test_ep_multigpu.py::test_ep_multigpu[2]"
   fi
   if [ "$NGPU" -ge 4 ]; then
@@ -91,14 +91,16 @@ if [[ " $STEPS " == *" bench "* ]]; then
   step bench 200 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" -m replaymoe bench ep \
     --out "$OUT/bench" --name ep_x"$NGPU" --impls "${IMPLS:-nccl,symm,symm_2k}" --payloads bf16 --tokens "$TOKENS" \
     --num-sms "${NUM_SMS:-24,32,66,132,0}" --peer "$PEER" --peer-sms 24 --no-layer --iters 20 --warmup 3
-  if [ "${REPLAYMOE_EP_FUSED_BARRIER:-1}" != 0 ] && [ "${VARIANTS:-1}" = 1 ]; then
-    # the same machine, symm without the in-kernel barrier / without the fused plan (for comparison)
-    for v in "0 1 unfused_barrier" "0 0 unfused"; do
+  if [ "${REPLAYMOE_EP_FUSED:-1}" != 0 ] && [ "${VARIANTS:-1}" = 1 ]; then
+    # the same machine, symm without the in-kernel barrier / without the fused plan too (for comparison)
+    for v in "unfused_barrier --unfused-barrier" "unfused --unfused-barrier --unfused-plan"; do
       set -- $v
-      echo "### REPLAYMOE_EP_FUSED_BARRIER=$1 REPLAYMOE_EP_FUSED_PLAN=$2" >> "$OUT/bench.log"
-      REPLAYMOE_EP_FUSED_BARRIER=$1 REPLAYMOE_EP_FUSED_PLAN=$2 timeout -k 10 90 "$PY" -m torch.distributed.run \
-        --nproc-per-node "$NGPU" -m replaymoe bench ep --out "$OUT/bench" --name "ep_x${NGPU}_$3" --impls symm \
-        --payloads bf16 --tokens "$TOKENS" --num-sms 24,0 --no-layer --iters 20 --warmup 3 >> "$OUT/bench.log" 2>&1
+      name=$1
+      shift
+      echo "### bench ep $*" >> "$OUT/bench.log"
+      timeout -k 10 90 "$PY" -m torch.distributed.run \
+        --nproc-per-node "$NGPU" -m replaymoe bench ep --out "$OUT/bench" --name "ep_x${NGPU}_$name" --impls symm \
+        --payloads bf16 --tokens "$TOKENS" --num-sms 24,0 --no-layer --iters 20 --warmup 3 "$@" >> "$OUT/bench.log" 2>&1
     done
   fi
   rm -f "$OUT"/bench/*.json "$OUT/deepep_build_step.log"  # (the CSVs hold the rows; the returned files are few)

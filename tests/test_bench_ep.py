@@ -82,6 +82,29 @@ def test_bench_ep_dry_run_defaults_are_tiny():
     assert _parse(["--cpu-dry-run", "--hidden", "256"]).hidden == 256  # an explicit option still wins
 
 
+def test_bench_ep_options_instead_of_variables():
+    # the A/B variants of MoeAlltoAll and DeepEP's tree are options (no environment variable)
+    from replaymoe.bench.ep import _parse
+    from replaymoe.bench.ep_deepep import DEEPEP_DIR
+
+    a = _parse([])
+    assert (a.unfused_barrier, a.unfused_plan, a.deepep_dir) == (False, False, DEEPEP_DIR)
+    a = _parse(["--unfused-barrier", "--unfused-plan", "--deepep-dir", "/x/DeepEP"])
+    assert (a.unfused_barrier, a.unfused_plan, a.deepep_dir) == (True, True, "/x/DeepEP")
+
+
+def test_host_profile_takes_triton_launch_path_under_a_hook():
+    # the host profile's "without direct launches" timing: a no-op Triton launch hook, while inside, makes
+    # both launchers defer to Triton (nothing of replaymoe's own is reassigned)
+    from replaymoe import _launch
+    from replaymoe.bench.ep_host import triton_launch_path
+
+    assert _launch.hooks_off()
+    with triton_launch_path():
+        assert not _launch.hooks_off()
+    assert _launch.hooks_off()
+
+
 def test_bench_ep_dry_run_under_torchrun_takes_seconds(tmp_path):
     # as the docs say to run it: torchrun, 2 gloo ranks, no shape options
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

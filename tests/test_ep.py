@@ -300,7 +300,9 @@ def _fused_plan_worker(rank, world):
 
 
 def _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms):
-    import replaymoe.ep.alltoall as a2a_mod
+    import dataclasses
+
+    from replaymoe import _switches
     from replaymoe.ep import MoeAlltoAll, combine_torch, dispatch_torch
 
     g = torch.Generator().manual_seed(7)
@@ -311,7 +313,8 @@ def _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms):
     ref, counts = dispatch_torch(ids, pays, E, rt, expert_id_payload_index=1)
     got = {}
     for fused in (True, False):
-        a2a_mod.FUSED_PLAN = not fused  # the process default, overridden by the argument
+        # the process default (this spawned rank's; REPLAYMOE_EP_FUSED), overridden by the argument
+        _switches.DEFAULTS = dataclasses.replace(_switches.DEFAULTS, ep_fused=not fused)
         a2a = MoeAlltoAll(None, rt, K, E, H, kernel_backend="triton", fused_plan=fused, num_sms=num_sms)
         assert a2a.fused_plan is fused
         views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=1)
@@ -369,11 +372,11 @@ def _errors_worker(rank, world):
     # the nccl transport never pipelines its combine (symm only), whatever the argument
     a = MoeAlltoAll(None, 4, K, E, H, num_sms=8, pipelined_combine=True)
     assert a.pipelined_combine is True and a.combine_pipelines(4) is False
-    import replaymoe.ep.alltoall as a2a_mod
+    from replaymoe import _switches
 
-    # None: the process defaults (REPLAYMOE_EP_FUSED_PLAN's module attribute; the barrier's is the
-    # symm transport's, so nccl keeps what it was given)
-    assert MoeAlltoAll(None, 4, K, E, H).fused_plan is a2a_mod.FUSED_PLAN
+    # None: the process default (REPLAYMOE_EP_FUSED, _switches.DEFAULTS.ep_fused; the barrier's is
+    # resolved by the symm transport, so nccl keeps what it was given)
+    assert MoeAlltoAll(None, 4, K, E, H).fused_plan is _switches.DEFAULTS.ep_fused
     assert MoeAlltoAll(None, 4, K, E, H).fused_barrier is None
     for v in (False, True):
         b = MoeAlltoAll(None, 4, K, E, H, fused_plan=v, fused_barrier=v)

@@ -115,10 +115,13 @@ def _fake_buffers(ep, nbytes):
     ],
 )
 def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, generator, monkeypatch):
-    import replaymoe.ep.transport_symm as symm
+    import dataclasses
+
+    from replaymoe import _switches
     from replaymoe.ep.transport_symm import SymmTransport
 
-    monkeypatch.setattr(symm, "FUSED_BARRIER", not fused)  # the process default; the argument wins
+    # the process default (REPLAYMOE_EP_FUSED); the argument wins
+    monkeypatch.setattr(_switches, "DEFAULTS", dataclasses.replace(_switches.DEFAULTS, ep_fused=not fused))
     import replaymoe.ep._dispatch_plan as dispatch_plan
 
     # the three-rank cases store each tile to the peers first and to the own block last

@@ -100,19 +100,21 @@ def test_call_key_of_an_unkeyable_argument_is_none(arg):
 
 
 def test_the_fast_launch_switch():
-    # REPLAYMOE_FAST_LAUNCH=0 turns both launchers off (one attribute, replaymoe._launch.ENABLED), read
-    # when the module is imported; REPLAYMOE_EP_FAST_LAUNCH, an unreleased old switch, is ignored
+    # REPLAYMOE_FAST_LAUNCH=0 turns both launchers off (one constant, replaymoe._launch.ENABLED, from the
+    # process default _switches.DEFAULTS.fast_launch read when replaymoe is first imported); the removed
+    # REPLAYMOE_EP_FAST_LAUNCH is an error naming its replacement (tests/test_switches.py)
     import os
     import subprocess
     import sys
 
     code = """
 import importlib, os, sys
+import replaymoe._switches as switches
 import replaymoe._launch as launch
 for case in sys.argv[1:]:
-    for name in ("REPLAYMOE_FAST_LAUNCH", "REPLAYMOE_EP_FAST_LAUNCH"):
-        os.environ.pop(name, None)
+    os.environ.pop("REPLAYMOE_FAST_LAUNCH", None)
     os.environ.update(kv.split("=") for kv in case.split(",") if kv)
+    importlib.reload(switches)
     importlib.reload(launch)
     print(f"{case}|{launch.ENABLED}")
 """
@@ -120,10 +122,8 @@ for case in sys.argv[1:]:
         "": "True",
         "REPLAYMOE_FAST_LAUNCH=0": "False",
         "REPLAYMOE_FAST_LAUNCH=1": "True",
-        "REPLAYMOE_EP_FAST_LAUNCH=0": "True",
-        "REPLAYMOE_FAST_LAUNCH=0,REPLAYMOE_EP_FAST_LAUNCH=1": "False",
     }
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.endswith("FAST_LAUNCH")}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("REPLAYMOE_")}
     run = subprocess.run(
         [sys.executable, "-c", code, *cases], capture_output=True, text=True, timeout=300, env=env
     )

@@ -16,6 +16,7 @@ import replaymoe.moe._forward as moe_fwd
 import replaymoe.moe.configs as cfgs
 import replaymoe.moe.layout as layout_mod
 from _scripts import run_script
+from replaymoe import _switches
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
 from replaymoe.moe._forward import experts_triton
 from replaymoe.moe._kernel_fwd import _merged_slots
@@ -23,6 +24,12 @@ from replaymoe.moe.configs import MoEConfig
 from replaymoe.moe.quant import quantize_fp8_block
 from replaymoe.routing import RoutingConfig, RoutingMethod, route_torch
 from replaymoe.testing import assert_close, poison, tie_free_logits
+
+
+def _defaults(monkeypatch, **fields: bool) -> None:
+    """Process defaults (``replaymoe._switches.DEFAULTS``, a ``dataclasses.replace`` copy) for the rest
+    of the test."""
+    monkeypatch.setattr(_switches, "DEFAULTS", dataclasses.replace(_switches.DEFAULTS, **fields))
 
 
 def _ids(T, K, E, g):
@@ -700,7 +707,7 @@ def _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, *, offset=0, variant=None)
 
     outs = []
     for tma in (False, True):
-        monkeypatch.setattr(cfgs, "TMA_ENABLED", not tma)  # the configuration's tma wins either way
+        _defaults(monkeypatch, tma=not tma)  # the configuration's tma wins either way
         made = _count_descs(monkeypatch)
         out = poison(torch.empty(x.shape[0], x.shape[1], dtype=x.dtype))
         experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=offset,
@@ -817,17 +824,21 @@ def test_tma_config_selection_and_config_lists():
 
 
 def test_tma_process_default_reaches_the_configuration(monkeypatch):
-    # REPLAYMOE_TMA's module attribute is the default the wrapper's choice follows (tma_ok ->
-    # moe_config), on a device that allows TMA; a configuration given with the call says it itself
+    # the process default DEFAULTS.tma (REPLAYMOE_TMA) is what the wrapper's choice follows (tma_ok ->
+    # moe_config), on a device that allows TMA; a configuration given with the call says it itself; the
+    # backward's dw_tma and gemm_tma follow the same default (dw_tma_ok -> moe_bwd_config)
     from replaymoe.moe.configs import moe_config, tma_ok
 
     dev = torch.device("cuda", 7)
     monkeypatch.setitem(cfgs._HOPPER_DEVICES, dev, True)  # as a Hopper GPU would
     qwen = (4096, 8, 2048, 768, 128)
     for default in (False, True):
-        monkeypatch.setattr(cfgs, "TMA_ENABLED", default)
+        _defaults(monkeypatch, tma=default)
         assert tma_ok(dev) is default
         assert moe_config(*qwen, tma=tma_ok(dev)).tma is default
+        assert cfgs.dw_tma_ok(dev, torch.bfloat16) is default
+        bwd = cfgs.moe_bwd_config(4096, 8, 2048, 768, 128, tma=cfgs.dw_tma_ok(dev, torch.bfloat16))
+        assert bwd.dw_tma is default and bwd.gemm_tma is default
 
 
 # ---------------------------------------------------------------- GPU
@@ -999,7 +1010,7 @@ def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
     kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
 
     def run(pdl):
-        monkeypatch.setattr(cfgs, "PDL_ENABLED", pdl)
+        _defaults(monkeypatch, pdl=pdl)
         eager = fused_moe(x, w13, w2, **kw)
         return eager, _graph_output(x, w13, w2, kw, eager)
 
@@ -1018,7 +1029,7 @@ def test_gpu_decode_pdl_same_bits_eager_and_graph(T, offset, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 2])
 def test_gpu_decode_pdl_argument_overrides_default(T, monkeypatch):
-    # MoEConfig.pdl against the opposite process default (PDL_ENABLED): the decode kernels launch as
+    # MoEConfig.pdl against the opposite process default (DEFAULTS.pdl): the decode kernels launch as
     # programmatic dependent launches exactly when the argument says so, with the same bits
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
     w13, w2, _, _ = _gpu_weights("qwen3", False)
@@ -1028,7 +1039,7 @@ def test_gpu_decode_pdl_argument_overrides_default(T, monkeypatch):
     assert base.direct and base.pdl is None
     outs = []
     for pdl in (False, True):
-        monkeypatch.setattr(cfgs, "PDL_ENABLED", not pdl)
+        _defaults(monkeypatch, pdl=not pdl)
         seen = _record_launches(monkeypatch)
         out = poison(torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
         experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
@@ -1162,7 +1173,7 @@ def test_gpu_tma_prefill_bitwise_equals_pointer_loads(name, T, monkeypatch):
 @pytest.mark.parametrize("offset", [0, 32], ids=["all-local", "ep-slice"])  # ep-slice: weights at an offset
 def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
     # the wrapper's own choice (TMA on a Hopper GPU for prefill) eager and in a CUDA graph, against
-    # configs.TMA_ENABLED = False: the same bits
+    # the process default DEFAULTS.tma = False: the same bits
 
     T = 4096
     H, I, E, K = MODELS["qwen3"]  # noqa: E741
@@ -1171,10 +1182,10 @@ def test_gpu_tma_selected_and_graph_capture_bitwise(offset, monkeypatch):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     logits, _, _ = _gpu_routing(T, E, K, 13)
     kw = dict(router_logits=logits, top_k=K, local_expert_offset=offset, num_experts=E)
-    assert cfgs.moe_config(T, K, H, I, 96, tma=cfgs.tma_ok(x.device)).tma == cfgs.TMA_ENABLED
+    assert cfgs.moe_config(T, K, H, I, 96, tma=cfgs.tma_ok(x.device)).tma == _switches.DEFAULTS.tma
 
     def run(tma):
-        monkeypatch.setattr(cfgs, "TMA_ENABLED", tma)
+        _defaults(monkeypatch, tma=tma)
         made = _count_descs(monkeypatch)
         eager = fused_moe(x, w13, w2, **kw)
         assert len(made) == (_descs_expected(cfgs.moe_config(T, K, H, I, 96, tma=True)) if tma else 0)
@@ -1264,7 +1275,7 @@ def _half_tiles_pair(dtype, device, generator, monkeypatch, tma=False):
     )
     got = []
     for half in (True, False):
-        monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", not half)  # the argument wins either way
+        _defaults(monkeypatch, half_tiles=not half)  # the argument wins either way
         seen = _record_launches(monkeypatch)
         out = poison(torch.empty(T, H, dtype=dtype, device=device))
         experts_triton(x, w13, w2, ids, wts, w13_scale=None, w2_scale=None, local_expert_offset=0, out=out,
@@ -1300,10 +1311,10 @@ def test_half_tiles_match_full_tiles(dtype, tma, generator, monkeypatch):
 @pytest.mark.parametrize("half", [None, False, True], ids=["none", "off", "on"])
 def test_half_tiles_argument_overrides_process_default(half, default, generator, monkeypatch):
     # MoEConfig.half_tiles through the custom op (the config list torch.compile passes): True / False
-    # win over HALF_TILES_ENABLED (REPLAYMOE_HALF_TILES) in both directions, None follows it
+    # win over DEFAULTS.half_tiles (REPLAYMOE_HALF_TILES) in both directions, None follows it
     from replaymoe.moe.configs import config_tuple
 
-    monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", default)
+    _defaults(monkeypatch, half_tiles=default)
     E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
     ids = _counted_ids(_HALF_COUNTS, generator)
     T = ids.shape[0]
@@ -1327,7 +1338,7 @@ def test_switch_arguments_under_torch_compile_fullgraph(generator, monkeypatch):
     # compiler needed on CPU): it crosses the custom op as its int list, and its half_tiles still wins
     # over the process default inside the op
     torch._dynamo.reset()
-    monkeypatch.setattr(cfgs, "HALF_TILES_ENABLED", False)
+    _defaults(monkeypatch, half_tiles=False)
     E, H, I = len(_HALF_COUNTS), 64, 32  # noqa: E741
     ids = _counted_ids(_HALF_COUNTS, generator)
     T = ids.shape[0]
@@ -1351,9 +1362,9 @@ def test_switch_arguments_under_torch_compile_fullgraph(generator, monkeypatch):
 @pytest.mark.parametrize("default", [False, True], ids=["default-off", "default-on"])
 @pytest.mark.parametrize("pdl", [None, False, True], ids=["none", "off", "on"])
 def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
-    # MoEConfig.pdl: True / False win over PDL_ENABLED (REPLAYMOE_PDL) in both directions, None follows
+    # MoEConfig.pdl: True / False win over DEFAULTS.pdl (REPLAYMOE_PDL) in both directions, None follows
     # it; only the direct mode, not fp8, on a Hopper device outside the interpreter takes it
-    monkeypatch.setattr(cfgs, "PDL_ENABLED", default)
+    _defaults(monkeypatch, pdl=default)
     hopper = torch.device("cuda", 7)
     monkeypatch.setitem(cfgs._HOPPER_DEVICES, hopper, True)  # as a Hopper GPU would
     direct = MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4, pdl=pdl)

@@ -7,12 +7,15 @@ conftest on CPU machines) at tiny fp32/fp16 shapes; bf16 runs on the GPU (test_m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import replaymoe.moe._backward as moe_bwd
 import replaymoe.moe.configs as cfgs
 from _scripts import run_script
+from replaymoe import _switches
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch
 from replaymoe.routing import RoutingMethod
 from replaymoe.testing import assert_close, assert_same_sums, tie_free_logits
@@ -499,8 +502,8 @@ def test_dw_tma_selection_and_descriptor_checks(monkeypatch):
     monkeypatch.setitem(cfgs._HOPPER_DEVICES, torch.device("cuda", 7), True)  # as a Hopper GPU would
     assert cfgs.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
     assert not cfgs.dw_tma_ok(torch.device("cuda", 7), torch.float32)
-    monkeypatch.setattr(cfgs, "DW_TMA_ENABLED", False)
-    assert not cfgs.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)
+    monkeypatch.setattr(_switches, "DEFAULTS", dataclasses.replace(_switches.DEFAULTS, tma=False))
+    assert not cfgs.dw_tma_ok(torch.device("cuda", 7), torch.bfloat16)  # REPLAYMOE_TMA=0
     buf = torch.zeros(64, 72, dtype=torch.float16)
     assert moe_bwd._dw_desc(buf, 64, [16, 64]) is not None  # rows of 144 bytes
     assert moe_bwd._dw_desc(buf[:, :36], 64, [16, 32]) is not None  # a column slice: same row stride

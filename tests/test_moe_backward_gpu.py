@@ -5,11 +5,14 @@ Run with ``PYTHONPATH=src python3 -m pytest -m gpu tests/test_moe_backward_gpu.p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import replaymoe.moe._backward as moe_bwd
 import replaymoe.moe.configs as cfgs
+from replaymoe import _switches
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch
 
 pytestmark = pytest.mark.gpu
@@ -184,12 +187,12 @@ def test_dw_tma_bitwise_equal_pointer_kernel_bench_shapes(shape):
 
 @pytest.mark.parametrize("shape", ["qwen3", "mixtral", "dsv3"])
 def test_gemm_tma_bitwise_equal_pointer_loads_bench_shapes(shape):
-    # dA / dX through TMA descriptors (the default; REPLAYMOE_BWD_GEMM_TMA=0 turns it off) against
+    # dA / dX through TMA descriptors (the default; REPLAYMOE_TMA=0 turns it off) against
     # pointer loads: every gradient bitwise equal, at the bench shapes (T=4096)
     import dataclasses
 
     x, w13, w2, ids, wts, dout, cfg = _bench_problem(shape)
-    assert cfg.gemm_tma == cfgs.BWD_GEMM_TMA_ENABLED
+    assert cfg.gemm_tma == _switches.DEFAULTS.tma
     T, H = x.shape
     E, two_i, _ = w13.shape
     c0 = cfgs.config_tuple(cfgs.moe_config(T, ids.shape[1], H, two_i // 2, E))
@@ -250,7 +253,7 @@ def test_cuda_graph_forward_and_backward_dw_tma(monkeypatch):
     x, w13, w2, ids, wts, dout = _problem(2048, 512, 256, 16, 16, 0, 4, seed=11)
     assert cfgs.moe_bwd_config(2048, 4, 512, 256, 16, tma=cfgs.dw_tma_ok(x.device, x.dtype)).dw_tma
     eager = _graph_replay_equals_eager(x, w13, w2, ids, wts, dout)
-    monkeypatch.setattr(cfgs, "DW_TMA_ENABLED", False)
+    monkeypatch.setattr(_switches, "DEFAULTS", dataclasses.replace(_switches.DEFAULTS, tma=False))
     assert not cfgs.dw_tma_ok(x.device, x.dtype)
     for a, b in zip(_grads(fused_moe, x, w13, w2, wts, dout, topk_ids=ids)[1:], eager):
         assert torch.equal(a, b)

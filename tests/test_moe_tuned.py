@@ -264,7 +264,7 @@ def _tiles(**changes):
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer loads"])
 def test_moe_bwd_config_reads_the_backward_section(tma):
-    # an entry measured with TMA (Hopper) is also read where TMA is off (fp32, REPLAYMOE_DW_TMA=0): the
+    # an entry measured with TMA (Hopper) is also read where TMA is off (fp32, REPLAYMOE_TMA=0): the
     # same tiles with pointer loads, as the forward's entries
     H, I, E, K = MIXTRAL  # noqa: E741
     entry = _tiles(stages_x=3, group_m=4)

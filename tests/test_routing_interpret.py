@@ -9,6 +9,7 @@ import torch
 import replaymoe.routing._triton as routing_triton
 from _routing_cases import routing_kwargs
 from replaymoe.routing import RoutingMethod, route, route_torch
+from replaymoe.routing._triton import LaunchConfig, route_launched
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
 pytestmark = pytest.mark.interpret
@@ -21,12 +22,12 @@ def kwargs_for(method, num_experts, generator, top_k=3):
 
 
 @pytest.fixture(params=[1, 2, 3])
-def algo(request, monkeypatch):
-    """Iterative top-k on int64 keys (1), on two int32 reductions (2), on truncated int32 keys
-    with verification and fallback (3, the default)."""
-    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "ALGO", request.param)
-    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 4)
-    return request.param
+def route_algo(request):
+    """``route`` on the Triton backend with its kernel launched per call (:class:`LaunchConfig`): iterative
+    top-k on int64 keys (1), on two int32 reductions (2), on truncated int32 keys with verification and
+    fallback (3, the default); 4 tokens per program."""
+    launch = LaunchConfig(algo=request.param, block_t=4)
+    return lambda *args, backend="triton", **kw: route_launched(launch, *args, **kw)
 
 
 def check(out, ref, t, cap=None):
@@ -40,25 +41,24 @@ def check(out, ref, t, cap=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # fp16: the int32-key path
 @pytest.mark.parametrize("method", list(RoutingMethod))
-def test_kernel_matches_reference(method, dtype, algo, generator):
+def test_kernel_matches_reference(method, dtype, route_algo, generator):
     # 48 experts: padded to 64 columns; DeepSeek: 8 groups of 6 (padded to 8); top_k 3 -> 4 columns;
     # T = 9 leaves a partial last block; capture on, with 3 spare rows that must stay untouched
     kw = kwargs_for(method, 48, generator)
     x = tie_free_logits(9, 48, dtype=dtype, generator=generator)
     cap = poison(torch.empty(12, kw["top_k"], dtype=torch.int16))
-    out = route(x, method=method, routing_replay_out=cap, backend="triton", **kw)
+    out = route_algo(x, method=method, routing_replay_out=cap, backend="triton", **kw)
     check(out, route_torch(x, method=method, **kw), 9, cap)
 
 
 @pytest.mark.parametrize("method", [M.DEEPSEEK_V3, M.RENORMALIZE, M.SIGMOID])
-def test_bitonic_topk(method, monkeypatch, generator):
+def test_bitonic_topk(method, generator):
     # ALGO 0 (tl.topk on packed keys): slow under the interpreter, so a few cases only
-    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "ALGO", 0)
-    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 8)
+    launch = LaunchConfig(algo=0, block_t=8)
     kw = kwargs_for(method, 40, generator, top_k=5)
     for dtype in (torch.float32, torch.float16):
         x = tie_free_logits(8, 40, dtype=dtype, generator=generator)
-        check(route(x, method=method, backend="triton", **kw), route_torch(x, method=method, **kw), 8)
+        check(route_launched(launch, x, method=method, **kw), route_torch(x, method=method, **kw), 8)
 
 
 @pytest.mark.parametrize(
@@ -71,16 +71,16 @@ def test_bitonic_topk(method, monkeypatch, generator):
         (384, 4, 2, 8),  # non-power-of-2 E, groups of 96 (padded to 128)
     ],
 )
-def test_kernel_deepseek_grouping(num_experts, n_group, topk_group, top_k, algo, generator):
+def test_kernel_deepseek_grouping(num_experts, n_group, topk_group, top_k, route_algo, generator):
     bias = (torch.rand(num_experts, generator=generator) - 0.5).float()
     x = tie_free_logits(5, num_experts, generator=generator)
     kw = dict(bias=bias, n_group=n_group, topk_group=topk_group, routed_scaling_factor=1.5)
-    out = route(x, top_k, M.DEEPSEEK_V3, backend="triton", **kw)
+    out = route_algo(x, top_k, M.DEEPSEEK_V3, backend="triton", **kw)
     check(out, route_torch(x, top_k, M.DEEPSEEK_V3, **kw), 5)
 
 
 @pytest.mark.parametrize("method", [M.DEEPSEEK_V3, M.TOPK, M.RENORMALIZE_NAIVE])
-def test_kernel_ties_nan_and_negative_zero(method, algo):
+def test_kernel_ties_nan_and_negative_zero(method, route_algo):
     # exact ties (smaller index first), -0.0 == +0.0, NaN rows: same ids as the reference
     x = torch.zeros(6, 16)
     x[1] = torch.tensor([1.0, 3, 3, 2, 3, -1, 2, 0] * 2)
@@ -91,7 +91,7 @@ def test_kernel_ties_nan_and_negative_zero(method, algo):
     for dtype in (torch.float32, torch.float16):
         xd = x.to(dtype)
         kw = {"n_group": 4, "topk_group": 2} if method == M.DEEPSEEK_V3 else {}
-        out = route(xd, 4, method, backend="triton", **kw)
+        out = route_algo(xd, 4, method, backend="triton", **kw)
         ref = route_torch(xd, 4, method, **kw)
         assert torch.equal(out.topk_ids, ref.topk_ids)
         ok = ~torch.isnan(ref.topk_weights)
@@ -114,12 +114,11 @@ def test_kernel_replay(method, generator):
     assert torch.equal(out.topk_ids[forced[:, 0] >= 0], forced[forced[:, 0] >= 0].int())
 
 
-def test_kernel_replay_block_without_native_rows_skips_selection(generator, monkeypatch):
+def test_kernel_replay_block_without_native_rows_skips_selection(generator):
     # every row forced: the in-kernel selection branch is not taken, results still exact
-    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 2)
     x = tie_free_logits(4, 16, generator=generator)
     forced = torch.tensor([[3, 1], [0, 15], [7, 8], [2, 9]], dtype=torch.int64)
-    out = route(x, 2, M.RENORMALIZE, replay_ids=forced, backend="triton")
+    out = route_launched(LaunchConfig(block_t=2), x, 2, M.RENORMALIZE, replay_ids=forced)
     check(out, route_torch(x, 2, M.RENORMALIZE, replay_ids=forced), 4)
 
 
@@ -180,23 +179,22 @@ def test_custom_op_under_torch_compile_fullgraph(generator):
 
 
 @pytest.mark.parametrize("algo_id", [2, 3])
-def test_kernel_exact_when_scores_differ_in_the_last_bits(algo_id, monkeypatch):
+def test_kernel_exact_when_scores_differ_in_the_last_bits(algo_id):
     # scores 1 ulp apart, increasing with the index: a key truncated to its top bits cannot order
     # them, so ALGO 3 must detect it and fall back to the exact pass (row 0); row 1 is ordinary,
     # row 2 mixes exact duplicates with 1-ulp neighbours
-    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "ALGO", algo_id)
-    monkeypatch.setitem(routing_triton.CONFIG_OVERRIDE, "BLOCK_T", 4)
+    launch = LaunchConfig(algo=algo_id, block_t=4)
     one = torch.tensor(1.0)
     ulps = torch.arange(48, dtype=torch.int32) + one.view(torch.int32)
     x = torch.stack(
         [ulps.view(torch.float32), torch.linspace(-1, 1, 48), (ulps // 2 * 2).view(torch.float32)]
     )
     for method in (M.TOPK, M.RENORMALIZE, M.SIGMOID):  # selecting on the logits themselves
-        out = route(x, 6, method, backend="triton")
+        out = route_launched(launch, x, 6, method)
         ref = route_torch(x, 6, method)
         assert torch.equal(out.topk_ids, ref.topk_ids)
-    assert route(x, 6, M.TOPK, backend="triton").topk_ids[0].tolist() == [47, 46, 45, 44, 43, 42]
-    assert route(x, 6, M.TOPK, backend="triton").topk_ids[2].tolist() == [46, 47, 44, 45, 42, 43]
+    assert route_launched(launch, x, 6, M.TOPK).topk_ids[0].tolist() == [47, 46, 45, 44, 43, 42]
+    assert route_launched(launch, x, 6, M.TOPK).topk_ids[2].tolist() == [46, 47, 44, 45, 42, 43]
 
 
 def test_gradient_with_capture_eager_and_compiled(generator):

@@ -28,8 +28,9 @@ MAX_LINES = 600
 
 # layer of a module by its first name below the package; higher layers may import lower ones
 LAYERS = {
-    # Triton code, the helpers every op uses and the packages' lazy facade (``_lazy``)
-    0: {"_launch", "_validation", "_backend", "_lazy"},
+    # Triton code, the helpers every op uses, the packages' lazy facade (``_lazy``) and the switches'
+    # process defaults (``_switches``)
+    0: {"_launch", "_validation", "_backend", "_lazy", "_switches"},
     # ops
     1: {
         "routing",
@@ -49,7 +50,7 @@ ROOT_LAYER = 4
 OP_PACKAGES = {"routing", "moe", "ep", "hf"}
 # what the package root holds: these modules (and the package marker) and these packages, nothing else
 ROOT_FILES = {"__init__.py", "__main__.py", "_backend.py", "_launch.py", "_lazy.py", "_validation.py"}
-ROOT_FILES |= {"testing.py", "py.typed"}
+ROOT_FILES |= {"_switches.py", "testing.py", "py.typed"}
 ROOT_PACKAGES = {"routing", "moe", "ep", "hf", "record", "integrations", "apps", "bench"}
 # the old deep import paths (and their submodules), deleted before any release: see CHANGELOG.md
 REMOVED = {

@@ -2,22 +2,20 @@
 
 ``auto`` runs the Triton kernels on CUDA tensors and the torch reference elsewhere. ``triton`` with
 CPU tensors runs the kernels in Triton's interpreter, which Triton reads from ``TRITON_INTERPRET`` when
-it is imported: the variable is read once here too, at import, so that the answer never disagrees
-with what Triton will do.
+it is imported: the variable is read once too, at import (:data:`replaymoe._switches.INTERPRET`), so
+that the answer never disagrees with what Triton will do.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from replaymoe._switches import INTERPRET
 from replaymoe._validation import check_choice, fail
 
 __all__ = ["BACKENDS", "INTERPRET", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "torch")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def resolve_backend(backend: object, x: torch.Tensor, *, name: str = "backend") -> str:

@@ -33,19 +33,24 @@ where the caller can promise that; else :class:`FastLaunch`.
 
 The plain Triton path is used when the process runs Triton's interpreter, when CUDA is
 unavailable, when a launch hook (a profiler) is installed, and when ``REPLAYMOE_FAST_LAUNCH=0``
-(both mechanisms; :data:`ENABLED` holds it).
+(both mechanisms; :data:`ENABLED` holds it: :attr:`replaymoe._switches.Switches.fast_launch`, read once
+when this module is imported).
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Any, Final
 
 import torch
 
+from ._switches import DEFAULTS, INTERPRET
+
 __all__ = ["FastLaunch", "Launcher", "addresses", "cdiv", "fast", "hooks_off", "next_power_of_2"]
 
-ENABLED = os.environ.get("REPLAYMOE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+# the direct launch paths are on: the process default (REPLAYMOE_FAST_LAUNCH; no per-call form) outside
+# Triton's interpreter, fixed at import (a constant of the launch path, never reassigned; a benchmark
+# that wants Triton's own path installs a launch hook, see hooks_off)
+ENABLED: Final = DEFAULTS.fast_launch and not INTERPRET
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,6 +1,7 @@
 """``replaymoe bench ep``: expert-parallel dispatch / combine / whole ep_moe layer across GPUs.
 
-Run under torchrun, one process per GPU (NVLink multicast off)::
+Run under torchrun, one process per GPU (NVLink multicast off: the three variables below are set where
+unset before the process group is created, :func:`replaymoe._switches.multicast_off`)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     torchrun --nproc-per-node 4 -m replaymoe bench ep --out DIR
@@ -40,24 +41,18 @@ import sys
 import time
 import traceback
 
-for _k, _v in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_k, _v)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from . import ep_timing  # noqa: E402
-from .ep_deepep import DeepEPPeer  # noqa: E402
-from .ep_host import host_profile  # noqa: E402
-from .ep_layer import time_layer, time_layer_train, time_local, weights_floor_us  # noqa: E402
-from .ep_naive import NaiveEP, time_naive  # noqa: E402
-from .ep_shape import SHAPE, a2a_kwargs, inputs, set_shape  # noqa: E402
-from .ep_summary import NAIVE_ANCHOR_MS, print_summary  # noqa: E402
-from .ep_timing import device, err, graph, on_cuda, sync, time_phases, time_replays  # noqa: E402
+from .. import _switches
+from . import ep_timing
+from .ep_deepep import DEEPEP_DIR, DeepEPPeer
+from .ep_host import host_profile
+from .ep_layer import time_layer, time_layer_train, time_local, weights_floor_us
+from .ep_naive import NaiveEP, time_naive
+from .ep_shape import SHAPE, a2a_kwargs, inputs, set_shape
+from .ep_summary import NAIVE_ANCHOR_MS, print_summary
+from .ep_timing import device, err, graph, on_cuda, sync, time_phases, time_replays
 
 __all__ = ["NAIVE_ANCHOR_MS", "DeepEPPeer", "NaiveEP", "host_profile", "main", "run"]
 
@@ -105,6 +100,8 @@ def run(
     peer: str | None = None,
     peer_sms: int = 24,
     prewarm: bool = True,
+    deepep_dir: str = DEEPEP_DIR,
+    a2a_options: dict | None = None,
 ) -> list[dict]:
     """All points; ``save(rows)`` is called after each one (so a timeout still leaves results).
 
@@ -115,7 +112,9 @@ def run(
     ``num_sms``: values of :attr:`MoeAlltoAll.num_sms` to time symm with (0 = unset: dense grids over
     every SM; rows report 0 then).
     ``peer="deepep"``: DeepEP's intranode dispatch/combine on the same tokens and routing, with
-    ``peer_sms`` SMs (see :class:`DeepEPPeer`).
+    ``peer_sms`` SMs (see :class:`DeepEPPeer`), from the built tree ``deepep_dir``.
+    ``a2a_options``: more :class:`MoeAlltoAll` keywords for every implementation (``fused_plan`` /
+    ``fused_barrier``: ``--unfused-plan`` / ``--unfused-barrier``).
     """
     from ..ep import MoeAlltoAll, expert_partition
     from ..routing import RoutingMethod
@@ -131,7 +130,7 @@ def run(
         if t == "naive":
             continue
         try:
-            kw = a2a_kwargs(t)  # symm_2k / symm_pipe: symm with the combine forced one way
+            kw = {**a2a_kwargs(t), **(a2a_options or {})}  # symm_2k / symm_pipe: the combine forced
             a2as[t] = MoeAlltoAll(None, maxT, K, E, H, payload_bytes_per_token=2 * H + 256,
                                   timeout=120 if t.startswith("symm") else None, **kw)  # fmt: skip
         except Exception as e:  # report and go on with the others
@@ -143,7 +142,7 @@ def run(
     deepep = None
     if peer == "deepep":
         try:
-            deepep = DeepEPPeer(ep, rank, peer_sms, maxT, log)
+            deepep = DeepEPPeer(ep, rank, peer_sms, maxT, log, deepep_dir)
             rows += deepep.tune(inputs(maxT, rank, dev), iters=max(5, iters // 2), warmup=warmup)
             save(rows)
         except Exception as e:  # report; ours still run
@@ -386,10 +385,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--peer",
         choices=("none", "deepep"),
         default="none",
-        help="deepep: DeepEP v1.2.1 intranode side by side ($REPLAYMOE_DEEPEP: its built source tree)",
+        help="deepep: DeepEP v1.2.1 intranode side by side (its built source tree: --deepep-dir)",
+    )
+    p.add_argument(
+        "--deepep-dir", default=DEEPEP_DIR, help="DeepEP's built source tree (default %(default)s)"
     )
     p.add_argument("--peer-sms", type=int, default=24, help="SMs given to DeepEP (even)")
     p.add_argument("--no-layer", action="store_true", help="skip the whole ep_moe layer")
+    p.add_argument(
+        "--unfused-barrier",
+        action="store_true",
+        help="symm: torch's signal-pad barrier kernel between the phases (MoeAlltoAll(fused_barrier=False))",
+    )
+    p.add_argument(
+        "--unfused-plan",
+        action="store_true",
+        help="the plan kernel before the pack (MoeAlltoAll(fused_plan=False))",
+    )
     p.add_argument("--no-graph", action="store_true", help="eager timings only")
     p.add_argument(
         "--no-prewarm",
@@ -451,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     own_pg = not dist.is_initialized()
+    _switches.multicast_off()  # before the process group (NCCL reads NCCL_NVLS_ENABLE at its creation)
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -469,6 +482,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{SHAPE.E} experts, top-{SHAPE.K}, I = {SHAPE.INTER}, tokens {a.tokens}, {a.iters} iterations"
         )
 
+    a2a_options = {"fused_barrier": False} if a.unfused_barrier else {}
+    if a.unfused_plan:
+        a2a_options["fused_plan"] = False
+
     def save(rows):
         if rank == 0:
             from ._timing import write_results
@@ -478,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.host_profile:
         try:
             host_profile([int(t) for t in a.tokens.split(",") if t], [t for t in a.impls.split(",") if t],
-                         calls=max(50, a.iters * 5), log=log,
+                         calls=max(50, a.iters * 5), log=log, a2a_options=a2a_options,
                          num_sms=[int(v) for v in a.num_sms.split(",") if v])  # fmt: skip
         finally:
             if own_pg:
@@ -499,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             peer=None if a.peer == "none" else a.peer,
             peer_sms=a.peer_sms,
             prewarm=not a.no_prewarm,
+            deepep_dir=a.deepep_dir,
+            a2a_options=a2a_options,
         )
         save(rows)
         if rank == 0:

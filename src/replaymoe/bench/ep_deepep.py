@@ -1,12 +1,11 @@
 """DeepEP as the side-by-side peer of ``replaymoe bench ep`` (``--peer deepep``): DeepEP v1.2.1's
-intranode dispatch / combine, loaded at run time from a git-ignored build (``$REPLAYMOE_DEEPEP``;
+intranode dispatch / combine, loaded at run time from a git-ignored build (``--deepep-dir``;
 never a dependency), its NVLink chunk sizes tuned once, then timed on the same tokens, routing and
 weights as ours in eager, cached and CUDA-graph modes (:class:`DeepEPPeer`).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -15,10 +14,12 @@ import torch.distributed as dist
 from .ep_shape import SHAPE
 from .ep_timing import err, graph, sync, time_phases, time_replays
 
+# where .peers_ep/build_deepep.sh builds DeepEP (``replaymoe bench ep --deepep-dir``'s default)
+DEEPEP_DIR = "/tmp/deepep/DeepEP-1.2.1"
 
-def import_deepep():
-    """``deep_ep`` from ``$REPLAYMOE_DEEPEP`` (default: where ``build_deepep.sh`` builds it)."""
-    path = os.environ.get("REPLAYMOE_DEEPEP", "/tmp/deepep/DeepEP-1.2.1")
+
+def import_deepep(path: str = DEEPEP_DIR):
+    """``deep_ep`` from the built DeepEP source tree ``path``."""
     if path not in sys.path:
         sys.path.insert(0, path)
     import deep_ep
@@ -41,8 +42,10 @@ class DeepEPPeer:
     (:meth:`tune`); the SM count stays fixed.
     """
 
-    def __init__(self, ep: int, rank: int, num_sms: int, max_tokens: int, log) -> None:
-        deep_ep = import_deepep()
+    def __init__(
+        self, ep: int, rank: int, num_sms: int, max_tokens: int, log, path: str = DEEPEP_DIR
+    ) -> None:
+        deep_ep = import_deepep(path)
         self.deep_ep, self.ep, self.rank, self.num_sms, self.log = deep_ep, ep, rank, num_sms, log
         deep_ep.Buffer.set_num_sms(num_sms)
         self.dcfg = deep_ep.Buffer.get_dispatch_config(ep)

@@ -1,14 +1,18 @@
 """The host profile of ``replaymoe bench ep --host-profile``: where the host time of a steady-state
 eager dispatch + combine call goes (rank 0 prints): per-call host µs with and without the direct
-launches (mean over calls), the pieces alone (event record, symm barrier, a bare plan launch,
-``torch.empty``: median per call, :func:`replaymoe.bench._timing.host_us`), and a cProfile of many
-calls. It reaches into the all-to-all's internals on purpose (its plan cache, transport barrier,
-direct launches): they are what is profiled.
+launches (mean over calls; without: Triton's own launch path, which :mod:`replaymoe._launch` takes
+while a launch hook is installed, here a no-op one, :func:`triton_launch_path`), the pieces alone (event
+record, symm barrier, a bare plan launch, ``torch.empty``: median per call,
+:func:`replaymoe.bench._timing.host_us`), and a cProfile of many calls. It reaches into the
+all-to-all's internals on purpose (its plan cache, transport barrier, direct launches): they are what is
+profiled.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -18,17 +22,20 @@ from .ep_shape import SHAPE, a2a_kwargs, inputs
 from .ep_timing import HostEvent, device, on_cuda, sync
 
 
-def host_profile(tokens, transports, *, calls: int, log, num_sms=(0,)) -> None:
+def host_profile(
+    tokens, transports, *, calls: int, log, num_sms=(0,), a2a_options: dict | None = None
+) -> None:
     """Where the host time of a steady-state eager call goes (rank 0 prints): per call host µs with
     and without the direct launches, the pieces alone (event record, barrier, a bare launch), and a
     cProfile of ``calls`` dispatch+combine calls. ``symm`` / ``symm_2k`` / ``symm_pipe`` (the combine
-    forced) run at every ``num_sms`` (0 = unset), so the pipelined combine's host time shows at a cap."""
+    forced) run at every ``num_sms`` (0 = unset), so the pipelined combine's host time shows at a cap.
+    ``a2a_options``: more :class:`MoeAlltoAll` keywords (``fused_plan`` / ``fused_barrier``)."""
     from ..ep import MoeAlltoAll
 
     for t in transports:
         if t == "naive":
             continue
-        kw = a2a_kwargs(t)  # symm_2k / symm_pipe: symm with the combine forced one way
+        kw = {**a2a_kwargs(t), **(a2a_options or {})}  # symm_2k / symm_pipe: the combine forced one way
         a2a = MoeAlltoAll(None, max(tokens), SHAPE.K, SHAPE.E, SHAPE.H, **kw)
         for n in num_sms if t.startswith("symm") else (0,):
             a2a.num_sms = n or None
@@ -36,12 +43,38 @@ def host_profile(tokens, transports, *, calls: int, log, num_sms=(0,)) -> None:
                 _host_profile_one(a2a, f"{t} num_sms={n}" if n else t, T, calls)
 
 
+@contextmanager
+def triton_launch_path() -> Iterator[None]:
+    """Inside: every kernel through Triton's own launch path (``kernel[grid](...)``), as with
+    ``REPLAYMOE_FAST_LAUNCH=0``, by a no-op Triton launch hook (``FastLaunch`` and ``Launcher`` step aside
+    while a hook is installed, :func:`replaymoe._launch.hooks_off`; the hook's call adds one Python call
+    per launch to that path). Nothing of the package's own is changed."""
+    from triton import knobs
+
+    rt = knobs.runtime
+
+    def noop(*args, **kwargs) -> None:
+        return None
+
+    chain = rt.launch_enter_hook
+    if hasattr(chain, "add"):  # Triton 3.6: a hook chain
+        chain.add(noop)
+        try:
+            yield
+        finally:
+            chain.remove(noop)
+    else:  # one hook
+        rt.launch_enter_hook = noop
+        try:
+            yield
+        finally:
+            rt.launch_enter_hook = chain
+
+
 def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
     import cProfile
     import io
     import pstats
-
-    from .. import _launch
 
     ep, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
@@ -87,10 +120,9 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
         packs = [v[grid].launch for v in st.packs]
         compiled = [st.plan_launch.compiled is not None] + [p.compiled is not None for p in packs]
         regs = [st.plan_launch.registers()] + [p.registers() for p in packs]
-    was, _launch.ENABLED = _launch.ENABLED, False
-    fresh()
-    slow = timed(calls)
-    _launch.ENABLED = was
+    with triton_launch_path():
+        fresh()
+        slow = timed(calls)
     fresh()
     say(f"[host] {t} T={T}: dispatch/combine host µs per call: direct launches {fast[0]:.1f}/{fast[1]:.1f}, "
         f"Triton's launch path {slow[0]:.1f}/{slow[1]:.1f}; direct launch active {compiled}; "

@@ -120,7 +120,7 @@ def _parse(argv):
 
 def _block_captures(session) -> int:
     """MoE-block CUDA graphs a session has captured so far (:mod:`replaymoe.hf.graphs`)."""
-    return sum(g.captures for g in session._block_graphs)
+    return session.block_graph_captures
 
 
 def _logits_error(model, ref_model, ids, mask, new, mode, traces=None):

@@ -111,8 +111,9 @@ SWEEP_CONFIGS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 4)]
 
 
 def run_sweep() -> list[dict]:
-    """Time launch configurations (ALGO x BLOCK_T x num_warps) at a few shapes (tuning aid)."""
-    import replaymoe.routing._triton as routing_triton
+    """Time launch configurations (ALGO x BLOCK_T x num_warps) at a few shapes (tuning aid), each given
+    per call (:func:`replaymoe.routing._triton.route_launched`)."""
+    from replaymoe.routing._triton import LaunchConfig, route_launched
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -123,11 +124,13 @@ def run_sweep() -> list[dict]:
     ):
         for algo in (2, 3) if dtype == torch.float32 else (3,):  # 16-bit: one int32-key path
             for block_t, warps in SWEEP_CONFIGS:
-                routing_triton.CONFIG_OVERRIDE.update(ALGO=algo, BLOCK_T=block_t, num_warps=warps)
+                launch = LaunchConfig(algo=algo, block_t=block_t, num_warps=warps)
                 try:
                     for t in (1, 4096, 16384):
                         x, cfg, cap, e = _case(name, dtype, t, gen)
-                        us = time_graph(lambda x=x, cfg=cfg: route(x, **cfg), rep_ms=30)
+                        us = time_graph(
+                            lambda x=x, cfg=cfg, lc=launch: route_launched(lc, x, **cfg), rep_ms=30
+                        )
                         rows.append(
                             {
                                 "model": name,
@@ -142,8 +145,6 @@ def run_sweep() -> list[dict]:
                         print(rows[-1], flush=True)
                 except Exception as exc:  # a config may not compile; report and go on
                     print(f"config {algo} {block_t} {warps} failed: {exc!r}"[:300], flush=True)
-                finally:
-                    routing_triton.CONFIG_OVERRIDE.clear()
     return rows
 
 

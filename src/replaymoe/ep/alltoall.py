@@ -57,11 +57,11 @@ modules.
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
+from .. import _switches
 from .._backend import BACKENDS, resolve_backend
 from .._validation import check_choice, check_int, fail
 from ._combine import combine_payload, combine_rows
@@ -88,9 +88,6 @@ __all__ = [
 ]
 
 _TRANSPORTS = ("nccl", "symm")
-
-# the process default of MoeAlltoAll(fused_plan=None); REPLAYMOE_EP_FUSED_PLAN=0 turns it off
-FUSED_PLAN = os.environ.get("REPLAYMOE_EP_FUSED_PLAN", "1") != "0"
 
 
 class MoeAlltoAll:
@@ -145,16 +142,16 @@ class MoeAlltoAll:
         less: on the dense grid, ``num_sms`` unset and up to 256 tokens, by a scan in every tile,
         otherwise by a look-back over 128-token blocks before its copy); ``False``: the plan kernel
         runs first. The same results either way.
-        Default (``None``): :data:`replaymoe.ep.alltoall.FUSED_PLAN`, on unless the environment
-        variable ``REPLAYMOE_EP_FUSED_PLAN=0`` was set at import. Fixed for the object's life
-        (attribute ``fused_plan``).
+        Default (``None``): the process default ``replaymoe._switches.DEFAULTS.ep_fused``, on unless
+        the environment variable ``REPLAYMOE_EP_FUSED=0`` was set when replaymoe was imported. Fixed
+        for the object's life (attribute ``fused_plan``).
     fused_barrier : bool, optional
         ``symm`` (ep > 1; other transports ignore it): the barrier between the phases runs inside
         the kernels (signal pads; no extra launch); ``False``: torch's signal-pad barrier kernel runs
-        between them. The same results either way. Default (``None``):
-        :data:`replaymoe.ep.transport_symm.FUSED_BARRIER`, on unless
-        ``REPLAYMOE_EP_FUSED_BARRIER=0`` was set at import. Must be the same on every rank; fixed for
-        the object's life (attribute ``fused_barrier``, resolved by the ``symm`` transport).
+        between them. The same results either way. Default (``None``): the process default
+        ``replaymoe._switches.DEFAULTS.ep_fused`` (``REPLAYMOE_EP_FUSED``, as ``fused_plan``). Must be
+        the same on every rank; fixed for the object's life (attribute ``fused_barrier``, resolved by
+        the ``symm`` transport).
     pipelined_combine : bool, optional
         ``symm`` with the fused barrier: ``True``: ``combine`` is one launch in which some of its
         programs (``num_sms`` of them, or one per SM when unset, at least 2; a third at ep = 2, half at
@@ -255,7 +252,7 @@ class MoeAlltoAll:
         ):
             if value is not None and not isinstance(value, bool):
                 fail(name, "a bool or None (the default)", type(value).__name__, what="type")
-        self._fused_plan = FUSED_PLAN if fused_plan is None else fused_plan
+        self._fused_plan = _switches.DEFAULTS.ep_fused if fused_plan is None else fused_plan
         self._fused_sanitize = True  # (the CPU tests, which run the ranks in turn, turn it off)
         self._fused_barrier = fused_barrier  # None: the symm transport's process default
         self._pipelined_combine = pipelined_combine  # None: by size (SymmTransport.pipelines)

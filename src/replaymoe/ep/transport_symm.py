@@ -20,8 +20,8 @@ Every rank allocates its receive buffers with ``torch.distributed._symmetric_mem
   kernels are faster below).
 
 The barrier runs inside the kernels (``MoeAlltoAll(..., fused_barrier=True)``; the default, unless
-``REPLAYMOE_EP_FUSED_BARRIER=0`` set :data:`FUSED_BARRIER`, the process default, off): the producing
-kernel's last program to finish (an acq_rel arrival counter, after a CTA barrier) bumps a
+``REPLAYMOE_EP_FUSED=0`` set the process default, ``replaymoe._switches.DEFAULTS.ep_fused``, off): the
+producing kernel's last program to finish (an acq_rel arrival counter, after a CTA barrier) bumps a
 device-side epoch and stores it into every peer's signal pad (release, system scope); every program
 of the consuming kernel first waits until each peer's flag in its own pad reaches its epoch
 (acquire, system scope; after ``timeout`` it prints the two ranks and traps). No barrier kernel is
@@ -33,26 +33,23 @@ after our previous combine barrier, i.e. after we consumed the received views; i
 combine buffer only after our dispatch barrier, i.e. after our previous reduction). So received views
 must be consumed before ``combine``.
 
-Intra-node only, ``ep <= 8``. NVLink multicast stays off: this module sets ``NCCL_NVLS_ENABLE=0``,
-``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` (``setdefault``) when imported,
-and never uses multimem. Any failure to set up symmetric memory raises ``RuntimeError``; there is no
-silent fallback to NCCL.
+Intra-node only, ``ep <= 8``. NVLink multicast stays off: creating a :class:`SymmTransport` sets
+``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` where the
+process left them unset (:func:`replaymoe._switches.multicast_off`), before its first symmetric-memory
+allocation, and the kernels never use multimem. NCCL reads its variable when a communicator is created,
+so a process group made before (with NVLS) keeps it: set the three before ``init_process_group``. Any
+failure to set up symmetric memory raises ``RuntimeError``; there is no silent fallback to NCCL.
 """
 
 from __future__ import annotations
 
-import os
+import torch
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
-import torch  # noqa: E402
-
+from .. import _switches
 from .._launch import cdiv, next_power_of_2
-from .._validation import fail, is_capturing  # noqa: E402
-from ._errors import guard_growth  # noqa: E402
-from .packing import Targets, row_tiling  # noqa: E402
+from .._validation import fail, is_capturing
+from ._errors import guard_growth
+from .packing import Targets, row_tiling
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
@@ -152,11 +149,6 @@ def pipe_group(T: int, tt: int, reducers: int) -> int:
     return g
 
 
-# the process default of MoeAlltoAll(fused_barrier=None): the barrier runs inside the kernels (no extra
-# launch per phase); REPLAYMOE_EP_FUSED_BARRIER=0: torch's signal-pad barrier kernel
-FUSED_BARRIER = os.environ.get("REPLAYMOE_EP_FUSED_BARRIER", "1") != "0"
-
-
 class _SymmBuffer:
     """One rendezvoused uint8 buffer: ``local`` (this rank's) and ``peers[r]`` (rank r's, mapped)."""
 
@@ -187,6 +179,7 @@ class SymmTransport:
     def __init__(self, a2a) -> None:
         if a2a.ep > _MAX_EP:
             fail("group", f"at most {_MAX_EP} ranks for transport='symm' (one node)", f"{a2a.ep} ranks")
+        _switches.multicast_off()  # before the first symmetric-memory allocation (module docstring)
         self.a2a = a2a
         t = a2a.timeout
         self.timeout_ms = _DEFAULT_TIMEOUT_MS if t is None else max(1, int(t.total_seconds() * 1000))
@@ -195,7 +188,9 @@ class SymmTransport:
         self.comb: _SymmBuffer | None = None
         self._retired: list[_SymmBuffer] = []  # grown-out buffers stay mapped (peers may be in flight)
         self._ckeys: dict = {}  # combine launch plans per (dtype, rt, payload strides)
-        self.fused = FUSED_BARRIER if a2a._fused_barrier is None else a2a._fused_barrier
+        # None: the process default (REPLAYMOE_EP_FUSED); the barrier inside the kernels (no extra launch
+        # per phase), else torch's signal-pad barrier kernel
+        self.fused = _switches.DEFAULTS.ep_fused if a2a._fused_barrier is None else a2a._fused_barrier
         self.sig: _SymmBuffer | None = None  # signal pads (fused barrier)
         self.signal_args: tuple = ()
         self.wait_args: tuple = ()

@@ -63,12 +63,12 @@ from replaymoe.record.route_check import (
     DEFECT_KINDS,
     CheckCode,
     Defect,
+    Defects,
     Example,
     LayerCheck,
     ModelLayout,
     RouteCheckReport,
     SequenceCheck,
-    _Defects,
 )
 from replaymoe.routing.methods import METHODS, Params, selection_scores
 
@@ -260,7 +260,7 @@ class _RowMasks(NamedTuple):
 
 
 def _check_dense_columns(
-    r: EngineRoutes, pos: np.ndarray, col_layers: list[int], dense_cols: list[int], defects: _Defects
+    r: EngineRoutes, pos: np.ndarray, col_layers: list[int], dense_cols: list[int], defects: Defects
 ) -> None:
     """Dense layers' columns must be all zero (a whole row of -1 counts as missing)."""
     d = r.ids[:, dense_cols]
@@ -293,7 +293,7 @@ def _row_masks(x: _Rows, E: int, K: int, dt: np.dtype, narrow: bool, dmax: int |
     return _RowMasks(missing, present, ovfl, oor, zero, dup, match)
 
 
-def _constant_layers(x: _Rows, k: _RowMasks, min_constant_rows: int, defects: _Defects) -> np.ndarray:
+def _constant_layers(x: _Rows, k: _RowMasks, min_constant_rows: int, defects: Defects) -> np.ndarray:
     """bool [M]: layers with one set at every usable row (at least ``min_constant_rows``) while the
     recomputation varies; adds the ``constant`` defect."""
     M = len(x.cols)
@@ -314,7 +314,7 @@ def _constant_layers(x: _Rows, k: _RowMasks, min_constant_rows: int, defects: _D
 
 
 def _alignment(
-    r: EngineRoutes, x: _Rows, k: _RowMasks, rec: np.ndarray, shifts: tuple[int, ...], defects: _Defects
+    r: EngineRoutes, x: _Rows, k: _RowMasks, rec: np.ndarray, shifts: tuple[int, ...], defects: Defects
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, bool]:
     """Agreement of engine row ``i`` with recomputed position ``start + i + shift`` (defective rows left
     out): (rows matched, rows compared) int64 [M, S], the agreement [S], the best shift and whether
@@ -383,7 +383,7 @@ def _examine(
     lay: ModelLayout,
     layer_ids: tuple[int, ...] | None,
     acc: _Acc,
-    defects: _Defects,
+    defects: Defects,
     shifts: tuple[int, ...],
     min_constant_rows: int,
 ) -> SequenceCheck:
@@ -522,7 +522,7 @@ def check_routes(
             fail(f"token ids of {r.source}", f"ids below the model's vocabulary size {vocab}",
                  int(r.token_ids.max()))  # fmt: skip
 
-    acc, defects = _Acc(len(lay.moe_layers), len(shifts)), _Defects()
+    acc, defects = _Acc(len(lay.moe_layers), len(shifts)), Defects()
     sequences, notes = [], []
     device = next(model.parameters()).device
     was_training = model.training

@@ -85,7 +85,6 @@ class ReplayMoE:
             model, self.layers, meta, backend=backend, capacity=capacity, device_decode=device_decode
         )
         self._engine.install(self, experts=experts, graphs=graphs, keep_static_cache=keep_static_cache)
-        self._block_graphs = self._engine.patch.block_graphs  # (read by replaymoe.bench.hf)
 
     @property
     def backend(self) -> str:
@@ -102,6 +101,11 @@ class ReplayMoE:
     @device_decode.setter
     def device_decode(self, value: bool) -> None:
         self._engine.device_decode = value
+
+    @property
+    def block_graph_captures(self) -> int:
+        """CUDA graphs of MoE blocks captured so far (:mod:`replaymoe.hf.graphs`; 0 with ``graphs=False``)."""
+        return sum(g.captures for g in self._engine.patch.block_graphs)
 
     @property
     def fingerprint(self) -> RoutingFingerprint:

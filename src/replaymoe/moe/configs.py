@@ -8,23 +8,23 @@ docs/TUNING.md), the backward from heuristics.
 Which hardware features the kernels use is chosen per call by fields of those configurations, all
 bit-neutral (the same results either way): :attr:`MoEConfig.tma`, :attr:`MoEConfig.half_tiles`,
 :attr:`MoEConfig.pdl`, :attr:`MoEBwdConfig.dw_tma`, :attr:`MoEBwdConfig.gemm_tma` and
-:attr:`MoEBwdConfig.half_tiles`. The module attributes :data:`TMA_ENABLED`, :data:`DW_TMA_ENABLED`,
-:data:`BWD_GEMM_TMA_ENABLED`, :data:`HALF_TILES_ENABLED` (on by default) and :data:`PDL_ENABLED` (off)
-are only their process defaults: each is read from its ``REPLAYMOE_*`` environment variable at import,
-and read here where a configuration is chosen (:func:`moe_config` through :func:`tma_ok`,
-:func:`moe_bwd_config`) or where a field is left ``None`` (:func:`_half_tiles`, :func:`_pdl`); a field
-given explicitly wins. :func:`tma_ok`, :func:`dw_tma_ok` and :func:`_hopper` say what the device
-allows.
+:attr:`MoEBwdConfig.half_tiles`. Their process defaults are the fields ``tma``, ``half_tiles`` (on by
+default) and ``pdl`` (off) of :data:`replaymoe._switches.DEFAULTS` (``REPLAYMOE_TMA``,
+``REPLAYMOE_HALF_TILES``, ``REPLAYMOE_PDL``), read here where a configuration is chosen
+(:func:`moe_config` through :func:`tma_ok`, :func:`moe_bwd_config` through :func:`dw_tma_ok`) or where a
+field is left ``None`` (:func:`_half_tiles`, :func:`_pdl`); a field given explicitly wins.
+:func:`tma_ok`, :func:`dw_tma_ok` and :func:`_hopper` say what the device allows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from .. import _switches
 
 
 @dataclass(frozen=True)
@@ -36,20 +36,20 @@ class MoEConfig:
     :func:`replaymoe.moe.layout.expert_layout`. ``*1`` = GEMM1 (gate/up
     + SwiGLU, its ``block_n1`` is per half), ``*2`` = GEMM2 (down projection).
 
-    The data-movement switches (the same bits either way; each the per-call form of a
-    ``REPLAYMOE_*`` variable, DESIGN "Environment switches"):
+    The data-movement switches (the same bits either way; ``tma``, ``half_tiles`` and ``pdl`` are the
+    per-call forms of process defaults, :mod:`replaymoe._switches`, DESIGN "Switches"):
 
     * ``tma`` (tile mode): read the weights (both GEMMs) and GEMM2's SwiGLU rows through TMA tensor
       descriptors where the operands allow it (bf16 / fp16 / fp32, unit stride along K, 16-byte
       aligned rows; otherwise, and for fp8, pointer loads). :func:`moe_config` sets it for the
-      prefill tiles where the device allows it (:func:`tma_ok`, whose :data:`TMA_ENABLED` is the
-      process default, ``REPLAYMOE_TMA``); a configuration built by hand says it explicitly.
+      prefill tiles where the device allows it (:func:`tma_ok`, whose process default is
+      ``_switches.DEFAULTS.tma``, ``REPLAYMOE_TMA``); a configuration built by hand says it explicitly.
     * ``half_tiles`` (tile mode, not fp8, ``block_m >= 32``): a tile with at most half its rows real
       (an expert's last) computes only that half; ``None``: the process default
-      :data:`HALF_TILES_ENABLED` (``REPLAYMOE_HALF_TILES``).
+      ``_switches.DEFAULTS.half_tiles`` (``REPLAYMOE_HALF_TILES``).
     * ``pdl`` (direct mode, not fp8, Hopper and newer outside the interpreter): GEMM1, GEMM2 and the
-      reduce as programmatic dependent launches; ``None``: the process default :data:`PDL_ENABLED`
-      (``REPLAYMOE_PDL``, off).
+      reduce as programmatic dependent launches; ``None``: the process default
+      ``_switches.DEFAULTS.pdl`` (``REPLAYMOE_PDL``, off).
     * ``swap_ab`` (fp8): the kernels of ``_kernel_swapped.py``, which put the weight rows on the MMA's
       64-row side and the tokens on its narrow side (a quarter of the MMA work of a 64-row tile with
       one real row at decode), which lets GEMM1 run 32- or 64-column blocks and tile mode run 16- or
@@ -265,11 +265,11 @@ class MoEBwdConfig:
     ``dw_tma``): a cap on the dW kernel's registers per thread (0: the compiler's choice); 168 lets
     three 4-warp programs share an SM (65536 / (3 * 128) = 170) where the compiler's 199 allowed two.
 
-    The data-movement switches (the same bits either way): ``dw_tma`` (process default
-    :data:`DW_TMA_ENABLED`, ``REPLAYMOE_DW_TMA``, through :func:`dw_tma_ok`) and ``gemm_tma``
-    (:data:`BWD_GEMM_TMA_ENABLED`, ``REPLAYMOE_BWD_GEMM_TMA``), set by :func:`moe_bwd_config`;
-    ``half_tiles``: the dA and dX GEMMs (and GEMM1 recomputed) take half tiles as the forward does
-    (:attr:`MoEConfig.half_tiles`), ``None``: the process default :data:`HALF_TILES_ENABLED`.
+    The data-movement switches (the same bits either way): ``dw_tma`` and ``gemm_tma`` (both with the
+    process default ``_switches.DEFAULTS.tma``, ``REPLAYMOE_TMA``, through :func:`dw_tma_ok`), set by
+    :func:`moe_bwd_config`; ``half_tiles``: the dA and dX GEMMs (and GEMM1 recomputed) take half tiles as
+    the forward does (:attr:`MoEConfig.half_tiles`), ``None``: the process default
+    ``_switches.DEFAULTS.half_tiles``.
     """
 
     block_m: int
@@ -334,7 +334,7 @@ def _bwd_heuristics(T: int, K: int, H: int, I: int, E_local: int, tma: bool) -> 
         return MoEBwdConfig(16, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
     if m_avg < 40:
         return MoEBwdConfig(32, 64, 128, 4, 3, 64, 128, 4, 3, 64, 64, 32, 4, 3, 8, 1, tma)
-    g = tma and BWD_GEMM_TMA_ENABLED
+    g = tma and _switches.DEFAULTS.tma
     if m_avg <= 256:  # dW's K loop (an expert's rows) is short: 4-warp 128x128x32 tiles, 4 stages
         # Hopper (bitwise the same, faster at Qwen3 T = 1024 / 4096 on the H200): dA 128x256 tiles; dW capped
         # at 168 registers, three programs per SM (docs/TUNING.md, "Small experts")
@@ -347,19 +347,18 @@ def _bwd_heuristics(T: int, K: int, H: int, I: int, E_local: int, tma: bool) -> 
     return MoEBwdConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 128, 256, 64, 8, 3, 8, 1, tma, 0, gemm_tma=g)
 
 
-# Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer: opt-in (True, or
-# the environment variable REPLAYMOE_PDL=1; per call MoEConfig.pdl). Results are the same either way.
-# Off by default because it is slower at every decode point measured (H200 and H100; docs/TUNING.md,
-# "Launch overhead"): GEMM2's programs sit resident while GEMM1 still runs, and its L2 prefetch of
-# weights larger than L2 reads them twice.
-PDL_ENABLED = os.environ.get("REPLAYMOE_PDL", "0") == "1"
+# Decode (direct mode) kernels as programmatic dependent launches on Hopper and newer: opt-in (per call
+# MoEConfig.pdl=True; process default _switches.DEFAULTS.pdl, REPLAYMOE_PDL=1). Results are the same
+# either way. Off by default because it is slower at every decode point measured (H200 and H100;
+# docs/TUNING.md, "Launch overhead"): GEMM2's programs sit resident while GEMM1 still runs, and its L2
+# prefetch of weights larger than L2 reads them twice.
 
 
 def _pdl(c, fp8: bool, dev: torch.device) -> bool:
     """Configuration ``c``'s kernels run as programmatic dependent launches on ``dev``: ``c.pdl``
-    (``None``: :data:`PDL_ENABLED`), direct mode, not fp8, a CUDA device of compute capability 9.0
-    or newer, and not Triton's interpreter."""
-    want = PDL_ENABLED if c.pdl is None else c.pdl
+    (``None``: ``_switches.DEFAULTS.pdl``), direct mode, not fp8, a CUDA device of compute capability
+    9.0 or newer, and not Triton's interpreter."""
+    want = _switches.DEFAULTS.pdl if c.pdl is None else c.pdl
     return want and c.direct and not fp8 and _hopper(dev)
 
 
@@ -414,42 +413,39 @@ def _fused_reduce(c) -> bool:
 
 
 # Tile-mode (prefill) GEMM operands through TMA tensor descriptors on Hopper and newer
-# (:attr:`MoEConfig.tma`, chosen by :func:`moe_config` where :func:`tma_ok`); False (or the environment
-# variable REPLAYMOE_TMA=0) keeps pointer loads where the configuration is chosen for the call (a
-# configuration given with tma=True still uses TMA). Results are the same either way; faster at
-# T >= 4096 (docs/TUNING.md, "TMA in tile mode").
-TMA_ENABLED = os.environ.get("REPLAYMOE_TMA", "1") != "0"
+# (:attr:`MoEConfig.tma`, chosen by :func:`moe_config` where :func:`tma_ok`); the process default
+# _switches.DEFAULTS.tma off (REPLAYMOE_TMA=0) keeps pointer loads where the configuration is chosen for
+# the call (a configuration given with tma=True still uses TMA). Results are the same either way; faster
+# at T >= 4096 (docs/TUNING.md, "TMA in tile mode").
 
 
 def tma_ok(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Tile mode may read its operands through TMA descriptors on ``dev``: :data:`TMA_ENABLED`, a
-    CUDA device of compute capability 9.0 or newer, not Triton's interpreter (tests that want the TMA
-    kernels there pass a configuration with ``tma=True``), and bf16 / fp16 activations (fp32's
-    ``ieee`` dot, no tensor cores, spills hundreds of bytes once its tiles come from TMA:
-    ``scripts/fwd_tma_ptx_check.py``'s notes)."""
-    return TMA_ENABLED and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
+    """Tile mode may read its operands through TMA descriptors on ``dev``: ``_switches.DEFAULTS.tma``
+    (``REPLAYMOE_TMA``), a CUDA device of compute capability 9.0 or newer, not Triton's interpreter
+    (tests that want the TMA kernels there pass a configuration with ``tma=True``), and bf16 / fp16
+    activations (fp32's ``ieee`` dot, no tensor cores, spills hundreds of bytes once its tiles come from
+    TMA: ``scripts/fwd_tma_ptx_check.py``'s notes)."""
+    return _switches.DEFAULTS.tma and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
 
 
 # The weight-gradient GEMMs through TMA tensor descriptors on Hopper and newer (MoEBwdConfig.dw_tma,
-# set by moe_bwd_config where dw_tma_ok); False (or the environment variable REPLAYMOE_DW_TMA=0) keeps
-# the pointer kernel. The bits are the same either way (docs/TUNING.md, "Backward dW through TMA").
-DW_TMA_ENABLED = os.environ.get("REPLAYMOE_DW_TMA", "1") != "0"
-# The dA / dX GEMMs' weight (and dX's dh) tiles through TMA descriptors where dw_tma_ok
-# (MoEBwdConfig.gemm_tma; the same bits as the pointer loads, H200 test); REPLAYMOE_BWD_GEMM_TMA=0 turns it
-# off (a small gain at every Qwen3 point, peaks unchanged: docs/TUNING.md, "Backward dA / dX through
-# TMA").
-BWD_GEMM_TMA_ENABLED = os.environ.get("REPLAYMOE_BWD_GEMM_TMA", "1") != "0"
+# set by moe_bwd_config where dw_tma_ok); the process default _switches.DEFAULTS.tma off
+# (REPLAYMOE_TMA=0) keeps the pointer kernel. The bits are the same either way (docs/TUNING.md,
+# "Backward dW through TMA"). The dA / dX GEMMs' weight (and dX's dh) tiles through TMA descriptors
+# where dw_tma_ok and that default is on (MoEBwdConfig.gemm_tma; the same bits as the pointer loads,
+# H200 test; a small gain at every Qwen3 point, peaks unchanged: docs/TUNING.md, "Backward dA / dX
+# through TMA").
 # Tile mode, bf16 / fp16 / fp32: a tile with at most half its rows real (an expert's last) computes
-# only that half (the kernels' HALF_TILES; the same bits). REPLAYMOE_HALF_TILES=0 turns it off where a
-# configuration leaves MoEConfig.half_tiles / MoEBwdConfig.half_tiles None (the default).
-HALF_TILES_ENABLED = os.environ.get("REPLAYMOE_HALF_TILES", "1") != "0"
+# only that half (the kernels' HALF_TILES; the same bits). Its process default off
+# (_switches.DEFAULTS.half_tiles, REPLAYMOE_HALF_TILES=0) turns it off where a configuration leaves
+# MoEConfig.half_tiles / MoEBwdConfig.half_tiles None (the default).
 
 
 def _half_tiles(c, fp8: bool) -> bool:
     """The tile kernels of configuration ``c`` (a :class:`MoEConfig` or :class:`MoEBwdConfig`) take
-    HALF_TILES: ``c.half_tiles`` (``None``: :data:`HALF_TILES_ENABLED`), tile mode, not fp8, >= 32-row
-    tiles."""
-    want = HALF_TILES_ENABLED if c.half_tiles is None else c.half_tiles
+    HALF_TILES: ``c.half_tiles`` (``None``: ``_switches.DEFAULTS.half_tiles``), tile mode, not fp8,
+    >= 32-row tiles."""
+    want = _switches.DEFAULTS.half_tiles if c.half_tiles is None else c.half_tiles
     return want and not fp8 and not getattr(c, "direct", False) and c.block_m >= 32
 
 
@@ -467,10 +463,10 @@ def _sm_count(dev: torch.device) -> int:
 
 
 def dw_tma_ok(dev: torch.device, dtype: torch.dtype) -> bool:
-    """The backward's dW GEMMs may use TMA descriptors: :data:`DW_TMA_ENABLED`, bf16 / fp16, a CUDA
-    device of compute capability 9.0 or newer, and not Triton's interpreter (tests that want the TMA
-    kernel there pass a configuration with ``dw_tma=True``)."""
-    return DW_TMA_ENABLED and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
+    """The backward's dW GEMMs may use TMA descriptors: ``_switches.DEFAULTS.tma`` (``REPLAYMOE_TMA``),
+    bf16 / fp16, a CUDA device of compute capability 9.0 or newer, and not Triton's interpreter (tests
+    that want the TMA kernel there pass a configuration with ``dw_tma=True``)."""
+    return _switches.DEFAULTS.tma and dtype in (torch.bfloat16, torch.float16) and _hopper(dev)
 
 
 def _hopper(dev: torch.device) -> bool:

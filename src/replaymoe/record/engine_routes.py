@@ -37,7 +37,7 @@ import numpy as np
 
 from .._validation import check_int, fail
 from .trace import RoutingTrace, TraceFormatError
-from .trace.wire import _b64decode, _routes_array
+from .trace.wire import b64decode_field, routes_array
 
 __all__ = [
     "EngineRoutes",
@@ -235,7 +235,7 @@ def routes_from_vllm(
             raise TraceFormatError(
                 f"{where}: no routed_experts (start vLLM with --enable-return-routed-experts)"
             )
-        arrays = [_routes_array(value, f"{where} {name}") for name, value in fields]
+        arrays = [routes_array(value, f"{where} {name}") for name, value in fields]
         if len(arrays) == 2 and arrays[0].shape[1:] != arrays[1].shape[1:]:
             raise TraceFormatError(
                 f"{where}: prompt_routed_experts {arrays[0].shape} and routed_experts {arrays[1].shape} "
@@ -314,7 +314,7 @@ def routes_from_sglang(
             raise TraceFormatError(
                 f"{where}: routed_experts_dtype expected one of {', '.join(_SGLANG_DTYPES)}, got {dtype!r}"
             )
-        raw = _b64decode(meta["routed_experts"], f"{where} routed_experts")
+        raw = b64decode_field(meta["routed_experts"], f"{where} routed_experts")
         toks = []
         for keys, name in ((_PROMPT_KEYS, "prompt"), (_OUTPUT_KEYS, "output")):
             found = next((d[k] for k in keys for d in (item, meta) if d.get(k) is not None), None)

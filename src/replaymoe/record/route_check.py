@@ -35,6 +35,7 @@ __all__ = [
     "DEFECT_KINDS",
     "CheckCode",
     "Defect",
+    "Defects",
     "Example",
     "LayerCheck",
     "ModelLayout",
@@ -413,7 +414,7 @@ class RouteCheckReport:
         )
 
 
-class _Defects:
+class Defects:
     """Defect counts with the first example of each (internal): the report's
     :attr:`~RouteCheckReport.defects` as a check finds them, in :data:`DEFECT_KINDS` order once frozen."""
 

@@ -12,29 +12,39 @@ No argument checks here (:mod:`replaymoe.routing._checks` validates at the publi
 
 from __future__ import annotations
 
-import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from replaymoe.routing.methods import EPS, KERNEL_FLAGS, METHODS, Params, RoutingMethod, weights_torch
 
+from .._backend import INTERPRET
 from .._launch import cdiv, next_power_of_2
 from ._id_mailbox import mailbox, raise_pending
 
-__all__ = ["CONFIG_OVERRIDE", "route_triton", "weights_backward"]
+__all__ = ["LaunchConfig", "route_launched", "route_triton", "weights_backward"]
 
 
-# Launch-configuration overrides for benchmarks/tuning: keys "BLOCK_T", "num_warps", "ALGO".
-CONFIG_OVERRIDE: dict[str, int] = {}
+class LaunchConfig(NamedTuple):
+    """How the routing kernel is launched, given per call by the benchmark's sweep and the tests of its
+    top-k algorithms (:func:`route_launched`); every call of the library takes the defaults. ``algo``:
+    the kernel's ``ALGO`` (0: ``tl.topk`` on packed keys; 1: iterative top-k on int64 keys; 2: on two
+    int32 reductions; 3: on truncated int32 keys with verification and fallback); ``block_t``: tokens
+    per program; ``num_warps``: 0 = 1 up to 512 padded experts, else 4."""
+
+    algo: int = 3
+    block_t: int = 2
+    num_warps: int = 0
 
 
-def _launch_config(ep: int) -> tuple[int, int, int]:
-    """(BLOCK_T, num_warps, ALGO) for a padded expert count ``ep``."""
-    block_t = CONFIG_OVERRIDE.get("BLOCK_T", 2)
-    num_warps = CONFIG_OVERRIDE.get("num_warps", 1 if ep <= 512 else 4)
-    algo = CONFIG_OVERRIDE.get("ALGO", 3)
-    return block_t, num_warps, algo
+_DEFAULT_LAUNCH = LaunchConfig()
+
+
+def _launch_config(ep: int, launch: Optional[list[int]]) -> tuple[int, int, int]:
+    """(BLOCK_T, num_warps, ALGO) for a padded expert count ``ep``; ``launch``: a :class:`LaunchConfig`
+    as a list (how it crosses the custom op), None for the defaults."""
+    algo, block_t, num_warps = _DEFAULT_LAUNCH if launch is None else launch
+    return block_t, num_warps or (1 if ep <= 512 else 4), algo
 
 
 def _launch(
@@ -48,10 +58,12 @@ def _launch(
     topk_group: int,
     scale: float,
     check_replay: bool = False,
+    launch: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and run the routing kernel once (no validation). ``check_replay``: the
     kernel also checks ``replay_ids`` on the device, into the error mailbox (:mod:`._id_mailbox`), after
-    raising the error an earlier call left there."""
+    raising the error an earlier call left there. ``launch``: a :class:`LaunchConfig` (None: the
+    defaults)."""
     from replaymoe._launch import fast
     from replaymoe.routing._kernel import route_kernel
 
@@ -69,7 +81,7 @@ def _launch(
         check = dict(err_ptr=mailbox(index), CHECK_REPLAY=True)
     gs = num_experts // n_group
     ngp, gsp = next_power_of_2(n_group), next_power_of_2(gs)
-    block_t, num_warps, algo = _launch_config(ngp * gsp)
+    block_t, num_warps, algo = _launch_config(ngp * gsp, launch)
     flags = KERNEL_FLAGS[method]
     grid = ((num_tokens + block_t - 1) // block_t,)
     fast(route_kernel)[grid](
@@ -110,7 +122,7 @@ _route_op = torch.library.custom_op("replaymoe::route", mutates_args=("routing_r
 @_route_op.register_fake
 def _route_op_fake(
     router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale,
-    check_replay=False,
+    check_replay=False, launch=None,
 ):  # fmt: skip
     t = router_logits.shape[0]
     return (
@@ -119,14 +131,14 @@ def _route_op_fake(
     )
 
 
-def _op_args(router_logits, bias, replay_ids, routing_replay_out, p: Params) -> tuple:
+def _op_args(router_logits, bias, replay_ids, routing_replay_out, p: Params, launch=None) -> tuple:
     """The arguments of :func:`_launch` / ``replaymoe::route`` / :class:`RouteFunction`, in order."""
     return (router_logits, bias, replay_ids, routing_replay_out, p.top_k, int(p.method), p.n_group,
-            p.topk_group, p.scale, p.check_replay)  # fmt: skip
+            p.topk_group, p.scale, p.check_replay, None if launch is None else list(launch))  # fmt: skip
 
 
-def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params):
-    args = _op_args(router_logits, bias, replay_ids, routing_replay_out, p)
+def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params, launch=None):
+    args = _op_args(router_logits, bias, replay_ids, routing_replay_out, p, launch)
     if torch.compiler.is_compiling():
         return torch.ops.replaymoe.route(*args)
     return _launch(*args)  # eager: skip the custom-op dispatch overhead, same code
@@ -168,7 +180,7 @@ def _grad_kernel_ok(router_logits: torch.Tensor) -> bool:
     most 4096 experts."""
     if router_logits.dim() != 2 or router_logits.shape[1] > 4096:
         return False
-    return router_logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return router_logits.is_cuda or INTERPRET
 
 
 def _grad_launch(
@@ -211,10 +223,10 @@ class RouteFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale,
-        check_replay,
+        check_replay, launch,
     ):  # fmt: skip
         p = Params(RoutingMethod(method), top_k, n_group, topk_group, scale, check_replay)
-        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
+        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p, launch)
         ctx.save_for_backward(router_logits, ids)
         ctx.method, ctx.scale = method, scale
         ctx.mark_non_differentiable(ids)
@@ -224,7 +236,7 @@ class RouteFunction(torch.autograd.Function):
     def backward(ctx, grad_ids, grad_w):
         router_logits, ids = ctx.saved_tensors
         gx = weights_backward(router_logits, ids, grad_w, ctx.method, ctx.scale)
-        return gx, None, None, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None, None, None
 
 
 def route_triton(
@@ -233,9 +245,39 @@ def route_triton(
     bias: Optional[torch.Tensor],
     routing_replay_out: Optional[torch.Tensor],
     replay_ids: Optional[torch.Tensor],
+    launch: Optional[LaunchConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton backend of :func:`replaymoe.routing.route_unchecked`; ``launch``: how the kernel is
+    launched (None: the defaults; :func:`route_launched`)."""
     if torch.is_grad_enabled() and router_logits.requires_grad:
-        ids, weights = RouteFunction.apply(*_op_args(router_logits, bias, replay_ids, routing_replay_out, p))
+        args = _op_args(router_logits, bias, replay_ids, routing_replay_out, p, launch)
+        ids, weights = RouteFunction.apply(*args)
     else:
-        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p)
+        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p, launch)
     return ids, weights
+
+
+def route_launched(
+    launch: LaunchConfig,
+    router_logits: torch.Tensor,
+    top_k: Optional[int] = None,
+    method: Optional[RoutingMethod] = None,
+    *,
+    routing=None,
+    bias: Optional[torch.Tensor] = None,
+    n_group: Optional[int] = None,
+    topk_group: Optional[int] = None,
+    routed_scaling_factor: Optional[float] = None,
+    routing_replay_out: Optional[torch.Tensor] = None,
+    replay_ids: Optional[torch.Tensor] = None,
+    check_replay: bool = True,
+):
+    """:func:`replaymoe.routing.route` on the Triton backend with the kernel launched as ``launch`` says
+    (the routing benchmark's sweep of launch configurations, the tests of every top-k algorithm): the
+    same validation, the same :class:`~replaymoe.routing.RoutingOutput`."""
+    from . import RoutingOutput, as_routing
+    from ._checks import validate
+
+    r = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    p, replay_ids = validate(router_logits, r, routing_replay_out, replay_ids, check_replay, defer=True)
+    return RoutingOutput(*route_triton(router_logits, p, r.bias, routing_replay_out, replay_ids, launch))

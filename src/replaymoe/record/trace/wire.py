@@ -38,7 +38,16 @@ import numpy as np
 from ..._validation import check_choice, check_int, fail
 from .file import TraceFormatError
 
-__all__ = ["encode_vllm", "decode_vllm", "select_moe_layers", "check_rows", "encode_sglang", "decode_sglang"]
+__all__ = [
+    "b64decode_field",
+    "check_rows",
+    "decode_sglang",
+    "decode_vllm",
+    "encode_sglang",
+    "encode_vllm",
+    "routes_array",
+    "select_moe_layers",
+]
 
 T = TypeVar("T")
 
@@ -265,7 +274,7 @@ def decode_sglang(
             dtype = str(meta["routed_experts_dtype"]).removeprefix("torch.")
             check_choice("meta_info.routed_experts_dtype", dtype, _SGLANG_DTYPES)
     check_choice("dtype", dtype, _SGLANG_DTYPES)
-    raw = _b64decode(b64, "SGLang routed_experts")
+    raw = b64decode_field(b64, "SGLang routed_experts")
     itemsize = np.dtype(dtype).itemsize
     row = num_layers * top_k
     if len(raw) % (itemsize * row):
@@ -298,7 +307,7 @@ def decode_sglang(
     )
 
 
-def _b64decode(b64: Any, what: str) -> bytes:
+def b64decode_field(b64: Any, what: str) -> bytes:
     if isinstance(b64, str):
         if not b64.isascii():
             raise TraceFormatError(f"{what}: invalid base64 (non-ASCII characters)")
@@ -321,14 +330,14 @@ def _decode_npy(raw: bytes, what: str) -> np.ndarray:
     return arr
 
 
-def _routes_array(value: Any, what: str) -> np.ndarray:
+def routes_array(value: Any, what: str) -> np.ndarray:
     """One vLLM routed-experts field (base64 .npy, raw .npy bytes, array or nested list) -> array."""
     if isinstance(value, np.ndarray):
         arr = value
     elif isinstance(value, (bytes, bytearray)) and bytes(value[:6]) == b"\x93NUMPY":
         arr = _decode_npy(bytes(value), what)
     elif isinstance(value, (str, bytes, bytearray)):
-        arr = _decode_npy(_b64decode(value, what), what)
+        arr = _decode_npy(b64decode_field(value, what), what)
     elif isinstance(value, list):
         arr = np.asarray(value)
         if arr.size == 0:
@@ -358,7 +367,7 @@ def _parse_vllm_obj(obj: Any) -> np.ndarray | Mapping[str, Any]:
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"vLLM response: invalid JSON ({e})") from e
         return parsed
-    return _routes_array(obj, "vLLM routed_experts")
+    return routes_array(obj, "vLLM routed_experts")
 
 
 def _token_list(value: Any, what: str) -> list[int] | None:
@@ -406,7 +415,7 @@ def _vllm_dict_ids(
         )
     parts = []
     if legacy_prompt is not None:
-        p = _routes_array(legacy_prompt, "vLLM prompt_routed_experts")
+        p = routes_array(legacy_prompt, "vLLM prompt_routed_experts")
         if prompt_ids is not None and p.shape[0] != len(prompt_ids) - start:
             raise TraceFormatError(
                 f"vLLM prompt_routed_experts has {p.shape[0]} rows but the prompt has "
@@ -414,7 +423,7 @@ def _vllm_dict_ids(
             )
         parts.append(p)
     if completion is not None:
-        parts.append(_routes_array(completion, "vLLM routed_experts"))
+        parts.append(routes_array(completion, "vLLM routed_experts"))
     parts = [p for p in parts if p.shape[0] > 0] or parts[:1]
     if len(parts) == 2 and parts[0].shape[1:] != parts[1].shape[1:]:
         raise TraceFormatError(
