@@ -681,22 +681,22 @@ def _count_descs(monkeypatch):
     """Record the TMA descriptors ``_launch`` makes (None where it falls back to pointer loads)."""
 
     made = []
-    real = moe_fwd._rows_desc
+    real = moe_fwd.rows_desc
 
     def spy(*a):
         d = real(*a)
         made.append(d)
         return d
 
-    monkeypatch.setattr(moe_fwd, "_rows_desc", spy)
+    monkeypatch.setattr(moe_fwd, "rows_desc", spy)
     return made
 
 
 def _descs_expected(cfg) -> int:
     """Descriptors a TMA tile-mode ``_launch`` makes: w13, w2 and the SwiGLU rows, plus those rows with
-    half-height blocks where half tiles apply (configs._half_tiles)."""
+    half-height blocks where half tiles apply (configs.uses_half_tiles)."""
 
-    return 3 + cfgs._half_tiles(cfg, False)
+    return 3 + cfgs.uses_half_tiles(cfg, False)
 
 
 def _tma_pair(x, w13, w2, ids, wts, cfg, monkeypatch, *, offset=0, variant=None):
@@ -1327,8 +1327,8 @@ def test_half_tiles_argument_overrides_process_default(half, default, generator,
     assert_close(out, fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts), dtype=torch.float32)
     if half is None:  # the backward's configuration the same way
         c = dataclasses.replace(cfgs.moe_bwd_config(T, 1, H, I, E), block_m=32)
-        assert cfgs._half_tiles(c, False) is default
-        assert cfgs._half_tiles(dataclasses.replace(c, half_tiles=not default), False) is (not default)
+        assert cfgs.uses_half_tiles(c, False) is default
+        assert cfgs.uses_half_tiles(dataclasses.replace(c, half_tiles=not default), False) is (not default)
 
 
 @pytest.mark.interpret
@@ -1369,10 +1369,10 @@ def test_pdl_argument_overrides_process_default(pdl, default, monkeypatch):
     monkeypatch.setitem(cfgs._HOPPER_DEVICES, hopper, True)  # as a Hopper GPU would
     direct = MoEConfig(True, 16, 32, 128, 4, 4, 32, 128, 4, 4, pdl=pdl)
     want = default if pdl is None else pdl
-    assert cfgs._pdl(direct, False, hopper) is want
-    assert not cfgs._pdl(direct, True, hopper)  # fp8
-    assert not cfgs._pdl(direct, False, torch.device("cpu"))  # no PDL in the interpreter / on CPU
-    assert not cfgs._pdl(dataclasses.replace(direct, direct=False), False, hopper)  # tile mode
+    assert cfgs.uses_pdl(direct, False, hopper) is want
+    assert not cfgs.uses_pdl(direct, True, hopper)  # fp8
+    assert not cfgs.uses_pdl(direct, False, torch.device("cpu"))  # no PDL in the interpreter / on CPU
+    assert not cfgs.uses_pdl(dataclasses.replace(direct, direct=False), False, hopper)  # tile mode
 
 
 @pytest.mark.parametrize(
@@ -1396,8 +1396,8 @@ def test_swap_ab_applies_where_the_bits_stay(change, takes):
     # MoEConfig.swap_ab (None: on for the invariant decode) takes the swapped kernels only where each
     # dot keeps >= 64 weight rows and 128-deep K chunks; never for bf16
     c = dataclasses.replace(cfgs.moe_config(1, 8, 2048, 768, 128, fp8=True), **change)
-    assert cfgs._swap_ab(c, True) is takes
-    assert not cfgs._swap_ab(c, False)
+    assert cfgs.swaps_ab(c, True) is takes
+    assert not cfgs.swaps_ab(c, False)
 
 
 SWAP_CASES = [
@@ -1432,7 +1432,7 @@ def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, gen
     lo, hi = sl
     configs = (MoEConfig(bm == 0, 64, 128, 128, 4, 2, 128, 128, 4, 2, swap_ab=False),
                MoEConfig(bm == 0, bm or 64, n1, 128, 4, 2, n2, 128, 4, 2, swap_ab=True))  # fmt: skip
-    assert cfgs._swap_ab(configs[1], True)
+    assert cfgs.swaps_ab(configs[1], True)
     outs = []
     for c in configs:
         out = poison(torch.empty(T, H, dtype=torch.bfloat16))
@@ -1516,7 +1516,7 @@ def test_triton_interpreter_fused_reduce_matches_reduce_kernel(dtype, T, H, K, s
     monkeypatch.setattr(moe_fwd, "_tickets", poisoned_tickets)
     block = (64, 128, 128) if fp8 else (16, 32, 32)
     base = MoEConfig(True, block[0], block[1], block[2], 4, 2, n2, block[2], 4, 2, swap_ab=swap or None)
-    assert cfgs._fused_reduce(base) and cfgs._swap_ab(base, fp8) is swap
+    assert cfgs.uses_fused_reduce(base) and cfgs.swaps_ab(base, fp8) is swap
     outs = []
     for fused in (False, True):
         out = poison(torch.empty(T, H, dtype=torch.bfloat16 if fp8 else dtype))
@@ -1616,17 +1616,18 @@ def test_triton_interpreter_merged_slots_leaders():
 def test_merge_slots_rule(T, K, dims, fp8, want):
     H, I, E = dims  # noqa: E741
     c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2)
-    assert cfgs._merge_slots(c, T, K, H, I, E, fp8) is want
-    assert not cfgs._merge_slots(dataclasses.replace(c, merge_slots=False), T, K, H, I, E, fp8)
-    forced = cfgs._merge_slots(dataclasses.replace(c, merge_slots=True), T, K, H, I, E, fp8)
+    assert cfgs.merges_slots(c, T, K, H, I, E, fp8) is want
+    assert not cfgs.merges_slots(dataclasses.replace(c, merge_slots=False), T, K, H, I, E, fp8)
+    forced = cfgs.merges_slots(dataclasses.replace(c, merge_slots=True), T, K, H, I, E, fp8)
     assert forced is (T >= 2 and T * K <= cfgs.MERGE_MAX_SLOTS)  # the switch, within the mode's reach
-    assert not cfgs._merge_slots(dataclasses.replace(c, direct=False, merge_slots=True), T, K, H, I, E, fp8)
+    assert not cfgs.merges_slots(dataclasses.replace(c, direct=False, merge_slots=True), T, K, H, I, E, fp8)
 
 
 def test_fused_reduce_only_in_direct_mode():
     c = MoEConfig(True, 16, 32, 32, 4, 2, 32, 32, 4, 2)
-    assert cfgs._fused_reduce(c) and not cfgs._fused_reduce(dataclasses.replace(c, fused_reduce=False))
-    assert not cfgs._fused_reduce(dataclasses.replace(c, direct=False, fused_reduce=True))  # tile mode
+    assert cfgs.uses_fused_reduce(c)
+    assert not cfgs.uses_fused_reduce(dataclasses.replace(c, fused_reduce=False))
+    assert not cfgs.uses_fused_reduce(dataclasses.replace(c, direct=False, fused_reduce=True))  # tile mode
 
 
 @pytest.mark.gpu

@@ -57,7 +57,7 @@ from ._forward import STANDARD, ExpertsVariant, experts_triton
 from ._reference import ClampedSwiGLU as ClampedSwiGLU  # re-exported: replaymoe.moe.ClampedSwiGLU
 from ._reference import experts_backward_torch as experts_backward_torch  # re-exported
 from ._reference import experts_torch
-from ._validate import _ACT_DTYPES, _REF_DTYPES, _check_activation, _validate
+from ._validate import ACT_DTYPES, REF_DTYPES, check_activation, validate_call
 from .configs import MoEBwdConfig as MoEBwdConfig  # re-exported: replaymoe.moe.MoEBwdConfig
 from .configs import MoEConfig as MoEConfig  # re-exported: replaymoe.moe.MoEConfig
 from .configs import moe_bwd_config as moe_bwd_config  # re-exported: replaymoe.moe.moe_bwd_config
@@ -295,7 +295,7 @@ def fused_moe(
         fail("check_ids", "a bool", type(check_ids).__name__, what="type")
     on_cuda = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda
     use_triton = backend == "triton" or (backend == "auto" and on_cuda)
-    p = _validate(
+    p = validate_call(
         hidden_states,
         w13,
         w2,
@@ -320,7 +320,7 @@ def fused_moe(
         w13_bias=w13_bias,
         w2_bias=w2_bias,
         gate_up_layout=gate_up_layout,
-        act_dtypes=_ACT_DTYPES if use_triton else _REF_DTYPES,
+        act_dtypes=ACT_DTYPES if use_triton else REF_DTYPES,
         check_ids=check_ids,
         triton=use_triton,
     )
@@ -475,7 +475,7 @@ class MoELayer(nn.Module):
         expert_bias: bool = False,
     ) -> None:
         super().__init__()
-        _check_activation(activation)
+        check_activation(activation)
         if not isinstance(expert_bias, bool):
             fail("expert_bias", "a bool", type(expert_bias).__name__, what="type")
         self.activation = activation

@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._launch import cdiv, fast, next_power_of_2
-from ._forward import STANDARD, ExpertsVariant, _bias_args, _descriptor, _launch, _rows_desc
+from ._forward import STANDARD, ExpertsVariant, _launch, bias_args, rows_desc, tma_descriptor
 from .configs import (
     MoEBwdConfig,
     MoEConfig,
-    _half_tiles,
-    _sm_count,
     config_from_list,
     config_tuple,
     dw_tma_ok,
     moe_bwd_config,
     moe_config,
+    sm_count,
     tma_ok,
+    uses_half_tiles,
 )
 from .tuned import table_for
 
@@ -294,7 +294,7 @@ def _dw_desc(t: torch.Tensor, rows: int, block: list[int]):
         or block[-1] * item < 16
     ):
         return None
-    return _descriptor(t, [rows, t.shape[-1]], [row_stride, 1], block)
+    return tma_descriptor(t, [rows, t.shape[-1]], [row_stride, 1], block)
 
 
 def launch_bwd(
@@ -359,7 +359,7 @@ def launch_bwd(
     dout = dout.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.contiguous()
-    b13_args = _bias_args(b13, w13)
+    b13_args = bias_args(b13, w13)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     if layout is not None and layout.block_m == c.block_m and layout.cluster == 1:
         lay = layout
@@ -379,7 +379,7 @@ def launch_bwd(
                 saved.stride(0), saved.stride(0), DIRECT=False, FP8=False, PREQ_X=False, PREQ=False,
                 SAVE_H=True, STORE_ACT=False, HAS_BIAS=b13 is not None, INTERLEAVED=v.interleaved, ACT=v.act,
                 EVEN_K=H % bk1 == 0, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=c.group_m,
-                DOT_PREC=prec, HALF_TILES=_half_tiles(c, False), num_warps=8 if bm >= 128 else 4,
+                DOT_PREC=prec, HALF_TILES=uses_half_tiles(c, False), num_warps=8 if bm >= 128 else 4,
                 num_stages=4 if bm >= 64 else 3,
             )  # fmt: skip
     dh = torch.empty(slots, two_i, dtype=x.dtype, device=dev)
@@ -394,13 +394,13 @@ def launch_bwd(
         dob2 = (dout.float() @ b2.float().t()).gather(1, torch.where(local, ids - offset, 0).long())
         dwp[:, nb] = torch.where(local, dob2, 0.0).reshape(-1)
     if num_pid_m:
-        w2_desc = _rows_desc(w2, c.bk_a, c.bn_a) if c.gemm_tma and H % c.bk_a == 0 else None
+        w2_desc = rows_desc(w2, c.bk_a, c.bn_a) if c.gemm_tma and H % c.bk_a == 0 else None
         fast(moe_bwd_da_kernel)[(num_pid_m * cdiv(I, c.bn_a),)](
             dout, w2, dh, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m, H, I,
             K, slots, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), dh.stride(0),
             INTERLEAVED=v.interleaved, EVEN_K=H % c.bk_a == 0, BLOCK_M=bm, BLOCK_N=c.bn_a, BLOCK_K=c.bk_a,
             GROUP_M=c.group_m, DOT_PREC=prec, TMA=w2_desc is not None, w_desc=w2_desc,
-            HALF_TILES=_half_tiles(c, False), num_warps=c.warps_a, num_stages=c.stages_a,
+            HALF_TILES=uses_half_tiles(c, False), num_warps=c.warps_a, num_stages=c.stages_a,
         )  # fmt: skip
         br = 16
         fast(moe_bwd_swiglu_kernel)[(cdiv(slots, br), nb)](
@@ -462,7 +462,7 @@ def launch_bwd(
         if a_desc is None or b_desc is None:
             return False
         tiles = E_local * cdiv(m, c.bm_w) * cdiv(n, c.bn_w)
-        progs = min(_sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
+        progs = min(sm_count(dev) if c.dw_progs < 0 else c.dw_progs, tiles) if c.dw_progs else 0
         # an expert's partial last chunk in 16-row pieces (the narrowest dot) on the tile grid; the
         # persistent grid keeps one masked full chunk, where the pieces lost (docs/TUNING.md, "The dW
         # tail in 16-row pieces")
@@ -485,10 +485,10 @@ def launch_bwd(
         dx = (torch.empty if num_pid_m else torch.zeros)(T, H, dtype=x.dtype, device=dev)  # reduce writes all
         if num_pid_m:
             dxs = torch.empty(slots, H, dtype=x.dtype, device=dev)
-            w13_desc = _rows_desc(w13, c.bk_x, c.bn_x) if c.gemm_tma and two_i % c.bk_x == 0 else None
-            dh_desc = _rows_desc(dh, bm, c.bk_x) if w13_desc is not None else None
-            half = _half_tiles(c, False)
-            dh_desc_half = _rows_desc(dh, bm // 2, c.bk_x) if half and dh_desc is not None else None
+            w13_desc = rows_desc(w13, c.bk_x, c.bn_x) if c.gemm_tma and two_i % c.bk_x == 0 else None
+            dh_desc = rows_desc(dh, bm, c.bk_x) if w13_desc is not None else None
+            half = uses_half_tiles(c, False)
+            dh_desc_half = rows_desc(dh, bm // 2, c.bk_x) if half and dh_desc is not None else None
             fast(moe_bwd_dx_kernel)[(num_pid_m * cdiv(H, c.bn_x),)](
                 dh, w13, dxs, lay.sorted_slots, lay.tile_expert, cl.expert_shift, lay.num_tiles, num_pid_m,
                 H, two_i, slots, dh.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), dxs.stride(0),

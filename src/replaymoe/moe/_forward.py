@@ -18,15 +18,15 @@ from .._validation import is_capturing
 from ..routing._id_mailbox import mailbox, raise_pending
 from .configs import (
     MoEConfig,
-    _fused_reduce,
-    _half_tiles,
-    _merge_slots,
-    _pdl,
-    _swap_ab,
     config_from_list,
     config_tuple,
+    merges_slots,
     moe_config,
+    swaps_ab,
     tma_ok,
+    uses_fused_reduce,
+    uses_half_tiles,
+    uses_pdl,
 )
 from .tuned import table_for
 
@@ -61,7 +61,7 @@ class ExpertsVariant:
 STANDARD = ExpertsVariant()
 
 
-def _bias_args(b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+def bias_args(b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
     """(pointer, stride_be, stride_bn) of an optional bias (a dummy pointer and zero strides)."""
     return (dummy, 0, 0) if b is None else (b, b.stride(0), b.stride(1))
 
@@ -144,7 +144,7 @@ def _(
 _TMA_MAX_BOX = 256  # TMA: at most 256 elements along each dimension of a block
 
 
-def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
+def rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
     """A TMA descriptor of ``t`` ([E, N, K] viewed as [E*N, K], or [R, K]) with blocks
     [block_rows, block_k], or None where TMA cannot read it: not bf16/fp16/fp32, K not unit-stride, the
     rows not one uniform stride, rows or base not 16-byte aligned, or a block over TMA's limits."""
@@ -165,10 +165,10 @@ def _rows_desc(t: torch.Tensor, block_rows: int, block_k: int):
         or (block_k * item) % 16
     ):
         return None
-    return _descriptor(t, [rows, t.shape[-1]], [row_stride, 1], [block_rows, block_k])
+    return tma_descriptor(t, [rows, t.shape[-1]], [row_stride, 1], [block_rows, block_k])
 
 
-def _descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
+def tma_descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
     """``TensorDescriptor(t, shape, strides, block)`` for arguments the callers have checked (16-byte
     aligned base and rows, unit stride along the last dimension, blocks of at most 256 elements),
     without its constructor's checks where the rest holds (a few microseconds per launch: every eager
@@ -247,7 +247,7 @@ def _launch(
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
         num_pid_m = lay.max_tiles
         rows = max(lay.sorted_slots.shape[0], 1)
-    if _swap_ab(c, fp8):
+    if swaps_ab(c, fp8):
         tiles = None if c.direct else lay
         direct_check = check if c.direct else None  # tile mode: the layout checked them
         _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, c, tiles, xq_xs,
@@ -270,15 +270,15 @@ def _launch(
         return
     # decode: GEMM1 -> GEMM2 -> reduce as programmatic dependent launches (Hopper; c.pdl, opt-in), so
     # that GEMM2 prefetches its weights while GEMM1 finishes and no launch gap separates the three
-    pdl = _pdl(c, fp8, dev)
+    pdl = uses_pdl(c, fp8, dev)
     ticket, cnt, n_cnt = _tickets(c, T, H, ids)
-    merge, scan = _merge_slots(c, T, K, H, I, E_local, fp8), _scan_width(slots)
+    merge, scan = merges_slots(c, T, K, H, I, E_local, fp8), _scan_width(slots)
     grid1 = (num_pid_m * cdiv(I, c.block_n1),)
     save = saved is not None and saved.numel() > 0
     h_buf = saved if save else inter
-    b13, b13_se, b13_sn = _bias_args(v.w13_bias, w13)
+    b13, b13_se, b13_sn = bias_args(v.w13_bias, w13)
     tma = c.tma and not c.direct and not fp8
-    w13_desc = _rows_desc(w13, c.block_n1 * (2 if v.interleaved else 1), c.block_k1) if tma else None
+    w13_desc = rows_desc(w13, c.block_n1 * (2 if v.interleaved else 1), c.block_k1) if tma else None
     fast(moe_gemm1_kernel)[grid1](
         xq, xs, w13, s13, b13, inter, inter_s, h_buf, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, H,
         I, K, slots, offset, E_local, float(v.alpha), float(v.limit), xq.stride(0), w13.stride(0),
@@ -286,17 +286,17 @@ def _launch(
         DIRECT=c.direct, FP8=fp8, PREQ_X=fp8, PREQ=preq, SAVE_H=save, STORE_ACT=True,
         HAS_BIAS=v.w13_bias is not None, INTERLEAVED=v.interleaved, ACT=v.act, EVEN_K=H % c.block_k1 == 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, GROUP_M=c.group_m, DOT_PREC=prec,
-        PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=_half_tiles(c, fp8),
+        PDL=pdl, TMA=w13_desc is not None, w_desc=w13_desc, HALF_TILES=uses_half_tiles(c, fp8),
         num_warps=c.warps1, num_stages=c.stages1, launch_pdl=pdl, cnt_ptr=cnt, num_cnt_n=n_cnt, TICKET=ticket,
         MERGE=merge, SCAN=scan, **(check if check is not None and c.direct else _NO_CHECK),
     )  # fmt: skip
     y = torch.empty(slots, H, dtype=out.dtype, device=dev)
     grid2 = (num_pid_m * cdiv(H, c.block_n2),)
-    b2, b2_se, b2_sn = _bias_args(v.w2_bias, w2)
-    w2_desc = _rows_desc(w2, c.block_n2, c.block_k2) if tma else None
-    inter_desc = _rows_desc(inter, c.block_m, c.block_k2) if w2_desc is not None else None
-    half = _half_tiles(c, fp8)
-    inter_desc_half = _rows_desc(inter, c.block_m // 2, c.block_k2) if half and inter_desc else None
+    b2, b2_se, b2_sn = bias_args(v.w2_bias, w2)
+    w2_desc = rows_desc(w2, c.block_n2, c.block_k2) if tma else None
+    inter_desc = rows_desc(inter, c.block_m, c.block_k2) if w2_desc is not None else None
+    half = uses_half_tiles(c, fp8)
+    inter_desc_half = rows_desc(inter, c.block_m // 2, c.block_k2) if half and inter_desc else None
     fast(moe_gemm2_kernel)[grid2](
         inter, inter_s, w2, s2, b2, y, ids, wts, sorted_slots, tile_expert, num_tiles, num_pid_m, H, I, slots,
         offset, E_local, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *s2_strides, b2_se,
@@ -338,7 +338,7 @@ def _tickets(c: MoEConfig, T: int, H: int, ids: torch.Tensor) -> tuple[bool, tor
     """(on, cnt, n): whether GEMM2 sums the top-k itself (:attr:`MoEConfig.fused_reduce`), and its
     tickets, ``cnt`` int32 [T, n] for GEMM2's ``n`` column blocks (left uninitialized: GEMM1 zeroes
     them; ``ids`` as a dummy pointer when off)."""
-    if not _fused_reduce(c):
+    if not uses_fused_reduce(c):
         return False, ids, 0
     n = cdiv(H, c.block_n2)
     return True, torch.empty(T, n, dtype=torch.int32, device=ids.device), n
@@ -411,7 +411,7 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
     inter = torch.empty(rows, I, dtype=_FP8 if preq else torch.bfloat16, device=dev)
     inter_s = torch.empty(rows, I // 128, dtype=torch.float32, device=dev) if preq else inter
     ticket, cnt, n_cnt = _tickets(c, T, H, ids)
-    merge, scan = _merge_slots(c, T, K, H, I, E_local, True), _scan_width(slots)
+    merge, scan = merges_slots(c, T, K, H, I, E_local, True), _scan_width(slots)
     fast(moe_gemm1_swapped_fp8_kernel)[(num_pid_m * (I // c.block_n1),)](
         xq, xs, w13, w13_scale, inter, inter_s, ids, sorted_slots, tile_expert, num_tiles, num_pid_m, slots,
         H, I, K, offset, E_local, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),

@@ -58,7 +58,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernel_fwd import _grouped_pid
+from ._kernel_fwd import grouped_pid
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def moe_bwd_da_kernel(
     row's dot does not depend on the tile height, so the same bits."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if HALF_TILES:  # real rows come first in a tile, padding markers (>= num_slots) after them
         if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
             _bwd_da_tile(pid_m, pid_n, dout_ptr, w2_ptr, da_ptr, sorted_ptr, tile_expert_ptr,
@@ -304,7 +304,7 @@ def moe_bwd_dx_kernel(
     tile height, so the same bits."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if HALF_TILES:  # real rows come first in a tile, padding markers (>= num_slots) after them
         if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
             _bwd_dx_tile(pid_m, pid_n, dh_ptr, w13_ptr, dxs_ptr, sorted_ptr, tile_expert_ptr,
@@ -424,7 +424,7 @@ def moe_bwd_dw_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     per_e = num_m * num_n
     e = pid // per_e
-    pid_m, pid_n = _grouped_pid(pid % per_e, num_m, num_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(pid % per_e, num_m, num_n, GROUP_M)
     start = tl.load(starts_ptr + e)
     cnt = tl.load(counts_ptr + e)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -573,7 +573,7 @@ def _dw_tma_tile(
     num_n = tl.cdiv(N, BLOCK_N)
     per_e = num_m * num_n
     e = tile // per_e
-    pid_m, pid_n = _grouped_pid(tile % per_e, num_m, num_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(tile % per_e, num_m, num_n, GROUP_M)
     start = tl.load(starts_ptr + e)
     cnt = tl.load(counts_ptr + e)
     m0 = pid_m * BLOCK_M

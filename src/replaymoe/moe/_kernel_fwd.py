@@ -65,7 +65,7 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     group = GROUP_M * num_pid_n
     first_m = (pid // group) * GROUP_M
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -84,7 +84,7 @@ def _quant_rows(a):
 
 
 @triton.jit
-def _act(g, u, alpha, limit, ACT: tl.constexpr):
+def apply_act(g, u, alpha, limit, ACT: tl.constexpr):
     """The activation of fp32 gate / up accumulators (see the module docstring)."""
     if ACT == 1:
         g = tl.minimum(g, limit)
@@ -95,7 +95,7 @@ def _act(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n):
+def zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n):
     """Direct mode, GEMM1 (``TICKET``): the program of a token's first slot and first column block zeroes
     the token's ``num_cnt_n`` GEMM2 tickets ``cnt[t, :]`` (GEMM2 runs after GEMM1 on the stream, or
     waits for it as a dependent launch)."""
@@ -107,7 +107,7 @@ def _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n):
 
 
 @triton.jit
-def _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, n_ok, TOP_K, expert_offset,
+def ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, n_ok, TOP_K, expert_offset,
                 num_local, stride_ym, stride_om, KP: tl.constexpr, ARRIVE: tl.constexpr):  # fmt: skip
     """Direct mode, GEMM2's epilogue (``TICKET``): the top-k sum without the reduce kernel.
 
@@ -155,7 +155,7 @@ def _merged_slots(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, SCAN: tl.conste
 
 
 @triton.jit
-def _direct_rows(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, MERGE: tl.constexpr, SCAN: tl.constexpr):
+def direct_rows(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, MERGE: tl.constexpr, SCAN: tl.constexpr):
     """Direct mode: ``(lead, slots [ROWS], rows [ROWS])`` of slot ``pid_m``'s program: whether it computes
     a tile (always, unless ``MERGE``), the tile's slots (``num_slots``: padding) and their rows of the
     intermediate: the slot alone on row 0 (its row ``pid_m``), or with ``MERGE`` the slots of its expert
@@ -172,9 +172,9 @@ def _direct_rows(pid_m, ids_ptr, num_slots, ROWS: tl.constexpr, MERGE: tl.conste
 
 
 @triton.jit
-def _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, n_ok, num_slots, TOP_K,
+def ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, n_ok, num_slots, TOP_K,
                      expert_offset, num_local, stride_ym, stride_om, KP: tl.constexpr):  # fmt: skip
-    """``_ticket_sum`` with ``ARRIVE`` for a merged tile (``MERGE``): every real row (``slots`` [R], each
+    """``ticket_sum`` with ``ARRIVE`` for a merged tile (``MERGE``): every real row (``slots`` [R], each
     a different token's) counts itself on its token's ticket ``cnt[tok, pid_n]``, and the rows whose
     count completes their token's local slots sum that token's rows in k order into ``out[tok, rn]``:
     the same arithmetic, so the same bits."""
@@ -280,7 +280,7 @@ def moe_gemm1_kernel(
     computes only its first ``BLOCK_M // 2`` rows (the same bits: a row's dot does not depend on the
     tile height, bf16 / fp16 / fp32; fp8 keeps one tile height, see FP8_BLOCK_M).
 
-    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``_zero_tickets``).
+    ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n] (``zero_tickets``).
 
     ``MERGE`` (DIRECT): the slots that share an expert run as the rows of one tile (``_merged_slots``;
     ``SCAN``: ``num_slots`` rounded up to a power of two); rows are written per slot.
@@ -296,12 +296,12 @@ def moe_gemm1_kernel(
         gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if CHECK_IDS:
         if pid == 0:
             check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_ptr)
     if TICKET:
-        _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
+        zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     if HALF_TILES:  # rows are a tile's first entries, padding markers (>= num_slots) after them
         if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
             _gemm1_tile(pid_m, pid_n, x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, inter_ptr, inter_s_ptr,
@@ -394,7 +394,7 @@ def _gemm1_tile(
         e = slot0 - expert_offset
         if (e < 0) | (e >= num_local):
             return
-        lead, slots, out_rows = _direct_rows(pid_m, ids_ptr, num_slots, ROWS, MERGE, SCAN)
+        lead, slots, out_rows = direct_rows(pid_m, ids_ptr, num_slots, ROWS, MERGE, SCAN)
         if MERGE:
             if not lead:
                 return
@@ -492,7 +492,7 @@ def _gemm1_tile(
         tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=h_ok)
     if not STORE_ACT:
         return
-    h = _act(acc_g, acc_u, alpha, limit, ACT)
+    h = apply_act(acc_g, acc_u, alpha, limit, ACT)
     o_ptrs = inter_ptr + out_rows[:, None].to(tl.int64) * stride_im + rn[None, :]
     if PREQ:  # quantize the SwiGLU rows (rounded to bf16 first, as the reference) per 1x128 group
         tl.static_assert(BLOCK_N == 128)
@@ -575,17 +575,17 @@ def moe_gemm2_kernel(
     (``a_desc_half``: ``a_desc`` with ``BLOCK_M // 2``-row blocks); a row's dot does not depend on the
     tile height, so the same bits.
 
-    ``TICKET`` (DIRECT): also the top-k sum into ``out`` [T, H] (``_ticket_sum``; tickets ``cnt``
+    ``TICKET`` (DIRECT): also the top-k sum into ``out`` [T, H] (``ticket_sum``; tickets ``cnt``
     [T, cdiv(H, BLOCK_N)] zeroed by GEMM1; ``KP``: TOP_K rounded up to a power of two), so no reduce
     kernel runs. ``MERGE`` (DIRECT): as ``moe_gemm1_kernel``'s (a merged tile's program counts each of
-    its rows on its token's ticket, ``_ticket_sum_rows``)."""
+    its rows on its token's ticket, ``ticket_sum_rows``)."""
     tl.static_assert(DIRECT or not PDL)
     tl.static_assert(DIRECT or not TICKET)
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if HALF_TILES:  # real rows come first in a tile, padding markers (>= num_slots) after them
         if tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_slots:
             _gemm2_tile(pid_m, pid_n, inter_ptr, inter_s_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, ids_ptr,
@@ -694,11 +694,11 @@ def _gemm2_tile(
             if TICKET:
                 if pid_m % TOP_K == 0:  # a token without local slots gets zeros
                     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                    _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n,
+                    ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n,
                                 tl.cdiv(H, BLOCK_N), rn, rn < H, TOP_K, expert_offset, num_local, stride_ym,
                                 stride_om, KP, ARRIVE=False)  # fmt: skip
             return
-        lead, slots, rows = _direct_rows(pid_m, ids_ptr, num_slots, ROWS, MERGE, SCAN)
+        lead, slots, rows = direct_rows(pid_m, ids_ptr, num_slots, ROWS, MERGE, SCAN)
         if MERGE:
             if not lead:
                 return
@@ -751,17 +751,17 @@ def _gemm2_tile(
     tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
     if TICKET:
         if MERGE:  # the tile's leader counts every row (each its own token's)
-            _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, tl.cdiv(H, BLOCK_N), rn,
+            ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, tl.cdiv(H, BLOCK_N), rn,
                              n_ok, num_slots, TOP_K, expert_offset, num_local, stride_ym, stride_om,
                              KP)  # fmt: skip
         else:
-            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n,
+            ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n,
                         tl.cdiv(H, BLOCK_N), rn, n_ok, TOP_K, expert_offset, num_local, stride_ym, stride_om,
                         KP, ARRIVE=True)  # fmt: skip
 
 
 @triton.jit
-def _quant_group_block(x_ptr, q_ptr, s_ptr, t, gb, n_groups, stride_xm, G: tl.constexpr):
+def quant_group_block(x_ptr, q_ptr, s_ptr, t, gb, n_groups, stride_xm, G: tl.constexpr):
     """Row ``t`` (int64) of x, its ``G`` 1x128 groups of block ``gb``: q [T, n_groups * 128] = e4m3(x / s),
     s [T, n_groups] = amax / 448 (``_quant_rows``)."""
     gi = gb * G + tl.arange(0, G)
@@ -777,7 +777,7 @@ def _quant_group_block(x_ptr, q_ptr, s_ptr, t, gb, n_groups, stride_xm, G: tl.co
 def quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, G: tl.constexpr):
     """Per 1x128 group of each row: q = e4m3(x / s), s = amax / 448 (activations of the fp8 path)."""
     t = tl.program_id(0).to(tl.int64)
-    _quant_group_block(x_ptr, q_ptr, s_ptr, t, tl.program_id(1), n_groups, stride_xm, G)
+    quant_group_block(x_ptr, q_ptr, s_ptr, t, tl.program_id(1), n_groups, stride_xm, G)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from replaymoe.routing._kernel_ids import check_id_block
 
-from ._kernel_fwd import _quant_group_block
+from ._kernel_fwd import quant_group_block
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def layout_scatter_kernel(
             q = pid - layout_grid
             n_gb = tl.cdiv(n_groups, QG)
             t = (q // n_gb).to(tl.int64)
-            _quant_group_block(x_ptr, xq_ptr, xs_ptr, t, q % n_gb, n_groups, stride_xm, QG)
+            quant_group_block(x_ptr, xq_ptr, xs_ptr, t, q % n_gb, n_groups, stride_xm, QG)
             return
     ev = tl.arange(0, E_PAD)
     rows = tl.arange(0, NC_PAD)

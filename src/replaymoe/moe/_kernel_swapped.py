@@ -37,7 +37,7 @@ import triton.language as tl
 
 from replaymoe.routing._kernel_ids import check_all_ids
 
-from ._kernel_fwd import _act, _direct_rows, _grouped_pid, _ticket_sum, _ticket_sum_rows, _zero_tickets
+from ._kernel_fwd import apply_act, direct_rows, grouped_pid, ticket_sum, ticket_sum_rows, zero_tickets
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -63,7 +63,7 @@ def _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, nu
     rt = tl.arange(0, TN)
     if DIRECT:
         e = tl.load(ids_ptr + pid_m).to(tl.int32) - expert_offset
-        lead, slots, rows = _direct_rows(pid_m, ids_ptr, num_slots, TN, MERGE, SCAN)
+        lead, slots, rows = direct_rows(pid_m, ids_ptr, num_slots, TN, MERGE, SCAN)
         run = (e >= 0) & (e < num_local) & lead
     else:
         run = pid_m < tl.load(num_tiles_ptr)
@@ -132,12 +132,12 @@ def moe_gemm1_swapped_fp8_kernel(
     tl.static_assert(DIRECT or not TICKET)
     tl.static_assert(DIRECT or not CHECK_IDS)
     STACK: tl.constexpr = BLOCK_N < 64
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if CHECK_IDS:
         if tl.program_id(0) == 0:
             check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_ptr)
     if TICKET:
-        _zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
+        zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_slots,
                                         TOP_K, expert_offset, num_local, DIRECT, TN, MERGE, SCAN)  # fmt: skip
     if not run:
@@ -179,7 +179,7 @@ def moe_gemm1_swapped_fp8_kernel(
         a_ptrs += BLOCK_K
     if STACK:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, TN)), (1, 2, 0)))
-    h = _act(acc_g, acc_u, 0.0, 0.0, 0)
+    h = apply_act(acc_g, acc_u, 0.0, 0.0, 0)
     o_ptrs = inter_ptr + rows.to(tl.int64)[None, :] * stride_im + rn[:, None]
     if PREQ:
         hq, hs = _quant_cols(h.to(tl.bfloat16).to(tl.float32))  # rounded to bf16 first, as the reference
@@ -235,17 +235,17 @@ def moe_gemm2_swapped_fp8_kernel(
     per 1×128 group as it is loaded (GEMM1's ``PREQ`` arithmetic, so the same bits); w2 [E, H, I] e4m3
     with unit stride along I, ``ws`` [E, H // 128, I // 128] fp32; ``wts`` [T * K] fp32; y [T * K, H].
     BLOCK_N is 64 or 128; H and I are multiples of 128 (BLOCK_K). ``TICKET`` (DIRECT): also the top-k
-    sum into ``out`` [T, H], as ``moe_gemm2_kernel``'s (``_ticket_sum``), so no reduce kernel runs."""
+    sum into ``out`` [T, H], as ``moe_gemm2_kernel``'s (``ticket_sum``), so no reduce kernel runs."""
     tl.static_assert(DIRECT or not TICKET)
     num_pid_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_slots,
                                         TOP_K, expert_offset, num_local, DIRECT, TN, MERGE, SCAN)  # fmt: skip
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if not run:
         if TICKET:
             if pid_m % TOP_K == 0:  # a token without local slots gets zeros
-                _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n, num_pid_n,
+                ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, (pid_m // TOP_K).to(tl.int64), pid_n, num_pid_n,
                             rn, rn < H, TOP_K, expert_offset, num_local, stride_ym, stride_om, KP,
                             ARRIVE=False)  # fmt: skip
         return
@@ -273,9 +273,9 @@ def moe_gemm2_swapped_fp8_kernel(
     tl.store(o_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_ok[None, :])
     if TICKET:
         if MERGE:  # each column its own token's
-            _ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, rn < H, num_slots,
+            ticket_sum_rows(y_ptr, out_ptr, ids_ptr, cnt_ptr, slots, pid_n, num_pid_n, rn, rn < H, num_slots,
                              TOP_K, expert_offset, num_local, stride_ym, stride_om, KP)  # fmt: skip
         else:
             tok = (pid_m // TOP_K).to(tl.int64)
-            _ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
+            ticket_sum(y_ptr, out_ptr, ids_ptr, cnt_ptr, tok, pid_n, num_pid_n, rn, rn < H, TOP_K,
                         expert_offset, num_local, stride_ym, stride_om, KP, ARRIVE=True)  # fmt: skip

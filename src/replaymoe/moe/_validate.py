@@ -1,6 +1,6 @@
 """Validation of :func:`replaymoe.moe.fused_moe`'s arguments, once, at the public boundary.
 
-:func:`_validate` checks the tensors, their shapes, dtypes and devices and the options against each
+:func:`validate_call` checks the tensors, their shapes, dtypes and devices and the options against each
 other, and with routing inside (``router_logits``) runs the routing's own per-call checks
 (:func:`replaymoe.routing._checks.validate`) so that the routing after it (``route_unchecked``)
 checks nothing again. Caller-given ``topk_ids`` are checked by value unless ``check_ids`` is False
@@ -24,14 +24,14 @@ from ..routing._checks import validate as validate_routing
 from ..routing.methods import Params
 from ._reference import ClampedSwiGLU
 
-_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_REF_DTYPES = _ACT_DTYPES + (torch.float64,)  # torch backend only: fp64 is the gradient reference
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REF_DTYPES = ACT_DTYPES + (torch.float64,)  # torch backend only: fp64 is the gradient reference
 _ID_DTYPES = (torch.int32, torch.int64)
 _FP8 = torch.float8_e4m3fn
 GATE_UP_LAYOUTS = ("halves", "interleaved")
 
 
-def _check_activation(activation) -> None:
+def check_activation(activation) -> None:
     if not isinstance(activation, ClampedSwiGLU):
         if not isinstance(activation, str) or activation != "swiglu":
             fail("activation", "'swiglu' or a ClampedSwiGLU", repr(activation))
@@ -54,7 +54,7 @@ class _Problem:
     id_bound: int = 0  # E when the kernels check topk_ids on the device, else 0
 
 
-def _validate(
+def validate_call(
     hidden_states,
     w13,
     w2,
@@ -80,11 +80,11 @@ def _validate(
     w13_bias=None,
     w2_bias=None,
     gate_up_layout="halves",
-    act_dtypes=_ACT_DTYPES,
+    act_dtypes=ACT_DTYPES,
     check_ids=True,
     triton=True,
 ) -> _Problem:
-    _check_activation(activation)
+    check_activation(activation)
     check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
     check_tensor("hidden_states", hidden_states, ndim=2, dtype=act_dtypes)
     dev = hidden_states.device

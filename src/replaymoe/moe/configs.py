@@ -12,7 +12,7 @@ bit-neutral (the same results either way): :attr:`MoEConfig.tma`, :attr:`MoEConf
 default) and ``pdl`` (off) of :data:`replaymoe._switches.DEFAULTS` (``REPLAYMOE_TMA``,
 ``REPLAYMOE_HALF_TILES``, ``REPLAYMOE_PDL``), read here where a configuration is chosen
 (:func:`moe_config` through :func:`tma_ok`, :func:`moe_bwd_config` through :func:`dw_tma_ok`) or where a
-field is left ``None`` (:func:`_half_tiles`, :func:`_pdl`); a field given explicitly wins.
+field is left ``None`` (:func:`uses_half_tiles`, :func:`uses_pdl`); a field given explicitly wins.
 :func:`tma_ok`, :func:`dw_tma_ok` and :func:`_hopper` say what the device allows.
 """
 
@@ -54,18 +54,18 @@ class MoEConfig:
       64-row side and the tokens on its narrow side (a quarter of the MMA work of a 64-row tile with
       one real row at decode), which lets GEMM1 run 32- or 64-column blocks and tile mode run 16- or
       32-row tiles without changing bits; ``None``: on for the invariant decode (direct mode, 64-row
-      tiles), off elsewhere (:func:`_swap_ab`); :func:`moe_config`'s small-batch fp8 tiles set it.
+      tiles), off elsewhere (:func:`swaps_ab`); :func:`moe_config`'s small-batch fp8 tiles set it.
     * ``fused_reduce`` (direct mode): GEMM2 sums each token's rows itself instead of the reduce
       kernel: the program that finishes the last of a token's local slots for its column block (a
       per-token, per-block ticket, zeroed by GEMM1) reads the token's rows in k order and writes the
       sum, the reduce kernel's arithmetic (the same bits), one launch fewer; ``None``: on in the
-      direct mode (:func:`_fused_reduce`).
+      direct mode (:func:`uses_fused_reduce`).
     * ``merge_slots`` (direct mode): the slots that share an expert run as the rows of one tile (up to
       its height, in slot order), so that expert's weights are read once per tile instead of once per
       slot; the program of a tile's first slot computes it and the others of that expert exit. A row's
       dot does not depend on the tile's other rows, so the same bits. Up to :data:`MERGE_MAX_SLOTS`
       slots; ``None``: where the reads it saves pay for every program's scan of the batch's ids
-      (:func:`_merge_slots`).
+      (:func:`merges_slots`).
     """
 
     direct: bool
@@ -126,8 +126,8 @@ FP8_BLOCK_M = 64
 def fp8_invariant(c: MoEConfig) -> bool:
     """Whether fp8 configuration ``c`` keeps the batch-invariance guarantee: every dot is a wgmma of
     :data:`FP8_BLOCK_M` or more rows, either on :data:`FP8_BLOCK_M`-row token tiles or with the weights on
-    the MMA's rows (:func:`_swap_ab`: the direct mode's one token, or 16- / 32-row tiles on its N side)."""
-    return c.block_m == FP8_BLOCK_M or _swap_ab(c, True)
+    the MMA's rows (:func:`swaps_ab`: the direct mode's one token, or 16- / 32-row tiles on its N side)."""
+    return c.block_m == FP8_BLOCK_M or swaps_ab(c, True)
 
 
 class ConfigTable(Protocol):
@@ -354,7 +354,7 @@ def _bwd_heuristics(T: int, K: int, H: int, I: int, E_local: int, tma: bool) -> 
 # prefetch of weights larger than L2 reads them twice.
 
 
-def _pdl(c, fp8: bool, dev: torch.device) -> bool:
+def uses_pdl(c, fp8: bool, dev: torch.device) -> bool:
     """Configuration ``c``'s kernels run as programmatic dependent launches on ``dev``: ``c.pdl``
     (``None``: ``_switches.DEFAULTS.pdl``), direct mode, not fp8, a CUDA device of compute capability
     9.0 or newer, and not Triton's interpreter."""
@@ -362,7 +362,7 @@ def _pdl(c, fp8: bool, dev: torch.device) -> bool:
     return want and c.direct and not fp8 and _hopper(dev)
 
 
-def _swap_ab(c, fp8: bool) -> bool:
+def swaps_ab(c, fp8: bool) -> bool:
     """Configuration ``c`` runs the fp8 kernels with swapped operands (``_kernel_swapped.py``): fp8,
     128-deep K chunks in both GEMMs, GEMM1 on 32, 64 or 128 columns and GEMM2 on 64 or 128 (one weight
     scale per dot, and at least 64 weight rows per dot: Hopper's narrower fp8 MMA rounds differently);
@@ -390,7 +390,7 @@ MERGE_MAX_SLOTS = 256
 MERGE_MIN_SAVED_S = 6e-6
 
 
-def _merge_slots(c, T: int, K: int, H: int, I: int, E_local: int, fp8: bool) -> bool:  # noqa: E741
+def merges_slots(c, T: int, K: int, H: int, I: int, E_local: int, fp8: bool) -> bool:  # noqa: E741
     """Configuration ``c`` merges the slots that share an expert into one direct tile
     (:attr:`MoEConfig.merge_slots`) for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I:
     direct mode, 2 tokens or more (one token's top-k experts are distinct), at most
@@ -406,7 +406,7 @@ def _merge_slots(c, T: int, K: int, H: int, I: int, E_local: int, fp8: bool) -> 
     return repeats >= 1.0 and repeats * 3 * H * I * (1 if fp8 else 2) / _HBM_BYTES_PER_S >= MERGE_MIN_SAVED_S
 
 
-def _fused_reduce(c) -> bool:
+def uses_fused_reduce(c) -> bool:
     """Configuration ``c`` sums each token's rows in GEMM2 (:attr:`MoEConfig.fused_reduce`): direct mode
     only; ``None``: on there."""
     return c.direct and (c.fused_reduce is None or c.fused_reduce)
@@ -441,7 +441,7 @@ def tma_ok(dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
 # MoEConfig.half_tiles / MoEBwdConfig.half_tiles None (the default).
 
 
-def _half_tiles(c, fp8: bool) -> bool:
+def uses_half_tiles(c, fp8: bool) -> bool:
     """The tile kernels of configuration ``c`` (a :class:`MoEConfig` or :class:`MoEBwdConfig`) take
     HALF_TILES: ``c.half_tiles`` (``None``: ``_switches.DEFAULTS.half_tiles``), tile mode, not fp8,
     >= 32-row tiles."""
@@ -453,7 +453,7 @@ _HOPPER_DEVICES: dict = {}
 _SM_COUNTS: dict = {}
 
 
-def _sm_count(dev: torch.device) -> int:
+def sm_count(dev: torch.device) -> int:
     """Streaming multiprocessors of CUDA device ``dev`` (cached; 1 elsewhere)."""
     n = _SM_COUNTS.get(dev)
     if n is None:

@@ -30,13 +30,13 @@ from replaymoe.routing._kernel_ids import check_replay_tile
 
 # The weights formulas' branch numbers, from the method table (a plain int each, as Triton's constexpr
 # globals must be); the kernel reads a method's properties from its row's flags, never its name.
-_W_SOFTMAX_ALL = tl.constexpr(methods.W_SOFTMAX_ALL.kernel)
-_W_SOFTMAX_SELECTED = tl.constexpr(methods.W_SOFTMAX_SELECTED.kernel)
-_W_SIGMOID_SCALED = tl.constexpr(methods.W_SIGMOID_SCALED.kernel)
-_W_SIGMOID = tl.constexpr(methods.W_SIGMOID.kernel)
-_W_SOFTMAX_ALL_RENORM = tl.constexpr(methods.W_SOFTMAX_ALL_RENORM.kernel)
-_W_LOGITS = tl.constexpr(methods.W_LOGITS.kernel)
-_W_SIGMOID_RENORM = tl.constexpr(methods.W_SIGMOID_RENORM.kernel)
+KIND_SOFTMAX_ALL = tl.constexpr(methods.W_SOFTMAX_ALL.kernel)
+KIND_SOFTMAX_SELECTED = tl.constexpr(methods.W_SOFTMAX_SELECTED.kernel)
+KIND_SIGMOID_SCALED = tl.constexpr(methods.W_SIGMOID_SCALED.kernel)
+KIND_SIGMOID = tl.constexpr(methods.W_SIGMOID.kernel)
+KIND_SOFTMAX_ALL_RENORM = tl.constexpr(methods.W_SOFTMAX_ALL_RENORM.kernel)
+KIND_LOGITS = tl.constexpr(methods.W_LOGITS.kernel)
+KIND_SIGMOID_RENORM = tl.constexpr(methods.W_SIGMOID_RENORM.kernel)
 
 _SENTINEL = tl.constexpr(-4611686018427387904)  # -2**62, below every int64 key (>= -2**47)
 _MIN32 = tl.constexpr(-2147483648)  # padding / removed: below every int32 key (-inf is above it)
@@ -318,25 +318,25 @@ def route_kernel(
     # ids outside [0, E) (checked on the device, reported later: CHECK_REPLAY) read nothing
     gmask = omask & (ids >= 0) & (ids < NG * GS) if HAS_REPLAY else omask
     xs = tl.load(logits_ptr + rows64[:, None] * stride_lt + ids, mask=gmask, other=0.0).to(tl.float32)
-    if WEIGHTS == _W_SOFTMAX_ALL:
+    if WEIGHTS == KIND_SOFTMAX_ALL:
         w = tl.exp(xs - row_max[:, None]) / denom[:, None]
-    elif WEIGHTS == _W_SOFTMAX_ALL_RENORM:
+    elif WEIGHTS == KIND_SOFTMAX_ALL_RENORM:
         p = tl.where(col_ok, tl.exp(xs - row_max[:, None]) / denom[:, None], 0.0)
         w = p / tl.sum(p, axis=1)[:, None]
-    elif WEIGHTS == _W_SOFTMAX_SELECTED:
+    elif WEIGHTS == KIND_SOFTMAX_SELECTED:
         xk = tl.where(col_ok, xs, float("-inf"))
         e = tl.exp(xk - tl.max(xk, axis=1)[:, None])
         w = e / tl.sum(e, axis=1)[:, None]
-    elif WEIGHTS == _W_LOGITS:
+    elif WEIGHTS == KIND_LOGITS:
         w = xs
-    elif WEIGHTS == _W_SIGMOID_RENORM:
+    elif WEIGHTS == KIND_SIGMOID_RENORM:
         s = tl.where(col_ok, _sigmoid(xs), 0.0)
         w = s / tl.maximum(tl.sum(s, axis=1), 1e-20)[:, None]
-    elif WEIGHTS == _W_SIGMOID_SCALED:
+    elif WEIGHTS == KIND_SIGMOID_SCALED:
         s = tl.where(col_ok, _sigmoid(xs), 0.0)
         w = s / (tl.sum(s, axis=1) + 1e-20)[:, None] * scale
     else:
-        tl.static_assert(WEIGHTS == _W_SIGMOID, "a weights formula without a branch here")
+        tl.static_assert(WEIGHTS == KIND_SIGMOID, "a weights formula without a branch here")
         w = _sigmoid(xs)
 
     tl.store(ids_ptr + out_off, ids, mask=omask)

@@ -27,13 +27,13 @@ import triton.language as tl
 
 # the closed forms' numbers (``KIND``): the weights formulas' branch numbers, as in the forward kernel
 from replaymoe.routing._kernel import (
-    _W_LOGITS,
-    _W_SIGMOID,
-    _W_SIGMOID_RENORM,
-    _W_SIGMOID_SCALED,
-    _W_SOFTMAX_ALL,
-    _W_SOFTMAX_ALL_RENORM,
-    _W_SOFTMAX_SELECTED,
+    KIND_LOGITS,
+    KIND_SIGMOID,
+    KIND_SIGMOID_RENORM,
+    KIND_SIGMOID_SCALED,
+    KIND_SOFTMAX_ALL,
+    KIND_SOFTMAX_ALL_RENORM,
+    KIND_SOFTMAX_SELECTED,
 )
 
 
@@ -72,14 +72,14 @@ def route_weights_grad_kernel(
     ids = tl.load(ids_ptr + rt64[:, None] * K + rk[None, :], mask=sel_ok, other=-1)
     g = tl.load(g_ptr + rt64[:, None] * K + rk[None, :], mask=sel_ok, other=0.0).to(tl.float32)
     onehot = ids[:, :, None] == re[None, None, :]  # [BLOCK_T, KP, EP]; padding slots match nothing
-    if KIND == _W_SOFTMAX_ALL or KIND == _W_SOFTMAX_ALL_RENORM:  # softmax over all experts
+    if KIND == KIND_SOFTMAX_ALL or KIND == KIND_SOFTMAX_ALL_RENORM:  # softmax over all experts
         x = tl.load(
             x_ptr + rt64[:, None] * stride_x + re[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
         ).to(tl.float32)
         x = tl.where(e_ok[None, :], x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         probs = p / tl.sum(p, axis=1)[:, None]
-        if KIND == _W_SOFTMAX_ALL_RENORM:
+        if KIND == KIND_SOFTMAX_ALL_RENORM:
             q = tl.sum(tl.where(onehot, probs[:, None, :], 0.0), axis=2)  # [BLOCK_T, KP]
             qs = tl.sum(q, axis=1)[:, None]
             g = (g - tl.sum(g * q, axis=1)[:, None] / qs) / qs
@@ -90,23 +90,23 @@ def route_weights_grad_kernel(
         in_range = sel_ok & (ids >= 0) & (ids < E)
         xs = tl.load(x_ptr + rt64[:, None] * stride_x + tl.where(in_range, ids, 0), mask=in_range, other=0.0)
         xs = xs.to(tl.float32)
-        if KIND == _W_SOFTMAX_SELECTED:
+        if KIND == KIND_SOFTMAX_SELECTED:
             z = tl.where(sel_ok, xs, float("-inf"))
             w = tl.exp(z - tl.max(z, axis=1)[:, None])
             w = tl.where(sel_ok, w, 0.0)
             w = w / tl.sum(w, axis=1)[:, None]
             v = w * (g - tl.sum(g * w, axis=1)[:, None])
-        elif KIND == _W_LOGITS:
+        elif KIND == KIND_LOGITS:
             v = g
         else:
             s = tl.where(sel_ok, 1.0 / (1.0 + tl.exp(-xs)), 0.0)
-            if KIND == _W_SIGMOID:
+            if KIND == KIND_SIGMOID:
                 ds = g
-            elif KIND == _W_SIGMOID_SCALED:
+            elif KIND == KIND_SIGMOID_SCALED:
                 den = tl.sum(s, axis=1)[:, None] + eps
                 ds = (g / den - tl.sum(g * s, axis=1)[:, None] / (den * den)) * scale
             else:
-                tl.static_assert(KIND == _W_SIGMOID_RENORM, "a closed form without a branch here")
+                tl.static_assert(KIND == KIND_SIGMOID_RENORM, "a closed form without a branch here")
                 total = tl.sum(s, axis=1)[:, None]
                 den = tl.maximum(total, eps)
                 ds = g / den - tl.where(total >= eps, tl.sum(g * s, axis=1)[:, None] / (den * den), 0.0)
