@@ -253,6 +253,7 @@ def _peak_above(fn, held_bytes):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # 37 GiB free, so not beside other tests on one GPU
 def test_block_helpers_peak_memory_deepseek_v3_gpu():
     # issue 33: one DeepSeek-V3 layer's w13 [256, 4096, 7168] bf16 (14 GiB). The whole-tensor formula
     # allocated a 28 GiB fp32 copy (and more), running out of memory on an 80 GB H100 holding the layer.
