@@ -6,10 +6,11 @@ The layer above the ops (``routing``, ``moe``, ``ep``) and below the transformer
 * :mod:`~replaymoe.record.capture`: :class:`RoutedExpertsCapturer`, routing capture for a serving
   loop (one device buffer per step, per-request host storage); :mod:`~replaymoe.record.transfer`:
   its device-to-host copies (CUDA streams and pinned memory, or a plain copy on the CPU).
-* :mod:`~replaymoe.record.trace`: :class:`RoutingTrace` (``core``), its file format (``file``) and
-  the vLLM/SGLang wire formats (``wire``).
-* :mod:`~replaymoe.record.replay`: :class:`ReplayTable` (the one device replay table, by batch row
-  or by content) and :class:`ReplaySource` (per-layer ``replay_ids`` for a batch of traces).
+* :mod:`~replaymoe.record.trace`: :class:`RoutingTrace` (``core``, its constructor's checks in
+  ``checks``), its file format (``file``) and the vLLM/SGLang wire formats (``wire``).
+* :mod:`~replaymoe.record.replay`: :class:`ReplayTable` (``table``: the one device replay table, by
+  batch row or by content, and its prefix hashes in ``hashes``, its host arrays in ``packing``) and
+  :class:`ReplaySource` (``source``: per-layer ``replay_ids`` for a batch of traces).
 * :mod:`~replaymoe.record.stats`: expert load, balance, agreement and heatmaps of traces.
 * :mod:`~replaymoe.record.engine_routes`: :class:`EngineRoutes`, an engine's routes as sent, and
   their readers (vLLM, SGLang, trace files); :mod:`~replaymoe.record.route_check`:

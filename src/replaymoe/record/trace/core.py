@@ -1,4 +1,4 @@
-"""The routing-trace data model: :class:`RoutingTrace`, its validation, and joining traces.
+"""The routing-trace data model: :class:`RoutingTrace` and joining traces.
 
 This module's one job is the in-memory trace. A trace holds, for one sequence, the expert ids every
 MoE layer chose for every token::
@@ -8,9 +8,10 @@ MoE layer chose for every token::
                               router's selection order; -1 = no routing recorded
                               (a whole [K] row is either -1 or K distinct ids in [0, E)).
 
-Its file-format methods (``save``, ``load``) delegate to :mod:`replaymoe.record.trace.file` and its
-wire-format methods (``to_vllm``, ``from_vllm``, ``to_sglang``, ``from_sglang``) to
-:mod:`replaymoe.record.trace.wire`; neither of those imports this module.
+Its constructor checks its arguments with :mod:`replaymoe.record.trace.checks`, its file-format methods
+(``save``, ``load``) delegate to :mod:`replaymoe.record.trace.file` and its wire-format methods
+(``to_vllm``, ``from_vllm``, ``to_sglang``, ``from_sglang``) to :mod:`replaymoe.record.trace.wire`; none
+of those imports this module.
 """
 
 from __future__ import annotations
@@ -18,98 +19,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import numpy as np
 
 from ..._validation import check_choice, check_int, fail
 from . import file as _file
 from . import wire as _wire
-
-if TYPE_CHECKING:
-    import numpy.typing as npt
+from .checks import as_int_array, check_ids, check_layer_ids, check_token_ids
 
 __all__ = ["RoutingFingerprint", "RoutingTrace"]
-
-
-# --------------------------------------------------------------------------------------------
-# validation helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _as_int_array(name: str, ids: Any) -> np.ndarray:
-    """Return ``ids`` as a numpy integer array (torch tensors and nested lists accepted)."""
-    try:
-        import torch
-
-        if isinstance(ids, torch.Tensor):
-            ids = ids.detach().cpu().numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    arr = np.asarray(ids)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        if arr.size == 0 and arr.dtype == np.float64:  # an empty list
-            arr = arr.astype(np.int64)
-        else:
-            fail(name, "an integer array", f"dtype {arr.dtype}", what="dtype")
-    return arr
-
-
-def _check_ids(ids: np.ndarray, num_experts: int | None, name: str = "ids") -> np.ndarray:
-    """Validate an integer [N, L, K] array of expert ids and return it as C-contiguous int16."""
-    if ids.ndim != 3:
-        fail(name, "a 3-D array [tokens, layers, top_k]", f"shape {ids.shape}", what="shape")
-    if ids.size:
-        lo, hi = int(ids.min()), int(ids.max())
-        top = (num_experts - 1) if num_experts is not None else np.iinfo(np.int16).max
-        if lo < -1 or hi > top:
-            bad = np.argwhere((ids < -1) | (ids > top))[0]
-            fail(
-                name,
-                f"expert ids in [0, {top}] or -1 (missing)",
-                f"{int(ids[tuple(bad)])} at [token, layer, k] = {bad.tolist()}",
-            )
-    out = np.ascontiguousarray(ids, dtype=np.int16)
-    if out.size:
-        missing = out < 0
-        mixed = missing.any(-1) & ~missing.all(-1)
-        if mixed.any():
-            _fail_row(name, "each [top_k] row all -1 (missing) or all valid ids", out, mixed)
-        K = out.shape[2]
-        if K > 1:
-            if K <= 16:  # pairwise compares are much faster than a sort per row for small K
-                dup = np.zeros(out.shape[:2], dtype=bool)
-                for a in range(K - 1):
-                    col = out[..., a]
-                    for b in range(a + 1, K):
-                        dup |= col == out[..., b]
-                dup &= ~missing[..., 0]
-            else:
-                srt = np.sort(out, axis=-1)
-                dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)
-            if dup.any():
-                _fail_row(name, "distinct expert ids in a row", out, dup)
-    return out
-
-
-def _fail_row(name: str, expected: str, ids: np.ndarray, bad: npt.ArrayLike) -> NoReturn:
-    """ValueError naming the first [token, layer] row of ``ids`` where ``bad`` [N, L] holds."""
-    t, layer = np.argwhere(bad)[0].tolist()
-    fail(name, expected, f"row {ids[t, layer].tolist()} at token {t}, layer {layer}")
-
-
-def _check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
-    if layer_ids is None:
-        return None
-    try:
-        vals = tuple(int(v) for v in layer_ids)
-    except (TypeError, ValueError):
-        fail("layer_ids", "a sequence of ints", repr(layer_ids))
-    if len(vals) != num_layers:
-        fail("layer_ids", f"{num_layers} entries (one per MoE layer of ids)", f"{len(vals)} entries")
-    if any(v < 0 for v in vals) or len(set(vals)) != len(vals):
-        fail("layer_ids", "distinct non-negative model layer numbers", list(vals))
-    return vals
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,28 +147,16 @@ class RoutingTrace:
         check_int("token_offset", token_offset, low=0)
         if model_id is not None and not isinstance(model_id, str):
             fail("model_id", "a str or None", type(model_id).__name__, what="type")
-        arr = _as_int_array("ids", ids)
+        arr = as_int_array("ids", ids)
         if arr.ndim == 3 and arr.shape[2] != top_k:
             fail("ids", f"shape[2] == top_k == {top_k}", f"shape {arr.shape}", what="shape")
-        self.ids: np.ndarray = _check_ids(arr, num_experts)
+        self.ids: np.ndarray = check_ids(arr, num_experts)
         self.num_experts = num_experts
         self.top_k = top_k
-        self.layer_ids = _check_layer_ids(layer_ids, self.ids.shape[1])
+        self.layer_ids = check_layer_ids(layer_ids, self.ids.shape[1])
         self.model_id = model_id
         self.token_offset = token_offset
-        self.token_ids: np.ndarray | None = None
-        if token_ids is not None:
-            tok = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
-            if tok.shape != (self.ids.shape[0],):
-                fail(
-                    "token_ids",
-                    f"shape ({self.ids.shape[0]},) (one per position)",
-                    f"shape {tok.shape}",
-                    what="shape",
-                )
-            if tok.size and int(tok.min()) < -1:
-                fail("token_ids", "token ids >= 0 (-1 = unknown)", int(tok.min()))
-            self.token_ids = tok
+        self.token_ids = None if token_ids is None else check_token_ids(token_ids, self.ids.shape[0])
 
     # ---------------------------------------------------------------- basic properties
     @property
@@ -366,13 +273,9 @@ class RoutingTrace:
             layers' columns at their layer numbers (``layer_ids``, the identity when None) and every
             other (dense) column zero. None writes one column per MoE layer (the earliest layout).
         """
-        ids = self.ids
-        if num_hidden_layers is not None:
-            layers = self.model_layer_ids()
-            check_int("num_hidden_layers", num_hidden_layers, low=max(layers, default=-1) + 1)
-            ids = np.zeros((self.num_tokens, num_hidden_layers, self.top_k), dtype=self.ids.dtype)
-            ids[:, list(layers)] = self.ids
-        return _wire.encode_vllm(ids, dtype)
+        return _wire.encode_vllm(
+            self.ids, dtype, num_hidden_layers=num_hidden_layers, layer_ids=self.layer_ids
+        )
 
     @classmethod
     def from_vllm(
@@ -557,25 +460,31 @@ class RoutingTrace:
             fail("traces", "at least one RoutingTrace", "an empty sequence")
         meta = _common_meta(traces)
         start = min(t.token_offset for t in traces)
-        stop = max(t.end for t in traces)
-        L, K = traces[0].num_layers, traces[0].top_k
-        out = np.full((stop - start, L, K), -1, dtype=np.int16)
-        for t in traces:
-            dst = out[t.token_offset - start : t.end - start]
-            have_new = t.ids[..., 0] >= 0
-            have_old = dst[..., 0] >= 0
-            clash = have_new & have_old & (dst != t.ids).any(-1)
-            if clash.any() and on_conflict == "error":
-                n, layer = np.argwhere(clash)[0].tolist()
-                fail(
-                    "traces",
-                    "the same experts where traces overlap (or on_conflict='first'/'last')",
-                    f"{dst[n, layer].tolist()} vs {t.ids[n, layer].tolist()} at position "
-                    f"{t.token_offset + n}, layer {layer}",
-                )
-            take = have_new & ~have_old if on_conflict != "last" else have_new
-            dst[take] = t.ids[take]
-        return cls(out, **meta, token_offset=start)
+        return cls(_overlay(traces, start, on_conflict), **meta, token_offset=start)
+
+
+def _overlay(traces: Sequence[RoutingTrace], start: int, on_conflict: str) -> np.ndarray:
+    """int16 [max(end) - start, L, K]: the ids of ``traces`` overlaid by position from ``start`` (-1 where
+    no trace records a row), clashes settled by ``on_conflict`` (see :meth:`RoutingTrace.merge`)."""
+    stop = max(t.end for t in traces)
+    L, K = traces[0].num_layers, traces[0].top_k
+    out = np.full((stop - start, L, K), -1, dtype=np.int16)
+    for t in traces:
+        dst = out[t.token_offset - start : t.end - start]
+        have_new = t.ids[..., 0] >= 0
+        have_old = dst[..., 0] >= 0
+        clash = have_new & have_old & (dst != t.ids).any(-1)
+        if clash.any() and on_conflict == "error":
+            n, layer = np.argwhere(clash)[0].tolist()
+            fail(
+                "traces",
+                "the same experts where traces overlap (or on_conflict='first'/'last')",
+                f"{dst[n, layer].tolist()} vs {t.ids[n, layer].tolist()} at position "
+                f"{t.token_offset + n}, layer {layer}",
+            )
+        take = have_new & ~have_old if on_conflict != "last" else have_new
+        dst[take] = t.ids[take]
+    return out
 
 
 def _common_meta(traces: Sequence[RoutingTrace]) -> dict[str, Any]:

@@ -64,8 +64,25 @@ def _check_unsigned_fits(ids: np.ndarray, dtype: str) -> None:
             fail("dtype", f"a dtype holding expert id {int(ids.max())}", dtype)
 
 
-def encode_vllm(ids: np.ndarray, dtype: str) -> str:
-    """Base64 of an ``.npy`` of ``ids`` as ``dtype`` (see ``RoutingTrace.to_vllm``)."""
+def encode_vllm(
+    ids: np.ndarray,
+    dtype: str,
+    *,
+    num_hidden_layers: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+) -> str:
+    """Base64 of an ``.npy`` of ``ids`` [N, L, K] as ``dtype`` (see ``RoutingTrace.to_vllm``).
+
+    ``num_hidden_layers``: write vLLM 0.33's layout, one column per decoder layer, MoE layer ``l``'s
+    ids in column ``layer_ids[l]`` (the identity when None) and every other column zero; None writes
+    the columns of ``ids`` as they are.
+    """
+    if num_hidden_layers is not None:
+        layers = tuple(range(ids.shape[1])) if layer_ids is None else tuple(layer_ids)
+        check_int("num_hidden_layers", num_hidden_layers, low=max(layers, default=-1) + 1)
+        full = np.zeros((ids.shape[0], num_hidden_layers, ids.shape[2]), dtype=ids.dtype)
+        full[:, list(layers)] = ids
+        ids = full
     check_choice("dtype", dtype, _WIRE_DTYPES)
     _check_unsigned_fits(ids, dtype)
     buf = io.BytesIO()

@@ -1,109 +1,35 @@
-"""Feed recorded routing back into a forward pass.
+"""The device replay table: :class:`ReplayTable`, and :class:`ReplayReport`, the counts it keeps.
 
-:class:`ReplaySource` turns one :class:`~replaymoe.record.trace.RoutingTrace` per sequence of a batch
-into the per-layer ``replay_ids`` that :func:`replaymoe.route` / :func:`replaymoe.fused_moe`
-take. Rows it cannot fill (padding, a position the trace does not cover, a row recorded as
-missing) come back as all -1, which the routing kernels treat as "route this token natively";
-the source counts those per layer so a trainer can tell how much of a batch was really replayed::
-
-    src = ReplaySource([trace_a, trace_b])            # one trace per sequence
-    src.check_model(num_layers=48, top_k=8, num_experts=128)
-    for layer in range(48):
-        ids = src.ids_for(layer, positions)           # int32 [B*S, K] on positions.device
-        out = route(logits[layer], 8, replay_ids=ids)
-    print(src.report())
-
-``ids_for`` is a pure device gather (no host synchronisation, fixed shapes), so it can run
-inside a CUDA graph once :meth:`ReplaySource.prepare` has put the tables on the device.
-
-:class:`ReplayTable` is the one device table behind every replay: ``ReplaySource`` looks its rows up by
-batch row and position, and the transformers integration (:mod:`replaymoe.hf`) by batch row or by
-content (each token's prefix hash: :func:`prefix_hashes`), all layers with one gather per forward.
-Its :meth:`~ReplayTable.lookup` picks the producer of a forward's ids (a torch gather here, or a
-caller's device kernel handed :meth:`~ReplayTable.kernel_args`), so no caller reads the table's layout.
-
-Size: over 600 lines (about 760); the replay table, its content hashes and the source that feeds it per layer
-are one contract (the rows a source fills are the rows the table serves).
+:class:`ReplayTable` is the one device table behind every replay:
+:class:`~replaymoe.record.replay.ReplaySource` looks its rows up by batch row and position, and the
+transformers integration (:mod:`replaymoe.hf`) by batch row or by content (each token's prefix hash:
+:func:`~replaymoe.record.replay.prefix_hashes`), all layers with one gather per forward. Its
+:meth:`~ReplayTable.lookup` picks the producer of a forward's ids (a torch gather here, or a caller's
+device kernel handed :meth:`~ReplayTable.kernel_args`), so no caller reads the table's layout. What a
+load computes on the host (the packed rows, the sorted content index) comes from
+:mod:`~replaymoe.record.replay.packing`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
 
-from .._validation import check_int, check_tensor, fail
-from .trace import RoutingTrace
+from ..._validation import fail
+from ..trace import RoutingTrace
+from .hashes import hash_powers, prefix_hashes
+from .packing import capacity, content_index, pack_ids, row_meta
 
-__all__ = [
-    "MISSING_MODES",
-    "ReplaySource",
-    "ReplayReport",
-    "ReplayTable",
-    "prefix_hashes",
-    "prefix_hashes_np",
-]
+__all__ = ["MISSING_MODES", "ReplayReport", "ReplayTable"]
 
 # What a replayed forward does with a token its traces do not cover (``replaying(..., missing=)``):
 # "error" raises (the default), "native" routes it natively and counts it in the report
 MISSING_MODES = ("error", "native")
 _NO_KEY = (1 << 63) - 1  # ReplayTable.uncovered's last entry while no uncovered lookup was counted
-_HASHES_KEY = "_replaymoe_prefix_hashes"  # where _trace_hashes keeps a trace's hashes (its __dict__)
-
-
-def _next_power_of_2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for n <= 1); replay needs no Triton to import."""
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-# Prefix hashes (content-addressed replay): two polynomial hashes modulo primes below 2^31, of the
-# tokens at positions 0..p, combined into 62 bits. Every step stays below 2^63 in int64 (a product
-# of two values below 2^31; a cumulative sum of fewer than 2^32 terms below 2^31), so the device
-# (torch) and the host (numpy) compute the same integers exactly.
-_PRIMES = (2147483647, 2147483629)
-_BASES = (1000003, 917513)
-
-
-def _powers(n: int) -> np.ndarray:
-    """int64 [2, n]: ``base^i mod prime`` for each hash, i < n."""
-    out = np.ones((2, max(n, 1)), dtype=np.int64)
-    for h, (p, a) in enumerate(zip(_PRIMES, _BASES)):
-        k, step = 1, a % p
-        while k < n:  # out[k:2k] = out[:k] * a^k
-            m = min(k, n - k)
-            out[h, k : k + m] = out[h, :m] * step % p
-            step = step * step % p
-            k += m
-    return out
-
-
-def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
-    """int64 [N]: hash of ``tokens[:p + 1]`` for each p (``tokens`` int [N] at positions 0..N-1);
-    -1 from the first unknown (-1) token on. Equal to :func:`prefix_hashes` on the same tokens."""
-    tok = np.asarray(tokens, dtype=np.int64)
-    n = tok.shape[0]
-    pw = _powers(n)[:, :n]
-    parts = [np.cumsum((tok + 1) % p * pw[h] % p) % p for h, p in enumerate(_PRIMES)]
-    out = parts[0] * (1 << 31) + parts[1]
-    unknown = np.cumsum(tok < 0) > 0
-    return np.where(unknown, -1, out)
-
-
-def _trace_hashes(trace: RoutingTrace) -> np.ndarray:
-    """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept in the trace's
-    ``__dict__``, with the token array it was computed from). Only traces that carry their tokens
-    come here (:attr:`ReplayTable.by_content`)."""
-    tokens = trace.token_ids
-    assert tokens is not None, "content matching hashes traces that carry their tokens"
-    cached = trace.__dict__.get(_HASHES_KEY)
-    if cached is not None and cached[0] is tokens:
-        return cached[1]
-    hashes = prefix_hashes_np(tokens)
-    trace.__dict__[_HASHES_KEY] = (tokens, hashes)
-    return hashes
 
 
 def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
@@ -115,25 +41,37 @@ def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
     dst.copy_(src, non_blocking=dst.is_cuda)
 
 
-def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
-    """int64 [B, S]: per token, the hash of its sequence's tokens at positions 0..p (the prefix the
-    model saw when it routed it); -1 for padding (``positions < 0``) and positions past
-    ``powers``' length. ``tokens``, ``positions``: int64 [B, S] with each row's positions increasing
-    (left or right padding); ``powers``: int64 [2, P] from :func:`_powers`. Device ops only."""
-    P = powers.shape[1]
-    valid = (positions >= 0) & (positions < P)
-    pos = positions.clamp(0, P - 1)
-    parts = []
-    for h, p in enumerate(_PRIMES):
-        term = torch.where(valid, (tokens + 1) % p * powers[h][pos] % p, 0)
-        parts.append(torch.cumsum(term, dim=1) % p)
-    return torch.where(valid, parts[0] * (1 << 31) + parts[1], -1)
-
-
 def _static(t: torch.Tensor) -> torch.Tensor:
     """Mark a long-lived buffer as a static input of compiled graphs (no copy into CUDA graphs)."""
     torch._dynamo.mark_static_address(t)
     return t
+
+
+def _smallest_key(bad: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [1]: the smallest key ``layer << 48 | batch row << 28 | position`` of the lookups ``bad``
+    (bool [L, B*S]) of a forward at ``positions`` (int64 [B, S]); :data:`_NO_KEY` where there is none.
+    Device ops only (:meth:`ReplayTable.count_uncovered`)."""
+    L = bad.shape[0]
+    B, S = positions.shape
+    rows = torch.arange(B, device=positions.device).repeat_interleave(S)
+    layers = torch.arange(L, device=positions.device)[:, None]
+    key = (layers << 48) | ((rows << 28) | positions.reshape(-1))[None, :]
+    return torch.where(bad, key, _NO_KEY).amin().reshape(1)
+
+
+def _fail_uncovered(counts: list[int], key: int, layer_names: Sequence[str]) -> NoReturn:
+    """The ValueError of :meth:`ReplayTable.check_uncovered`: ``counts`` per layer, the first lookup by
+    ``key`` (:func:`_smallest_key`); ``layer_names[l]`` names MoE layer ``l``."""
+    layer, row, pos = key >> 48, (key >> 28) & ((1 << 20) - 1), key & ((1 << 28) - 1)
+    per_layer = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
+    fail(
+        "replay",
+        "a recorded route for every token of a replayed forward except padding and each "
+        "sequence's last sampled token (or missing='native' to route the others natively)",
+        f"none for batch row {row}, position {pos}, {layer_names[layer]}; token-layer lookups "
+        f"without one since the last check: {per_layer}",
+        what="coverage",
+    )
 
 
 @dataclass
@@ -190,151 +128,6 @@ class ReplayReport:
                 + ", ".join(f"{i}: {int(self.fallback_tokens_per_layer[i])}" for i in worst)
             )
         return "\n".join(lines)
-
-
-class ReplaySource:
-    """Per-layer ``replay_ids`` for a batch of sequences from recorded traces.
-
-    Parameters
-    ----------
-    traces : RoutingTrace or sequence of RoutingTrace
-        One trace per sequence of the batch (row b of ``positions`` reads ``traces[b]``). All must
-        have the same number of layers, top_k, layer_ids and (when known) num_experts. A trace's
-        ``token_offset`` is honoured: position p reads ``ids[p - token_offset]``.
-    """
-
-    def __init__(self, traces: RoutingTrace | Sequence[RoutingTrace]):
-        self._single = isinstance(traces, RoutingTrace)
-        tr = [traces] if isinstance(traces, RoutingTrace) else list(traces)
-        if not tr:
-            fail("traces", "at least one RoutingTrace", "an empty sequence")
-        for i, t in enumerate(tr):
-            if not isinstance(t, RoutingTrace):
-                fail(f"traces[{i}]", "a RoutingTrace", type(t).__name__, what="type")
-        first = tr[0]
-        for i, t in enumerate(tr[1:], 1):
-            if (t.num_layers, t.top_k, t.model_layer_ids()) != (
-                first.num_layers,
-                first.top_k,
-                first.model_layer_ids(),
-            ):
-                fail(
-                    f"traces[{i}]",
-                    f"layers={first.num_layers}, top_k={first.top_k}, layer_ids as traces[0]",
-                    f"layers={t.num_layers}, top_k={t.top_k}, layer_ids={t.layer_ids}",
-                )
-        known = {t.num_experts for t in tr if t.num_experts is not None}
-        if len(known) > 1:
-            fail("traces", "one num_experts across traces", sorted(known))
-        self.traces: list[RoutingTrace] = tr
-        self.num_layers = first.num_layers
-        self.top_k = first.top_k
-        self.num_experts: int | None = known.pop() if known else None
-        self._layer_of = {m: i for i, m in enumerate(first.model_layer_ids())}
-        self._tables: dict[torch.device, ReplayTable] = {}  # the device tables, made by prepare()
-
-    @property
-    def batch_size(self) -> int:
-        """Number of sequences (traces)."""
-        return len(self.traces)
-
-    # ------------------------------------------------------------------ validation
-    def check_model(self, num_layers: int, top_k: int, num_experts: int) -> None:
-        """Raise ValueError naming the mismatch unless the traces fit a model of this shape.
-
-        ``num_layers`` counts the model's MoE layers (the trace's L). When the traces do not know
-        E (e.g. from a vLLM payload), every recorded id must lie below ``num_experts``.
-        """
-        check_int("num_layers", num_layers, low=1)
-        check_int("top_k", top_k, low=1)
-        check_int("num_experts", num_experts, low=1)
-        if num_layers != self.num_layers:
-            fail(
-                "num_layers",
-                f"the trace's {self.num_layers} MoE layers (layer_ids {list(self._layer_of)})",
-                f"a model with {num_layers} MoE layers",
-            )
-        if top_k != self.top_k:
-            fail("top_k", f"the trace's top_k {self.top_k}", f"a model with top_k {top_k}")
-        if self.num_experts is not None:
-            if num_experts != self.num_experts:
-                fail("num_experts", f"the trace's {self.num_experts} experts", f"a model with {num_experts}")
-        else:
-            top = max((int(t.ids.max()) for t in self.traces if t.ids.size), default=-1)
-            if top >= num_experts:
-                fail("num_experts", f"more than the trace's largest expert id {top}", num_experts)
-
-    def layer_for_model_layer(self, model_layer_number: int) -> int:
-        """MoE-layer index (trace order) of a model layer number, through the traces' ``layer_ids``."""
-        check_int("model_layer_number", model_layer_number, low=0)
-        if model_layer_number not in self._layer_of:
-            fail(
-                "model_layer_number",
-                f"one of the traced MoE layers {sorted(self._layer_of)}",
-                model_layer_number,
-            )
-        return self._layer_of[model_layer_number]
-
-    # ------------------------------------------------------------------ lookup
-    def prepare(self, device: torch.device | str) -> torch.device:
-        """Copy the id tables to ``device`` (done lazily by :meth:`ids_for`; call it before capturing
-        a CUDA graph, since a host-to-device copy cannot be captured)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._tables:
-            table = ReplayTable()
-            table.load(self.traces, list(range(self.num_layers)), device, match_content=False)
-            self._tables[device] = table
-        return device
-
-    def ids_for(
-        self, layer: int, positions: torch.Tensor, *, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """Recorded expert ids of MoE layer ``layer`` for each token of a batch.
-
-        Parameters
-        ----------
-        layer : int
-            MoE-layer index in trace order, 0 .. L-1 (see :meth:`layer_for_model_layer`).
-        positions : torch.Tensor int64 (or int32) [B, S], or [S] when the source has one trace
-            Each token's position in its sequence; -1 (any negative) = padding.
-        device : optional
-            Where to return the ids (default: ``positions.device``).
-
-        Returns
-        -------
-        torch.Tensor int32 [positions.numel(), K]
-            Row-major over ``positions``; all -1 for padding, for positions outside the trace and
-            for rows recorded as missing (native-routing fallback per token).
-        """
-        check_int("layer", layer, low=0, high=self.num_layers - 1)
-        check_tensor("positions", positions, dtype=(torch.int64, torch.int32))
-        B = self.batch_size
-        if positions.dim() == 1 and B == 1:
-            pos2 = positions.reshape(1, -1)
-        elif positions.dim() == 2 and positions.shape[0] == B:
-            pos2 = positions
-        else:
-            want = f"[{B}, S]" + (" or [S]" if B == 1 else "")
-            fail("positions", f"{want} (one row per trace)", tuple(positions.shape), what="shape")
-        dev = self.prepare(device if device is not None else positions.device)
-        return self._tables[dev].gather_layer(layer, pos2.to(dev, torch.int64))
-
-    # ------------------------------------------------------------------ report
-    def report(self) -> ReplayReport:
-        """Counts since construction or the last :meth:`reset_report` (one host sync)."""
-        seen = np.zeros(self.num_layers, dtype=np.int64)
-        fb = np.zeros(self.num_layers, dtype=np.int64)
-        for table in self._tables.values():
-            seen += table.seen.cpu().numpy()
-            fb += table.fallback.cpu().numpy()
-        return ReplayReport.from_counts(seen, fb)
-
-    def reset_report(self) -> None:
-        """Zero the counters of :meth:`report`."""
-        for table in self._tables.values():
-            table.reset_report()
 
 
 class ReplayTable:
@@ -519,35 +312,23 @@ class ReplayTable:
         through pinned memory, asynchronously, so a load between training steps does not wait for
         the queued step."""
         self.source = (list(traces), list(layer_of))
-        L, K = len(layer_of), traces[0].top_k
-        counts = [t.num_tokens for t in traces]
-        total = sum(counts)
-        rows = max(_next_power_of_2(total + 1), 64)
-        host = np.full((L, rows, K), -1, dtype=np.int32)
-        base = 0
-        for t in traces:
-            host[:, base : base + t.num_tokens] = t.ids[:, list(layer_of)].transpose(1, 0, 2)
-            base += t.num_tokens
-        shape = (L, rows, K)
-        if tuple(self.table.shape) != shape or self.table.device != device:
-            self.table = _static(torch.empty(shape, dtype=torch.int32, device=device))
+        L = len(layer_of)
+        host = pack_ids(traces, layer_of)
+        if tuple(self.table.shape) != host.shape or self.table.device != device:
+            self.table = _static(torch.empty(host.shape, dtype=torch.int32, device=device))
         _upload(self.table, host)
-        bases = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        offsets = np.array([t.token_offset for t in traces], dtype=np.int64)
-        lengths = np.array(counts, dtype=np.int64)
-        # offsets, lengths, bases; ends = offsets + lengths; shift = bases - offsets
-        meta = torch.from_numpy(np.stack([offsets, lengths, bases, offsets + lengths, bases - offsets]))
+        meta = row_meta(traces)  # offsets, lengths, bases, ends, shift
         if tuple(self.offsets.shape) != (len(traces),) or self.offsets.device != device:
             self.offsets, self.lengths, self.bases, self.ends, self.shift = (
                 _static(torch.empty(len(traces), dtype=torch.int64, device=device)) for _ in range(5)
             )
-        for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta.numpy()):
+        for dst, src in zip((self.offsets, self.lengths, self.bases, self.ends, self.shift), meta):
             _upload(dst, src)
         self.by_content = match_content and all(
             t.token_ids is not None and t.token_offset == 0 for t in traces
         )
         if self.by_content:
-            self._load_hashes(traces, bases, device)
+            self._load_hashes(traces, meta[2], device)
         if tuple(self.seen.shape) != (L,) or self.seen.device != device:
             self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
@@ -572,29 +353,18 @@ class ReplayTable:
         )
 
     def _load_hashes(self, traces: Sequence[RoutingTrace], bases: np.ndarray, device: torch.device) -> None:
-        """Sorted prefix hashes of every recorded position (one host pass), for content matching. Of
-        equal hashes (the same prefix in several traces: a group's shared prompt) the earliest
-        trace's row comes first, and is the one replayed."""
-        hashes = np.concatenate([_trace_hashes(t) for t in traces]) if traces else np.zeros(0)
-        rows = (
-            np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
-        )
-        keep = hashes >= 0
-        hashes, rows = hashes[keep], rows[keep].astype(np.int64)
-        order = np.lexsort((rows, hashes))
-        cap = max(64, _next_power_of_2(len(hashes) + 1))
-        sorted_h = np.full(cap, np.iinfo(np.int64).max, dtype=np.int64)  # sentinel: above any hash
-        sorted_r = np.full(cap, self.table.shape[1] - 1, dtype=np.int64)  # (the all -1 last row)
-        sorted_h[: len(hashes)], sorted_r[: len(hashes)] = hashes[order], rows[order]
+        """The content index (:func:`~replaymoe.record.replay.packing.content_index`) and the hash's
+        powers on the device, for content matching."""
+        sorted_h, sorted_r = content_index(traces, bases, self.table.shape[1] - 1)
+        cap = sorted_h.shape[0]
         if tuple(self.hashes.shape) != (cap,) or self.hashes.device != device:
             self.hashes = _static(torch.empty(cap, dtype=torch.int64, device=device))
             self.hash_rows = _static(torch.empty(cap, dtype=torch.int64, device=device))
         _upload(self.hashes, sorted_h)
         _upload(self.hash_rows, sorted_r)
-        longest = max((t.num_tokens for t in traces), default=0)
-        pcap = max(64, _next_power_of_2(longest + 1))
+        pcap = capacity(max((t.num_tokens for t in traces), default=0))
         if self.powers.shape[-1] != pcap or self.powers.device != device:
-            self.powers = _static(torch.from_numpy(_powers(pcap)).to(device))
+            self.powers = _static(torch.from_numpy(hash_powers(pcap)).to(device))
 
     def gather_by_content(
         self, tokens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
@@ -690,11 +460,7 @@ class ReplayTable:
         kernel serves count in that kernel instead, by batch row.)"""
         bad = self.uncovered_mask(forced, positions, by_content=by_content)
         L = bad.shape[0]
-        B, S = positions.shape
-        rows = torch.arange(B, device=positions.device).repeat_interleave(S)
-        layers = torch.arange(L, device=positions.device)[:, None]
-        key = (layers << 48) | ((rows << 28) | positions.reshape(-1))[None, :]
-        smallest = torch.where(bad, key, _NO_KEY).amin().reshape(1)
+        smallest = _smallest_key(bad, positions)
         self.uncovered[:L].add_(bad.sum(dim=1))
         self.uncovered[L:].copy_(torch.minimum(self.uncovered[L:], smallest))
 
@@ -729,17 +495,8 @@ class ReplayTable:
         counts, key = values[:-1], values[-1]
         if not any(counts):
             return
-        layer, row, pos = key >> 48, (key >> 28) & ((1 << 20) - 1), key & ((1 << 28) - 1)
         self._clear_uncovered()
-        per_layer = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
-        fail(
-            "replay",
-            "a recorded route for every token of a replayed forward except padding and each "
-            "sequence's last sampled token (or missing='native' to route the others natively)",
-            f"none for batch row {row}, position {pos}, {layer_names[layer]}; token-layer lookups "
-            f"without one since the last check: {per_layer}",
-            what="coverage",
-        )
+        _fail_uncovered(counts, key, layer_names)
 
     def _clear_uncovered(self) -> None:
         self.uncovered[:-1].zero_()

@@ -1,0 +1,79 @@
+"""Content matching: each token's prefix hash, on the device and on the host.
+
+A causal model routes a token by the tokens before it, so a replayed forward can find a token's
+recorded row by the hash of its prefix (positions 0..p of its sequence), whatever row of the batch it
+sits in: :func:`prefix_hashes` hashes a forward's tokens (device ops only), :func:`prefix_hashes_np` a
+trace's (:func:`trace_hashes` keeps them on the trace), and :class:`~replaymoe.record.replay.ReplayTable`
+looks the first up among the second (:mod:`~replaymoe.record.replay.packing` sorts them).
+
+Two polynomial hashes modulo primes below 2^31, of the tokens at positions 0..p, combined into 62 bits.
+Every step stays below 2^63 in int64 (a product of two values below 2^31; a cumulative sum of fewer than
+2^32 terms below 2^31), so the device (torch) and the host (numpy) compute the same integers exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..trace import RoutingTrace
+
+__all__ = ["hash_powers", "prefix_hashes", "prefix_hashes_np", "trace_hashes"]
+
+_PRIMES = (2147483647, 2147483629)
+_BASES = (1000003, 917513)
+_HASHES_KEY = "_replaymoe_prefix_hashes"  # where trace_hashes keeps a trace's hashes (its __dict__)
+
+
+def hash_powers(n: int) -> np.ndarray:
+    """int64 [2, n]: ``base^i mod prime`` for each hash, i < n."""
+    out = np.ones((2, max(n, 1)), dtype=np.int64)
+    for h, (p, a) in enumerate(zip(_PRIMES, _BASES)):
+        k, step = 1, a % p
+        while k < n:  # out[k:2k] = out[:k] * a^k
+            m = min(k, n - k)
+            out[h, k : k + m] = out[h, :m] * step % p
+            step = step * step % p
+            k += m
+    return out
+
+
+def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
+    """int64 [N]: hash of ``tokens[:p + 1]`` for each p (``tokens`` int [N] at positions 0..N-1);
+    -1 from the first unknown (-1) token on. Equal to :func:`prefix_hashes` on the same tokens."""
+    tok = np.asarray(tokens, dtype=np.int64)
+    n = tok.shape[0]
+    pw = hash_powers(n)[:, :n]
+    parts = [np.cumsum((tok + 1) % p * pw[h] % p) % p for h, p in enumerate(_PRIMES)]
+    out = parts[0] * (1 << 31) + parts[1]
+    unknown = np.cumsum(tok < 0) > 0
+    return np.where(unknown, -1, out)
+
+
+def trace_hashes(trace: RoutingTrace) -> np.ndarray:
+    """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept in the trace's
+    ``__dict__``, with the token array it was computed from). Only traces that carry their tokens
+    come here (:attr:`ReplayTable.by_content <replaymoe.record.replay.ReplayTable.by_content>`)."""
+    tokens = trace.token_ids
+    assert tokens is not None, "content matching hashes traces that carry their tokens"
+    cached = trace.__dict__.get(_HASHES_KEY)
+    if cached is not None and cached[0] is tokens:
+        return cached[1]
+    hashes = prefix_hashes_np(tokens)
+    trace.__dict__[_HASHES_KEY] = (tokens, hashes)
+    return hashes
+
+
+def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S]: per token, the hash of its sequence's tokens at positions 0..p (the prefix the
+    model saw when it routed it); -1 for padding (``positions < 0``) and positions past
+    ``powers``' length. ``tokens``, ``positions``: int64 [B, S] with each row's positions increasing
+    (left or right padding); ``powers``: int64 [2, P] from :func:`hash_powers`. Device ops only."""
+    P = powers.shape[1]
+    valid = (positions >= 0) & (positions < P)
+    pos = positions.clamp(0, P - 1)
+    parts = []
+    for h, p in enumerate(_PRIMES):
+        term = torch.where(valid, (tokens + 1) % p * powers[h][pos] % p, 0)
+        parts.append(torch.cumsum(term, dim=1) % p)
+    return torch.where(valid, parts[0] * (1 << 31) + parts[1], -1)

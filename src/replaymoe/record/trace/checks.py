@@ -1,0 +1,111 @@
+"""The checks of a :class:`~replaymoe.record.trace.RoutingTrace`'s constructor arguments.
+
+This module's one job is turning what a caller passes (numpy arrays, torch tensors, nested lists) into
+the arrays a trace keeps, or a ``ValueError`` naming the argument and, for ids, the first bad row
+(``Invalid value of ids: ...``, words :mod:`~replaymoe.record.trace.file` recognises in a damaged
+file). It knows nothing of :class:`RoutingTrace` itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+from ..._validation import fail
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+__all__ = ["as_int_array", "check_ids", "check_layer_ids", "check_token_ids"]
+
+
+def as_int_array(name: str, ids: Any) -> np.ndarray:
+    """Return ``ids`` as a numpy integer array (torch tensors and nested lists accepted)."""
+    try:
+        import torch
+
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    arr = np.asarray(ids)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        if arr.size == 0 and arr.dtype == np.float64:  # an empty list
+            arr = arr.astype(np.int64)
+        else:
+            fail(name, "an integer array", f"dtype {arr.dtype}", what="dtype")
+    return arr
+
+
+def check_ids(ids: np.ndarray, num_experts: int | None, name: str = "ids") -> np.ndarray:
+    """Validate an integer [N, L, K] array of expert ids and return it as C-contiguous int16."""
+    if ids.ndim != 3:
+        fail(name, "a 3-D array [tokens, layers, top_k]", f"shape {ids.shape}", what="shape")
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        top = (num_experts - 1) if num_experts is not None else np.iinfo(np.int16).max
+        if lo < -1 or hi > top:
+            bad = np.argwhere((ids < -1) | (ids > top))[0]
+            fail(
+                name,
+                f"expert ids in [0, {top}] or -1 (missing)",
+                f"{int(ids[tuple(bad)])} at [token, layer, k] = {bad.tolist()}",
+            )
+    out = np.ascontiguousarray(ids, dtype=np.int16)
+    if out.size:
+        missing = out < 0
+        mixed = missing.any(-1) & ~missing.all(-1)
+        if mixed.any():
+            _fail_row(name, "each [top_k] row all -1 (missing) or all valid ids", out, mixed)
+        K = out.shape[2]
+        if K > 1:
+            if K <= 16:  # pairwise compares are much faster than a sort per row for small K
+                dup = np.zeros(out.shape[:2], dtype=bool)
+                for a in range(K - 1):
+                    col = out[..., a]
+                    for b in range(a + 1, K):
+                        dup |= col == out[..., b]
+                dup &= ~missing[..., 0]
+            else:
+                srt = np.sort(out, axis=-1)
+                dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)
+            if dup.any():
+                _fail_row(name, "distinct expert ids in a row", out, dup)
+    return out
+
+
+def _fail_row(name: str, expected: str, ids: np.ndarray, bad: npt.ArrayLike) -> NoReturn:
+    """ValueError naming the first [token, layer] row of ``ids`` where ``bad`` [N, L] holds."""
+    t, layer = np.argwhere(bad)[0].tolist()
+    fail(name, expected, f"row {ids[t, layer].tolist()} at token {t}, layer {layer}")
+
+
+def check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
+    """``layer_ids`` as a tuple of ``num_layers`` distinct non-negative ints (None stays None)."""
+    if layer_ids is None:
+        return None
+    try:
+        vals = tuple(int(v) for v in layer_ids)
+    except (TypeError, ValueError):
+        fail("layer_ids", "a sequence of ints", repr(layer_ids))
+    if len(vals) != num_layers:
+        fail("layer_ids", f"{num_layers} entries (one per MoE layer of ids)", f"{len(vals)} entries")
+    if any(v < 0 for v in vals) or len(set(vals)) != len(vals):
+        fail("layer_ids", "distinct non-negative model layer numbers", list(vals))
+    return vals
+
+
+def check_token_ids(token_ids: Any, num_tokens: int) -> np.ndarray:
+    """``token_ids`` as C-contiguous int64 [num_tokens], each >= -1 (-1 = unknown)."""
+    tok = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
+    if tok.shape != (num_tokens,):
+        fail(
+            "token_ids",
+            f"shape ({num_tokens},) (one per position)",
+            f"shape {tok.shape}",
+            what="shape",
+        )
+    if tok.size and int(tok.min()) < -1:
+        fail("token_ids", "token ids >= 0 (-1 = unknown)", int(tok.min()))
+    return tok
