@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import replaymoe.moe._kernel_bwd as kb
+import replaymoe.moe._kernel_bwd_dw as kb
 import replaymoe.moe.configs as MT
 
 SMEM_MAX = 232448  # bytes of shared memory one block may use on sm_90

@@ -38,7 +38,8 @@ import sm90_compile as sm90
 from sm90_compile import F32, I16, I32, ONE, P16, P32, PI
 from triton import knobs
 
-import replaymoe.moe._kernel_fwd as km
+from replaymoe.moe._kernel_gemm1 import moe_gemm1_kernel
+from replaymoe.moe._kernel_gemm2 import moe_gemm2_kernel
 
 COMMON = dict(ids_ptr=PI, num_pid_m=I32, H=I16, I=I16, num_slots=I32, expert_offset=I32, num_local=I16,
               stride_we=I16, stride_wn=I16, stride_wk=ONE, stride_se=I32, stride_sn=I32, stride_be=I32,
@@ -55,25 +56,25 @@ D2 = dict(a_desc=(128, 64), w_desc=(256, 64))
 # bytes of spill stores allowed (0 elsewhere); see the docstring
 MAX_SPILL = {"gemm1-training": 8, "gemm1-training-half": 8, "gemm1-training-k32": 8}
 CASES = {  # name: (kernel, arguments, constexprs, descriptor block shapes (TMA only)[, warps, stages])
-    "gemm1": (km.moe_gemm1_kernel, G1_ARGS, G1, dict(w_desc=(128, 64))),
-    "gemm1-training": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True), dict(w_desc=(128, 64))),
-    "gemm1-interleaved-bias": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, INTERLEAVED=True, HAS_BIAS=True, ACT=1),
+    "gemm1": (moe_gemm1_kernel, G1_ARGS, G1, dict(w_desc=(128, 64))),
+    "gemm1-training": (moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True), dict(w_desc=(128, 64))),
+    "gemm1-interleaved-bias": (moe_gemm1_kernel, G1_ARGS, dict(G1, INTERLEAVED=True, HAS_BIAS=True, ACT=1),
                                dict(w_desc=(256, 64))),
     # the long-segment Hopper configuration (moe_config, >= 256 rows per expert): 32-deep K chunks, 6 stages
-    "gemm1-training-k32": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True, BLOCK_K=32, HALF_TILES=True),
+    "gemm1-training-k32": (moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True, BLOCK_K=32, HALF_TILES=True),
                            dict(w_desc=(128, 32)), 8, 6),
-    "gemm1-ragged-H": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, EVEN_K=False), dict(w_desc=(128, 64))),
-    "gemm2": (km.moe_gemm2_kernel, G2_ARGS, G2, D2),
-    "gemm2-bias": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HAS_BIAS=True), D2),
+    "gemm1-ragged-H": (moe_gemm1_kernel, G1_ARGS, dict(G1, EVEN_K=False), dict(w_desc=(128, 64))),
+    "gemm2": (moe_gemm2_kernel, G2_ARGS, G2, D2),
+    "gemm2-bias": (moe_gemm2_kernel, G2_ARGS, dict(G2, HAS_BIAS=True), D2),
     # half tiles (HALF_TILES): both tile heights in one kernel, the half one through its own descriptor
-    "gemm1-training-half": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True, HALF_TILES=True),
+    "gemm1-training-half": (moe_gemm1_kernel, G1_ARGS, dict(G1, SAVE_H=True, HALF_TILES=True),
                             dict(w_desc=(128, 64))),
-    "gemm2-half": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, HALF_TILES=True), dict(D2, a_desc_half=(64, 64))),
+    "gemm2-half": (moe_gemm2_kernel, G2_ARGS, dict(G2, HALF_TILES=True), dict(D2, a_desc_half=(64, 64))),
     # the mid-size tiles (16/32 rows, 4 warps), which moe_config does not give TMA yet but
     # the H200 A/B timed with it (scripts/fwd_tma_check.py --all-tiles, in git at 3cc3db5)
-    "gemm1-mid32": (km.moe_gemm1_kernel, G1_ARGS, dict(G1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128),
+    "gemm1-mid32": (moe_gemm1_kernel, G1_ARGS, dict(G1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128),
                     dict(w_desc=(64, 128)), 4, 4),
-    "gemm2-mid16": (km.moe_gemm2_kernel, G2_ARGS, dict(G2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256),
+    "gemm2-mid16": (moe_gemm2_kernel, G2_ARGS, dict(G2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256),
                     dict(a_desc=(16, 256), w_desc=(64, 256)), 4, 3),
 }  # fmt: skip
 
@@ -110,7 +111,7 @@ def main(names: list[str]) -> int:
             u = ptxas_usage(ptx)
             ok = u["spill_st"] <= MAX_SPILL.get(name, 0) and mma != "0/0"
             if tma:  # host-side descriptors: encoded by the launcher, no device scratch (allocator) needed
-                ok &= bulk > 0 and (cp == 0 if fn is km.moe_gemm2_kernel else cp > 0)
+                ok &= bulk > 0 and (cp == 0 if fn is moe_gemm2_kernel else cp > 0)
                 ok &= k.metadata.global_scratch_size == 0 and len(k.metadata.tensordesc_meta) == len(descs)
             else:
                 ok &= bulk == 0 and cp > 0

@@ -14,7 +14,8 @@ import sys
 
 from sm90_compile import F32, I16, I32, P16, P32, PI, compile_sm90
 
-import replaymoe.moe._kernel_fwd as km
+from replaymoe.moe._kernel_gemm1 import moe_gemm1_kernel
+from replaymoe.moe._kernel_gemm2 import moe_gemm2_kernel, moe_reduce_kernel
 
 COMMON = dict(ids_ptr=PI, num_pid_m=I32, H=I16, I=I16, num_slots=I16, expert_offset=I32, num_local=I16,
               stride_we=I16, stride_wn=I16, stride_wk=I32, stride_se=I32, stride_sn=I32, stride_be=I32,
@@ -24,20 +25,20 @@ DIRECT = dict(DIRECT=True, FP8=False, HAS_BIAS=False, EVEN_K=True, BLOCK_M=16, B
               GROUP_M=8, DOT_PREC="tf32")  # fmt: skip
 CASES = {  # kernel: (function, argument types, constexprs, expected instruction counts with PDL)
     "gemm1": (
-        km.moe_gemm1_kernel,
+        moe_gemm1_kernel,
         dict(COMMON, x_ptr=P16, xs_ptr=P16, h_ptr=P16, TOP_K=I32, alpha=F32, limit=F32, stride_xm=I16,
              stride_im=I16, stride_hm=I16),
         dict(DIRECT, PREQ_X=False, PREQ=False, SAVE_H=False, STORE_ACT=True, INTERLEAVED=False, ACT=0),
         {"griddepcontrol.wait": 1, "griddepcontrol.launch_dependents": 1, "prefetch.global.L2": 0},
     ),
     "gemm2": (
-        km.moe_gemm2_kernel,
+        moe_gemm2_kernel,
         dict(COMMON, y_ptr=P16, wts_ptr=P32, stride_im=I16, stride_ym=I16),
         dict(DIRECT, PREQ=False),
         {"griddepcontrol.wait": 1, "griddepcontrol.launch_dependents": 1, "prefetch.global.L2": 1},
     ),
     "reduce": (
-        km.moe_reduce_kernel,
+        moe_reduce_kernel,
         dict(y_ptr=P16, ids_ptr=PI, out_ptr=P16, H=I16, TOP_K=I32, expert_offset=I32, num_local=I16,
              stride_ym=I16, stride_om=I16),
         dict(BLOCK_H=1024),

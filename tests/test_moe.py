@@ -19,7 +19,7 @@ from _scripts import run_script
 from replaymoe import _switches
 from replaymoe.moe import MoELayer, fused_moe, fused_moe_torch, swap_gate_up
 from replaymoe.moe._forward import experts_triton
-from replaymoe.moe._kernel_fwd import _merged_slots
+from replaymoe.moe._kernel_common import _merged_slots
 from replaymoe.moe.configs import MoEConfig
 from replaymoe.moe.quant import quantize_fp8_block
 from replaymoe.routing import RoutingConfig, RoutingMethod, route_torch

@@ -34,7 +34,8 @@ The package, one op: this module (the public entry points and their documentatio
 backward, :class:`ClampedSwiGLU`), ``configs`` (tuned tables, heuristics, hardware switches),
 ``_forward`` and ``_backward`` (the Triton host side: launchers, ``replaymoe::`` custom ops, autograd),
 ``layout`` (the expert-sorted token layout) and ``quant`` (fp8 block-scale helpers), and the Triton code
-``_kernel_fwd``, ``_kernel_bwd`` and ``_kernel_layout`` (the device-side id check they run lives in
+``_kernel_gemm1``, ``_kernel_gemm2``, ``_kernel_common``, ``_kernel_quant``, ``_kernel_swapped``,
+``_kernel_bwd_dx``, ``_kernel_bwd_dw`` and ``_kernel_layout`` (the device-side id check they run lives in
 ``routing``: ``_kernel_ids``, ``_id_mailbox``). ``MoEConfig``, ``moe_config``,
 ``MoEBwdConfig``, ``moe_bwd_config`` and ``experts_backward_torch`` are re-exported here.
 """

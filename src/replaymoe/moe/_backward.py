@@ -4,7 +4,8 @@
 launcher :func:`replaymoe.moe._forward._launch`, plus the gate/up rows saved for the backward) with its
 registered autograd, or eagerly :class:`_EagerTrain` (the same launches without the op's dispatch, the
 forward's expert layout handed to the backward). :func:`launch_bwd` is the backward launcher (dA, SwiGLU
-backward, dX, dW13, dW2, bias gradients; kernels in ``_kernel_bwd.py``), also the custom op
+backward, dX, dW13, dW2, bias gradients; kernels in ``_kernel_bwd_dx.py`` and ``_kernel_bwd_dw.py``),
+also the custom op
 ``replaymoe::moe_experts_bwd``. No argument checks here (:func:`replaymoe.moe.fused_moe` validates).
 """
 
@@ -331,16 +332,15 @@ def launch_bwd(
     """
     if isinstance(saved, list):
         saved = saved.pop()
-    from ._kernel_bwd import (
+    from ._kernel_bwd_dw import (
         moe_bwd_bias_kernel,
-        moe_bwd_da_kernel,
         moe_bwd_dw_kernel,
         moe_bwd_dw_tma_kernel,
-        moe_bwd_dx_kernel,
         moe_bwd_gather_rows_kernel,
-        moe_bwd_swiglu_kernel,
     )
-    from ._kernel_fwd import moe_gemm1_kernel, moe_reduce_kernel
+    from ._kernel_bwd_dx import moe_bwd_da_kernel, moe_bwd_dx_kernel, moe_bwd_swiglu_kernel
+    from ._kernel_gemm1 import moe_gemm1_kernel
+    from ._kernel_gemm2 import moe_reduce_kernel
     from .layout import compact_layout, expert_layout_unchecked
 
     T, H = x.shape

@@ -1,7 +1,8 @@
 """Triton forward of the fused MoE: the experts variant, the forward launcher and its custom op.
 
 :func:`experts_triton` runs an already validated call (:func:`replaymoe.moe.fused_moe` validates; no
-argument checks here): layout + GEMM1 + GEMM2 + reduce (:func:`_launch`; kernels in ``_kernel_fwd.py``,
+argument checks here): layout + GEMM1 + GEMM2 + reduce (:func:`_launch`; kernels in
+``_kernel_gemm1.py`` / ``_kernel_gemm2.py``,
 the layout in :mod:`replaymoe.moe.layout`), eagerly as direct launches and under ``torch.compile`` as the
 custom op ``replaymoe::moe_experts``. The differentiable forward (``replaymoe::moe_experts_train``) runs
 the same launcher: :mod:`replaymoe.moe._backward`. The configurations: :mod:`replaymoe.moe.configs`.
@@ -203,7 +204,8 @@ def _launch(
     receives the expert layout in tile mode. With ``v.id_bound`` the kernel that reads the ids first
     (the layout's scatter, or GEMM1 in direct mode) checks them on the device; an error an earlier call
     left in the mailbox is raised first."""
-    from ._kernel_fwd import moe_gemm1_kernel, moe_gemm2_kernel
+    from ._kernel_gemm1 import moe_gemm1_kernel
+    from ._kernel_gemm2 import moe_gemm2_kernel
     from .layout import expert_layout_unchecked
 
     T, H = x.shape
@@ -353,7 +355,7 @@ def _x_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (H a multiple of 128) quantized per 1×128 group: (e4m3 [T, H], fp32 scales [T, H // 128])."""
-    from ._kernel_fwd import quant_groups_kernel
+    from ._kernel_quant import quant_groups_kernel
 
     T, H = x.shape
     xq, xs = _x_buffers(x)
@@ -364,7 +366,7 @@ def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _reduce_slots(y, ids, out, offset: int, E_local: int, pdl: bool = False) -> None:
     """out[t] = the sum in k order of the slot rows y[t * K + k] of the token's local experts
     (``moe_reduce_kernel``; ``pdl``: as a programmatic dependent launch)."""
-    from ._kernel_fwd import moe_reduce_kernel
+    from ._kernel_gemm2 import moe_reduce_kernel
 
     T, K = ids.shape
     H = y.shape[1]

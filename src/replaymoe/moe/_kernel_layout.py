@@ -28,7 +28,7 @@ import triton.language as tl
 
 from replaymoe.routing._kernel_ids import check_id_block
 
-from ._kernel_fwd import quant_group_block
+from ._kernel_quant import quant_group_block
 
 
 @triton.jit

@@ -13,7 +13,7 @@ Two modes, as the unswapped kernels:
 
 * ``DIRECT`` (decode): one program column per slot, ``TN = 16`` token columns of which column 0 is
   the slot's (the others masked to zero); with ``MERGE`` the columns are the slots of the slot's expert
-  that its program leads (``_kernel_fwd._merged_slots``);
+  that its program leads (``_kernel_common._merged_slots``);
 * tile mode: the tiles of :mod:`replaymoe.moe.layout` with ``TN = block_m`` rows (16 or 32: an
   expert's rows of a small batch), gathered through ``sorted_slots``; GEMM1 writes its rows in layout
   order, GEMM2 reads them so and writes one row per slot.
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from replaymoe.routing._kernel_ids import check_all_ids
 
-from ._kernel_fwd import apply_act, direct_rows, grouped_pid, ticket_sum, ticket_sum_rows, zero_tickets
+from ._kernel_common import apply_act, direct_rows, grouped_pid, ticket_sum, ticket_sum_rows, zero_tickets
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -45,7 +45,7 @@ FP8_MAX = tl.constexpr(448.0)
 @triton.jit
 def _quant_cols(a):
     """Quantize fp32 columns [128, TN] to e4m3 with one scale per column; returns (q, scale [TN]).
-    The arithmetic of ``_quant_rows`` on the transposed tile (so the same bits)."""
+    The arithmetic of ``_kernel_quant.quant_rows`` on the transposed tile (so the same bits)."""
     amax = tl.max(tl.abs(a), axis=0)
     s = tl.maximum(amax / FP8_MAX, 1e-12)
     q = tl.clamp(a / s[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
