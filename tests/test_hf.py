@@ -94,6 +94,8 @@ def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
     calls = {"route": 0, "fused": 0}
     import replaymoe.hf.patches as rsession
     import replaymoe.moe as rmoe
+    import replaymoe.moe._backward as rmoe_bwd
+    import replaymoe.moe._forward as rmoe_fwd
 
     def spy(key, real):
         def f(*a, **k):
@@ -102,10 +104,11 @@ def test_patched_outputs_equal_unpatched(arch, generator, monkeypatch):
 
         return f
 
-    # a router routes through route(), or past its checks once they passed (route_unchecked); the
-    # experts through fused_moe(), or on CUDA past its checks (fused_moe_unchecked)
-    for mod, name, key in ((rsession, "route", "route"), (rsession, "route_unchecked", "route"),
-                           (rmoe, "fused_moe", "fused"), (rmoe, "fused_moe_unchecked", "fused")):  # fmt: skip
+    # a router routes through route(), or past its checks once they passed (run_route); the experts
+    # through fused_moe(), or on CUDA past its checks (the executors experts_triton, experts_triton_train)
+    for mod, name, key in ((rsession, "route", "route"), (rsession, "run_route", "route"),
+                           (rmoe, "fused_moe", "fused"), (rmoe_fwd, "experts_triton", "fused"),
+                           (rmoe_bwd, "experts_triton_train", "fused")):  # fmt: skip
         monkeypatch.setattr(mod, name, spy(key, getattr(mod, name)))
     moe = rhf.enable(model)
     with torch.no_grad():

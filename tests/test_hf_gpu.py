@@ -95,22 +95,28 @@ def test_gpu_patched_vs_unpatched_and_capture(arch, monkeypatch):
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits.float()
     import replaymoe.moe as rmoe
+    import replaymoe.moe._backward as rmoe_bwd
+    import replaymoe.moe._forward as rmoe_fwd
 
     calls = {"fused": 0}
-    real, real_unchecked = rmoe.fused_moe, rmoe.fused_moe_unchecked
+    real = rmoe.fused_moe
 
     def spy(*a, **k):
         calls["fused"] += 1
         assert k.get("backend") == "auto" and a[0].is_cuda  # -> the Triton kernels
         return real(*a, **k)
 
-    def spy_unchecked(*a):  # the standard experts past fused_moe's checks (always the Triton kernels)
-        calls["fused"] += 1
-        assert a[0].is_cuda
-        return real_unchecked(*a)
+    def spy_direct(executor):  # the standard experts past fused_moe's checks (always the Triton kernels)
+        def f(*a, **k):
+            calls["fused"] += 1
+            assert a[0].is_cuda
+            return executor(*a, **k)
+
+        return f
 
     monkeypatch.setattr(rmoe, "fused_moe", spy)
-    monkeypatch.setattr(rmoe, "fused_moe_unchecked", spy_unchecked)
+    monkeypatch.setattr(rmoe_fwd, "experts_triton", spy_direct(rmoe_fwd.experts_triton))
+    monkeypatch.setattr(rmoe_bwd, "experts_triton_train", spy_direct(rmoe_bwd.experts_triton_train))
     moe = rhf.enable(model, capture=True)
     own = _OwnRouter(moe)
     with torch.no_grad():
@@ -381,7 +387,7 @@ def test_gpu_forward_has_no_host_sync(mode):
     moe.disable()
 
 
-# each case: (what the call changes, whether it still takes the unchecked path)
+# each case: (what the call changes, whether it still goes straight to the Triton executors)
 _EXPERT_CALLS = [
     ("as the router gives it", True),
     ("int64 ids and bf16 weights (converted first)", True),
@@ -391,13 +397,15 @@ _EXPERT_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("case, unchecked", _EXPERT_CALLS, ids=[c for c, _ in _EXPERT_CALLS])
+@pytest.mark.parametrize("case, direct", _EXPERT_CALLS, ids=[c for c, _ in _EXPERT_CALLS])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-def test_gpu_experts_past_checks_match_fused_moe(case, unchecked, grad, monkeypatch):
+def test_gpu_experts_past_checks_match_fused_moe(case, direct, grad, monkeypatch):
     # the "replaymoe" experts function skips fused_moe's checks only where the call's metadata is one
     # fused_moe accepts; there it returns fused_moe's bits and gradients, elsewhere fused_moe runs (and
     # raises)
     import replaymoe.moe as rmoe
+    import replaymoe.moe._backward as rmoe_bwd
+    import replaymoe.moe._forward as rmoe_fwd
     from replaymoe.hf import experts as hx
 
     model = _model("qwen3_moe")
@@ -413,14 +421,17 @@ def test_gpu_experts_past_checks_match_fused_moe(case, unchecked, grad, monkeypa
         x = x.float()
     elif case.startswith("no tokens"):
         x, ids, w = x[:0], ids[:0], w[:0]
-    calls = {"unchecked": 0}
-    real = rmoe.fused_moe_unchecked
+    calls = {"direct": 0}
 
-    def spy(*a):
-        calls["unchecked"] += 1
-        return real(*a)
+    def spy(executor):  # the experts past fused_moe's checks: its Triton executors, called directly
+        def f(*a, **k):
+            calls["direct"] += 1
+            return executor(*a, **k)
 
-    monkeypatch.setattr(rmoe, "fused_moe_unchecked", spy)
+        return f
+
+    monkeypatch.setattr(rmoe_fwd, "experts_triton", spy(rmoe_fwd.experts_triton))
+    monkeypatch.setattr(rmoe_bwd, "experts_triton_train", spy(rmoe_bwd.experts_triton_train))
     if case.startswith("ids of another batch"):
         with pytest.raises(ValueError, match="topk"):
             hx.replaymoe_experts_forward(exp, x, ids[1:], w[1:])
@@ -428,7 +439,7 @@ def test_gpu_experts_past_checks_match_fused_moe(case, unchecked, grad, monkeypa
     exp.requires_grad_(grad)
     xs = x.detach().requires_grad_(grad)
     out = hx.replaymoe_experts_forward(exp, xs, ids, w)
-    assert calls["unchecked"] == int(unchecked)
+    assert calls["direct"] == int(direct)
     ref_x = x.detach().requires_grad_(grad)
     ref = rmoe.fused_moe(ref_x.to(torch.bfloat16), exp.gate_up_proj, exp.down_proj, topk_ids=ids.int(),
                          topk_weights=w.float()).to(x.dtype)  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replaymoe.moe._forward import ExpertsVariant, _launch
+from replaymoe.moe._forward import ExpertsVariant, launch_experts
 from replaymoe.moe.configs import MoEConfig
 from replaymoe.routing import _id_mailbox
 
@@ -53,7 +53,7 @@ def _run(rows, config, id_dtype=torch.int32, id_bound=8):
     ids = torch.tensor(rows, dtype=id_dtype)
     wts = torch.rand(T, 3, generator=g)
     out = torch.empty(T, H)
-    _launch(x, w13, w2, ids, wts, None, None, 2, out, config, v=ExpertsVariant(id_bound=id_bound))
+    launch_experts(x, w13, w2, ids, wts, None, None, 2, out, config, v=ExpertsVariant(id_bound=id_bound))
     return out
 
 
@@ -119,7 +119,7 @@ def _route_launch(rows, check=True):
 
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     replay = torch.tensor(rows, dtype=torch.int64)
-    return route_launch(logits, None, replay, None, 3, 0, 1, 1, 1.0, check)
+    return route_launch(logits, None, None, replay, 3, 0, 1, 1, 1.0, check)
 
 
 @pytest.mark.parametrize("rows,match", BAD_REPLAY)

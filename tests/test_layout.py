@@ -93,7 +93,7 @@ def test_layout_triton_matches_reference(T, K, E, E_local, offset, block_m, clus
     ],
 )
 def test_layout_launches_by_size(T, K, E, launches, warps, generator, monkeypatch):
-    # the layout's launches and the scatter's warps (moe.layout.expert_layout_unchecked), and its result
+    # the layout's launches and the scatter's warps (moe.layout.build_layout), and its result
     import replaymoe._launch as launch
 
     seen = []

@@ -1419,9 +1419,9 @@ def test_triton_interpreter_fp8_swapped_matches_unswapped(T, sl, bm, n1, n2, gen
     # interpreter (its dot order is numpy's, so closeness; the GPU test checks the bits); each call
     # builds its layout once (tile mode) or not at all (decode)
     layouts = []
-    build = layout_mod.expert_layout_unchecked
+    build = layout_mod.build_layout
     counted = lambda *a, **k: layouts.append(1) or build(*a, **k)  # noqa: E731
-    monkeypatch.setattr(layout_mod, "expert_layout_unchecked", counted)
+    monkeypatch.setattr(layout_mod, "build_layout", counted)
     H, I, E, K = 256, 256, 4, 2  # noqa: E741
     x = torch.randn(T, H, generator=generator).bfloat16()
     w13 = (torch.randn(E, 2 * I, H, generator=generator) * H**-0.5).bfloat16()
@@ -1459,10 +1459,10 @@ def test_triton_interpreter_layout_launch_quantizes_x(T, H, generator, monkeypat
     xq, xs = moe_fwd._x_buffers(x)
     xq.view(torch.uint8).fill_(0x7F)  # poisoned (e4m3 NaN)
     xs.fill_(float("nan"))
-    lay = layout_mod.expert_layout_unchecked(ids, 4, 16, 0, 1, False, (x, xq, xs))
+    lay = layout_mod.build_layout(ids, 4, 16, 0, 1, False, (x, xq, xs))
     ref_q, ref_s = moe_fwd._quantize_x(x)
     assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(xs, ref_s)
-    assert torch.equal(lay.sorted_slots, layout_mod.expert_layout_unchecked(ids, 4, 16).sorted_slots)
+    assert torch.equal(lay.sorted_slots, layout_mod.build_layout(ids, 4, 16).sorted_slots)
     w13 = (torch.randn(4, 256, H, generator=generator) * H**-0.5).bfloat16()
     w2 = (torch.randn(4, H, 128, generator=generator) * 128**-0.5).bfloat16()
     (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)

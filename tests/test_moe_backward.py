@@ -254,8 +254,8 @@ def test_eager_function_equals_custom_op_and_reuses_the_layout(case, generator, 
     T, H, I, E, E_local, offset, K = CASES[case].values  # noqa: E741
     x, w13, w2, ids, wts, dout = _problem(T, H, I, E, E_local, offset, K, generator, torch.float16)
     calls = []
-    real = L.expert_layout_unchecked
-    monkeypatch.setattr(L, "expert_layout_unchecked", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = L.build_layout
+    monkeypatch.setattr(L, "build_layout", lambda *a, **k: calls.append(1) or real(*a, **k))
     eager = _grads(x, w13, w2, ids, wts, dout, E=E, offset=offset, backend="triton")
     assert len(calls) == 1  # one layout for forward and backward
 

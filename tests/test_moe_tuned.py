@@ -238,8 +238,8 @@ def test_the_launcher_takes_the_table_of_the_device(generator, monkeypatch):
     mine = MoEConfig(True, 16, 16, 32, 4, 2, 32, 32, 4, 2, group_m=2)  # direct: an eager call keeps it
     set_tuned_table(TunedTable("mine", entries={table_key(H, I, E, K, False, T): mine}))
     seen = []
-    launch = fwd._launch
-    monkeypatch.setattr(fwd, "_launch", lambda *a, **k: (seen.append(a[9]), launch(*a, **k))[1])
+    launch = fwd.launch_experts
+    monkeypatch.setattr(fwd, "launch_experts", lambda *a, **k: (seen.append(a[9]), launch(*a, **k))[1])
     x = torch.randn(T, H, generator=generator)
     w13 = torch.randn(E, 2 * I, H, generator=generator) / H**0.5
     w2 = torch.randn(E, H, I, generator=generator) / I**0.5

@@ -8,7 +8,7 @@ import torch
 
 import replaymoe.routing._triton as routing_triton
 from _routing_cases import routing_kwargs
-from replaymoe.routing import RoutingMethod, route, route_torch
+from replaymoe.routing import RoutingConfig, RoutingMethod, route, route_torch
 from replaymoe.routing._triton import LaunchConfig, route_launched
 from replaymoe.testing import POISON_INT, assert_close, poison, tie_free_logits
 
@@ -21,13 +21,21 @@ def kwargs_for(method, num_experts, generator, top_k=3):
     return routing_kwargs(method, num_experts, generator, top_k=top_k, bias_dtype=torch.float16)
 
 
+def launched(launch, x, top_k=None, method=None, **kw):
+    """:func:`route_launched` called as ``route`` is: the routing keywords folded into a RoutingConfig,
+    the rest (``routing_replay_out``, ``replay_ids``, ``check_replay``) passed on."""
+    run = {k: kw.pop(k) for k in ("routing_replay_out", "replay_ids", "check_replay") if k in kw}
+    routing = RoutingConfig(top_k, M.RENORMALIZE if method is None else method, **kw)
+    return route_launched(launch, x, routing, **run)
+
+
 @pytest.fixture(params=[1, 2, 3])
 def route_algo(request):
     """``route`` on the Triton backend with its kernel launched per call (:class:`LaunchConfig`): iterative
     top-k on int64 keys (1), on two int32 reductions (2), on truncated int32 keys with verification and
     fallback (3, the default); 4 tokens per program."""
     launch = LaunchConfig(algo=request.param, block_t=4)
-    return lambda *args, backend="triton", **kw: route_launched(launch, *args, **kw)
+    return lambda *args, backend="triton", **kw: launched(launch, *args, **kw)
 
 
 def check(out, ref, t, cap=None):
@@ -58,7 +66,7 @@ def test_bitonic_topk(method, generator):
     kw = kwargs_for(method, 40, generator, top_k=5)
     for dtype in (torch.float32, torch.float16):
         x = tie_free_logits(8, 40, dtype=dtype, generator=generator)
-        check(route_launched(launch, x, method=method, **kw), route_torch(x, method=method, **kw), 8)
+        check(launched(launch, x, method=method, **kw), route_torch(x, method=method, **kw), 8)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +126,7 @@ def test_kernel_replay_block_without_native_rows_skips_selection(generator):
     # every row forced: the in-kernel selection branch is not taken, results still exact
     x = tie_free_logits(4, 16, generator=generator)
     forced = torch.tensor([[3, 1], [0, 15], [7, 8], [2, 9]], dtype=torch.int64)
-    out = route_launched(LaunchConfig(block_t=2), x, 2, M.RENORMALIZE, replay_ids=forced)
+    out = route_launched(LaunchConfig(block_t=2), x, RoutingConfig(2, M.RENORMALIZE), replay_ids=forced)
     check(out, route_torch(x, 2, M.RENORMALIZE, replay_ids=forced), 4)
 
 
@@ -190,11 +198,12 @@ def test_kernel_exact_when_scores_differ_in_the_last_bits(algo_id):
         [ulps.view(torch.float32), torch.linspace(-1, 1, 48), (ulps // 2 * 2).view(torch.float32)]
     )
     for method in (M.TOPK, M.RENORMALIZE, M.SIGMOID):  # selecting on the logits themselves
-        out = route_launched(launch, x, 6, method)
+        out = route_launched(launch, x, RoutingConfig(6, method))
         ref = route_torch(x, 6, method)
         assert torch.equal(out.topk_ids, ref.topk_ids)
-    assert route_launched(launch, x, 6, M.TOPK).topk_ids[0].tolist() == [47, 46, 45, 44, 43, 42]
-    assert route_launched(launch, x, 6, M.TOPK).topk_ids[2].tolist() == [46, 47, 44, 45, 42, 43]
+    top = route_launched(launch, x, RoutingConfig(6, M.TOPK)).topk_ids
+    assert top[0].tolist() == [47, 46, 45, 44, 43, 42]
+    assert top[2].tolist() == [46, 47, 44, 45, 42, 43]
 
 
 def test_gradient_with_capture_eager_and_compiled(generator):

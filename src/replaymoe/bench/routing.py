@@ -113,6 +113,7 @@ SWEEP_CONFIGS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 4)]
 def run_sweep() -> list[dict]:
     """Time launch configurations (ALGO x BLOCK_T x num_warps) at a few shapes (tuning aid), each given
     per call (:func:`replaymoe.routing._triton.route_launched`)."""
+    from replaymoe.routing import RoutingConfig
     from replaymoe.routing._triton import LaunchConfig, route_launched
 
     gen = torch.Generator().manual_seed(0)
@@ -128,9 +129,8 @@ def run_sweep() -> list[dict]:
                 try:
                     for t in (1, 4096, 16384):
                         x, cfg, cap, e = _case(name, dtype, t, gen)
-                        us = time_graph(
-                            lambda x=x, cfg=cfg, lc=launch: route_launched(lc, x, **cfg), rep_ms=30
-                        )
+                        r = RoutingConfig(**cfg)
+                        us = time_graph(lambda x=x, r=r, lc=launch: route_launched(lc, x, r), rep_ms=30)
                         rows.append(
                             {
                                 "model": name,

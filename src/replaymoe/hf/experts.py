@@ -106,11 +106,13 @@ def _grouped_mm_forward(experts, hidden_states, top_k_index, top_k_weights):
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _unchecked_ok(x, w13, w2, ids, weights) -> bool:
-    """This call is one :func:`replaymoe.moe.fused_moe_unchecked` takes as it is (its preconditions,
-    by metadata only: the weights' layout was checked once by :func:`fused_compatible`). Anything else
-    goes through :func:`replaymoe.moe.fused_moe`, which checks every argument and names the wrong one.
-    Not under ``torch.compile`` (which traces ``fused_moe``; host time does not matter there)."""
+def _direct_ok(x, w13, w2, ids, weights) -> bool:
+    """This call is one the Triton executors take as it is (the preconditions of
+    :func:`replaymoe.moe._forward.experts_triton` and :func:`replaymoe.moe._backward.experts_triton_train`
+    for the standard experts, by metadata only: the weights' layout was checked once by
+    :func:`fused_compatible`). Anything else goes through :func:`replaymoe.moe.fused_moe`, which checks
+    every argument and names the wrong one. Not under ``torch.compile`` (which traces ``fused_moe``;
+    host time does not matter there)."""
     if x.dim() != 2 or ids.dim() != 2 or not w13.is_cuda or x.dtype not in _HALF:
         return False
     T, H = x.shape
@@ -185,10 +187,19 @@ def replaymoe_experts_forward(
     ids = top_k_index if top_k_index.dtype == torch.int32 else top_k_index.to(torch.int32)
     weights = top_k_weights if top_k_weights.dtype == torch.float32 else top_k_weights.float()
     x = hidden_states if hidden_states.dtype == w13.dtype else hidden_states.to(w13.dtype)
-    if backend == "auto" and gptoss is None and _unchecked_ok(x, w13, w2, ids, weights):
-        from replaymoe.moe import fused_moe_unchecked
+    if backend == "auto" and gptoss is None and _direct_ok(x, w13, w2, ids, weights):
+        # the executors fused_moe ends in, past its checks (the same tensor, bits and autograd)
+        if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad
+                                        or weights.requires_grad):  # fmt: skip
+            from replaymoe.moe._backward import experts_triton_train
 
-        out = fused_moe_unchecked(x, w13, w2, ids, weights)
+            out = experts_triton_train(x, w13, w2, ids, weights, local_expert_offset=0, recompute=False)
+        else:
+            from replaymoe.moe._forward import experts_triton
+
+            out = experts_triton(
+                x, w13, w2, ids, weights, w13_scale=None, w2_scale=None, local_expert_offset=0, out=None
+            )
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
     out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=weights, backend=backend, check_ids=False, **extra)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)

@@ -19,8 +19,9 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
-from replaymoe.routing import RoutingConfig, route, route_unchecked
+from replaymoe.routing import RoutingConfig, RoutingOutput, route
 from replaymoe.routing._checks import validate
+from replaymoe.routing._dispatch import run_route
 
 from .discovery import MoELayerInfo
 from .experts import IMPLEMENTATION_NAME
@@ -156,7 +157,7 @@ class _CheckedRouting:
     unit stride, of a fixed dtype and device), the routing against their number of experts, the
     capture slab and the replay ids. Once a call with the same logits dtype, device and expert
     count passed them, later calls re-check only the replay ids' shape (the rest cannot change) and
-    go straight to :func:`replaymoe.routing.route_unchecked` (tens of microseconds of host time per
+    go straight to :func:`replaymoe.routing._dispatch.run_route` (tens of microseconds of host time per
     layer call in an eager training step).
     """
 
@@ -176,10 +177,10 @@ class _CheckedRouting:
             and (replay_ids is None or (replay_ids.shape == (logits.shape[0], top_k)
                                         and replay_ids.dtype == torch.int32 and replay_ids.is_contiguous()))
         ):  # fmt: skip
-            return route_unchecked(logits, self.params, self.routing.bias, out_buf, replay_ids, backend)
+            return RoutingOutput(*run_route(logits, self.routing, self.params, out_buf, replay_ids, backend))
         p, ids = validate(logits, self.routing, out_buf, replay_ids, False)
         self.params, self.key = p, key
-        return route_unchecked(logits, p, self.routing.bias, out_buf, ids, backend)
+        return RoutingOutput(*run_route(logits, self.routing, p, out_buf, ids, backend))
 
 
 def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Callable:

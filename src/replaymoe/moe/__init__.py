@@ -51,7 +51,8 @@ from torch import nn
 
 from .._backend import BACKENDS, resolve_backend
 from .._validation import check_choice, check_int, check_tensor, fail
-from ..routing import RoutingConfig, RoutingMethod, as_routing, route_unchecked
+from ..routing import RoutingConfig, RoutingMethod, as_routing
+from ..routing._dispatch import run_route
 from ..routing._id_mailbox import raise_id_errors as raise_id_errors  # re-exported here
 from ._backward import experts_triton_train
 from ._forward import STANDARD, ExpertsVariant, experts_triton
@@ -88,40 +89,6 @@ def _variant(w13_bias, w2_bias, activation, gate_up_layout, id_bound: int) -> Ex
 def _checked_standard(id_bound: int) -> ExpertsVariant:
     """The standard experts with the device-side id check against ``[-1, id_bound)`` (one object per E)."""
     return ExpertsVariant(id_bound=id_bound)
-
-
-def fused_moe_unchecked(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`fused_moe` with given routing on the Triton backend, past its argument checks.
-
-    For library callers that hold the checks' results already (the transformers integration checks a
-    module's weights once and each call's metadata in a few comparisons: host time per layer call
-    matters in an eager training step). The call must be one that :func:`fused_moe` accepts with these
-    arguments and its defaults (standard experts, no offset, ``recompute=False``), with:
-
-    * ``hidden_states`` [T, H], T >= 1, bfloat16 or float16, on a CUDA device;
-    * ``w13`` [E, 2I, H] and ``w2`` [E, H, I] of that dtype and device;
-    * ``topk_ids`` int32 [T, K] (K <= E) and ``topk_weights`` float32 [T, K] on that device; the
-      ids' values are not checked (as ``fused_moe(..., check_ids=False)``).
-
-    Returns the same tensor, bits and autograd as ``fused_moe(hidden_states, w13, w2,
-    topk_ids=topk_ids, topk_weights=topk_weights)``.
-    """
-    if torch.is_grad_enabled() and (
-        hidden_states.requires_grad or w13.requires_grad or w2.requires_grad or topk_weights.requires_grad
-    ):
-        return experts_triton_train(
-            hidden_states, w13, w2, topk_ids, topk_weights, local_expert_offset=0, recompute=False
-        )
-    return experts_triton(
-        hidden_states, w13, w2, topk_ids, topk_weights, w13_scale=None, w2_scale=None, local_expert_offset=0,
-        out=None,
-    )  # fmt: skip
 
 
 def fused_moe_torch(
@@ -296,17 +263,27 @@ def fused_moe(
         fail("check_ids", "a bool", type(check_ids).__name__, what="type")
     on_cuda = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda
     use_triton = backend == "triton" or (backend == "auto" and on_cuda)
+    # the routing keywords, once: folded into one RoutingConfig with router_logits (validate_call checks
+    # the rest, route()'s per-call checks included), refused beside the caller's topk tensors (logits and
+    # topk tensors together: validate_call's error)
+    if router_logits is not None and topk_ids is None and topk_weights is None:
+        routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    elif topk_ids is not None and topk_weights is not None:
+        loose = (("top_k", top_k), ("method", method), ("bias", bias), ("n_group", n_group),
+                 ("topk_group", topk_group), ("routed_scaling_factor", routed_scaling_factor))  # fmt: skip
+        for name, value in loose:
+            if value is not None:
+                fail(
+                    name,
+                    "None when topk_ids/topk_weights are given (routing arguments apply only with "
+                    "router_logits)",
+                    f"{name} given",
+                )
     p = validate_call(
         hidden_states,
         w13,
         w2,
         router_logits=router_logits,
-        top_k=top_k,
-        method=method,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor,
         routing=routing,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
@@ -330,10 +307,10 @@ def fused_moe(
     if router_logits is not None:
         # validated in _validate (routing's own checks included): no second pass here
         assert p.route_params is not None and p.routing is not None  # set with router_logits
-        topk_ids, topk_weights = route_unchecked(
+        topk_ids, topk_weights = run_route(
             router_logits,
+            p.routing,
             p.route_params,
-            p.routing.bias,
             routing_replay_out,
             p.replay_ids,
             "triton" if use_triton else "torch",

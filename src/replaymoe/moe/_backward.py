@@ -1,7 +1,7 @@
 """Triton backward of the fused MoE, and the differentiable forward it pairs with.
 
 :func:`experts_triton_train` is the training forward: ``replaymoe::moe_experts_train`` (the inference
-launcher :func:`replaymoe.moe._forward._launch`, plus the gate/up rows saved for the backward) with its
+launcher :func:`replaymoe.moe._forward.launch_experts`, plus the gate/up rows saved for the backward) with its
 registered autograd, or eagerly :class:`_EagerTrain` (the same launches without the op's dispatch, the
 forward's expert layout handed to the backward). :func:`launch_bwd` is the backward launcher (dA, SwiGLU
 backward, dX, dW13, dW2, bias gradients; kernels in ``_kernel_bwd_dx.py`` and ``_kernel_bwd_dw.py``),
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._launch import cdiv, fast, next_power_of_2
-from ._forward import STANDARD, ExpertsVariant, _launch, bias_args, rows_desc, tma_descriptor
+from ._forward import STANDARD, ExpertsVariant, bias_args, launch_experts, rows_desc, tma_descriptor
 from .configs import (
     MoEBwdConfig,
     MoEConfig,
@@ -40,7 +40,16 @@ def experts_triton_train(
 ):
     """Differentiable Triton experts (``torch.ops.replaymoe.moe_experts_train`` + its backward);
     ``config``: the forward's :class:`MoEConfig` (as :func:`~replaymoe.moe._forward.experts_triton`'s);
-    the backward picks its own (:func:`launch_bwd_config`)."""
+    the backward picks its own (:func:`launch_bwd_config`).
+
+    The training executor that :func:`replaymoe.moe.fused_moe` ends in on the Triton path (an input
+    requires grad; ``fused_moe`` copies the result into its ``out``), and that library callers holding
+    the checks' results call directly (the transformers integration's experts). No argument checks:
+    the caller guarantees the preconditions of :func:`~replaymoe.moe._forward.experts_triton` (for the
+    standard experts: ``x`` [T, H], T >= 1, bf16/fp16 on CUDA; ``w13`` [E, 2I, H], ``w2`` [E, H, I] of
+    that dtype and device; int32 ``topk_ids`` and float32 ``topk_weights`` [T, K], K <= E, there too;
+    ids' values unchecked); then it returns the same tensor, bits and autograd as ``fused_moe(x, w13,
+    w2, topk_ids=topk_ids, topk_weights=topk_weights, recompute=recompute)``."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
@@ -114,7 +123,7 @@ def _train_forward(
     saved = x.new_empty((0 if recompute else T * K, w13.shape[1]))
     v = ExpertsVariant(b13, b2, act, alpha, limit, interleaved, id_bound)
     c = config if isinstance(config, MoEConfig) else config_from_list(config)  # eager: the object
-    _launch(x, w13, w2, topk_ids, topk_weights, None, None, offset, out, c,
+    launch_experts(x, w13, w2, topk_ids, topk_weights, None, None, offset, out, c,
             saved=None if recompute else saved, v=v, layout_out=layout_out)  # fmt: skip
     return out, saved
 
@@ -341,7 +350,7 @@ def launch_bwd(
     from ._kernel_bwd_dx import moe_bwd_da_kernel, moe_bwd_dx_kernel, moe_bwd_swiglu_kernel
     from ._kernel_gemm1 import moe_gemm1_kernel
     from ._kernel_gemm2 import moe_reduce_kernel
-    from .layout import compact_layout, expert_layout_unchecked
+    from .layout import build_layout, compact_layout
 
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -364,7 +373,7 @@ def launch_bwd(
     if layout is not None and layout.block_m == c.block_m and layout.cluster == 1:
         lay = layout
     else:
-        lay = expert_layout_unchecked(ids, E_local, c.block_m, offset, 1, True)
+        lay = build_layout(ids, E_local, c.block_m, offset, 1, True)
     cl = compact_layout(lay)  # rows of the intermediates: one per slot, no padding
     num_pid_m = lay.max_tiles
     bm = c.block_m

@@ -1,7 +1,7 @@
 """Triton forward of the fused MoE: the experts variant, the forward launcher and its custom op.
 
 :func:`experts_triton` runs an already validated call (:func:`replaymoe.moe.fused_moe` validates; no
-argument checks here): layout + GEMM1 + GEMM2 + reduce (:func:`_launch`; kernels in
+argument checks here): layout + GEMM1 + GEMM2 + reduce (:func:`launch_experts`; kernels in
 ``_kernel_gemm1.py`` / ``_kernel_gemm2.py``,
 the layout in :mod:`replaymoe.moe.layout`), eagerly as direct launches and under ``torch.compile`` as the
 custom op ``replaymoe::moe_experts``. The differentiable forward (``replaymoe::moe_experts_train``) runs
@@ -84,7 +84,22 @@ def experts_triton(
 ):
     """Run the Triton experts into ``out`` (allocated when None); returns it. ``config``: the
     :class:`MoEConfig` of this call, its data-movement switches (``tma``, ``half_tiles``, ``pdl``,
-    ``swap_ab``) included; None: :func:`moe_config`'s choice for the shape, with the process defaults."""
+    ``swap_ab``) included; None: :func:`moe_config`'s choice for the shape, with the process defaults.
+
+    The inference executor that :func:`replaymoe.moe.fused_moe` ends in on the Triton path (no input
+    requires grad), and that library callers holding the checks' results call directly (the
+    transformers integration's experts, host time per layer call mattering at decode). No argument
+    checks: the call must be one that ``fused_moe`` accepts (``variant`` and ``out`` as it builds them).
+    For the standard experts (``variant`` STANDARD, ``w13_scale``/``w2_scale`` None, offset 0, ``out``
+    None) that is:
+
+    * ``x`` [T, H], T >= 1, bfloat16 or float16, on a CUDA device (or Triton's interpreter);
+    * ``w13`` [E, 2I, H] and ``w2`` [E, H, I] of that dtype and device;
+    * ``topk_ids`` int32 [T, K] (K <= E) and ``topk_weights`` float32 [T, K] on that device; the
+      ids' values are not checked (as ``fused_moe(..., check_ids=False)``).
+
+    Then it returns the same tensor and bits as ``fused_moe(x, w13, w2, topk_ids=topk_ids,
+    topk_weights=topk_weights)``."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
@@ -102,7 +117,7 @@ def experts_triton(
             config_tuple(c), *variant.op_args(),
         )  # fmt: skip
     else:  # eager: the same launches without the custom-op dispatch (tens of microseconds per call)
-        _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c,
+        launch_experts(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out, c,
                 v=variant)  # fmt: skip
     return out
 
@@ -130,7 +145,7 @@ def _moe_experts_op(
 ) -> None:
     """Validated-elsewhere Triton experts (custom op so torch.compile treats it as one opaque call);
     the trailing arguments are :class:`ExpertsVariant`'s."""
-    _launch(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
+    launch_experts(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,
             config_from_list(config),
             v=ExpertsVariant(w13_bias, w2_bias, act, alpha, limit, interleaved, id_bound))  # fmt: skip
 
@@ -183,7 +198,7 @@ def tma_descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block:
     return TensorDescriptor(t, shape, strides, block)
 
 
-def _launch(
+def launch_experts(
     x,
     w13,
     w2,
@@ -206,7 +221,7 @@ def _launch(
     left in the mailbox is raised first."""
     from ._kernel_gemm1 import moe_gemm1_kernel
     from ._kernel_gemm2 import moe_gemm2_kernel
-    from .layout import expert_layout_unchecked
+    from .layout import build_layout
 
     T, H = x.shape
     if T == 0:
@@ -241,9 +256,7 @@ def _launch(
         if fp8:
             xq_xs = _x_buffers(x)
             quant = (x, *xq_xs)
-        lay = expert_layout_unchecked(
-            ids, E_local, c.block_m, offset, 1, layout_out is not None, quant, id_check=check
-        )
+        lay = build_layout(ids, E_local, c.block_m, offset, 1, layout_out is not None, quant, id_check=check)
         if layout_out is not None:
             layout_out.append(lay)
         sorted_slots, tile_expert, num_tiles = lay.sorted_slots, lay.tile_expert, lay.num_tiles
@@ -387,10 +400,11 @@ def _launch_swapped_fp8(x, w13, w2, ids, wts, w13_scale, w2_scale, offset, out, 
                         xq_xs=None, id_check=None) -> None:  # fmt: skip
     """The fp8 experts with swapped operands (``c.swap_ab``, ``_kernel_swapped.py``): x quantized per
     1×128 group -> GEMM1 -> GEMM2 -> reduce (or the top-k sum in GEMM2, direct mode). Arguments as
-    :func:`_launch`'s after its normalization (contiguous x, ids, wts; weights with unit stride along K);
-    ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`_launch` (None in direct mode);
-    ``xq_xs``: x already quantized (tile mode: by the layout's launch), else quantized here; ``id_check``:
-    direct mode's keyword arguments for GEMM1's device-side id check (:func:`_id_check`)."""
+    :func:`launch_experts`'s after its normalization (contiguous x, ids, wts; weights with unit stride
+    along K); ``lay``: tile mode's layout of ``c.block_m``-row tiles, built by :func:`launch_experts`
+    (None in direct mode); ``xq_xs``: x already quantized (tile mode: by the layout's launch), else
+    quantized here; ``id_check``: direct mode's keyword arguments for GEMM1's device-side id check
+    (:func:`_id_check`)."""
     from ._kernel_swapped import moe_gemm1_swapped_fp8_kernel, moe_gemm2_swapped_fp8_kernel
 
     T, H = x.shape

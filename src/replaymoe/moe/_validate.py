@@ -2,8 +2,10 @@
 
 :func:`validate_call` checks the tensors, their shapes, dtypes and devices and the options against each
 other, and with routing inside (``router_logits``) runs the routing's own per-call checks
-(:func:`replaymoe.routing._checks.validate`) so that the routing after it (``route_unchecked``)
-checks nothing again. Caller-given ``topk_ids`` are checked by value unless ``check_ids`` is False
+(:func:`replaymoe.routing._checks.validate`) so that the routing after it
+(:func:`replaymoe.routing._dispatch.run_route`) checks nothing again; ``fused_moe`` folds the loose
+routing keywords into the :class:`~replaymoe.routing.RoutingConfig` it passes here. Caller-given
+``topk_ids`` are checked by value unless ``check_ids`` is False
 (:func:`replaymoe.routing._checks.topk_ids_for_kernels`): for the Triton experts on CUDA by the
 kernels that read them, on the device without a host sync (``_Problem.id_bound``; eager, compiled and
 CUDA-graph calls alike); otherwise here, by the routing's own id check (on the CPU, and the torch
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .._validation import check_choice, check_int, check_tensor, fail
-from ..routing import RoutingConfig, as_routing
+from ..routing import RoutingConfig
 from ..routing._checks import topk_ids_for_kernels
 from ..routing._checks import validate as validate_routing
 from ..routing.methods import Params
@@ -60,12 +62,6 @@ def validate_call(
     w2,
     *,
     router_logits,
-    top_k,
-    method,
-    bias,
-    n_group,
-    topk_group,
-    routed_scaling_factor,
     routing,
     topk_ids,
     topk_weights,
@@ -135,17 +131,6 @@ def validate_call(
             check_tensor(name, scale, shape=shape, dtype=torch.float32, device=dev, contiguous=True)
     check_int("local_expert_offset", local_expert_offset, low=0)
 
-    routing_args = {
-        "top_k": top_k,
-        "method": method,
-        "bias": bias,
-        "n_group": n_group,
-        "topk_group": topk_group,
-        "routed_scaling_factor": routed_scaling_factor,
-        "routing": routing,
-        "routing_replay_out": routing_replay_out,
-        "replay_ids": replay_ids,
-    }
     if router_logits is not None:
         if topk_ids is not None or topk_weights is not None:
             fail(
@@ -169,7 +154,6 @@ def validate_call(
                 f"router_logits over {E} experts and w13 for {E_local}",
                 what="expert count",
             )
-        routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
         # route()'s per-call checks, here once (the routing after validation checks nothing again):
         # top_k and the grouping against E, the capture buffer, the replay ids (any strides: the small
         # [T, K] tensor comes back contiguous)
@@ -184,7 +168,8 @@ def validate_call(
                 "router_logits, or both topk_ids and topk_weights",
                 "neither routing given",
             )
-        given = [k for k, v in routing_args.items() if v is not None]
+        given = [k for k, v in (("routing", routing), ("routing_replay_out", routing_replay_out),
+                                ("replay_ids", replay_ids)) if v is not None]  # fmt: skip
         if given:
             fail(
                 given[0],

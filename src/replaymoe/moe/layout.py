@@ -153,8 +153,7 @@ def expert_layout(
     _check(topk_ids, num_local_experts, block_m, local_expert_offset, cluster)
     if not isinstance(with_compact, bool):
         fail("with_compact", "a bool", type(with_compact).__name__, what="type")
-    return expert_layout_unchecked(topk_ids, num_local_experts, block_m, local_expert_offset, cluster,
-                                   with_compact)  # fmt: skip
+    return build_layout(topk_ids, num_local_experts, block_m, local_expert_offset, cluster, with_compact)
 
 
 @dataclass(frozen=True)
@@ -212,7 +211,7 @@ def _host_plan(num_slots: int, num_local_experts: int, block_m: int, cluster: in
 
 
 # expert_layout's parameters again, positional for the hot path (the public one keeps block_m keyword-only)
-def expert_layout_unchecked(
+def build_layout(
     topk_ids: torch.Tensor,
     num_local_experts: int,
     block_m: int,
@@ -223,8 +222,12 @@ def expert_layout_unchecked(
     *,
     id_check: dict | None = None,
 ) -> ExpertLayout:
-    """:func:`expert_layout` without its argument checks, for callers inside the library whose
-    public entry point validated the ids already (host work per call matters at decode sizes).
+    """Build the layout: the executor that :func:`expert_layout` runs after its argument checks, and that
+    the fused-MoE launchers (:mod:`replaymoe.moe._forward`, :mod:`replaymoe.moe._backward`) call directly,
+    their public entry point having validated the ids already (host work per call matters at decode
+    sizes). No argument checks: the caller guarantees what :func:`expert_layout` checks (``topk_ids``
+    int32/int64 [T, K], contiguous; ``num_local_experts >= 1``; ``block_m`` a power of two;
+    ``local_expert_offset >= 0``; ``cluster >= 1``; ``with_compact`` a bool).
 
     ``quant_x`` = (x [T, H] contiguous, xq [T, H] e4m3, xs [T, H // 128] fp32), H a multiple of 128: the
     same launch also quantizes x per 1×128 group into xq and xs (the fp8 experts' input; one launch

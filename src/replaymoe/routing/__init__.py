@@ -4,10 +4,11 @@ Ten routers with FlashInfer's numbering (:class:`RoutingMethod`); one fused Trit
 kernel per :func:`route` call on the GPU; :func:`route_torch` is the pure-PyTorch
 reference (fp32, CPU or GPU, differentiable) that defines the semantics.
 
-The package, one op: this module (the public entry points, :class:`RoutingConfig`, the torch
-reference), ``methods`` (the per-method table: the selection score, grouping and weights formula of
-every method, with its math), ``_checks`` (validation at the public boundary), ``_triton`` (the host
-side of the kernels: launch, custom ops, backward), ``_kernel`` and ``_kernel_grad`` (Triton code).
+The package, one op: this module (the public entry points, :class:`RoutingConfig`), ``methods`` (the
+per-method table: the selection score, grouping and weights formula of every method, with its math),
+``_checks`` (validation at the public boundary), ``_dispatch`` (the routing past validation:
+``run_route``, the backend choice and the torch reference's ops), ``_triton`` (the host side of the
+kernels: launch, custom ops, backward), ``_kernel`` and ``_kernel_grad`` (Triton code).
 
 Semantics shared by every method and backend
 --------------------------------------------
@@ -28,18 +29,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from replaymoe._backend import resolve_backend
 from replaymoe._validation import fail
-from replaymoe.routing._checks import (
-    check_replay_ids,
-    mark_valid_ids,
-    replay_ids_for_torch,
-    validate,
-    validate_config,
-)
+from replaymoe.routing._checks import check_replay_ids, mark_valid_ids, validate, validate_config
+from replaymoe.routing._dispatch import run_route
 from replaymoe.routing._id_mailbox import raise_id_errors
-from replaymoe.routing._triton import route_triton
-from replaymoe.routing.methods import Params, RoutingMethod, select_torch, weights_torch
+from replaymoe.routing.methods import RoutingMethod
 
 __all__ = [
     "RoutingConfig",
@@ -50,9 +44,6 @@ __all__ = [
     "route",
     "route_torch",
 ]
-
-
-_MAX_KERNEL_EXPERTS = 4096  # the kernel holds a token's experts in registers
 
 
 class RoutingOutput(NamedTuple):
@@ -181,28 +172,6 @@ def as_routing(
 # --------------------------------------------------------------------------------------------------
 
 
-def _route_torch_impl(
-    router_logits: torch.Tensor,
-    p: Params,
-    bias: Optional[torch.Tensor],
-    routing_replay_out: Optional[torch.Tensor],
-    replay_ids: Optional[torch.Tensor],
-) -> RoutingOutput:
-    x32 = router_logits.float()
-    with torch.no_grad():
-        ids = select_torch(x32.detach(), p, bias)
-        if replay_ids is not None:
-            forced = replay_ids.long()
-            native = (forced == -1).all(dim=1, keepdim=True)
-            ids = torch.where(native, ids, forced)
-    weights = weights_torch(x32, ids, p)
-    ids32 = ids.to(torch.int32)
-    if routing_replay_out is not None:
-        with torch.no_grad():
-            routing_replay_out[: ids32.shape[0]].copy_(ids32)
-    return RoutingOutput(ids32, weights)
-
-
 def route_torch(
     router_logits: torch.Tensor,
     top_k: Optional[int] = None,
@@ -223,20 +192,6 @@ def route_torch(
 # --------------------------------------------------------------------------------------------------
 # public entry point
 # --------------------------------------------------------------------------------------------------
-
-
-def _resolve_backend(backend: object, x: torch.Tensor) -> str:
-    be = resolve_backend(backend, x)
-    if x.shape[1] <= _MAX_KERNEL_EXPERTS or be == "torch":
-        return be
-    if backend == "auto":
-        return "torch"
-    fail(
-        "router_logits",
-        f"at most {_MAX_KERNEL_EXPERTS} experts for backend='triton' (one register tile per "
-        "token; 'auto' uses the torch path beyond that)",
-        x.shape[1],
-    )
 
 
 def route(
@@ -318,28 +273,7 @@ def route(
     """
     routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
     p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay, defer=True)
-    out = route_unchecked(router_logits, p, routing.bias, routing_replay_out, replay_ids, backend)
+    out = RoutingOutput(*run_route(router_logits, routing, p, routing_replay_out, replay_ids, backend))
     if (replay_ids is None or check_replay) and not torch.compiler.is_compiling():
         mark_valid_ids(out.topk_ids, router_logits.shape[1])  # fused_moe need not check them again
     return out
-
-
-def route_unchecked(
-    router_logits: torch.Tensor,
-    p: Params,
-    bias: Optional[torch.Tensor],
-    routing_replay_out: Optional[torch.Tensor],
-    replay_ids: Optional[torch.Tensor],
-    backend: str,
-) -> RoutingOutput:
-    """:func:`route` past its validation, for public entry points that validated the routing
-    arguments themselves (``fused_moe``): ``p`` and ``replay_ids`` as
-    :func:`replaymoe.routing._checks.validate` returns them, ``bias`` the routing's."""
-    be = _resolve_backend(backend, router_logits)
-    if be == "torch":
-        if p.check_replay:  # deferred by validate: the torch path checks them on the host
-            assert replay_ids is not None
-            replay_ids = replay_ids_for_torch(replay_ids, router_logits.shape[1])
-            p = p._replace(check_replay=False)
-        return _route_torch_impl(router_logits, p, bias, routing_replay_out, replay_ids)
-    return RoutingOutput(*route_triton(router_logits, p, bias, routing_replay_out, replay_ids))

@@ -125,10 +125,11 @@ def validate(
     """The per-call checks of ``route``: the logits, and ``routing`` against their number of experts.
 
     Returns the normalised :class:`Params` and ``replay_ids`` as the kernels read them
-    (:func:`_replay_ids_for_kernels`). ``defer`` (the caller runs :func:`route_unchecked` next): replay
-    ids on CUDA are not checked here but flagged (``Params.check_replay``) for the backend, which checks
-    them without a host sync on the Triton path (the routing kernel, :mod:`._id_mailbox`) and on the host
-    on the torch path (:func:`replay_ids_for_torch`).
+    (:func:`_replay_ids_for_kernels`). ``defer`` (the caller runs
+    :func:`replaymoe.routing._dispatch.run_route` next): replay ids on CUDA are not checked here but
+    flagged (``Params.check_replay``) for the backend, which checks them without a host sync on the
+    Triton path (the routing kernel, :mod:`._id_mailbox`) and on the host on the torch path
+    (:func:`replay_ids_for_torch`).
     """
     # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
     x = router_logits

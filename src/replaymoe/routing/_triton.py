@@ -12,7 +12,7 @@ No argument checks here (:mod:`replaymoe.routing._checks` validates at the publi
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
@@ -21,6 +21,9 @@ from replaymoe.routing.methods import EPS, KERNEL_FLAGS, METHODS, Params, Routin
 from .._backend import INTERPRET
 from .._launch import cdiv, next_power_of_2
 from ._id_mailbox import mailbox, raise_pending
+
+if TYPE_CHECKING:
+    from . import RoutingConfig, RoutingOutput
 
 __all__ = ["LaunchConfig", "route_launched", "route_triton", "weights_backward"]
 
@@ -50,8 +53,8 @@ def _launch_config(ep: int, launch: Optional[list[int]]) -> tuple[int, int, int]
 def _launch(
     router_logits: torch.Tensor,
     bias: Optional[torch.Tensor],
-    replay_ids: Optional[torch.Tensor],
     routing_replay_out: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
     top_k: int,
     method: int,
     n_group: int,
@@ -121,7 +124,7 @@ _route_op = torch.library.custom_op("replaymoe::route", mutates_args=("routing_r
 
 @_route_op.register_fake
 def _route_op_fake(
-    router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale,
+    router_logits, bias, routing_replay_out, replay_ids, top_k, method, n_group, topk_group, scale,
     check_replay=False, launch=None,
 ):  # fmt: skip
     t = router_logits.shape[0]
@@ -131,14 +134,14 @@ def _route_op_fake(
     )
 
 
-def _op_args(router_logits, bias, replay_ids, routing_replay_out, p: Params, launch=None) -> tuple:
+def _op_args(router_logits, bias, routing_replay_out, replay_ids, p: Params, launch=None) -> tuple:
     """The arguments of :func:`_launch` / ``replaymoe::route`` / :class:`RouteFunction`, in order."""
-    return (router_logits, bias, replay_ids, routing_replay_out, p.top_k, int(p.method), p.n_group,
+    return (router_logits, bias, routing_replay_out, replay_ids, p.top_k, int(p.method), p.n_group,
             p.topk_group, p.scale, p.check_replay, None if launch is None else list(launch))  # fmt: skip
 
 
-def _kernel(router_logits, bias, replay_ids, routing_replay_out, p: Params, launch=None):
-    args = _op_args(router_logits, bias, replay_ids, routing_replay_out, p, launch)
+def _kernel(router_logits, bias, routing_replay_out, replay_ids, p: Params, launch=None):
+    args = _op_args(router_logits, bias, routing_replay_out, replay_ids, p, launch)
     if torch.compiler.is_compiling():
         return torch.ops.replaymoe.route(*args)
     return _launch(*args)  # eager: skip the custom-op dispatch overhead, same code
@@ -222,11 +225,11 @@ class RouteFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, router_logits, bias, replay_ids, routing_replay_out, top_k, method, n_group, topk_group, scale,
+        ctx, router_logits, bias, routing_replay_out, replay_ids, top_k, method, n_group, topk_group, scale,
         check_replay, launch,
     ):  # fmt: skip
         p = Params(RoutingMethod(method), top_k, n_group, topk_group, scale, check_replay)
-        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p, launch)
+        ids, weights = _kernel(router_logits, bias, routing_replay_out, replay_ids, p, launch)
         ctx.save_for_backward(router_logits, ids)
         ctx.method, ctx.scale = method, scale
         ctx.mark_non_differentiable(ids)
@@ -236,6 +239,7 @@ class RouteFunction(torch.autograd.Function):
     def backward(ctx, grad_ids, grad_w):
         router_logits, ids = ctx.saved_tensors
         gx = weights_backward(router_logits, ids, grad_w, ctx.method, ctx.scale)
+        # one gradient per input of forward: the logits', then None for the other ten
         return gx, None, None, None, None, None, None, None, None, None, None
 
 
@@ -247,37 +251,33 @@ def route_triton(
     replay_ids: Optional[torch.Tensor],
     launch: Optional[LaunchConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton backend of :func:`replaymoe.routing.route_unchecked`; ``launch``: how the kernel is
-    launched (None: the defaults; :func:`route_launched`)."""
+    """The Triton backend of :func:`replaymoe.routing._dispatch.run_route` (no argument checks: its
+    preconditions); ``launch``: how the kernel is launched (None: the defaults; :func:`route_launched`)."""
     if torch.is_grad_enabled() and router_logits.requires_grad:
-        args = _op_args(router_logits, bias, replay_ids, routing_replay_out, p, launch)
+        args = _op_args(router_logits, bias, routing_replay_out, replay_ids, p, launch)
         ids, weights = RouteFunction.apply(*args)
     else:
-        ids, weights = _kernel(router_logits, bias, replay_ids, routing_replay_out, p, launch)
+        ids, weights = _kernel(router_logits, bias, routing_replay_out, replay_ids, p, launch)
     return ids, weights
 
 
 def route_launched(
     launch: LaunchConfig,
     router_logits: torch.Tensor,
-    top_k: Optional[int] = None,
-    method: Optional[RoutingMethod] = None,
+    routing: RoutingConfig,
     *,
-    routing=None,
-    bias: Optional[torch.Tensor] = None,
-    n_group: Optional[int] = None,
-    topk_group: Optional[int] = None,
-    routed_scaling_factor: Optional[float] = None,
     routing_replay_out: Optional[torch.Tensor] = None,
     replay_ids: Optional[torch.Tensor] = None,
     check_replay: bool = True,
-):
+) -> RoutingOutput:
     """:func:`replaymoe.routing.route` on the Triton backend with the kernel launched as ``launch`` says
     (the routing benchmark's sweep of launch configurations, the tests of every top-k algorithm): the
-    same validation, the same :class:`~replaymoe.routing.RoutingOutput`."""
-    from . import RoutingOutput, as_routing
+    same per-call validation (``routing`` was validated when it was built), the same
+    :class:`~replaymoe.routing.RoutingOutput`."""
+    from . import RoutingOutput
     from ._checks import validate
 
-    r = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    p, replay_ids = validate(router_logits, r, routing_replay_out, replay_ids, check_replay, defer=True)
-    return RoutingOutput(*route_triton(router_logits, p, r.bias, routing_replay_out, replay_ids, launch))
+    p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay, defer=True)
+    return RoutingOutput(
+        *route_triton(router_logits, p, routing.bias, routing_replay_out, replay_ids, launch)
+    )
