@@ -93,6 +93,43 @@ def test_bench_ep_options_instead_of_variables():
     assert (a.unfused_barrier, a.unfused_plan, a.deepep_dir) == (True, True, "/x/DeepEP")
 
 
+def _align_calls(rank, world_size, out):
+    from replaymoe.bench import ep_timing
+
+    calls: list[bool] = []
+    ep_timing.align_ranks = lambda *, settle: calls.append(settle)  # (this spawned process only)
+
+    def it(ev):
+        ev[0].record()
+        ev[1].record()
+
+    for align in (True, False):
+        ep_timing.time_phases(it, 1, 2, 1, align=align)
+    out.put(calls)
+
+
+def test_bench_ep_settings_are_passed_not_module_state():
+    # the shape (--hidden / --experts / --top-k / --inter) and --no-align were module globals that main set
+    # (ep_shape.SHAPE via set_shape, ep_timing.ALIGN_RANKS): now a frozen Shape and an ``align`` argument
+    import dataclasses
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from replaymoe.bench import ep_shape, ep_timing
+
+    assert not hasattr(ep_shape, "SHAPE") and not hasattr(ep_shape, "set_shape")
+    assert not hasattr(ep_timing, "ALIGN_RANKS")
+    shape = ep_shape.Shape(H=256, E=16, K=4, INTER=32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shape.H = 128  # type: ignore[misc]
+    ids, x, wts, x8, s8, logits = ep_shape.inputs(shape, 3, 0, torch.device("cpu"))
+    assert ids.shape == (3, 4) and x.shape == (3, 256) and s8.shape == (3, 2) and logits.shape == (3, 16)
+    q = mp.get_context("spawn").Queue()
+    run_distributed(_align_calls, 1, q)
+    assert q.get(timeout=10) == [False, False]  # align_ranks before each timed iteration with align only
+
+
 def test_host_profile_takes_triton_launch_path_under_a_hook():
     # the host profile's "without direct launches" timing: a no-op Triton launch hook, while inside, makes
     # both launchers defer to Triton (nothing of replaymoe's own is reassigned)

@@ -112,8 +112,9 @@ def test_bench_cell_rows_on_cpu(mode, monkeypatch, generator):
     impls = list(bench_hf.IMPLS)
     copies = {i: (model if i == "grouped_mm" else shared_copy(model)) for i in impls}
     ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=generator)
+    graphs = GraphCaptureCount()  # never entered: no capture counted (none on the CPU anyway)
     rows = bench_hf._bench_cell(
-        copies, ref, impls, ids, torch.ones_like(ids), mode, args, bench_hf._SkipLog()
+        copies, ref, impls, ids, torch.ones_like(ids), mode, args, bench_hf._SkipLog(), graphs=graphs
     )
     assert [r["impl"] for r in rows] == impls
     for r in rows:

@@ -45,12 +45,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _switches
-from . import ep_timing
 from .ep_deepep import DEEPEP_DIR, DeepEPPeer
 from .ep_host import host_profile
 from .ep_layer import time_layer, time_layer_train, time_local, weights_floor_us
 from .ep_naive import NaiveEP, time_naive
-from .ep_shape import SHAPE, a2a_kwargs, inputs, set_shape
+from .ep_shape import Shape, a2a_kwargs, inputs
 from .ep_summary import NAIVE_ANCHOR_MS, print_summary
 from .ep_timing import device, err, graph, on_cuda, sync, time_phases, time_replays
 
@@ -58,6 +57,7 @@ __all__ = ["NAIVE_ANCHOR_MS", "DeepEPPeer", "NaiveEP", "host_profile", "main", "
 
 TOKENS = (1, 32, 128, 1024, 4096)
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4 (18 links), one direction
+_GPU_SHAPE = Shape()  # DeepSeek-V3's: the GPU run's default (main builds the run's own from the options)
 # option -> (GPU default, --cpu-dry-run default); the dry run's shapes keep it to seconds and a few
 # hundred MB per rank (DeepSeek-V3's layer weights alone are 7.5 GB per rank of 2)
 _DEFAULTS = {
@@ -66,18 +66,18 @@ _DEFAULTS = {
     "warmup": (3, 1),
     "impls": ("nccl,symm,naive", "nccl,naive"),
     "payloads": ("bf16,fp8", "bf16"),
-    "hidden": (SHAPE.H, 128),
-    "experts": (SHAPE.E, 8),
-    "top_k": (SHAPE.K, 2),
-    "inter": (SHAPE.INTER, 64),
+    "hidden": (_GPU_SHAPE.H, 128),
+    "experts": (_GPU_SHAPE.E, 8),
+    "top_k": (_GPU_SHAPE.K, 2),
+    "inter": (_GPU_SHAPE.INTER, 64),
 }
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what init_process_group reads
 
 
-def _remote_pairs(ids: torch.Tensor, ep: int, rank: int) -> int:
+def _remote_pairs(ids: torch.Tensor, num_experts: int, ep: int, rank: int) -> int:
     from ..ep import expert_owner
 
-    owner = expert_owner(ids, SHAPE.E, ep)
+    owner = expert_owner(ids, num_experts, ep)
     pairs = 0
     for r in range(ep):
         if r != rank:
@@ -88,6 +88,8 @@ def _remote_pairs(ids: torch.Tensor, ep: int, rank: int) -> int:
 def run(
     tokens,
     *,
+    shape: Shape,
+    align: bool,
     iters: int,
     warmup: int,
     transports,
@@ -105,6 +107,10 @@ def run(
 ) -> list[dict]:
     """All points; ``save(rows)`` is called after each one (so a timeout still leaves results).
 
+    ``shape``: the layer's :class:`~replaymoe.bench.ep_shape.Shape` (hidden, experts, top-k, I).
+    ``align``: line the ranks up on the device before every timed iteration
+    (:func:`~replaymoe.bench.ep_timing.time_phases`; ``--no-align`` passes False).
+
     ``prewarm``: before the first timed row, every implementation runs its eager calls once at every
     size, untimed, so that no timed row is the process's first call of its kind (and the implementation
     timed first at a size is not the only one that can pay a first call's cost there).
@@ -119,7 +125,7 @@ def run(
     from ..ep import MoeAlltoAll, expert_partition
     from ..routing import RoutingMethod
 
-    H, E, K, INTER = SHAPE.H, SHAPE.E, SHAPE.K, SHAPE.INTER
+    H, E, K, INTER = shape.H, shape.E, shape.K, shape.INTER
     ep, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
     graphs = graphs and on_cuda()
@@ -138,12 +144,12 @@ def run(
             rows.append({"impl": t, "error": err(e)})
     impls = [t for t in transports if t == "naive" or t in a2as]
     _spin_up(dev)
-    naive = NaiveEP(ep, rank)
+    naive = NaiveEP(ep, rank, shape)
     deepep = None
     if peer == "deepep":
         try:
-            deepep = DeepEPPeer(ep, rank, peer_sms, maxT, log, deepep_dir)
-            rows += deepep.tune(inputs(maxT, rank, dev), iters=max(5, iters // 2), warmup=warmup)
+            deepep = DeepEPPeer(ep, rank, peer_sms, maxT, log, deepep_dir, shape=shape, align=align)
+            rows += deepep.tune(inputs(shape, maxT, rank, dev), iters=max(5, iters // 2), warmup=warmup)
             save(rows)
         except Exception as e:  # report; ours still run
             log(f"[rank {rank}] DeepEP unavailable: {err(e)}\n{traceback.format_exc()}")
@@ -157,7 +163,7 @@ def run(
     }
 
     def pairs_of(ids):
-        pairs_t = torch.tensor([_remote_pairs(ids, ep, rank)], dtype=torch.float64, device=dev)
+        pairs_t = torch.tensor([_remote_pairs(ids, E, ep, rank)], dtype=torch.float64, device=dev)
         dist.all_reduce(pairs_t)
         return pairs_t.item() / ep  # mean over ranks of (token, remote rank) pairs
 
@@ -167,14 +173,14 @@ def run(
 
     def time_one(impl, n_sms, T, ids, x, wts, pays, comb, n_iters, n_warmup, with_graphs):
         if impl == "naive":
-            return {"eager": time_naive(naive, ids, pays, n_iters, n_warmup)}
+            return {"eager": time_naive(naive, ids, pays, n_iters, n_warmup, align=align)}
         if impl == "deepep":
             return deepep.time(ids, x, wts, T, n_iters, n_warmup, with_graphs)
         return _time_ours(a2as[impl], ids, pays, comb, T, n_iters, n_warmup, with_graphs, log,
-                          num_sms=n_sms or None)  # fmt: skip
+                          num_sms=n_sms or None, align=align)  # fmt: skip
 
     def point(T):  # the inputs of one size: (ids, x, wts, payload variants, combine input, its buffer)
-        ids, x, wts, x8, s8, logits = inputs(T, rank, dev)
+        ids, x, wts, x8, s8, logits = inputs(shape, T, rank, dev)
         variants = {
             "bf16": ([x, ids, wts], H * 2 + 8 * K),
             "fp8": ([x8, s8, ids, wts], H + 4 * (H // 128) + 8 * K),
@@ -236,9 +242,9 @@ def run(
     w13 = torch.randn(n, 2 * INTER, H, generator=g, device=dev, dtype=torch.bfloat16) / H**0.5
     w2 = torch.randn(n, H, INTER, generator=g, device=dev, dtype=torch.bfloat16) / INTER**0.5
     wfloor = round(weights_floor_us(w13, w2), 2)
-    timing = {"iters": iters, "warmup": warmup, "graphs": graphs, "log": log}
+    timing = {"shape": shape, "iters": iters, "warmup": warmup, "graphs": graphs, "align": align, "log": log}
     for T in tokens:
-        ids, x, wts, x8, s8, logits = inputs(T, rank, dev)
+        ids, x, wts, x8, s8, logits = inputs(shape, T, rank, dev)
         from ..routing import route
 
         pairs = pairs_of(route(logits, K, **route_kw).topk_ids)
@@ -301,14 +307,14 @@ def _row(base, op, mode, us, nbytes, host_us=None) -> dict:
 LOOP_CALLS = 10  # dispatch + combine pairs per timed span of the eager_loop mode
 
 
-def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=None):
+def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=None, align: bool):
     """{mode: ((dispatch µs, combine µs), (host µs per call) or None)} for eager and graph, and
     ``eager_loop``: ((µs per dispatch + combine pair, None), (host µs per pair, None)), the pairs issued
     back to back (:data:`LOOP_CALLS` of them between two events after the ranks line up, no sync between
     them), as an eager training or serving loop issues them: the host's issue of one pair overlaps the
     device's work of the one before. Its host time is the steady-state host work per pair (the calls
     never wait for the device), where the ``eager`` rows' host time is that of one call on a host that
-    has just synchronized."""
+    has just synchronized. ``align``: :func:`~replaymoe.bench.ep_timing.time_phases`."""
     a2a.num_sms = num_sms
 
     def d():
@@ -329,7 +335,7 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
         ev[2].record()
         return (t1 - t0, t3 - t2)
 
-    dev, host = time_phases(it, 2, iters, warmup)
+    dev, host = time_phases(it, 2, iters, warmup, align=align)
     res = {"eager": (tuple(dev), tuple(host))}
 
     def loop(ev):  # (the host time excludes the event records, as above)
@@ -342,7 +348,7 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
         ev[1].record()
         return (t1 - t0,)
 
-    span, host_span = time_phases(loop, 1, max(3, iters // 4), 1)
+    span, host_span = time_phases(loop, 1, max(3, iters // 4), 1, align=align)
     res["eager_loop"] = ((span[0] / LOOP_CALLS, None), (host_span[0] / LOOP_CALLS, None))
     if not graphs:
         return res
@@ -358,7 +364,7 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
         a2a._phase, a2a._st = "idle", None  # private: a capture that failed mid-dispatch left them set
         return res
 
-    res["graph"] = (time_replays([gd, gc], iters, warmup), None)
+    res["graph"] = (time_replays([gd, gc], iters, warmup, align=align), None)
     return res
 
 
@@ -444,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += json.loads(f.read_text()).get("rows", [])
         print_summary(rows)
         return 0
-    set_shape(a.hidden, a.experts, a.top_k, a.inter)
-    ep_timing.ALIGN_RANKS = not a.no_align
+    shape = Shape(H=a.hidden, E=a.experts, K=a.top_k, INTER=a.inter)
+    align = not a.no_align
     if not torch.cuda.is_available() and not a.cpu_dry_run:
         print(
             "replaymoe bench ep: error: needs CUDA GPUs, and torch sees none (--cpu-dry-run checks the "
@@ -478,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.cpu_dry_run and rank == 0:
         log(
-            f"replaymoe bench ep: CPU dry run, {dist.get_world_size()} gloo ranks: hidden {SHAPE.H}, "
-            f"{SHAPE.E} experts, top-{SHAPE.K}, I = {SHAPE.INTER}, tokens {a.tokens}, {a.iters} iterations"
+            f"replaymoe bench ep: CPU dry run, {dist.get_world_size()} gloo ranks: hidden {shape.H}, "
+            f"{shape.E} experts, top-{shape.K}, I = {shape.INTER}, tokens {a.tokens}, {a.iters} iterations"
         )
 
     a2a_options = {"fused_barrier": False} if a.unfused_barrier else {}
@@ -495,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.host_profile:
         try:
             host_profile([int(t) for t in a.tokens.split(",") if t], [t for t in a.impls.split(",") if t],
-                         calls=max(50, a.iters * 5), log=log, a2a_options=a2a_options,
+                         shape=shape, calls=max(50, a.iters * 5), log=log, a2a_options=a2a_options,
                          num_sms=[int(v) for v in a.num_sms.split(",") if v])  # fmt: skip
         finally:
             if own_pg:
@@ -504,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = run(
             [int(t) for t in a.tokens.split(",") if t],
+            shape=shape,
+            align=align,
             iters=a.iters,
             warmup=a.warmup,
             transports=[t for t in a.impls.split(",") if t],

@@ -11,7 +11,7 @@ import time
 
 import torch.distributed as dist
 
-from .ep_shape import SHAPE
+from .ep_shape import Shape
 from .ep_timing import err, graph, sync, time_phases, time_replays
 
 # where .peers_ep/build_deepep.sh builds DeepEP (``replaymoe bench ep --deepep-dir``'s default)
@@ -29,7 +29,8 @@ def import_deepep(path: str = DEEPEP_DIR):
 
 class DeepEPPeer:
     """DeepEP v1.2.1 intranode ``Buffer.dispatch`` / ``Buffer.combine`` on the same tokens, routing
-    and weights as ours (hidden bf16, top-k ids as int64, weights fp32), with ``num_sms`` SMs.
+    and weights as ours (hidden bf16, top-k ids as int64, weights fp32), with ``num_sms`` SMs, for the
+    layer ``shape``; ``align``: :func:`~replaymoe.bench.ep_timing.time_phases`.
 
     Modes:
     * ``eager``: ``get_dispatch_layout`` + ``dispatch`` (the host waits for the received counts: that
@@ -43,25 +44,35 @@ class DeepEPPeer:
     """
 
     def __init__(
-        self, ep: int, rank: int, num_sms: int, max_tokens: int, log, path: str = DEEPEP_DIR
+        self,
+        ep: int,
+        rank: int,
+        num_sms: int,
+        max_tokens: int,
+        log,
+        path: str = DEEPEP_DIR,
+        *,
+        shape: Shape,
+        align: bool,
     ) -> None:
         deep_ep = import_deepep(path)
         self.deep_ep, self.ep, self.rank, self.num_sms, self.log = deep_ep, ep, rank, num_sms, log
+        self.shape, self.align = shape, align
         deep_ep.Buffer.set_num_sms(num_sms)
         self.dcfg = deep_ep.Buffer.get_dispatch_config(ep)
         self.ccfg = deep_ep.Buffer.get_combine_config(ep)
         nvl = 0
         for chunk in (4, 8, 12, 16, 24, 32):
             cfg = deep_ep.Config(num_sms, chunk, 256, 6, 128)
-            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(SHAPE.H * 2, ep))
+            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(shape.H * 2, ep))
         for cfg in (self.dcfg, self.ccfg):
-            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(SHAPE.H * 2, ep))
+            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(shape.H * 2, ep))
         self.buf = deep_ep.Buffer(dist.group.WORLD, nvl, 0)
         self.chunks = ("default", "default")
 
     def _dispatch(self, idx, x, w, cfg, worst=0):
         b = self.buf
-        ntr, _, nte, in_rank, _ = b.get_dispatch_layout(idx, SHAPE.E)
+        ntr, _, nte, in_rank, _ = b.get_dispatch_layout(idx, self.shape.E)
         out = b.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=in_rank, num_tokens_per_expert=nte,
                          topk_idx=idx, topk_weights=w, config=cfg, num_worst_tokens=worst)  # fmt: skip
         return out[0], out[4]  # recv_x, handle
@@ -89,7 +100,7 @@ class DeepEPPeer:
                     call(cfg)
                     ev[1].record()
 
-                us = time_phases(it, 1, iters, warmup)[0][0]
+                us = time_phases(it, 1, iters, warmup, align=self.align)[0][0]
                 rows.append({"impl": "deepep-tune", "op": op, "mode": "cached", "nvl_chunk": chunk,
                              "num_sms": self.num_sms, "tokens": T, "us": round(us, 2)})  # fmt: skip
                 if us < best[op][1]:
@@ -117,7 +128,7 @@ class DeepEPPeer:
             ev[2].record()
             return (t1 - t0, t3 - t2)
 
-        dev, host = time_phases(it, 2, iters, warmup)
+        dev, host = time_phases(it, 2, iters, warmup, align=self.align)
         res = {"eager": (tuple(dev), tuple(host))}
         rx, h = st["rx"], st["h"]
 
@@ -133,7 +144,7 @@ class DeepEPPeer:
             ev[2].record()
             return (t1 - t0, t3 - t2)
 
-        dev, host = time_phases(itc, 2, iters, warmup)
+        dev, host = time_phases(itc, 2, iters, warmup, align=self.align)
         res["cached"] = (tuple(dev), tuple(host))
         if not graphs:
             return res
@@ -149,5 +160,5 @@ class DeepEPPeer:
             self.log(f"[rank {self.rank}] DeepEP graph capture failed: {err(e)}")
             return res
 
-        res["graph"] = (time_replays([gd, gc], iters, warmup), None)
+        res["graph"] = (time_replays([gd, gc], iters, warmup, align=self.align), None)
         return res

@@ -18,17 +18,18 @@ import torch
 import torch.distributed as dist
 
 from ._timing import host_us
-from .ep_shape import SHAPE, a2a_kwargs, inputs
+from .ep_shape import Shape, a2a_kwargs, inputs
 from .ep_timing import HostEvent, device, on_cuda, sync
 
 
 def host_profile(
-    tokens, transports, *, calls: int, log, num_sms=(0,), a2a_options: dict | None = None
+    tokens, transports, *, shape: Shape, calls: int, log, num_sms=(0,), a2a_options: dict | None = None
 ) -> None:
     """Where the host time of a steady-state eager call goes (rank 0 prints): per call host µs with
     and without the direct launches, the pieces alone (event record, barrier, a bare launch), and a
     cProfile of ``calls`` dispatch+combine calls. ``symm`` / ``symm_2k`` / ``symm_pipe`` (the combine
     forced) run at every ``num_sms`` (0 = unset), so the pipelined combine's host time shows at a cap.
+    ``shape``: the layer's :class:`~replaymoe.bench.ep_shape.Shape`.
     ``a2a_options``: more :class:`MoeAlltoAll` keywords (``fused_plan`` / ``fused_barrier``)."""
     from ..ep import MoeAlltoAll
 
@@ -36,11 +37,11 @@ def host_profile(
         if t == "naive":
             continue
         kw = {**a2a_kwargs(t), **(a2a_options or {})}  # symm_2k / symm_pipe: the combine forced one way
-        a2a = MoeAlltoAll(None, max(tokens), SHAPE.K, SHAPE.E, SHAPE.H, **kw)
+        a2a = MoeAlltoAll(None, max(tokens), shape.K, shape.E, shape.H, **kw)
         for n in num_sms if t.startswith("symm") else (0,):
             a2a.num_sms = n or None
             for T in tokens:
-                _host_profile_one(a2a, f"{t} num_sms={n}" if n else t, T, calls)
+                _host_profile_one(a2a, shape, f"{t} num_sms={n}" if n else t, T, calls)
 
 
 @contextmanager
@@ -71,7 +72,7 @@ def triton_launch_path() -> Iterator[None]:
             rt.launch_enter_hook = chain
 
 
-def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
+def _host_profile_one(a2a, shape: Shape, t: str, T: int, calls: int) -> None:
     import cProfile
     import io
     import pstats
@@ -83,8 +84,8 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    ids, x, wts, *_ = inputs(T, rank, dev)
-    comb = torch.randn(ep, T + 1, SHAPE.H, device=dev, dtype=torch.bfloat16)[:, :T]
+    ids, x, wts, *_ = inputs(shape, T, rank, dev)
+    comb = torch.randn(ep, T + 1, shape.H, device=dev, dtype=torch.bfloat16)[:, :T]
     pays = [x, ids, wts]
 
     def one():
@@ -139,7 +140,7 @@ def _host_profile_one(a2a, t: str, T: int, calls: int) -> None:
     if st.triton:
         t_plan = host_us(lambda: st.plan_launch((1,), (ids, *st.plan_args)), calls=calls)
     sync()
-    t_empty = host_us(lambda: torch.empty(T, SHAPE.H, dtype=torch.bfloat16, device=dev), calls=calls)
+    t_empty = host_us(lambda: torch.empty(T, shape.H, dtype=torch.bfloat16, device=dev), calls=calls)
     say(f"[host] {t} T={T}: event record {t_ev:.1f} µs, symm barrier {t_bar:.1f} µs, plan launch "
         f"{t_plan:.1f} µs, torch.empty {t_empty:.1f} µs")  # fmt: skip
     dist.barrier()

@@ -11,21 +11,22 @@ import time
 import torch
 import torch.distributed as dist
 
-from .ep_shape import SHAPE
+from .ep_shape import Shape
 from .ep_timing import time_phases
 
 
 class NaiveEP:
-    """Counts exchange + host sync + variable-size ``all_to_all_single`` (the common first recipe)."""
+    """Counts exchange + host sync + variable-size ``all_to_all_single`` (the common first recipe), for
+    the layer ``shape``."""
 
-    def __init__(self, ep: int, rank: int):
-        self.ep, self.rank = ep, rank
+    def __init__(self, ep: int, rank: int, shape: Shape):
+        self.ep, self.rank, self.shape = ep, rank, shape
 
     def dispatch(self, ids: torch.Tensor, payloads: list[torch.Tensor]):
         from ..ep import expert_owner
 
         T = ids.shape[0]
-        owner = expert_owner(ids, SHAPE.E, self.ep)
+        owner = expert_owner(ids, self.shape.E, self.ep)
         mask = torch.zeros(T, self.ep + 1, dtype=torch.bool, device=ids.device)
         mask.scatter_(1, owner, True)
         mask = mask[:, : self.ep]
@@ -53,11 +54,11 @@ class NaiveEP:
 
 
 def naive_layer(naive, x, logits, w13, w2, lo, n, route_kw):
-    """route -> naive dispatch -> fused_moe on the local experts -> naive combine."""
+    """route -> naive dispatch -> fused_moe on the local experts -> naive combine (``naive.shape``)."""
     from ..moe import fused_moe
     from ..routing import route
 
-    H, E, K = SHAPE.H, SHAPE.E, SHAPE.K
+    H, E, K = naive.shape.H, naive.shape.E, naive.shape.K
     r = route(logits, K, **route_kw)
     recv = naive.dispatch(r.topk_ids, [x, r.topk_ids, r.topk_weights])
     hb = H * 2
@@ -71,10 +72,10 @@ def naive_layer(naive, x, logits, w13, w2, lo, n, route_kw):
     return naive.combine(y)
 
 
-def time_naive(naive, ids, pays, iters, warmup):
+def time_naive(naive, ids, pays, iters, warmup, *, align: bool):
     """((dispatch µs, combine µs), (host µs per call)): eager, median over iterations of the max
-    over ranks."""
-    H = SHAPE.H
+    over ranks (``align``: :func:`~replaymoe.bench.ep_timing.time_phases`)."""
+    H = naive.shape.H
     back = {}
 
     def it(ev):
@@ -89,5 +90,5 @@ def time_naive(naive, ids, pays, iters, warmup):
         ev[2].record()
         return (t1 - t0, time.perf_counter() - t1)
 
-    dev, host = time_phases(it, 2, iters, warmup)
+    dev, host = time_phases(it, 2, iters, warmup, align=align)
     return (tuple(dev), tuple(host))

@@ -1,27 +1,25 @@
 """The problem the ``replaymoe bench ep`` benchmark times: the layer shape (DeepSeek-V3's by default)
-and the per-rank inputs drawn for it. The shape is one mutable :data:`SHAPE`, set once from the command
-line by :func:`set_shape` and read at call time by every part of the benchmark (driver, naive
-reference, DeepEP peer, host profile), so ``--hidden`` / ``--experts`` / ``--top-k`` / ``--inter``
-reach all of them.
+and the per-rank inputs drawn for it. The shape is a frozen :class:`Shape`, built once from the
+command line (``--hidden`` / ``--experts`` / ``--top-k`` / ``--inter``) by ``bench.ep.main`` and passed
+to every part of the benchmark that needs it (driver, naive reference, DeepEP peer, layer, host profile).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass(frozen=True)
 class Shape:
-    """Hidden size ``H``, expert count ``E``, top-k ``K`` and expert intermediate size ``INTER``."""
+    """Hidden size ``H``, expert count ``E``, top-k ``K`` and expert intermediate size ``INTER``
+    (DeepSeek-V3's by default)."""
 
-    def __init__(self, H: int = 7168, E: int = 256, K: int = 8, INTER: int = 2048) -> None:
-        self.H, self.E, self.K, self.INTER = H, E, K, INTER
-
-
-SHAPE = Shape()
-
-
-def set_shape(hidden: int, experts: int, top_k: int, inter: int) -> None:
-    SHAPE.H, SHAPE.E, SHAPE.K, SHAPE.INTER = hidden, experts, top_k, inter
+    H: int = 7168
+    E: int = 256
+    K: int = 8
+    INTER: int = 2048
 
 
 # ``--impls`` names of MoeAlltoAll configurations beyond the transports themselves: symm with the
@@ -38,9 +36,10 @@ def a2a_kwargs(impl: str) -> dict:
     return dict(IMPL_KWARGS.get(impl, {"transport": impl}))
 
 
-def inputs(T: int, rank: int, dev):
-    """``(ids, x, wts, x8, s8, logits)`` for ``T`` tokens of ``rank`` (seeded by rank and ``T``)."""
-    H, E, K = SHAPE.H, SHAPE.E, SHAPE.K
+def inputs(shape: Shape, T: int, rank: int, dev):
+    """``(ids, x, wts, x8, s8, logits)`` of ``shape`` for ``T`` tokens of ``rank`` (seeded by rank and
+    ``T``)."""
+    H, E, K = shape.H, shape.E, shape.K
     g = torch.Generator(device=dev).manual_seed(1234 + 17 * rank + T)
     ids = torch.rand(T, E, generator=g, device=dev).topk(K, dim=1).indices.to(torch.int32)
     x = torch.randn(T, H, generator=g, device=dev, dtype=torch.bfloat16)

@@ -2,7 +2,9 @@
 gloo CPU dry run), :func:`time_phases` (per phase, the median over iterations of the maximum over
 ranks, for the device and optionally the host time), :func:`time_replays` (the same for CUDA-graph
 replays), CUDA-graph capture, and the short error text a
-failed point leaves in its result row.
+failed point leaves in its result row. Whether the ranks line up on the device before each timed
+iteration (:func:`align_ranks`; ``bench ep --no-align`` turns it off) is the ``align`` argument of the
+timing functions.
 """
 
 from __future__ import annotations
@@ -49,9 +51,7 @@ def device() -> torch.device:
 # (a shorter wait and one all-reduce left the last rank's replays late, and the second all-reduce evens
 # out the cards' clocks, at which each rank's wait runs: docs/TUNING.md, "Benchmarks and timing")
 SETTLE_CYCLES = 400_000
-# align_ranks on (bench ep's default; its --no-align turns it off)
-ALIGN_RANKS = True
-_ONE: dict = {}
+_ONE: dict = {}  # device index -> the one-element tensor align_ranks all-reduces (made on first use)
 
 
 def align_ranks(*, settle: bool) -> None:
@@ -62,9 +62,9 @@ def align_ranks(*, settle: bool) -> None:
     start together whatever each card's clock made of the wait. Without ``settle`` (eager calls) a rank
     whose host is slower to issue the call still shows that in its time, as it should. A host barrier
     alone leaves the ranks as far apart as their hosts leave it (tens of µs), and a rank's first
-    exchange then also times its wait for the slowest peer. No-op off CUDA (the gloo dry run) and with
-    :data:`ALIGN_RANKS` off."""
-    if not on_cuda() or not ALIGN_RANKS:
+    exchange then also times its wait for the slowest peer. No-op off CUDA (the gloo dry run); not
+    called at all with ``align`` off (:func:`phase_samples`)."""
+    if not on_cuda():
         return
     one = _ONE.get(torch.cuda.current_device())
     if one is None:
@@ -75,7 +75,7 @@ def align_ranks(*, settle: bool) -> None:
         dist.all_reduce(one)
 
 
-def time_phases(run_iter, n_phases: int, iters: int, warmup: int, *, settle: bool = False):
+def time_phases(run_iter, n_phases: int, iters: int, warmup: int, *, align: bool, settle: bool = False):
     """``run_iter(events)`` records ``n_phases + 1`` events and may return the host seconds of each
     phase; returns (per phase the median over iterations of the max over ranks of the device time,
     the same for the host time or None), in microseconds.
@@ -85,20 +85,22 @@ def time_phases(run_iter, n_phases: int, iters: int, warmup: int, *, settle: boo
     phases of it, and the figure is the max over ranks per iteration; ``do_bench`` picks its
     iteration count from a local estimate (ranks would disagree and hang in a collective), times
     one span, and flushes the L2 between calls (a peer's flush would overlap this rank's call).
-    ``settle``: see :func:`align_ranks` (graph replays)."""
-    times, host = phase_samples(run_iter, n_phases, iters, warmup, settle=settle)
+    ``align``: line the ranks up on the device before each iteration, :func:`align_ranks` (bench ep's
+    default; ``--no-align`` passes False: the host barrier alone). ``settle``: see :func:`align_ranks`
+    (graph replays)."""
+    times, host = phase_samples(run_iter, n_phases, iters, warmup, align=align, settle=settle)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     med = [statistics.median(times[:, p].tolist()) for p in range(2 * n_phases)]
     return med[:n_phases], (med[n_phases:] if host else None)
 
 
 def phase_samples(
-    run_iter, n_phases: int, iters: int, warmup: int, *, settle: bool = False
+    run_iter, n_phases: int, iters: int, warmup: int, *, align: bool, settle: bool = False
 ) -> tuple[torch.Tensor, bool]:
     """This rank's samples for :func:`time_phases`: ``[iters, 2 * n_phases]`` float64 on :func:`device`
     (device µs per phase, then host µs per phase), and whether ``run_iter`` returned host times. Every
-    iteration starts after a sync, a barrier and :func:`align_ranks`, so that the ranks' iterations
-    line up on the devices."""
+    iteration starts after a sync, a barrier and (with ``align``) :func:`align_ranks`, so that the ranks'
+    iterations line up on the devices."""
     for _ in range(warmup):
         ev = [event() for _ in range(n_phases + 1)]
         run_iter(ev)
@@ -109,7 +111,8 @@ def phase_samples(
         ev = [event() for _ in range(n_phases + 1)]
         sync()
         dist.barrier()
-        align_ranks(settle=settle)
+        if align:
+            align_ranks(settle=settle)
         h = run_iter(ev)
         ev[-1].synchronize()
         for p in range(n_phases):
@@ -121,10 +124,10 @@ def phase_samples(
     return times, host
 
 
-def time_replays(graphs, iters: int, warmup: int) -> tuple[float, ...]:
+def time_replays(graphs, iters: int, warmup: int, *, align: bool) -> tuple[float, ...]:
     """Per CUDA graph, the median over iterations of the max over ranks of its replay time (µs): the
     graphs replay back to back, an event before the first and after each (:func:`time_phases`; the
-    replays start together on every rank, :func:`align_ranks` with ``settle``)."""
+    replays start together on every rank with ``align``, :func:`align_ranks` with ``settle``)."""
 
     def run_iter(ev):
         ev[0].record()
@@ -132,7 +135,7 @@ def time_replays(graphs, iters: int, warmup: int) -> tuple[float, ...]:
             g.replay()
             ev[i + 1].record()
 
-    return tuple(time_phases(run_iter, len(graphs), iters, warmup, settle=True)[0])
+    return tuple(time_phases(run_iter, len(graphs), iters, warmup, align=align, settle=True)[0])
 
 
 def graph(fn, pool=None):

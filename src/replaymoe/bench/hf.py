@@ -61,7 +61,7 @@ import time
 import torch
 
 from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
-from .hf_timing import GRAPHS, quantile, shared_copy, timed_generate
+from .hf_timing import GraphCaptureCount, quantile, shared_copy, timed_generate
 
 IMPLS = ("grouped_mm", "replaymoe", "replaymoe+capture", "replaymoe+replay")
 OPTIONAL_IMPLS = ("replaymoe/no-graphs",)
@@ -179,10 +179,13 @@ def _raise_recompile_limit(n_copies: int) -> None:
     setattr(cfg, name, max(getattr(cfg, name), 4 * n_copies))
 
 
-def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> list[dict]:
+def _bench_cell(
+    copies, ref_model, impls, ids, mask, mode, args, skip_log, *, graphs: GraphCaptureCount
+) -> list[dict]:
     """Rows of one (batch, cache mode) cell: every implementation on its own shared-weight copy of
     the model (``copies``: implementation -> model), timed in interleaved rounds (round r times
-    each implementation once, in turn), so that drifts of the host's speed fall on all alike."""
+    each implementation once, in turn), so that drifts of the host's speed fall on all alike.
+    ``graphs``: the CUDA-graph capture counter main has entered (a row's ``cuda_graph_captures``)."""
     import replaymoe.hf as rhf
 
     B = ids.shape[0]
@@ -228,9 +231,9 @@ def _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log) -> li
         for r in range(args.repeats):
             # rotated order: no implementation always runs right after the same other one
             for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
-                before = GRAPHS.count
+                before = graphs.count
                 dt, out, step_s = timed_generate(copies[impl], ids, mask, args.new, mode)
-                graph_captures[impl] += GRAPHS.count - before
+                graph_captures[impl] += graphs.count - before
                 times[impl].append(dt)
                 steps[impl] += step_s
                 outs[impl] = out[:, ids.shape[1] :]
@@ -367,12 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     copies = {impl: (model if impl == "grouped_mm" else shared_copy(model)) for impl in impls}
     g = torch.Generator().manual_seed(1)
     rows = []
-    with GRAPHS:
+    with GraphCaptureCount() as graphs:
         for B in batches:
             ids = torch.randint(3, cfg.vocab_size, (B, args.prompt), generator=g).cuda()
             mask = torch.ones_like(ids)
             for mode in modes:
-                rows += _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log)
+                rows += _bench_cell(copies, ref_model, impls, ids, mask, mode, args, skip_log, graphs=graphs)
                 # written after every cell: a run cut short (a time limit) keeps the cells it finished
                 csv_path, json_path = write_results(rows, args.out, "hf_generate")
     print()

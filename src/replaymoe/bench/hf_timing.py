@@ -11,7 +11,7 @@ import time
 
 import torch
 
-__all__ = ["GRAPHS", "GraphCaptureCount", "StepClock", "quantile", "shared_copy", "timed_generate"]
+__all__ = ["GraphCaptureCount", "StepClock", "quantile", "shared_copy", "timed_generate"]
 
 
 class GraphCaptureCount:
@@ -36,9 +36,6 @@ class GraphCaptureCount:
 
     def __exit__(self, *exc) -> None:
         torch.cuda.CUDAGraph.capture_begin = self._orig
-
-
-GRAPHS = GraphCaptureCount()
 
 
 class StepClock:
