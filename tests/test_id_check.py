@@ -142,3 +142,16 @@ def test_valid_replay_ids_leave_the_mailbox_empty(rows):
     assert not _id_mailbox.mailbox(0).any()
     ref_ids, ref_weights = _route_launch(rows, check=False)
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)  # the check changes nothing
+
+
+def test_checked_variant_one_object_eagerly_and_traced_under_compile(recwarn):
+    # fused_moe's variant with the device check: one object per expert count eagerly; under
+    # torch.compile a fresh one that dynamo traces without a cache warning
+    from replaymoe.moe import _checked_standard
+
+    assert _checked_standard(8) is _checked_standard(8) and _checked_standard(8).id_bound == 8
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + _checked_standard(16).id_bound, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.zeros(2)), torch.full((2,), 16.0))
+    assert not [w for w in recwarn if "lru_cache" in str(w.message)]
+    torch._dynamo.reset()

@@ -43,7 +43,6 @@ backward, :class:`ClampedSwiGLU`), ``configs`` (tuned tables, heuristics, hardwa
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -85,10 +84,18 @@ def _variant(w13_bias, w2_bias, activation, gate_up_layout, id_bound: int) -> Ex
     )
 
 
-@functools.lru_cache(maxsize=64)
+_CHECKED: dict[int, ExpertsVariant] = {}  # eager: one standard-with-check variant per expert count
+
+
 def _checked_standard(id_bound: int) -> ExpertsVariant:
-    """The standard experts with the device-side id check against ``[-1, id_bound)`` (one object per E)."""
-    return ExpertsVariant(id_bound=id_bound)
+    """The standard experts with the device-side id check against ``[-1, id_bound)``: one object per E
+    eagerly; under ``torch.compile`` a fresh one, which dynamo traces (a cache would only warn)."""
+    if torch.compiler.is_compiling():
+        return ExpertsVariant(id_bound=id_bound)
+    v = _CHECKED.get(id_bound)
+    if v is None:
+        v = _CHECKED[id_bound] = ExpertsVariant(id_bound=id_bound)
+    return v
 
 
 def fused_moe_torch(
