@@ -16,7 +16,7 @@ import torch
 
 from .._launch import cdiv, fast, next_power_of_2
 from .._validation import is_capturing
-from ..routing._id_mailbox import mailbox, raise_pending
+from ..routing._id_mailbox import mailbox_for
 from .configs import (
     MoEConfig,
     config_from_list,
@@ -326,7 +326,7 @@ def launch_experts(
         _reduce_slots(y, ids, out, offset, E_local, pdl)
 
 
-_CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (device index, id_bound) -> the kernels' check arguments
+_CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (id of the mailbox, id_bound) -> check arguments
 _NO_CHECK: dict = {}
 
 
@@ -334,13 +334,11 @@ def _id_check(ids: torch.Tensor, id_bound: int) -> dict:
     """The kernels' keyword arguments for the device-side check of the caller's ids against
     ``[-1, id_bound)`` (``err_ptr``: the device's mailbox, ``id_bound``, ``CHECK_IDS``; one dict per
     device and bound, built once), after raising the error an earlier call left in the mailbox."""
-    index = ids.get_device()  # -1 on the CPU (Triton's interpreter): the mailbox of index 0
-    if index >= 0:
-        raise_pending(index)
-    args = _CHECK_ARGS.get((index, id_bound))
+    box = mailbox_for(ids)
+    key = (id(box), id_bound)  # the mailbox tensors live for the process: their ids stay theirs
+    args = _CHECK_ARGS.get(key)
     if args is None:
-        box = mailbox(max(index, 0))
-        args = _CHECK_ARGS[(index, id_bound)] = dict(err_ptr=box, id_bound=id_bound, CHECK_IDS=True)
+        args = _CHECK_ARGS[key] = dict(err_ptr=box, id_bound=id_bound, CHECK_IDS=True)
     return args
 
 

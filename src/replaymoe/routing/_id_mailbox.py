@@ -21,7 +21,7 @@ import torch
 from .._validation import fail, is_capturing
 from ._kernel_ids import ARG_SHIFT, KIND_SHIFT, PRESENT, ROW_SHIFT, SLOT_SHIFT
 
-__all__ = ["mailbox", "raise_pending", "raise_id_errors"]
+__all__ = ["mailbox", "mailbox_for", "raise_pending", "raise_id_errors"]
 
 _MAX_DEVICES = 64
 _box: torch.Tensor | None = None  # int64 [2 * _MAX_DEVICES]: per device (word, id bound)
@@ -43,6 +43,16 @@ def mailbox(index: int) -> torch.Tensor:
     if not 0 <= index < _MAX_DEVICES:
         raise RuntimeError(f"fused_moe's id check supports device indices below {_MAX_DEVICES}, got {index}")
     return _slots[index]
+
+
+def mailbox_for(ids: torch.Tensor) -> torch.Tensor:
+    """The mailbox words a checking launch on ``ids``' device writes (:func:`mailbox`), after raising
+    the error an earlier call left there (:func:`raise_pending`). CPU tensors (Triton's interpreter)
+    use index 0's words and raise nothing here."""
+    index = ids.get_device()  # -1 on the CPU
+    if index >= 0:
+        raise_pending(index)
+    return mailbox(max(index, 0))
 
 
 def raise_pending(index: int) -> None:

@@ -20,7 +20,7 @@ from replaymoe.routing.methods import EPS, KERNEL_FLAGS, METHODS, Params, Routin
 
 from .._backend import INTERPRET
 from .._launch import cdiv, next_power_of_2
-from ._id_mailbox import mailbox, raise_pending
+from ._id_mailbox import mailbox_for
 
 if TYPE_CHECKING:
     from . import RoutingConfig, RoutingOutput
@@ -78,10 +78,7 @@ def _launch(
         return ids, weights
     check = {}
     if check_replay and replay_ids is not None:
-        index = max(replay_ids.get_device(), 0)  # -1 on the CPU (Triton's interpreter): index 0's words
-        if replay_ids.is_cuda:
-            raise_pending(index)
-        check = dict(err_ptr=mailbox(index), CHECK_REPLAY=True)
+        check = dict(err_ptr=mailbox_for(replay_ids), CHECK_REPLAY=True)
     gs = num_experts // n_group
     ngp, gsp = next_power_of_2(n_group), next_power_of_2(gs)
     block_t, num_warps, algo = _launch_config(ngp * gsp, launch)
