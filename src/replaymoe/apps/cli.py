@@ -61,11 +61,14 @@ _BENCHES: dict[str, str] = {
     "capture": "decode loop with RoutedExpertsCapturer on vs off",
     "hf": "transformers generate() throughput, replaymoe vs grouped_mm experts",
     "train": "MoE layer forward+backward and an HF training step, replaymoe vs grouped_mm",
-    "trl": "a TRL GRPO step: stock grouped_mm vs replaymoe vs R3GRPOTrainer",
+    "trl": "TRL GRPO steps, stock grouped_mm vs replaymoe vs R3GRPOTrainer, alternating, by section",
     "tune": "the fused MoE's kernel configurations on this card: writes its tuned table",
 }
 # options with which a benchmark runs without a GPU (checks or summaries only)
-_BENCH_CPU_OPTIONS: dict[str, tuple[str, ...]] = {"ep": ("--cpu-dry-run", "--summary-from")}
+_BENCH_CPU_OPTIONS: dict[str, tuple[str, ...]] = {
+    "ep": ("--cpu-dry-run", "--summary-from"),
+    "trl": ("--device",),
+}
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""``replaymoe bench trl``: one TRL GRPO training step, stock against replaymoe and R3, on the GPU.
+"""``replaymoe bench trl``: TRL GRPO training steps, stock against replaymoe and R3, on the GPU, with
+where each step's time goes.
 
 Three trainers on the same :func:`replaymoe.hf.models.build_model` model (bf16, ``--size``), the
 same in-memory prompts, tokenizer and reward (:mod:`replaymoe.integrations.trl_toy`) and the same
@@ -11,12 +12,30 @@ loss forward and backward, AdamW):
 * ``r3``          :class:`replaymoe.integrations.trl.R3GRPOTrainer` (capture in generate, replay in
   every scoring and loss forward and their recomputes, mismatch counters on).
 
-Each trainer runs ``--warmup`` untimed steps then ``--steps`` timed ones; the figure is the median of
-TRL's own ``step_time`` metric. ``r3_overhead`` is r3 over replaymoe minus 1 (the goal: <= 5 %),
-``speedup_vs_stock`` grouped_mm over each. Needs CUDA and the ``trl`` extra.
+**Alternating.** The trainers are built first, then each ``trainer.train()`` runs in its own thread
+and a turn passes between them at every step's start: step 1 of each, then step 2 of each, and so
+on, one trainer on the GPU at a time. So a drift of the card (clocks, heat, another tenant) touches
+every trainer alike. The first ``--warmup`` steps of each are not counted.
+
+**Where the step goes.** TRL times its own sections (``trl.extras.profiling``: generation, the
+scoring forwards, the rewards, the loss forward); this benchmark reads them, with a device
+synchronize at each section's start and end so a section's time is its work, not its launches, and
+adds the backward (``accelerator.backward``) and the optimizer step. Each section's time is its own
+(time in a nested section counts there, not in its parent), and the scoring forwards run inside
+the loss forward count as the loss forward. ``rest`` is the step less every section: data, advantages,
+gradient clipping, logging (R3's mismatch read) and host time between sections. The step runs
+from one step's start to the next (its logging included), synchronized at both ends; the
+synchronizes cost every trainer alike, and make the figures a little slower than TRL's own
+unsynchronized ``step_time``.
+
+Reported per trainer: median step and median of each section (ms), ``speedup_vs_stock``
+(grouped_mm's median step over this one's), and for r3 ``generate_vs_enable`` (its median
+generation over replaymoe's: the cost of capture inside TRL's generate; the goal is <= 1.05) and
+``r3_overhead`` (step over replaymoe's, minus 1). Needs CUDA and the ``trl`` extra (``--device cpu``:
+a smoke run only).
 
 Usage: ``replaymoe bench trl [--out DIR] [--arch qwen3_moe] [--size bench] [--batch 16]
-[--generations 4] [--completion 64] [--steps 5] [--warmup 2] [--checkpointing]``.
+[--generations 4] [--completion 64] [--steps 5] [--warmup 2] [--checkpointing] [--impls ...]``.
 """
 
 from __future__ import annotations
@@ -26,16 +45,177 @@ import gc
 import statistics
 import sys
 import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ._text import choice_list
-from ._timing import print_table, write_results
+from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
 
 IMPLS = ("grouped_mm", "replaymoe", "r3")
 
+# TRL's section names (after the trainer class's name) -> the column they count in
+GENERATE_SECTIONS = ("transformers.generate", "transformers.generate_batch", "vLLM.generate", "sync_weights")
+SECTIONS = ("generate", "scoring", "rewards", "loss_forward", "backward", "optimizer", "prepare", "rest")
 
-def _step_times(impl: str, a: argparse.Namespace) -> list[float]:
+
+def section_of(name: str, inside_loss: bool) -> str:
+    """The column of a TRL section named ``name`` (``"<TrainerClass>.<what>"``); ``inside_loss``:
+    whether it runs inside ``compute_loss``."""
+    what = name.split(".", 1)[1] if "." in name else name
+    if inside_loss or what == "compute_loss":
+        return "loss_forward"
+    if what in GENERATE_SECTIONS:
+        return "generate"
+    if what == "_get_per_token_logps_and_entropies":
+        return "scoring"
+    if what == "_prepare_inputs":
+        return "prepare"
+    return "rewards"  # _calculate_rewards and each reward function's own section
+
+
+@dataclass
+class StepClock:
+    """One trainer's sections and steps (seconds), filled by the hooks below on its own thread."""
+
+    sync: Callable[[], None]
+    steps: list[float] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)  # perf_counter at each step's start
+    sections: list[dict[str, float]] = field(default_factory=list)
+    _current: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    _stack: list[list] = field(default_factory=list)  # [column, start, time in nested sections]
+    _step_start: float | None = None
+
+    def enter(self, column: str) -> None:
+        self.sync()
+        self._stack.append([column, time.perf_counter(), 0.0])
+
+    def exit(self) -> None:
+        self.sync()
+        column, start, nested = self._stack.pop()
+        spent = time.perf_counter() - start
+        self._current[column] += spent - nested
+        if self._stack:
+            self._stack[-1][2] += spent
+
+    def inside(self, column: str) -> bool:
+        return any(frame[0] == column for frame in self._stack)
+
+    def start_step(self) -> None:
+        self.sync()
+        self._current = defaultdict(float)
+        self._step_start = time.perf_counter()
+        self.starts.append(self._step_start)
+
+    def end_step(self) -> None:
+        if self._step_start is None:
+            return
+        self.sync()
+        step = time.perf_counter() - self._step_start
+        self._step_start = None
+        row = {c: self._current.get(c, 0.0) for c in SECTIONS if c != "rest"}
+        row["rest"] = step - sum(row.values())
+        self.steps.append(step)
+        self.sections.append(row)
+
+
+_clocks = threading.local()  # .clock: the StepClock of the trainer running on this thread
+
+
+@contextmanager
+def _trl_sections_timed() -> Iterator[None]:
+    """While open: TRL's ``ProfilingContext`` also times into the running thread's clock."""
+    from trl.extras.profiling import ProfilingContext
+
+    enter, exit_ = ProfilingContext.__enter__, ProfilingContext.__exit__
+
+    def timed_enter(self: Any) -> Any:
+        clock = getattr(_clocks, "clock", None)
+        if clock is not None:
+            clock.enter(section_of(self.name, clock.inside("loss_forward")))
+        return enter(self)
+
+    def timed_exit(self: Any, *exc: Any) -> Any:
+        out = exit_(self, *exc)
+        clock = getattr(_clocks, "clock", None)
+        if clock is not None:
+            clock.exit()
+        return out
+
+    ProfilingContext.__enter__, ProfilingContext.__exit__ = timed_enter, timed_exit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ProfilingContext.__enter__, ProfilingContext.__exit__ = enter, exit_  # type: ignore[method-assign]
+
+
+class Turns:
+    """Whose step runs: trainer ``i`` waits at its step's start until the turn is ``i``; ending a step
+    hands the turn to the next trainer still training. Nobody starts before every trainer has
+    reached its first step (or died)."""
+
+    def __init__(self, n: int):
+        self.n, self.turn, self.arrived = n, 0, 0
+        self.alive = [True] * n
+        self.cond = threading.Condition()
+
+    def _pass_on(self, i: int) -> None:
+        for j in range(1, self.n + 1):
+            if self.alive[(i + j) % self.n]:
+                self.turn = (i + j) % self.n
+                return
+
+    def wait(self, i: int, first: bool) -> None:
+        with self.cond:
+            if first:
+                self.arrived += 1
+            else:
+                self._pass_on(i)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.turn == i and self.arrived + self.alive.count(False) >= self.n)
+
+    def done(self, i: int, arrived: bool) -> None:
+        with self.cond:
+            self.alive[i] = False
+            if not arrived:
+                self.arrived += 1
+            if self.turn == i:
+                self._pass_on(i)
+            self.cond.notify_all()
+
+
+def _clock_callback(i: int, clock: StepClock, turns: Turns) -> Any:
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        started = False
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock.end_step()  # the previous step, its logging included
+            turns.wait(i, first=not self.started)
+            self.started = True
+            clock.start_step()
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock.enter("optimizer")
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock.exit()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock.end_step()
+
+    return Clock()
+
+
+def _build(impl: str, a: argparse.Namespace, out: str) -> tuple[Any, Any]:
+    """``impl``'s trainer on a fresh model, and its replaymoe handle (``replaymoe`` only)."""
     import trl
     from transformers.trainer_callback import PrinterCallback
 
@@ -48,33 +228,103 @@ def _step_times(impl: str, a: argparse.Namespace) -> list[float]:
     if impl == "grouped_mm":
         model.set_experts_implementation("grouped_mm")
     cls = R3GRPOTrainer if impl == "r3" else trl.GRPOTrainer
-    with tempfile.TemporaryDirectory() as out:
-        trainer = make_trainer(
-            cls,
-            model,
-            out,
-            max_steps=a.warmup + a.steps,
-            per_device_train_batch_size=a.batch,
-            num_generations=a.generations,
-            max_completion_length=a.completion,
-            optim="adamw_torch",
-            learning_rate=1e-6,
-            bf16=True,
-            gradient_checkpointing=a.checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-            use_cpu=a.device == "cpu",
-        )
-        trainer.remove_callback(PrinterCallback)
-        moe = enable(trainer.model) if impl == "replaymoe" else None
-        trainer.train()
-    if moe is not None:
-        moe.disable()
-    times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
-    del trainer, model
+    trainer = make_trainer(
+        cls,
+        model,
+        out,
+        max_steps=a.warmup + a.steps,
+        per_device_train_batch_size=a.batch,
+        num_generations=a.generations,
+        max_completion_length=a.completion,
+        optim="adamw_torch",
+        learning_rate=1e-6,
+        bf16=True,
+        gradient_checkpointing=a.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        use_cpu=a.device == "cpu",
+    )
+    trainer.remove_callback(PrinterCallback)
+    return trainer, enable(trainer.model) if impl == "replaymoe" else None
+
+
+def _timed_backward(trainer: Any, clock: StepClock) -> None:
+    backward = trainer.accelerator.backward
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        clock.enter("backward")
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            clock.exit()
+
+    trainer.accelerator.backward = timed
+
+
+def run_alternating(impls: list[str], a: argparse.Namespace) -> dict[str, StepClock]:
+    """Build one trainer per ``impl``, then train them all, one step each in turn (module
+    docstring); each one's clock (warm-up steps included)."""
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    clocks = {impl: StepClock(sync) for impl in impls}
+    turns = Turns(len(impls))
+    errors: dict[str, BaseException] = {}
+    with tempfile.TemporaryDirectory() as out, _trl_sections_timed():
+        built = {impl: _build(impl, a, f"{out}/{impl}") for impl in impls}
+        callbacks = [_clock_callback(i, clocks[impl], turns) for i, impl in enumerate(impls)]
+        for impl, callback in zip(impls, callbacks):
+            built[impl][0].add_callback(callback)
+            _timed_backward(built[impl][0], clocks[impl])
+
+        def train(i: int, impl: str) -> None:
+            _clocks.clock = clocks[impl]
+            try:
+                built[impl][0].train()
+            except BaseException as exc:  # reported after every thread ends
+                errors[impl] = exc
+            finally:
+                turns.done(i, arrived=callbacks[i].started)
+
+        threads = [threading.Thread(target=train, args=(i, impl)) for i, impl in enumerate(impls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for _, moe in built.values():
+            if moe is not None:
+                moe.disable()
+        built.clear()  # free the models before the next benchmark
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return times[a.warmup :]
+    if errors:
+        impl, exc = next(iter(errors.items()))
+        raise RuntimeError(f"bench trl: the {impl} trainer failed: {exc!r}") from exc
+    return clocks
+
+
+def summarize(clocks: dict[str, StepClock], warmup: int, a: argparse.Namespace) -> list[dict]:
+    """One row per trainer: median step and sections (ms) over the timed steps, and the ratios."""
+    rows: list[dict] = []
+    med: dict[str, dict[str, float]] = {}
+    for impl, clock in clocks.items():
+        steps, sections = clock.steps[warmup:], clock.sections[warmup:]
+        m = {"step": statistics.median(steps) if steps else float("nan")}
+        m.update(
+            {c: statistics.median(s[c] for s in sections) if sections else float("nan") for c in SECTIONS}
+        )
+        med[impl] = m
+        row: dict[str, Any] = {"impl": impl, "steps": len(steps), "step_ms": 1e3 * m["step"]}
+        row.update({f"{c}_ms": 1e3 * m[c] for c in SECTIONS})
+        row["min_step_ms"] = 1e3 * min(steps, default=float("nan"))
+        row.update({"checkpointing": a.checkpointing, "completion": a.completion, "size": a.size,
+                    "card": torch.cuda.get_device_name() if a.device == "cuda" else "cpu"})  # fmt: skip
+        rows.append(row)
+    for row in rows:
+        if "grouped_mm" in med:
+            row["speedup_vs_stock"] = med["grouped_mm"]["step"] / med[row["impl"]]["step"]
+        if row["impl"] == "r3" and "replaymoe" in med:
+            row["r3_overhead"] = med["r3"]["step"] / med["replaymoe"]["step"] - 1
+            row["generate_vs_enable"] = med["r3"]["generate"] / med["replaymoe"]["generate"]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,27 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (cpu: a smoke run only)")
     a = p.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("replaymoe bench trl needs a CUDA GPU", file=sys.stderr)
-        return 2
+    if a.device == "cuda" and no_cuda("replaymoe bench trl"):
+        return NO_CUDA_EXIT
+    for name in ("steps", "batch", "generations", "completion"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be at least 0, got {a.warmup}")
     impls = choice_list(p, a.impls, IMPLS, "impls")
-    rows: list[dict] = []
-    med: dict[str, float] = {}
-    for impl in impls:
-        times = _step_times(impl, a)
-        med[impl] = statistics.median(times) if times else float("nan")
-        rows.append({"impl": impl, "step_s": med[impl], "steps": len(times), "min_s": min(times, default=0.0),
-                     "checkpointing": a.checkpointing,
-                     "card": torch.cuda.get_device_name() if a.device == "cuda" else "cpu"})  # fmt: skip
-    for row in rows:
-        if "grouped_mm" in med:
-            row["speedup_vs_stock"] = med["grouped_mm"] / row["step_s"]
-        if row["impl"] == "r3" and "replaymoe" in med:
-            row["r3_overhead"] = row["step_s"] / med["replaymoe"] - 1
+    rows = summarize(run_alternating(impls, a), a.warmup, a)
     write_results(rows, a.out, "trl")
-    print_table(
-        rows, ["impl", "step_s", "min_s", "steps", "speedup_vs_stock", "r3_overhead", "checkpointing"]
-    )
+    columns = ["impl", "step_ms", *(f"{c}_ms" for c in SECTIONS), "steps", "speedup_vs_stock"]
+    print_table(rows, [*columns, "generate_vs_enable", "r3_overhead"])
     return 0
 
 
