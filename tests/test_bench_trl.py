@@ -65,12 +65,17 @@ def test_clock_sections_are_exclusive_and_add_up():
     assert sum(row.values()) == pytest.approx(clock.steps[0], rel=1e-9, abs=1e-12)
 
 
+def _args(**given):
+    """bench trl's options at toy size on the CPU (one warm-up step)."""
+    a = dict(arch="qwen3_moe", size="tiny", generations=2, warmup=1, checkpointing=False, device="cpu")
+    return argparse.Namespace(**{**a, **given})
+
+
 def test_alternating_trainers_on_the_cpu(tmp_path):
     # the real thing at toy size: two trainers (enable() and R3), one step each in turn, sections
     # that add up to the step, and the ratios of the summary
-    a = argparse.Namespace(arch="qwen3_moe", size="tiny", batch=4, generations=2, completion=3, steps=2,
-                           warmup=1, checkpointing=False, device="cpu")  # fmt: skip
-    clocks = bench_trl.run_alternating(["replaymoe", "r3"], a)
+    a = _args(batch=4, completion=3, steps=2, rounds=1, sequential=False)
+    clocks = bench_trl.run_rounds(["replaymoe", "r3"], a)
     starts = sorted((t, impl) for impl, c in clocks.items() for t in c.starts)
     assert [impl for _, impl in starts] == ["replaymoe", "r3"] * 3
     for clock in clocks.values():
@@ -79,8 +84,20 @@ def test_alternating_trainers_on_the_cpu(tmp_path):
             assert sum(row.values()) == pytest.approx(step)
             assert row["generate"] > 0 and row["loss_forward"] > 0 and row["backward"] > 0
             assert row["optimizer"] > 0
-    rows = {r["impl"]: r for r in bench_trl.summarize(clocks, a.warmup, a)}
+    assert all(c.timed == [False, True, True] for c in clocks.values())  # the warm-up step is not counted
+    rows = {r["impl"]: r for r in bench_trl.summarize(clocks, a)}
     assert rows["r3"]["steps"] == 2
     assert rows["r3"]["generate_vs_enable"] == pytest.approx(
         rows["r3"]["generate_ms"] / rows["replaymoe"]["generate_ms"]
     )
+
+
+def test_sequential_rounds_reverse_the_order():
+    # two rounds, one trainer after the other: A B, then B A; each round's warm-up step left out
+    a = _args(batch=2, completion=2, steps=1, rounds=2, sequential=True)
+    clocks = bench_trl.run_rounds(["grouped_mm", "replaymoe"], a)
+    starts = sorted((t, impl) for impl, c in clocks.items() for t in c.starts)
+    assert [impl for _, impl in starts] == ["grouped_mm"] * 2 + ["replaymoe"] * 4 + ["grouped_mm"] * 2
+    assert all(c.timed == [False, True, False, True] for c in clocks.values())
+    rows = bench_trl.summarize(clocks, a)
+    assert [r["steps"] for r in rows] == [2, 2]

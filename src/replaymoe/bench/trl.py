@@ -15,7 +15,9 @@ loss forward and backward, AdamW):
 **Alternating.** The trainers are built first, then each ``trainer.train()`` runs in its own thread
 and a turn passes between them at every step's start: step 1 of each, then step 2 of each, and so
 on, one trainer on the GPU at a time. So a drift of the card (clocks, heat, another tenant) touches
-every trainer alike. The first ``--warmup`` steps of each are not counted.
+every trainer alike. The first ``--warmup`` steps of each are not counted. Trainers too big to share
+the card run one after the other (``--sequential``), in ``--rounds`` rounds of fresh trainers whose
+order is reversed every other round (each round's warm-up steps are not counted either).
 
 **Where the step goes.** TRL times its own sections (``trl.extras.profiling``: generation, the
 scoring forwards, the rewards, the loss forward); this benchmark reads them, with a device
@@ -35,7 +37,8 @@ generation over replaymoe's: the cost of capture inside TRL's generate; the goal
 a smoke run only).
 
 Usage: ``replaymoe bench trl [--out DIR] [--arch qwen3_moe] [--size bench] [--batch 16]
-[--generations 4] [--completion 64] [--steps 5] [--warmup 2] [--checkpointing] [--impls ...]``.
+[--generations 4] [--completion 64] [--steps 5] [--warmup 2] [--rounds 1] [--sequential]
+[--checkpointing] [--impls ...]``.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class StepClock:
 
     sync: Callable[[], None]
     steps: list[float] = field(default_factory=list)
+    timed: list[bool] = field(default_factory=list)  # per step: False for a run's warm-up steps
+    warmup_left: int = 0  # steps of the current run still to be marked warm-up
     starts: list[float] = field(default_factory=list)  # perf_counter at each step's start
     sections: list[dict[str, float]] = field(default_factory=list)
     _current: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -123,6 +128,8 @@ class StepClock:
         row["rest"] = step - sum(row.values())
         self.steps.append(step)
         self.sections.append(row)
+        self.timed.append(self.warmup_left == 0)
+        self.warmup_left = max(self.warmup_left - 1, 0)
 
 
 _clocks = threading.local()  # .clock: the StepClock of the trainer running on this thread
@@ -260,11 +267,25 @@ def _timed_backward(trainer: Any, clock: StepClock) -> None:
     trainer.accelerator.backward = timed
 
 
-def run_alternating(impls: list[str], a: argparse.Namespace) -> dict[str, StepClock]:
-    """Build one trainer per ``impl``, then train them all, one step each in turn (module
-    docstring); each one's clock (warm-up steps included)."""
+def run_rounds(impls: list[str], a: argparse.Namespace) -> dict[str, StepClock]:
+    """``a.rounds`` rounds, the trainers' order reversed in every other one; in each, fresh trainers
+    train ``a.warmup + a.steps`` steps, all of them alternating step by step
+    (:func:`run_alternating`), or with ``a.sequential`` one after the other (when they do not fit
+    in memory together). Each trainer's clock holds every round's steps."""
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     clocks = {impl: StepClock(sync) for impl in impls}
+    for r in range(a.rounds):
+        order = impls if r % 2 == 0 else impls[::-1]
+        for group in [[impl] for impl in order] if a.sequential else [order]:
+            for impl in group:
+                clocks[impl].warmup_left = a.warmup
+            run_alternating(group, a, clocks)
+    return clocks
+
+
+def run_alternating(impls: list[str], a: argparse.Namespace, clocks: dict[str, StepClock]) -> None:
+    """Build one trainer per ``impl``, then train them all, one step each in turn (module
+    docstring), into their ``clocks``."""
     turns = Turns(len(impls))
     errors: dict[str, BaseException] = {}
     with tempfile.TemporaryDirectory() as out, _trl_sections_timed():
@@ -298,15 +319,15 @@ def run_alternating(impls: list[str], a: argparse.Namespace) -> dict[str, StepCl
     if errors:
         impl, exc = next(iter(errors.items()))
         raise RuntimeError(f"bench trl: the {impl} trainer failed: {exc!r}") from exc
-    return clocks
 
 
-def summarize(clocks: dict[str, StepClock], warmup: int, a: argparse.Namespace) -> list[dict]:
+def summarize(clocks: dict[str, StepClock], a: argparse.Namespace) -> list[dict]:
     """One row per trainer: median step and sections (ms) over the timed steps, and the ratios."""
     rows: list[dict] = []
     med: dict[str, dict[str, float]] = {}
     for impl, clock in clocks.items():
-        steps, sections = clock.steps[warmup:], clock.sections[warmup:]
+        steps = [t for t, timed in zip(clock.steps, clock.timed) if timed]
+        sections = [row for row, timed in zip(clock.sections, clock.timed) if timed]
         m = {"step": statistics.median(steps) if steps else float("nan")}
         m.update(
             {c: statistics.median(s[c] for s in sections) if sections else float("nan") for c in SECTIONS}
@@ -337,19 +358,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--completion", type=int, default=64, help="max_completion_length")
     p.add_argument("--steps", type=int, default=5, help="timed steps per trainer")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="rounds of fresh trainers (order reversed every other)"
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="in each round, one trainer after the other (trainers too big to share the card)",
+    )
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (cpu: a smoke run only)")
     a = p.parse_args(argv)
     if a.device == "cuda" and no_cuda("replaymoe bench trl"):
         return NO_CUDA_EXIT
-    for name in ("steps", "batch", "generations", "completion"):
+    for name in ("steps", "batch", "generations", "completion", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be at least 0, got {a.warmup}")
     impls = choice_list(p, a.impls, IMPLS, "impls")
-    rows = summarize(run_alternating(impls, a), a.warmup, a)
+    rows = summarize(run_rounds(impls, a), a)
     write_results(rows, a.out, "trl")
     columns = ["impl", "step_ms", *(f"{c}_ms" for c in SECTIONS), "steps", "speedup_vs_stock"]
     print_table(rows, [*columns, "generate_vs_enable", "r3_overhead"])
