@@ -94,10 +94,10 @@ def _dispatch_combine_worker(rank, world):
                         if rnd == 0:
                             from replaymoe.ep.packing import row_layout
 
-                            # private: the receive buffer has no public handle; poisoned so that
-                            # rows the dispatch does not write show
-                            a2a._transport.ensure_dispatch(row_layout(pays[rank]).row_bytes)
-                            poison(a2a._transport.recv)
+                            # the receive buffer (the transport's, through the shared state): poisoned
+                            # so that rows the dispatch does not write show
+                            a2a.core.transport.ensure_dispatch(row_layout(pays[rank]).row_bytes)
+                            poison(a2a.core.transport.recv)
                         views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=2)
                         ref, counts = dispatch_torch(ids, pays, E, rt, expert_id_payload_index=2)
                         ctx = f"ep={ep} E={E} K={K} {pattern} {kernel_backend} round {rnd} rank {rank}"
@@ -318,11 +318,12 @@ def _fused_plan_case(rank, world, E, K, H, Ts, rt, num_sms):
         a2a = MoeAlltoAll(None, rt, K, E, H, kernel_backend="triton", fused_plan=fused, num_sms=num_sms)
         assert a2a.fused_plan is fused
         views = a2a.dispatch(ids[rank], pays[rank], rt, expert_id_payload_index=1)
-        # private: which launch plan the dispatch took (the scan on the dense grid, the look-back on the
-        # persistent ones)
-        assert a2a._st.fused_plan is (fused and Ts[rank] <= 256)
-        assert a2a._st.lookback is fused
-        assert a2a._pack_grid(Ts[rank]) == ("narrow" if num_sms else "dense" if Ts[rank] <= 256 else "wide")
+        # which launch plan the dispatch took (the scan on the dense grid, the look-back on the persistent
+        # ones): the dispatch in flight, in the shared state
+        assert a2a.core.in_flight.fused_plan is (fused and Ts[rank] <= 256)
+        assert a2a.core.in_flight.lookback is fused
+        grid = a2a.core.pack_grid(Ts[rank])
+        assert grid == ("narrow" if num_sms else "dense" if Ts[rank] <= 256 else "wide")
         assert torch.equal(a2a.recv_counts, counts[rank])
         for v, r in zip(views, ref[rank]):
             for s in range(world):

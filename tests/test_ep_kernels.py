@@ -14,9 +14,11 @@ import torch
 
 from _scripts import run_script
 from replaymoe.ep import combine_torch, dispatch_torch, expert_owner, expert_partition
-from replaymoe.ep.alltoall import MoeAlltoAll
+from replaymoe.ep._core import AlltoAllCore
+from replaymoe.ep._dispatch import receive, send
+from replaymoe.ep._dispatch_plan import build_dispatch, validate_dispatch
 from replaymoe.ep.packing import recv_views, row_layout, row_tiling
-from replaymoe.ep.partition import PLAN_SCRATCH, make_plan
+from replaymoe.ep.partition import make_plan
 from replaymoe.ep.receive import combine_reduce
 from replaymoe.testing import poison
 
@@ -70,24 +72,19 @@ def test_plan_invariants(generator):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fake_a2a(rank, ep, max_tokens, K, E, H, num_sms=None, fused_plan=True, fused_barrier=None,
-              fused_sanitize=False):  # fmt: skip
-    """A MoeAlltoAll of rank ``rank`` without a process group (fields only; ``fused_plan`` and
-    ``fused_barrier`` as the constructor stores them). ``fused_sanitize`` (private; on in real objects):
-    the pack's last program waits for the peers' signals, so only a rank whose peers have all signalled
-    may run with it in a test that runs the ranks in turn."""
-    # private fields and phases (here and in the symm tests below): ranks simulated in one process
-    # drive dispatch phase by phase, which no public API does
-    a = MoeAlltoAll.__new__(MoeAlltoAll)
-    a._num_sms, a._device_sms, a._dcache = num_sms, 4, {}
-    a._fused_plan, a._fused_barrier, a._pipelined_combine = fused_plan, fused_barrier, True
-    a._fused_sanitize = fused_sanitize
-    a.ep, a.rank, a.max_num_tokens, a.top_k, a.num_experts, a.hidden_size = ep, rank, max_tokens, K, E, H
-    a.transport, a.kernel_backend, a.device, a.timeout = "symm", "auto", torch.device("cpu"), None
-    a.local_expert_offset, a.num_local_experts = expert_partition(E, ep)[rank]
-    a.recv_counts = torch.zeros(ep, dtype=torch.int32)
-    a._plan_scratch = torch.zeros(PLAN_SCRATCH, dtype=torch.int32)
-    return a
+def _fake_core(rank, ep, max_tokens, K, E, H, num_sms=None, fused_plan=True, fused_barrier=None,
+               fused_sanitize=False, device_sms=4, transport="symm", kernel_backend="auto"):  # fmt: skip
+    """The shared state of a ``MoeAlltoAll`` of rank ``rank`` without a process group (no transport yet:
+    the tests attach theirs; ``pipelined_combine=True``). ``fused_sanitize`` (on in real objects): the
+    pack's last program waits for the peers' signals, so only a rank whose peers have all signalled may
+    run with it in a test that runs the ranks in turn. Ranks simulated in one process drive dispatch
+    phase by phase through the core's collaborators, which no public API does."""
+    return AlltoAllCore(
+        group=None, ep=ep, rank=rank, device=torch.device("cpu"), max_num_tokens=max_tokens, top_k=K,
+        num_experts=E, hidden_size=H, transport_name=transport, kernel_backend=kernel_backend,
+        device_sms=device_sms, num_sms=num_sms, fused_plan=fused_plan, fused_barrier=fused_barrier,
+        pipelined_combine=True, fused_sanitize=fused_sanitize,
+    )  # fmt: skip
 
 
 def _fake_buffers(ep, nbytes):
@@ -149,11 +146,11 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         pays = [[p[0], p[3], b] for p, b in zip(pays, bf)]
     layout = row_layout(pays[0])
     # the last rank, fused: its pack's last program waits (every peer has signalled by then) and sanitizes
-    a2as = [
-        _fake_a2a(r, ep, max_tokens, K, E, H, num_sms, plan, fused, fused and r == ep - 1) for r in range(ep)
+    cores = [
+        _fake_core(r, ep, max_tokens, K, E, H, num_sms, plan, fused, fused and r == ep - 1) for r in range(ep)
     ]
     idx = len(pays[0]) - 1 if mixed else 1  # the ids payload: sanitized on the receive side
-    trs = [SymmTransport(a) for a in a2as]
+    trs = [SymmTransport(c) for c in cores]
     assert all(t.fused is fused for t in trs)
     disp = _fake_buffers(ep, ep * (max_tokens + 1) * layout.row_bytes)
     comb = _fake_buffers(ep, ep * max_tokens * H * 2)  # fp16 combine payload
@@ -162,16 +159,17 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         trs[r].disp, trs[r].row_cap, trs[r].comb = disp[r], layout.row_bytes, comb[r]
         if fused:
             trs[r]._set_sync_args(pads, torch.zeros(8, dtype=torch.int32))
-        a2as[r]._transport = trs[r]
+        cores[r].transport = trs[r]
     # dispatch: every rank's plan + pack (each stores into all peers and, fused, signals them), then
     # every rank's receive side (fused: waits for the signals, which are all there)
     states = []
     for s in range(ep):
-        st = a2as[s]._dispatch_setup(ids[s], pays[s], rt, -1, idx)
+        assert validate_dispatch(cores[s], ids[s], pays[s], rt, -1, idx) == (Ts[s], K)
+        st = build_dispatch(cores[s], Ts[s], K, pays[s], rt, -1, idx)  # the call's launch plan
         assert st.fused_plan == (not mixed and plan and Ts[s] <= 256)
         assert st.fused_sanitize == (fused and s == ep - 1)  # at every size (no sanitize launch)
         assert (st.sanitize is None) == st.fused_sanitize
-        grid = a2as[s]._pack_grid(Ts[s])
+        grid = cores[s].pack_grid(Ts[s])
         want = "narrow" if num_sms is not None else "dense" if Ts[s] <= 256 else "wide"
         assert grid == want
         assert st.lookback == (plan and not mixed)
@@ -181,13 +179,13 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
         assert st.packs[0][grid].consts_b[-1] == ((s + 1) % ep if ep == 3 else 0)  # the first rank stored to
         poison(st.slot)  # the plan (separate kernel or inside the pack) must write every slot
         poison(st.send_counts)
-        a2as[s]._dispatch_send(st, ids[s], pays[s])
+        send(cores[s], st, ids[s], pays[s])  # plan + pack (fused: the last program signals the peers)
         states.append(st)
         if lookback:  # the plan by look-back: scratch reset, epoch 1
-            sc = a2as[s]._plan_scratch
+            sc = cores[s].plan_scratch
             assert int(sc[0]) == int(sc[1]) == int(sc[-1]) == 0 and int(sc[2]) == 1, sc[:3]
     for s in range(ep):
-        a2as[s]._dispatch_recv(states[s])
+        receive(cores[s], states[s])  # (wait for the peers,) sanitize the ids, copy the counts
         if fused:  # each peer's flag in s's pad holds epoch 1, and s's own dispatch epoch is 1
             assert [int(pads[s][r]) for r in range(ep) if r != s] == [1] * (ep - 1)
             assert int(trs[s].state[0]) == 1 and int(trs[s].state[2]) == 0  # arrivals reset
@@ -199,7 +197,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     for r in range(ep):
         v, c = states[r].views, states[r].counts
         assert torch.equal(c, counts[r]), (r, c, counts[r])
-        lo, n_local = a2as[r].local_expert_offset, a2as[r].num_local_experts
+        lo, n_local = cores[r].local_expert_offset, cores[r].num_local_experts
         for p in range(len(layout.specs)):
             for s in range(ep):
                 n = int(counts[r, s])
@@ -209,7 +207,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
                     assert (v[p][s, n:] == -1).all(), (r, s)
                 got = v[p][s, :n].contiguous().view(torch.uint8)
                 assert torch.equal(got, want.contiguous().view(torch.uint8)), (r, p, s)
-        assert torch.equal(a2as[r].recv_counts, c), r  # copied by the sanitize (kernel or fused)
+        assert torch.equal(cores[r].recv_counts, c), r  # copied by the sanitize (kernel or fused)
         views.append(v)
     plans = [types.SimpleNamespace(slot=st.slot) for st in states]
     # combine phase: payload rows f(x) (padding NaN must not be read), then each rank's reduction
@@ -226,7 +224,7 @@ def test_symm_transport_kernels(ep, E, K, Ts, num_sms, fused, mixed, plan, gener
     expect = combine_torch([(ref[r][0] * (r + 2)).to(torch.float16) for r in range(ep)], ids, E)
     for s in range(ep):
         out = poison(torch.empty(Ts[s], H, dtype=torch.float16))
-        combine_reduce(a2as[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2], rows[s][3])
+        combine_reduce(cores[s], rows[s][0], rows[s][1], plans[s].slot, out, None, rows[s][2], rows[s][3])
         torch.testing.assert_close(out, expect[s], atol=2e-3, rtol=2e-3)
 
 
@@ -273,10 +271,10 @@ def test_pipelined_combine_by_size(mode, fused, num_sms, ep, rt, capturing, pipe
     # the cases' edges: (ep - 1) * 128 rows sent back, on any grid
     assert [pipe_min_rows(e) for e in (2, 4, 8)] == [128, 384, 896]
     monkeypatch.setattr(symm, "is_capturing", lambda: capturing)  # (no CUDA graph on the CPU)
-    a = _fake_a2a(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
-    a._pipelined_combine = mode
-    a._transport = SymmTransport(a)
-    assert a.combine_pipelines(rt) is pipelined
+    core = _fake_core(0, ep, 4096, 2, 2 * ep, 16, num_sms, True, fused)
+    core.pipelined_combine = mode
+    core.transport = SymmTransport(core)
+    assert core.combine_pipelines(rt) is pipelined
 
 
 @pytest.mark.parametrize(
@@ -300,9 +298,8 @@ def test_pack_grid_and_tiles(num_sms, device_sms, T, grid, TT):
     (7168 bf16 = 3584 int32 units; the measurements behind them are in ``_dispatch_plan``'s comments)."""
     from replaymoe.ep._dispatch_plan import pack_tiles as _pack_tiles
 
-    a = _fake_a2a(0, 4, 4096, 8, 256, 7168, num_sms)
-    a._device_sms = device_sms
-    assert a._pack_grid(T) == grid
+    core = _fake_core(0, 4, 4096, 8, 256, 7168, num_sms, device_sms=device_sms)
+    assert core.pack_grid(T) == grid
     NBs, chunks, tt, warps = _pack_tiles([3584], grid, T)
     assert tt == TT
     assert NBs == [4096] and chunks == 1  # a whole row per program and iteration
@@ -360,11 +357,11 @@ def test_pipelined_combine_matches_two_kernel_combine(
     # the narrow grids' wider chunks from this test's runtime_max (1024 tokens: too slow here), or never
     monkeypatch.setattr(symm, "PIPE_CHUNK_NARROW_MIN_TOKENS", rt if narrow else rt + 1)
     chunk = PIPE_CHUNK_NARROW if narrow else PIPE_CHUNK
-    a2as = [_fake_a2a(r, ep, max_tokens, K, E, H, num_sms, True, True) for r in range(ep)]
-    trs = [SymmTransport(a) for a in a2as]
-    for a, t in zip(a2as, trs):
-        a._transport = t
-    assert all(a.combine_pipelines(rt) for a in a2as)  # _fake_a2a: pipelined_combine=True
+    cores = [_fake_core(r, ep, max_tokens, K, E, H, num_sms, True, True) for r in range(ep)]
+    trs = [SymmTransport(c) for c in cores]
+    for c, t in zip(cores, trs):
+        c.transport = t
+    assert all(c.combine_pipelines(rt) for c in cores)  # _fake_core: pipelined_combine=True
     es = torch.tensor([], dtype=dtype).element_size()
     comb = _fake_buffers(ep, ep * max_tokens * H * es)
     pads = [torch.zeros(FLAG_BASE + 8 * trs[0].ncmax, dtype=torch.int32) for _ in range(ep)]
@@ -377,13 +374,13 @@ def test_pipelined_combine_matches_two_kernel_combine(
         trs[r].comb = comb[r]
         trs[r]._set_sync_args(pads, torch.zeros(8, dtype=torch.int32))
         # rows rank r received from each source s in the dispatch: s's send count to r
-        a2as[r].recv_counts.copy_(torch.stack([plans[s].send_counts[r] for s in range(ep)]))
+        cores[r].recv_counts.copy_(torch.stack([plans[s].send_counts[r] for s in range(ep)]))
     # payload rows: any values for live rows, NaN past each source's count (never sent, never read)
     payloads = []
     for r in range(ep):
         p = torch.randn(ep, rt, H, generator=generator).to(dtype)
         for s in range(ep):
-            p[s, int(a2as[r].recv_counts[s]) :] = float("nan")
+            p[s, int(cores[r].recv_counts[s]) :] = float("nan")
         payloads.append(p)
     outs = [poison(torch.empty(T, H, dtype=dtype)) for T in Ts]
     for r in range(ep):
@@ -391,7 +388,7 @@ def test_pipelined_combine_matches_two_kernel_combine(
     for r in range(ep):  # every live chunk of every (source, receiver) pair is flagged with epoch 1
         for s in range(ep):
             if s != r:
-                n = int(a2as[s].recv_counts[r])  # rows s sends back to r
+                n = int(cores[s].recv_counts[r])  # rows s sends back to r
                 flags = pads[r][FLAG_BASE + s * trs[0].ncmax :][: trs[0].ncmax].tolist()
                 assert flags == [1] * -(-n // chunk) + [0] * (len(flags) + n // -chunk), (r, s, flags)
         assert int(trs[r].state[1]) == 1 and int(trs[r].state[3]) == 0  # epoch moved, arrivals reset
@@ -418,8 +415,8 @@ def test_pipelined_combine_chunk_checked(chunk, monkeypatch):
     import replaymoe.ep.transport_symm as symm
 
     monkeypatch.setattr(symm, "PIPE_TALL_MIN_TOKENS", 1)  # 16-row tiles at this test's size
-    a = _fake_a2a(0, 2, 64, 2, 4, 16, 4, True, True)
-    tr = a._transport = symm.SymmTransport(a)
+    core = _fake_core(0, 2, 64, 2, 4, 16, 4, True, True)
+    tr = core.transport = symm.SymmTransport(core)
     tr.chunk = chunk
     payload = torch.zeros(2, 64, 16)
     with pytest.raises(ValueError, match="SymmTransport.chunk"):  # before anything is launched
@@ -492,12 +489,13 @@ def test_combine_reduce_kernel_matches_torch(generator):
     rows = torch.randn(ep * (rt + 1), H, generator=generator)
     for r in range(ep):
         rows[r * (rt + 1) + nxt[r] : (r + 1) * (rt + 1)] = float("nan")  # padding: never read
-    a = _fake_a2a(0, ep, rt, 1, ep, H)
+    core_t = _fake_core(0, ep, rt, 1, ep, H)  # symm -> Triton
+    core_r = _fake_core(0, ep, rt, 1, ep, H, transport="nccl", kernel_backend="torch")
+    assert core_t.use_triton() and not core_r.use_triton()
     out_t = poison(torch.empty(T, H))
-    combine_reduce(a, rows, (rt + 1) * H, slot, out_t)  # symm -> Triton
-    a.transport, a.kernel_backend = "nccl", "torch"
+    combine_reduce(core_t, rows, (rt + 1) * H, slot, out_t)
     out_r = poison(torch.empty(T, H))
-    combine_reduce(a, rows, (rt + 1) * H, slot, out_r)
+    combine_reduce(core_r, rows, (rt + 1) * H, slot, out_r)
     torch.testing.assert_close(out_t, out_r, atol=1e-6, rtol=1e-6)
     expect = torch.zeros(T, H)
     for t in range(T):
@@ -591,19 +589,19 @@ def test_sanitize_kernel_matches_torch(generator):
     recv2 = recv.clone()
     outs = []
     for r, buf in enumerate((recv, recv2)):
-        a = _fake_a2a(1, ep, rt, K, E, 16)
+        core = _fake_core(1, ep, rt, K, E, 16)
         v, c = recv_views(buf, layout, ep, rt, block)
         n = ep * (rt + 1) - 1
         flat = torch.as_strided(v[0], (n, K), v[0].stride()[1:])
         if r == 0:
-            sanitize_triton(a, flat, buf, c, rt, 4, 7, -9)
+            sanitize_triton(core, flat, buf, c, rt, 4, 7, -9)
         else:
             i = torch.arange(n)
             pad = (i % (rt + 1)) >= c[i // (rt + 1)]
             drop = pad[:, None] | (flat < 4) | (flat >= 7)
             flat.copy_(torch.where(drop, torch.full_like(flat, -9), flat))
-            a.recv_counts.copy_(c)
-        outs.append((flat.clone(), a.recv_counts.clone()))
+            core.recv_counts.copy_(c)
+        outs.append((flat.clone(), core.recv_counts.clone()))
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], torch.tensor([5, 0, 2], dtype=torch.int32))
     assert (outs[0][0][5] == -9).all() and (outs[0][0][6:12] == -9).all()  # header row, empty source

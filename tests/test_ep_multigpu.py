@@ -125,10 +125,11 @@ def _transports_worker(rank, world):
             expect = (x.float() * 2 * n_dest[:, None]).to(torch.bfloat16)
             assert torch.equal(out.cpu(), expect), (t, it, n_sms)
         a.num_sms = base
-        assert len(a._dcache) >= 1  # private: the steady-state plan cache is what is checked
+        assert len(a.core.dispatch_plans) >= 1  # the steady-state plan cache is what is checked
     # --- back-to-back rounds, no host sync in between (buffer reuse), then check every round; the
     # runtime_max alternates between 128 and 256, and symm_auto alternates between its two combines
-    # (forced from call to call through its private field: eager calls pipeline at every size)
+    # (forced from call to call through the shared state, core.pipelined_combine: eager calls pipeline at
+    # every size)
 
     rounds = []
     for it in range(12):
@@ -142,7 +143,7 @@ def _transports_worker(rank, world):
         results = []
         for i, (_, _, xd, idd, rt) in enumerate(rounds):  # launches only: the ranks race ahead of each other
             if t == "symm_auto":
-                a._pipelined_combine = i % 2 == 0
+                a.core.pipelined_combine = i % 2 == 0
             views = a.dispatch(idd, [xd], rt)
             results.append(a.combine(views[0] * 2, rt))  # out = 2 * x * (number of ranks sent to)
         torch.cuda.synchronize()

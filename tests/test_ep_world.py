@@ -55,28 +55,31 @@ def _check_round(a2a, rank, world, E, K, H, Ts, rt, seed):
 def _world_worker(rank, world):
     import torch.distributed as dist
 
+    import replaymoe.ep.alltoall as alltoall
     from replaymoe.ep import MoeAlltoAll
 
     E, K, H, max_tokens = 20, 4, 16, 12
     skewed = [(12, 0, 5, 1)[s % 4] for s in range(world)]  # one entry per rank, whatever the world
+    # validation and the plan cache are what this test counts (the steady state): the dispatch's
+    # validation counted where MoeAlltoAll calls it (this spawned rank's module; never restored)
+    calls = {"validate": 0}
+
+    def counting(*args, _v=alltoall.validate_dispatch, _c=calls):
+        _c["validate"] += 1
+        return _v(*args)
+
+    alltoall.validate_dispatch = counting
     for backend in ("torch", "triton"):
         a2a = MoeAlltoAll(None, max_tokens, K, E, H, kernel_backend=backend)
-        calls = {"validate": 0}
-        # private: validation and the plan cache are what this test counts (the steady state)
-        validate = a2a._validate_dispatch
-
-        def counting(*args, _v=validate, _c=calls):
-            _c["validate"] += 1
-            return _v(*args)
-
-        a2a._validate_dispatch = counting
+        plans = a2a.core.dispatch_plans
+        calls["validate"] = 0
         # the same signature three times (fresh data each time): validated and planned once
         for i in range(3):
             _check_round(a2a, rank, world, E, K, H, skewed, 12, seed=10 + i)
-        assert calls["validate"] == 1 and len(a2a._dcache) == 1, (backend, calls, len(a2a._dcache))
+        assert calls["validate"] == 1 and len(plans) == 1, (backend, calls, len(plans))
         # a new signature (other runtime_max; equal small counts) builds a second plan
         _check_round(a2a, rank, world, E, K, H, [3] * world, 4, seed=20)
-        assert calls["validate"] == 2 and len(a2a._dcache) == 2, backend
+        assert calls["validate"] == 2 and len(plans) == 2, backend
         # the cached signature again, now with fewer programs per kernel than tokens
         a2a.num_sms = 1
         _check_round(a2a, rank, world, E, K, H, skewed, 12, seed=30)

@@ -365,3 +365,143 @@ def test_record_imports_without_triton(module):
     code = f"import sys; sys.modules['triton'] = None; sys.path.insert(0, {str(SRC)!r}); import {module}"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# private names stay private: no module reads another object's ``_name`` (issue 61)
+# ---------------------------------------------------------------------------------------------------------
+# ``x._name`` is allowed where ``x`` is ``self`` / ``cls``; where ``x`` comes from a library the module
+# imports (``torch._C``, ``torch.cuda._sleep``, ``GptOssExperts._apply_gate``: its internals, not ours);
+# inside a class that defines ``_name`` itself (its own private name, read off another instance:
+# ``other._meta()`` in ``RoutingTrace.__eq__``); and for these names of other libraries' objects, which no
+# class of ours defines:
+FOREIGN_PRIVATE = {
+    "_version": "torch.Tensor's version counter (routing's replay-id checks)",
+    "_parameters": "torch.nn.Module's registries (hf.graphs walks a block's tensors and hooks)",
+    "_buffers": "torch.nn.Module",
+    "_modules": "torch.nn.Module",
+    "_forward_hooks": "torch.nn.Module",
+    "_forward_pre_hooks": "torch.nn.Module",
+    "_backward_hooks": "torch.nn.Module",
+    "_backward_pre_hooks": "torch.nn.Module",
+    "_replace": "namedtuple's public API (underscored so as not to clash with field names)",
+    "_apply_gate": "transformers' experts classes (hf.experts recognizes GptOss's gate)",
+    "_experts_implementation": "transformers' PretrainedConfig (hf._patching restores it)",
+    "_gradient_checkpointing_func": "transformers' layers (hf.recompute wraps it)",
+    "_prepare_static_cache": "transformers' GenerationMixin (hf.static_cache replaces it)",
+    "_previous_max_cache_length": "transformers' GenerationMixin (hf.static_cache)",
+    "_use_prefix_sharing": "transformers' ContinuousBatchingManager (hf._paged turns prefix sharing off)",
+    "_replaymoe_patch": "our marker on the aux-loss function hf.aux_loss builds (a function, no class)",
+}
+# reads of our own classes' private names that are known and left for now, as (file under src/replaymoe,
+# the expression), each with its reason
+KNOWN_PRIVATE_READS = {
+    # RoutedExpertsCapturer's staging (record/capture.py) has no public handle yet; the capture benchmark
+    # times its pieces alone
+    ("bench/capture.py", "cap._transfer"),
+}
+
+
+def _external_names(tree: ast.Module) -> set[str]:
+    """Names a module binds by importing from outside the package (anywhere in it, lazy imports too)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            outside = [a for a in node.names if not a.name.startswith(PACKAGE)]
+            names.update((a.asname or a.name).split(".")[0] for a in outside)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            if not (node.module or "").startswith(PACKAGE):
+                names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _own_names(cls: ast.ClassDef) -> set[str]:
+    """The names a class defines: its methods and class attributes, and what it assigns to ``self.``."""
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+    for node in cls.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def _root(node: ast.expr) -> ast.expr:
+    """Where an attribute chain starts (``torch`` of ``torch.cuda._sleep``, ``a`` of ``a.b[0]._c``)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_reads(path: Path, module: str, rel: str) -> list[str]:
+    """``rel:line: expression`` for every access (read, write or delete) of another object's private
+    attribute in ``path`` (the source of ``module``), and for every private name it imports from another
+    module of the package (a private module is fine: ``from .. import _switches``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    external = _external_names(tree)
+    found = []
+
+    def visit(node: ast.AST, own: set[str]) -> None:
+        if isinstance(node, ast.ClassDef):
+            own = own | _own_names(node)
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            base, root, text = node.value, _root(node.value), ast.unparse(node)
+            allowed = (
+                (isinstance(base, ast.Name) and base.id in ("self", "cls"))
+                or (isinstance(root, ast.Name) and root.id in external)
+                or node.attr in own
+                or node.attr in FOREIGN_PRIVATE
+                or (rel, text) in KNOWN_PRIVATE_READS
+            )
+            if not allowed:
+                found.append(f"{rel}:{node.lineno}: {text}")
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGE)):
+            for alias, target in zip(node.names, _resolve(module, node)):
+                if _is_private(alias.name) and not target.endswith("." + alias.name):  # a name, no module
+                    found.append(f"{rel}:{node.lineno}: from {target} import {alias.name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, own)
+
+    visit(tree, set())
+    return found
+
+
+def test_no_module_reads_another_objects_private_names():
+    found = []
+    for module, path in MODULES.items():
+        found += _private_reads(path, module, str(path.relative_to(SRC / PACKAGE)))
+    assert found == [], "private names read across objects or modules:\n" + "\n".join(found)
+
+
+def test_the_private_name_checker_sees_cross_object_reads(tmp_path):
+    # the checker itself, on a made-up module of the ep package: what it flags and what it lets through
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import torch\n"
+        "from .. import _switches\n"  # a private module of the package: fine
+        "from .partition import _helper\n"  # a private name of another module: flagged
+        "class Own:\n"
+        "    def __init__(self):\n"
+        "        self._x = 1\n"
+        "    def same(self, other):\n"  # its own private name off another instance: fine
+        "        return other._x + self._x + torch._C.y + torch.cuda._sleep + _switches.DEFAULTS\n"
+        "def reach(a2a, t):\n"
+        "    a2a.core.phase = a2a._phase + a2a.core._cache[0] + t._version\n"
+        "    a2a._x = 0\n"  # a write counts too (Own's _x is no licence outside Own)
+    )
+    found = _private_reads(probe, f"{PACKAGE}.ep.probe", "ep/probe.py")
+    assert [line.split(": ", 1)[1] for line in found] == [
+        f"from {PACKAGE}.ep.partition import _helper",
+        "a2a._phase",
+        "a2a.core._cache",
+        "a2a._x",
+    ], found

@@ -361,7 +361,7 @@ def _time_ours(a2a, ids, pays, comb, T, iters, warmup, graphs, log, *, num_sms=N
         gc, _ = graph(c, pool=gd.pool())
     except Exception as e:  # eager figures stand; say why there is no graph row
         log(f"graph capture failed ({a2a.transport}): {err(e)}")
-        a2a._phase, a2a._st = "idle", None  # private: a capture that failed mid-dispatch left them set
+        a2a.core.phase, a2a.core.in_flight = "idle", None  # a capture that failed mid-dispatch left them set
         return res
 
     res["graph"] = (time_replays([gd, gc], iters, warmup, align=align), None)

@@ -105,8 +105,8 @@ def _host_profile_one(a2a, shape: Shape, t: str, T: int, calls: int) -> None:
         return hd / n * 1e6, hc / n * 1e6
 
     def fresh(n=3):
-        a2a._dcache.clear()
-        a2a._transport.__dict__.get("_ckeys", {}).clear()
+        a2a.core.dispatch_plans.clear()
+        a2a.core.transport.drop_combine_plans()
         for _ in range(n):
             one()
         sync()
@@ -114,10 +114,10 @@ def _host_profile_one(a2a, shape: Shape, t: str, T: int, calls: int) -> None:
 
     fresh(5)
     fast = timed(calls)
-    st = next(iter(a2a._dcache.values()))
+    st = next(iter(a2a.core.dispatch_plans.values()))
     compiled = regs = grid = None
     if st.triton:  # the plan launch and the pack variant that runs (dense, narrow or wide grid)
-        grid = a2a._pack_grid(st.T)
+        grid = a2a.core.pack_grid(st.T)
         packs = [v[grid].launch for v in st.packs]
         compiled = [st.plan_launch.compiled is not None] + [p.compiled is not None for p in packs]
         regs = [st.plan_launch.registers()] + [p.registers() for p in packs]
@@ -133,9 +133,9 @@ def _host_profile_one(a2a, shape: Shape, t: str, T: int, calls: int) -> None:
     t_bar = float("nan")
     if a2a.transport == "symm":
         dist.barrier()
-        t_bar = host_us(a2a._transport._barrier, calls=calls)  # every rank makes the same calls
+        t_bar = host_us(a2a.core.transport.barrier, calls=calls)  # every rank makes the same calls
         sync()
-    st = next(iter(a2a._dcache.values()))
+    st = next(iter(a2a.core.dispatch_plans.values()))
     t_plan = float("nan")
     if st.triton:
         t_plan = host_us(lambda: st.plan_launch((1,), (ids, *st.plan_args)), calls=calls)

@@ -5,8 +5,9 @@ See :mod:`replaymoe.ep.alltoall` for the semantics and the transports (``nccl``,
 packing), :mod:`~replaymoe.ep.alltoall` (the class), :mod:`~replaymoe.ep.receive` (sanitize, combine sum),
 :mod:`~replaymoe.ep.transport_nccl` / :mod:`~replaymoe.ep.transport_symm`, :mod:`~replaymoe.ep.reference`
 (single-process spec) and :mod:`~replaymoe.ep.ep_moe`; the class's private collaborators ``_dispatch_plan``
-(a dispatch's launch plan), ``_dispatch`` (its launches), ``_combine`` and ``_errors``, and the Triton code
-in ``_kernel_sync``, ``_kernel_plan``, ``_kernel_pack``, ``_kernel_sanitize`` and ``_kernel_combine``.
+(a dispatch's launch plan), ``_dispatch`` (its launches), ``_combine`` and ``_errors``, which with the
+transports share one ``_core.AlltoAllCore`` (``MoeAlltoAll.core``), and the Triton code in ``_kernel_sync``,
+``_kernel_plan``, ``_kernel_pack``, ``_kernel_sanitize`` and ``_kernel_combine``.
 """
 
 from __future__ import annotations

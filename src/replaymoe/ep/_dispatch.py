@@ -5,18 +5,23 @@ CPU/gloo groups (:func:`dispatch_torch_ops`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._launch import cdiv
 from ._dispatch_plan import DispatchState
 from .partition import make_plan
 
+if TYPE_CHECKING:
+    from ._core import AlltoAllCore
 
-def send(a2a, st: DispatchState, ids: torch.Tensor, payloads) -> None:
+
+def send(core: AlltoAllCore, st: DispatchState, ids: torch.Tensor, payloads) -> None:
     """Plan + pack (with the fused barrier, the pack's last program signals the peers)."""
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    grid_kind = a2a._pack_grid(st.T)
+    grid_kind = core.pack_grid(st.T)
     own_plan = st.fused_plan if grid_kind == "dense" else st.lookback
     if own_plan:
         pass  # the first pack computes it
@@ -30,9 +35,9 @@ def send(a2a, st: DispatchState, ids: torch.Tensor, payloads) -> None:
             g = variants[grid_kind]
             work = cdiv(T, g.TT)
             if grid_kind == "dense":
-                grid = (a2a._dense_programs(work, g.chunks), g.chunks)
+                grid = (core.dense_programs(work, g.chunks), g.chunks)
             else:
-                grid = (a2a._programs(work * g.chunks, g.chunks), g.chunks)
+                grid = (core.programs(work * g.chunks, g.chunks), g.chunks)
             if g.launch.ready():  # addresses only: no views, no per-pointer driver queries
                 keep = [payloads[i] for i in g.idx]
                 keep = [p if p.is_contiguous() else p.contiguous() for p in keep]
@@ -50,37 +55,37 @@ def send(a2a, st: DispatchState, ids: torch.Tensor, payloads) -> None:
             g.launch(grid, (st.slot, *srcs, *g.dsts, T, *g.consts, ids, *g.consts_b))
 
 
-def receive(a2a, st: DispatchState) -> None:
+def receive(core: AlltoAllCore, st: DispatchState) -> None:
     """After the exchange: (wait for the peers,) sanitize the ids, copy the counts."""
     if st.fused_sanitize:  # the pack's last programs to arrive did it
         return
     if st.sanitize is None:
-        a2a.recv_counts.copy_(st.counts)
+        core.recv_counts.copy_(st.counts)
     else:
         launch, work, args, args_i = st.sanitize
-        grid = (a2a._programs(work) if a2a._num_sms is not None else a2a._dense_programs(work),)
+        grid = (core.programs(work) if core.num_sms is not None else core.dense_programs(work),)
         if launch.ready():
             launch.fast(grid, args_i)
         else:
             launch(grid, args)
 
 
-def dispatch_torch_ops(a2a, st: DispatchState, ids, payloads, invalid, idx) -> None:
+def dispatch_torch_ops(core: AlltoAllCore, st: DispatchState, ids, payloads, invalid, idx) -> None:
     """The torch-ops path (CPU/gloo): plan, pack by index_copy, exchange, sanitize."""
-    plan = make_plan(ids, a2a.num_experts, a2a.ep)
+    plan = make_plan(ids, core.num_experts, core.ep)
     st.slot, st.send_counts = plan.slot, plan.send_counts
     payloads = [p.contiguous() for p in payloads]
-    a2a._transport.dispatch_torch(plan, payloads, st.layout, st.rt, st.targets)
+    core.transport.dispatch_torch(plan, payloads, st.layout, st.rt, st.targets)
     if idx is None:
-        a2a.recv_counts.copy_(st.counts)
+        core.recv_counts.copy_(st.counts)
         return
-    rt, K = st.rt, a2a.top_k
+    rt, K = st.rt, core.top_k
     v = st.views[idx]
-    n = a2a.ep * (rt + 1) - 1
+    n = core.ep * (rt + 1) - 1
     flat = torch.as_strided(v, (n, K), v.stride()[1:])
-    lo, hi = a2a.local_expert_offset, a2a.local_expert_offset + a2a.num_local_experts
-    a2a.recv_counts.copy_(st.counts)
-    i = torch.arange(n, device=a2a.device, dtype=torch.int64)
-    pad = (i % (rt + 1)) >= a2a.recv_counts[i // (rt + 1)]
+    lo, hi = core.local_expert_offset, core.local_expert_offset + core.num_local_experts
+    core.recv_counts.copy_(st.counts)
+    i = torch.arange(n, device=core.device, dtype=torch.int64)
+    pad = (i % (rt + 1)) >= core.recv_counts[i // (rt + 1)]
     drop = pad[:, None] | (flat < lo) | (flat >= hi)
     flat.copy_(torch.where(drop, torch.full_like(flat, invalid), flat))

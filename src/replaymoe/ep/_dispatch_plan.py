@@ -127,13 +127,15 @@ class DispatchState:
     fused_sanitize: bool = False  # the pack's last programs wait and sanitize (no sanitize launch)
 
 
-def validate_dispatch(a2a, ids, payloads, rt, invalid, idx) -> tuple[int, int]:
-    """Check a dispatch's arguments (``ValueError`` before any communication); ``(T_local, top_k)``."""
-    check_tensor("token_selected_experts", ids, ndim=2, dtype=torch.int32, device=a2a.device)
+def validate_dispatch(core, ids, payloads, rt, invalid, idx) -> tuple[int, int]:
+    """Check a dispatch's arguments against ``core`` (:class:`~replaymoe.ep._core.AlltoAllCore`; not
+    annotated: that module imports this one) before any communication (``ValueError``); returns
+    ``(T_local, top_k)``."""
+    check_tensor("token_selected_experts", ids, ndim=2, dtype=torch.int32, device=core.device)
     T, K = ids.shape
-    if K != a2a.top_k:
-        fail("token_selected_experts", f"[T_local, top_k={a2a.top_k}]", tuple(ids.shape), what="shape")
-    check_int("runtime_max_tokens_per_rank", rt, low=1, high=a2a.max_num_tokens)
+    if K != core.top_k:
+        fail("token_selected_experts", f"[T_local, top_k={core.top_k}]", tuple(ids.shape), what="shape")
+    check_int("runtime_max_tokens_per_rank", rt, low=1, high=core.max_num_tokens)
     if T > rt:
         fail(
             "token_selected_experts",
@@ -144,7 +146,7 @@ def validate_dispatch(a2a, ids, payloads, rt, invalid, idx) -> tuple[int, int]:
     if not isinstance(payloads, (list, tuple)) or len(payloads) == 0:
         fail("payloads", "a non-empty list of [T_local, *] tensors", type(payloads).__name__)
     for i, p in enumerate(payloads):
-        check_tensor(f"payloads[{i}]", p, device=a2a.device)
+        check_tensor(f"payloads[{i}]", p, device=core.device)
         if p.dim() < 1 or p.shape[0] != T:
             fail(f"payloads[{i}]", f"[T_local={T}, *]", tuple(p.shape), what="shape")
         if p.element_size() > 8:
@@ -156,17 +158,18 @@ def validate_dispatch(a2a, ids, payloads, rt, invalid, idx) -> tuple[int, int]:
     return T, K
 
 
-def build_dispatch(a2a, T: int, K: int, payloads, rt, invalid, idx) -> DispatchState:
+def build_dispatch(core, T: int, K: int, payloads, rt, invalid, idx) -> DispatchState:
     """The launch plan (buffers, views, kernel arguments) of a validated call with a new signature, of
-    ``T`` tokens of ``K`` experts each; every later call with the same signature reuses it."""
+    ``T`` tokens of ``K`` experts each, on ``core``'s transport and buffers; every later call with the same
+    signature reuses it."""
     layout = row_layout(list(payloads))
-    use_triton = a2a.use_triton()
-    a2a._transport.ensure_dispatch(layout.row_bytes)
-    tg = a2a._transport.dispatch_targets(layout, rt)
-    views, counts = recv_views(tg.recv, layout, a2a.ep, rt, tg.block)
+    use_triton = core.use_triton()
+    core.transport.ensure_dispatch(layout.row_bytes)
+    tg = core.transport.dispatch_targets(layout, rt)
+    views, counts = recv_views(tg.recv, layout, core.ep, rt, tg.block)
     st = DispatchState(T=T, rt=rt, layout=layout, triton=use_triton, targets=tg, views=views, counts=counts)
-    st.slot = torch.empty(T, a2a.ep, dtype=torch.int32, device=a2a.device)
-    st.send_counts = torch.empty(a2a.ep, dtype=torch.int32, device=a2a.device)
+    st.slot = torch.empty(T, core.ep, dtype=torch.int32, device=core.device)
+    st.send_counts = torch.empty(core.ep, dtype=torch.int32, device=core.device)
     if not use_triton:
         return st
 
@@ -177,15 +180,15 @@ def build_dispatch(a2a, T: int, K: int, payloads, rt, invalid, idx) -> DispatchS
 
     st.plan_launch = Launcher(ep_plan_kernel, num_warps=4)
     # plan kernel (+ the counts into every destination's header row)
-    base, rem = divmod(a2a.num_experts, a2a.ep)
-    ep_p2 = max(2, next_power_of_2(a2a.ep))
+    base, rem = divmod(core.num_experts, core.ep)
+    ep_p2 = max(2, next_power_of_2(core.ep))
     hdrs = [h.view(torch.int32) for h in tg.dsts]
     hdrs = hdrs + [hdrs[0]] * (8 - len(hdrs))
     hdr_off = tg.dst_base + rt * layout.row_bytes + layout.count_offset
     bt, st.plan_programs = plan_grid(T)
     st.plan_args = (
-        st.slot, st.send_counts, *hdrs, tg.stride_dst_rank // 4, hdr_off // 4, T, a2a.num_experts,
-        base, rem, a2a._plan_scratch, K, a2a.ep, ep_p2, bt, PLAN_BLOCKS, True,
+        st.slot, st.send_counts, *hdrs, tg.stride_dst_rank // 4, hdr_off // 4, T, core.num_experts,
+        base, rem, core.plan_scratch, K, core.ep, ep_p2, bt, PLAN_BLOCKS, True,
     )  # fmt: skip
     # the receive side: sanitize the ids (if any) and copy the counts; with the fused barrier, wait for
     # the peers' dispatch signals first. With one pack launch its last programs to arrive do it (one
@@ -194,23 +197,23 @@ def build_dispatch(a2a, T: int, K: int, payloads, rt, invalid, idx) -> DispatchS
     blk = 128
     if idx is not None:
         v = views[idx]
-        n = a2a.ep * (rt + 1) - 1
+        n = core.ep * (rt + 1) - 1
         flat = torch.as_strided(v, (n, K), v.stride()[1:])
     else:
-        n, flat = 0, a2a.recv_counts
-    wait = tg.wait if tg.wait is not None else (a2a.recv_counts, a2a.recv_counts, 0, 0, False)
-    san = (flat, hdr, a2a.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
-           counts.storage_offset() - hdr.storage_offset(), a2a.local_expert_offset,
-           a2a.local_expert_offset + a2a.num_local_experts, invalid)  # fmt: skip
+        n, flat = 0, core.recv_counts
+    wait = tg.wait if tg.wait is not None else (core.recv_counts, core.recv_counts, 0, 0, False)
+    san = (flat, hdr, core.recv_counts, n, flat.stride(0), rt + 1, counts.stride(0),
+           counts.storage_offset() - hdr.storage_offset(), core.local_expert_offset,
+           core.local_expert_offset + core.num_local_experts, invalid)  # fmt: skip
     k_p2 = max(2, next_power_of_2(K))
     specs = layout.specs
     live = [i for i, sp in enumerate(specs) if sp.nbytes > 0]
     st.fused_sanitize = (
-        tg.wait is not None and a2a._fused_sanitize and 1 <= len(live) <= 4
-        and (_FUSED_SANITIZE_MAX_ROWS is None or a2a.ep * (rt + 1) <= _FUSED_SANITIZE_MAX_ROWS)
+        tg.wait is not None and core.fused_sanitize and 1 <= len(live) <= 4
+        and (_FUSED_SANITIZE_MAX_ROWS is None or core.ep * (rt + 1) <= _FUSED_SANITIZE_MAX_ROWS)
     )  # fmt: skip
     if st.fused_sanitize:
-        nz = _FUSED_SANITIZERS if a2a.device.type == "cuda" else 1
+        nz = _FUSED_SANITIZERS if core.device.type == "cuda" else 1
         zs = (*san, *wait[1:4], k_p2, _FUSED_SANITIZE_BLOCK, idx is not None, True, wait[4], nz)
     else:
         zs = (st.send_counts,) * 3 + (0,) * 8 + (st.send_counts, 0, 0, 2, 2, False, False, False, 1)
@@ -218,7 +221,7 @@ def build_dispatch(a2a, T: int, K: int, payloads, rt, invalid, idx) -> DispatchS
         st.sanitize = (
             Launcher(ep_sanitize_kernel, num_warps=4),
             max(1, cdiv(n, blk)),
-            (*san, *wait[:4], K, k_p2, a2a.ep, ep_p2, blk, a2a.rank, idx is not None,
+            (*san, *wait[:4], K, k_p2, core.ep, ep_p2, blk, core.rank, idx is not None,
              tg.wait is not None, wait[4]),
         )  # fmt: skip
     # pack kernel: payloads in groups of four, each group in one unit dtype
@@ -236,11 +239,11 @@ def build_dispatch(a2a, T: int, K: int, payloads, rt, invalid, idx) -> DispatchS
         # the first group's pack computes the plan itself (one launch less; int32 units so that it
         # can store the counts into the headers): on the dense grid by a scan of the earlier ids in
         # every tile, on the persistent ones by the plan kernel's look-back over 128-token blocks
-        own_plan = g0 == 0 and unit == torch.int32 and a2a._fused_plan
+        own_plan = g0 == 0 and unit == torch.int32 and core.fused_plan
         st.fused_plan = st.fused_plan or (own_plan and T <= _DENSE_PACK_MAX_T)
         st.lookback = st.lookback or own_plan
         hdr_units = (rt * layout.row_bytes + layout.count_offset) // 4
-        plan_b = (st.send_counts, a2a.num_experts, base, rem, hdr_units)
+        plan_b = (st.send_counts, core.num_experts, base, rem, hdr_units)
         if not own_plan:
             plan_b = (st.send_counts, 1, 1, 0, 0)
         if tg.signal is not None and last:
@@ -256,10 +259,10 @@ def build_dispatch(a2a, T: int, K: int, payloads, rt, invalid, idx) -> DispatchS
                 idx=grp, unit=unit, dsts=dsts, chunks=chunks, TT=TT, warps=warps,
                 consts=(tg.stride_dst_rank // u, tg.dst_base // u, *sig),
                 consts_b=(*plan_b, layout.row_bytes // u, *(Ns + [1] * pad), *(NBs + [1] * pad),
-                          *(Os + [0] * pad), len(grp), a2a.ep, ep_p2, TT, a2a.rank, signal, fplan, K,
-                          64, *zs, a2a._plan_scratch, bt, PLAN_BLOCKS, lookback,
-                          a2a.device.type == "cuda", grid in _PACK_PREFETCH_GRIDS and not fplan,
-                          (a2a.rank + 1) % a2a.ep if PACK_PEERS_FIRST else 0),
+                          *(Os + [0] * pad), len(grp), core.ep, ep_p2, TT, core.rank, signal, fplan, K,
+                          64, *zs, core.plan_scratch, bt, PLAN_BLOCKS, lookback,
+                          core.device.type == "cuda", grid in _PACK_PREFETCH_GRIDS and not fplan,
+                          (core.rank + 1) % core.ep if PACK_PEERS_FIRST else 0),
                 launch=Launcher(ep_pack_kernel, num_warps=warps),
             )  # fmt: skip
         st.packs.append(variants)

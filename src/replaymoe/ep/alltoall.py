@@ -46,12 +46,14 @@ was seen before skips validation and planning and launches the cached kernels di
 Received views alias internal buffers: they are valid until ``combine`` (the next ``dispatch`` on
 any rank may overwrite them). Consume them (or copy them) before calling ``combine``.
 
-Modules: the class is the front door (arguments, phases, the steady-state caches); the launch plan of a
-dispatch is built in :mod:`~replaymoe.ep._dispatch_plan` and run by :mod:`~replaymoe.ep._dispatch`, the
-combine's steps are in :mod:`~replaymoe.ep._combine`, the phase and growth errors in
-:mod:`~replaymoe.ep._errors`; the expert split, row layout and packing, receive-side kernels, transports
-and the reference live in their own modules of this package, the Triton code in its ``_kernel_*``
-modules.
+Modules: the class is the front door (arguments, the order of the phases, the public attributes); what
+its collaborators share (the transport, buffers, steady-state caches, switches, phase and the grid sizes)
+is one :class:`~replaymoe.ep._core.AlltoAllCore` (attribute ``core``), passed to each of them. The launch
+plan of a dispatch is built in :mod:`~replaymoe.ep._dispatch_plan` and run by
+:mod:`~replaymoe.ep._dispatch`, the combine's steps are in :mod:`~replaymoe.ep._combine`, the phase and
+growth errors in :mod:`~replaymoe.ep._errors`; the expert split, row layout and packing, receive-side
+kernels, transports and the reference live in their own modules of this package, the Triton code in its
+``_kernel_*`` modules.
 """
 
 from __future__ import annotations
@@ -61,22 +63,15 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .. import _switches
-from .._backend import BACKENDS, resolve_backend
+from .._backend import BACKENDS
 from .._validation import check_choice, check_int, fail
 from ._combine import combine_payload, combine_rows
+from ._core import AlltoAllCore
 from ._dispatch import dispatch_torch_ops, receive, send
-from ._dispatch_plan import (
-    DispatchState,
-    build_dispatch,
-    find_dispatch,
-    keep_dispatch,
-    pack_grid,
-    validate_dispatch,
-)
+from ._dispatch_plan import build_dispatch, find_dispatch, keep_dispatch, validate_dispatch
 from ._errors import phase_error
 from .packing import align
-from .partition import PLAN_SCRATCH, expert_owner, expert_partition
+from .partition import expert_owner, expert_partition
 from .reference import combine_torch, dispatch_torch
 
 __all__ = [
@@ -183,6 +178,9 @@ class MoeAlltoAll:
         int32 [ep] on ``device``: rows received from each source by the last dispatch.
     send_counts : torch.Tensor or None
         int32 [ep]: rows this rank sent to each rank in the last dispatch.
+    core : AlltoAllCore
+        The state the dispatch and combine steps and the transport share (internal; read by the
+        benchmarks and tests, see :mod:`~replaymoe.ep._core`).
     """
 
     def __init__(
@@ -235,16 +233,8 @@ class MoeAlltoAll:
                 fail("timeout", "a positive number of seconds or a datetime.timedelta", repr(timeout))
             timeout = datetime.timedelta(seconds=float(timeout))
         self.timeout = timeout
-        parts = expert_partition(self.num_experts, self.ep)
-        self.local_expert_offset, self.num_local_experts = parts[self.rank]
-        self.recv_counts = torch.zeros(self.ep, dtype=torch.int32, device=self.device)
-        # the plan kernel's look-back state (ticket, arrivals, epoch, per-block flags and counts)
-        self._plan_scratch = torch.zeros(PLAN_SCRATCH, dtype=torch.int32, device=self.device)
-        self.send_counts: torch.Tensor | None = None
-        self._phase = "idle"
-        self._runtime_max: int | None = None
-        self._num_tokens: int | None = None
-        self.num_sms = num_sms  # validated by the property setter
+        if num_sms is not None:
+            check_int("num_sms", num_sms, low=1)
         for name, value in (
             ("fused_plan", fused_plan),
             ("fused_barrier", fused_barrier),
@@ -252,59 +242,60 @@ class MoeAlltoAll:
         ):
             if value is not None and not isinstance(value, bool):
                 fail(name, "a bool or None (the default)", type(value).__name__, what="type")
-        self._fused_plan = _switches.DEFAULTS.ep_fused if fused_plan is None else fused_plan
-        self._fused_sanitize = True  # (the CPU tests, which run the ranks in turn, turn it off)
-        self._fused_barrier = fused_barrier  # None: the symm transport's process default
-        self._pipelined_combine = pipelined_combine  # None: by size (SymmTransport.pipelines)
-        if self.device.type == "cuda":
-            self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self._device_sms = 4  # CPU (interpreter): a few programs, so the persistent loops iterate
-        self._dcache: dict = {}  # steady-state dispatch plans, keyed by the call's signature
-        self._ccache: dict = {}  # steady-state combine plans
-        self._st: DispatchState | None = None  # the state of the dispatch in flight
+        # what the collaborators share (buffers, caches, transport, phase): one object, passed to each
+        self.core = AlltoAllCore(
+            group=self.group, ep=self.ep, rank=self.rank, device=self.device,
+            max_num_tokens=self.max_num_tokens, top_k=self.top_k, num_experts=self.num_experts,
+            hidden_size=self.hidden_size, transport_name=self.transport, kernel_backend=self.kernel_backend,
+            timeout=timeout, num_sms=num_sms, fused_plan=fused_plan, fused_barrier=fused_barrier,
+            pipelined_combine=pipelined_combine,
+        )  # fmt: skip
+        self.local_expert_offset = self.core.local_expert_offset
+        self.num_local_experts = self.core.num_local_experts
+        self.recv_counts = self.core.recv_counts
+        self.send_counts: torch.Tensor | None = None
 
         if self.transport == "symm" and self.device.type != "cuda":
             fail("transport", "'nccl' for a CPU device ('symm' needs CUDA symmetric memory)", "'symm'")
         if self.transport == "symm" and self.ep > 1:
             from .transport_symm import SymmTransport
 
-            self._transport = SymmTransport(self)
+            self.core.transport = SymmTransport(self.core)
         else:
             from .transport_nccl import NcclTransport
 
-            self._transport = NcclTransport(self)
+            self.core.transport = NcclTransport(self.core)
         if payload_bytes_per_token is not None:
             check_int("payload_bytes_per_token", payload_bytes_per_token, low=1)
-            self._transport.ensure_dispatch(align(payload_bytes_per_token))
+            self.core.transport.ensure_dispatch(align(payload_bytes_per_token))
 
     # ------------------------------------------------------------------------------------------
     @property
     def num_sms(self) -> int | None:
         """Bound on the programs per kernel (see the class docstring); ``None`` = all SMs."""
-        return self._num_sms
+        return self.core.num_sms
 
     @num_sms.setter
     def num_sms(self, value: int | None) -> None:
         if value is not None:
             check_int("num_sms", value, low=1)
-        self._num_sms = value
+        self.core.num_sms = value
 
     @property
     def fused_plan(self) -> bool:
         """The pack kernel computes the dispatch plan itself (see the class docstring)."""
-        return self._fused_plan
+        return bool(self.core.fused_plan)
 
     @property
     def fused_barrier(self) -> bool | None:
         """``symm``: the barrier runs inside the kernels (see the class docstring); other transports:
         the value given (``None`` when none was)."""
-        return getattr(self._transport, "fused", self._fused_barrier)
+        return getattr(self.core.transport, "fused", self.core.fused_barrier)
 
     @property
     def pipelined_combine(self) -> bool | None:
         """The ``pipelined_combine`` argument (``None``: by size; see the class docstring)."""
-        return self._pipelined_combine
+        return self.core.pipelined_combine
 
     def combine_pipelines(self, runtime_max_tokens_per_rank: int) -> bool:
         """Whether ``combine`` at this ``runtime_max_tokens_per_rank`` now runs as one pipelined launch
@@ -312,34 +303,11 @@ class MoeAlltoAll:
         least 2 programs (the current ``num_sms``, or the device's SMs), and the argument (``None``: outside
         a CUDA-graph capture, or more than :func:`~replaymoe.ep.transport_symm.pipe_min_rows` rows to send
         back)."""
-        p = getattr(self._transport, "pipelines", None)
-        return bool(p is not None and p(runtime_max_tokens_per_rank))
-
-    def _programs(self, work: int, chunks: int = 1) -> int:
-        """Programs along the first grid axis of a persistent kernel with ``work`` independent items
-        in all and ``chunks`` programs along the second axis (at least one)."""
-        n = self._device_sms if self._num_sms is None else self._num_sms
-        return max(1, min(n, work) // chunks)
-
-    def _pack_grid(self, T: int) -> str:
-        """The pack's grid for ``T`` tokens on this rank (:func:`~replaymoe.ep._dispatch_plan.pack_grid`)."""
-        return pack_grid(self._num_sms, self._device_sms, T)
-
-    def _dense_programs(self, work: int, chunks: int = 1) -> int:
-        """The same for the dense grids (num_sms unset): up to 16 programs per SM, then a grid-stride loop."""
-        return max(1, min(work, 16 * self._device_sms // chunks))
+        return self.core.combine_pipelines(runtime_max_tokens_per_rank)
 
     def use_triton(self) -> bool:
         """Whether packing/reduction run the Triton kernels (see ``kernel_backend``)."""
-        cached = self.__dict__.get("_use_triton")  # fixed at construction; asked on every combine
-        if cached is None:
-            probe = torch.empty(0, device=self.device)  # resolve_backend reads the device off a tensor
-            cached = (
-                self.transport == "symm"
-                or resolve_backend(self.kernel_backend, probe, name="kernel_backend") == "triton"
-            )
-            self._use_triton = cached
-        return cached
+        return self.core.use_triton()
 
     def __repr__(self) -> str:
         return (
@@ -383,55 +351,34 @@ class MoeAlltoAll:
             ``j < recv_counts[s]`` is the j-th token that source ``s`` sent here (in its token order).
             Views alias internal buffers; valid until ``combine``.
         """
-        if self._phase != "idle":
-            phase_error(self, "dispatch")
+        core = self.core
+        if core.phase != "idle":
+            phase_error(core, "dispatch")
         ids = token_selected_experts
         rt = runtime_max_tokens_per_rank
-        idx = expert_id_payload_index
-        key, st = find_dispatch(self._dcache, ids, payloads, rt, invalid_token_expert_id, idx)
-        if st is None:
-            st = self._dispatch_setup(ids, payloads, rt, invalid_token_expert_id, idx)
+        invalid, idx = invalid_token_expert_id, expert_id_payload_index
+        key, st = find_dispatch(core.dispatch_plans, ids, payloads, rt, invalid, idx)
+        if st is None:  # a new signature: validated, and its launch plan built, once
+            T, K = validate_dispatch(core, ids, payloads, rt, invalid, idx)
+            st = build_dispatch(core, T, K, payloads, rt, invalid, idx)
             if key is not None:
-                keep_dispatch(self._dcache, key, st)
-        self._phase = "dispatching"
+                keep_dispatch(core.dispatch_plans, key, st)
+        core.phase = "dispatching"
         try:
             if st.triton:
-                self._dispatch_triton(st, ids, payloads)
+                send(core, st, ids, payloads)
+                core.transport.exchange_dispatch(st.targets)
+                receive(core, st)
             else:
-                dispatch_torch_ops(self, st, ids, payloads, invalid_token_expert_id, idx)
+                dispatch_torch_ops(core, st, ids, payloads, invalid, idx)
         except BaseException:
-            self._phase = "broken"
+            core.phase = "broken"
             raise
-        self._st = st
+        core.in_flight = st
         self.send_counts = st.send_counts
-        self._runtime_max = rt
-        self._num_tokens = st.T
-        self._phase = "dispatched"
+        core.runtime_max = rt
+        core.phase = "dispatched"
         return st.views
-
-    # ------------------------------------------------------------------------------------------
-    def _validate_dispatch(self, ids, payloads, rt, invalid, idx) -> tuple[int, int]:
-        return validate_dispatch(self, ids, payloads, rt, invalid, idx)
-
-    def _dispatch_setup(self, ids, payloads, rt, invalid, idx) -> DispatchState:
-        """Validate a call with a new signature and build its launch plan (buffers, views, kernel
-        arguments; :func:`~replaymoe.ep._dispatch_plan.build_dispatch`); every later call with the same
-        signature reuses it."""
-        T, K = self._validate_dispatch(ids, payloads, rt, invalid, idx)
-        return build_dispatch(self, T, K, payloads, rt, invalid, idx)
-
-    def _dispatch_triton(self, st: DispatchState, ids: torch.Tensor, payloads) -> None:
-        send(self, st, ids, payloads)
-        self._transport.exchange_dispatch(st.targets)
-        receive(self, st)
-
-    def _dispatch_send(self, st: DispatchState, ids: torch.Tensor, payloads) -> None:
-        """Plan + pack (with the fused barrier, the pack's last program signals the peers)."""
-        send(self, st, ids, payloads)
-
-    def _dispatch_recv(self, st: DispatchState) -> None:
-        """After the exchange: (wait for the peers,) sanitize the ids, copy the counts."""
-        receive(self, st)
 
     # ------------------------------------------------------------------------------------------
     def combine(
@@ -460,17 +407,18 @@ class MoeAlltoAll:
             [T_local, W] in the payload's dtype: per token, the fp32 sum of the rows that came back
             from every rank it was sent to (zeros for a token sent nowhere).
         """
-        if self._phase != "dispatched":
-            phase_error(self, "combine")
-        payload, W = combine_payload(self, payload, runtime_max_tokens_per_rank, width)
-        st = self._st
+        core = self.core
+        if core.phase != "dispatched":
+            phase_error(core, "combine")
+        payload, W = combine_payload(core, payload, runtime_max_tokens_per_rank, width)
+        st = core.in_flight
         assert st is not None
-        self._phase = "combining"
+        core.phase = "combining"
         try:
-            out = combine_rows(self, st, payload, runtime_max_tokens_per_rank, W)
+            out = combine_rows(core, st, payload, runtime_max_tokens_per_rank, W)
         except BaseException:
-            self._phase = "broken"
+            core.phase = "broken"
             raise
-        self._phase = "idle"
-        self._st = None
+        core.phase = "idle"
+        core.in_flight = None
         return out

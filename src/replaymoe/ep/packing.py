@@ -147,15 +147,14 @@ def recv_views(
     return views, counts
 
 
-def pack_rows(a, plan, payloads, layout, dst: torch.Tensor, *, block_bytes) -> None:
-    """Write token rows into the local buffer ``dst`` (uint8) with torch ops: rank r, slot j, payload p
-    lands at ``r * block_bytes + j * row_bytes + offset_p``; rows not sent go to a trash row past the
-    last block."""
+def pack_rows(ep: int, plan, payloads, layout, dst: torch.Tensor, *, block_bytes) -> None:
+    """Write token rows into the local buffer ``dst`` (uint8) with torch ops, for ``ep`` ranks: rank r,
+    slot j, payload p lands at ``r * block_bytes + j * row_bytes + offset_p``; rows not sent go to a trash
+    row past the last block."""
     T = plan.slot.shape[0]
     if T == 0:
         return
     RB = layout.row_bytes
-    ep = a.ep
     rows_per_block = block_bytes // RB
     trash = ep * rows_per_block
     rows = dst[: (trash + 1) * RB].view(trash + 1, RB)

@@ -7,13 +7,18 @@ all-to-all launches the same kernel from its cached plan).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._launch import addresses, cdiv, next_power_of_2
 from .packing import row_tiling
 
+if TYPE_CHECKING:
+    from ._core import AlltoAllCore
 
-def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
+
+def sanitize_triton(core: AlltoAllCore, flat, recv, counts, rt, lo, hi, invalid) -> None:
     """Launch ``ep_sanitize_kernel`` alone on the received id rows ``flat`` (``[n, K]`` int32 over
     all blocks of ``recv``): ids outside ``[lo, hi)`` and rows past each source's count (read from
     ``counts``) become ``invalid``. The all-to-all fuses this into its receive; tests call it."""
@@ -26,15 +31,15 @@ def sanitize_triton(a2a, flat, recv, counts, rt, lo, hi, invalid) -> None:
     hdr_off = counts.storage_offset() - hdr.storage_offset()
     block = 128
     ep_sanitize_kernel[(cdiv(n, block),)](
-        flat, hdr, a2a.recv_counts, n, flat.stride(0), rt + 1, hdr_block, hdr_off, lo, hi, invalid,
-        counts, counts, 0, 0, K=K, K_P2=max(2, next_power_of_2(K)), EP=a2a.ep,
-        EP_P2=max(2, next_power_of_2(a2a.ep)), BLOCK=block, RANK=a2a.rank, HAS_IDS=True, WAIT=False,
+        flat, hdr, core.recv_counts, n, flat.stride(0), rt + 1, hdr_block, hdr_off, lo, hi, invalid,
+        counts, counts, 0, 0, K=K, K_P2=max(2, next_power_of_2(K)), EP=core.ep,
+        EP_P2=max(2, next_power_of_2(core.ep)), BLOCK=block, RANK=core.rank, HAS_IDS=True, WAIT=False,
         TIMER=False,
     )  # fmt: skip
 
 
 def combine_reduce(
-    a2a,
+    core: AlltoAllCore,
     rows: torch.Tensor,
     block_stride: int,
     slot: torch.Tensor,
@@ -47,12 +52,12 @@ def combine_reduce(
     rows [rt, H] (row stride free) when the transport did not copy them into ``rows`` (symm).
     ``cache`` keeps the launch plans per layout (the dispatch state's)."""
     T, H = out.shape
-    ep = a2a.ep
+    ep = core.ep
     if T == 0 and wait is None:
         return
     row_stride = rows.stride(0)
-    if a2a.use_triton():
-        persistent = a2a._num_sms is not None
+    if core.use_triton():
+        persistent = core.num_sms is not None
         own_key = None if own is None else (own.stride(0), own.data_ptr() & 15)
         key = (rows.dtype, rows.data_ptr() & 15, H, block_stride, row_stride, own_key, persistent)
         key = (*key, wait is None)
@@ -66,8 +71,8 @@ def combine_reduce(
             if cache is not None:
                 cache[key] = plan
         launch, chunks, work, nb, tt = plan
-        nprog = a2a._programs(work * chunks, chunks) if persistent else a2a._dense_programs(work, chunks)
-        own_t, own_rs, own_r = (rows, 0, -1) if own is None else (own, own.stride(0), a2a.rank)
+        nprog = core.programs(work * chunks, chunks) if persistent else core.dense_programs(work, chunks)
+        own_t, own_rs, own_r = (rows, 0, -1) if own is None else (own, own.stride(0), core.rank)
         w = wait if wait is not None else (slot, slot, 0, 0, False)
         args = (rows, slot, out, own_t, T, H, block_stride, row_stride, own_rs, *w[:4], ep, own_r, nb, tt,
                 wait is not None, w[4])  # fmt: skip

@@ -13,25 +13,31 @@ any other payload is staged into it) and receives the same.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from ._errors import collective_error, guard_growth
 from .packing import Targets, pack_rows, typed_view
 
+if TYPE_CHECKING:
+    from ._core import AlltoAllCore
+
 
 class NcclTransport:
-    """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over ``all_to_all_single``."""
+    """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over ``all_to_all_single``, on the
+    all-to-all's shared state ``core`` (:class:`~replaymoe.ep._core.AlltoAllCore`)."""
 
-    def __init__(self, a2a) -> None:
-        self.a2a = a2a
-        self.pg = a2a.group
-        if a2a.timeout is not None and a2a.ep > 1:
-            ranks = dist.get_process_group_ranks(a2a.group)
+    def __init__(self, core: AlltoAllCore) -> None:
+        self.core = core
+        self.pg = core.group
+        if core.timeout is not None and core.ep > 1:
+            ranks = dist.get_process_group_ranks(core.group)
             self.pg = dist.new_group(
                 ranks,
-                timeout=a2a.timeout,
-                backend=str(dist.get_backend(a2a.group)),
+                timeout=core.timeout,
+                backend=str(dist.get_backend(core.group)),
                 use_local_synchronization=True,
             )
         self.row_cap = 0
@@ -44,73 +50,76 @@ class NcclTransport:
     def ensure_dispatch(self, row_bytes: int) -> None:
         if row_bytes <= self.row_cap:
             return
-        a = self.a2a
-        guard_growth(a, "dispatch")
-        n = a.ep * (a.max_num_tokens + 1) * row_bytes + row_bytes  # + one trash row (torch packing)
-        self.recv = torch.empty(n, dtype=torch.uint8, device=a.device)
-        self.send = self.recv if a.ep == 1 else torch.empty(n, dtype=torch.uint8, device=a.device)
+        core = self.core
+        guard_growth(core, "dispatch")
+        n = core.ep * (core.max_num_tokens + 1) * row_bytes + row_bytes  # + one trash row (torch packing)
+        self.recv = torch.empty(n, dtype=torch.uint8, device=core.device)
+        self.send = self.recv if core.ep == 1 else torch.empty(n, dtype=torch.uint8, device=core.device)
         self.row_cap = row_bytes
-        a._dcache.clear()  # cached views alias the old buffers
+        core.dispatch_plans.clear()  # cached views alias the old buffers
+
+    def drop_combine_plans(self) -> None:
+        """Nothing to forget: this transport keeps no combine launch plans (the symm one does)."""
 
     def _exchange(self, op: str, out: torch.Tensor, inp: torch.Tensor) -> None:
         try:
             dist.all_to_all_single(out, inp, group=self.pg)
         except Exception as e:  # re-raised with the rank named
-            raise collective_error(self.a2a, op, e) from e
+            raise collective_error(self.core, op, e) from e
 
     # ------------------------------------------------------------------------------------------
     def dispatch_targets(self, layout, rt: int) -> Targets:
-        a = self.a2a
+        core = self.core
         send, recv = self.send, self.recv
         assert send is not None and recv is not None
         block = (rt + 1) * layout.row_bytes
         return Targets(
-            recv=recv, block=block, dsts=[send] * a.ep, stride_dst_rank=block, dst_base=0,
-            send=send[: a.ep * block], recv_out=recv[: a.ep * block],
+            recv=recv, block=block, dsts=[send] * core.ep, stride_dst_rank=block, dst_base=0,
+            send=send[: core.ep * block], recv_out=recv[: core.ep * block],
         )  # fmt: skip
 
     def exchange_dispatch(self, tg: Targets) -> None:
-        if self.a2a.ep > 1:
+        if self.core.ep > 1:
             self._exchange("dispatch", tg.recv_out, tg.send)
 
     def dispatch_torch(self, plan, payloads, layout, rt: int, tg: Targets) -> None:
         """Pack with torch ops (CPU/gloo path), write the counts, exchange."""
-        a = self.a2a
+        core = self.core
         RB = layout.row_bytes
-        pack_rows(a, plan, payloads, layout, tg.dsts[0], block_bytes=tg.block)
+        pack_rows(core.ep, plan, payloads, layout, tg.dsts[0], block_bytes=tg.block)
         at = rt * RB + layout.count_offset
-        cnt = typed_view(tg.dsts[0], torch.int32, (a.ep,), (tg.block // 4,), at)
+        cnt = typed_view(tg.dsts[0], torch.int32, (core.ep,), (tg.block // 4,), at)
         cnt.copy_(plan.send_counts)
         self.exchange_dispatch(tg)
 
     def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, None, None]:
         """Exchange ``[ep, rt + 1, W]`` blocks (the extra row keeps ``ep_moe``'s output copy-free;
         ``W`` is the payload's row width, ``hidden_size`` unless ``combine(width=...)``)."""
-        a = self.a2a
+        core = self.core
         H = payload.shape[2]
         es = payload.element_size()
         block = (rt + 1) * H
-        if a.ep == 1 and payload.stride(1) == H:
+        if core.ep == 1 and payload.stride(1) == H:
             return payload[0], payload.stride(0), None, None
         if _spans_blocks(payload, block):
-            send = torch.as_strided(payload, (a.ep * block,), (1,))
+            send = torch.as_strided(payload, (core.ep * block,), (1,))
         else:
-            cap = a.ep * (a.max_num_tokens + 1) * H * es
-            if self.csend is None or self.csend.numel() < a.ep * block * es:
-                guard_growth(a, "combine")
-                self.csend = torch.empty(cap, dtype=torch.uint8, device=a.device)
-            send = self.csend[: a.ep * block * es].view(payload.dtype)
-            send.view(a.ep, rt + 1, H)[:, :rt].copy_(payload)
-        if a.ep == 1:
+            cap = core.ep * (core.max_num_tokens + 1) * H * es
+            if self.csend is None or self.csend.numel() < core.ep * block * es:
+                guard_growth(core, "combine")
+                self.csend = torch.empty(cap, dtype=torch.uint8, device=core.device)
+            send = self.csend[: core.ep * block * es].view(payload.dtype)
+            send.view(core.ep, rt + 1, H)[:, :rt].copy_(payload)
+        if core.ep == 1:
             return send.view(rt + 1, H), block, None, None
-        if self.crecv is None or self.crecv.numel() < a.ep * block * es:
-            guard_growth(a, "combine")
+        if self.crecv is None or self.crecv.numel() < core.ep * block * es:
+            guard_growth(core, "combine")
             self.crecv = torch.empty(
-                a.ep * (a.max_num_tokens + 1) * H * es, dtype=torch.uint8, device=a.device
+                core.ep * (core.max_num_tokens + 1) * H * es, dtype=torch.uint8, device=core.device
             )
-        out = self.crecv[: a.ep * block * es]
+        out = self.crecv[: core.ep * block * es]
         self._exchange("combine", out, send.view(torch.uint8))
-        return out.view(payload.dtype).view(a.ep * (rt + 1), H), block, None, None
+        return out.view(payload.dtype).view(core.ep * (rt + 1), H), block, None, None
 
 
 def _spans_blocks(payload: torch.Tensor, block: int) -> bool:

@@ -43,6 +43,8 @@ failure to set up symmetric memory raises ``RuntimeError``; there is no silent f
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import _switches
@@ -50,6 +52,9 @@ from .._launch import cdiv, next_power_of_2
 from .._validation import fail, is_capturing
 from ._errors import guard_growth
 from .packing import Targets, row_tiling
+
+if TYPE_CHECKING:
+    from ._core import AlltoAllCore
 
 _MAX_EP = 8
 _DEFAULT_TIMEOUT_MS = 600_000
@@ -152,20 +157,20 @@ def pipe_group(T: int, tt: int, reducers: int) -> int:
 class _SymmBuffer:
     """One rendezvoused uint8 buffer: ``local`` (this rank's) and ``peers[r]`` (rank r's, mapped)."""
 
-    def __init__(self, a2a, nbytes: int, what: str) -> None:
+    def __init__(self, core: AlltoAllCore, nbytes: int, what: str) -> None:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=a2a.device)
-            group_name = a2a.group.group_name
+            self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=core.device)
+            group_name = core.group.group_name
             self.handle = symm_mem.rendezvous(self.local, group_name)
             self.peers = [
-                self.local if r == a2a.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
-                for r in range(a2a.ep)
+                self.local if r == core.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
+                for r in range(core.ep)
             ]
         except Exception as e:  # re-raised with context, no fallback
             raise RuntimeError(
-                f"MoeAlltoAll(transport='symm') on rank {a2a.rank}: could not set up the {what} buffer "
+                f"MoeAlltoAll(transport='symm') on rank {core.rank}: could not set up the {what} buffer "
                 f"({nbytes} bytes) in torch.distributed._symmetric_memory: {type(e).__name__}: {e}. "
                 "The symm transport needs CUDA GPUs of one node with peer access; use transport='nccl' "
                 "otherwise."
@@ -174,14 +179,15 @@ class _SymmBuffer:
 
 
 class SymmTransport:
-    """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over symmetric memory."""
+    """Buffers and exchange of :class:`~replaymoe.ep.MoeAlltoAll` over symmetric memory, on the
+    all-to-all's shared state ``core`` (:class:`~replaymoe.ep._core.AlltoAllCore`)."""
 
-    def __init__(self, a2a) -> None:
-        if a2a.ep > _MAX_EP:
-            fail("group", f"at most {_MAX_EP} ranks for transport='symm' (one node)", f"{a2a.ep} ranks")
+    def __init__(self, core: AlltoAllCore) -> None:
+        if core.ep > _MAX_EP:
+            fail("group", f"at most {_MAX_EP} ranks for transport='symm' (one node)", f"{core.ep} ranks")
         _switches.multicast_off()  # before the first symmetric-memory allocation (module docstring)
-        self.a2a = a2a
-        t = a2a.timeout
+        self.core = core
+        t = core.timeout
         self.timeout_ms = _DEFAULT_TIMEOUT_MS if t is None else max(1, int(t.total_seconds() * 1000))
         self.row_cap = 0
         self.disp: _SymmBuffer | None = None
@@ -190,20 +196,21 @@ class SymmTransport:
         self._ckeys: dict = {}  # combine launch plans per (dtype, rt, payload strides)
         # None: the process default (REPLAYMOE_EP_FUSED); the barrier inside the kernels (no extra launch
         # per phase), else torch's signal-pad barrier kernel
-        self.fused = _switches.DEFAULTS.ep_fused if a2a._fused_barrier is None else a2a._fused_barrier
+        self.fused = _switches.DEFAULTS.ep_fused if core.fused_barrier is None else core.fused_barrier
         self.sig: _SymmBuffer | None = None  # signal pads (fused barrier)
         self.signal_args: tuple = ()
         self.wait_args: tuple = ()
         # rows per chunk flag of the pipelined combine: None = pipe_chunk's rule (a probe's lever: any
         # multiple of the tiles' rows from PIPE_CHUNK up; the pads hold PIPE_CHUNK-row flags)
         self.chunk: int | None = None
-        self.ncmax = cdiv(a2a.max_num_tokens, PIPE_CHUNK)  # chunk flags per source in a pad
+        self.ncmax = cdiv(core.max_num_tokens, PIPE_CHUNK)  # chunk flags per source in a pad
         self.pads: list[torch.Tensor] = []
         self._pkeys: dict = {}  # pipelined combine launch plans
         # pipelined combine (row width, programs, roles, tall, chunk) -> (senders, nb, tt, warps)
         self._pshape: dict = {}
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
+        """torch's signal-pad barrier over the group (the phases' barrier without the fused one)."""
         assert self.disp is not None
         self.disp.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
@@ -212,72 +219,78 @@ class SymmTransport:
         slot ``s`` = source s's dispatch epoch, ``8 + s`` its combine epoch, and from ``FLAG_BASE`` the
         pipelined combine's chunk flags (``ncmax`` per source); and this rank's counters [dispatch epoch,
         combine epoch, pack arrivals, send arrivals, the pipelined combine's sender arrivals]."""
-        a = self.a2a
-        self.sig = _SymmBuffer(a, 4 * (FLAG_BASE + _MAX_EP * self.ncmax), "signal")
+        core = self.core
+        self.sig = _SymmBuffer(core, 4 * (FLAG_BASE + _MAX_EP * self.ncmax), "signal")
         self.sig.local.zero_()
-        self.state = torch.zeros(8, dtype=torch.int32, device=a.device)
+        self.state = torch.zeros(8, dtype=torch.int32, device=core.device)
         self.sig.handle.barrier(channel=0, timeout_ms=self.timeout_ms)  # zeroed everywhere before use
         self._set_sync_args([p.view(torch.int32) for p in self.sig.peers], self.state)
 
     def _set_sync_args(self, pads: list[torch.Tensor], state: torch.Tensor) -> None:
-        a = self.a2a
+        core = self.core
         st = self.state = state
         pads = pads + [pads[0]] * (_MAX_EP - len(pads))
         self.pads = pads
-        timer = a.device.type == "cuda"
+        timer = core.device.type == "cuda"
         tns = self.timeout_ms * 1_000_000
         # (arrive, epoch, q0..q7, pad_off) for the producers; (epoch, pad, pad_base, timeout_ns) + TIMER
-        self.signal_args = ((st[2:3], st[0:1], *pads, a.rank), (st[3:4], st[1:2], *pads, 8 + a.rank))
-        self.wait_args = ((st[0:1], pads[a.rank], 0, tns, timer), (st[1:2], pads[a.rank], 8, tns, timer))
+        r = core.rank
+        self.signal_args = ((st[2:3], st[0:1], *pads, r), (st[3:4], st[1:2], *pads, 8 + r))
+        self.wait_args = ((st[0:1], pads[r], 0, tns, timer), (st[1:2], pads[r], 8, tns, timer))
 
     def ensure_dispatch(self, row_bytes: int) -> None:
         if self.fused and self.sig is None and not self.signal_args:
             self._init_signal()
         if row_bytes <= self.row_cap:
             return
-        a = self.a2a
-        guard_growth(a, "dispatch")
+        core = self.core
+        guard_growth(core, "dispatch")
         if self.disp is not None:
             self._retired.append(self.disp)
-        self.disp = _SymmBuffer(a, a.ep * (a.max_num_tokens + 1) * row_bytes, "dispatch")
+        self.disp = _SymmBuffer(core, core.ep * (core.max_num_tokens + 1) * row_bytes, "dispatch")
         self.row_cap = row_bytes
-        a._dcache.clear()  # cached views alias the old buffers
+        core.dispatch_plans.clear()  # cached views alias the old buffers
 
     # ------------------------------------------------------------------------------------------
     def dispatch_targets(self, layout, rt: int) -> Targets:
         """Token rows of this source go to block ``rank`` of every peer's receive buffer."""
-        a = self.a2a
+        core = self.core
         buf = self.disp
         assert buf is not None
         block = (rt + 1) * layout.row_bytes  # all ranks use the same rt in a round; barriers order rounds
         return Targets(recv=buf.local, block=block, dsts=list(buf.peers), stride_dst_rank=0,
-                       dst_base=a.rank * block, signal=self.signal_args[0] if self.fused else None,
+                       dst_base=core.rank * block, signal=self.signal_args[0] if self.fused else None,
                        wait=self.wait_args[0] if self.fused else None)  # fmt: skip
 
     def exchange_dispatch(self, tg: Targets) -> None:
         if not self.fused:
-            self._barrier()
+            self.barrier()
 
     def _combine_buffer(self, payload: torch.Tensor) -> _SymmBuffer:
         """The combine receive buffer, grown (collectively; refused during graph capture) to hold
         ``ep * max_num_tokens`` rows of ``payload``'s width and dtype; growth drops the launch plans."""
-        a = self.a2a
-        nbytes = a.ep * a.max_num_tokens * payload.shape[2] * payload.element_size()
+        core = self.core
+        nbytes = core.ep * core.max_num_tokens * payload.shape[2] * payload.element_size()
         if self.comb is None or self.comb.nbytes < nbytes:
-            guard_growth(a, "combine")
+            guard_growth(core, "combine")
             if self.comb is not None:
                 self._retired.append(self.comb)
-            self.comb = _SymmBuffer(a, nbytes, "combine")
-            self._ckeys, self._pkeys = {}, {}
+            self.comb = _SymmBuffer(core, nbytes, "combine")
+            self.drop_combine_plans()
         return self.comb
+
+    def drop_combine_plans(self) -> None:
+        """Forget the combine's launch plans (both forms; rebuilt by the next calls): a growth of the
+        combine buffer, which they address, or a benchmark timing the first calls again."""
+        self._ckeys, self._pkeys = {}, {}
 
     def combine(self, payload: torch.Tensor, rt: int) -> tuple[torch.Tensor, int, torch.Tensor, tuple | None]:
         """Send row ``[s, j]`` (``j < recv_counts[s]``, ``s`` another rank) to source ``s``'s combine
         buffer at ``[this rank, j]``, barrier; returns the local buffer's rows ``[ep * rt, H]``, the
         block stride (elements) and this rank's own rows ``payload[rank]`` (read in place)."""
-        a = self.a2a
+        core = self.core
         H = payload.shape[2]  # hidden_size, or combine(width=...)
-        persistent = a._num_sms is not None
+        persistent = core.num_sms is not None
         key = (payload.dtype, rt, H, payload.stride(), payload.data_ptr() & 15, persistent)
         c = self._ckeys.get(key)  # (a buffer's growth clears the plans: a plan found fits the buffer)
         if c is None:
@@ -291,24 +304,24 @@ class SymmTransport:
             dst = [p.view(payload.dtype) for p in buf.peers]
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
             nb, chunks, tt, warps = send_tiling(H, persistent)
-            rows = buf.local[: a.ep * rt * H * es].view(payload.dtype).view(a.ep * rt, H)
-            work = (a.ep - 1) * cdiv(rt, tt)  # the kernel's work items: row tiles of one source each
-            sig = self.signal_args[1] if self.fused else (a.recv_counts,) * 10 + (0,)
-            tail = (a.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), a.rank * rt * H, H,
-                    *sig, a.ep, a.rank, nb, tt, self.fused)  # fmt: skip
+            rows = buf.local[: core.ep * rt * H * es].view(payload.dtype).view(core.ep * rt, H)
+            work = (core.ep - 1) * cdiv(rt, tt)  # the kernel's work items: row tiles of one source each
+            sig = self.signal_args[1] if self.fused else (core.recv_counts,) * 10 + (0,)
+            tail = (core.recv_counts, *dst, rt, H, payload.stride(0), payload.stride(1), core.rank * rt * H,
+                    H, *sig, core.ep, core.rank, nb, tt, self.fused)  # fmt: skip
             c = (Launcher(ep_combine_send_kernel, num_warps=warps), tail, addresses(tail), chunks, rows, work)
             self._ckeys[key] = c
         launch, tail, tail_i, chunks, rows, work = c
-        nprog = a._programs(work * chunks, chunks) if persistent else a._dense_programs(work, chunks)
+        nprog = core.programs(work * chunks, chunks) if persistent else core.dense_programs(work, chunks)
         # this rank's own rows are not copied: the reduction reads them in place
         if launch.ready():
             launch.fast((nprog, chunks), (payload.data_ptr(), *tail_i))
         else:
             launch((nprog, chunks), (payload, *tail))
         if not self.fused:
-            self._barrier()
-            return rows, rt * H, payload[a.rank], None
-        return rows, rt * H, payload[a.rank], self.wait_args[1]
+            self.barrier()
+            return rows, rt * H, payload[core.rank], None
+        return rows, rt * H, payload[core.rank], self.wait_args[1]
 
     # ------------------------------------------------------------------------------------------
     def pipelines(self, rt: int) -> bool:
@@ -318,19 +331,19 @@ class SymmTransport:
         capture (eager: one launch less of host time) or with more than :func:`pipe_min_rows` rows to send
         back, ``(ep - 1) * rt``. Every input is the same on every rank as long as every rank captures the
         call alike, so every rank chooses alike."""
-        a = self.a2a
-        mode = a._pipelined_combine
+        core = self.core
+        mode = core.pipelined_combine
         if mode is False or not self.fused or self.programs() < 2:
             return False
         if mode is True:
             return True
-        return (a.ep - 1) * rt > pipe_min_rows(a.ep) or not is_capturing()
+        return (core.ep - 1) * rt > pipe_min_rows(core.ep) or not is_capturing()
 
     def programs(self) -> int:
         """Programs of the pipelined combine: ``num_sms``, or every SM when it is unset (one each:
         every program resident at once, since reducers wait on senders)."""
-        a = self.a2a
-        return min(a._device_sms if a._num_sms is None else a._num_sms, a._device_sms)
+        core = self.core
+        return min(core.device_sms if core.num_sms is None else core.num_sms, core.device_sms)
 
     def combine_pipelined(self, payload: torch.Tensor, rt: int, slot: torch.Tensor, out: torch.Tensor,
                           *, roles: int = 0) -> None:  # fmt: skip
@@ -338,7 +351,7 @@ class SymmTransport:
         launch (``ep_combine_kernel``): :func:`pipe_senders` of the ``num_sms`` programs send, chunk by
         chunk, each chunk flagged in its source's pad; the others reduce token blocks as their chunks land.
         ``roles`` 1 / 2: the send or the reduce alone (the CPU tests run the ranks in turn)."""
-        a = self.a2a
+        core = self.core
         W = payload.shape[2]
         T = out.shape[0]
         n = self.programs()
@@ -346,7 +359,7 @@ class SymmTransport:
         skey = (W, n, roles, rt >= PIPE_TALL_MIN_TOKENS, chunk)
         shape = self._pshape.get(skey)  # (senders, nb, tt, warps) per row width, grid and chunk
         if shape is None:
-            senders = pipe_senders(n, a.ep) if roles == 0 else n
+            senders = pipe_senders(n, core.ep) if roles == 0 else n
             nb, tt, warps = pipe_tiling(W, n, rt)
             if chunk % tt or chunk < PIPE_CHUNK:  # (the pads hold cdiv(max_num_tokens, PIPE_CHUNK) flags)
                 raise ValueError(
@@ -370,19 +383,21 @@ class SymmTransport:
             dst = dst + [dst[0]] * (_MAX_EP - len(dst))
             st = self.state
             bufs = (*dst, *self.pads)  # the receive buffers and signal pads (fixed addresses)
-            ep_p2 = max(2, next_power_of_2(a.ep))
+            ep_p2 = max(2, next_power_of_2(core.ep))
+            on_gpu = core.device.type == "cuda"
             after_t = (payload.stride(0), payload.stride(1), rt * W, payload.stride(1), FLAG_BASE, st[3:4],
-                       st[1:2], st[4:5], 8, self.timeout_ms * 1_000_000, a.ep, ep_p2, a.rank, senders,
-                       self.ncmax, chunk, nb, tt, group, roles, a.device.type == "cuda")  # fmt: skip
+                       st[1:2], st[4:5], 8, self.timeout_ms * 1_000_000, core.ep, ep_p2, core.rank,
+                       senders, self.ncmax, chunk, nb, tt, group, roles, on_gpu)  # fmt: skip
             c = (Launcher(ep_combine_kernel, num_warps=warps), (n,), bufs, addresses(bufs), after_t,
                  addresses(after_t))  # fmt: skip
             if len(self._pkeys) >= 64:
                 self._pkeys.pop(next(iter(self._pkeys)))
             self._pkeys[key] = c
         launch, grid, bufs, bufs_i, after_t, after_t_i = c
-        own = p_ptr + a.rank * strides[0] * payload.element_size()  # payload[rank]
+        own = p_ptr + core.rank * strides[0] * payload.element_size()  # payload[rank]
         if launch.ready():
-            launch.fast(grid, (p_ptr, a.recv_counts.data_ptr(), *bufs_i, slot.data_ptr(), out.data_ptr(), own,
-                               rt, W, T, *after_t_i))  # fmt: skip
+            launch.fast(grid, (p_ptr, core.recv_counts.data_ptr(), *bufs_i, slot.data_ptr(), out.data_ptr(),
+                               own, rt, W, T, *after_t_i))  # fmt: skip
         else:
-            launch(grid, (payload, a.recv_counts, *bufs, slot, out, payload[a.rank], rt, W, T, *after_t))
+            own_rows = payload[core.rank]
+            launch(grid, (payload, core.recv_counts, *bufs, slot, out, own_rows, rt, W, T, *after_t))
