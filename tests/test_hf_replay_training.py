@@ -384,8 +384,12 @@ def moe_traces_full(moe, model, seqs, traces):
 
 
 @pytest.mark.parametrize("mode", ["capture", "rollout", "replay"])
-def test_continuous_batching_refused_while_capture_or_replay_is_on(mode):
-    # generate_batch packs requests into paged rows: capture returned wrong traces silently before
+def test_continuous_batching_with_capture_or_replay(mode):
+    # generate_batch packs requests into paged rows: capture returned wrong traces silently before it was
+    # refused; now capture and rollout mode map each packed token to its request (tests/test_hf_paged.py)
+    # and replay, which matches whole sequences, stays refused
+    from transformers.generation import ContinuousBatchingConfig
+
     torch.manual_seed(4)
     model = build_model("qwen3_moe", "tiny", device="cpu", dtype=torch.float32)
     moe = replaymoe.hf.enable(model, capture=mode == "capture")
@@ -397,10 +401,17 @@ def test_continuous_batching_refused_while_capture_or_replay_is_on(mode):
                 np.zeros((3, len(moe.layers), 2), dtype=np.int16) + np.int16([0, 1]), num_experts=8, top_k=2
             )
         )
-    with pytest.raises(ValueError, match="continuous batching"):
-        model.generate_batch(inputs=[[5, 6, 7]], generation_config=model.generation_config)
+    cfg = ContinuousBatchingConfig(block_size=8, num_blocks=8, max_batch_tokens=8)  # (default: host-sized)
+    model.generation_config.max_new_tokens = 2
+    if mode == "replay":
+        with pytest.raises(ValueError, match="continuous batching"):
+            model.generate_batch(inputs=[[5, 6, 7]], continuous_batching_config=cfg)
+    else:
+        (out,) = model.generate_batch(inputs=[[5, 6, 7]], continuous_batching_config=cfg).values()
+        (trace,) = moe.traces() if mode == "capture" else moe.rollout_traces()
+        assert trace.token_ids.tolist() == [5, 6, 7, *out.generated_tokens][:-1]
     moe.disable()
-    assert "init_continuous_batching" not in model.__dict__
+    assert "init_continuous_batching" not in model.__dict__ and "generate_batch" not in model.__dict__
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "gpt_oss"])

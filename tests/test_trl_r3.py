@@ -68,6 +68,28 @@ def test_checkpointed_gradients_equal_uncheckpointed(reentrant, make_trainer):
         torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=1e-7, msg=n)
 
 
+@pytest.mark.parametrize("gc", [False, True], ids=["plain", "checkpointing"])
+def test_continuous_batching_generation(gc, make_trainer):
+    # TRL's generation through transformers' continuous batching (generate_batch, paged cache): each
+    # request is captured (hf._paged) into the round, and the training forwards replay it by content.
+    # Two steps: the second generation starts a new round. A small paged cache (the default is sized
+    # to the host's memory); prefill chunked at 16 tokens a step.
+    import trl
+
+    if "use_transformers_continuous_batching" not in trl.GRPOConfig.__dataclass_fields__:
+        pytest.skip(f"trl {trl.__version__} has no use_transformers_continuous_batching")
+    cb = {"block_size": 16, "num_blocks": 64, "max_batch_tokens": 16}
+    trainer = make_trainer(use_transformers_continuous_batching=True, max_steps=2, gradient_checkpointing=gc,
+                           transformers_continuous_batching_config=cb)  # fmt: skip
+    logs = train_logs(trainer)
+    assert logs["r3/replayed_vs_rollout"] == 0.0  # every replayed lookup used the rollout's ids
+    assert logs["r3/native_vs_rollout"] > 0.0  # the moved routers would have routed otherwise
+    assert 0.0 < logs["r3/fallback"] < 0.5  # only each row's last (never fed back) token
+    traces = trainer.r3_session.rollout_traces()
+    assert len(traces) == trainer.args.generation_batch_size
+    assert all(t.token_ids is not None and t.missing_fraction() == 0.0 for t in traces)
+
+
 def test_reference_model_native_on_request(make_trainer):
     trainer = make_trainer(beta=0.1, max_steps=1, trainer_kwargs={"r3": R3Config(replay_reference=False)})
     train_logs(trainer)
@@ -79,6 +101,13 @@ def test_bad_settings_fail_clearly(make_trainer):
         make_trainer(trainer_kwargs={"r3": {"replay_reference": False}})
     with pytest.raises(ValueError, match="backend"):
         R3Config(backend="cuda")
+    with pytest.raises(ValueError, match=r"replay: expected one of"):
+        R3Config(replay="weights")
+    # full recall under continuous batching: refused when the trainer is built, not at generation
+    with pytest.raises(ValueError, match=r"r3.replay: expected .ids. with use_transformers_continuous"):
+        make_trainer(
+            use_transformers_continuous_batching=True, trainer_kwargs={"r3": R3Config(replay="ids+weights")}
+        )
 
 
 def test_demo_trl_prints_the_mismatch_table():

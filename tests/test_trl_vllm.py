@@ -371,6 +371,10 @@ def test_vllm_engine_without_routing_fails_at_generation(standin_vllm, tmp_path,
             dict(vllm_tensor_parallel_size=2),
             r"args.vllm_tensor_parallel_size: expected 1 with R3.*first tensor-parallel rank.*got 2",
         ),
+        (  # full recall needs the combine weights, which vLLM does not return
+            dict(r3=R3Config(replay="ids+weights")),
+            r"r3.replay: expected 'ids' with use_vllm=True.*return expert ids only",
+        ),
     ],
 )
 def test_vllm_setups_without_routing_are_refused_before_any_engine(overrides, match, standin_vllm, tmp_path):

@@ -101,6 +101,9 @@ patched model runs eagerly, under ``torch.compile(fullgraph=True)``, with
 
 Limits: capture assumes each batch row stays one sequence for the whole ``generate`` (greedy or
 sampling, ``num_return_sequences`` included; beam search reorders rows and is not supported).
+transformers' continuous batching (``generate_batch``, ``init_continuous_batching``) captures per
+request instead, one trace each in the order the requests were added (``replaymoe.hf._paged``); replay
+under it is refused.
 Padded batches need their ``attention_mask``. Batches begun inside a compiled forward (a
 ``torch.compile``'d training forward with capture on) overwrite each other: call ``traces()`` after
 each (it warns when a batch was lost). With a static cache driven outside ``generate``, a batch

@@ -35,6 +35,8 @@ class CaptureState:
         Capture as ``set_capture`` left it.
     begin_pending : bool
         ``generate`` was called: its first forward starts a batch.
+    user_weights : bool
+        ``set_capture(True, weights=True)``: traces carry the combine weights (full recall).
     finished : list[RoutingTrace]
         Harvested from the buffer but not yet returned by ``traces()``.
     """
@@ -45,11 +47,24 @@ class CaptureState:
         self.on = False
         self.user_on = False
         self.begin_pending = False
+        self.user_weights = False
         self.finished: list = []
 
-    def allocate(self, device: torch.device) -> None:
-        """A new buffer on ``device``, of ``enable``'s initial capacity."""
-        self.buffer = CaptureBuffer(self.meta, device, *self.capacity)
+    def allocate(self, device: torch.device, weights: bool | None = None) -> None:
+        """A new buffer on ``device``, of ``enable``'s initial capacity; ``weights``: it records the
+        combine weights too (None: as the current buffer does, else as ``set_capture`` asked)."""
+        if weights is None:
+            weights = self.buffer.with_weights if self.buffer is not None else self.user_weights
+        self.buffer = CaptureBuffer(self.meta, device, *self.capacity, with_weights=weights)
+
+    def ensure_weights(self, device: torch.device, stacklevel: int) -> None:
+        """A buffer that records weights (full recall): the current one, or a new one once the
+        current one's sequences are harvested."""
+        if self.buffer is not None and self.buffer.with_weights:
+            return
+        if self.buffer is not None:
+            self.harvest(stacklevel + 1)
+        self.allocate(device, weights=True)
 
     def harvest(self, stacklevel: int) -> None:
         """Move the buffer's sequences to :attr:`finished`; warn when batches were overwritten."""
@@ -64,10 +79,16 @@ class CaptureState:
                 stacklevel=stacklevel,
             )
 
-    def set(self, enabled: bool, device: torch.device, stacklevel: int) -> None:
-        """``set_capture(enabled)`` once checked: ``device`` is where a new buffer goes."""
-        if enabled and self.buffer is None:
-            self.allocate(device)
+    def set(self, enabled: bool, device: torch.device, stacklevel: int, weights: bool = False) -> None:
+        """``set_capture(enabled, weights=)`` once checked: ``device`` is where a new buffer goes."""
+        if enabled:
+            self.user_weights = weights
+        if enabled and weights:
+            self.ensure_weights(device, stacklevel + 1)
+        elif enabled and (self.buffer is None or self.buffer.with_weights):  # (weights off: none kept)
+            if self.buffer is not None:
+                self.harvest(stacklevel + 1)
+            self.allocate(device, weights=False)
         if not enabled and self.buffer is not None:
             self.harvest(stacklevel + 1)
         self.on = self.user_on = enabled
@@ -90,7 +111,7 @@ class CaptureState:
             if ids.shape[0] < n:
                 pad = np.full((n - ids.shape[0], *ids.shape[1:]), -1, dtype=ids.dtype)
                 ids = np.concatenate([ids, pad])
-            cut.append(trace.replace(ids=ids))
+            cut.append(trace.replace(ids=ids))  # (token ids and weights follow the cut)
         return cut
 
     def drop_unread(self, stacklevel: int) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from replaymoe._validation import check_bool, check_choice, fail
-from replaymoe.record.replay import MISSING_MODES
+from replaymoe.record.replay import MISSING_MODES, REPLAY_MODES
 from replaymoe.record.trace import RoutingFingerprint, RoutingTrace
 from replaymoe.routing import RoutingConfig
 
@@ -91,10 +91,13 @@ class Engine:
         self.rollout: list = []  # the traces of the current rollout round
         self.rollout_stale = False  # a forward ran since the last generate: the next one starts a round
         self.rollout_missing = "error"  # set_rollout_replay(missing=): the round's replay
+        self.rollout_weights = False  # set_rollout_replay(replay="ids+weights"): full recall
         self.kept = 0  # rollout mode: traces in capture.finished before the current generate call
         self.replay_before: Optional[ReplayTable] = None  # rollout mode: the table before generate
         self.children: list[tuple[Engine, bool]] = []  # attach(): (session, replays)
         self.patch: Optional[ModelPatch] = None
+        self.paged: list = []  # hf._paged.PagedCapture of the continuous-batching managers made
+        self.paged_call: Optional[list] = None  # inside generate_batch: the managers it made
 
     def install(self, owner: object, *, experts: bool, graphs: bool, keep_static_cache: bool) -> None:
         """Patch the model (:class:`~replaymoe.hf._patching.ModelPatch`); ``owner``: the handle, which
@@ -129,15 +132,17 @@ class Engine:
         self.replay.used.clear()
         self.patch.remove()
         self.step_buffers.clear()
+        self.paged.clear()
         setattr(self.model, _HANDLE, None)
         self.step = None
 
     # ---------------------------------------------------------------- capture
-    def set_capture(self, enabled: bool, stacklevel: int) -> None:
+    def set_capture(self, enabled: bool, stacklevel: int, weights: bool = False) -> None:
         check_bool("enabled", enabled)
+        check_bool("weights", weights)
         if enabled:
             self.require_enabled("set_capture")
-        self.capture.set(enabled, self.device(), stacklevel + 1)
+        self.capture.set(enabled, self.device(), stacklevel + 1, weights)
 
     def traces(self, num_positions: Sequence[int] | None, stacklevel: int) -> list:
         self.require_enabled("traces")
@@ -145,7 +150,9 @@ class Engine:
         return self.capture.take(num_positions, stacklevel + 1)
 
     # ---------------------------------------------------------------- replay
-    def set_replay(self, replay: Any, missing: str = "error", check_model_id: bool = True) -> None:
+    def set_replay(
+        self, replay: Any, missing: str = "error", check_model_id: bool = True, mode: str = "ids"
+    ) -> None:
         self.replay.raise_uncovered()
         if replay is None:
             self.set_table(None)
@@ -153,7 +160,8 @@ class Engine:
         self.require_enabled("set_replay")
         check_choice("missing", missing, MISSING_MODES)
         check_bool("check_model_id", check_model_id)
-        self.set_table(self.replay.load(replay, missing, check_model_id))
+        check_choice("replay", mode, REPLAY_MODES)
+        self.set_table(self.replay.load(replay, missing, check_model_id, weights=mode == "ids+weights"))
 
     def enter_replaying(self) -> Optional[ReplayTable]:
         """``replaying()``'s start: a spare table becomes the active one (the attached sessions follow
@@ -177,12 +185,14 @@ class Engine:
             child.set_table(child.replay.table_like(self.replay.table))
 
     # ---------------------------------------------------------------- rollout replay (R3)
-    def set_rollout_replay(self, enabled: bool, missing: str) -> None:
+    def set_rollout_replay(self, enabled: bool, missing: str, mode: str = "ids") -> None:
         check_bool("enabled", enabled)
         check_choice("missing", missing, MISSING_MODES)
+        check_choice("replay", mode, REPLAY_MODES)
         if enabled:
             self.require_enabled("set_rollout_replay")
         self.rollout_missing = missing
+        self.rollout_weights = mode == "ids+weights"
         self.rollout_mode = enabled
         self.rollout_stale = False
         if not enabled:
@@ -208,7 +218,8 @@ class Engine:
             return
         if self.rollout_stale:  # a forward ran since the last rollout: this starts a new round
             self.rollout, self.rollout_stale = [], False
-        self.set_replay(self.rollout + traces, missing=self.rollout_missing)  # (checked before it is kept)
+        # (checked before it is kept)
+        self.set_replay(self.rollout + traces, self.rollout_missing, mode=self.rollout_mode_name())
         self.rollout.extend(traces)
 
     def rollout_generate_begin(self) -> None:
@@ -222,7 +233,9 @@ class Engine:
         self.kept = len(self.capture.finished)
         self.replay_before = self.replay.table
         self.set_table(None)  # the rollout routes natively
-        if self.capture.buffer is None:
+        if self.rollout_weights:  # full recall: the round's traces carry their weights
+            self.capture.ensure_weights(self.device(), 3)
+        elif self.capture.buffer is None:
             self.capture.allocate(self.device())
         self.capture.on = True
 
@@ -237,12 +250,13 @@ class Engine:
         self.set_table(self.replay_before)
         self.rollout.extend(new)
         if self.rollout:
-            self.set_replay(self.rollout, missing=self.rollout_missing)
+            self.set_replay(self.rollout, self.rollout_missing, mode=self.rollout_mode_name())
+
+    def rollout_mode_name(self) -> str:
+        """The rollout round's replay mode (``set_rollout_replay(replay=)``)."""
+        return "ids+weights" if self.rollout_weights else "ids"
 
     # ---------------------------------------------------------------- patches.SessionHooks
-    def paged_generation_allowed(self) -> bool:
-        return not (self.capture.on or self.rollout_mode or self.replay.table is not None)
-
     def generate_begin(self) -> None:
         """``generate`` was called: a new capture batch starts at its first forward (so batches are
         kept apart on the host even when the cache's length lives on the device); in rollout mode,
@@ -277,18 +291,20 @@ class Engine:
         if self.replay.mismatch is not None:
             self.replay.count_mismatch(info.index, logits, replay_ids, used, routing, self.backend)
 
-    def layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any]:
-        """(replay ids int32 [T, K] or None, capture slab int16 [T, K] or None) for one router call."""
+    def layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Any, Any, Any, Any]:
+        """(replay ids int32 [T, K] or None, capture slab int16 [T, K] or None, replayed weights float32
+        [T, K] or None, the weights' capture slab float32 [T, K] or None) for one router call."""
         step = self.step
         if step is None:
             # outside the model's forward: an activation-checkpoint recompute (the ids its forward
-            # used, bound to the layer's input), or a direct call of the layer
+            # used, and with full recall their weights, bound to the layer's input), or a direct call
             found = self.bindings.take(info.index)
             if found is not MISSING:
-                if found is not None and found.shape[0] != num_tokens:
-                    fail("hidden_states", f"{found.shape[0]} tokens (the recomputed forward's)",
+                ids, weights = found if isinstance(found, tuple) else (found, None)
+                if ids is not None and ids.shape[0] != num_tokens:
+                    fail("hidden_states", f"{ids.shape[0]} tokens (the recomputed forward's)",
                          f"{num_tokens} tokens at {info.name}", what="shape")  # fmt: skip
-                return found, None
+                return ids, None, weights, None
             if self.replay.table is not None or self.bindings.replayed_alive:
                 fail(
                     "replay",
@@ -297,7 +313,7 @@ class Engine:
                     f"a call of {info.name} outside the model's forward that matches no forward with replay",
                     what="context",
                 )
-            return None, None
+            return None, None, None, None
         if step.num_tokens != num_tokens:
             fail(
                 "hidden_states",
@@ -310,7 +326,9 @@ class Engine:
             head.launch()
         forced = None if step.forced is None else step.forced[info.index]
         staged = None if step.staged is None else step.staged[info.index]
-        return forced, staged
+        forced_w = None if step.forced_w is None else step.forced_w[info.index]
+        staged_w = None if step.staged_w is None else step.staged_w[info.index]
+        return forced, staged, forced_w, staged_w
 
     # ---------------------------------------------------------------- forward context
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -339,7 +357,10 @@ class Engine:
             step.head.launch()  # it still writes the previous step's pending capture rows
         if step is not None and step.tokens is not None and step.slot is not None and output is not None:
             self.capture.buffer.write_tokens(step.slot, step.tokens)
-        if step is not None and step.staged is not None and output is not None:
+        if step is not None and step.staged_w is not None and output is not None:
+            self.capture.buffer.commit_weights(step.staged_w, step.slot)  # (at once: slot is this step's)
+        # (a continuous-batching forward has no slot: its slab is its manager's, read after the step)
+        if step is not None and step.staged is not None and step.slot is not None and output is not None:
             if step.defer_commit:  # eager, step_rows took this forward: its next launch commits
                 self.capture.buffer.defer(step.staged, step.slot)
             else:
@@ -358,4 +379,4 @@ class Engine:
             self.capture.allocate(device)
         rep = self.replay.table
         if rep is not None and rep.source is not None and rep.device != device:
-            rep.load(*rep.source, device)
+            rep.load(*rep.source, device, weights=rep.with_weights)

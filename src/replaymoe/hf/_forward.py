@@ -9,6 +9,7 @@ import torch
 
 from replaymoe._validation import fail
 
+from ._paged import is_paged_forward, plan_paged_step
 from .graphs import graphable
 from .positions import cache_length, token_positions
 from .step import Step, fused_rows_ok, positions_bound, step_rows
@@ -28,6 +29,9 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
     B, S = ref.shape[0], ref.shape[1]
     replay, capturing = engine.replay.table, engine.capture.on
     graphed = not torch.compiler.is_compiling() and engine.patch.graphs_on and graphable(B * S, ref.device)
+    if is_paged_forward(kwargs):  # transformers' continuous batching: packed requests (hf._paged)
+        engine.decode.reset()
+        return plan_paged_step(engine, kwargs, B * S, graphed)
     if replay is None and not capturing:
         engine.decode.reset()
         return Step(B * S, None, None, None, graphed)
@@ -46,8 +50,12 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
         and isinstance(past, int)
         and past == 0
     )
-    # eagerly, with a 2-D mask: positions, capture rows and replay ids in one kernel launch
-    fused = eager and not content and fused_rows_ok(mask, S, past, ref.device, engine.backend)
+    # eagerly, with a 2-D mask: positions, capture rows and replay ids in one kernel launch (which
+    # writes ids only: a replay of weights, full recall, takes the torch gathers)
+    replay_w = replay is not None and replay.with_weights
+    fused = (
+        eager and not content and not replay_w and fused_rows_ok(mask, S, past, ref.device, engine.backend)
+    )
     if not fused:
         positions = token_positions(
             B,
@@ -58,7 +66,7 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
             position_ids=kwargs.get("position_ids"),
             padding_in_positions=cache_kw and mask is None,
         )
-    forced = forced_out = staged = slot = None
+    forced = forced_out = staged = slot = forced_w = staged_w = None
     buffers = engine.step_buffers
     if replay is not None:
         if not content and replay.batch_size != B:
@@ -70,9 +78,16 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
                 f"{replay.batch_size} trace(s)",
             )
         forced_out = buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
+        if replay_w:  # full recall: the rows' weights beside their ids
+            shape = (len(engine.layers), B * S, engine.top_k)
+            forced_w = (
+                buffers.get("forced_w", B * S, torch.float32, ref.device)
+                if graphed
+                else torch.empty(shape, dtype=torch.float32, device=ref.device)
+            )
         if not fused:  # the table's torch gathers (the fused launch asks the table below, in step_rows)
             matched = input_ids.to(device=ref.device, dtype=torch.int64) if content else None
-            forced = replay.lookup(positions, tokens=matched, out=forced_out)
+            forced = replay.lookup(positions, tokens=matched, out=forced_out, weights_out=forced_w)
     if capturing:
         cap = engine.capture.buffer
         needed = positions_bound(cache, past, S) if eager else None
@@ -85,6 +100,12 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
         else:
             staged = torch.empty(
                 (len(engine.layers), B * S, engine.top_k), dtype=torch.int16, device=ref.device
+            )
+        if cap.with_weights:  # full recall: the weights' slab, static like the ids' when graphed
+            staged_w = (
+                buffers.get("staged_w", B * S, torch.float32, ref.device)
+                if graphed
+                else torch.empty(staged.shape, dtype=torch.float32, device=ref.device)
             )
     head = None
     decode = engine.decode
@@ -114,4 +135,4 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
     if replay is not None and replay.missing == "error":
         # the step bookkeeping kernel counts uncovered lookups itself (positions None)
         coverage = (replay, content, None if fused else positions)
-    return Step(B * S, forced, staged, slot, graphed, fused, head, tokens, coverage)
+    return Step(B * S, forced, staged, slot, graphed, fused, head, tokens, coverage, forced_w, staged_w)

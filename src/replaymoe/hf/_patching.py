@@ -1,8 +1,8 @@
 """What :func:`replaymoe.hf.enable` installs on a model, and ``disable()`` removes: every router's
 forward (:func:`~replaymoe.hf.patches.router_forward`), the experts implementation, the MoE blocks'
 CUDA graphs, the activation-checkpoint binding pre-hooks (:mod:`replaymoe.hf.recompute`), the decoder
-stack's forward hooks, the aux-loss provider, the static-cache keeper, ``generate`` and
-``init_continuous_batching``.
+stack's forward hooks, the aux-loss provider, the static-cache keeper, ``generate``,
+``init_continuous_batching`` and ``generate_batch``.
 
 Every hook calls the session's engine (:class:`replaymoe.hf._engine.Engine`, through
 :class:`~replaymoe.hf.patches.SessionHooks` and the attributes named below), never the public handle.
@@ -17,12 +17,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ._paged import paged_generate_batch, paged_init
 from .aux_loss import install as install_aux_loss
 from .aux_loss import target_modules
 from .discovery import MoELayerInfo
 from .experts import IMPLEMENTATION_NAME, fused_compatible, register, set_backend
 from .graphs import BlockGraphs
-from .patches import block_forward, mark_batch_start, refuse_paged, router_forward
+from .patches import block_forward, mark_batch_start, router_forward
 from .recompute import find_in_checkpoint, unwrap_checkpoint
 from .static_cache import StaticCacheKeeper
 
@@ -45,7 +46,10 @@ def binding_hook(engine: Any, info: MoELayerInfo, is_block: bool) -> Any:
         if step is None:
             engine.bindings.lookup(index, hidden, overwrite=not is_block)
         elif torch.is_grad_enabled() or module.training:  # (reentrant checkpoints run under no_grad)
-            engine.bindings.bind(index, hidden, None if step.forced is None else step.forced[index])
+            forced = None if step.forced is None else step.forced[index]
+            if forced is not None and step.forced_w is not None:  # full recall: the weights too
+                forced = (forced, step.forced_w[index])
+            engine.bindings.bind(index, hidden, forced)
             if not is_block:  # transformers >= 5.23 recomputes the bare forward, without this hook
                 find_in_checkpoint(module, find)
 
@@ -131,8 +135,10 @@ class ModelPatch:
         self.static_cache = StaticCacheKeeper(model, install=keep_static_cache)
         if hasattr(model, "generate"):
             model.generate = mark_batch_start(engine, model.generate)
-        if hasattr(model, "init_continuous_batching"):
-            model.init_continuous_batching = refuse_paged(engine, model.init_continuous_batching)
+        if hasattr(model, "init_continuous_batching"):  # continuous batching (hf._paged)
+            model.init_continuous_batching = paged_init(engine, model.init_continuous_batching)
+        if hasattr(model, "generate_batch"):
+            model.generate_batch = paged_generate_batch(engine, model.generate_batch)
 
     def decoder_layer(self, info: MoELayerInfo) -> Optional[nn.Module]:
         """The decoder layer holding ``info``'s MoE block (None for a block at the model's root)."""
@@ -164,6 +170,7 @@ class ModelPatch:
         self.graphs_on = False
         self.model.__dict__.pop("generate", None)
         self.model.__dict__.pop("init_continuous_batching", None)
+        self.model.__dict__.pop("generate_batch", None)
         self.static_cache.uninstall()
         if self.prev_impl is not None:
             self.model.set_experts_implementation(self.prev_impl)

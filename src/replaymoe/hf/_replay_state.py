@@ -63,10 +63,13 @@ class ReplayState:
         self.pool.append(table)
         return table
 
-    def load(self, replay: Any, missing: str, check_model_id: bool) -> ReplayTable:
+    def load(self, replay: Any, missing: str, check_model_id: bool, *, weights: bool = False) -> ReplayTable:
         """The table holding ``replay`` (``set_replay``'s, not None), checked against the model: the
-        active one, or a spare one when none is."""
+        active one, or a spare one when none is. ``weights``: full recall (every trace must carry
+        its weights)."""
         src = replay if isinstance(replay, ReplaySource) else ReplaySource(replay)
+        if weights:
+            ReplayTable.check_weighted(src.traces)
         mine = self.fingerprint
         src.check_model(len(self.layers), mine.top_k, mine.num_experts)
         if src.traces[0].layer_ids is None:
@@ -93,10 +96,11 @@ class ReplayState:
                     what="model",
                 )
         table = self.table if self.table is not None else self.spare(exclude=None)
-        if table.holds(src.traces, mapping, model_device(self.model)):  # the same traces again (e.g.
+        dev = model_device(self.model)
+        if table.holds(src.traces, mapping, dev, weights=weights):  # the same traces again (e.g.
             table.reset_report()  # replaying() around every step): the table already holds them
         else:
-            table.load(src.traces, mapping, model_device(self.model))
+            table.load(src.traces, mapping, dev, weights=weights)
         table.missing = missing
         return table
 
@@ -105,10 +109,11 @@ class ReplayState:
         if table.source is None:
             return None
         mine = self.table if self.table is not None else self.spare(exclude=None)
-        if mine.holds(*table.source, model_device(self.model)):  # (replaying() around every step: no reload)
+        dev, weights = model_device(self.model), table.with_weights
+        if mine.holds(*table.source, dev, weights=weights):  # (replaying() around every step: no reload)
             mine.reset_report()
         else:
-            mine.load(*table.source, model_device(self.model))
+            mine.load(*table.source, dev, weights=weights)
         mine.missing = table.missing
         return mine
 

@@ -1,5 +1,5 @@
 """What :func:`replaymoe.hf.enable` patches into a model: each router's forward, each MoE block's
-forward, ``generate`` and ``init_continuous_batching``.
+forward and ``generate`` (continuous batching's entry points: :mod:`replaymoe.hf._paged`).
 
 Each patch talks to the session's engine (:class:`replaymoe.hf._engine.Engine`, the private
 collaborator of :class:`replaymoe.hf.session.ReplayMoE`) through :class:`SessionHooks`, the small
@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from replaymoe.routing import RoutingConfig, RoutingOutput, route
-from replaymoe.routing._checks import validate
+from replaymoe.routing._checks import validate, validate_weights
 from replaymoe.routing._dispatch import run_route
 
 from .discovery import MoELayerInfo
 from .experts import IMPLEMENTATION_NAME
 
-__all__ = ["SessionHooks", "block_forward", "mark_batch_start", "refuse_paged", "router_forward"]
+__all__ = ["SessionHooks", "block_forward", "mark_batch_start", "router_forward"]
 
 
 class SessionHooks(Protocol):
@@ -46,10 +46,10 @@ class SessionHooks(Protocol):
     @property
     def step(self) -> Any: ...
 
-    def layer_io(
-        self, info: MoELayerInfo, num_tokens: int
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(replay ids ``int32 [T, K]`` or None, capture slab ``int16 [T, K]`` or None) of one router call."""
+    def layer_io(self, info: MoELayerInfo, num_tokens: int) -> tuple[Optional[torch.Tensor], ...]:
+        """(replay ids ``int32 [T, K]`` or None, capture slab ``int16 [T, K]`` or None, replayed weights
+        ``float32 [T, K]`` or None, the weights' capture slab ``float32 [T, K]`` or None) of one router
+        call (the weights: full recall)."""
 
     def routed(self, info: MoELayerInfo, logits: torch.Tensor, replay_ids: Optional[torch.Tensor],
                used: torch.Tensor, routing: RoutingConfig) -> None:  # fmt: skip
@@ -61,32 +61,6 @@ class SessionHooks(Protocol):
 
     def generate_end(self, out: Any) -> None:
         """``generate`` returned ``out`` (None when it raised)."""
-
-    def paged_generation_allowed(self) -> bool:
-        """Whether continuous batching may start (neither capture nor replay is on)."""
-
-
-def refuse_paged(state: SessionHooks, init: Callable) -> Callable:
-    """``model.init_continuous_batching`` (the entry of ``generate_batch`` and the
-    ``ContinuousBatchingManager``) that refuses to start while capture or replay is on: paged,
-    continuously batched generation packs requests into rows and positions that replaymoe cannot map
-    back to sequences (its traces would be wrong, silently)."""
-
-    @functools.wraps(init)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not state.paged_generation_allowed():
-            from replaymoe._validation import fail
-
-            fail(
-                "generation",
-                "model.generate (capture and replay map batch rows and positions to sequences)",
-                "continuous batching (generate_batch / init_continuous_batching), which packs requests "
-                "into paged rows replaymoe cannot map; turn capture, replay and rollout replay off for it",
-                what="mode",
-            )
-        return init(*args, **kwargs)
-
-    return wrapped
 
 
 def mark_batch_start(state: SessionHooks, generate: Callable) -> Callable:
@@ -145,7 +119,7 @@ def block_forward(state: SessionHooks, graphs: Any) -> Callable:
             if head is not None:
                 head.launch()
             return own(hidden_states)  # (fp32 experts take the torch reference on CUDA: not graphed)
-        return graphs(hidden_states, (step.forced, step.staged), head)
+        return graphs(hidden_states, (step.forced, step.staged, step.forced_w, step.staged_w), head)
 
     return forward
 
@@ -166,9 +140,10 @@ class _CheckedRouting:
     def __init__(self, routing: RoutingConfig) -> None:
         self.routing, self.params, self.key = routing, None, None
 
-    def route(self, logits, out_buf, replay_ids, backend: str):
+    def route(self, logits, out_buf, replay_ids, backend: str, w_buf=None, replay_w=None):
         top_k = self.routing.top_k
         key = (logits.dtype, logits.device, logits.shape[1])
+        w = dict(routing_weights_out=w_buf, replay_weights=replay_w)
         if (
             key == self.key
             and logits.dim() == 2
@@ -176,11 +151,17 @@ class _CheckedRouting:
             and (out_buf is None or (out_buf.shape[0] >= logits.shape[0] and out_buf.shape[1] == top_k))
             and (replay_ids is None or (replay_ids.shape == (logits.shape[0], top_k)
                                         and replay_ids.dtype == torch.int32 and replay_ids.is_contiguous()))
+            and (w_buf is None or (w_buf.shape[0] >= logits.shape[0] and w_buf.shape[1] == top_k
+                                   and w_buf.dtype == torch.float32))
+            and (replay_w is None or (replay_ids is not None and replay_w.shape == replay_ids.shape
+                                      and replay_w.dtype == torch.float32 and replay_w.is_contiguous()))
         ):  # fmt: skip
-            return RoutingOutput(*run_route(logits, self.routing, self.params, out_buf, replay_ids, backend))
+            p = self.params
+            return RoutingOutput(*run_route(logits, self.routing, p, out_buf, replay_ids, backend, **w))
         p, ids = validate(logits, self.routing, out_buf, replay_ids, False)
+        w["replay_weights"] = validate_weights(logits, self.routing, w_buf, ids, replay_w, False)
         self.params, self.key = p, key
-        return RoutingOutput(*run_route(logits, self.routing, p, out_buf, ids, backend))
+        return RoutingOutput(*run_route(logits, self.routing, p, out_buf, ids, backend, **w))
 
 
 def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Callable:
@@ -205,24 +186,34 @@ def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Call
             routing = dataclasses.replace(routing, bias=router.e_score_correction_bias)
             checked = bound[0] = _CheckedRouting(routing)
         logits = plan.logits(router, hidden_states)
-        replay_ids, staged = state.layer_io(info, logits.shape[0])
+        replay_ids, staged, replay_w, staged_w = state.layer_io(info, logits.shape[0])
         dev = logits.device
-        out_buf = staged
+        out_buf, w_buf = staged, staged_w
         if staged is not None and staged.device != dev:  # device_map: capture here, copy over
             out_buf = torch.empty(staged.shape, dtype=staged.dtype, device=dev)
+        if staged_w is not None and staged_w.device != dev:
+            w_buf = torch.empty(staged_w.shape, dtype=staged_w.dtype, device=dev)
         if replay_ids is not None and replay_ids.device != dev:
             replay_ids = replay_ids.to(dev)
+        if replay_w is not None and replay_w.device != dev:
+            replay_w = replay_w.to(dev)
+        # full recall: the weights the experts get are captured and replayed. Where they are route()'s
+        # (every router but DeepSeek's without norm_topk_prob), by the routing kernel; otherwise below
+        in_kernel = plan.sigmoid_scale is None
+        kw_buf, kw_replay = (w_buf, replay_w) if in_kernel else (None, None)
         if torch.compiler.is_compiling():
             out = route(
                 logits,
                 routing=routing,
                 routing_replay_out=out_buf,
                 replay_ids=replay_ids,
+                routing_weights_out=kw_buf,
+                replay_weights=kw_replay,
                 backend=state.backend,
                 check_replay=False,  # the table was checked once, in set_replay
             )
         else:  # the replay table's ids were checked once, in set_replay
-            out = checked.route(logits, out_buf, replay_ids, state.backend)
+            out = checked.route(logits, out_buf, replay_ids, state.backend, kw_buf, kw_replay)
         if out_buf is not staged:
             staged.copy_(out_buf)
         if replay_ids is not None:
@@ -230,6 +221,14 @@ def router_forward(state: SessionHooks, info: MoELayerInfo, fused: bool) -> Call
         # read per call (a string compare): the experts' implementation may have been switched since
         ours = fused and _experts_implementation(experts) == IMPLEMENTATION_NAME
         weights = plan.weights(logits, out.topk_ids, out.topk_weights, fused=ours)
+        if not in_kernel and replay_w is not None:  # replayed rows take the rollout's weights
+            native = (replay_ids == -1).all(dim=1, keepdim=True)
+            weights = torch.where(native, weights, replay_w.to(weights.dtype))
+        if not in_kernel and w_buf is not None:
+            with torch.no_grad():
+                w_buf.copy_(weights)
+        if w_buf is not staged_w:
+            staged_w.copy_(w_buf)
         # the fused experts take int32 ids as they are; transformers' own experts index with int64
         return logits, weights, out.topk_ids if ours else out.topk_ids.long()
 

@@ -129,13 +129,22 @@ class ReplayMoE:
         self._engine.patch.static_cache.release()
 
     # ---------------------------------------------------------------- capture
-    def set_capture(self, enabled: bool) -> None:
+    def set_capture(self, enabled: bool, *, weights: bool = False) -> None:
         """Turn capture on or off (traces captured so far stay available).
 
         Turning it on allocates the device buffer (``enable``'s ``max_batch_size`` x
         ``max_positions``; it grows at eager forwards as needed).
+
+        Parameters
+        ----------
+        enabled : bool
+        weights : bool
+            Also record each row's combine weights (fp32, written by the routing kernel beside the
+            ids), so that the traces replay with ``replay="ids+weights"`` (full recall). A second
+            device buffer, ``float32 [L, B_cap * S_cap + 1, K]``; False (the default) allocates
+            none and costs nothing. Switching it harvests what the current buffer holds first.
         """
-        self._engine.set_capture(enabled, stacklevel=3)
+        self._engine.set_capture(enabled, stacklevel=3, weights=weights)
 
     def traces(self, num_positions: Sequence[int] | None = None) -> list:
         """All sequences captured since the last call, one ``RoutingTrace`` each, in (batch, row) order.
@@ -156,15 +165,17 @@ class ReplayMoE:
         return self._engine.traces(num_positions, stacklevel=3)
 
     # ---------------------------------------------------------------- replay
-    def set_replay(self, replay: Any, *, missing: str = "error", check_model_id: bool = True) -> None:
-        """Replay ``replay`` (``RoutingTrace``, list of them — one per batch row — or ``ReplaySource``;
+    def set_replay(
+        self, traces: Any, *, missing: str = "error", check_model_id: bool = True, replay: str = "ids"
+    ) -> None:
+        """Replay ``traces`` (``RoutingTrace``, list of them — one per batch row — or ``ReplaySource``;
         None stops replaying) in the following forwards.
 
         The traces are checked and copied to the device once, here; forwards then only gather.
 
         Parameters
         ----------
-        replay : RoutingTrace, sequence of RoutingTrace, ReplaySource or None
+        traces : RoutingTrace, sequence of RoutingTrace, ReplaySource or None
             Matched to a forward's rows by content when every trace carries its ``token_ids`` from
             position 0 and the forward runs whole sequences (no KV cache); else trace ``b`` serves
             batch row ``b``.
@@ -186,26 +197,35 @@ class ReplayMoE:
             Refuse traces whose ``model_id`` is known and differs from this model's
             (:attr:`fingerprint`); False when routes recorded under another name (e.g. a served
             model's alias) are known to be this model's.
+        replay : {"ids", "ids+weights"}
+            What is replayed. ``"ids"`` (R3, the default): the recorded experts, with weights
+            recomputed from this model's router logits (the router gets a gradient through them).
+            ``"ids+weights"`` (full recall, or router recall): the recorded experts and their
+            recorded combine weights, so the experts get exactly the rollout's weights and no
+            gradient reaches the router through them (tokens routed natively, e.g. each row's last
+            token, keep their own). Every trace must carry weights (``set_capture(True,
+            weights=True)``); traces from vLLM or SGLang, which return expert ids only, raise.
 
         Raises
         ------
         ValueError
-            When the handle was disabled; when the traces' fingerprint differs from the model's
+            When the handle was disabled; ``replay="ids+weights"`` with a trace without weights;
+            when the traces' fingerprint differs from the model's
             (top_k, num_experts, MoE layers by ``layer_ids`` when the trace has them, else by count,
             model id unless ``check_model_id=False``); or a recorded row is not K distinct ids in
             ``[0, E)``.
         """
-        self._engine.set_replay(replay, missing, check_model_id)
+        self._engine.set_replay(traces, missing, check_model_id, replay)
 
     @contextlib.contextmanager
     def replaying(
-        self, replay: Any, *, missing: str = "error", check_model_id: bool = True
+        self, traces: Any, *, missing: str = "error", check_model_id: bool = True, replay: str = "ids"
     ) -> Iterator[ReplayMoE]:
         """Context manager: :meth:`set_replay` (same arguments) inside, the previous replay restored
         after. Uncovered tokens of compiled forwards inside raise on the way out."""
         prev = self._engine.enter_replaying()
         try:
-            self.set_replay(replay, missing=missing, check_model_id=check_model_id)
+            self.set_replay(traces, missing=missing, check_model_id=check_model_id, replay=replay)
             yield self
             self._engine.replay.raise_uncovered()
         finally:
@@ -223,7 +243,7 @@ class ReplayMoE:
             self._engine.replay.table.reset_report()
 
     # ---------------------------------------------------------------- rollout replay (R3)
-    def set_rollout_replay(self, enabled: bool, *, missing: str = "error") -> None:
+    def set_rollout_replay(self, enabled: bool, *, missing: str = "error", replay: str = "ids") -> None:
         """Rollout routing replay without glue: every ``generate`` call captures (replay paused
         inside it), and every other forward replays the traces of the latest rollout round, matched
         to rows by content (any order, subset, chunking or padding of the rollout's rows; see
@@ -233,8 +253,11 @@ class ReplayMoE:
 
         ``missing`` is :meth:`set_replay`'s: whether a token the round's traces do not cover raises
         (``"error"``, the default) or routes natively (``"native"``, counted in :meth:`report`).
+        ``replay`` is :meth:`set_replay`'s: ``"ids"`` (R3, the default) or ``"ids+weights"``
+        (full recall: ``generate`` also captures the combine weights, and the round replays them;
+        traces added with :meth:`add_rollout_traces` must then carry weights too).
         """
-        self._engine.set_rollout_replay(enabled, missing)
+        self._engine.set_rollout_replay(enabled, missing, replay)
 
     def rollout_traces(self) -> list:
         """The traces of the current rollout round (:meth:`set_rollout_replay`), one per generated row."""

@@ -55,6 +55,7 @@ class _Snapshot:
     rows: int
     seq_cap: int
     tokens: torch.Tensor  # int64 [rows*S + 1]
+    weights: torch.Tensor | None = None  # float32 [L, rows*S + 1, K] (full recall), or None
 
 
 class CaptureBuffer:
@@ -69,6 +70,9 @@ class CaptureBuffer:
     tokens : torch.Tensor int64 [B_cap * S_cap + 1]
         The token fed at each row of :attr:`ids` (-1 = not recorded): traces carry them, so that
         replay can match rows by content.
+    weights : torch.Tensor float32 [L, B_cap * S_cap + 1, K] or None
+        (``with_weights``: full recall) The combine weights of :attr:`ids`' rows (NaN = not
+        recorded), static like :attr:`ids`; None otherwise (capture of weights costs nothing).
     row_base : torch.Tensor int64 [B_cap, 1]
         ``b * S_cap``: the first row of batch row ``b``.
     overflow : torch.Tensor bool [1]
@@ -85,11 +89,21 @@ class CaptureBuffer:
         reshapes :attr:`ids` writes them first (:meth:`flush`).
     """
 
-    def __init__(self, meta: TraceMeta, device: torch.device, batch_cap: int, seq_cap: int) -> None:
+    def __init__(
+        self,
+        meta: TraceMeta,
+        device: torch.device,
+        batch_cap: int,
+        seq_cap: int,
+        *,
+        with_weights: bool = False,
+    ) -> None:
         self.meta = meta
         self.device = device
+        self.with_weights = with_weights
         self.batch_cap, self.seq_cap = 0, 0
         self.ids = self.row_base = self.tokens = torch.empty(0)
+        self.weights: torch.Tensor | None = None
         self.overflow = _static(torch.zeros(1, dtype=torch.bool, device=device))
         self.overflow_i8 = self.overflow.view(torch.int8)  # what the step_rows kernel writes
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -112,6 +126,12 @@ class CaptureBuffer:
             old = self.tokens[:-1].view(self.batch_cap, self.seq_cap)
             tokens[:-1].view(batch_cap, seq_cap)[: self.batch_cap, : self.seq_cap] = old
         base = torch.arange(batch_cap, dtype=torch.int64, device=self.device).unsqueeze(1) * seq_cap
+        if self.with_weights:
+            w = torch.full(ids.shape, float("nan"), dtype=torch.float32, device=self.device)
+            if keep and self.weights is not None and self.batch_cap and self.seq_cap:
+                old = self.weights[:, :-1].view(L, self.batch_cap, self.seq_cap, K)
+                w[:, :-1].view(L, batch_cap, seq_cap, K)[:, : self.batch_cap, : self.seq_cap] = old
+            self.weights = _static(w)
         self.ids, self.row_base, self.tokens = _static(ids), _static(base), _static(tokens)
         self.batch_cap, self.seq_cap = batch_cap, seq_cap
 
@@ -134,13 +154,16 @@ class CaptureBuffer:
         self.flush()
         if eager:
             if self.dirty:
+                w = None if self.weights is None else self.weights.clone()
                 self._history.append(
-                    _Snapshot(self.ids.clone(), self.rows, self.seq_cap, self.tokens.clone())
+                    _Snapshot(self.ids.clone(), self.rows, self.seq_cap, self.tokens.clone(), w)
                 )
             self.ensure(rows, positions or 0)
             self.dirty = False
         self.ids.fill_(-1)
         self.tokens.fill_(-1)
+        if self.weights is not None:
+            self.weights.fill_(float("nan"))
         self.started.add_(1)
         self.rows = rows
 
@@ -177,6 +200,8 @@ class CaptureBuffer:
         self.flush()
         self.ids.masked_fill_(is_new, -1)
         self.tokens.masked_fill_(is_new, -1)
+        if self.weights is not None:
+            self.weights.masked_fill_(is_new, float("nan"))
         self.started.add_(is_new.to(torch.int64))
 
     def slots(self, positions: torch.Tensor, *, check_overflow: bool) -> torch.Tensor:
@@ -200,6 +225,12 @@ class CaptureBuffer:
         """Write one forward's ids (``int16 [L, T, K]``) to their slots (``int64 [T]``)."""
         self.flush()
         self.ids.index_copy_(1, slot, staged)
+
+    def commit_weights(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
+        """Write one forward's weights (``float32 [L, T, K]``) to their slots (``int64 [T]``), at once
+        (never deferred: the slots are read while still this forward's)."""
+        assert self.weights is not None
+        self.weights.index_copy_(1, slot, staged)
 
     def write_tokens(self, slot: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record one forward's tokens (``int64 [T]``) at their slots (``int64 [T]``)."""
@@ -251,7 +282,7 @@ class CaptureBuffer:
             )
         batches = list(self._history)
         if started > len(batches):
-            batches.append(_Snapshot(self.ids, self.rows, self.seq_cap, self.tokens))
+            batches.append(_Snapshot(self.ids, self.rows, self.seq_cap, self.tokens, self.weights))
         lost = max(0, started - len(batches))
         out = [t for snap in batches for t in self._traces(snap)]
         self._history.clear()
@@ -268,6 +299,10 @@ class CaptureBuffer:
         n = int(lengths.max()) if lengths.size else 0
         host = ids[:, :, :n].permute(1, 2, 0, 3).cpu().numpy()  # [rows, n, L, K]
         tokens = snap.tokens[: snap.rows * S].view(snap.rows, S)[:, :n].cpu().numpy()
+        weights = None
+        if snap.weights is not None:
+            w = snap.weights[:, : snap.rows * S].view(L, snap.rows, S, K)
+            weights = w[:, :, :n].permute(1, 2, 0, 3).cpu().numpy()  # [rows, n, L, K]
         return [
             RoutingTrace(
                 np.ascontiguousarray(host[b, : lengths[b]]),
@@ -276,6 +311,7 @@ class CaptureBuffer:
                 layer_ids=list(self.meta.layer_ids),
                 model_id=self.meta.model_id,
                 token_ids=tokens[b, : lengths[b]],
+                weights=None if weights is None else weights[b, : lengths[b]],
             )
             for b in range(snap.rows)
         ]

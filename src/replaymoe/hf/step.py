@@ -42,6 +42,9 @@ class Step:
     # replay with missing="error": (table, matched by content, positions int64 [B, S], or None where the
     # step bookkeeping kernel counted the uncovered lookups); counted when the forward ends
     coverage: Optional[tuple] = None
+    # full recall: float32 [L, T, K] replayed weights (NaN in -1 rows), and the weights' capture slab
+    forced_w: Optional[torch.Tensor] = None
+    staged_w: Optional[torch.Tensor] = None
 
 
 class StepBuffers:

@@ -17,12 +17,21 @@ What it does, on top of :func:`replaymoe.hf.enable`:
 * the reference model (``beta > 0``) is attached to the same handle and replays the same traces
   (``R3Config(replay_reference=False)`` leaves its routing native);
 * the load-balancing aux loss counts the replayed ids (:mod:`replaymoe.hf.aux_loss`);
+* ``R3Config(replay="ids+weights")`` (full recall, or "router recall"): ``generate`` also captures each
+  token's combine weights, and the training forwards replay them with the ids, so the experts get
+  the rollout's exact weights and the router gets no gradient through them (its weights are frozen
+  in effect; the aux loss, if on, still reaches it). Transformers generation only: vLLM returns
+  expert ids only, so the vLLM colocate mode is refused with it at construction;
 * each logging step adds ``r3/native_vs_rollout`` (replayed token-layer lookups whose native
   top-k now differs from the rollout's: how far the policy drifted), ``r3/replayed_vs_rollout``
   (whose used ids differ from the rollout's: 0.0 when replay holds) and ``r3/fallback`` (lookups
   routed natively: each row's last token, never fed back in the rollout) to TRL's metrics.
 
-Generation may be transformers' ``generate`` (captured by replaymoe) or vLLM in TRL's colocate mode
+Generation may be transformers' ``generate`` (captured by replaymoe), transformers' continuous batching
+(``use_transformers_continuous_batching=True``: TRL's ``generate_batch`` over its repeated prompts, paged
+cache; each request is captured into the round by :mod:`replaymoe.hf._paged`, which turns the manager's
+prefix sharing off while it captures; ids only: ``R3Config(replay="ids+weights")`` is refused there at
+the first generation) or vLLM in TRL's colocate mode
 (``use_vllm=True, vllm_mode="colocate"``): the trainer then starts TRL's engine with
 ``enable_return_routed_experts=True`` and turns each ``LLM.generate`` output's ``routed_experts`` into
 the round's traces (:mod:`replaymoe.integrations.vllm_outputs`): vLLM 0.33's one column per decoder
@@ -68,7 +77,7 @@ from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, fail
 from replaymoe.hf import ReplayMoE, enable
 from replaymoe.integrations.vllm_outputs import traces_from_vllm_outputs
-from replaymoe.record.replay import MISSING_MODES
+from replaymoe.record.replay import MISSING_MODES, REPLAY_MODES
 
 __all__ = ["R3Config", "R3GRPOTrainer"]
 
@@ -92,18 +101,26 @@ class R3Config:
         token excepted): raise (default), or route it natively and count it in ``r3/fallback``.
         A vLLM request with ``routed_experts_prompt_start > 0`` (set through ``generation_kwargs``)
         leaves the prompt positions below it without routing: it needs ``"native"``.
+    replay : {"ids", "ids+weights"}
+        What the training forwards replay: the rollout's expert ids, with weights recomputed from
+        the policy's router (R3, the default: the router is trained through the weights), or the
+        ids and the rollout's combine weights (full recall: the experts see the rollout's exact
+        mixture, and no gradient reaches the router through the weights). ``"ids+weights"`` needs
+        transformers generation (vLLM returns expert ids only).
     """
 
     replay_reference: bool = True
     log_mismatch: bool = True
     backend: str = "auto"
     missing: str = "error"
+    replay: str = "ids"
 
     def __post_init__(self) -> None:
         check_bool("replay_reference", self.replay_reference)
         check_bool("log_mismatch", self.log_mismatch)
         check_choice("backend", self.backend, BACKENDS)
         check_choice("missing", self.missing, MISSING_MODES)
+        check_choice("replay", self.replay, REPLAY_MODES)
 
 
 class R3GRPOTrainer(trl.GRPOTrainer):
@@ -132,6 +149,19 @@ class R3GRPOTrainer(trl.GRPOTrainer):
                 f"{getattr(config, 'vllm_mode', None)!r}: TRL's vllm-serve returns token ids and log-probs "
                 "only, so vLLM's routed_experts never reach the trainer",
             )
+        if use_vllm and self.r3.replay == "ids+weights":  # before TRL starts an engine
+            fail(
+                "r3.replay",
+                "'ids' with use_vllm=True (or transformers generation for 'ids+weights')",
+                "'ids+weights': vLLM (and SGLang) return expert ids only, not the combine weights",
+            )
+        paged = bool(getattr(config, "use_transformers_continuous_batching", False))
+        if paged and self.r3.replay == "ids+weights":  # before TRL builds anything
+            fail(
+                "r3.replay",
+                "'ids' with use_transformers_continuous_batching=True",
+                "'ids+weights': the continuous-batching capture records expert ids only",
+            )
         tp = getattr(config, "vllm_tensor_parallel_size", 1)
         if use_vllm and isinstance(tp, int) and tp > 1:  # before TRL starts an engine
             fail(
@@ -144,7 +174,7 @@ class R3GRPOTrainer(trl.GRPOTrainer):
             super().__init__(*args, **kwargs)
         policy = self.accelerator.unwrap_model(self.model)
         self.r3_session: ReplayMoE = enable(policy, backend=self.r3.backend)
-        self.r3_session.set_rollout_replay(True, missing=self.r3.missing)
+        self.r3_session.set_rollout_replay(True, missing=self.r3.missing, replay=self.r3.replay)
         if use_vllm:
             self.r3_watch_engine(self.vllm_generation.llm)
         if self.r3.log_mismatch:

@@ -131,6 +131,8 @@ def fused_moe(
     topk_weights: torch.Tensor | None = None,
     routing_replay_out: torch.Tensor | None = None,
     replay_ids: torch.Tensor | None = None,
+    routing_weights_out: torch.Tensor | None = None,
+    replay_weights: torch.Tensor | None = None,
     activation: str | ClampedSwiGLU = "swiglu",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
@@ -160,8 +162,10 @@ def fused_moe(
     router_logits : Tensor [T, E], optional
         Route inside, exactly as :func:`replaymoe.routing.route` with ``top_k``, ``method`` (default
         ``RoutingMethod.RENORMALIZE``), ``bias``, ``n_group``, ``topk_group``,
-        ``routed_scaling_factor``, ``routing_replay_out`` (int16 [>=T, K], capture) and
-        ``replay_ids`` ([T, K], forced selection) — all only allowed with ``router_logits``.
+        ``routed_scaling_factor``, ``routing_replay_out`` (int16 [>=T, K], capture),
+        ``replay_ids`` ([T, K], forced selection), ``routing_weights_out`` (fp32 [>=T, K], the
+        weights captured) and ``replay_weights`` (fp32 [T, K], the forced rows' weights: full
+        recall) — all only allowed with ``router_logits``.
     routing : RoutingConfig, optional
         The routing arguments above (``top_k`` … ``routed_scaling_factor``) as one object,
         validated once when it was built; give it or them, not both.
@@ -308,6 +312,8 @@ def fused_moe(
         act_dtypes=ACT_DTYPES if use_triton else REF_DTYPES,
         check_ids=check_ids,
         triton=use_triton,
+        routing_weights_out=routing_weights_out,
+        replay_weights=replay_weights,
     )
     if use_triton:
         resolve_backend(backend, hidden_states)  # 'triton' on CPU needs the interpreter
@@ -321,6 +327,8 @@ def fused_moe(
             routing_replay_out,
             p.replay_ids,
             "triton" if use_triton else "torch",
+            routing_weights_out=routing_weights_out,
+            replay_weights=p.replay_weights,
         )
     else:
         topk_ids = p.topk_ids  # as validated (under torch.compile: through the check op)

@@ -21,7 +21,7 @@ import torch
 
 from .._validation import check_choice, check_int, check_tensor, fail
 from ..routing import RoutingConfig
-from ..routing._checks import topk_ids_for_kernels
+from ..routing._checks import topk_ids_for_kernels, validate_weights
 from ..routing._checks import validate as validate_routing
 from ..routing.methods import Params
 from ._reference import ClampedSwiGLU
@@ -52,6 +52,7 @@ class _Problem:
     routing: RoutingConfig | None = None  # with router_logits: the routing, validated once
     route_params: Params | None = None  # with router_logits: the routing's checked arguments
     replay_ids: torch.Tensor | None = None  # with router_logits: replay ids as the kernels read them
+    replay_weights: torch.Tensor | None = None  # with router_logits: replayed weights (full recall)
     topk_ids: torch.Tensor | None = None  # with given routing: the ids as the kernels read them
     id_bound: int = 0  # E when the kernels check topk_ids on the device, else 0
 
@@ -79,6 +80,8 @@ def validate_call(
     act_dtypes=ACT_DTYPES,
     check_ids=True,
     triton=True,
+    routing_weights_out=None,
+    replay_weights=None,
 ) -> _Problem:
     check_activation(activation)
     check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
@@ -160,6 +163,9 @@ def validate_call(
         route_params, replay_ids = validate_routing(
             router_logits, routing, routing_replay_out, replay_ids, check_replay=check_ids, defer=True
         )
+        replay_weights = validate_weights(
+            router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_ids
+        )
     else:
         route_params = None
         if topk_ids is None or topk_weights is None:
@@ -169,7 +175,8 @@ def validate_call(
                 "neither routing given",
             )
         given = [k for k, v in (("routing", routing), ("routing_replay_out", routing_replay_out),
-                                ("replay_ids", replay_ids)) if v is not None]  # fmt: skip
+                                ("replay_ids", replay_ids), ("routing_weights_out", routing_weights_out),
+                                ("replay_weights", replay_weights)) if v is not None]  # fmt: skip
         if given:
             fail(
                 given[0],
@@ -202,5 +209,5 @@ def validate_call(
         on_device = triton and topk_ids.is_cuda
         topk_ids, id_bound = topk_ids_for_kernels(topk_ids, E, check_ids, on_device=on_device)
     return _Problem(T=T, H=H, I=I, E_local=E_local, fp8=fp8, out_dtype=out_dtype, routing=routing,
-                    route_params=route_params, replay_ids=replay_ids,
+                    route_params=route_params, replay_ids=replay_ids, replay_weights=replay_weights,
                     topk_ids=None if router_logits is not None else topk_ids, id_bound=id_bound)  # fmt: skip

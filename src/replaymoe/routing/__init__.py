@@ -19,7 +19,9 @@ Semantics shared by every method and backend
   ``[0, E)``. Columns come in descending selection-score order.
 * Weights are computed in fp32 from the logits at the chosen ids by the method's
   formula. With ``replay_ids`` the selection is skipped and the weights are
-  recomputed over the forced ids, in the column order given.
+  recomputed over the forced ids, in the column order given (R3), unless
+  ``replay_weights`` gives them too (full recall): the forced rows then take those
+  weights, and no gradient reaches the logits through them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from replaymoe._validation import fail
-from replaymoe.routing._checks import check_replay_ids, mark_valid_ids, validate, validate_config
+from replaymoe.routing._checks import (
+    check_replay_ids,
+    check_replay_weights,
+    mark_valid_ids,
+    validate,
+    validate_config,
+    validate_weights,
+)
 from replaymoe.routing._dispatch import run_route
 from replaymoe.routing._id_mailbox import raise_id_errors
 from replaymoe.routing.methods import RoutingMethod
@@ -40,6 +49,7 @@ __all__ = [
     "RoutingMethod",
     "RoutingOutput",
     "check_replay_ids",
+    "check_replay_weights",
     "raise_id_errors",
     "route",
     "route_torch",
@@ -206,6 +216,8 @@ def route(
     routed_scaling_factor: Optional[float] = None,
     routing_replay_out: Optional[torch.Tensor] = None,
     replay_ids: Optional[torch.Tensor] = None,
+    routing_weights_out: Optional[torch.Tensor] = None,
+    replay_weights: Optional[torch.Tensor] = None,
     backend: str = "auto",
     check_replay: bool = True,
 ) -> RoutingOutput:
@@ -245,6 +257,19 @@ def route(
         are recomputed from the logits over these ids (in this column order). A row of all -1
         is routed natively. Any other id outside ``[0, E)``, a row mixing -1 with ids, or a
         repeated id in a row raises ValueError (see ``check_replay``).
+    routing_weights_out : torch.Tensor, optional
+        Capture buffer of the weights (full recall): float32 ``[>= T, K]``, contiguous, on the
+        logits' device, with ``routing_replay_out``'s row rules: rows ``< T`` receive
+        ``topk_weights`` (the weights returned, replayed ones included), rows ``>= T`` are untouched;
+        compiled out of the kernel when None.
+    replay_weights : torch.Tensor, optional
+        float32 ``[T, K]`` (any strides), only with ``replay_ids`` (full recall): the weights of the
+        forced rows, returned as ``topk_weights`` as they are. Rows whose replay ids are all -1
+        (routed natively) keep their computed weights, and their values here are not read (NaN is
+        fine). No gradient reaches ``router_logits`` through the replayed weights. With
+        ``check_replay`` their values are checked on the host (one host sync on a GPU; skipped
+        while a CUDA graph is captured and under ``torch.compile``): finite, and ``>= 0`` for every
+        method but TOPK (whose weights are the raw logits) with a non-negative scale.
     backend : {"auto", "triton", "torch"}
         ``auto``: the Triton kernel on CUDA tensors (up to 4096 experts), the torch reference
         otherwise. ``triton`` on CPU tensors needs the process started with ``TRITON_INTERPRET=1``.
@@ -273,7 +298,14 @@ def route(
     """
     routing = as_routing(routing, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
     p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay, defer=True)
-    out = RoutingOutput(*run_route(router_logits, routing, p, routing_replay_out, replay_ids, backend))
+    if routing_weights_out is not None or replay_weights is not None:
+        replay_weights = validate_weights(
+            router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_replay
+        )
+    out = RoutingOutput(
+        *run_route(router_logits, routing, p, routing_replay_out, replay_ids, backend,
+                   routing_weights_out=routing_weights_out, replay_weights=replay_weights)
+    )  # fmt: skip
     if (replay_ids is None or check_replay) and not torch.compiler.is_compiling():
         mark_valid_ids(out.topk_ids, router_logits.shape[1])  # fused_moe need not check them again
     return out

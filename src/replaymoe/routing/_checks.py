@@ -33,9 +33,11 @@ __all__ = [
     "check_id_values",
     "check_replay_ids",
     "mark_valid_ids",
+    "check_replay_weights",
     "topk_ids_for_kernels",
     "validate",
     "validate_config",
+    "validate_weights",
 ]
 
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,6 +46,7 @@ _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
 _MAX_N_GROUP = 32
 _METHOD_VALUES = tuple(int(m) for m in METHODS)
 _METHOD_CHOICES = ", ".join(f"{m.name}={int(m)}" for m in METHODS)  # every method of the table
+_RAW_LOGITS_KIND = METHODS[RoutingMethod.TOPK].formula.kernel  # the one formula with signed weights
 
 
 # RoutingConfig's fields spelled out (as in as_routing)
@@ -203,6 +206,82 @@ def validate(
         replay_ids = _replay_ids_for_kernels(replay_ids, num_experts, check_replay)
 
     return Params(routing.method, top_k, ng, tg, routing.scale), replay_ids
+
+
+def validate_weights(
+    router_logits: torch.Tensor,
+    routing: RoutingConfig,
+    routing_weights_out: object,
+    replay_ids: Optional[torch.Tensor],
+    replay_weights: object,
+    check_replay: bool = True,
+) -> Optional[torch.Tensor]:
+    """The per-call checks of ``route``'s combine-weight tensors, after :func:`validate` passed for the
+    same call: ``routing_weights_out`` (capture) as ``routing_replay_out`` but float32, and
+    ``replay_weights`` (only with ``replay_ids``) float32 ``[T, K]`` on the logits' device.
+
+    ``check_replay``: also check the values of ``replay_weights`` (:func:`check_replay_weights`: one
+    host sync on a GPU; skipped while a CUDA graph is captured and under ``torch.compile``).
+    Returns ``replay_weights`` as the kernels read them (contiguous), or None.
+    """
+    num_tokens, num_experts = router_logits.shape
+    dev, top_k = router_logits.device, routing.top_k
+    if routing_weights_out is not None:
+        w = routing_weights_out
+        if not tensor_ok(w, 2, (torch.float32,), dev, True):
+            w = check_tensor(
+                "routing_weights_out", w, ndim=2, dtype=torch.float32, device=dev, contiguous=True
+            )
+        if w.shape[1] != top_k or w.shape[0] < num_tokens:
+            fail("routing_weights_out", f"shape (>= {num_tokens}, {top_k})", tuple(w.shape), what="shape")
+    if replay_weights is None:
+        return None
+    if replay_ids is None:
+        fail("replay_weights", "None without replay_ids (weights are replayed with their ids)", "a tensor")
+    rw = replay_weights
+    if not (tensor_ok(rw, 2, (torch.float32,), dev, False) and tuple(rw.shape) == (num_tokens, top_k)):
+        rw = check_tensor("replay_weights", rw, shape=(num_tokens, top_k), dtype=torch.float32, device=dev)
+    if check_replay and not is_capturing() and not torch.compiler.is_compiling():
+        check_replay_weights(rw, replay_ids, nonnegative=weights_nonnegative(routing))
+    return rw if rw.is_contiguous() else rw.contiguous()
+
+
+def weights_nonnegative(routing: RoutingConfig) -> bool:
+    """Whether every weight ``routing`` can produce is >= 0: all methods but TOPK (the raw logits),
+    and a non-negative ``routed_scaling_factor``."""
+    return METHODS[routing.method].formula.kernel != _RAW_LOGITS_KIND and routing.scale >= 0
+
+
+def check_replay_weights(
+    replay_weights: torch.Tensor, replay_ids: torch.Tensor, *, nonnegative: bool = True
+) -> None:
+    """Raise ValueError (naming ``replay_weights`` and the first bad row) unless every row whose
+    ``replay_ids`` are not all -1 holds finite weights (and, with ``nonnegative``, weights >= 0).
+    Rows of all -1 ids route natively: their weights are not read (NaN there is fine). One host sync.
+
+    Parameters
+    ----------
+    replay_weights : torch.Tensor
+        float32 ``[T, K]``.
+    replay_ids : torch.Tensor
+        ``[T, K]`` integer ids of the same rows.
+    nonnegative : bool
+        Also require weights >= 0 (every method but TOPK, whose weights are the raw logits).
+    """
+    if replay_weights.numel() == 0:
+        return
+    w = replay_weights.float()
+    ok = torch.isfinite(w) & (w >= 0) if nonnegative else torch.isfinite(w)
+    bad = ~ok.all(dim=1) & (replay_ids != -1).any(dim=1).to(ok.device)
+    if not bool(bad.any()):
+        return
+    row = int(torch.nonzero(bad)[0, 0])
+    rule = "finite weights >= 0" if nonnegative else "finite weights"
+    fail(
+        "replay_weights",
+        f"{rule} in every replayed row (rows of all -1 ids excepted)",
+        f"row {row} = {w[row].tolist()}",
+    )
 
 
 def replay_ids_for_torch(replay_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

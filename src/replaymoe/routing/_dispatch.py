@@ -35,10 +35,17 @@ def route_torch_ids(
     bias: Optional[torch.Tensor],
     routing_replay_out: Optional[torch.Tensor],
     replay_ids: Optional[torch.Tensor],
+    *,
+    routing_weights_out: Optional[torch.Tensor] = None,
+    replay_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend: (ids int32 [T, K], weights float32 [T, K]) with plain torch ops in fp32,
-    differentiable with respect to the logits. ``replay_ids``: values already checked."""
+    differentiable with respect to the logits. ``replay_ids``: values already checked.
+    ``replay_weights`` (with ``replay_ids``): the weights of the replayed rows, which then pass no
+    gradient to the logits; rows of all -1 ids keep their computed weights. ``routing_weights_out``
+    receives the weights returned (rows ``< T``)."""
     x32 = router_logits.float()
+    native = None
     with torch.no_grad():
         ids = select_torch(x32.detach(), p, bias)
         if replay_ids is not None:
@@ -46,10 +53,15 @@ def route_torch_ids(
             native = (forced == -1).all(dim=1, keepdim=True)
             ids = torch.where(native, ids, forced)
     weights = weights_torch(x32, ids, p)
+    if replay_weights is not None:
+        assert native is not None  # validate_weights: replay_weights only with replay_ids
+        weights = torch.where(native, weights, replay_weights.detach())
     ids32 = ids.to(torch.int32)
-    if routing_replay_out is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if routing_replay_out is not None:
             routing_replay_out[: ids32.shape[0]].copy_(ids32)
+        if routing_weights_out is not None:
+            routing_weights_out[: weights.shape[0]].copy_(weights)
     return ids32, weights
 
 
@@ -76,6 +88,9 @@ def run_route(
     routing_replay_out: Optional[torch.Tensor],
     replay_ids: Optional[torch.Tensor],
     backend: str,
+    *,
+    routing_weights_out: Optional[torch.Tensor] = None,
+    replay_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route a validated call: ``(topk_ids, topk_weights)`` as :func:`replaymoe.routing.route` returns
     them (a plain tuple; ``route`` wraps it in a :class:`~replaymoe.routing.RoutingOutput`).
@@ -85,11 +100,29 @@ def run_route(
     kernels read) and ``routing_replay_out``, with ``defer=True`` (replay ids flagged in
     ``p.check_replay`` are checked here, by the backend) or with their values checked already.
     ``backend``: a call's ``backend`` argument (``"auto"``, ``"triton"``, ``"torch"``).
+    ``routing_weights_out`` / ``replay_weights``: as :func:`replaymoe.routing._checks.validate_weights`
+    returned them for this call.
     """
     if route_backend(backend, router_logits) == "torch":
         if p.check_replay:  # deferred by validate: the torch path checks them on the host
             assert replay_ids is not None
             replay_ids = replay_ids_for_torch(replay_ids, router_logits.shape[1])
             p = p._replace(check_replay=False)
-        return route_torch_ids(router_logits, p, routing.bias, routing_replay_out, replay_ids)
-    return route_triton(router_logits, p, routing.bias, routing_replay_out, replay_ids)
+        return route_torch_ids(
+            router_logits,
+            p,
+            routing.bias,
+            routing_replay_out,
+            replay_ids,
+            routing_weights_out=routing_weights_out,
+            replay_weights=replay_weights,
+        )
+    return route_triton(
+        router_logits,
+        p,
+        routing.bias,
+        routing_replay_out,
+        replay_ids,
+        routing_weights_out=routing_weights_out,
+        replay_weights=replay_weights,
+    )

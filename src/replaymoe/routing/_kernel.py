@@ -1,5 +1,9 @@
 """Triton kernel of :func:`replaymoe.route`: selection, weights, capture and replay in one launch.
 
+Capture writes the ids (``HAS_CAPTURE``, int16) and, for full recall, the weights (``HAS_WEIGHTS_OUT``,
+fp32); replay forces the ids (``HAS_REPLAY``) and, for full recall, the weights of the forced rows
+(``HAS_REPLAY_WEIGHTS``). Each is a constexpr: absent, it is compiled out.
+
 The method comes in as its table row's flags (:meth:`replaymoe.routing.methods.MethodSpec.kernel_flags`):
 ``BIASED`` (selection score ``sigmoid(x) + bias``), ``GROUPED`` (DeepSeek-V3 group masking),
 ``WEIGHTS`` (the weights formula's branch) and ``FULL_SOFTMAX`` (the formula needs the softmax over
@@ -225,6 +229,10 @@ def route_kernel(
     LOG_EP: tl.constexpr,  # log2(NGP * GSP)
     err_ptr=None,  # int64 [2] error mailbox (routing/_id_mailbox.py; dummy when CHECK_REPLAY is False)
     CHECK_REPLAY: tl.constexpr = False,  # check the replay ids on the device (routing/_kernel_ids.py)
+    wcap_ptr=None,  # [>= T, K] fp32 out: the weights captured (when HAS_WEIGHTS_OUT)
+    rw_ptr=None,  # [T, K] fp32 replayed weights of the forced rows (when HAS_REPLAY_WEIGHTS)
+    HAS_WEIGHTS_OUT: tl.constexpr = False,
+    HAS_REPLAY_WEIGHTS: tl.constexpr = False,  # only with HAS_REPLAY
 ):
     EP: tl.constexpr = NGP * GSP
     pid = tl.program_id(0)
@@ -339,7 +347,15 @@ def route_kernel(
         tl.static_assert(WEIGHTS == KIND_SIGMOID, "a weights formula without a branch here")
         w = _sigmoid(xs)
 
+    if HAS_REPLAY_WEIGHTS:
+        # full recall: a forced row's weights are the replayed ones; a native row keeps its own
+        tl.static_assert(HAS_REPLAY, "replayed weights come with replayed ids")
+        rw = tl.load(rw_ptr + out_off, mask=omask, other=0.0)
+        w = tl.where(native[:, None], w, rw)
+
     tl.store(ids_ptr + out_off, ids, mask=omask)
     tl.store(weights_ptr + out_off, w, mask=omask)
     if HAS_CAPTURE:
         tl.store(capture_ptr + out_off, ids.to(tl.int16), mask=omask)
+    if HAS_WEIGHTS_OUT:
+        tl.store(wcap_ptr + out_off, w, mask=omask)

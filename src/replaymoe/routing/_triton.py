@@ -12,7 +12,7 @@ No argument checks here (:mod:`replaymoe.routing._checks` validates at the publi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -62,11 +62,14 @@ def _launch(
     scale: float,
     check_replay: bool = False,
     launch: Optional[list[int]] = None,
+    routing_weights_out: Optional[torch.Tensor] = None,
+    replay_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and run the routing kernel once (no validation). ``check_replay``: the
     kernel also checks ``replay_ids`` on the device, into the error mailbox (:mod:`._id_mailbox`), after
     raising the error an earlier call left there. ``launch``: a :class:`LaunchConfig` (None: the
-    defaults)."""
+    defaults). ``routing_weights_out``: float32 ``[>= T, K]`` that receives the weights (rows ``< T``);
+    ``replay_weights``: float32 ``[T, K]``, the weights of the rows ``replay_ids`` forces."""
     from replaymoe._launch import fast
     from replaymoe.routing._kernel import route_kernel
 
@@ -76,9 +79,13 @@ def _launch(
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=dev)
     if num_tokens == 0:
         return ids, weights
-    check = {}
+    check: dict[str, Any] = {}
     if check_replay and replay_ids is not None:
         check = dict(err_ptr=mailbox_for(replay_ids), CHECK_REPLAY=True)
+    if routing_weights_out is not None:  # (compiled out of the kernel when absent, as the capture)
+        check.update(wcap_ptr=routing_weights_out, HAS_WEIGHTS_OUT=True)
+    if replay_weights is not None:
+        check.update(rw_ptr=replay_weights, HAS_REPLAY_WEIGHTS=True)
     gs = num_experts // n_group
     ngp, gsp = next_power_of_2(n_group), next_power_of_2(gs)
     block_t, num_warps, algo = _launch_config(ngp * gsp, launch)
@@ -116,13 +123,15 @@ def _launch(
 
 
 # the same function as torch.ops.replaymoe.route, for torch.compile; eager calls use _launch directly
-_route_op = torch.library.custom_op("replaymoe::route", mutates_args=("routing_replay_out",))(_launch)
+_route_op = torch.library.custom_op(
+    "replaymoe::route", mutates_args=("routing_replay_out", "routing_weights_out")
+)(_launch)
 
 
 @_route_op.register_fake
 def _route_op_fake(
     router_logits, bias, routing_replay_out, replay_ids, top_k, method, n_group, topk_group, scale,
-    check_replay=False, launch=None,
+    check_replay=False, launch=None, routing_weights_out=None, replay_weights=None,
 ):  # fmt: skip
     t = router_logits.shape[0]
     return (
@@ -131,14 +140,18 @@ def _route_op_fake(
     )
 
 
-def _op_args(router_logits, bias, routing_replay_out, replay_ids, p: Params, launch=None) -> tuple:
+def _op_args(router_logits, bias, routing_replay_out, replay_ids, p: Params, launch=None,
+             routing_weights_out=None, replay_weights=None) -> tuple:  # fmt: skip
     """The arguments of :func:`_launch` / ``replaymoe::route`` / :class:`RouteFunction`, in order."""
     return (router_logits, bias, routing_replay_out, replay_ids, p.top_k, int(p.method), p.n_group,
-            p.topk_group, p.scale, p.check_replay, None if launch is None else list(launch))  # fmt: skip
+            p.topk_group, p.scale, p.check_replay, None if launch is None else list(launch),
+            routing_weights_out, replay_weights)  # fmt: skip
 
 
-def _kernel(router_logits, bias, routing_replay_out, replay_ids, p: Params, launch=None):
-    args = _op_args(router_logits, bias, routing_replay_out, replay_ids, p, launch)
+def _kernel(router_logits, bias, routing_replay_out, replay_ids, p: Params, launch=None,
+            routing_weights_out=None, replay_weights=None):  # fmt: skip
+    args = _op_args(router_logits, bias, routing_replay_out, replay_ids, p, launch, routing_weights_out,
+                    replay_weights)  # fmt: skip
     if torch.compiler.is_compiling():
         return torch.ops.replaymoe.route(*args)
     return _launch(*args)  # eager: skip the custom-op dispatch overhead, same code
@@ -218,26 +231,31 @@ def _(router_logits, ids, grad_w, kind, scale):
 
 
 class RouteFunction(torch.autograd.Function):
-    """route() on the Triton backend with a backward w.r.t. the logits (ids are not differentiable)."""
+    """route() on the Triton backend with a backward w.r.t. the logits (ids are not differentiable).
+    With ``replay_weights`` the replayed rows' weights are those values: no gradient reaches the logits
+    through them (only rows of all -1 replay ids, routed natively, pass one)."""
 
     @staticmethod
     def forward(
         ctx, router_logits, bias, routing_replay_out, replay_ids, top_k, method, n_group, topk_group, scale,
-        check_replay, launch,
+        check_replay, launch, routing_weights_out, replay_weights,
     ):  # fmt: skip
         p = Params(RoutingMethod(method), top_k, n_group, topk_group, scale, check_replay)
-        ids, weights = _kernel(router_logits, bias, routing_replay_out, replay_ids, p, launch)
-        ctx.save_for_backward(router_logits, ids)
+        ids, weights = _kernel(router_logits, bias, routing_replay_out, replay_ids, p, launch,
+                               routing_weights_out, replay_weights)  # fmt: skip
+        ctx.save_for_backward(router_logits, ids, replay_ids if replay_weights is not None else None)
         ctx.method, ctx.scale = method, scale
         ctx.mark_non_differentiable(ids)
         return ids, weights
 
     @staticmethod
     def backward(ctx, grad_ids, grad_w):
-        router_logits, ids = ctx.saved_tensors
+        router_logits, ids, forced = ctx.saved_tensors
+        if forced is not None:  # replayed weights are constants: only native rows pass a gradient
+            grad_w = torch.where((forced == -1).all(dim=1, keepdim=True), grad_w, 0.0)
         gx = weights_backward(router_logits, ids, grad_w, ctx.method, ctx.scale)
-        # one gradient per input of forward: the logits', then None for the other ten
-        return gx, None, None, None, None, None, None, None, None, None, None
+        # one gradient per input of forward: the logits', then None for the other twelve
+        return gx, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def route_triton(
@@ -247,14 +265,18 @@ def route_triton(
     routing_replay_out: Optional[torch.Tensor],
     replay_ids: Optional[torch.Tensor],
     launch: Optional[LaunchConfig] = None,
+    *,
+    routing_weights_out: Optional[torch.Tensor] = None,
+    replay_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton backend of :func:`replaymoe.routing._dispatch.run_route` (no argument checks: its
     preconditions); ``launch``: how the kernel is launched (None: the defaults; :func:`route_launched`)."""
+    w = (routing_weights_out, replay_weights)
     if torch.is_grad_enabled() and router_logits.requires_grad:
-        args = _op_args(router_logits, bias, routing_replay_out, replay_ids, p, launch)
+        args = _op_args(router_logits, bias, routing_replay_out, replay_ids, p, launch, *w)
         ids, weights = RouteFunction.apply(*args)
     else:
-        ids, weights = _kernel(router_logits, bias, routing_replay_out, replay_ids, p, launch)
+        ids, weights = _kernel(router_logits, bias, routing_replay_out, replay_ids, p, launch, *w)
     return ids, weights
 
 
@@ -266,15 +288,21 @@ def route_launched(
     routing_replay_out: Optional[torch.Tensor] = None,
     replay_ids: Optional[torch.Tensor] = None,
     check_replay: bool = True,
+    routing_weights_out: Optional[torch.Tensor] = None,
+    replay_weights: Optional[torch.Tensor] = None,
 ) -> RoutingOutput:
     """:func:`replaymoe.routing.route` on the Triton backend with the kernel launched as ``launch`` says
     (the routing benchmark's sweep of launch configurations, the tests of every top-k algorithm): the
     same per-call validation (``routing`` was validated when it was built), the same
     :class:`~replaymoe.routing.RoutingOutput`."""
     from . import RoutingOutput
-    from ._checks import validate
+    from ._checks import validate, validate_weights
 
     p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay, defer=True)
-    return RoutingOutput(
-        *route_triton(router_logits, p, routing.bias, routing_replay_out, replay_ids, launch)
+    replay_weights = validate_weights(
+        router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_replay
     )
+    return RoutingOutput(
+        *route_triton(router_logits, p, routing.bias, routing_replay_out, replay_ids, launch,
+                      routing_weights_out=routing_weights_out, replay_weights=replay_weights)
+    )  # fmt: skip

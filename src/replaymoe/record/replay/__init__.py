@@ -33,10 +33,11 @@ from __future__ import annotations
 
 from .hashes import prefix_hashes, prefix_hashes_np
 from .source import ReplaySource
-from .table import MISSING_MODES, ReplayReport, ReplayTable
+from .table import MISSING_MODES, REPLAY_MODES, ReplayReport, ReplayTable
 
 __all__ = [
     "MISSING_MODES",
+    "REPLAY_MODES",
     "ReplaySource",
     "ReplayReport",
     "ReplayTable",

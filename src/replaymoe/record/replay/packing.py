@@ -16,7 +16,7 @@ import numpy as np
 from ..trace import RoutingTrace
 from .hashes import trace_hashes
 
-__all__ = ["capacity", "content_index", "pack_ids", "row_meta"]
+__all__ = ["capacity", "content_index", "pack_ids", "pack_weights", "row_meta"]
 
 
 def _next_power_of_2(n: int) -> int:
@@ -38,6 +38,20 @@ def pack_ids(traces: Sequence[RoutingTrace], layer_of: Sequence[int]) -> np.ndar
     base = 0
     for t in traces:
         host[:, base : base + t.num_tokens] = t.ids[:, list(layer_of)].transpose(1, 0, 2)
+        base += t.num_tokens
+    return host
+
+
+def pack_weights(traces: Sequence[RoutingTrace], layer_of: Sequence[int]) -> np.ndarray:
+    """float32 [L, R_cap, K]: :func:`pack_ids`'s rows, holding the traces' weights (NaN in the rows of
+    no recorded route). Every trace carries weights (the caller checked)."""
+    L, K = len(layer_of), traces[0].top_k
+    rows = capacity(sum(t.num_tokens for t in traces))
+    host = np.full((L, rows, K), np.nan, dtype=np.float32)
+    base = 0
+    for t in traces:
+        assert t.weights is not None
+        host[:, base : base + t.num_tokens] = t.weights[:, list(layer_of)].transpose(1, 0, 2)
         base += t.num_tokens
     return host
 

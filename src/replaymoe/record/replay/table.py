@@ -22,13 +22,17 @@ import torch
 from ..._validation import fail
 from ..trace import RoutingTrace
 from .hashes import hash_powers, prefix_hashes
-from .packing import capacity, content_index, pack_ids, row_meta
+from .packing import capacity, content_index, pack_ids, pack_weights, row_meta
 
-__all__ = ["MISSING_MODES", "ReplayReport", "ReplayTable"]
+__all__ = ["MISSING_MODES", "REPLAY_MODES", "ReplayReport", "ReplayTable"]
 
 # What a replayed forward does with a token its traces do not cover (``replaying(..., missing=)``):
 # "error" raises (the default), "native" routes it natively and counts it in the report
 MISSING_MODES = ("error", "native")
+# What a replay forces (``replaying(..., replay=)``, ``R3Config(replay=)``): "ids" (R3: the weights are
+# recomputed from the trainer's logits, so the router gets a gradient) or "ids+weights" (full recall, or
+# router recall: the rollout's weights too, no gradient to the router through them)
+REPLAY_MODES = ("ids", "ids+weights")
 _NO_KEY = (1 << 63) - 1  # ReplayTable.uncovered's last entry while no uncovered lookup was counted
 
 
@@ -146,6 +150,12 @@ class ReplayTable:
         position ``p`` at row ``bases[b] + p - offsets[b]``), then all -1 rows; ``R_cap`` is a
         power of two, so that new traces of a similar size reuse the buffer (same shapes, same
         address: no recompile, no CUDA-graph re-record).
+    weights : torch.Tensor float32 [L, R_cap, K]
+        (full recall, :attr:`with_weights`) The traces' combine weights in :attr:`table`'s rows
+        (NaN in rows of no recorded route); every producer that looks ids up hands these rows'
+        weights too (:meth:`lookup`'s ``weights_out``). Empty otherwise.
+    with_weights : bool
+        The table holds weights (``load(..., weights=True)``).
     offsets, lengths, bases : torch.Tensor int64 [B]
         Per trace: ``token_offset``, number of positions and first table row (``ends`` and
         ``shift`` are ``offsets + lengths`` and ``bases - offsets``).
@@ -215,7 +225,8 @@ class ReplayTable:
             return (self.table, self.offsets, self.ends, self.shift, self.seen, self.fallback, self.uncovered)
 
     def __init__(self) -> None:
-        self.table = torch.empty(0)
+        self.table = self.weights = torch.empty(0)
+        self.with_weights = False
         self.by_content = False
         self.source: tuple[list[RoutingTrace], list[int]] | None = None
         self.hashes = self.hash_rows = self.powers = torch.empty(0)
@@ -259,8 +270,10 @@ class ReplayTable:
         tokens: torch.Tensor | None = None,
         kernel: Callable[[ReplayTable.KernelArgs, torch.Tensor | None], torch.Tensor] | None = None,
         out: torch.Tensor | None = None,
+        weights_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """A forward's forced ids, from the one producer that serves it.
+        """A forward's forced ids, from the one producer that serves it (and, when the table holds
+        weights, their weights, into ``weights_out``).
 
         The producer, in this order: ``kernel`` when given; by content (:meth:`gather_by_content`)
         when ``tokens`` are given; else by batch row (:meth:`gather`). Each gives the same ids for the
@@ -281,6 +294,10 @@ class ReplayTable:
             before they are read (a decode step's head, inside a CUDA graph).
         out : torch.Tensor int32 [L, B*S, K], optional
             Contiguous; where the ids go.
+        weights_out : torch.Tensor float32 [L, B*S, K]
+            Contiguous; where the weights of the same rows go (NaN where the ids are -1). Required
+            when the table holds weights (:attr:`with_weights`), and then served by the torch
+            gathers only: a ``kernel`` is refused (the step kernels write ids only).
 
         Returns
         -------
@@ -288,13 +305,17 @@ class ReplayTable:
             Row-major over the forward's tokens; a row of -1 where no trace recorded a route (routed
             natively), padding included.
         """
+        if self.with_weights and weights_out is None:
+            fail("weights_out", "float32 [L, B*S, K] for a table that holds weights", None)
         if kernel is not None:
+            if self.with_weights:
+                fail("kernel", "None for a table that holds weights (the torch gathers serve it)", "a kernel")
             return kernel(self.kernel_args(), out)
         if positions is None:
             fail("positions", "int64 [B, S] (or a kernel that derives them on the device)", None)
         if tokens is not None:
-            return self.gather_by_content(tokens, positions, out)
-        return self.gather(positions, out)
+            return self.gather_by_content(tokens, positions, out, weights_out)
+        return self.gather(positions, out, weights_out)
 
     def load(
         self,
@@ -303,20 +324,30 @@ class ReplayTable:
         device: torch.device,
         *,
         match_content: bool = True,
+        weights: bool = False,
     ) -> None:
         """Fill the table from ``traces`` (one per batch row); ``layer_of[l]`` is the trace layer
         that model MoE layer ``l`` replays. ``match_content=False`` skips the content hashes (a
-        caller that looks rows up by batch row only, like :class:`ReplaySource`). The rows are not
+        caller that looks rows up by batch row only, like :class:`ReplaySource`). ``weights``: also
+        the traces' weights (full recall; every trace must carry them, :meth:`check_weighted`;
+        their values were checked when each trace was made, finite in every recorded row). The rows are not
         checked again: a ``RoutingTrace`` checked its rows (all -1 or K distinct ids) when it was
         made, and ``ReplaySource.check_model`` the expert range. The host-to-device copies go
         through pinned memory, asynchronously, so a load between training steps does not wait for
         the queued step."""
+        if weights:
+            ReplayTable.check_weighted(traces)
         self.source = (list(traces), list(layer_of))
         L = len(layer_of)
         host = pack_ids(traces, layer_of)
         if tuple(self.table.shape) != host.shape or self.table.device != device:
             self.table = _static(torch.empty(host.shape, dtype=torch.int32, device=device))
         _upload(self.table, host)
+        self.with_weights = weights
+        if weights:
+            if tuple(self.weights.shape) != host.shape or self.weights.device != device:
+                self.weights = _static(torch.empty(host.shape, dtype=torch.float32, device=device))
+            _upload(self.weights, pack_weights(traces, layer_of))
         meta = row_meta(traces)  # offsets, lengths, bases, ends, shift
         if tuple(self.offsets.shape) != (len(traces),) or self.offsets.device != device:
             self.offsets, self.lengths, self.bases, self.ends, self.shift = (
@@ -340,10 +371,31 @@ class ReplayTable:
         self._clear_uncovered()
         self.reset_report()
 
-    def holds(self, traces: Sequence[RoutingTrace], layer_of: Sequence[int], device: torch.device) -> bool:
-        """Whether :meth:`load` of these very trace objects (same order, same layer mapping) on
-        ``device`` is what the table holds now (traces are not to be modified once replayed)."""
-        if self.source is None or self.table.device != device:
+    @staticmethod
+    def check_weighted(traces: Sequence[RoutingTrace]) -> None:
+        """Raise ValueError unless every trace carries weights (full recall, ``replay="ids+weights"``)."""
+        for i, t in enumerate(traces):
+            if t.weights is None:
+                fail(
+                    f"traces[{i}]",
+                    "a trace with its combine weights for replay='ids+weights' (captured with "
+                    "set_capture(True, weights=True) or a rollout in replay='ids+weights' mode)",
+                    "a trace of ids only (e.g. from vLLM or SGLang, which return expert ids only; "
+                    "replay='ids' replays those)",
+                )
+
+    def holds(
+        self,
+        traces: Sequence[RoutingTrace],
+        layer_of: Sequence[int],
+        device: torch.device,
+        *,
+        weights: bool = False,
+    ) -> bool:
+        """Whether :meth:`load` of these very trace objects (same order, same layer mapping, the same
+        ``weights``) on ``device`` is what the table holds now (traces are not to be modified once
+        replayed)."""
+        if self.source is None or self.table.device != device or self.with_weights != weights:
             return False
         held, mapping = self.source
         return (
@@ -367,25 +419,37 @@ class ReplayTable:
             self.powers = _static(torch.from_numpy(hash_powers(pcap)).to(device))
 
     def gather_by_content(
-        self, tokens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor | None = None,
+        weights_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forced ids ``int32 [L, B*S, K]`` for the tokens ``int64 [B, S]`` at ``positions`` (``int64
         [B, S]``, -1 = padding), matched by content: a token gets the row some trace recorded for
         the same token prefix (the prefix decides a causal model's routing), wherever its row sits
         in this forward; a prefix no trace recorded gets a -1 row (routed natively). Device ops
         only (a sort-free binary search in :attr:`hashes`). Counts both per layer, like
-        :meth:`gather`. Needs whole sequences (no KV cache): a row's prefix starts at position 0."""
+        :meth:`gather`. Needs whole sequences (no KV cache): a row's prefix starts at position 0.
+        ``weights_out``: as in :meth:`gather`."""
         key = prefix_hashes(tokens, positions, self.powers).reshape(-1)
         idx = torch.searchsorted(self.hashes, key).clamp_(max=self.hashes.shape[0] - 1)
         hit = self.hashes[idx] == key
         row = torch.where(hit, self.hash_rows[idx], self.table.shape[1] - 1)
-        return self._take(row, positions, out)
+        return self._take(row, positions, out, weights_out=weights_out)
 
-    def gather(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self,
+        positions: torch.Tensor,
+        out: torch.Tensor | None = None,
+        weights_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Forced ids ``int32 [L, B*S, K]`` for ``positions`` (``int64 [B, S]``, -1 = padding); a
         token with no recorded row gets a row of -1 (routed natively). Counts both per layer.
-        ``out``: a contiguous ``int32 [L, B*S, K]`` to write them to (returned)."""
-        return self._take(self._rows(positions), positions, out)
+        ``out``: a contiguous ``int32 [L, B*S, K]`` to write them to (returned). ``weights_out``: a
+        contiguous ``float32 [L, B*S, K]`` that receives the same rows' weights (tables that hold
+        weights)."""
+        return self._take(self._rows(positions), positions, out, weights_out=weights_out)
 
     def gather_layer(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """:meth:`gather` for one MoE layer: ``int32 [B*S, K]`` (counted for that layer alone)."""
@@ -405,10 +469,13 @@ class ReplayTable:
         out: torch.Tensor | None,
         *,
         layer: int | None = None,
+        weights_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The table's rows ``row`` (``int64 [B*S]``) of every layer (or of ``layer``), and the counts:
         tokens looked up, and tokens that got a -1 row (every padding token reads one too: they are
-        taken out)."""
+        taken out). ``weights_out`` (all layers, a table with weights): those rows' weights."""
+        if weights_out is not None and self.with_weights:
+            torch.index_select(self.weights, 1, row, out=weights_out)
         real = (positions >= 0).sum()
         padding = positions.numel() - real
         if layer is not None:

@@ -17,7 +17,7 @@ from ..._validation import fail
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["as_int_array", "check_ids", "check_layer_ids", "check_token_ids"]
+__all__ = ["as_int_array", "check_ids", "check_layer_ids", "check_token_ids", "check_weights"]
 
 
 def as_int_array(name: str, ids: Any) -> np.ndarray:
@@ -109,3 +109,33 @@ def check_token_ids(token_ids: Any, num_tokens: int) -> np.ndarray:
     if tok.size and int(tok.min()) < -1:
         fail("token_ids", "token ids >= 0 (-1 = unknown)", int(tok.min()))
     return tok
+
+
+def check_weights(weights: Any, ids: np.ndarray) -> np.ndarray:
+    """``weights`` (the combine weights of full recall) as C-contiguous float32 [N, L, K], the shape of
+    ``ids``: finite in every recorded row; NaN in every missing row (-1 ids), whatever was given
+    there (the invariant the trace keeps)."""
+    try:
+        import torch
+
+        if isinstance(weights, torch.Tensor):
+            weights = weights.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    arr = np.asarray(weights)
+    if not np.issubdtype(arr.dtype, np.floating):
+        fail("weights", "a float32 array", f"dtype {arr.dtype}", what="dtype")
+    if arr.shape != ids.shape:
+        fail("weights", f"shape {ids.shape} (the ids')", f"shape {arr.shape}", what="shape")
+    out = np.array(arr, dtype=np.float32, order="C", copy=True)
+    missing = ids[..., 0] < 0
+    out[missing] = np.nan
+    bad = ~np.isfinite(out).all(-1) & ~missing
+    if bad.any():
+        n, layer = np.argwhere(bad)[0].tolist()
+        fail(
+            "weights",
+            "finite weights in every recorded row",
+            f"{out[n, layer].tolist()} at [token, layer] = [{n}, {layer}]",
+        )
+    return out

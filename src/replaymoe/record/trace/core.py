@@ -7,6 +7,10 @@ MoE layer chose for every token::
                               L MoE layers (trace order), K = top_k columns in the
                               router's selection order; -1 = no routing recorded
                               (a whole [K] row is either -1 or K distinct ids in [0, E)).
+    weights : float32 [N, L, K] or None
+                              the combine weights the router gave those ids (full recall,
+                              ``replay="ids+weights"``): finite in every recorded row, NaN in
+                              every missing one. Engines that send ids only give None.
 
 Its constructor checks its arguments with :mod:`replaymoe.record.trace.checks`, its file-format methods
 (``save``, ``load``) delegate to :mod:`replaymoe.record.trace.file` and its wire-format methods
@@ -26,7 +30,7 @@ import numpy as np
 from ..._validation import check_choice, check_int, fail
 from . import file as _file
 from . import wire as _wire
-from .checks import as_int_array, check_ids, check_layer_ids, check_token_ids
+from .checks import as_int_array, check_ids, check_layer_ids, check_token_ids, check_weights
 
 __all__ = ["RoutingFingerprint", "RoutingTrace"]
 
@@ -118,12 +122,19 @@ class RoutingTrace:
         records them (:func:`replaymoe.hf.enable`), and replay then matches a forward's tokens to
         traces by content (the token prefix up to each position) instead of by batch row, so a
         forward over any subset, permutation or chunk of the rollout's rows replays correctly.
+    weights : array-like of float, shape [N, L, K], optional
+        The combine weights of each recorded row, in the ids' column order (the fp32 weights the
+        routing kernel returned: ``ReplayMoE.set_capture(True, weights=True)`` records them), for
+        full-recall replay (``replay="ids+weights"``). Stored as C-contiguous float32; every recorded
+        row must be finite, and missing rows (-1 ids) are set to NaN. None (the default, and every
+        trace read from vLLM or SGLang, which send ids only): ids only.
 
     Attributes
     ----------
     ids : np.ndarray int16 [N, L, K]
     num_experts, top_k, layer_ids (tuple or None), model_id, token_offset
     token_ids : np.ndarray int64 [N] or None
+    weights : np.ndarray float32 [N, L, K] or None
     format_version : int
         :data:`FORMAT_VERSION` of the file format this class writes.
     """
@@ -140,6 +151,7 @@ class RoutingTrace:
         model_id: str | None = None,
         token_offset: int = 0,
         token_ids: Any = None,
+        weights: Any = None,
     ):
         if num_experts is not None:
             check_int("num_experts", num_experts, low=1, high=np.iinfo(np.int16).max + 1)
@@ -157,6 +169,7 @@ class RoutingTrace:
         self.model_id = model_id
         self.token_offset = token_offset
         self.token_ids = None if token_ids is None else check_token_ids(token_ids, self.ids.shape[0])
+        self.weights: np.ndarray | None = None if weights is None else check_weights(weights, self.ids)
 
     # ---------------------------------------------------------------- basic properties
     @property
@@ -173,6 +186,11 @@ class RoutingTrace:
     def end(self) -> int:
         """One past the last position covered: ``token_offset + num_tokens``."""
         return self.token_offset + self.num_tokens
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the trace carries its combine weights (full recall)."""
+        return self.weights is not None
 
     def missing_mask(self) -> np.ndarray:
         """bool [N, L]: True where the (token, layer) row is missing (-1)."""
@@ -205,20 +223,30 @@ class RoutingTrace:
         }
 
     def replace(self, **changes: Any) -> RoutingTrace:
-        """A copy with some constructor arguments changed (``ids`` included)."""
-        kw = {"ids": self.ids.copy(), **self._meta()}
+        """A copy with some constructor arguments changed (``ids`` and ``weights`` included). When
+        ``ids`` change length and ``token_ids`` / ``weights`` are not given, they follow: cut, or
+        extended with unknown tokens (-1) and missing weights (NaN)."""
+        kw = {"ids": self.ids.copy(), **self._meta(), "weights": self.weights}
         kw.update(changes)
         ids = kw.pop("ids")
-        tok = kw["token_ids"]
+        tok, w = kw["token_ids"], kw["weights"]
         n = len(ids)
         if "token_ids" not in changes and tok is not None and len(tok) != n:  # ids cut or extended:
             kw["token_ids"] = (list(tok) + [-1] * n)[:n]  # the tokens follow (unknown past the old end)
+        if "weights" not in changes and w is not None and len(w) != n:
+            pad = np.full((max(n - len(w), 0), *w.shape[1:]), np.nan, dtype=np.float32)
+            kw["weights"] = np.concatenate([w, pad])[:n]
         return RoutingTrace(ids, **kw)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RoutingTrace):
             return NotImplemented
-        return self._meta() == other._meta() and np.array_equal(self.ids, other.ids)
+        mine, theirs = self.weights, other.weights
+        if mine is None or theirs is None:
+            same_w = mine is None and theirs is None
+        else:
+            same_w = np.array_equal(mine, theirs, equal_nan=True)
+        return self._meta() == other._meta() and np.array_equal(self.ids, other.ids) and same_w
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -240,7 +268,7 @@ class RoutingTrace:
         compress : bool
             Deflate the archive members (ids of < 256 experts typically shrink 2-3x).
         """
-        _file.write_trace(path, self.ids, self._meta(), compress=compress)
+        _file.write_trace(path, self.ids, self._meta(), compress=compress, weights=self.weights)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:
@@ -268,6 +296,8 @@ class RoutingTrace:
             Element type. vLLM 0.33 sends ``uint8`` for up to 256 experts, else ``uint16``; unsigned
             types cannot hold -1, so a trace with missing rows (or ids too large for the type) raises
             ``ValueError``. The default int32 keeps missing rows (the earliest engines' type).
+            The payload holds ids only: a trace's ``weights`` are not written (vLLM's format has no
+            place for them).
         num_hidden_layers : int, optional
             The model's decoder layers: write vLLM 0.33's layout, one column per decoder layer, the MoE
             layers' columns at their layer numbers (``layer_ids``, the identity when None) and every
@@ -420,7 +450,8 @@ class RoutingTrace:
         )
 
     def to_sglang(self, dtype: str = "int32") -> str:
-        """Encode as SGLang does: base64 of the flat little-endian array (inverse of :meth:`from_sglang`)."""
+        """Encode as SGLang does: base64 of the flat little-endian array (inverse of :meth:`from_sglang`);
+        ids only (a trace's ``weights`` are not written)."""
         return _wire.encode_sglang(self.ids, dtype)
 
     # ---------------------------------------------------------------- combining
@@ -443,7 +474,10 @@ class RoutingTrace:
                     f"token_offset {nxt.token_offset}; use RoutingTrace.merge for gaps or overlaps",
                 )
         ids = np.concatenate([t.ids for t in traces], axis=0)
-        return cls(ids, **meta, token_offset=traces[0].token_offset)
+        weights = None
+        if _all_weighted(traces):
+            weights = np.concatenate([t.weights for t in traces if t.weights is not None], axis=0)
+        return cls(ids, **meta, token_offset=traces[0].token_offset, weights=weights)
 
     @classmethod
     def merge(cls, traces: Sequence[RoutingTrace], *, on_conflict: str = "error") -> RoutingTrace:
@@ -460,15 +494,30 @@ class RoutingTrace:
             fail("traces", "at least one RoutingTrace", "an empty sequence")
         meta = _common_meta(traces)
         start = min(t.token_offset for t in traces)
-        return cls(_overlay(traces, start, on_conflict), **meta, token_offset=start)
+        weighted = _all_weighted(traces)
+        ids, weights = _overlay(traces, start, on_conflict, weighted)
+        return cls(ids, **meta, token_offset=start, weights=weights)
 
 
-def _overlay(traces: Sequence[RoutingTrace], start: int, on_conflict: str) -> np.ndarray:
+def _all_weighted(traces: Sequence[RoutingTrace]) -> bool:
+    """Whether every trace carries weights (the join then does); a mix raises ValueError."""
+    have = [t.weights is not None for t in traces]
+    if any(have) and not all(have):
+        fail("traces", "all with weights or all without (full recall joins whole traces)",
+             f"weights on traces {[i for i, h in enumerate(have) if h]} only")  # fmt: skip
+    return all(have)
+
+
+def _overlay(
+    traces: Sequence[RoutingTrace], start: int, on_conflict: str, weighted: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
     """int16 [max(end) - start, L, K]: the ids of ``traces`` overlaid by position from ``start`` (-1 where
-    no trace records a row), clashes settled by ``on_conflict`` (see :meth:`RoutingTrace.merge`)."""
+    no trace records a row), clashes settled by ``on_conflict`` (see :meth:`RoutingTrace.merge`); and,
+    when ``weighted``, their weights taken with the same rows (NaN elsewhere)."""
     stop = max(t.end for t in traces)
     L, K = traces[0].num_layers, traces[0].top_k
     out = np.full((stop - start, L, K), -1, dtype=np.int16)
+    wout = np.full((stop - start, L, K), np.nan, dtype=np.float32) if weighted else None
     for t in traces:
         dst = out[t.token_offset - start : t.end - start]
         have_new = t.ids[..., 0] >= 0
@@ -484,7 +533,10 @@ def _overlay(traces: Sequence[RoutingTrace], start: int, on_conflict: str) -> np
             )
         take = have_new & ~have_old if on_conflict != "last" else have_new
         dst[take] = t.ids[take]
-    return out
+        if wout is not None and t.weights is not None:
+            wdst = wout[t.token_offset - start : t.end - start]
+            wdst[take] = t.weights[take]
+    return out, wout
 
 
 def _common_meta(traces: Sequence[RoutingTrace]) -> dict[str, Any]:

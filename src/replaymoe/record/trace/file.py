@@ -1,4 +1,4 @@
-"""The routing-trace file format, version 1: atomic ``.npz`` writes and checked reads.
+"""The routing-trace file format, version 2: atomic ``.npz`` writes and checked reads.
 
 This module's one job is the bytes on disk of
 :meth:`RoutingTrace.save <replaymoe.record.trace.RoutingTrace.save>` and
@@ -8,18 +8,25 @@ It knows nothing of :class:`RoutingTrace` itself: the writer takes the ids and m
 takes the class to build.
 
 One file, a zip archive in numpy's ``.npz`` layout (readable with ``numpy.load``
-without pickle), holding exactly two members:
+without pickle), holding two members, or three with the weights:
 
 ``ids.npy``
     int16 little-endian [N, L, K], C order.
+``weights.npy`` (version 2, only when the trace carries weights: full recall)
+    float32 little-endian [N, L, K], C order; NaN in missing rows.
 ``meta.npy``
     uint8 [M]: a UTF-8 JSON object::
 
-        {"format": "replaymoe-routing-trace", "version": 1,
+        {"format": "replaymoe-routing-trace", "version": 2,
          "shape": [N, L, K], "dtype": "int16",
          "num_experts": E or null, "top_k": K, "layer_ids": [..L ints..] or null,
-         "model_id": str or null, "token_offset": int,
-         "sha256": hex SHA-256 of the ids' raw bytes (int16 little-endian, C order)}
+         "model_id": str or null, "token_offset": int, "token_ids": [..N ints..] or null,
+         "sha256": hex SHA-256 of the ids' raw bytes (int16 little-endian, C order),
+         "weights_sha256": hex SHA-256 of the weights' raw bytes (float32 little-endian,
+                           C order), or null without weights}
+
+Version 1 (replaymoe before full recall) is version 2 without weights (no ``weights.npy``, no
+``weights_sha256``); it is still read. Every file is written as version 2, with or without weights.
 
 Writes are atomic: the archive is written to a temporary file in the target
 directory, fsync'ed and renamed over the target, so a failing save leaves no file
@@ -45,7 +52,7 @@ import numpy as np
 __all__ = ["TraceFormatError", "FORMAT_NAME", "FORMAT_VERSION", "write_trace", "read_trace"]
 
 FORMAT_NAME = "replaymoe-routing-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 T = TypeVar("T")
 
@@ -64,14 +71,24 @@ class TraceFormatError(ValueError):
         self.path = path
 
 
-def _sha256(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i2").tobytes()).hexdigest()
+def _sha256(ids: np.ndarray, dtype: str = "<i2") -> str:
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype=dtype).tobytes()).hexdigest()
 
 
-def write_trace(path: str | os.PathLike, ids: np.ndarray, meta: Mapping[str, Any], *, compress: bool) -> None:
-    """Write ``ids`` [N, L, K] and the trace's ``meta`` (constructor keywords) to ``path`` atomically."""
+def write_trace(
+    path: str | os.PathLike,
+    ids: np.ndarray,
+    meta: Mapping[str, Any],
+    *,
+    compress: bool,
+    weights: np.ndarray | None = None,
+) -> None:
+    """Write ``ids`` [N, L, K], the trace's ``meta`` (constructor keywords) and its ``weights``
+    (float32 [N, L, K], or None) to ``path`` atomically."""
     path = os.fspath(path)
     ids = np.ascontiguousarray(ids, dtype="<i2")
+    if weights is not None:
+        weights = np.ascontiguousarray(weights, dtype="<f4")
     meta = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -79,6 +96,7 @@ def write_trace(path: str | os.PathLike, ids: np.ndarray, meta: Mapping[str, Any
         "dtype": "int16",
         **meta,
         "sha256": _sha256(ids),
+        "weights_sha256": None if weights is None else _sha256(weights, "<f4"),
     }
     meta_bytes = np.frombuffer(json.dumps(meta, sort_keys=True).encode("utf-8"), dtype=np.uint8)
     directory = os.path.dirname(os.path.abspath(path))
@@ -90,7 +108,7 @@ def write_trace(path: str | os.PathLike, ids: np.ndarray, meta: Mapping[str, Any
         raise OSError(e.errno, reason, path) from None  # (OSError picks the errno's subclass)
     try:
         with os.fdopen(fd, "wb") as f:
-            _write_payload(f, ids, meta_bytes, compress)
+            _write_payload(f, ids, meta_bytes, compress, **({} if weights is None else {"weights": weights}))
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -137,6 +155,7 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
                     f"(<= {FORMAT_VERSION}); upgrade replaymoe"
                 )
             ids = z["ids"]
+            weights = z["weights"] if "weights" in names else None
     except TraceFormatError:
         raise
     except Exception as e:  # any decoding failure means a damaged file
@@ -145,6 +164,19 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
         raise bad(f"ids {ids.dtype} {list(ids.shape)} do not match the metadata {meta.get('shape')}")
     if _sha256(ids) != meta.get("sha256"):
         raise bad("checksum mismatch: the ids are corrupted")
+    want_w = meta.get("weights_sha256") if version >= 2 else None
+    if (weights is None) != (want_w is None):
+        raise bad(
+            "the weights member and the metadata's weights_sha256 disagree "
+            f"({'no' if weights is None else 'a'} weights member, weights_sha256 {want_w!r})"
+        )
+    if weights is not None:
+        if weights.dtype != np.dtype("<f4") or weights.shape != ids.shape:
+            raise bad(
+                f"weights {weights.dtype} {list(weights.shape)} do not match the ids' {list(ids.shape)}"
+            )
+        if _sha256(weights, "<f4") != want_w:
+            raise bad("checksum mismatch: the weights are corrupted")
     try:
         return build(
             ids,
@@ -154,6 +186,7 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
             model_id=meta["model_id"],
             token_offset=meta["token_offset"],
             **({"token_ids": meta["token_ids"]} if meta.get("token_ids") is not None else {}),
+            **({"weights": weights} if weights is not None else {}),
         )
     except (KeyError, ValueError) as e:
         if isinstance(e, ValueError) and _IDS_ERROR.match(str(e)):
@@ -163,7 +196,9 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
         raise bad(f"invalid metadata ({type(e).__name__}: {e})") from e
 
 
-def _write_payload(f: Any, ids: np.ndarray, meta_bytes: np.ndarray, compress: bool) -> None:
+def _write_payload(
+    f: Any, ids: np.ndarray, meta_bytes: np.ndarray, compress: bool, weights: np.ndarray | None = None
+) -> None:
     """Write the npz archive (a separate function so tests can make it fail midway).
 
     Same layout as ``numpy.savez[_compressed]`` (so ``numpy.load`` reads it), but deflate level 1:
@@ -171,6 +206,7 @@ def _write_payload(f: Any, ids: np.ndarray, meta_bytes: np.ndarray, compress: bo
     """
     mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
     with zipfile.ZipFile(f, "w", compression=mode, compresslevel=1 if compress else None) as zf:
-        for name, arr in (("ids.npy", ids), ("meta.npy", meta_bytes)):
+        members = [("ids.npy", ids)] + ([("weights.npy", weights)] if weights is not None else [])
+        for name, arr in (*members, ("meta.npy", meta_bytes)):
             with zf.open(name, "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asanyarray(arr), allow_pickle=False)
