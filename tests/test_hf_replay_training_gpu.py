@@ -63,8 +63,8 @@ def test_gpu_checkpoint_and_shuffled_micro_batches_replay_the_rollout(reentrant)
 
 def test_gpu_trl_r3_step():
     pytest.importorskip("trl")
+    from replaymoe.bench.trl_workload import make_trainer
     from replaymoe.integrations.trl import R3GRPOTrainer
-    from replaymoe.integrations.trl_toy import make_trainer
 
     model = build_model("qwen3_moe", "demo", device="cuda", dtype=torch.bfloat16)
     import tempfile

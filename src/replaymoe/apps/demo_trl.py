@@ -20,9 +20,9 @@ __all__ = ["run_trl"]
 
 def run_trl(*, device: str, seed: int, steps: int = 4, quiet: bool = False) -> int:
     """Train ``steps`` GRPO steps with R3 and print the table; returns the exit code (0 or 1)."""
+    from replaymoe.bench.trl_workload import make_trainer
     from replaymoe.hf.models import build_model
     from replaymoe.integrations.trl import R3GRPOTrainer
-    from replaymoe.integrations.trl_toy import make_trainer
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model("qwen3_moe", "demo", seed=seed, device=device, dtype=dtype)

@@ -2,7 +2,7 @@
 where each step's time goes.
 
 Three trainers on the same :func:`replaymoe.hf.models.build_model` model (bf16, ``--size``), the
-same in-memory prompts, tokenizer and reward (:mod:`replaymoe.integrations.trl_toy`) and the same
+same in-memory prompts, tokenizer and reward (:mod:`replaymoe.bench.trl_workload`) and the same
 ``GRPOConfig`` (one generation and one optimizer step per training step: generation, scoring,
 loss forward and backward, AdamW):
 
@@ -226,10 +226,10 @@ def _build(impl: str, a: argparse.Namespace, out: str) -> tuple[Any, Any]:
     import trl
     from transformers.trainer_callback import PrinterCallback
 
+    from replaymoe.bench.trl_workload import make_trainer
     from replaymoe.hf import enable
     from replaymoe.hf.models import build_model
     from replaymoe.integrations.trl import R3GRPOTrainer
-    from replaymoe.integrations.trl_toy import make_trainer
 
     model = build_model(a.arch, a.size, device=a.device, dtype=torch.bfloat16)
     if impl == "grouped_mm":

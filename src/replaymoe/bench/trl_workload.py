@@ -1,4 +1,5 @@
-"""A tiny, download-free GRPO setup for the ``replaymoe demo --trl`` run and ``replaymoe bench trl``.
+"""The GRPO workload of ``replaymoe bench trl`` (and of ``replaymoe demo --trl`` and the README's TRL
+example): download-free, built in memory.
 
 Everything is built in memory: a word-level tokenizer whose vocabulary matches the model's
 ``vocab_size`` (``<pad> <bos> <eos> <unk> t4 t5 ...``), plain-text prompts of different lengths (so
