@@ -627,3 +627,22 @@ def test_patched_router_checks_once_then_per_call_metadata(case, validated, erro
     assert counts["validate"] == int(validated)
     ref = route(logits, routing=routing, replay_ids=replay, backend="torch")
     assert torch.equal(out.topk_ids, ref.topk_ids) and torch.equal(out.topk_weights, ref.topk_weights)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, dropout, random",
+    [
+        ("qwen3_moe", {}, 0.0, False),  # no noise: graphed in training mode too
+        ("mixtral", {"router_jitter_noise": 0.1}, 0.0, True),  # Mixtral's input jitter
+        ("mixtral", {"router_jitter_noise": 0.0}, 0.0, False),  # the attribute, zero
+        ("qwen3_moe", {}, 0.1, True),  # a dropout module inside the block
+        ("qwen3_moe", {}, 0.0, False),  # a dropout module with p = 0
+    ],
+)
+def test_blocks_random_in_training(arch, overrides, dropout, random):
+    from replaymoe.hf.graphs import random_in_training
+
+    model = build_model(arch, "tiny", **overrides)
+    block = rhf.find_moe_layers(model)[0].block
+    block.extra = torch.nn.Dropout(dropout)
+    assert random_in_training(block) is random

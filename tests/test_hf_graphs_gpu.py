@@ -144,23 +144,35 @@ def test_graph_replay_skips_python_and_sees_new_weights(monkeypatch):
     ref_moe.disable()
 
 
-def test_no_graphs_with_grad_or_training():
+def test_no_graphs_with_grad_or_training_noise():
     model = build_model("qwen3_moe", "medium", dtype=torch.bfloat16, device="cuda")
     moe = rhf.enable(model, max_batch_size=2, max_positions=32)
     ids = torch.randint(3, model.config.vocab_size, (2, 1), device="cuda")
     for _ in range(3):
         model(input_ids=ids).logits.float().sum().backward()  # grad enabled: never graphed
     assert _captured(moe) == 0
-    model.train()
-    with torch.no_grad():
-        for _ in range(3):
-            model(input_ids=ids)  # training mode: never graphed
-    assert _captured(moe) == 0
     model.eval()
     with torch.no_grad():
         for _ in range(2):
-            model(input_ids=ids)
+            want = model(input_ids=ids).logits
     assert _captured(moe) == len(moe.layers)
+    # training mode under no_grad (TRL's rollouts) without noise in the blocks: graphed too, under
+    # their own key, with the same bits
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            got = model(input_ids=ids).logits
+    assert _captured(moe) == 2 * len(moe.layers)
+    assert torch.equal(got, want)
+    # a block with router jitter draws random numbers in training mode: eager there
+    mixtral = build_model("mixtral", "medium", dtype=torch.bfloat16, device="cuda", router_jitter_noise=0.1)
+    moe_mx = rhf.enable(mixtral, max_batch_size=2, max_positions=32)
+    mixtral.train()
+    with torch.no_grad():
+        for _ in range(3):
+            mixtral(input_ids=ids)
+    assert _captured(moe_mx) == 0
+    moe_mx.disable()
     # fp32 experts on CUDA run the torch reference: never graphed (and no capture attempt warns)
     model32 = build_model("qwen3_moe", "medium", dtype=torch.float32, device="cuda")
     moe32 = rhf.enable(model32, max_batch_size=2, max_positions=32)

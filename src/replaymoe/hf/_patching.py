@@ -45,7 +45,9 @@ def binding_hook(engine: Any, info: MoELayerInfo, is_block: bool) -> Any:
         step = engine.step
         if step is None:
             engine.bindings.lookup(index, hidden, overwrite=not is_block)
-        elif torch.is_grad_enabled() or module.training:  # (reentrant checkpoints run under no_grad)
+        elif torch.is_grad_enabled() or (module.training and not engine.outer_generation):
+            # (reentrant checkpoints run under no_grad in training mode; generate, in whatever mode,
+            # feeds no backward: nothing to bind)
             forced = None if step.forced is None else step.forced[index]
             if forced is not None and step.forced_w is not None:  # full recall: the weights too
                 forced = (forced, step.forced_w[index])

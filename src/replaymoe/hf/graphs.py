@@ -9,8 +9,10 @@ graph's static input, replay it and return a copy of its output (about three lau
 
 Eligible calls (:func:`graphable`): eager (not traced by ``torch.compile``, not inside someone
 else's CUDA-graph capture), no gradient, no autocast, at most :data:`GRAPH_MAX_TOKENS` tokens, on
-CUDA, bf16/fp16 activations (the fused kernels'), block in eval mode, no hooks on the block's
-submodules (they would fire at capture only).
+CUDA, bf16/fp16 activations (the fused kernels'), no hooks on the block's submodules (they would
+fire at capture only). Training mode too (an RL trainer's rollout: TRL generates with the policy in
+training mode, under ``no_grad``), unless the block is random in training mode: a dropout module
+with ``p > 0`` or a router jitter (:data:`TRAINING_NOISE`) set; the mode is part of the graph's key.
 Everything a replayed graph reads or writes has a fixed address: the block's parameters and
 buffers (checked on every call: a parameter replaced or moved drops the graph), and the session's
 per-shape replay-ids and capture-slab buffers (part of the graph's key). A block whose capture fails
@@ -30,9 +32,12 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["GRAPH_MAX_TOKENS", "BlockGraphs", "graphable"]
+__all__ = ["GRAPH_MAX_TOKENS", "TRAINING_NOISE", "BlockGraphs", "graphable", "random_in_training"]
 
 GRAPH_MAX_TOKENS = 64  # decode sizes: beyond this, the kernels outrun the host anyway
+# transformers' MoE attributes that add noise in training mode (Mixtral, MiniMax, Switch, PhiMoE, DBRX)
+TRAINING_NOISE = ("jitter_noise", "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _MAX_SHAPES = 8  # graphs kept per block (least recently used dropped first)
 _SEEN = object()  # a key seen once: the next call captures
 
@@ -57,6 +62,17 @@ class _Graph:
     static_in: torch.Tensor
     static_out: Any  # a tensor or a tuple of tensors (gpt-oss returns the router scores too)
     weights: tuple[int, ...]  # addresses of the block's parameters and buffers at capture
+
+
+def random_in_training(block: nn.Module) -> bool:
+    """Whether ``block`` draws random numbers in training mode: a dropout module with ``p > 0``, or a
+    non-zero :data:`TRAINING_NOISE` attribute on one of its modules."""
+    for m in block.modules():
+        if isinstance(m, _DROPOUTS) and m.p > 0:
+            return True
+        if any(getattr(m, name, None) for name in TRAINING_NOISE):
+            return True
+    return False
 
 
 def _copy_out(out: Any) -> Any:
@@ -111,6 +127,7 @@ class BlockGraphs:
         name) of every parameter and buffer, whose addresses are read again at each call so that a
         parameter replaced (not just updated in place) or moved is noticed."""
         self.tree = [(m, _shape_of(m, m is self.block)) for m in self.block.modules()]
+        self.random_in_training = random_in_training(self.block)
         self.tensor_slots = [
             (m, n)
             for m in self.block.modules()
@@ -122,10 +139,11 @@ class BlockGraphs:
         return tuple(getattr(getattr(m, n), "data_ptr", int)() for m, n in self.tensor_slots)  # None: 0
 
     def usable(self) -> bool:
-        """The per-block conditions: not failed, eval mode, no hooks inside the block, and the
-        structure seen at capture (a module added, removed or replaced, a forward overridden or a
-        parameter added: the graphs are dropped, this call runs eagerly, later ones re-capture)."""
-        if self.failed or self.block.training:
+        """The per-block conditions: not failed, eval mode or a block without randomness in
+        training mode, no hooks inside the block, and the structure seen at capture (a module added,
+        removed or replaced, a forward overridden or a parameter added: the graphs are dropped, this
+        call runs eagerly, later ones re-capture)."""
+        if self.failed or (self.block.training and self.random_in_training):
             return False
         for m, shape in self.tree:
             if m is not self.block and _hooked(m):
@@ -151,6 +169,7 @@ class BlockGraphs:
             hidden_states.dtype,
             hidden_states.device,
             torch.is_inference_mode_enabled(),
+            self.block.training,
             *(None if b is None else b.data_ptr() for b in buffers),
             None if head is None else head.key,
         )
