@@ -25,8 +25,20 @@ _BASES = (1000003, 917513)
 _HASHES_KEY = "_replaymoe_prefix_hashes"  # where trace_hashes keeps a trace's hashes (its __dict__)
 
 
+_powers = np.ones((2, 1), dtype=np.int64)  # the longest table made so far (prefixes of it are the rest)
+
+
 def hash_powers(n: int) -> np.ndarray:
-    """int64 [2, n]: ``base^i mod prime`` for each hash, i < n."""
+    """int64 [2, max(n, 1)]: ``base^i mod prime`` for each hash, i < n (a read-only view of a table kept
+    for the process, grown to the next power of two when a longer one is asked for)."""
+    global _powers
+    if n > _powers.shape[1]:
+        _powers = _make_powers(1 << (n - 1).bit_length())
+        _powers.flags.writeable = False
+    return _powers[:, : max(n, 1)]
+
+
+def _make_powers(n: int) -> np.ndarray:
     out = np.ones((2, max(n, 1)), dtype=np.int64)
     for h, (p, a) in enumerate(zip(_PRIMES, _BASES)):
         k, step = 1, a % p

@@ -416,7 +416,7 @@ class ReplayTable:
         _upload(self.hash_rows, sorted_r)
         pcap = capacity(max((t.num_tokens for t in traces), default=0))
         if self.powers.shape[-1] != pcap or self.powers.device != device:
-            self.powers = _static(torch.from_numpy(hash_powers(pcap)).to(device))
+            self.powers = _static(torch.tensor(hash_powers(pcap), device=device))
 
     def gather_by_content(
         self,
