@@ -16,7 +16,7 @@ import torch
 
 from .._launch import cdiv, fast, next_power_of_2
 from .._validation import is_capturing
-from ..routing._id_mailbox import mailbox_for
+from ..routing._id_mailbox import mailbox_for, raise_pending
 from .configs import (
     MoEConfig,
     config_from_list,
@@ -326,19 +326,24 @@ def launch_experts(
         _reduce_slots(y, ids, out, offset, E_local, pdl)
 
 
-_CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (id of the mailbox, id_bound) -> check arguments
+_CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (device index, id_bound) -> check arguments
 _NO_CHECK: dict = {}
 
 
 def _id_check(ids: torch.Tensor, id_bound: int) -> dict:
     """The kernels' keyword arguments for the device-side check of the caller's ids against
     ``[-1, id_bound)`` (``err_ptr``: the device's mailbox, ``id_bound``, ``CHECK_IDS``; one dict per
-    device and bound, built once), after raising the error an earlier call left in the mailbox."""
-    box = mailbox_for(ids)
-    key = (id(box), id_bound)  # the mailbox tensors live for the process: their ids stay theirs
-    args = _CHECK_ARGS.get(key)
-    if args is None:
-        args = _CHECK_ARGS[key] = dict(err_ptr=box, id_bound=id_bound, CHECK_IDS=True)
+    device and bound, built once), after raising the error an earlier call left in the mailbox.
+    Every eager decode call with caller ids runs this: the steady state is one dict lookup and one
+    read of the mailbox word."""
+    index = ids.get_device()
+    args = _CHECK_ARGS.get((index, id_bound))
+    if args is None:  # (the mailbox tensors live for the process)
+        args = _CHECK_ARGS[(index, id_bound)] = dict(
+            err_ptr=mailbox_for(ids), id_bound=id_bound, CHECK_IDS=True
+        )
+    elif index >= 0:
+        raise_pending(index)
     return args
 
 
