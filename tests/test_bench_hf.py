@@ -126,6 +126,24 @@ def test_bench_cell_rows_on_cpu(mode, monkeypatch, generator):
     assert rows[3]["same_tokens_as_rollout"] == 1.0  # replay regenerates the captured rollout
 
 
+def test_bench_cell_rollout_in_training_mode_on_cpu(monkeypatch, generator):
+    # --train-mode with R3's rollout (capture, then the round loaded for replay), as TRL generates:
+    # the rows come out, the copies stay in training mode
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    args = bench_hf._parse(["--batch", "2", "--prompt", "5", "--new", "4", "--repeats", "2", "--train-mode",
+                            "--impls", "replaymoe,replaymoe+rollout", "--no-error"])  # fmt: skip
+    copies = {i: shared_copy(model).train(args.train_mode) for i in args.impl_list}
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=generator)
+    rows = bench_hf._bench_cell(
+        copies, None, args.impl_list, ids, torch.ones_like(ids), "eager", args, bench_hf._SkipLog(),
+        graphs=GraphCaptureCount(),
+    )  # fmt: skip
+    assert [r["impl"] for r in rows] == ["replaymoe", "replaymoe+rollout"]
+    assert all(r["train_mode"] for r in rows)
+    assert all(m.training for m in copies.values())
+
+
 @pytest.mark.parametrize("replay", [False, True])
 def test_bench_train_hf_rows_record_checkpointing_and_replay(replay, monkeypatch):
     # `bench train --checkpointing [--replay]`'s HF rows on a tiny CPU model, each step run once in

@@ -12,7 +12,14 @@ experts, top-8, expert width 768 — and 8 layers, bf16) generates ``--new`` tok
   (prompt and completion); ``same_tokens_as_rollout`` tells whether it generated the rollout again;
 * ``replaymoe/no-graphs`` (only when named in ``--impls``) plain replaymoe with ``enable(...,
   graphs=False)``: every MoE block eager (by default eager decode-size forwards replay each block
-  as a CUDA graph, :mod:`replaymoe.hf.graphs`).
+  as a CUDA graph, :mod:`replaymoe.hf.graphs`);
+* ``replaymoe+rollout`` (only when named) the rollout as ``R3GRPOTrainer`` generates it:
+  ``set_rollout_replay(True)``, so each ``generate`` captures and, when it returns, loads its
+  traces for the training forwards to replay (matched by content): capture plus what R3 adds
+  around ``generate``, without TRL.
+
+``--train-mode`` generates with the models in training mode (under ``no_grad``), as TRL's
+``GRPOTrainer`` does with its policy; the fp32 reference of the logits error stays in eval mode.
 
 Cache modes: ``eager`` (the default dynamic cache, no compile) and ``static``
 (``cache_implementation="static"``: transformers compiles the decode step, inductor with CUDA
@@ -46,7 +53,7 @@ fp32 forward replays the same traces), so speed and correctness are read togethe
 start from a reset dynamo, so every cell compiles its own graphs.
 
 Usage: ``replaymoe bench hf [--out DIR] [--arch qwen3_moe] [--batch 1,8,32] [--prompt 128] [--new 64]
-[--modes eager,static]`` (or ``python -m replaymoe.bench.hf``). Needs CUDA.
+[--modes eager,static] [--impls ...] [--train-mode]`` (or ``python -m replaymoe.bench.hf``). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ from ._timing import NO_CUDA_EXIT, no_cuda, print_table, write_results
 from .hf_timing import GraphCaptureCount, quantile, shared_copy, timed_generate
 
 IMPLS = ("grouped_mm", "replaymoe", "replaymoe+capture", "replaymoe+replay")
-OPTIONAL_IMPLS = ("replaymoe/no-graphs",)
+OPTIONAL_IMPLS = ("replaymoe/no-graphs", "replaymoe+rollout")
 MODES = ("eager", "static")
 
 
@@ -96,6 +103,9 @@ def _parse(argv):
         "--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS + OPTIONAL_IMPLS)
     )
     p.add_argument("--no-error", action="store_true", help="skip the fp32 logits-error column")
+    p.add_argument(
+        "--train-mode", action="store_true", help="generate in training mode (under no_grad), as TRL does"
+    )
     args = p.parse_args(argv)
     args.impl_list = [s for s in args.impls.split(",") if s]
     args.mode_list = [s for s in args.modes.split(",") if s]
@@ -212,6 +222,8 @@ def _bench_cell(
                     graphs=impl != "replaymoe/no-graphs",
                     **cap,
                 )
+                if impl == "replaymoe+rollout":
+                    sessions[impl].set_rollout_replay(True)
         skips0 = _cudagraph_skips()
         skip_log.messages.clear()
         # a short first warm-up generate eagerly (block graphs, autotune); none with a static cache,
@@ -273,6 +285,7 @@ def _bench_cell(
             "batch": B,
             "prompt": args.prompt,
             "new_tokens": args.new,
+            "train_mode": args.train_mode,
             "generate_s": t,
             "tokens_per_s": B * args.new / t,
             # median over rounds of (grouped_mm time / this time) in the same round
@@ -368,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     _raise_recompile_limit(len(impls))
     # made before any generate: a copy must not inherit another copy's compiled call or cache
     copies = {impl: (model if impl == "grouped_mm" else shared_copy(model)) for impl in impls}
+    for m in copies.values():
+        m.train(args.train_mode)
     g = torch.Generator().manual_seed(1)
     rows = []
     with GraphCaptureCount() as graphs:
