@@ -33,10 +33,10 @@ typecheck: $(STAMP)
 test: $(STAMP) typecheck
 	$(PY) -m pytest -q -n 2 $(TESTS)
 
-# one-GPU tests in 4 workers (one GPU shared: 309 tests in about 3.3 min on an H100 with 6), then the
-# memory-heavy ones alone (marker gpu_alone: DeepSeek-V3's experts), then the multi-GPU tests alone
-# (each spawns a process per GPU)
-GPU_WORKERS ?= 4
+# one-GPU tests in 6 workers sharing the GPU (305 tests in 241 s on an H100), then the memory-heavy ones
+# alone (marker gpu_alone: DeepSeek-V3's experts; 4 tests, 94 s), then the multi-GPU tests alone (each
+# spawns a process per GPU)
+GPU_WORKERS ?= 6
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -n $(GPU_WORKERS) -m "gpu and not multigpu and not gpu_alone" $(TESTS)
 	$(PY) -m pytest -q -m "gpu_alone and not multigpu" $(TESTS)

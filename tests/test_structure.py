@@ -395,11 +395,7 @@ FOREIGN_PRIVATE = {
 }
 # reads of our own classes' private names that are known and left for now, as (file under src/replaymoe,
 # the expression), each with its reason
-KNOWN_PRIVATE_READS = {
-    # RoutedExpertsCapturer's staging (record/capture.py) has no public handle yet; the capture benchmark
-    # times its pieces alone
-    ("bench/capture.py", "cap._transfer"),
-}
+KNOWN_PRIVATE_READS: set[tuple[str, str]] = set()
 
 
 def _external_names(tree: ast.Module) -> set[str]:

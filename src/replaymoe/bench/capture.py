@@ -172,7 +172,7 @@ def run(
 
     # pieces
     n = T * L * K
-    tr = cap._transfer  # private: its staging buffers and side stream are the pieces timed alone
+    tr = cap.transfer  # its staging buffers and side stream are the pieces timed alone
     gather_us = _device_us(lambda: tr.dev_stage[0][:n].view(T, L, K).copy_(cap.buffer[:, :T].transpose(0, 1)))
     d2h_us = _device_us(
         lambda: tr.pinned[0][:n].copy_(tr.dev_stage[0][:n], non_blocking=True), stream=tr.stream

@@ -474,6 +474,13 @@ class RoutedExpertsCapturer:
         """Steps whose copy has not been scattered yet."""
         return len(self._pending)
 
+    @property
+    def transfer(self) -> Any:
+        """The staging of the device-to-host copies (:mod:`replaymoe.record.transfer`: on CUDA a
+        ``CudaTransfer`` with its device stage buffers, pinned buffers and side stream; else a
+        ``SyncTransfer``). Read it, never drive it: the capture benchmark times its pieces alone."""
+        return self._transfer
+
     def host_bytes(self) -> int:
         """Host memory held: page slabs (used or free) plus staging buffers (pinned on CUDA)."""
         return len(self._slabs) * self._slab_bytes() + self._transfer.nbytes()
