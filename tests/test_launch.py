@@ -88,9 +88,10 @@ def test_call_key_reads_keywords_and_parameters():
     assert _flat(t, n=4) == _flat(torch.ones(8), n=4)  # another tensor, same dtype and alignment
     assert _flat(t, n=4) != _flat(t, m=4)  # the keyword's name counts
     assert _flat(t, 4) != _flat(t, n=4)  # positional and keyword bind differently
-    assert _flat(torch.nn.Parameter(t)) == _flat(t)  # a parameter is keyed as its tensor
+    assert _flat(torch.nn.Parameter(t))[3] == _flat(t)[3]  # a parameter is keyed as its tensor
     d = TensorDescriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64], [64, 1], [16, 32])
-    assert _flat(d, 1) == (0, (), _arg_key(d), int, 1)  # anything else: its _arg_key
+    assert _flat(d, 1) == (0, (), (TensorDescriptor, int), (_arg_key(d), 1))  # else: its _arg_key
+    assert _flat(d, 1) == _flat(TensorDescriptor(d.base.clone(), [64, 64], [64, 1], [16, 32]), 1)
 
 
 @pytest.mark.parametrize("arg", [(1, 2), [torch.zeros(2)], object()])

@@ -15,7 +15,8 @@ the hf step bookkeeping). It launches exactly the kernel Triton would pick:
   as their addresses (Triton's launcher would otherwise query the driver about every pointer), through
   the launcher's native entry point when the kernel needs no scratch memory;
 * a call whose arguments repeat an earlier call's in everything Triton specializes on skips the binder
-  too: the call is keyed by its scalars' exact values (bools, ints, floats, strings, None), its
+  too: the call is keyed by its arguments' types, its scalars' exact values (bools, ints, floats,
+  strings, None), its
   tensors' dtypes and 16-byte alignment and its tensor descriptors' dtypes, blocks, padding and
   alignment, a superset of what the binder reads, so two calls with one key bind alike. The key costs
   a fraction of the binder's per-argument specialization (tens of microseconds per launch of a
@@ -198,26 +199,42 @@ _SCALARS = (bool, int, float, str, type(None))
 
 
 def _call_key(device: int, args: tuple, kwargs: dict) -> tuple | None:
-    """The memo key of one call: ``_arg_key`` of every argument, flattened (each group starts with a
-    type, a dtype or a tuple, so the sequence reads back one way), after the device and the keyword
-    names; None when an argument cannot be keyed. The common arguments (plain tensors and scalars)
-    are keyed inline: this runs on every launch."""
-    key = [device, tuple(kwargs)]
-    add = key.append
-    for a in (*args, *kwargs.values()):
-        t = type(a)
+    """The memo key of one call: ``(device, keyword names, the arguments' types, their keys)``, where a
+    tensor's key is its dtype and 16-byte alignment, a scalar's its value (its type is in the types),
+    anything else's its ``_arg_key``; None when an argument cannot be keyed. This runs on every
+    launch: the keys are read by a function made once per tuple of argument types
+    (:func:`_keyer`), one tuple expression with no branch per argument."""
+    values = (*args, *kwargs.values()) if kwargs else args
+    types = tuple(map(type, values))
+    keyer = _KEYERS.get(types)
+    if keyer is None:
+        if len(_KEYERS) >= _MEMO_LIMIT:  # type tuples that never repeat: start over, stay bounded
+            _KEYERS.clear()
+        keyer = _KEYERS[types] = _keyer(types)
+    read, others = keyer
+    keys = read(values)
+    if others and any(k is _UNKEYED for k in keys):
+        return None
+    return (device, tuple(kwargs), types, keys)
+
+
+def _keyer(types: tuple) -> tuple[Any, bool]:
+    """``(read, others)`` for calls whose arguments have ``types``: ``read(values)`` is the tuple of
+    the arguments' keys (see :func:`_call_key`), ``others`` whether an argument is neither a tensor nor
+    a scalar (its ``_arg_key`` may be ``_UNKEYED``)."""
+    parts, others = [], False
+    for i, t in enumerate(types):
         if t is torch.Tensor or t is _PARAMETER:
-            add(a.dtype)
-            add(a.data_ptr() & 15 == 0)
+            parts.append(f"v[{i}].dtype, v[{i}].data_ptr() & 15 == 0, ")
         elif t in _SCALARS:
-            add(t)  # the type too: True == 1 and 1 == 1.0 specialize differently
-            add(a)
+            parts.append(f"v[{i}], ")
         else:
-            k = _arg_key(a)
-            if k is _UNKEYED:
-                return None
-            add(k)
-    return tuple(key)
+            parts.append(f"_arg_key(v[{i}]), ")
+            others = True
+    return eval(f"lambda v: ({''.join(parts)})", {"_arg_key": _arg_key}), others
+
+
+_KEYERS: dict[tuple, tuple[Any, bool]] = {}  # argument types -> _keyer's (read, others)
 
 
 _PARAMETER = torch.nn.Parameter
