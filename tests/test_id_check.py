@@ -155,3 +155,49 @@ def test_checked_variant_one_object_eagerly_and_traced_under_compile(recwarn):
     assert torch.equal(compiled(torch.zeros(2)), torch.full((2,), 16.0))
     assert not [w for w in recwarn if "lru_cache" in str(w.message)]
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- route's replay_weights (full recall)
+
+_W_NONNEG = r"Invalid value of replay_weights: expected finite weights >= 0 in every replayed row .*, got "
+_W_FINITE = r"Invalid value of replay_weights: expected finite weights in every replayed row .*, got "
+_IDS = [[-1, -1, -1], [7, 0, 2], [3, 4, 5]]  # row 0 routes natively: its weights are not read
+
+
+def _route_weights_launch(weights, method=0, check=True):
+    from replaymoe.routing._triton import _launch as route_launch
+
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    replay = torch.tensor(_IDS, dtype=torch.int64)
+    w = torch.tensor(weights, dtype=torch.float32)
+    return route_launch(logits, None, None, replay, 3, method, 1, 1, 1.0, check, replay_weights=w)
+
+
+@pytest.mark.parametrize(
+    "weights,method,match",
+    [
+        ([[0.1] * 3, [0.5, float("nan"), 0.2], [0.3] * 3], 0, _W_NONNEG + r"nan at row 1, slot 1 "),  # NaN
+        ([[0.1] * 3, [0.5, 0.3, 0.2], [0.3, 0.3, -0.5]], 0, _W_NONNEG + r"-0.5 at row 2, slot 2 "),  # < 0
+        ([[0.1] * 3, [0.5, 0.3, 0.2], [float("inf"), 1.0, 1.0]], 5, _W_FINITE + r"inf at row 2, slot 0 "),
+    ],
+)
+def test_bad_replay_weights_leave_their_slot_in_the_mailbox(weights, method, match):
+    _route_weights_launch(weights, method)
+    with pytest.raises(ValueError, match=match + r"of an earlier route call"):
+        _id_mailbox._raise(0, synced=True)
+    assert not _id_mailbox.mailbox(0).any()
+
+
+@pytest.mark.parametrize(
+    "weights,method",
+    [
+        ([[float("nan")] * 3, [0.5, 0.3, 0.2], [0.3] * 3], 0),  # NaN in the native row: not read
+        ([[0.1] * 3, [0.5, -0.3, 0.2], [-1.0, 2.0, 0.0]], 5),  # TOPK's weights are signed logits
+    ],
+)
+def test_valid_replay_weights_leave_the_mailbox_empty(weights, method):
+    ids, out = _route_weights_launch(weights, method)
+    assert not _id_mailbox.mailbox(0).any()
+    ref_ids, ref_out = _route_weights_launch(weights, method, check=False)
+    assert torch.equal(ids, ref_ids) and torch.equal(out, ref_out)  # the check changes nothing
+    assert torch.equal(out[1:], torch.tensor(weights[1:]))  # the replayed rows take the given weights

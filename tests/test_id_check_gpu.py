@@ -254,3 +254,33 @@ def test_valid_replay_ids_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out.topk_ids, ref.topk_ids) and torch.equal(out.topk_weights, ref.topk_weights)
     raise_id_errors()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.5], ids=["nan", "negative"])
+def test_bad_replay_weights_raise_at_the_next_route_without_a_host_sync(bad):
+    # full recall: route's replay_weights are checked by the routing kernel with the ids, into the
+    # mailbox (no host sync at the call); a native row's weights are not read
+    from replaymoe import route
+
+    logits = torch.randn(4, E, device="cuda")
+    _, ids, _ = _inputs(4, 8)
+    ids[2] = -1  # a native row: its NaN weights are fine
+    weights = torch.full((4, K), 0.25, device="cuda")
+    weights[2] = float("nan")
+    route(logits, K, replay_ids=ids, replay_weights=weights)  # compile the checking variant first
+    raise_id_errors()
+    weights[1, 3] = bad
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = route(logits, K, replay_ids=ids, replay_weights=weights)  # no error here
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.topk_weights[1], weights[1])  # the replayed row took the given weights
+    with pytest.raises(
+        ValueError, match=r"replay_weights: expected finite weights >= 0 .* at row 1, slot 3 "
+    ):
+        raise_id_errors()
+    # the torch backend checks on the host, at the call
+    with pytest.raises(ValueError, match=r"replay_weights: expected finite weights >= 0 .*row 1 = "):
+        route(logits, K, replay_ids=ids, replay_weights=weights, backend="torch")

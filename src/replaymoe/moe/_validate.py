@@ -164,7 +164,7 @@ def validate_call(
             router_logits, routing, routing_replay_out, replay_ids, check_replay=check_ids, defer=True
         )
         replay_weights = validate_weights(
-            router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_ids
+            router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_ids, defer=True
         )
     else:
         route_params = None

@@ -267,9 +267,9 @@ def route(
         forced rows, returned as ``topk_weights`` as they are. Rows whose replay ids are all -1
         (routed natively) keep their computed weights, and their values here are not read (NaN is
         fine). No gradient reaches ``router_logits`` through the replayed weights. With
-        ``check_replay`` their values are checked on the host (one host sync on a GPU; skipped
-        while a CUDA graph is captured and under ``torch.compile``): finite, and ``>= 0`` for every
-        method but TOPK (whose weights are the raw logits) with a non-negative scale.
+        ``check_replay`` their values are checked where the ids are (see ``check_replay``: on CUDA
+        by the routing kernel, without a host sync): finite, and ``>= 0`` for every method but TOPK
+        (whose weights are the raw logits) with a non-negative scale.
     backend : {"auto", "triton", "torch"}
         ``auto``: the Triton kernel on CUDA tensors (up to 4096 experts), the torch reference
         otherwise. ``triton`` on CPU tensors needs the process started with ``TRITON_INTERPRET=1``.
@@ -300,7 +300,7 @@ def route(
     p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay, defer=True)
     if routing_weights_out is not None or replay_weights is not None:
         replay_weights = validate_weights(
-            router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_replay
+            router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_replay, defer=True
         )
     out = RoutingOutput(
         *run_route(router_logits, routing, p, routing_replay_out, replay_ids, backend,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from replaymoe._validation import check_int, check_tensor, fail, is_capturing, tensor_ok
-from replaymoe.routing.methods import METHODS, Params, RoutingMethod, methods_where
+from replaymoe.routing.methods import METHODS, Params, RoutingMethod, methods_where, nonnegative_weights
 
 if TYPE_CHECKING:
     from replaymoe.routing import RoutingConfig
@@ -46,7 +46,6 @@ _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
 _MAX_N_GROUP = 32
 _METHOD_VALUES = tuple(int(m) for m in METHODS)
 _METHOD_CHOICES = ", ".join(f"{m.name}={int(m)}" for m in METHODS)  # every method of the table
-_RAW_LOGITS_KIND = METHODS[RoutingMethod.TOPK].formula.kernel  # the one formula with signed weights
 
 
 # RoutingConfig's fields spelled out (as in as_routing)
@@ -215,14 +214,19 @@ def validate_weights(
     replay_ids: Optional[torch.Tensor],
     replay_weights: object,
     check_replay: bool = True,
+    *,
+    defer: bool = False,
 ) -> Optional[torch.Tensor]:
     """The per-call checks of ``route``'s combine-weight tensors, after :func:`validate` passed for the
     same call: ``routing_weights_out`` (capture) as ``routing_replay_out`` but float32, and
     ``replay_weights`` (only with ``replay_ids``) float32 ``[T, K]`` on the logits' device.
 
-    ``check_replay``: also check the values of ``replay_weights`` (:func:`check_replay_weights`: one
-    host sync on a GPU; skipped while a CUDA graph is captured and under ``torch.compile``).
-    Returns ``replay_weights`` as the kernels read them (contiguous), or None.
+    ``check_replay``: also check the values of ``replay_weights`` (:func:`check_replay_weights`),
+    here on the host (skipped while a CUDA graph is captured and under ``torch.compile``), or, with
+    ``defer`` and CUDA tensors, by the backend with the replay ids (``Params.check_replay``, which
+    :func:`validate` with ``defer`` sets for them): the routing kernel on the device, into the error
+    mailbox, the torch path on the host. Returns ``replay_weights`` as the kernels read them
+    (contiguous), or None.
     """
     num_tokens, num_experts = router_logits.shape
     dev, top_k = router_logits.device, routing.top_k
@@ -241,7 +245,8 @@ def validate_weights(
     rw = replay_weights
     if not (tensor_ok(rw, 2, (torch.float32,), dev, False) and tuple(rw.shape) == (num_tokens, top_k)):
         rw = check_tensor("replay_weights", rw, shape=(num_tokens, top_k), dtype=torch.float32, device=dev)
-    if check_replay and not is_capturing() and not torch.compiler.is_compiling():
+    deferred = defer and rw.is_cuda  # (validate deferred the ids of the same call alike)
+    if check_replay and not deferred and not is_capturing() and not torch.compiler.is_compiling():
         check_replay_weights(rw, replay_ids, nonnegative=weights_nonnegative(routing))
     return rw if rw.is_contiguous() else rw.contiguous()
 
@@ -249,7 +254,7 @@ def validate_weights(
 def weights_nonnegative(routing: RoutingConfig) -> bool:
     """Whether every weight ``routing`` can produce is >= 0: all methods but TOPK (the raw logits),
     and a non-negative ``routed_scaling_factor``."""
-    return METHODS[routing.method].formula.kernel != _RAW_LOGITS_KIND and routing.scale >= 0
+    return nonnegative_weights(routing.method, routing.scale)
 
 
 def check_replay_weights(

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from replaymoe._backend import resolve_backend
-from replaymoe._validation import fail
-from replaymoe.routing._checks import replay_ids_for_torch
+from replaymoe._validation import fail, is_capturing
+from replaymoe.routing._checks import check_replay_weights, replay_ids_for_torch
 from replaymoe.routing._triton import route_triton
-from replaymoe.routing.methods import Params, select_torch, weights_torch
+from replaymoe.routing.methods import Params, nonnegative_weights, select_torch, weights_torch
 
 if TYPE_CHECKING:
     from replaymoe.routing import RoutingConfig
@@ -107,6 +107,10 @@ def run_route(
         if p.check_replay:  # deferred by validate: the torch path checks them on the host
             assert replay_ids is not None
             replay_ids = replay_ids_for_torch(replay_ids, router_logits.shape[1])
+            if replay_weights is not None and not is_capturing() and not torch.compiler.is_compiling():
+                check_replay_weights(
+                    replay_weights, replay_ids, nonnegative=nonnegative_weights(p.method, p.scale)
+                )
             p = p._replace(check_replay=False)
         return route_torch_ids(
             router_logits,

@@ -101,6 +101,16 @@ def _raise(index: int, synced: bool) -> None:
     kind = (word >> KIND_SHIFT.value) & 3
     slot = (word >> SLOT_SHIFT.value) & 0x3F
     value = (word & 0xFFFFFFFF) - (1 << 31)
+    if kind == 3:  # a replayed weight (full recall); the bound word says whether >= 0 was required
+        weight = float(np.array([value], dtype=np.int32).view(np.float32)[0])
+        rule = "finite weights >= 0" if bound else "finite weights"
+        fail(
+            "replay_weights",
+            f"{rule} in every replayed row (rows of all -1 ids excepted)",
+            f"{weight} at row {row}, slot {slot} of an earlier route call on cuda:{index} (checked on the "
+            "device without a host sync: the error comes at the next checked call, or at "
+            "replaymoe.routing.raise_id_errors())",
+        )
     name = "replay_ids" if replay else "topk_ids"
     where = (
         f"row {row}, slot {slot} of an earlier {'route' if replay else 'fused_moe'} call on cuda:{index} "

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from replaymoe.routing import methods
-from replaymoe.routing._kernel_ids import check_replay_tile
+from replaymoe.routing._kernel_ids import check_replay_tile, check_weights_tile
 
 # The weights formulas' branch numbers, from the method table (a plain int each, as Triton's constexpr
 # globals must be); the kernel reads a method's properties from its row's flags, never its name.
@@ -233,6 +233,7 @@ def route_kernel(
     rw_ptr=None,  # [T, K] fp32 replayed weights of the forced rows (when HAS_REPLAY_WEIGHTS)
     HAS_WEIGHTS_OUT: tl.constexpr = False,
     HAS_REPLAY_WEIGHTS: tl.constexpr = False,  # only with HAS_REPLAY
+    RW_NONNEG: tl.constexpr = True,  # CHECK_REPLAY with HAS_REPLAY_WEIGHTS: the weights must be >= 0
 ):
     EP: tl.constexpr = NGP * GSP
     pid = tl.program_id(0)
@@ -351,6 +352,8 @@ def route_kernel(
         # full recall: a forced row's weights are the replayed ones; a native row keeps its own
         tl.static_assert(HAS_REPLAY, "replayed weights come with replayed ids")
         rw = tl.load(rw_ptr + out_off, mask=omask, other=0.0)
+        if CHECK_REPLAY:
+            check_weights_tile(rw, (native == 0) & row_ok, rows64, cols, omask, RW_NONNEG, err_ptr)
         w = tl.where(native[:, None], w, rw)
 
     tl.store(ids_ptr + out_off, ids, mask=omask)

@@ -7,6 +7,8 @@ Two callers, one mailbox (:mod:`replaymoe.routing._id_mailbox`):
   mode). Rule: each id in ``[-1, bound)``, no id other than -1 twice in a row.
 * ``route``'s ``replay_ids`` (:func:`check_replay_tile`): checked by the routing kernel on the tile it
   loads anyway. Rule: each row all -1 (routed natively) or ``K`` distinct ids in ``[0, bound)``.
+  Its ``replay_weights`` (full recall, :func:`check_weights_tile`), on the tile of weights it loads:
+  finite (and >= 0 where the method's weights are) in every replayed row.
 
 No launch and no host synchronization: a bad slot writes one word into the mailbox, which lives in
 pinned host memory and which the host reads without a copy. The word packs the first bad slot of the
@@ -14,13 +16,15 @@ program's block:
 
 * bit 62: set (a word of 0 means no error);
 * bits 41-61: the token row (clamped to ``2**21 - 1``);
-* bit 40: the argument, 0 ``topk_ids``, 1 ``replay_ids``;
-* bits 38-39: the rule broken, 0 out of range, 1 a duplicate within its row, 2 a -1 in a row of ids;
+* bit 40: the argument, 0 ``topk_ids``, 1 ``replay_ids`` (or ``replay_weights``, rule 3);
+* bits 38-39: the rule broken, 0 out of range, 1 a duplicate within its row, 2 a -1 in a row of ids,
+  3 a replayed weight not finite (or negative);
 * bits 32-37: the slot within its row (clamped to 63);
-* bits 0-31: the id, clamped to int32 and offset by ``2**31``.
+* bits 0-31: the id, clamped to int32 and offset by ``2**31`` (rule 3: the weight's float32 bits).
 
-The word next to it receives the bound. Several programs may write: one of their words lands (each a
-single aligned 64-bit store), naming a real bad slot.
+The word next to it receives the bound (rule 3: 1 when the weights must be >= 0, else 0). Several
+programs may write: one of their words lands (each a single aligned 64-bit store), naming a real bad
+slot.
 """
 
 from __future__ import annotations
@@ -102,3 +106,18 @@ def check_replay_tile(forced, rows, cols, omask, K: tl.constexpr, num_experts, e
     word = _word(rows[:, None], cols, forced, kind, 1)
     first = tl.min(tl.min(tl.where(out | dup | mixed, word, _NONE), axis=1), axis=0)
     _post(first, num_experts, err_ptr)
+
+
+@triton.jit
+def check_weights_tile(rw, replayed, rows, cols, omask, NONNEG: tl.constexpr, err_ptr):
+    """``replay_weights``: check the routing kernel's tile ``rw`` [BLOCK_T, KP] (float32) of rows
+    ``rows`` [BLOCK_T] (``replayed``: the rows whose ids are replayed; the others route natively and
+    their weights are not read) and columns ``cols`` [1, KP]: finite, and with ``NONNEG`` >= 0."""
+    ok = (rw == rw) & (tl.abs(rw) < float("inf"))
+    if NONNEG:
+        ok = ok & (rw >= 0)
+    bad = omask & replayed[:, None] & (ok == 0)
+    bits = rw.to(tl.int32, bitcast=True).to(tl.int64)
+    word = _word(rows[:, None], cols, bits, tl.full(rw.shape, 3, tl.int32), 1)
+    first = tl.min(tl.min(tl.where(bad, word, _NONE), axis=1), axis=0)
+    _post(first, 1 if NONNEG else 0, err_ptr)

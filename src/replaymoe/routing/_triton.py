@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
-from replaymoe.routing.methods import EPS, KERNEL_FLAGS, METHODS, Params, RoutingMethod, weights_torch
+from replaymoe.routing.methods import (
+    EPS,
+    KERNEL_FLAGS,
+    METHODS,
+    Params,
+    RoutingMethod,
+    nonnegative_weights,
+    weights_torch,
+)
 
 from .._backend import INTERPRET
 from .._launch import cdiv, next_power_of_2
@@ -86,6 +94,8 @@ def _launch(
         check.update(wcap_ptr=routing_weights_out, HAS_WEIGHTS_OUT=True)
     if replay_weights is not None:
         check.update(rw_ptr=replay_weights, HAS_REPLAY_WEIGHTS=True)
+        if check_replay:  # the weights are checked with the ids (validate_weights deferred them)
+            check.update(RW_NONNEG=nonnegative_weights(method, scale))
     gs = num_experts // n_group
     ngp, gsp = next_power_of_2(n_group), next_power_of_2(gs)
     block_t, num_warps, algo = _launch_config(ngp * gsp, launch)
@@ -300,7 +310,7 @@ def route_launched(
 
     p, replay_ids = validate(router_logits, routing, routing_replay_out, replay_ids, check_replay, defer=True)
     replay_weights = validate_weights(
-        router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_replay
+        router_logits, routing, routing_weights_out, replay_ids, replay_weights, check_replay, defer=True
     )
     return RoutingOutput(
         *route_triton(router_logits, p, routing.bias, routing_replay_out, replay_ids, launch,

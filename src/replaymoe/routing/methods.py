@@ -59,6 +59,7 @@ __all__ = [
     "MethodSpec",
     "Params",
     "RoutingMethod",
+    "nonnegative_weights",
     "select_torch",
     "selection_scores",
     "weights_torch",
@@ -319,3 +320,9 @@ def select_torch(x32: torch.Tensor, p: Params, bias: Optional[torch.Tensor]) -> 
 def weights_torch(x32: torch.Tensor, ids: torch.Tensor, p: Params) -> torch.Tensor:
     """fp32 [T, K] weights of the method at ``ids`` (int64), differentiable w.r.t. ``x32``."""
     return METHODS[p.method].weights(x32, ids, p)
+
+
+def nonnegative_weights(method: RoutingMethod | int, scale: float) -> bool:
+    """Whether every weight of ``method`` (a :class:`RoutingMethod` or its int) scaled by ``scale``
+    is >= 0: all methods but TOPK (whose weights are the raw logits), with ``scale >= 0``."""
+    return method != RoutingMethod.TOPK and scale >= 0
