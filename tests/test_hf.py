@@ -459,9 +459,15 @@ def test_block_graphs_usable_tracks_hooks_and_structure():
     assert not g.usable() and g.graphs
     h.remove()
     assert g.usable() and g.graphs
-    model.train()  # training mode: eager
+    model.train()  # training mode, no randomness in the block (TRL's rollouts): graphed too, own key
+    assert g.usable()
+    block.noise = torch.nn.Dropout(0.1)  # a module added: the graphs go, the block is surveyed again
     assert not g.usable()
+    assert not g.usable()  # a dropout draws random numbers in training mode: eager
     model.eval()
+    assert g.usable()  # not in eval mode
+    del block.noise
+    assert not g.usable() and g.usable()  # the structure changed back
     w0 = g._weights()
     block.experts.down_proj = torch.nn.Parameter(block.experts.down_proj.detach().clone())
     assert g.usable() and g._weights() != w0  # a replaced parameter: same structure, new address
