@@ -10,6 +10,7 @@ No argument checks here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -103,7 +104,9 @@ def run_route(
     ``routing_weights_out`` / ``replay_weights``: as :func:`replaymoe.routing._checks.validate_weights`
     returned them for this call.
     """
+    run: Callable[..., tuple[torch.Tensor, torch.Tensor]] = route_triton
     if route_backend(backend, router_logits) == "torch":
+        run = route_torch_ids
         if p.check_replay:  # deferred by validate: the torch path checks them on the host
             assert replay_ids is not None
             replay_ids = replay_ids_for_torch(replay_ids, router_logits.shape[1])
@@ -112,16 +115,7 @@ def run_route(
                     replay_weights, replay_ids, nonnegative=nonnegative_weights(p.method, p.scale)
                 )
             p = p._replace(check_replay=False)
-        return route_torch_ids(
-            router_logits,
-            p,
-            routing.bias,
-            routing_replay_out,
-            replay_ids,
-            routing_weights_out=routing_weights_out,
-            replay_weights=replay_weights,
-        )
-    return route_triton(
+    return run(
         router_logits,
         p,
         routing.bias,

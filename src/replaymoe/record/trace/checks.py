@@ -20,16 +20,21 @@ if TYPE_CHECKING:
 __all__ = ["as_int_array", "check_ids", "check_layer_ids", "check_token_ids", "check_weights"]
 
 
-def as_int_array(name: str, ids: Any) -> np.ndarray:
-    """Return ``ids`` as a numpy integer array (torch tensors and nested lists accepted)."""
+def _as_array(value: Any) -> np.ndarray:
+    """``value`` as a numpy array (a torch tensor is detached and copied to the host)."""
     try:
         import torch
 
-        if isinstance(ids, torch.Tensor):
-            ids = ids.detach().cpu().numpy()
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    arr = np.asarray(ids)
+    return np.asarray(value)
+
+
+def as_int_array(name: str, ids: Any) -> np.ndarray:
+    """Return ``ids`` as a numpy integer array (torch tensors and nested lists accepted)."""
+    arr = _as_array(ids)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         if arr.size == 0 and arr.dtype == np.float64:  # an empty list
             arr = arr.astype(np.int64)
@@ -115,14 +120,7 @@ def check_weights(weights: Any, ids: np.ndarray) -> np.ndarray:
     """``weights`` (the combine weights of full recall) as C-contiguous float32 [N, L, K], the shape of
     ``ids``: finite in every recorded row; NaN in every missing row (-1 ids), whatever was given
     there (the invariant the trace keeps)."""
-    try:
-        import torch
-
-        if isinstance(weights, torch.Tensor):
-            weights = weights.detach().cpu().numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    arr = np.asarray(weights)
+    arr = _as_array(weights)
     if not np.issubdtype(arr.dtype, np.floating):
         fail("weights", "a float32 array", f"dtype {arr.dtype}", what="dtype")
     if arr.shape != ids.shape:
