@@ -67,7 +67,8 @@ def test_clock_sections_are_exclusive_and_add_up():
 
 def _args(**given):
     """bench trl's options at toy size on the CPU (one warm-up step)."""
-    a = dict(arch="qwen3_moe", size="tiny", generations=2, warmup=1, checkpointing=False, device="cpu")
+    a = dict(arch="qwen3_moe", size="tiny", generations=2, warmup=1, checkpointing=False, device="cpu",
+             cache="dynamic")  # fmt: skip
     return argparse.Namespace(**{**a, **given})
 
 
@@ -93,11 +94,12 @@ def test_alternating_trainers_on_the_cpu(tmp_path):
 
 
 def test_sequential_rounds_reverse_the_order():
-    # two rounds, one trainer after the other: A B, then B A; each round's warm-up step left out
-    a = _args(batch=2, completion=2, steps=1, rounds=2, sequential=True)
+    # two rounds, one trainer after the other: A B, then B A; each round's warm-up step left out; the
+    # generation on a static cache (GRPOConfig.cache_implementation)
+    a = _args(batch=2, completion=2, steps=1, rounds=2, sequential=True, cache="static")
     clocks = bench_trl.run_rounds(["grouped_mm", "replaymoe"], a)
     starts = sorted((t, impl) for impl, c in clocks.items() for t in c.starts)
     assert [impl for _, impl in starts] == ["grouped_mm"] * 2 + ["replaymoe"] * 4 + ["grouped_mm"] * 2
     assert all(c.timed == [False, True, False, True] for c in clocks.values())
     rows = bench_trl.summarize(clocks, a)
-    assert [r["steps"] for r in rows] == [2, 2]
+    assert [r["steps"] for r in rows] == [2, 2] and all(r["cache"] == "static" for r in rows)

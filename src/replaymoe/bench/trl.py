@@ -38,7 +38,7 @@ a smoke run only).
 
 Usage: ``replaymoe bench trl [--out DIR] [--arch qwen3_moe] [--size bench] [--batch 16]
 [--generations 4] [--completion 64] [--steps 5] [--warmup 2] [--rounds 1] [--sequential]
-[--checkpointing] [--impls ...]``.
+[--checkpointing] [--cache dynamic|static] [--impls ...]``.
 """
 
 from __future__ import annotations
@@ -247,6 +247,7 @@ def _build(impl: str, a: argparse.Namespace, out: str) -> tuple[Any, Any]:
         learning_rate=1e-6,
         bf16=True,
         gradient_checkpointing=a.checkpointing,
+        cache_implementation=None if a.cache == "dynamic" else a.cache,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         use_cpu=a.device == "cpu",
     )
@@ -336,8 +337,10 @@ def summarize(clocks: dict[str, StepClock], a: argparse.Namespace) -> list[dict]
         row: dict[str, Any] = {"impl": impl, "steps": len(steps), "step_ms": 1e3 * m["step"]}
         row.update({f"{c}_ms": 1e3 * m[c] for c in SECTIONS})
         row["min_step_ms"] = 1e3 * min(steps, default=float("nan"))
-        row.update({"checkpointing": a.checkpointing, "completion": a.completion, "size": a.size,
-                    "card": torch.cuda.get_device_name() if a.device == "cuda" else "cpu"})  # fmt: skip
+        card = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+        row.update(
+            checkpointing=a.checkpointing, cache=a.cache, completion=a.completion, size=a.size, card=card
+        )
         rows.append(row)
     for row in rows:
         if "grouped_mm" in med:
@@ -368,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
+    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                   help="generation's KV cache (GRPOConfig.cache_implementation; TRL's default)")  # fmt: skip
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (cpu: a smoke run only)")
     a = p.parse_args(argv)
     if a.device == "cuda" and no_cuda("replaymoe bench trl"):
