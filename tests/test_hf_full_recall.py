@@ -60,7 +60,14 @@ def test_ids_and_weights_replay_the_captured_forward_bitwise(arch, backend, over
     assert not torch.equal(r3, ref)
     with moe.replaying(traces, replay="ids+weights"):
         out, loss = _loss(model, seqs)
-    assert torch.equal(out, ref)  # same ids, same weights: same output, bit for bit
+    if backend == "triton":
+        # the captured forward ran the inference kernels and this one the training kernels, whose
+        # tl.dot is a numpy matmul under the interpreter, summed in an order that depends on the CPU's
+        # OpenBLAS kernel: equal to fp32 rounding (bit for bit only where the arithmetic is exact in any
+        # order; the torch backend's cases run the same ops both times)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(out, ref)  # same ids, same weights: same output, bit for bit
     loss.backward()
     for info in moe.layers:  # no gradient reaches the router through the replayed weights...
         g = info.router.weight.grad
