@@ -1,5 +1,7 @@
 """`replaymoe bench hf`'s per-step clock and percentile, on the CPU (the benchmark itself needs a GPU)."""
 
+import statistics
+
 import numpy as np
 import pytest
 import torch
@@ -215,3 +217,44 @@ def test_bench_train_hf_rows_compiled_replay(monkeypatch):
     assert all(r["compiled"] == "aot_eager" and r["compile_s"] > 0 for r in rows)
     assert [r["replay"] for r in rows] == [False, True]
     assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
+
+
+def test_interleaved_host_clock_calls_each_function_in_turn_and_times_each_call():
+    # bench moe --check-ids' eager and host clocks: one call of each function per turn, the order
+    # rotated every turn (a drift of the host touches all alike); warm-up turns are not kept, and a
+    # function that sleeps longer reads longer
+    import time
+
+    from replaymoe.bench._timing import interleaved_us
+
+    order: list[str] = []
+    fns = {
+        "a": lambda: order.append("a"),
+        "b": lambda: (order.append("b"), time.sleep(0.002)),
+        "c": lambda: order.append("c"),
+    }
+    times = interleaved_us(fns, clock="host", calls=4, warmup=2)
+    assert order == list("abcbcacababcbcacab")
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert min(times["b"]) >= 2000 > max(times["a"])
+    with pytest.raises(ValueError, match="clock must be"):
+        interleaved_us(fns, clock="wall")
+
+
+@pytest.mark.parametrize(
+    "caller, q_spread",
+    [
+        ([10.0] * 400, 0.0),  # the same as off everywhere: ratio 1, no spread
+        ([11.0] * 200 + [10.0] * 200, 0.05),  # costlier in the first half only: blocks 1.1 and 1.0
+    ],
+)
+def test_check_ratios_are_medians_over_off_with_block_quartiles(caller, q_spread):
+    # bench moe --check-ids' columns: median / off's median, and the ratio's quartiles over blocks
+    from replaymoe.bench.moe import _check_ratios
+
+    row: dict = {}
+    times = {"off": [10.0] * 400, "route": [10.0] * 400, "caller": caller}
+    _check_ratios(row, "host", times)
+    assert row["host_off_us"] == 10.0 and row["host_route_ratio"] == 1.0
+    assert row["host_caller_ratio"] == pytest.approx(statistics.median(caller) / 10.0)
+    assert row["host_caller_ratio_q3"] - row["host_caller_ratio_q1"] == pytest.approx(q_spread)

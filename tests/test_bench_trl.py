@@ -1,7 +1,9 @@
-"""`replaymoe bench trl`'s section columns, turn-taking and clocks, on the CPU (the benchmark itself
-needs a GPU)."""
+"""`replaymoe bench trl`'s section columns, turn-taking and clocks, and its `--loss-curve`, on the CPU
+(the timing itself needs a GPU)."""
 
 import argparse
+import csv
+import math
 import threading
 
 import pytest
@@ -68,7 +70,7 @@ def test_clock_sections_are_exclusive_and_add_up():
 def _args(**given):
     """bench trl's options at toy size on the CPU (one warm-up step)."""
     a = dict(arch="qwen3_moe", size="tiny", generations=2, warmup=1, checkpointing=False, device="cpu",
-             cache="dynamic")  # fmt: skip
+             cache="dynamic", lr=1e-6)  # fmt: skip
     return argparse.Namespace(**{**a, **given})
 
 
@@ -103,3 +105,66 @@ def test_sequential_rounds_reverse_the_order():
     assert all(c.timed == [False, True, False, True] for c in clocks.values())
     rows = bench_trl.summarize(clocks, a)
     assert [r["steps"] for r in rows] == [2, 2] and all(r["cache"] == "static" for r in rows)
+
+
+def test_loss_curve_on_the_cpu(tmp_path, capsys):
+    # the real thing at toy size through main(): R3 trains 3 steps in each replay mode from the same
+    # weights; every step logs (no warm-up dropped), replay holds in both modes, and the picture is
+    # written. A higher lr than the default so the routers move within 3 steps (native_vs_rollout
+    # may then be > 0: that is drift, not a replay failure, and is not asserted)
+    argv = ["--loss-curve", "--device", "cpu", "--size", "tiny", "--batch", "4", "--generations", "2",
+            "--completion", "3", "--steps", "3", "--lr", "1e-2", "--out", str(tmp_path)]  # fmt: skip
+    assert bench_trl.main(argv) == 0
+    with open(tmp_path / "trl_loss.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[: 2 + len(bench_trl.LOGGED_KEYS)] == ["step", "mode", *bench_trl.LOGGED_KEYS]
+    assert sorted((r["mode"], int(r["step"])) for r in rows) == [
+        (mode, step) for mode in sorted(bench_trl.LOSS_MODES) for step in (1, 2, 3)
+    ]
+    for r in rows:
+        assert math.isfinite(float(r["loss"])) and math.isfinite(float(r["reward"]))
+        assert float(r["r3/replayed_vs_rollout"]) == 0.0  # every replayed lookup used the rollout's ids
+        assert r["grad_norm"] != ""  # TRL logs it at every step
+    first = {r["mode"]: r for r in rows if r["step"] == "1"}  # same seed, weights, prompts: same rollout
+    assert first["ids"]["reward"] == first["ids+weights"]["reward"]
+    png = (tmp_path / "trl_loss.png").read_bytes()
+    assert len(png) > 1000 and png.startswith(b"\x89PNG\r\n\x1a\n")
+    out = capsys.readouterr().out
+    assert "loss:ids" in out and "loss:full" in out and "trl_loss.png" in out
+
+
+def test_loss_rows_skip_the_summary_and_leave_unlogged_keys_empty():
+    # the run's last log_history entry is TRL's summary (train_loss, no loss): not a step; a step
+    # whose log lacks a key (no grad_norm, no R3 counts) keeps the row with None there
+    history = [
+        {"loss": 0.5, "reward": 1.0, "r3/replayed_vs_rollout": 0.0, "step": 1},
+        {"train_loss": 0.5, "train_runtime": 1.0, "step": 1},
+    ]
+    (row,) = bench_trl.loss_rows(history, "ids")
+    assert row["step"] == 1 and row["mode"] == "ids" and row["loss"] == 0.5
+    assert row["grad_norm"] is None and row["r3/native_vs_rollout"] is None
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--impls", "r3"], "--impls"),  # the trainers of the timing: the curve always trains R3
+        (["--warmup", "0"], "--warmup"),  # given even at 0: the curve counts every step anyway
+        (["--rounds", "2"], "--rounds"),
+        (["--sequential"], "--sequential"),
+        (["--impls", "r3", "--sequential"], "--impls, --sequential are"),  # every one named
+    ],
+)
+def test_loss_curve_refuses_timing_options(extra, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_trl.main(["--loss-curve", "--device", "cpu", *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--loss-curve" in err and named in err and "timing comparison only" in err
+
+
+def test_lr_must_be_positive(capsys):
+    # a bad --lr is a usage error before any model is built (timing and loss curve alike)
+    with pytest.raises(SystemExit) as exc:
+        bench_trl.main(["--loss-curve", "--device", "cpu", "--lr", "0"])
+    assert exc.value.code == 2 and "--lr must be positive" in capsys.readouterr().err

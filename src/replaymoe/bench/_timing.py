@@ -149,6 +149,66 @@ def host_us(
     return statistics.median(times) * 1e6
 
 
+def interleaved_us(
+    fns: dict[str, Callable[[], object]], *, clock: str, calls: int = 1000, warmup: int = 20
+) -> dict[str, list[float]]:
+    """Per-call times in µs of several calls timed in turn, one call of each per turn.
+
+    :func:`time_eager` and :func:`host_us` time one function for a while, then the next: a drift of
+    the host (another process, frequency steps) between the two stretches reads as a difference of
+    a few percent. Here every turn calls each function once, in an order rotated every turn, so the
+    drift touches all of them alike and a cost of a fraction of a percent can be read from the
+    medians.
+
+    Parameters
+    ----------
+    fns : dict[str, callable]
+        The calls to compare, by name.
+    clock : {"host", "device"}
+        ``"host"``: ``time.perf_counter`` around each call (the CPU thread's Python, checks and
+        launches; nothing waits for the GPU). ``"device"``: CUDA events around each call, the L2
+        flushed before each as ``do_bench`` does (the flush is not timed); the host launches ahead
+        while the flush runs, so a call bound by its launches reads its host time, as in
+        :func:`time_eager`.
+    calls : int
+        Timed turns (each function is called ``calls`` times).
+    warmup : int
+        Untimed turns first.
+
+    Returns
+    -------
+    dict[str, list[float]]
+        Each name's ``calls`` times, in µs.
+    """
+    if clock not in ("host", "device"):
+        raise ValueError(f"clock must be 'host' or 'device', got {clock!r}")
+    names = list(fns)
+    flush = triton.runtime.driver.active.get_empty_cache_for_benchmark() if clock == "device" else None
+    events: dict[str, list] = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for turn in range(warmup + calls):
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
+            if flush is not None:
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                if turn >= warmup:
+                    events[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                fns[name]()
+                t = time.perf_counter() - t0
+                if turn >= warmup:
+                    times[name].append(t * 1e6)
+    if flush is not None:
+        torch.cuda.synchronize()
+        times = {n: [s.elapsed_time(e) * 1e3 for s, e in events[n]] for n in names}
+    return times
+
+
 def environment() -> dict[str, str]:
     """GPU, versions and commit recorded with every benchmark row."""
     try:

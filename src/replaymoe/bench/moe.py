@@ -23,10 +23,14 @@ activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed
 (``route``'s ids as it returned them: marked valid, not checked again) and ``caller`` (a copy of the
 same ids, as an engine or a file hands them: checked on the device by the kernel that reads them first,
 plus the host's read of the error mailbox). Each is timed as CUDA-graph replay (``graph_*``: the check
-runs in every replay), eager device time (``eager_*``, ``do_bench``) and eager host time (``host_*``);
-the variants alternate in :data:`CHECK_ROUNDS` rounds (the card's clock drifts), each figure is the
-median over the rounds and ``*_ratio`` the median of the rounds' variant / off ratios. Written to
-``moe_check_ids.csv`` / ``.json``.
+runs in every replay; :data:`CHECK_ROUNDS` rounds of ``do_bench``, the variants in alternating order),
+eager device time (``eager_*``: CUDA events, the L2 flushed before each call) and eager host time
+(``host_*``: the CPU thread). Eager and host calls are timed in turn, one call of each variant per turn
+(:func:`~replaymoe.bench._timing.interleaved_us`, :data:`CHECK_CALLS` turns), so that the host's drift,
+which reads as a few percent between two stretches of calls, touches every variant alike. Each figure
+is a median; ``*_ratio`` is a variant's median over ``off``'s, and ``*_ratio_q1`` / ``*_ratio_q3`` the
+quartiles of that ratio over blocks of :data:`CHECK_BLOCK` turns. Written to ``moe_check_ids.csv`` /
+``.json``.
 
 ``--read-floors`` measures the bare-read floor of each decode point instead (:mod:`replaymoe.bench.floors`):
 the bytes of the experts the bench's routing hits, read by one plain kernel. Written to
@@ -57,6 +61,7 @@ from ._timing import (
     HBM_BYTES_PER_S,
     NO_CUDA_EXIT,
     host_us,
+    interleaved_us,
     no_cuda,
     print_table,
     time_eager,
@@ -78,7 +83,9 @@ SHAPES: dict[str, tuple[int, int, int, int, dict]] = {
 }
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 NAIVE_TOKENS = {"deepseek": (1, 64), "qwen3": (1, 64, 4096), "mixtral": (1, 64, 4096)}
-CHECK_ROUNDS = 6  # --check-ids: rounds of on / off in alternating order
+CHECK_ROUNDS = 6  # --check-ids: graph replays, rounds of the variants in alternating order
+CHECK_CALLS = 2000  # --check-ids: eager and host, calls of each variant, one of each per turn
+CHECK_BLOCK = 200  # --check-ids: samples per block of the ratio's quartiles
 CHECK_MODES = ("graph", "eager", "host")
 CHECK_VARIANTS = ("off", "route", "caller")  # check_ids=False; route's ids (marked valid); a copy (checked)
 CHECK_COLUMNS = ["shape", "T"] + [
@@ -256,7 +263,6 @@ def _check_ids_point(name: str, T: int, bf16w) -> dict:
     """``--check-ids``: one (shape, T) row, ``fused_moe`` with caller ``topk_ids``: the check off
     (``off``), ids straight from ``route`` (``route``: marked valid, not checked again) and the same
     ids as another producer hands them (``caller``: a copy, checked by value), in alternating order."""
-    import statistics
 
     from ..moe import fused_moe
 
@@ -270,20 +276,37 @@ def _check_ids_point(name: str, T: int, bf16w) -> dict:
         topk, check = {"off": (ids, False), "route": (ids, True), "caller": (caller, True)}[variant]
         return lambda: fused_moe(x, w13, w2, topk_ids=topk, topk_weights=wts, check_ids=check)
 
-    timers = dict(zip(CHECK_MODES, (time_graph, time_eager, host_us)))
+    fns = {v: call(v) for v in CHECK_VARIANTS}
     row: dict = {"shape": name, "T": T}
-    for mode, timer in timers.items():
-        times: dict[str, list[float]] = {v: [] for v in CHECK_VARIANTS}
-        for r in range(CHECK_ROUNDS):
-            order = CHECK_VARIANTS if r % 2 == 0 else CHECK_VARIANTS[::-1]
-            for variant in order:
-                times[variant].append(timer(call(variant)))
-        for variant in CHECK_VARIANTS:
-            row[f"{mode}_{variant}_us"] = statistics.median(times[variant])
-        for variant in CHECK_VARIANTS[1:]:
-            ratios = [a / b for a, b in zip(times[variant], times["off"])]
-            row[f"{mode}_{variant}_ratio"] = statistics.median(ratios)
+    times: dict[str, list[float]] = {v: [] for v in CHECK_VARIANTS}
+    for r in range(CHECK_ROUNDS):  # graph replays: whole do_bench runs, in alternating order
+        for variant in CHECK_VARIANTS if r % 2 == 0 else CHECK_VARIANTS[::-1]:
+            times[variant].append(time_graph(fns[variant]))
+    _check_ratios(row, "graph", times)
+    for mode, clock in (("eager", "device"), ("host", "host")):  # call by call, in turn
+        _check_ratios(row, mode, interleaved_us(fns, clock=clock, calls=CHECK_CALLS))
     return row
+
+
+def _check_ratios(row: dict, mode: str, times: dict[str, list[float]]) -> None:
+    """``row``'s columns for one timing mode: each variant's median (``{mode}_{variant}_us``), its
+    ratio to ``off``'s median (``_ratio``) and the quartiles of that ratio over blocks of
+    :data:`CHECK_BLOCK` consecutive samples (``_ratio_q1`` / ``_ratio_q3``: how steady it is)."""
+    import statistics
+
+    for variant, ts in times.items():
+        row[f"{mode}_{variant}_us"] = statistics.median(ts)
+    off = times["off"]
+    for variant in CHECK_VARIANTS[1:]:
+        ts = times[variant]
+        row[f"{mode}_{variant}_ratio"] = statistics.median(ts) / statistics.median(off)
+        step = CHECK_BLOCK if len(ts) >= 2 * CHECK_BLOCK else 1
+        blocks = [
+            statistics.median(ts[i : i + step]) / statistics.median(off[i : i + step])
+            for i in range(0, len(ts) - step + 1, step)
+        ]
+        q = statistics.quantiles(blocks, n=4, method="inclusive") if len(blocks) > 1 else blocks * 3
+        row[f"{mode}_{variant}_ratio_q1"], row[f"{mode}_{variant}_ratio_q3"] = q[0], q[2]
 
 
 def run_check_ids(shapes, tokens) -> list[dict]:

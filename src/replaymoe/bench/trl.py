@@ -36,9 +36,26 @@ generation over replaymoe's: the cost of capture inside TRL's generate; the goal
 ``r3_overhead`` (step over replaymoe's, minus 1). Needs CUDA and the ``trl`` extra (``--device cpu``:
 a smoke run only).
 
+**Loss curve** (``--loss-curve``, instead of the timing): :class:`~replaymoe.integrations.trl.R3GRPOTrainer`
+trains twice from the same seed and the same initial weights, once with ``R3Config(replay="ids")`` (R3:
+the rollout's expert ids, the weights from the policy's router) and once with
+``R3Config(replay="ids+weights")`` (full recall: the rollout's combine weights too, no gradient to the
+router through them), ``--steps`` steps each, every step counted (no warm-up). Read from each
+trainer's ``state.log_history`` (``logging_steps=1``), per step and mode: TRL's ``loss``, ``reward``
+(the mean), R3's ``r3/native_vs_rollout``, ``r3/replayed_vs_rollout`` and ``r3/fallback``,
+``grad_norm`` and ``aux_loss`` (the routers' load-balancing loss, which TRL adds to ``loss`` times the
+architecture's ``router_aux_loss_coef``), each empty where a step did not log it. Written to
+``trl_loss.csv`` and ``trl_loss.json`` and drawn in ``trl_loss.png`` (loss and reward against the step,
+both modes; needs matplotlib, the ``plot`` extra); exit code 1 when a step's ``r3/replayed_vs_rollout``
+is not 0 (replay did not hold). ``--impls``, ``--warmup``, ``--rounds`` and ``--sequential`` belong to
+the timing and are refused with it. It runs on the CPU too (``--device cpu``).
+
 Usage: ``replaymoe bench trl [--out DIR] [--arch qwen3_moe] [--size bench] [--batch 16]
 [--generations 4] [--completion 64] [--steps 5] [--warmup 2] [--rounds 1] [--sequential]
-[--checkpointing] [--cache dynamic|static] [--impls ...]``.
+[--checkpointing] [--cache dynamic|static] [--lr 1e-6] [--impls ...] [--device cuda|cpu]``, or
+``replaymoe bench trl --loss-curve [--out DIR] [--arch ...] [--size ...] [--batch ...]
+[--generations ...] [--completion ...] [--steps 5] [--checkpointing] [--cache ...] [--lr ...]
+[--device cuda|cpu]``.
 """
 
 from __future__ import annotations
@@ -54,6 +71,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -235,24 +253,26 @@ def _build(impl: str, a: argparse.Namespace, out: str) -> tuple[Any, Any]:
     if impl == "grouped_mm":
         model.set_experts_implementation("grouped_mm")
     cls = R3GRPOTrainer if impl == "r3" else trl.GRPOTrainer
-    trainer = make_trainer(
-        cls,
-        model,
-        out,
-        max_steps=a.warmup + a.steps,
+    trainer = make_trainer(cls, model, out, **_grpo_config(a, max_steps=a.warmup + a.steps))
+    trainer.remove_callback(PrinterCallback)
+    return trainer, enable(trainer.model) if impl == "replaymoe" else None
+
+
+def _grpo_config(a: argparse.Namespace, max_steps: int) -> dict[str, Any]:
+    """The ``GRPOConfig`` overrides every trainer here gets (timing and loss curve alike)."""
+    return dict(
+        max_steps=max_steps,
         per_device_train_batch_size=a.batch,
         num_generations=a.generations,
         max_completion_length=a.completion,
         optim="adamw_torch",
-        learning_rate=1e-6,
+        learning_rate=a.lr,
         bf16=True,
         gradient_checkpointing=a.checkpointing,
         cache_implementation=None if a.cache == "dynamic" else a.cache,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         use_cpu=a.device == "cpu",
     )
-    trainer.remove_callback(PrinterCallback)
-    return trainer, enable(trainer.model) if impl == "replaymoe" else None
 
 
 def _timed_backward(trainer: Any, clock: StepClock) -> None:
@@ -351,38 +371,199 @@ def summarize(clocks: dict[str, StepClock], a: argparse.Namespace) -> list[dict]
     return rows
 
 
+# --loss-curve: R3's two replay modes, and what is read of each step's log (keys as TRL and
+# R3GRPOTrainer.log write them)
+LOSS_MODES = ("ids", "ids+weights")
+MODE_LABELS = {"ids": "ids (R3)", "ids+weights": "ids+weights (full recall)"}
+MISMATCH_KEYS = ("r3/native_vs_rollout", "r3/replayed_vs_rollout", "r3/fallback")
+LOGGED_KEYS = ("loss", "reward", *MISMATCH_KEYS, "grad_norm", "aux_loss")
+
+
+def loss_rows(log_history: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """One row per logged training step of a trainer's ``state.log_history`` (``logging_steps=1``):
+    ``step``, ``mode`` and :data:`LOGGED_KEYS` (None where the step did not log the key)."""
+    rows = []
+    for entry in log_history:
+        if "loss" not in entry:  # the run's summary (train_loss, train_runtime, ...), or an eval
+            continue
+        rows.append({"step": entry["step"], "mode": mode, **{k: entry.get(k) for k in LOGGED_KEYS}})
+    return rows
+
+
+def _weights_sum(model: Any) -> float:
+    """A fingerprint of the initial weights (both modes must start from the same ones)."""
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
+
+
+def run_loss_curve(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Train :class:`R3GRPOTrainer` ``a.steps`` steps in each of :data:`LOSS_MODES`, one after the other,
+    each on a fresh model of the same seed (same weights) with the same ``GRPOConfig`` (seed 0).
+    Returns the :func:`loss_rows` of both runs and each run's wall time (``train()``, seconds)."""
+    from transformers.trainer_callback import PrinterCallback
+
+    from replaymoe.bench.trl_workload import make_trainer
+    from replaymoe.hf.models import build_model
+    from replaymoe.integrations.trl import R3Config, R3GRPOTrainer
+
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    rows: list[dict[str, Any]] = []
+    seconds: dict[str, float] = {}
+    start_weights: dict[str, float] = {}
+    for mode in LOSS_MODES:
+        model = build_model(a.arch, a.size, device=a.device, dtype=torch.bfloat16)
+        start_weights[mode] = _weights_sum(model)
+        with tempfile.TemporaryDirectory() as out:
+            trainer = make_trainer(
+                R3GRPOTrainer,
+                model,
+                out,
+                trainer_kwargs={"r3": R3Config(replay=mode)},
+                **_grpo_config(a, max_steps=a.steps),
+            )
+            trainer.remove_callback(PrinterCallback)
+            sync()
+            t0 = time.perf_counter()
+            trainer.train()
+            sync()
+            seconds[mode] = time.perf_counter() - t0
+            rows += loss_rows(trainer.state.log_history, mode)
+        del trainer, model  # free the model before the next mode's
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if len(set(start_weights.values())) != 1:
+        raise RuntimeError(
+            f"bench trl --loss-curve: the modes started from different weights: {start_weights}"
+        )
+    return rows, seconds
+
+
+def plot_loss_curve(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
+    """``rows`` (:func:`loss_rows` of both modes) as two panels against the step: loss, and mean reward."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    panels = fig.subplots(1, 2)
+    styles = {"ids": dict(marker="o", linestyle="-"), "ids+weights": dict(marker="x", linestyle="--")}
+    for ax, key, label in zip(panels, ("loss", "reward"), ("GRPO loss (TRL's loss)", "mean reward")):
+        for mode in LOSS_MODES:
+            mine = [r for r in rows if r["mode"] == mode]
+            values = [float("nan") if r[key] is None else r[key] for r in mine]
+            ax.plot([r["step"] for r in mine], values, label=MODE_LABELS[mode], **styles.get(mode, {}))
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+
+
+def _print_loss_table(rows: list[dict[str, Any]], seconds: dict[str, float]) -> None:
+    """Per step: loss, reward, native_vs_rollout, replayed_vs_rollout and grad_norm of each mode."""
+    short = {"ids": "ids", "ids+weights": "full"}
+    columns = [("loss", "loss"), ("reward", "reward"), ("r3/native_vs_rollout", "native"),
+               ("r3/replayed_vs_rollout", "replayed"), ("grad_norm", "grad")]  # fmt: skip
+    by_step: dict[int, dict[str, Any]] = defaultdict(dict)
+    for r in rows:
+        line = by_step[r["step"]]
+        line["step"] = r["step"]
+        for key, name in columns:
+            line[f"{name}:{short[r['mode']]}"] = "" if r[key] is None else r[key]
+    header = ["step", *(f"{name}:{short[m]}" for _, name in columns for m in LOSS_MODES)]
+    print_table([by_step[s] for s in sorted(by_step)], header)
+    print("  ".join(f"{short[m]} = {m}: {seconds[m]:.1f} s" for m in LOSS_MODES))
+
+
+def loss_curve_main(a: argparse.Namespace) -> int:
+    """``--loss-curve``: train both modes, write ``trl_loss.csv`` / ``.json`` / ``.png``, print them."""
+    import matplotlib  # noqa: F401  (before the runs: a missing plot extra fails at once, exit 2)
+
+    rows, seconds = run_loss_curve(a)
+    card = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    for row in rows:
+        row.update(arch=a.arch, size=a.size, lr=a.lr, seconds=seconds[row["mode"]], card=card)
+    csv_path, _ = write_results(rows, a.out, "trl_loss")
+    png_path = Path(a.out) / "trl_loss.png"
+    title = (f"R3GRPOTrainer, {a.arch} {a.size}, {a.batch} rows x {a.completion} tokens, "
+             f"AdamW lr {a.lr:g}, {card}")  # fmt: skip
+    plot_loss_curve(rows, png_path, title)
+    _print_loss_table(rows, seconds)
+    print(f"wrote {csv_path} and {png_path}")
+    broken = [r for r in rows if (r["r3/replayed_vs_rollout"] or 0) > 0]
+    if broken:
+        print(f"replaymoe bench trl: replay did not hold: r3/replayed_vs_rollout > 0 at {len(broken)} "
+              f"step(s) (first: {broken[0]['mode']}, step {broken[0]['step']})", file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="replaymoe bench trl", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="bench_results", help="output directory for trl.csv / trl.json")
+    p.add_argument(
+        "--out",
+        default="bench_results",
+        help="output directory for trl.csv / trl.json (--loss-curve: trl_loss.csv / .json / .png)",
+    )
+    p.add_argument(
+        "--loss-curve",
+        action="store_true",
+        help="instead of the timing: R3GRPOTrainer with replay 'ids' and 'ids+weights', same seed and "
+        "weights, --steps steps each; loss, reward, R3's mismatch and grad norm per step",
+    )
     p.add_argument("--arch", default="qwen3_moe", help="model architecture (replaymoe.hf.models)")
     p.add_argument("--size", default="bench", help="model size (replaymoe.hf.models.SIZES; default bench)")
     p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (rows per step)")
     p.add_argument("--generations", type=int, default=4, help="num_generations (completions per prompt)")
     p.add_argument("--completion", type=int, default=64, help="max_completion_length")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per trainer")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument(
-        "--rounds", type=int, default=1, help="rounds of fresh trainers (order reversed every other)"
+        "--steps", type=int, default=5, help="timed steps per trainer (--loss-curve: steps per mode)"
+    )
+    # the timing's own options: None when not given, so that --loss-curve can refuse them
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 2)")
+    p.add_argument(
+        "--rounds", type=int, help="rounds of fresh trainers (order reversed every other; default 1)"
     )
     p.add_argument(
         "--sequential",
         action="store_true",
         help="in each round, one trainer after the other (trainers too big to share the card)",
     )
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
+    p.add_argument("--impls", help="comma list of " + ",".join(IMPLS) + " (default: all)")
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                    help="generation's KV cache (GRPOConfig.cache_implementation; TRL's default)")  # fmt: skip
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (cpu: a smoke run only)")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (cpu: a smoke run of the timing; --loss-curve runs there too)")  # fmt: skip
     a = p.parse_args(argv)
-    if a.device == "cuda" and no_cuda("replaymoe bench trl"):
-        return NO_CUDA_EXIT
+    if a.loss_curve:
+        timing_only = {"--impls": a.impls is not None, "--warmup": a.warmup is not None,
+                       "--rounds": a.rounds is not None, "--sequential": a.sequential}  # fmt: skip
+        given = [flag for flag, on in timing_only.items() if on]
+        if given:
+            p.error(
+                f"--loss-curve trains R3GRPOTrainer in its two replay modes, every step counted: "
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the timing comparison only"
+            )
+    a.warmup = 2 if a.warmup is None else a.warmup
+    a.rounds = 1 if a.rounds is None else a.rounds
     for name in ("steps", "batch", "generations", "completion", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be at least 0, got {a.warmup}")
-    impls = choice_list(p, a.impls, IMPLS, "impls")
+    if not a.lr > 0:
+        p.error(f"--lr must be positive, got {a.lr}")
+    impls = choice_list(p, ",".join(IMPLS) if a.impls is None else a.impls, IMPLS, "impls")
+    if a.device == "cuda" and no_cuda("replaymoe bench trl"):
+        return NO_CUDA_EXIT
+    if a.loss_curve:
+        return loss_curve_main(a)
     rows = summarize(run_rounds(impls, a), a)
     write_results(rows, a.out, "trl")
     columns = ["impl", "step_ms", *(f"{c}_ms" for c in SECTIONS), "steps", "speedup_vs_stock"]
