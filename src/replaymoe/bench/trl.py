@@ -393,7 +393,7 @@ def loss_rows(log_history: list[dict[str, Any]], mode: str) -> list[dict[str, An
 def _weights_sum(model: Any) -> float:
     """A fingerprint of the initial weights (both modes must start from the same ones)."""
     with torch.no_grad():
-        return float(sum(p.double().sum() for p in model.parameters()))
+        return float(sum(p.sum(dtype=torch.float64) for p in model.parameters()))  # no fp64 copies
 
 
 def run_loss_curve(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float]]:
