@@ -83,6 +83,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "accumulation2": dict(gradient_accumulation_steps=2),
     "beta": dict(beta=0.1, max_steps=2),  # kl is 0 at step 1 (policy == reference); step 2 has a real one
     "bf16": dict(bf16=True),
+    # generation on a static KV cache (TRL's fast setting; the cache enable() keeps between calls)
+    "static_cache": dict(cache_implementation="static", max_steps=2),
 }
 
 
