@@ -147,6 +147,61 @@ def test_capture_through_kept_cache_equals_fresh_caches(generator):
         np.testing.assert_array_equal(a.ids, b.ids)
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",  # the torch routers and step path
+        pytest.param("triton", marks=pytest.mark.interpret),  # the Triton routers (interpreter)
+    ],
+)
+def test_kept_cache_length_is_counted_on_the_host(backend, generator, monkeypatch):
+    # transformers counts a StaticCache's length on the device: the keeper counts it on the host, so
+    # a capturing decode step does not restart the capture batch on the device (a pass over the
+    # whole buffer per step), and its traces are a dynamic cache's
+    from replaymoe.hf.state import CaptureBuffer
+
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=generator)
+    restarts = []
+    monkeypatch.setattr(CaptureBuffer, "restart_if", lambda self, is_new: restarts.append(is_new))
+    moe = rhf.enable(model, backend=backend, capture=True, max_batch_size=2, max_positions=16)
+    try:
+        keeper = moe._engine.patch.static_cache
+        traces = []
+        for _ in range(2):  # a new cache, then the kept one reset (a device length of 0)
+            _generate(model, ids)
+            assert keeper.length == 6 + 4 - 1  # the prompt and every fed-back token
+            traces += moe.traces()
+        assert keeper.reuses == 1 and restarts == []
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                           min_new_tokens=4, do_sample=False)  # fmt: skip
+        dynamic = moe.traces()
+    finally:
+        moe.disable()
+    assert len(traces) == 4
+    for t, d in zip(traces, dynamic + dynamic):
+        np.testing.assert_array_equal(t.ids, d.ids)
+
+
+def test_kept_cache_length_is_forgotten_where_the_host_cannot_count():
+    # a compiled forward (or one without a token tensor) cannot be counted: the length is forgotten
+    # and the device counter is used; another cache than the kept one is never counted
+    from replaymoe.hf.static_cache import StaticCacheKeeper
+
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    keeper = StaticCacheKeeper(model, install=False)
+    keeper.cache, keeper.length = object(), 0
+    other = object()
+    keeper.advance(keeper.cache, 5)
+    keeper.advance(other, 3)
+    assert keeper.host_length(keeper.cache) == 5 and keeper.host_length(other) is None
+    keeper.advance(keeper.cache, None)
+    assert keeper.host_length(keeper.cache) is None
+    keeper.advance(keeper.cache, 1)  # stays unknown until the next generate hands the cache out
+    assert keeper.length is None
+
+
 def test_model_without_generate_is_left_alone():
     base = build_model("qwen3_moe", "tiny", seed=0).model  # the decoder stack: no generate, no caches made
     moe = rhf.enable(base, backend="torch")

@@ -33,6 +33,7 @@ from ._forward import plan_step
 from ._patching import ModelPatch
 from ._replay_state import ReplayState, model_device
 from .discovery import MoELayerInfo
+from .positions import forward_cache
 from .recompute import MISSING, RecomputeBindings
 from .state import ReplayTable, TraceMeta
 from .step import DecodeChain, Step, StepBuffers
@@ -338,6 +339,7 @@ class Engine:
         if ref is None or ref.dim() < 2:
             self.decode.reset()
             self.step = None
+            self.patch.static_cache.advance(forward_cache(kwargs)[0], None)
             return
         if not torch.compiler.is_compiling():
             self.replay.raise_uncovered(
@@ -348,6 +350,9 @@ class Engine:
             if self.rollout_mode and self.generation is None:
                 self.rollout_stale = True
         self.step = plan_step(self, input_ids, ref, kwargs)
+        # the kept static cache's host-side length (hf.static_cache), for the next forward
+        compiled = torch.compiler.is_compiling()
+        self.patch.static_cache.advance(forward_cache(kwargs)[0], None if compiled else ref.shape[1])
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Forward hook of the decoder stack (also when the forward raised): the capture slab into the

@@ -11,7 +11,7 @@ from replaymoe._validation import fail
 
 from ._paged import is_paged_forward, plan_paged_step
 from .graphs import graphable
-from .positions import cache_length, token_positions
+from .positions import cache_length, forward_cache, token_positions
 from .step import Step, fused_rows_ok, positions_bound, step_rows
 
 __all__ = ["plan_step"]
@@ -37,11 +37,12 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
         return Step(B * S, None, None, None, graphed)
     # transformers >= 5.24 names the cache `cache` and, in generate, passes no attention mask: the
     # padding is in the position ids (a pad token starts a sequence of its own)
-    cache, cache_kw = kwargs.get("past_key_values"), False
-    if cache is None and kwargs.get("cache") is not None:
-        cache, cache_kw = kwargs["cache"], True
-    past = cache_length(cache)
+    cache, cache_kw = forward_cache(kwargs)
     mask, eager = kwargs.get("attention_mask"), not torch.compiler.is_compiling()
+    past = cache_length(cache)
+    if eager and not isinstance(past, int):  # a static cache: its length on the host, where known
+        known = engine.patch.static_cache.host_length(cache)
+        past = past if known is None else known
     # replay matched by content: whole sequences (no cache) of traces that carry their tokens
     content = (
         replay is not None

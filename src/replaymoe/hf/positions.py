@@ -16,6 +16,16 @@ __all__ = ["cache_length", "token_positions"]
 PastLength = Union[int, torch.Tensor]
 
 
+def forward_cache(kwargs: dict) -> tuple[Any, bool]:
+    """``(cache, named_cache)``: the KV cache a decoder-stack forward got in its keyword arguments
+    (None without one); ``named_cache`` when it came as ``cache`` (transformers >= 5.24, whose
+    ``generate`` also puts the padding in the position ids) rather than ``past_key_values``."""
+    cache = kwargs.get("past_key_values")
+    if cache is None and kwargs.get("cache") is not None:
+        return kwargs["cache"], True
+    return cache, False
+
+
 def cache_length(cache: Any) -> PastLength:
     """Tokens already in ``cache`` (``past_key_values``) without a host sync.
 

@@ -15,6 +15,15 @@ previous one (same implementation, batch size, length, dtype and device) gets th
 else goes to transformers' own method. A ``generate`` that returns the cache to its caller
 (``return_dict_in_generate=True``) gives it away: :meth:`StaticCacheKeeper.release_if_returned`
 forgets it, so no later call resets a cache the caller holds.
+
+The keeper also knows the kept cache's length on the host. transformers 5.x counts a ``StaticCache``'s
+tokens on the device (``cumulative_length``), so ``get_seq_length()`` is a 0-dim CUDA tensor once the
+cache is initialised, and a forward that captures or replays would have to find its positions with
+torch ops (and restart the capture batch on the device) in every decode step. The cache the keeper
+hands out starts empty, and every eager forward of the decoder stack appends its ``S`` tokens, so
+:meth:`StaticCacheKeeper.advance` counts them and :meth:`StaticCacheKeeper.host_length` gives the length
+as a Python int: the decode step then takes the one-launch path of a dynamic cache. A compiled forward
+cannot count on the host: it forgets the length (the device counter is used from then on).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ class StaticCacheKeeper:
         self.cache: Any = None  # the kept cache (None: none kept)
         self.key: tuple | None = None  # what the kept cache was made for
         self.reuses = 0  # calls served with the kept cache (a diagnostic)
+        self.length: int | None = None  # tokens in the kept cache, counted on the host (None: unknown)
         self._make = getattr(model, "_prepare_static_cache", None)
         config = getattr(model, "config", None)
         self.installed = (
@@ -81,15 +91,35 @@ class StaticCacheKeeper:
             self.cache.reset()
             self.model._previous_max_cache_length = length
             self.reuses += 1
+            self.length = 0
             return self.cache
-        self.cache = None  # the old one goes before the new one is made (no two at once)
+        self.cache = self.length = None  # the old one goes before the new one is made (no two at once)
         self.cache, self.key = self._make(**kwargs), key
+        self.length = 0
         return self.cache
 
     def release(self) -> None:
         """Forget the kept cache: its memory is freed (unless someone else holds it), and the next
         static ``generate`` makes a new one."""
-        self.cache = self.key = None
+        self.cache = self.key = self.length = None
+
+    def host_length(self, cache: Any) -> int | None:
+        """Tokens in ``cache`` as a Python int when it is the kept cache and its length is known on
+        the host (handed out empty by :meth:`prepare`, every forward since counted by :meth:`advance`),
+        else None."""
+        return self.length if cache is not None and cache is self.cache else None
+
+    def advance(self, cache: Any, tokens: int | None) -> None:
+        """A forward of the decoder stack appended ``tokens`` tokens to ``cache``: counted when it is
+        the kept cache. ``None``: a forward whose count the host cannot keep (under ``torch.compile``,
+        where a host count would be traced as a constant, or without a token tensor to count); the
+        length is forgotten, and the cache's own device counter is used from then on."""
+        if cache is None or cache is not self.cache:
+            return
+        if tokens is None:
+            self.length = None
+        elif self.length is not None:
+            self.length += tokens
 
     def release_if_returned(self, output: Any) -> None:
         """Forget the kept cache when ``generate`` handed it to its caller in ``output``."""
