@@ -889,6 +889,29 @@ def test_gpu_model_shapes_vs_reference(name, T, fp8):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("T", [1, 64, 256, 4096])  # direct mode; 4-8, then 32 and more rows per expert
+def test_gpu_fp32_every_mode_fits_and_matches_reference(T, train):
+    # fp32 tiles take twice bf16's shared memory: the bf16 choice at 64+ rows per expert asked for
+    # 288 KiB (out of resource on Hopper) before moe_config fitted it (fit_shared_memory)
+    H, I, E, K = 256, 128, 8, 2  # noqa: E741
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05).requires_grad_(train)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * 0.05).requires_grad_(train)
+    x = torch.randn(T, H, device="cuda", generator=g, requires_grad=train)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int()
+    wts = torch.rand(T, K, device="cuda", generator=g)
+    out = fused_moe(x, w13, w2, topk_ids=ids, topk_weights=wts)
+    ref = fused_moe_torch(x, w13, w2, topk_ids=ids, topk_weights=wts)
+    assert_close(out, ref, dtype=torch.float32)
+    if train:
+        grads = torch.autograd.grad(out.square().sum(), (x, w13, w2))
+        refs = torch.autograd.grad(ref.square().sum(), (x, w13, w2))
+        for a, b in zip(grads, refs):
+            assert_close(a, b, dtype=torch.float32)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "T,offset,E_local,batch_invariant",
     [

@@ -339,3 +339,32 @@ def test_the_backward_launcher_takes_the_table_of_the_device(generator, monkeypa
     )
     for a, b, name in zip(got, want, ("dx", "dw13", "dw2", "dwts")):
         assert_close(a, b, dtype=torch.float32, name=name)
+
+
+@pytest.mark.parametrize("T", [1, 8, 64, 256, 4096, 65536])  # every heuristic branch, decode to prefill
+@pytest.mark.parametrize("shape", [(32, 16, 8, 2), (2048, 768, 128, 8), (4096, 14336, 8, 2)])
+def test_fp32_configs_fit_the_shared_memory_and_keep_the_bf16_tiles(T, shape):
+    # fp32: the bf16 choice's tiles (block sizes, warps, mode), with stages (or K chunks) cut until
+    # each GEMM's staged tiles fit the budget; a bf16 configuration that already fits is kept whole
+    from replaymoe.moe.configs import SHARED_BUDGET, fit_shared_memory, moe_config
+
+    H, I, E, K = shape  # noqa: E741
+    bf16 = moe_config(T, K, H, I, E)
+    fp32 = moe_config(T, K, H, I, E, itemsize=4)
+    for rows, bk, stages in (
+        (fp32.block_m + 2 * fp32.block_n1, fp32.block_k1, fp32.stages1),
+        (fp32.block_m + fp32.block_n2, fp32.block_k2, fp32.stages2),
+    ):
+        assert rows * bk * 4 * (stages - 1) <= SHARED_BUDGET  # stages - 1 tiles in flight
+    same = ("direct", "block_m", "block_n1", "warps1", "block_n2", "warps2", "group_m")
+    assert all(getattr(fp32, f) == getattr(bf16, f) for f in same)
+    assert fit_shared_memory(bf16, 2) == bf16  # every bf16 choice fits at 2 bytes
+
+
+def test_fit_shared_memory_cuts_k_chunks_only_where_one_tile_does_not_fit():
+    # at 4 bytes, GEMM1's 16 + 2 * 64 rows x 512-deep K is 288 KiB a tile: halved to 256 (144 KiB, one in
+    # flight: 2 stages); GEMM2's 16 + 64 rows x 256 x 4 = 80 KiB a tile keeps its K, 2 in flight
+    from replaymoe.moe.configs import MoEConfig, fit_shared_memory
+
+    c = fit_shared_memory(MoEConfig(False, 16, 64, 512, 4, 3, 64, 256, 4, 4), 4)
+    assert (c.block_k1, c.stages1, c.block_k2, c.stages2) == (256, 2, 256, 3)

@@ -54,7 +54,14 @@ def experts_triton_train(
     K = topk_ids.shape[1]
     E_local, two_i, _ = w13.shape
     c = config or moe_config(
-        T, K, H, two_i // 2, E_local, tma=tma_ok(x.device, x.dtype), table=table_for(x.device)
+        T,
+        K,
+        H,
+        two_i // 2,
+        E_local,
+        tma=tma_ok(x.device, x.dtype),
+        table=table_for(x.device),
+        itemsize=x.element_size(),
     )
     args: tuple[Any, ...]  # the op takes the config as an int list, the eager path as the object
     if torch.compiler.is_compiling():

@@ -110,7 +110,8 @@ def experts_triton(
     compiling = torch.compiler.is_compiling()
     eager = not compiling and not is_capturing()
     c = config or moe_config(T, K, H, I, E_local, fp8=fp8, eager=eager, batch_invariant=batch_invariant,
-                             tma=tma_ok(x.device, x.dtype), table=table_for(x.device))  # fmt: skip
+                             tma=tma_ok(x.device, x.dtype), table=table_for(x.device),
+                             itemsize=x.element_size())  # fmt: skip
     if compiling:
         torch.ops.replaymoe.moe_experts(
             x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, local_expert_offset, out,

@@ -163,6 +163,30 @@ def _direct_pays_off_eagerly(slots: int, H: int, I: int, E_local: int, fp8: bool
     return (slots - distinct) * expert_bytes / _HBM_BYTES_PER_S < EAGER_LAUNCH_SAVING_S
 
 
+# shared memory a fitted configuration's staged GEMM tiles may take per program (Hopper has 227 KiB; the
+# rest is left to the epilogue's layout conversions and the compiler's scratch)
+SHARED_BUDGET = 160 * 1024
+
+
+def fit_shared_memory(c: MoEConfig, itemsize: int, budget: int = SHARED_BUDGET) -> MoEConfig:
+    """``c`` with GEMM1's and GEMM2's pipeline stages (and, where two stages would not fit, their K
+    chunks) cut so that each GEMM's staged tiles take at most ``budget`` bytes at ``itemsize`` bytes per
+    element. A GEMM with ``s`` stages keeps ``s - 1`` tiles in flight (Triton's pipeliner: fp32 at
+    bf16's prefill tiles asked for 3 x 96 KiB with 4 stages). GEMM1 stages an x tile [block_m,
+    block_k1] and the gate and up tiles [2 * block_n1, block_k1]; GEMM2 an intermediate tile [block_m,
+    block_k2] and a w2 tile [block_n2, block_k2]. Fewer stages leave the arithmetic as it is; shallower
+    K chunks change fp32's summation order."""
+
+    def fit(rows: int, block_k: int, stages: int) -> tuple[int, int]:
+        while block_k > 16 and rows * block_k * itemsize > budget:
+            block_k //= 2
+        return block_k, max(2, min(stages, budget // (rows * block_k * itemsize) + 1))
+
+    k1, s1 = fit(c.block_m + 2 * c.block_n1, c.block_k1, c.stages1)
+    k2, s2 = fit(c.block_m + c.block_n2, c.block_k2, c.stages2)
+    return dataclasses.replace(c, block_k1=k1, stages1=s1, block_k2=k2, stages2=s2)
+
+
 def moe_config(
     T: int,
     K: int,
@@ -175,6 +199,7 @@ def moe_config(
     batch_invariant: bool = True,
     tma: bool = False,
     table: ConfigTable | None = None,
+    itemsize: int = 2,
 ) -> MoEConfig:
     """Kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of size H×I.
 
@@ -199,7 +224,13 @@ def moe_config(
     entries override the heuristics for the problems they name; every one keeps the batch-invariance
     guarantee (fp8: :func:`fp8_invariant`) unless ``batch_invariant=False``. A tuned tile-mode entry yields to
     the eager direct mode where that applies (``eager``). The heuristics were tuned on the H200.
+
+    ``itemsize``: bytes per element of the activations and weights (2: bf16 / fp16; 4: fp32, whose
+    tiles take twice the shared memory: the bf16 choice, with fewer pipeline stages or shallower K
+    chunks where it would not fit, :func:`fit_shared_memory`; no tuned entry applies).
     """
+    if not fp8 and itemsize > 2:  # fp32: the bf16 heuristics' tiles, fitted to the shared memory
+        return fit_shared_memory(moe_config(T, K, H, I, E_local, eager=eager, tma=tma, table=None), itemsize)
     tuned = None
     if table is not None:
         tuned = table.lookup(table_key(H, I, E_local, K, fp8, T), fp8_fast=fp8 and not batch_invariant)

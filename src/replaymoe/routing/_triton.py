@@ -132,16 +132,39 @@ def _launch(
     return ids, weights
 
 
+def _route_op_impl(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    routing_replay_out: Optional[torch.Tensor],
+    replay_ids: Optional[torch.Tensor],
+    top_k: int,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+    check_replay: bool,
+    launch: Optional[list[int]],
+    routing_weights_out: Optional[torch.Tensor],
+    replay_weights: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_launch` as the custom op ``replaymoe::route`` runs it. No argument has a default: the
+    dispatcher hands a Python kernel its trailing arguments that equal their defaults as missing, and
+    torch 2.11's custom ops then index the mutated ``routing_weights_out`` past the end (IndexError
+    under ``torch.compile``); every call passes all of them (:func:`_op_args`)."""
+    return _launch(router_logits, bias, routing_replay_out, replay_ids, top_k, method, n_group, topk_group,
+                   scale, check_replay, launch, routing_weights_out, replay_weights)  # fmt: skip
+
+
 # the same function as torch.ops.replaymoe.route, for torch.compile; eager calls use _launch directly
 _route_op = torch.library.custom_op(
     "replaymoe::route", mutates_args=("routing_replay_out", "routing_weights_out")
-)(_launch)
+)(_route_op_impl)
 
 
 @_route_op.register_fake
 def _route_op_fake(
     router_logits, bias, routing_replay_out, replay_ids, top_k, method, n_group, topk_group, scale,
-    check_replay=False, launch=None, routing_weights_out=None, replay_weights=None,
+    check_replay, launch, routing_weights_out, replay_weights,
 ):  # fmt: skip
     t = router_logits.shape[0]
     return (
