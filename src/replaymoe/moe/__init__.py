@@ -88,13 +88,13 @@ _CHECKED: dict[int, ExpertsVariant] = {}  # eager: one standard-with-check varia
 
 
 def _checked_standard(id_bound: int) -> ExpertsVariant:
-    """The standard experts with the device-side id check against ``[-1, id_bound)``: one object per E
-    eagerly; under ``torch.compile`` a fresh one, which dynamo traces (a cache would only warn)."""
-    if torch.compiler.is_compiling():
-        return ExpertsVariant(id_bound=id_bound)
-    v = _CHECKED.get(id_bound)
+    """The standard experts with the device-side id check against ``[-1, id_bound)``: one object per E,
+    kept by eager calls (under ``torch.compile`` a new E's is not kept: dynamo would only warn)."""
+    v = _CHECKED.get(id_bound)  # (the eager steady state: one dict lookup)
     if v is None:
-        v = _CHECKED[id_bound] = ExpertsVariant(id_bound=id_bound)
+        v = ExpertsVariant(id_bound=id_bound)
+        if not torch.compiler.is_compiling():
+            _CHECKED[id_bound] = v
     return v
 
 
