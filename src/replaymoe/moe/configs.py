@@ -226,11 +226,11 @@ def moe_config(
     the eager direct mode where that applies (``eager``). The heuristics were tuned on the H200.
 
     ``itemsize``: bytes per element of the activations and weights (2: bf16 / fp16; 4: fp32, whose
-    tiles take twice the shared memory: the bf16 choice, with fewer pipeline stages or shallower K
-    chunks where it would not fit, :func:`fit_shared_memory`; no tuned entry applies).
+    tiles take twice the shared memory: the 16-bit choice, tuned entries included, with fewer pipeline
+    stages or shallower K chunks where it would not fit, :func:`fit_shared_memory`).
     """
-    if not fp8 and itemsize > 2:  # fp32: the bf16 heuristics' tiles, fitted to the shared memory
-        return fit_shared_memory(moe_config(T, K, H, I, E_local, eager=eager, tma=tma, table=None), itemsize)
+    if not fp8 and itemsize > 2:  # fp32: the 16-bit choice (a tuned entry too), fitted to the shared memory
+        return fit_shared_memory(moe_config(T, K, H, I, E_local, eager=eager, tma=tma, table=table), itemsize)
     tuned = None
     if table is not None:
         tuned = table.lookup(table_key(H, I, E_local, K, fp8, T), fp8_fast=fp8 and not batch_invariant)
