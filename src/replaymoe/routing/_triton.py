@@ -132,33 +132,19 @@ def _launch(
     return ids, weights
 
 
-def _route_op_impl(
-    router_logits: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    routing_replay_out: Optional[torch.Tensor],
-    replay_ids: Optional[torch.Tensor],
-    top_k: int,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    scale: float,
-    check_replay: bool,
-    launch: Optional[list[int]],
-    routing_weights_out: Optional[torch.Tensor],
-    replay_weights: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_launch` as the custom op ``replaymoe::route`` runs it. No argument has a default: the
-    dispatcher hands a Python kernel its trailing arguments that equal their defaults as missing, and
-    torch 2.11's custom ops then index the mutated ``routing_weights_out`` past the end (IndexError
-    under ``torch.compile``); every call passes all of them (:func:`_op_args`)."""
-    return _launch(router_logits, bias, routing_replay_out, replay_ids, top_k, method, n_group, topk_group,
-                   scale, check_replay, launch, routing_weights_out, replay_weights)  # fmt: skip
-
-
-# the same function as torch.ops.replaymoe.route, for torch.compile; eager calls use _launch directly
+# the same function as torch.ops.replaymoe.route, for torch.compile; eager calls use _launch directly. The
+# schema is written out so that no argument has a default: the dispatcher hands a Python kernel the
+# trailing arguments that equal their defaults as missing, and torch 2.11's custom ops then index the
+# mutated routing_weights_out past the end (IndexError under torch.compile); every call passes all of
+# them (_op_args)
+_ROUTE_SCHEMA = (
+    "(Tensor router_logits, Tensor? bias, Tensor(a2!)? routing_replay_out, Tensor? replay_ids, SymInt top_k, "
+    "SymInt method, SymInt n_group, SymInt topk_group, float scale, bool check_replay, SymInt[]? launch, "
+    "Tensor(a11!)? routing_weights_out, Tensor? replay_weights) -> (Tensor, Tensor)"
+)
 _route_op = torch.library.custom_op(
-    "replaymoe::route", mutates_args=("routing_replay_out", "routing_weights_out")
-)(_route_op_impl)
+    "replaymoe::route", mutates_args=("routing_replay_out", "routing_weights_out"), schema=_ROUTE_SCHEMA
+)(_launch)
 
 
 @_route_op.register_fake
