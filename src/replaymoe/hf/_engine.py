@@ -341,7 +341,8 @@ class Engine:
             self.step = None
             self.patch.static_cache.advance(forward_cache(kwargs)[0], None)
             return
-        if not torch.compiler.is_compiling():
+        compiled = torch.compiler.is_compiling()
+        if not compiled:
             self.replay.raise_uncovered(
                 block=False
             )  # an earlier forward's, once its counters reached the host
@@ -351,7 +352,6 @@ class Engine:
                 self.rollout_stale = True
         self.step = plan_step(self, input_ids, ref, kwargs)
         # the kept static cache's host-side length (hf.static_cache), for the next forward
-        compiled = torch.compiler.is_compiling()
         self.patch.static_cache.advance(forward_cache(kwargs)[0], None if compiled else ref.shape[1])
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -22,8 +22,9 @@ cache is initialised, and a forward that captures or replays would have to find 
 torch ops (and restart the capture batch on the device) in every decode step. The cache the keeper
 hands out starts empty, and every eager forward of the decoder stack appends its ``S`` tokens, so
 :meth:`StaticCacheKeeper.advance` counts them and :meth:`StaticCacheKeeper.host_length` gives the length
-as a Python int: the decode step then takes the one-launch path of a dynamic cache. A compiled forward
-cannot count on the host: it forgets the length (the device counter is used from then on).
+as a Python int: a decode step then continues its capture batch on the host, as with a dynamic cache. A
+compiled forward cannot count on the host: it forgets the length (the device counter is used from then
+on).
 """
 
 from __future__ import annotations
