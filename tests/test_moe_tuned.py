@@ -368,3 +368,22 @@ def test_fit_shared_memory_cuts_k_chunks_only_where_one_tile_does_not_fit():
 
     c = fit_shared_memory(MoEConfig(False, 16, 64, 512, 4, 3, 64, 256, 4, 4), 4)
     assert (c.block_k1, c.stages1, c.block_k2, c.stages2) == (256, 2, 256, 3)
+
+
+@pytest.mark.parametrize("T", [1, 64, 512, 4096, 65536])  # every backward heuristic branch
+@pytest.mark.parametrize("tma", [False, True])
+def test_fp32_backward_configs_fit_the_shared_memory(T, tma):
+    # the backward's dA, dX and dW GEMMs at fp32: bf16's tiles, stages (or K chunks) cut to fit
+    from replaymoe.moe.configs import SHARED_BUDGET, moe_bwd_config
+
+    H, I, E, K = 2048, 768, 128, 8  # noqa: E741
+    bf16 = moe_bwd_config(T, K, H, I, E, tma=tma)
+    fp32 = moe_bwd_config(T, K, H, I, E, tma=tma, itemsize=4)
+    for rows, bk, stages in (
+        (fp32.block_m + fp32.bn_a, fp32.bk_a, fp32.stages_a),
+        (fp32.block_m + fp32.bn_x, fp32.bk_x, fp32.stages_x),
+        (fp32.bm_w + fp32.bn_w, fp32.bk_w, fp32.stages_w),
+    ):
+        assert rows * bk * 4 * (stages - 1) <= SHARED_BUDGET
+    same = ("block_m", "bn_a", "warps_a", "bn_x", "warps_x", "bm_w", "bn_w", "warps_w", "dw_mode")
+    assert all(getattr(fp32, f) == getattr(bf16, f) for f in same)

@@ -276,7 +276,7 @@ def launch_bwd_config(
     T, H = x.shape
     E_local, two_i, _ = w13.shape
     c = moe_bwd_config(T, topk_ids.shape[1], H, two_i // 2, E_local, tma=dw_tma_ok(x.device, x.dtype),
-                       table=table_for(x.device))  # fmt: skip
+                       table=table_for(x.device), itemsize=x.element_size())  # fmt: skip
     return launch_bwd(grad_out, x, w13, w2, topk_ids, topk_weights, saved, offset, recompute, need, c, v=v,
                       layout=layout)  # fmt: skip
 

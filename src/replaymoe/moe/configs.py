@@ -177,14 +177,18 @@ def fit_shared_memory(c: MoEConfig, itemsize: int, budget: int = SHARED_BUDGET) 
     block_k2] and a w2 tile [block_n2, block_k2]. Fewer stages leave the arithmetic as it is; shallower
     K chunks change fp32's summation order."""
 
-    def fit(rows: int, block_k: int, stages: int) -> tuple[int, int]:
-        while block_k > 16 and rows * block_k * itemsize > budget:
-            block_k //= 2
-        return block_k, max(2, min(stages, budget // (rows * block_k * itemsize) + 1))
-
-    k1, s1 = fit(c.block_m + 2 * c.block_n1, c.block_k1, c.stages1)
-    k2, s2 = fit(c.block_m + c.block_n2, c.block_k2, c.stages2)
+    k1, s1 = _fit_stages(c.block_m + 2 * c.block_n1, c.block_k1, c.stages1, itemsize, budget)
+    k2, s2 = _fit_stages(c.block_m + c.block_n2, c.block_k2, c.stages2, itemsize, budget)
     return dataclasses.replace(c, block_k1=k1, stages1=s1, block_k2=k2, stages2=s2)
+
+
+def _fit_stages(rows: int, block_k: int, stages: int, itemsize: int, budget: int) -> tuple[int, int]:
+    """``(block_k, stages)`` of a GEMM staging ``rows`` rows of ``block_k`` elements per step: K halved
+    while one step exceeds ``budget`` bytes, then as many stages as keep ``stages - 1`` steps within it
+    (at least 2, at most ``stages``)."""
+    while block_k > 16 and rows * block_k * itemsize > budget:
+        block_k //= 2
+    return block_k, max(2, min(stages, budget // (rows * block_k * itemsize) + 1))
 
 
 def moe_config(
@@ -342,6 +346,7 @@ def moe_bwd_config(
     E_local: int,
     tma: bool = False,
     table=None,
+    itemsize: int = 2,
 ) -> MoEBwdConfig:
     """Backward kernel configuration for ``T`` tokens of top-``K`` over ``E_local`` experts of H×I.
 
@@ -350,11 +355,24 @@ def moe_bwd_config(
     per SM): faster than the pointer kernel, bitwise the same (docs/TUNING.md, "Backward dW through
     TMA"). ``table``: a :class:`~replaymoe.moe.tuned.TunedTable`; where its ``backward``
     section has the problem's token bucket, its kernel tiles (:data:`BWD_TILE_FIELDS`) replace the
-    heuristics' and the switches stay as chosen here.
+    heuristics' and the switches stay as chosen here. ``itemsize``: bytes per element (4: fp32, whose
+    tiles are fitted to the shared memory, :func:`fit_bwd_shared_memory`).
     """
     c = _bwd_heuristics(T, K, H, I, E_local, tma)
     tiles = table.lookup_backward(table_key(H, I, E_local, K, False, T)) if table is not None else None
-    return c if tiles is None else dataclasses.replace(c, **tiles)
+    c = c if tiles is None else dataclasses.replace(c, **tiles)
+    return c if itemsize <= 2 else fit_bwd_shared_memory(c, itemsize)
+
+
+def fit_bwd_shared_memory(c: MoEBwdConfig, itemsize: int, budget: int = SHARED_BUDGET) -> MoEBwdConfig:
+    """:func:`fit_shared_memory` for the backward's GEMMs: dA stages a dO tile [block_m, bk_a] and a w2
+    tile [bn_a, bk_a]; dX a dh tile [block_m, bk_x] and a w13 tile [bn_x, bk_x]; dW an A tile [bm_w,
+    bk_w] and a B tile [bn_w, bk_w]."""
+    bk_a, stages_a = _fit_stages(c.block_m + c.bn_a, c.bk_a, c.stages_a, itemsize, budget)
+    bk_x, stages_x = _fit_stages(c.block_m + c.bn_x, c.bk_x, c.stages_x, itemsize, budget)
+    bk_w, stages_w = _fit_stages(c.bm_w + c.bn_w, c.bk_w, c.stages_w, itemsize, budget)
+    return dataclasses.replace(c, bk_a=bk_a, stages_a=stages_a, bk_x=bk_x, stages_x=stages_x, bk_w=bk_w,
+                               stages_w=stages_w)  # fmt: skip
 
 
 def _bwd_heuristics(T: int, K: int, H: int, I: int, E_local: int, tma: bool) -> MoEBwdConfig:  # noqa: E741
