@@ -652,3 +652,23 @@ def test_blocks_random_in_training(arch, overrides, dropout, random):
     block = rhf.find_moe_layers(model)[0].block
     block.extra = torch.nn.Dropout(dropout)
     assert random_in_training(block) is random
+
+
+def test_traces_keep_their_tokens_after_the_next_generate(generator):
+    # on the CPU the capture buffer's tokens reach the host as a numpy view: the traces of one generate
+    # must own their arrays, or the next generate's batch start (tokens filled with -1) rewrites them
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, backend="torch", capture=True)
+    prompts = [torch.randint(3, model.config.vocab_size, (2, 5), generator=generator) for _ in range(2)]
+    kept = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                 min_new_tokens=3, do_sample=False)  # fmt: skip
+        traces = moe.traces()
+        kept.append((traces, out[:, :-1].numpy(), [t.ids.copy() for t in traces]))
+    moe.disable()
+    for traces, fed, ids in kept:  # every fed token, and the ids, as they were when returned
+        assert [t.token_ids.tolist() for t in traces] == fed.tolist()
+        for t, i in zip(traces, ids):
+            np.testing.assert_array_equal(t.ids, i)

@@ -720,3 +720,49 @@ def test_to_vllm_writes_the_0_33_layout_that_from_vllm_reads(layer_ids, hidden):
     assert (raw[:, [c for c in range(hidden) if c not in moe]] == 0).all()
     back = RoutingTrace.from_vllm(t.to_vllm("uint8", num_hidden_layers=hidden), layer_ids=moe, num_experts=8)
     assert np.array_equal(back.ids, t.ids)
+
+
+def _batch(rng, R=3, n=5, L=2, K=2, E=6):
+    ids = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(L)]) for _ in range(R * n)])
+    return ids.reshape(R, n, L, K).astype(np.int64)
+
+
+def test_from_batch_equals_one_constructor_call_per_row(rng):
+    # a captured batch, checked in one pass: each row's trace is the constructor's on that row's prefix
+    ids = _batch(rng)
+    ids[1, 3:] = -1  # row 1 is 3 positions long: the rest is padding
+    tokens = rng.integers(0, 50, size=ids.shape[:2])
+    tokens[1, 3:] = -1
+    weights = rng.random(ids.shape).astype(np.float32)
+    kw = dict(num_experts=6, top_k=2, layer_ids=[1, 3], model_id="m")
+    got = RoutingTrace.from_batch(ids, [5, 3, 4], token_ids=tokens, weights=weights, **kw)
+    for b, (t, length) in enumerate(zip(got, [5, 3, 4])):
+        want = RoutingTrace(ids[b, :length], token_ids=tokens[b, :length], weights=weights[b, :length], **kw)
+        assert t == want and t.ids.flags.c_contiguous and t.ids.dtype == np.int16
+        np.testing.assert_array_equal(t.weights, want.weights)
+        assert t.layer_ids == (1, 3) and t.model_id == "m" and t.token_offset == 0
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda ids: ids.__setitem__((2, 4, 1, 0), 6), r"ids: expected expert ids in \[0, 5\]"),  # in a row
+        (lambda ids: ids.__setitem__((0, 1, 0), [3, 3]), "ids: expected distinct expert ids"),  # duplicate
+    ],
+)
+def test_from_batch_checks_every_row(rng, change, match):
+    ids = _batch(rng)
+    change(ids)
+    with pytest.raises(ValueError, match=match):
+        RoutingTrace.from_batch(ids, [5, 5, 5], num_experts=6, top_k=2)
+
+
+def test_from_batch_owns_its_arrays(rng):
+    # the traces never alias the caller's arrays (on the CPU a capture buffer's numpy view is written
+    # again by the next batch)
+    ids = _batch(rng).astype(np.int16)
+    tokens = np.arange(15, dtype=np.int64).reshape(3, 5)
+    got = RoutingTrace.from_batch(ids, [5, 5, 5], num_experts=6, top_k=2, token_ids=tokens)
+    ids[:] = -1
+    tokens[:] = -1
+    assert (got[0].ids >= 0).all() and got[2].token_ids.tolist() == [10, 11, 12, 13, 14]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from replaymoe._validation import fail
@@ -303,15 +302,13 @@ class CaptureBuffer:
         if snap.weights is not None:
             w = snap.weights[:, : snap.rows * S].view(L, snap.rows, S, K)
             weights = w[:, :, :n].permute(1, 2, 0, 3).cpu().numpy()  # [rows, n, L, K]
-        return [
-            RoutingTrace(
-                np.ascontiguousarray(host[b, : lengths[b]]),
-                num_experts=self.meta.num_experts,
-                top_k=K,
-                layer_ids=list(self.meta.layer_ids),
-                model_id=self.meta.model_id,
-                token_ids=tokens[b, : lengths[b]],
-                weights=None if weights is None else weights[b, : lengths[b]],
-            )
-            for b in range(snap.rows)
-        ]
+        return RoutingTrace.from_batch(
+            host,
+            lengths.tolist(),
+            num_experts=self.meta.num_experts,
+            top_k=K,
+            layer_ids=list(self.meta.layer_ids),
+            model_id=self.meta.model_id,
+            token_ids=tokens,
+            weights=weights,
+        )

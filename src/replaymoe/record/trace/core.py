@@ -171,6 +171,44 @@ class RoutingTrace:
         self.token_ids = None if token_ids is None else check_token_ids(token_ids, self.ids.shape[0])
         self.weights: np.ndarray | None = None if weights is None else check_weights(weights, self.ids)
 
+    @classmethod
+    def from_batch(cls, ids: Any, lengths: Sequence[int], *, num_experts: int | None, top_k: int,
+                   layer_ids: Sequence[int] | None = None, model_id: str | None = None, token_ids: Any = None,
+                   weights: Any = None) -> list[RoutingTrace]:  # fmt: skip
+        """One trace per row of a batch, checked in one pass (what ``R`` calls of the constructor on
+        ``ids[b, :lengths[b]]`` give, without ``R`` passes of the checks): ``ids`` [R, n, L, K],
+        ``lengths`` [R] (each <= n), ``token_ids`` [R, n] and ``weights`` [R, n, L, K] optional; the
+        other arguments as the constructor's, shared by the rows. Beyond a row's length the arrays are
+        checked too, so a batch padded with -1 ids (NaN weights, -1 tokens) is what they should hold."""
+        arr = as_int_array("ids", ids)
+        if arr.ndim != 4:
+            fail("ids", "a 4-D array [rows, positions, layers, top_k]", f"shape {arr.shape}", what="shape")
+        R, n = arr.shape[:2]
+        lens = [check_int("lengths", int(v), low=0, high=n) for v in lengths]
+        if len(lens) != R:
+            fail("lengths", f"{R} lengths (one per row of ids)", len(lens))
+        # the shared arguments' checks, on an empty trace whose attributes every row's trace starts from
+        shared = cls(arr[0, :0], num_experts=num_experts, top_k=top_k, layer_ids=layer_ids, model_id=model_id)
+        # int16 [R * n, L, K] in C order, never a view of the caller's memory (a capture buffer on the CPU
+        # is written again by the next batch)
+        rows = check_ids(arr.reshape(R * n, *arr.shape[2:]), num_experts)
+        rows = rows.copy() if np.may_share_memory(rows, arr) else rows
+        tok = None
+        if token_ids is not None:
+            given = np.asarray(token_ids)
+            tok = check_token_ids(given.reshape(-1), R * n)
+            tok = tok.copy() if np.may_share_memory(tok, given) else tok
+        w = None if weights is None else check_weights(np.asarray(weights).reshape(rows.shape), rows)
+        out = []
+        for b, length in enumerate(lens):
+            t = object.__new__(cls)
+            t.__dict__.update(shared.__dict__)
+            t.ids = rows[b * n : b * n + length]
+            t.token_ids = None if tok is None else tok[b * n : b * n + length]
+            t.weights = None if w is None else w[b * n : b * n + length]
+            out.append(t)
+        return out
+
     # ---------------------------------------------------------------- basic properties
     @property
     def num_tokens(self) -> int:
