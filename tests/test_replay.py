@@ -195,3 +195,24 @@ def test_capture_save_load_replay_round_trip(tmp_path, generator):
         assert torch.equal(out.topk_ids[6:], route(logits[6:], K).topk_ids)  # native fallback
     rep = src.report()
     assert rep.tokens_seen == 7 and rep.fallback_tokens_per_layer.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [5, 1, 7, 3],  # a rollout round's rows of different lengths
+        [0, 4, 0],  # empty traces among them
+        [3000],  # one long sequence: the power table grows
+    ],
+)
+def test_prefix_hashes_of_many_arrays_in_one_pass_equal_one_per_array(lengths, generator):
+    # content matching hashes a round's traces together; per array the same integers as one call each,
+    # -1 from an array's first unknown token on (and not into the next array)
+    from replaymoe.record.replay.hashes import prefix_hashes_concat, prefix_hashes_np
+
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=generator)))
+    arrays = [rng.integers(0, 2**31 - 2, size=n) for n in lengths]
+    if lengths[0] > 2:
+        arrays[0][2] = -1  # unknown from position 2 of the first array
+    want = np.concatenate([prefix_hashes_np(a) for a in arrays])
+    np.testing.assert_array_equal(prefix_hashes_concat(arrays), want)

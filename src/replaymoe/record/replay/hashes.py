@@ -13,12 +13,21 @@ Every step stays below 2^63 in int64 (a product of two values below 2^31; a cumu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from ..trace import RoutingTrace
 
-__all__ = ["hash_powers", "prefix_hashes", "prefix_hashes_np", "trace_hashes"]
+__all__ = [
+    "hash_powers",
+    "prefix_hashes",
+    "prefix_hashes_concat",
+    "prefix_hashes_np",
+    "trace_hashes",
+    "traces_hashes",
+]
 
 _PRIMES = (2147483647, 2147483629)
 _BASES = (1000003, 917513)
@@ -62,6 +71,27 @@ def prefix_hashes_np(tokens: np.ndarray) -> np.ndarray:
     return np.where(unknown, -1, out)
 
 
+def prefix_hashes_concat(tokens: Sequence[np.ndarray]) -> np.ndarray:
+    """:func:`prefix_hashes_np` of each array of ``tokens``, concatenated, in one pass over all of them
+    (int64 [sum of lengths]): each array's cumulative sums are the running sums over the concatenation
+    less the sum before its start, exact in int64 below 2^32 tokens in all."""
+    lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    tok = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
+    start = np.repeat(np.cumsum(lengths) - lengths, lengths)  # each token's array start
+    pos = np.arange(total, dtype=np.int64) - start
+    pw = hash_powers(int(lengths.max()))
+
+    def since_start(x: np.ndarray) -> np.ndarray:  # per array, the running sum of x from its start
+        c = np.cumsum(x)
+        return c - np.where(start > 0, c[start - 1], 0)
+
+    parts = [since_start((tok + 1) % p * pw[h][pos] % p) % p for h, p in enumerate(_PRIMES)]
+    return np.where(since_start(tok < 0) > 0, -1, parts[0] * (1 << 31) + parts[1])
+
+
 def trace_hashes(trace: RoutingTrace) -> np.ndarray:
     """:func:`prefix_hashes_np` of ``trace.token_ids``, computed once per trace (kept in the trace's
     ``__dict__``, with the token array it was computed from). Only traces that carry their tokens
@@ -74,6 +104,21 @@ def trace_hashes(trace: RoutingTrace) -> np.ndarray:
     hashes = prefix_hashes_np(tokens)
     trace.__dict__[_HASHES_KEY] = (tokens, hashes)
     return hashes
+
+
+def traces_hashes(traces: Sequence[RoutingTrace]) -> np.ndarray:
+    """:func:`trace_hashes` of every trace, concatenated; the traces not hashed yet are hashed together
+    (:func:`prefix_hashes_concat`: one pass for a rollout round's traces, not one per trace)."""
+    fresh = [t for t in traces if (c := t.__dict__.get(_HASHES_KEY)) is None or c[0] is not t.token_ids]
+    if fresh:
+        tokens: list[np.ndarray] = []
+        for t in fresh:
+            assert t.token_ids is not None, "content matching hashes traces that carry their tokens"
+            tokens.append(t.token_ids)
+        split = np.cumsum([len(x) for x in tokens])[:-1]
+        for t, x, h in zip(fresh, tokens, np.split(prefix_hashes_concat(tokens), split)):
+            t.__dict__[_HASHES_KEY] = (x, h)
+    return np.concatenate([trace_hashes(t) for t in traces]) if traces else np.zeros(0, dtype=np.int64)
 
 
 def prefix_hashes(tokens: torch.Tensor, positions: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:

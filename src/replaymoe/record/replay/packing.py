@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..trace import RoutingTrace
-from .hashes import trace_hashes
+from .hashes import traces_hashes
 
 __all__ = ["capacity", "content_index", "pack_ids", "pack_weights", "row_meta"]
 
@@ -35,10 +35,8 @@ def pack_ids(traces: Sequence[RoutingTrace], layer_of: Sequence[int]) -> np.ndar
     L, K = len(layer_of), traces[0].top_k
     rows = capacity(sum(t.num_tokens for t in traces))
     host = np.full((L, rows, K), -1, dtype=np.int32)
-    base = 0
-    for t in traces:
-        host[:, base : base + t.num_tokens] = t.ids[:, list(layer_of)].transpose(1, 0, 2)
-        base += t.num_tokens
+    ids = np.concatenate([t.ids for t in traces])  # [positions, L_trace, K], one copy
+    host[:, : ids.shape[0]] = ids[:, list(layer_of)].transpose(1, 0, 2)
     return host
 
 
@@ -48,11 +46,9 @@ def pack_weights(traces: Sequence[RoutingTrace], layer_of: Sequence[int]) -> np.
     L, K = len(layer_of), traces[0].top_k
     rows = capacity(sum(t.num_tokens for t in traces))
     host = np.full((L, rows, K), np.nan, dtype=np.float32)
-    base = 0
-    for t in traces:
-        assert t.weights is not None
-        host[:, base : base + t.num_tokens] = t.weights[:, list(layer_of)].transpose(1, 0, 2)
-        base += t.num_tokens
+    assert all(t.weights is not None for t in traces)
+    weights = np.concatenate([t.weights for t in traces])
+    host[:, : weights.shape[0]] = weights[:, list(layer_of)].transpose(1, 0, 2)
     return host
 
 
@@ -74,8 +70,12 @@ def content_index(
     hash above any hash and ``last_row`` (the table's all -1 row). Of equal hashes (the same prefix in
     several traces: a group's shared prompt) the earliest trace's row comes first, and is the one
     replayed. ``bases``: each trace's first table row (:func:`row_meta`)."""
-    hashes = np.concatenate([trace_hashes(t) for t in traces]) if traces else np.zeros(0)
-    rows = np.concatenate([b + np.arange(t.num_tokens) for t, b in zip(traces, bases)]) if traces else hashes
+    hashes = traces_hashes(traces)
+    counts = np.array([t.num_tokens for t in traces], dtype=np.int64)
+    start = np.repeat(np.cumsum(counts) - counts, counts)  # each position's trace's first position
+    rows = (
+        np.repeat(np.asarray(bases, dtype=np.int64)[: len(traces)], counts) + np.arange(len(hashes)) - start
+    )
     keep = hashes >= 0
     hashes, rows = hashes[keep], rows[keep].astype(np.int64)
     order = np.lexsort((rows, hashes))
