@@ -757,6 +757,11 @@ def test_from_batch_checks_every_row(rng, change, match):
         RoutingTrace.from_batch(ids, [5, 5, 5], num_experts=6, top_k=2)
 
 
+def test_from_batch_of_no_rows_is_empty():
+    # a batch that recorded no row (edge: nothing to split)
+    assert RoutingTrace.from_batch(np.zeros((0, 4, 2, 2), np.int16), [], num_experts=6, top_k=2) == []
+
+
 def test_from_batch_owns_its_arrays(rng):
     # the traces never alias the caller's arrays (on the CPU a capture buffer's numpy view is written
     # again by the next batch)

@@ -187,10 +187,11 @@ class RoutingTrace:
         lens = [check_int("lengths", int(v), low=0, high=n) for v in lengths]
         if len(lens) != R:
             fail("lengths", f"{R} lengths (one per row of ids)", len(lens))
+        if R == 0:
+            return []
         # the shared arguments' checks, on an empty trace whose attributes every row's trace starts from
         shared = cls(arr[0, :0], num_experts=num_experts, top_k=top_k, layer_ids=layer_ids, model_id=model_id)
-        # int16 [R * n, L, K] in C order, never a view of the caller's memory (a capture buffer on the CPU
-        # is written again by the next batch)
+        # int16 [R * n, L, K], never a view of the caller's (a CPU capture buffer is written again)
         rows = check_ids(arr.reshape(R * n, *arr.shape[2:]), num_experts)
         rows = rows.copy() if np.may_share_memory(rows, arr) else rows
         tok = None
