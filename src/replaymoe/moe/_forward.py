@@ -330,7 +330,7 @@ def launch_experts(
 _CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (device index, id_bound) -> check arguments
 # the same keywords with the check off: a direct-mode GEMM1 always takes all three, so that calls with
 # and without the check launch with the same argument list, only its values differ (the launcher keys
-# and converts every argument: three more for the check alone cost it about 3 us a call on an H100 host)
+# and converts every argument: three more for the check alone were its main host cost, bench/README.md)
 _NO_CHECK: dict = dict(err_ptr=None, id_bound=0, CHECK_IDS=False)
 
 
