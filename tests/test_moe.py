@@ -912,8 +912,11 @@ def test_gpu_fp32_every_mode_fits_and_matches_reference(T, train):
         dout = torch.randn(T, H, device="cuda", generator=g)
         grads = torch.autograd.grad(out, (x, w13, w2), dout)
         refs = torch.autograd.grad(ref, leaves, dout.double())
-        for a, b in zip(grads, refs):
-            assert_close(a, b.float(), dtype=torch.float32)
+        # norm-relative: a weight gradient sums up to T*K/E = 1024 rows in fp32 and an element may cancel
+        # far below its terms (fp32 lands near 3e-7 here; a TF32 dot would read about 1e-4)
+        for name, a, b in zip(("dx", "dw13", "dw2"), grads, refs):
+            err = float((a.double() - b).norm() / b.norm())
+            assert err < 1e-5, f"{name}: relative error {err:.3g}"
 
 
 @pytest.mark.gpu

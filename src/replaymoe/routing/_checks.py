@@ -371,11 +371,6 @@ def mark_valid_ids(ids: torch.Tensor, num_experts: int) -> None:
     setattr(ids, _VALID_MARK, (num_experts, ids._version))
 
 
-def _marked_valid(ids: torch.Tensor, num_experts: int) -> bool:
-    mark = getattr(ids, _VALID_MARK, None)
-    return mark is not None and mark[0] <= num_experts and mark[1] == ids._version
-
-
 def topk_ids_for_kernels(
     topk_ids: torch.Tensor, num_experts: int, check: bool, *, on_device: bool = False
 ) -> tuple[torch.Tensor, int]:
@@ -384,7 +379,7 @@ def topk_ids_for_kernels(
 
     ``on_device`` (the Triton experts on CUDA): the ids come back as they are with ``id_bound = E``,
     and the kernel that reads them first checks them on the device, without a host sync, in eager,
-    compiled and CUDA-graph calls alike (:mod:`replaymoe.moe._id_mailbox`). Otherwise (the CPU, the
+    compiled and CUDA-graph calls alike (:mod:`replaymoe.routing._id_mailbox`). Otherwise (the CPU, the
     torch backend) ``id_bound`` is 0 and the check runs here: eagerly :func:`check_id_values` (one host
     sync on a GPU), under ``torch.compile`` the op ``replaymoe::check_topk_ids``, which checks them
     inside the graph (skipped while a CUDA graph is being captured).
@@ -394,13 +389,16 @@ def topk_ids_for_kernels(
     """
     if not check:
         return topk_ids, 0
-    compiling = torch.compiler.is_compiling()
-    if not compiling and _marked_valid(topk_ids, num_experts):
+    if torch.compiler.is_compiling():
+        if on_device:
+            return topk_ids, num_experts
+        return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts), 0
+    # mark_valid_ids's mark, read in place (every eager call with caller ids runs this)
+    mark = getattr(topk_ids, _VALID_MARK, None)
+    if mark is not None and mark[0] <= num_experts and mark[1] == topk_ids._version:
         return topk_ids, 0
     if on_device:
         return topk_ids, num_experts
-    if compiling:
-        return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts), 0
     if not is_capturing():
         check_id_values(topk_ids, num_experts, "topk_ids", minus_one="slots")
     return topk_ids, 0
