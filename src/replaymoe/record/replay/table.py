@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..._validation import fail
 from ..trace import RoutingTrace
+from .coverage import CoverageChecks
 from .hashes import hash_powers, prefix_hashes
 from .packing import capacity, content_index, pack_ids, pack_weights, row_meta
 
@@ -33,7 +34,6 @@ MISSING_MODES = ("error", "native")
 # recomputed from the trainer's logits, so the router gets a gradient) or "ids+weights" (full recall, or
 # router recall: the rollout's weights too, no gradient to the router through them)
 REPLAY_MODES = ("ids", "ids+weights")
-_NO_KEY = (1 << 63) - 1  # ReplayTable.uncovered's last entry while no uncovered lookup was counted
 
 
 def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
@@ -49,33 +49,6 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     """Mark a long-lived buffer as a static input of compiled graphs (no copy into CUDA graphs)."""
     torch._dynamo.mark_static_address(t)
     return t
-
-
-def _smallest_key(bad: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """int64 [1]: the smallest key ``layer << 48 | batch row << 28 | position`` of the lookups ``bad``
-    (bool [L, B*S]) of a forward at ``positions`` (int64 [B, S]); :data:`_NO_KEY` where there is none.
-    Device ops only (:meth:`ReplayTable.count_uncovered`)."""
-    L = bad.shape[0]
-    B, S = positions.shape
-    rows = torch.arange(B, device=positions.device).repeat_interleave(S)
-    layers = torch.arange(L, device=positions.device)[:, None]
-    key = (layers << 48) | ((rows << 28) | positions.reshape(-1))[None, :]
-    return torch.where(bad, key, _NO_KEY).amin().reshape(1)
-
-
-def _fail_uncovered(counts: list[int], key: int, layer_names: Sequence[str]) -> NoReturn:
-    """The ValueError of :meth:`ReplayTable.check_uncovered`: ``counts`` per layer, the first lookup by
-    ``key`` (:func:`_smallest_key`); ``layer_names[l]`` names MoE layer ``l``."""
-    layer, row, pos = key >> 48, (key >> 28) & ((1 << 20) - 1), key & ((1 << 28) - 1)
-    per_layer = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
-    fail(
-        "replay",
-        "a recorded route for every token of a replayed forward except padding and each "
-        "sequence's last sampled token (or missing='native' to route the others natively)",
-        f"none for batch row {row}, position {pos}, {layer_names[layer]}; token-layer lookups "
-        f"without one since the last check: {per_layer}",
-        what="coverage",
-    )
 
 
 @dataclass
@@ -134,7 +107,7 @@ class ReplayReport:
         return "\n".join(lines)
 
 
-class ReplayTable:
+class ReplayTable(CoverageChecks):
     """Recorded ids of a batch of sequences as one device table, gathered once per forward.
 
     A forward's replay ids come from :meth:`lookup`, which picks their producer: the torch gathers here
@@ -165,7 +138,7 @@ class ReplayTable:
         ``[:L]``: lookups that no trace covers and that coverage does not excuse (:meth:`uncovered_mask`),
         per layer, since the last :meth:`check_uncovered` (:meth:`count_uncovered` adds them, and so
         does the step bookkeeping kernel, ``hf/_kernel_step_rows.py``); ``[L]``: the smallest key
-        ``layer << 48 | batch row << 28 | position`` among them (:data:`_NO_KEY` while there is none).
+        ``layer << 48 | batch row << 28 | position`` among them (``coverage.NO_KEY`` while there is none).
     missing : {"error", "native"}
         What a forward does with a token no trace covers: raise (the default) or route it natively
         (counted in :attr:`fallback`).
@@ -491,84 +464,6 @@ class ReplayTable:
         self.seen.add_(real)
         self.fallback.add_((forced[:, :, 0] < 0).sum(dim=1) - padding)
         return forced
-
-    def uncovered_mask(
-        self, forced: torch.Tensor, positions: torch.Tensor, *, by_content: bool
-    ) -> torch.Tensor:
-        """bool ``[L, B*S]``: the lookups of one forward that no trace covers and that coverage does
-        not excuse. Device ops only.
-
-        A replayed forward must find a recorded row for every token except padding (``positions <
-        0``) and each sequence's last sampled token, which was never fed through the model that
-        recorded the trace and so has no routing: by batch row, the position one past the row's
-        trace (``ends``); matched by content (whole sequences), each row's last token.
-
-        Parameters
-        ----------
-        forced : torch.Tensor int32 [L, B*S, K]
-            The forward's replay ids (-1 rows: no recorded row).
-        positions : torch.Tensor int64 [B, S]
-            Each token's position (-1 = padding).
-        by_content : bool
-            Whether the forward looked its rows up by content (:meth:`gather_by_content`).
-        """
-        real = positions >= 0
-        if by_content:
-            last = positions == positions.amax(dim=1, keepdim=True)
-        else:
-            last = positions == self.ends[:, None]
-        need = (real & ~last).reshape(1, -1)
-        return (forced[:, :, 0] < 0) & need
-
-    def count_uncovered(self, forced: torch.Tensor, positions: torch.Tensor, *, by_content: bool) -> None:
-        """Add one forward's uncovered lookups (:meth:`uncovered_mask`) to :attr:`uncovered`, and their
-        smallest key. Device ops only (no host sync, fixed shapes): runs eagerly, under
-        ``torch.compile`` and inside CUDA graphs. (The eager CUDA forwards that the step bookkeeping
-        kernel serves count in that kernel instead, by batch row.)"""
-        bad = self.uncovered_mask(forced, positions, by_content=by_content)
-        L = bad.shape[0]
-        smallest = _smallest_key(bad, positions)
-        self.uncovered[:L].add_(bad.sum(dim=1))
-        self.uncovered[L:].copy_(torch.minimum(self.uncovered[L:], smallest))
-
-    def snapshot_uncovered(self) -> None:
-        """Start copying the counters to pinned host memory, without waiting (CUDA, eager, outside a
-        graph capture): a later :meth:`check_uncovered` with ``block=False`` reads them once the
-        copy is done."""
-        if not self.uncovered.is_cuda or self.missing != "error" or self._snapshot is None:
-            return
-        host, event = self._snapshot
-        host.copy_(self.uncovered, non_blocking=True)
-        event.record()
-        self._snapshot_pending = True
-
-    def check_uncovered(self, layer_names: Sequence[str], *, block: bool) -> None:
-        """Raise ValueError for uncovered lookups counted since the last check (then start again).
-
-        ``block=True`` reads the device counters (one host sync; on the CPU, no wait). ``block=False``
-        never waits: it reads the last :meth:`snapshot_uncovered` once its copy is done, and does
-        nothing before. ``layer_names[l]`` names MoE layer ``l`` in the message.
-        """
-        if self.missing != "error" or self.uncovered.numel() == 0:
-            return
-        snapshot = self._snapshot
-        if block or not self.uncovered.is_cuda:
-            values = self.uncovered.tolist()
-        elif self._snapshot_pending and snapshot is not None and snapshot[1].query():
-            values = snapshot[0].tolist()
-            self._snapshot_pending = False
-        else:
-            return
-        counts, key = values[:-1], values[-1]
-        if not any(counts):
-            return
-        self._clear_uncovered()
-        _fail_uncovered(counts, key, layer_names)
-
-    def _clear_uncovered(self) -> None:
-        self.uncovered[:-1].zero_()
-        self.uncovered[-1:].fill_(_NO_KEY)
-        self._snapshot_pending = False
 
     def report(self) -> ReplayReport:
         """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""

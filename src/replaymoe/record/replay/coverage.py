@@ -1,0 +1,137 @@
+"""Coverage of a replayed forward: which lookups no trace covers, counted on the device and raised later.
+
+This module's one job is strict coverage (``replaying(..., missing="error")``, the default): a replayed
+forward must find a recorded route for every token except padding and each sequence's last sampled
+token. :class:`CoverageChecks`, which :class:`~replaymoe.record.replay.ReplayTable` inherits, counts the
+lookups that break it with device ops only (eagerly, under ``torch.compile`` and inside CUDA graphs) and
+raises at the next check, naming the layer, batch row and position of the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NoReturn
+
+import torch
+
+from ..._validation import fail
+
+__all__ = ["NO_KEY", "CoverageChecks", "fail_uncovered", "smallest_key"]
+
+NO_KEY = (1 << 63) - 1  # ReplayTable.uncovered's last entry while no uncovered lookup was counted
+
+
+def smallest_key(bad: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [1]: the smallest key ``layer << 48 | batch row << 28 | position`` of the lookups ``bad``
+    (bool [L, B*S]) of a forward at ``positions`` (int64 [B, S]); :data:`NO_KEY` where there is none.
+    Device ops only (:meth:`CoverageChecks.count_uncovered`)."""
+    L = bad.shape[0]
+    B, S = positions.shape
+    rows = torch.arange(B, device=positions.device).repeat_interleave(S)
+    layers = torch.arange(L, device=positions.device)[:, None]
+    key = (layers << 48) | ((rows << 28) | positions.reshape(-1))[None, :]
+    return torch.where(bad, key, NO_KEY).amin().reshape(1)
+
+
+def fail_uncovered(counts: list[int], key: int, layer_names: Sequence[str]) -> NoReturn:
+    """The ValueError of :meth:`CoverageChecks.check_uncovered`: ``counts`` per layer, the first lookup by
+    ``key`` (:func:`smallest_key`); ``layer_names[l]`` names MoE layer ``l``."""
+    layer, row, pos = key >> 48, (key >> 28) & ((1 << 20) - 1), key & ((1 << 28) - 1)
+    per_layer = ", ".join(f"{layer_names[i]}: {n}" for i, n in enumerate(counts) if n)
+    fail(
+        "replay",
+        "a recorded route for every token of a replayed forward except padding and each "
+        "sequence's last sampled token (or missing='native' to route the others natively)",
+        f"none for batch row {row}, position {pos}, {layer_names[layer]}; token-layer lookups "
+        f"without one since the last check: {per_layer}",
+        what="coverage",
+    )
+
+
+class CoverageChecks:
+    """The coverage counters' methods of :class:`~replaymoe.record.replay.ReplayTable` (a mixin: the
+    table owns the state, see its attributes ``uncovered``, ``ends`` and ``missing``)."""
+
+    uncovered: torch.Tensor  # int64 [L + 1]: per-layer counts, then the smallest key
+    ends: torch.Tensor  # int64 [B]
+    missing: str
+    _snapshot: tuple[torch.Tensor, torch.cuda.Event] | None
+    _snapshot_pending: bool
+
+    def uncovered_mask(
+        self, forced: torch.Tensor, positions: torch.Tensor, *, by_content: bool
+    ) -> torch.Tensor:
+        """bool ``[L, B*S]``: the lookups of one forward that no trace covers and that coverage does
+        not excuse. Device ops only.
+
+        A replayed forward must find a recorded row for every token except padding (``positions <
+        0``) and each sequence's last sampled token, which was never fed through the model that
+        recorded the trace and so has no routing: by batch row, the position one past the row's
+        trace (``ends``); matched by content (whole sequences), each row's last token.
+
+        Parameters
+        ----------
+        forced : torch.Tensor int32 [L, B*S, K]
+            The forward's replay ids (-1 rows: no recorded row).
+        positions : torch.Tensor int64 [B, S]
+            Each token's position (-1 = padding).
+        by_content : bool
+            Whether the forward looked its rows up by content (:meth:`gather_by_content`).
+        """
+        real = positions >= 0
+        if by_content:
+            last = positions == positions.amax(dim=1, keepdim=True)
+        else:
+            last = positions == self.ends[:, None]
+        need = (real & ~last).reshape(1, -1)
+        return (forced[:, :, 0] < 0) & need
+
+    def count_uncovered(self, forced: torch.Tensor, positions: torch.Tensor, *, by_content: bool) -> None:
+        """Add one forward's uncovered lookups (:meth:`uncovered_mask`) to :attr:`uncovered`, and their
+        smallest key. Device ops only (no host sync, fixed shapes): runs eagerly, under
+        ``torch.compile`` and inside CUDA graphs. (The eager CUDA forwards that the step bookkeeping
+        kernel serves count in that kernel instead, by batch row.)"""
+        bad = self.uncovered_mask(forced, positions, by_content=by_content)
+        L = bad.shape[0]
+        smallest = smallest_key(bad, positions)
+        self.uncovered[:L].add_(bad.sum(dim=1))
+        self.uncovered[L:].copy_(torch.minimum(self.uncovered[L:], smallest))
+
+    def snapshot_uncovered(self) -> None:
+        """Start copying the counters to pinned host memory, without waiting (CUDA, eager, outside a
+        graph capture): a later :meth:`check_uncovered` with ``block=False`` reads them once the
+        copy is done."""
+        if not self.uncovered.is_cuda or self.missing != "error" or self._snapshot is None:
+            return
+        host, event = self._snapshot
+        host.copy_(self.uncovered, non_blocking=True)
+        event.record()
+        self._snapshot_pending = True
+
+    def check_uncovered(self, layer_names: Sequence[str], *, block: bool) -> None:
+        """Raise ValueError for uncovered lookups counted since the last check (then start again).
+
+        ``block=True`` reads the device counters (one host sync; on the CPU, no wait). ``block=False``
+        never waits: it reads the last :meth:`snapshot_uncovered` once its copy is done, and does
+        nothing before. ``layer_names[l]`` names MoE layer ``l`` in the message.
+        """
+        if self.missing != "error" or self.uncovered.numel() == 0:
+            return
+        snapshot = self._snapshot
+        if block or not self.uncovered.is_cuda:
+            values = self.uncovered.tolist()
+        elif self._snapshot_pending and snapshot is not None and snapshot[1].query():
+            values = snapshot[0].tolist()
+            self._snapshot_pending = False
+        else:
+            return
+        counts, key = values[:-1], values[-1]
+        if not any(counts):
+            return
+        self._clear_uncovered()
+        fail_uncovered(counts, key, layer_names)
+
+    def _clear_uncovered(self) -> None:
+        self.uncovered[:-1].zero_()
+        self.uncovered[-1:].fill_(NO_KEY)
+        self._snapshot_pending = False
