@@ -70,7 +70,7 @@ def test_clock_sections_are_exclusive_and_add_up():
 def _args(**given):
     """bench trl's options at toy size on the CPU (one warm-up step)."""
     a = dict(arch="qwen3_moe", size="tiny", generations=2, warmup=1, checkpointing=False, device="cpu",
-             cache="dynamic", lr=1e-6)  # fmt: skip
+             cache="dynamic", compile_generate=False, lr=1e-6)  # fmt: skip
     return argparse.Namespace(**{**a, **given})
 
 
@@ -97,14 +97,18 @@ def test_alternating_trainers_on_the_cpu(tmp_path):
 
 def test_sequential_rounds_reverse_the_order():
     # two rounds, one trainer after the other: A B, then B A; each round's warm-up step left out; the
-    # generation on a static cache (GRPOConfig.cache_implementation)
-    a = _args(batch=2, completion=2, steps=1, rounds=2, sequential=True, cache="static")
+    # generation on a static cache (GRPOConfig.cache_implementation), replaymoe's with TRL's
+    # disable_compile turned off (--compile-generate; transformers compiles on CUDA only)
+    a = _args(
+        batch=2, completion=2, steps=1, rounds=2, sequential=True, cache="static", compile_generate=True
+    )
     clocks = bench_trl.run_rounds(["grouped_mm", "replaymoe"], a)
     starts = sorted((t, impl) for impl, c in clocks.items() for t in c.starts)
     assert [impl for _, impl in starts] == ["grouped_mm"] * 2 + ["replaymoe"] * 4 + ["grouped_mm"] * 2
     assert all(c.timed == [False, True, False, True] for c in clocks.values())
     rows = bench_trl.summarize(clocks, a)
     assert [r["steps"] for r in rows] == [2, 2] and all(r["cache"] == "static" for r in rows)
+    assert [r["compile_generate"] for r in rows] == [False, True]  # stock keeps TRL's disable_compile
 
 
 def test_loss_curve_on_the_cpu(tmp_path, capsys):
@@ -161,6 +165,13 @@ def test_loss_curve_refuses_timing_options(extra, named, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--loss-curve" in err and named in err and "timing comparison only" in err
+
+
+@pytest.mark.parametrize("extra", [[], ["--loss-curve", "--cache", "static"]])  # dynamic cache; the curve
+def test_compile_generate_needs_the_static_cache_timing(extra, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_trl.main(["--device", "cpu", "--compile-generate", *extra])
+    assert exc.value.code == 2 and "--compile-generate needs --cache static" in capsys.readouterr().err
 
 
 def test_lr_must_be_positive(capsys):

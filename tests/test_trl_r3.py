@@ -108,6 +108,30 @@ def test_bad_settings_fail_clearly(make_trainer):
         make_trainer(
             use_transformers_continuous_batching=True, trainer_kwargs={"r3": R3Config(replay="ids+weights")}
         )
+    # compile_generate: transformers compiles generate's decoding steps with a static cache only
+    with pytest.raises(ValueError, match=r"compile_generate: expected a bool"):
+        R3Config(compile_generate=1)
+    with pytest.raises(
+        ValueError, match=r"r3.compile_generate: expected GRPOConfig\(cache_implementation='static'\)"
+    ):
+        make_trainer(trainer_kwargs={"r3": R3Config(compile_generate=True)})
+    with pytest.raises(
+        ValueError, match=r"r3.compile_generate: expected False with use_vllm=True or use_transformers"
+    ):
+        make_trainer(
+            use_transformers_continuous_batching=True, trainer_kwargs={"r3": R3Config(compile_generate=True)}
+        )
+
+
+def test_compile_generate_turns_trl_s_disable_compile_off(make_trainer):
+    # TRL builds its GenerationConfig with disable_compile=True; the option turns it off (transformers
+    # compiles on CUDA only, so here the static-cache steps run as they are) and replay still holds
+    kw = {**CONFIGS["static_cache"], "trainer_kwargs": {"r3": R3Config(compile_generate=True)}}
+    trainer = make_trainer(**kw)
+    assert trainer.generation_config.disable_compile is False
+    assert make_trainer(**CONFIGS["static_cache"]).generation_config.disable_compile is True  # TRL's own
+    logs = train_logs(trainer)
+    assert logs["r3/replayed_vs_rollout"] == 0.0
 
 
 def test_demo_trl_prints_the_mismatch_table():

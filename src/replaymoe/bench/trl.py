@@ -52,7 +52,8 @@ the timing and are refused with it. It runs on the CPU too (``--device cpu``).
 
 Usage: ``replaymoe bench trl [--out DIR] [--arch qwen3_moe] [--size bench] [--batch 16]
 [--generations 4] [--completion 64] [--steps 5] [--warmup 2] [--rounds 1] [--sequential]
-[--checkpointing] [--cache dynamic|static] [--lr 1e-6] [--impls ...] [--device cuda|cpu]``, or
+[--checkpointing] [--cache dynamic|static] [--compile-generate] [--lr 1e-6] [--impls ...]
+[--device cuda|cpu]``, or
 ``replaymoe bench trl --loss-curve [--out DIR] [--arch ...] [--size ...] [--batch ...]
 [--generations ...] [--completion ...] [--steps 5] [--checkpointing] [--cache ...] [--lr ...]
 [--device cuda|cpu]``.
@@ -247,13 +248,18 @@ def _build(impl: str, a: argparse.Namespace, out: str) -> tuple[Any, Any]:
     from replaymoe.bench.trl_workload import make_trainer
     from replaymoe.hf import enable
     from replaymoe.hf.models import build_model
-    from replaymoe.integrations.trl import R3GRPOTrainer
+    from replaymoe.integrations.trl import R3Config, R3GRPOTrainer
 
     model = build_model(a.arch, a.size, device=a.device, dtype=torch.bfloat16)
     if impl == "grouped_mm":
         model.set_experts_implementation("grouped_mm")
     cls = R3GRPOTrainer if impl == "r3" else trl.GRPOTrainer
-    trainer = make_trainer(cls, model, out, **_grpo_config(a, max_steps=a.warmup + a.steps))
+    r3 = {"r3": R3Config(compile_generate=True)} if impl == "r3" and a.compile_generate else None
+    trainer = make_trainer(
+        cls, model, out, trainer_kwargs=r3, **_grpo_config(a, max_steps=a.warmup + a.steps)
+    )
+    if impl == "replaymoe" and a.compile_generate:  # as R3Config(compile_generate=True) does
+        trainer.generation_config.disable_compile = False
     trainer.remove_callback(PrinterCallback)
     return trainer, enable(trainer.model) if impl == "replaymoe" else None
 
@@ -359,7 +365,12 @@ def summarize(clocks: dict[str, StepClock], a: argparse.Namespace) -> list[dict]
         row["min_step_ms"] = 1e3 * min(steps, default=float("nan"))
         card = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
         row.update(
-            checkpointing=a.checkpointing, cache=a.cache, completion=a.completion, size=a.size, card=card
+            checkpointing=a.checkpointing,
+            cache=a.cache,
+            compile_generate=a.compile_generate and impl != "grouped_mm",  # stock keeps TRL's setting
+            completion=a.completion,
+            size=a.size,
+            card=card,
         )
         rows.append(row)
     for row in rows:
@@ -537,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                    help="generation's KV cache (GRPOConfig.cache_implementation; TRL's default)")  # fmt: skip
+    p.add_argument("--compile-generate", action="store_true",
+                   help="with --cache static: replaymoe's and R3's generate compiled by transformers "
+                   "(R3Config(compile_generate=True); stock keeps TRL's disable_compile)")  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (cpu: a smoke run of the timing; --loss-curve runs there too)")  # fmt: skip
@@ -550,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"--loss-curve trains R3GRPOTrainer in its two replay modes, every step counted: "
                 f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the timing comparison only"
             )
+    if a.compile_generate and (a.cache != "static" or a.loss_curve):
+        p.error("--compile-generate needs --cache static (transformers compiles generate with a static cache "
+                "only) and the timing, not --loss-curve")  # fmt: skip
     a.warmup = 2 if a.warmup is None else a.warmup
     a.rounds = 1 if a.rounds is None else a.rounds
     for name in ("steps", "batch", "generations", "completion", "rounds"):

@@ -107,6 +107,13 @@ class R3Config:
         ids and the rollout's combine weights (full recall: the experts see the rollout's exact
         mixture, and no gradient reaches the router through the weights). ``"ids+weights"`` needs
         transformers generation (vLLM returns expert ids only).
+    compile_generate : bool
+        Let transformers compile generation's decoding steps (``torch.compile``, CUDA graphs), which
+        TRL turns off (``GenerationConfig(disable_compile=True)``). Needs a static KV cache
+        (``GRPOConfig(cache_implementation="static")``: transformers compiles nothing else) and
+        transformers generation (not vLLM, not continuous batching); capture runs inside the
+        compiled steps. Off by default: TRL's setting, until a measurement shows it faster
+        (``replaymoe bench trl --cache static --compile-generate``).
     """
 
     replay_reference: bool = True
@@ -114,6 +121,7 @@ class R3Config:
     backend: str = "auto"
     missing: str = "error"
     replay: str = "ids"
+    compile_generate: bool = False
 
     def __post_init__(self) -> None:
         check_bool("replay_reference", self.replay_reference)
@@ -121,6 +129,7 @@ class R3Config:
         check_choice("backend", self.backend, BACKENDS)
         check_choice("missing", self.missing, MISSING_MODES)
         check_choice("replay", self.replay, REPLAY_MODES)
+        check_bool("compile_generate", self.compile_generate)
 
 
 class R3GRPOTrainer(trl.GRPOTrainer):
@@ -170,8 +179,12 @@ class R3GRPOTrainer(trl.GRPOTrainer):
                 "and R3 with vLLM tensor parallelism has not been run)",
                 tp,
             )
+        if self.r3.compile_generate:  # before TRL builds anything
+            _check_compile_generate(config, use_vllm or paged)
         with _engine_returns_routing(use_vllm):
             super().__init__(*args, **kwargs)
+        if self.r3.compile_generate:  # TRL builds its GenerationConfig with disable_compile=True
+            self.generation_config.disable_compile = False
         policy = self.accelerator.unwrap_model(self.model)
         self.r3_session: ReplayMoE = enable(policy, backend=self.r3.backend)
         self.r3_session.set_rollout_replay(True, missing=self.r3.missing, replay=self.r3.replay)
@@ -233,6 +246,25 @@ class R3GRPOTrainer(trl.GRPOTrainer):
                 logs["r3/fallback"] = report.fallback_fraction
                 self.r3_session.reset_report()
         super().log(logs, start_time)
+
+
+def _check_compile_generate(config: Any, engine: bool) -> None:
+    """``R3Config(compile_generate=True)`` needs transformers generation with a static KV cache."""
+    if engine:
+        fail(
+            "r3.compile_generate",
+            "False with use_vllm=True or use_transformers_continuous_batching=True (it compiles "
+            "transformers' generate)",
+            True,
+        )
+    cache = getattr(config, "cache_implementation", None)
+    if cache != "static":
+        fail(
+            "r3.compile_generate",
+            "GRPOConfig(cache_implementation='static') (transformers compiles generation's decoding "
+            "steps with a static KV cache only)",
+            f"cache_implementation={cache!r}",
+        )
 
 
 def _prompt_starts(params: Any) -> int | list[int]:
