@@ -4,8 +4,8 @@
 #   test    the one-GPU tests: `gpu and not multigpu and not gpu_alone` in $WORKERS workers sharing the
 #           card, then the `gpu_alone` ones one at a time (what `make test-gpu` runs, without the venv)
 #   hf      `bench hf` as TRL generates (--train-mode): grouped_mm, replaymoe, R3's rollout, B = 16 and 64
-#   trl     `bench trl` at bench size (trainers one after the other, two rounds) and medium size
-#           (alternating step by step), dynamic and static cache
+#   trl     `bench trl` at bench size (trainers one after the other, two rounds), then with a static
+#           cache and generate compiled (--compile-generate), and at medium size (alternating step by step)
 #   moe     `bench moe --check-ids` (the caller-id check's cost at T = 1)
 # Each step has its own time limit and writes under $OUT (logs, CSV/JSON); a short summary is printed.
 # Wheels the machine lacks (pytest-xdist, execnet, trl, datasets, dill, multiprocess) are installed from
@@ -45,9 +45,9 @@ for s in $STEPS; do
     trl)
       step trl_bench 300 python3 -m replaymoe bench trl --size bench --sequential --rounds 2 --steps 3 --warmup 1 \
         --out "$OUT/trl_bench"
-      step trl_medium 150 python3 -m replaymoe bench trl --size medium --steps 5 --warmup 2 --out "$OUT/trl_medium"
-      step trl_static 150 python3 -m replaymoe bench trl --size medium --cache static --steps 5 --warmup 2 \
-        --out "$OUT/trl_static" ;;
+      step trl_compiled 300 python3 -m replaymoe bench trl --size bench --sequential --cache static --compile-generate \
+        --steps 4 --warmup 2 --out "$OUT/trl_compiled"
+      step trl_medium 150 python3 -m replaymoe bench trl --size medium --steps 5 --warmup 2 --out "$OUT/trl_medium" ;;
     moe)
       step moe_check_ids 120 python3 -m replaymoe bench moe --check-ids --shapes qwen3,deepseek --out "$OUT/moe" ;;
     *) echo "gpu_one: unknown step $s (test, hf, trl, moe)" ;;
