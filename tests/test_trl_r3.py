@@ -134,6 +134,34 @@ def test_compile_generate_turns_trl_s_disable_compile_off(make_trainer):
     assert logs["r3/replayed_vs_rollout"] == 0.0
 
 
+def test_compiled_generate_captures_what_eager_generate_captures(make_trainer):
+    # transformers compiles generate's decoding steps on CUDA only; told to compile on every device
+    # (dynamo with its eager backend: the same ops, so the same bits on the CPU), the decode forward runs
+    # as one dynamo graph with no break, and the rollout's traces equal the uncompiled run's bitwise
+    import torch._dynamo.utils as dynamo_utils
+    from transformers import CompileConfig
+
+    traces = {}
+    for compiled in (False, True):
+        trainer = make_trainer(
+            **{**CONFIGS["static_cache"], "max_steps": 1},
+            trainer_kwargs={"r3": R3Config(compile_generate=compiled)} if compiled else None,
+        )
+        if compiled:
+            config = CompileConfig(backend="eager", mode=None)
+            config._compile_all_devices = True
+            trainer.generation_config.compile_config = config
+            torch._dynamo.reset()
+            dynamo_utils.counters.clear()
+        logs = train_logs(trainer)
+        assert logs["r3/replayed_vs_rollout"] == 0.0
+        traces[compiled] = trainer.r3_session.rollout_traces()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] >= 1 and not dynamo_utils.counters["graph_break"]
+    assert len(traces[True]) == len(traces[False]) > 0
+    for a, b in zip(traces[False], traces[True]):
+        assert a == b
+
+
 def test_demo_trl_prints_the_mismatch_table():
     # `replaymoe demo --trl`: R3 GRPO steps with checkpointing; the second pass over each generation
     # sees moved routers (native differs), the replayed routing never does; exit 0
