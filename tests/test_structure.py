@@ -549,3 +549,17 @@ def test_custom_ops_pass_mutated_arguments_without_defaults():
             if mutated:
                 assert not seen_default and not arg.has_default_value(), f"{schema.name}: {arg.name}"
             seen_default = seen_default or arg.has_default_value()
+
+
+BENCH = SRC.parent / "bench"
+
+
+def test_bench_results_are_one_current_table_each():
+    # bench/results holds the current tables only (history stays in git): at most 15 files, each listed
+    # in bench/README.md's table of current tables, and the notes one README of at most 40 KB
+    files = sorted(p.name for p in (BENCH / "results").iterdir() if p.is_file())
+    readme = (BENCH / "README.md").read_text()
+    assert len(files) <= 15, files
+    assert [f for f in files if f"| `{f}` |" not in readme] == []
+    assert len(readme.encode()) <= 40_000
+    assert sorted(p.name for p in BENCH.iterdir() if p.suffix == ".md") == ["README.md"]
