@@ -6,7 +6,8 @@
 #   hf      `bench hf` as TRL generates (--train-mode): grouped_mm, replaymoe, R3's rollout, B = 16 and 64
 #   trl     `bench trl` at bench size (trainers one after the other, two rounds), then with a static
 #           cache and generate compiled (--compile-generate), and at medium size (alternating step by step)
-#   moe     `bench moe --check-ids` (the caller-id check's cost at T = 1)
+#   moe     `bench moe --check-ids` (the caller-id check's cost at T = 1) and `--launches` (a decode
+#           layer call's device operations)
 # Each step has its own time limit and writes under $OUT (logs, CSV/JSON); a short summary is printed.
 # Wheels the machine lacks (pytest-xdist, execnet, trl, datasets, dill, multiprocess) are installed from
 # .whl/ when it is there (git-ignored; carry it: see the tool library's device/README.md).
@@ -49,7 +50,8 @@ for s in $STEPS; do
         --steps 4 --warmup 2 --out "$OUT/trl_compiled"
       step trl_medium 150 python3 -m replaymoe bench trl --size medium --steps 5 --warmup 2 --out "$OUT/trl_medium" ;;
     moe)
-      step moe_check_ids 120 python3 -m replaymoe bench moe --check-ids --shapes qwen3,deepseek --out "$OUT/moe" ;;
+      step moe_check_ids 120 python3 -m replaymoe bench moe --check-ids --shapes qwen3,deepseek --out "$OUT/moe"
+      step moe_launches 120 python3 -m replaymoe bench moe --launches --out "$OUT/moe" ;;
     *) echo "gpu_one: unknown step $s (test, hf, trl, moe)" ;;
   esac
 done

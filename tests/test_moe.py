@@ -561,13 +561,33 @@ def test_bench_moe_check_ids_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_moe.main(["--check-ids", "--peer-dir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert exc.value.code == 2 and "--peer-dir does not apply" in capsys.readouterr().err
-    for extra in (["--read-floors", "--peer-dir", str(tmp_path)], ["--read-floors", "--check-ids"]):
+    for extra in (
+        ["--read-floors", "--peer-dir", str(tmp_path)],
+        ["--launches", "--peer-dir", str(tmp_path)],
+        ["--read-floors", "--check-ids"],
+        ["--launches", "--check-ids"],
+    ):
         with pytest.raises(SystemExit) as exc:  # one measurement at a time, replaymoe alone
             bench_moe.main([*extra, "--out", str(tmp_path / "out")])
         assert exc.value.code == 2
     if not torch.cuda.is_available():
-        assert bench_moe.main(["--check-ids", "--out", str(tmp_path / "out")]) == NO_CUDA_EXIT
+        for mode in ("--check-ids", "--launches"):
+            assert bench_moe.main([mode, "--out", str(tmp_path / "out")]) == NO_CUDA_EXIT
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+def test_bench_device_ops_counts_each_operation_of_a_call():
+    # bench moe --launches' counter: two kernels per call, over three profiled calls, is 2 per call,
+    # each named once; a kernel run twice per call is named once with its count
+    from replaymoe.bench.launches import device_ops
+
+    a = torch.zeros(1024, device="cuda")
+    b = torch.zeros(1024, device="cuda")
+    count, names = device_ops(lambda: (a.add_(1), b.mul_(2)))
+    assert count == 2 and len(names) == 2
+    count, names = device_ops(lambda: (a.add_(1), a.add_(1)))
+    assert count == 2 and len(names) == 1 and names[0].endswith("×2")
 
 
 # ---------------------------------------------------------------- Triton under the interpreter

@@ -364,10 +364,22 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of the layer table: a plain one-kernel read of each point's active expert bytes "
         "(bf16 and fp8), the floor the decode times are held to -> read_floors.csv",
     )
+    p.add_argument(
+        "--launches",
+        action="store_true",
+        help="instead of the layer table: the device operations of one decode layer call (routing and "
+        "capture inside, bf16 and fp8), counted under the torch profiler -> moe_launches.csv",
+    )
     a = p.parse_args(argv)
-    if a.check_ids and a.read_floors:
-        p.error("--check-ids and --read-floors are two different measurements: give one")
-    for flag, on in (("--check-ids", a.check_ids), ("--read-floors", a.read_floors)):
+    modes = [f for f, on in (("--check-ids", a.check_ids), ("--read-floors", a.read_floors),
+                             ("--launches", a.launches)) if on]  # fmt: skip
+    if len(modes) > 1:
+        p.error(f"{' and '.join(modes)} are different measurements: give one")
+    for flag, on in (
+        ("--check-ids", a.check_ids),
+        ("--read-floors", a.read_floors),
+        ("--launches", a.launches),
+    ):
         if on and a.peer_dir:
             p.error(f"{flag} times replaymoe alone: --peer-dir does not apply")
     if a.peer_dir:
@@ -378,7 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     if no_cuda("replaymoe bench moe"):
         return NO_CUDA_EXIT
     shapes = choice_list(p, a.shapes, SHAPES, "shapes")
-    default_tokens = "1" if a.check_ids else "1,8,64" if a.read_floors else ",".join(map(str, TOKENS))
+    default_tokens = (
+        "1"
+        if a.check_ids
+        else "1,8,64"
+        if a.read_floors
+        else "1,8"
+        if a.launches
+        else ",".join(map(str, TOKENS))
+    )
     tokens = [int(t) for t in (a.tokens or default_tokens).split(",") if t]
     from ..moe.tuned import table_for
 
@@ -393,6 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_read_floors({n: SHAPES[n][:4] for n in shapes}, tokens)
         write_results(rows, a.out, "read_floors")
         print_table(rows, FLOOR_COLUMNS)
+        return 0
+    if a.launches:
+        from .launches import LAUNCH_COLUMNS, run_launches
+
+        rows = run_launches({n: SHAPES[n] for n in shapes}, tokens, make_weights, routing_inputs)
+        write_results(rows, a.out, "moe_launches")
+        print_table(rows, LAUNCH_COLUMNS)
         return 0
     if a.check_ids:
         rows = run_check_ids(shapes, tokens)
