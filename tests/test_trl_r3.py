@@ -162,6 +162,29 @@ def test_compiled_generate_captures_what_eager_generate_captures(make_trainer):
         assert a == b
 
 
+# every setup on a static cache, but bf16: autocast over fp32 weights writes bf16 keys into an fp32 static
+# cache, which stock GRPOTrainer fails on the same way (transformers' StaticCache.update)
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in ("bf16", "static_cache")])
+def test_compiled_generate_in_every_setup(name, make_trainer):
+    # checkpointing, several iterations, accumulation, a reference model: generate's decoding steps
+    # compile into dynamo graphs with no break, and the training forwards replay the rollout
+    import torch._dynamo.utils as dynamo_utils
+    from transformers import CompileConfig
+
+    trainer = make_trainer(
+        **{**CONFIGS[name], "cache_implementation": "static"},
+        trainer_kwargs={"r3": R3Config(compile_generate=True)},
+    )
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only
+    trainer.generation_config.compile_config = config
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    logs = train_logs(trainer)
+    assert logs["r3/replayed_vs_rollout"] == 0.0 and logs["r3/native_vs_rollout"] > 0.0
+    assert dynamo_utils.counters["stats"]["unique_graphs"] >= 1 and not dynamo_utils.counters["graph_break"]
+
+
 def test_demo_trl_prints_the_mismatch_table():
     # `replaymoe demo --trl`: R3 GRPO steps with checkpointing; the second pass over each generation
     # sees moved routers (native differs), the replayed routing never does; exit 0
