@@ -209,6 +209,21 @@ def interleaved_us(
     return times
 
 
+def profile_calls(fn: Callable[[], object], calls: int):
+    """``fn`` once unprofiled (compilation, first-call allocations), then ``calls`` times under
+    :func:`torch.profiler.profile` with CUDA activity, synchronized at the end; returns the profiler
+    (its ``events()`` and ``key_averages()`` hold the device's kernels, memsets and memcpys)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
 def environment() -> dict[str, str]:
     """GPU, versions and commit recorded with every benchmark row."""
     try:

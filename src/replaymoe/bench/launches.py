@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._timing import profile_calls
+
 LAUNCH_GOAL = 3  # device operations per decode layer call at T <= 8 (issue 63, goal 2)
 LAUNCH_COLUMNS = ["shape", "T", "dtype", "launches", "within_goal", "kernels"]
 
@@ -23,20 +25,14 @@ LAUNCH_COLUMNS = ["shape", "T", "dtype", "launches", "within_goal", "kernels"]
 def device_ops(fn: Callable[[], object], calls: int = 3) -> tuple[float, list[str]]:
     """The device operations (kernels, memsets, memcpys) per call of ``fn``: ``(count, names)``.
 
-    ``fn`` runs once unprofiled (compilation, first-call allocations), then ``calls`` times under
-    :func:`torch.profiler.profile` with CUDA activity; ``count`` is the total over ``calls`` (a float
-    when a call's operations vary) and ``names`` one call's worth, in the order of the first, with a
-    count suffix ``×n`` where a name repeats within a call.
+    ``fn`` runs once, then ``calls`` times under the profiler (:func:`._timing.profile_calls`);
+    ``count`` is the operations of those calls divided by ``calls`` (a fraction when calls differ) and
+    ``names`` one call's worth, in the order first seen, with a suffix ``×n`` where a name repeats within a
+    call.
     """
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_calls(fn, calls)
     names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
     per_call = Counter(names)
     listed = [f"{n}×{c // calls}" if c // calls > 1 else n for n, c in per_call.items()]

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._text import choice_list
-from ._timing import BF16_FLOPS_PER_S, print_table, time_eager, write_results
+from ._timing import BF16_FLOPS_PER_S, print_table, profile_calls, time_eager, write_results
 
 # name -> (H, I, E, K)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -434,14 +434,7 @@ def _device_ms(run, steps: int = 3) -> float:
     """The GPU's busy time per ``run()`` in ms: the sum of its kernels' durations under the torch
     profiler (what the step costs the device with the host's launch gaps taken out: the step a fast
     enough host would time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
+    prof = profile_calls(run, steps)
     return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
 
 
