@@ -11,13 +11,12 @@ the same launcher: :mod:`replaymoe.moe._backward`. The configurations: :mod:`rep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .._launch import cdiv, fast, next_power_of_2
 from .._validation import is_capturing
-from ..routing._id_mailbox import host_words, mailbox_for, raise_pending
+from ..routing._id_mailbox import mailbox_for, raise_pending
 from .configs import (
     MoEConfig,
     config_from_list,
@@ -328,7 +327,7 @@ def launch_experts(
         _reduce_slots(y, ids, out, offset, E_local, pdl)
 
 
-_CHECK_ARGS: dict[tuple[int, int], tuple[dict, Any]] = {}  # (device, id_bound) -> (arguments, mailbox word)
+_CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (device index, id_bound) -> check arguments
 # the same keywords with the check off: a direct-mode GEMM1 always takes all three, so that calls with
 # and without the check launch with the same argument list, only its values differ (the launcher keys
 # and converts every argument: three more for the check alone were its main host cost, bench/README.md)
@@ -340,15 +339,16 @@ def _id_check(ids: torch.Tensor, id_bound: int) -> dict:
     ``[-1, id_bound)`` (``err_ptr``: the device's mailbox, ``id_bound``, ``CHECK_IDS``; one dict per
     device and bound, built once), after raising the error an earlier call left in the mailbox.
     Every eager decode call with caller ids runs this: the steady state is one dict lookup and one
-    read of the device's mailbox word (host memory, in place)."""
+    read of the mailbox word."""
     index = ids.get_device()
-    entry = _CHECK_ARGS.get((index, id_bound))
-    if entry is None:  # (the mailbox tensors live for the process)
-        args = dict(err_ptr=mailbox_for(ids), id_bound=id_bound, CHECK_IDS=True)
-        entry = _CHECK_ARGS[(index, id_bound)] = (args, host_words(index) if index >= 0 else None)
-    elif entry[1] is not None and entry[1][0]:
+    args = _CHECK_ARGS.get((index, id_bound))
+    if args is None:  # (the mailbox tensors live for the process)
+        args = _CHECK_ARGS[(index, id_bound)] = dict(
+            err_ptr=mailbox_for(ids), id_bound=id_bound, CHECK_IDS=True
+        )
+    elif index >= 0:
         raise_pending(index)
-    return entry[0]
+    return args
 
 
 def _scan_width(slots: int) -> int:

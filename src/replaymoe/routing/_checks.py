@@ -371,6 +371,11 @@ def mark_valid_ids(ids: torch.Tensor, num_experts: int) -> None:
     setattr(ids, _VALID_MARK, (num_experts, ids._version))
 
 
+def _marked_valid(ids: torch.Tensor, num_experts: int) -> bool:
+    mark = getattr(ids, _VALID_MARK, None)
+    return mark is not None and mark[0] <= num_experts and mark[1] == ids._version
+
+
 def topk_ids_for_kernels(
     topk_ids: torch.Tensor, num_experts: int, check: bool, *, on_device: bool = False
 ) -> tuple[torch.Tensor, int]:
@@ -389,16 +394,13 @@ def topk_ids_for_kernels(
     """
     if not check:
         return topk_ids, 0
-    if torch.compiler.is_compiling():
-        if on_device:
-            return topk_ids, num_experts
-        return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts), 0
-    # mark_valid_ids's mark, read in place (every eager call with caller ids runs this)
-    mark = getattr(topk_ids, _VALID_MARK, None)
-    if mark is not None and mark[0] <= num_experts and mark[1] == topk_ids._version:
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _marked_valid(topk_ids, num_experts):
         return topk_ids, 0
     if on_device:
         return topk_ids, num_experts
+    if compiling:
+        return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts), 0
     if not is_capturing():
         check_id_values(topk_ids, num_experts, "topk_ids", minus_one="slots")
     return topk_ids, 0

@@ -21,7 +21,7 @@ import torch
 from .._validation import fail, is_capturing
 from ._kernel_ids import ARG_SHIFT, KIND_SHIFT, PRESENT, ROW_SHIFT, SLOT_SHIFT
 
-__all__ = ["mailbox", "mailbox_for", "host_words", "raise_pending", "raise_id_errors"]
+__all__ = ["mailbox", "mailbox_for", "raise_pending", "raise_id_errors"]
 
 _MAX_DEVICES = 64
 _box: torch.Tensor | None = None  # int64 [2 * _MAX_DEVICES]: per device (word, id bound)
@@ -53,15 +53,6 @@ def mailbox_for(ids: torch.Tensor) -> torch.Tensor:
     if index >= 0:
         raise_pending(index)
     return mailbox(max(index, 0))
-
-
-def host_words(index: int) -> np.ndarray:
-    """Device ``index``'s two mailbox words as the host reads them: an int64 [2] numpy view of the
-    pinned memory (no copy; word 0 is nonzero once a checking kernel found a bad id). For callers that
-    keep it and test ``words[0]`` per call before :func:`raise_pending`."""
-    mailbox(index)
-    assert _words is not None
-    return _words[2 * index : 2 * index + 2]
 
 
 def raise_pending(index: int) -> None:
