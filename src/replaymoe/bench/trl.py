@@ -255,13 +255,19 @@ def _build(impl: str, a: argparse.Namespace, out: str) -> tuple[Any, Any]:
         model.set_experts_implementation("grouped_mm")
     cls = R3GRPOTrainer if impl == "r3" else trl.GRPOTrainer
     r3 = {"r3": R3Config(compile_generate=True)} if impl == "r3" and a.compile_generate else None
-    trainer = make_trainer(
-        cls, model, out, trainer_kwargs=r3, **_grpo_config(a, max_steps=a.warmup + a.steps)
-    )
+    config = _grpo_config(a, max_steps=a.warmup + a.steps)
+    config["cache_implementation"] = None if _cache(impl, a) == "dynamic" else a.cache
+    trainer = make_trainer(cls, model, out, trainer_kwargs=r3, **config)
     if impl == "replaymoe" and a.compile_generate:  # as R3Config(compile_generate=True) does
         trainer.generation_config.disable_compile = False
     trainer.remove_callback(PrinterCallback)
     return trainer, enable(trainer.model) if impl == "replaymoe" else None
+
+
+def _cache(impl: str, a: argparse.Namespace) -> str:
+    """``impl``'s generation cache: ``--cache``, but with ``--compile-generate`` stock runs as TRL
+    does by default (a dynamic cache, nothing compiled), the baseline the fast setting is held to."""
+    return "dynamic" if impl == "grouped_mm" and a.compile_generate else a.cache
 
 
 def _grpo_config(a: argparse.Namespace, max_steps: int) -> dict[str, Any]:
@@ -366,8 +372,8 @@ def summarize(clocks: dict[str, StepClock], a: argparse.Namespace) -> list[dict]
         card = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
         row.update(
             checkpointing=a.checkpointing,
-            cache=a.cache,
-            compile_generate=a.compile_generate and impl != "grouped_mm",  # stock keeps TRL's setting
+            cache=_cache(impl, a),
+            compile_generate=a.compile_generate and impl != "grouped_mm",  # stock keeps TRL's defaults
             completion=a.completion,
             size=a.size,
             card=card,
@@ -550,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="generation's KV cache (GRPOConfig.cache_implementation; TRL's default)")  # fmt: skip
     p.add_argument("--compile-generate", action="store_true",
                    help="with --cache static: replaymoe's and R3's generate compiled by transformers "
-                   "(R3Config(compile_generate=True); stock keeps TRL's disable_compile)")  # fmt: skip
+                   "(R3Config(compile_generate=True)); stock runs TRL's defaults (dynamic cache, no "
+                   "compile)")  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (cpu: a smoke run of the timing; --loss-curve runs there too)")  # fmt: skip
