@@ -183,6 +183,11 @@ def test_route_ids_skip_the_check():
     ids, wts = route(torch.randn(3, E, device="cuda"), K)
     assert topk_ids_for_kernels(ids, E, True, on_device=True)[1] == 0
     assert topk_ids_for_kernels(ids.clone(), E, True, on_device=True)[1] == E
+    ids[0, 0] = ids[0, 1]  # an in-place write moves the version counter: checked on the device again
+    assert topk_ids_for_kernels(ids, E, True, on_device=True)[1] == E
+    with torch.inference_mode():  # no version counter: not marked, checked
+        ids2, _ = route(torch.randn(3, E, device="cuda"), K)
+    assert topk_ids_for_kernels(ids2, E, True, on_device=True)[1] == E
     assert _id_mailbox.mailbox(0).is_pinned()
 
 

@@ -298,3 +298,105 @@ def test_step_bookkeeping_kernel_counts_uncovered_tokens():
     with moe.replaying(bare, missing="native"), torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
         assert moe.report().fallback_tokens_per_layer.tolist() == [2 * 9] * len(moe.layers)
+
+
+# ---------------------------------------------------------------------------------- handle state
+def _routed(model, moe, ids, mask):
+    """The ids the routers used in one forward (capture on while it runs)."""
+    moe.set_capture(True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    out = moe.traces()
+    moe.set_capture(False)
+    return [t.ids for t in out]
+
+
+@pytest.mark.parametrize("outer", ["replaying", "set_replay"])  # the outermost replay: a block or set
+def test_nested_replaying_restores_each_level(outer):
+    # three levels: each block's end must bring back the enclosing replay's own traces (a pooled
+    # table held by an outer block was once reloaded by the innermost one: the outer replayed C)
+    ids, mask = _batch(1, 64)
+    runs = []
+    for seed in (1, 2, 3):  # three models' routes over the same tokens, matched by batch row
+        model = build_model("qwen3_moe", "tiny", seed=seed)
+        moe = rhf.enable(model, capture=True)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        runs.append([t.replace(token_ids=None) for t in moe.traces()])
+        moe.disable()
+    a, b, c = runs
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model)
+
+    def replays(traces):
+        return all(np.array_equal(got, t.ids) for got, t in zip(_routed(model, moe, ids, mask), traces))
+
+    with moe.replaying(a) if outer == "replaying" else _set(moe, a):
+        assert replays(a)
+        with moe.replaying(b):
+            with moe.replaying(c):
+                assert replays(c)
+            assert replays(b)
+        assert replays(a)
+    assert moe.report() is None if outer == "replaying" else replays(a)
+
+
+class _set:
+    """``set_replay`` as a context for the test above (left set on exit)."""
+
+    def __init__(self, moe, traces):
+        self.moe, self.traces = moe, traces
+
+    def __enter__(self):
+        self.moe.set_replay(self.traces)
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("bad", [[-1, 3], [2.5, 3], 3, "12", [12]])  # negative, float, int, str, too few
+def test_traces_with_bad_lengths_loses_nothing(bad):
+    model, moe, ids, mask, _ = _captured()
+    moe.set_capture(True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="num_positions"):
+        moe.traces(bad)
+    kept = moe.traces()
+    assert len(kept) == 2 and all(t.ids.shape[0] == 12 for t in kept)
+
+
+def test_refused_rollout_traces_leave_the_round_as_it_was():
+    # a refused add (another model's traces) after a forward keeps the round and its replay
+    model, moe, ids, mask, traces = _captured()
+    moe.set_rollout_replay(True)
+    moe.add_rollout_traces(traces)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # the round's forward: the next add starts a new one
+    other = [t.replace(model_id="mixtral") for t in traces]
+    with pytest.raises(ValueError, match="another model"):
+        moe.add_rollout_traces(other)
+    assert len(moe.rollout_traces()) == 2
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert moe.report().fallback_tokens_per_layer.sum() == 0
+
+
+def test_replay_set_on_a_meta_model_follows_it():
+    # set_replay / replaying on a meta-device model (the FSDP2 recipe) before to_empty: the handle's
+    # checks read no meta counters, and the first forward replays on the real device
+    real, _, ids, mask, traces = _captured()
+    meta = build_model("qwen3_moe", "tiny", seed=0, device="meta")
+    moe = rhf.enable(meta, replay=traces)
+    with moe.replaying(traces):  # an empty block: its end checks the (meta) counters
+        pass
+    assert moe.report().tokens_seen == 0
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(real.state_dict())
+    for name, buf in real.named_buffers():
+        meta.get_buffer(name).copy_(buf)
+    with torch.no_grad():
+        meta(input_ids=ids, attention_mask=mask)
+    report = moe.report()
+    assert report.tokens_seen == 24 and report.fallback_tokens_per_layer.sum() == 0
+    moe.set_replay(None)

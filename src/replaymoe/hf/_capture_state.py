@@ -98,15 +98,21 @@ class CaptureState:
         ``num_positions`` when given (``traces()``)."""
         if self.buffer is not None:
             self.harvest(stacklevel + 1)
+        if num_positions is not None:  # checked whole before the traces are handed out: a bad call loses none
+            if isinstance(num_positions, (str, bytes)) or not hasattr(num_positions, "__len__"):
+                fail("num_positions", "a sequence of ints (one length per trace)",
+                     type(num_positions).__name__, what="type")  # fmt: skip
+            lengths = list(num_positions)
+            for n in lengths:
+                check_int("num_positions", n, low=0)
+            if len(lengths) != len(self.finished):
+                fail("num_positions", f"{len(self.finished)} lengths (one per trace)", len(lengths))
         out, self.finished = self.finished, []
         if num_positions is None:
             return out
-        if len(num_positions) != len(out):
-            self.finished = out  # nothing is lost on a bad call
-            fail("num_positions", f"{len(out)} lengths (one per trace)", len(num_positions))
         cut = []
-        for trace, n in zip(out, num_positions):
-            check_int("num_positions", n, low=0)
+        for trace, n in zip(out, lengths):
+            n = int(n)
             ids = trace.ids[:n]
             if ids.shape[0] < n:
                 pad = np.full((n - ids.shape[0], *ids.shape[1:]), -1, dtype=ids.dtype)

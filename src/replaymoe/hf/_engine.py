@@ -166,11 +166,15 @@ class Engine:
 
     def enter_replaying(self) -> Optional[ReplayTable]:
         """``replaying()``'s start: a spare table becomes the active one (the attached sessions follow
-        at :meth:`set_replay`); returns the table to restore after."""
+        at :meth:`set_replay`), the active one is held until :meth:`exit_replaying`; returns it."""
         self.require_enabled("replaying")
-        prev = self.replay.table
-        self.replay.table = self.replay.spare(exclude=prev)
-        return prev
+        return self.replay.hold()
+
+    def exit_replaying(self, prev: Optional[ReplayTable]) -> None:
+        """``replaying()``'s end: ``prev`` (:meth:`enter_replaying`'s) is active again, here and in the
+        attached sessions."""
+        self.replay.release(prev)
+        self.set_table(prev)
 
     def set_table(self, table: Optional[ReplayTable]) -> None:
         """``table`` is the active replay, here and in the attached sessions that replay."""
@@ -217,11 +221,11 @@ class Engine:
                 )
         if not traces:
             return
-        if self.rollout_stale:  # a forward ran since the last rollout: this starts a new round
-            self.rollout, self.rollout_stale = [], False
-        # (checked before it is kept)
-        self.set_replay(self.rollout + traces, self.rollout_missing, mode=self.rollout_mode_name())
-        self.rollout.extend(traces)
+        # a forward ran since the last rollout: this starts a new round (once the traces are accepted:
+        # refused ones leave the round and its replay as they were)
+        kept = [] if self.rollout_stale else self.rollout
+        self.set_replay(kept + traces, self.rollout_missing, mode=self.rollout_mode_name())
+        self.rollout, self.rollout_stale = kept + traces, False
 
     def rollout_generate_begin(self) -> None:
         if not self.rollout_mode:

@@ -38,6 +38,9 @@ class ReplayState:
         The active table (None: routing is native).
     pool : list[ReplayTable]
         Tables made so far, reused (:meth:`spare`).
+    held : list[ReplayTable]
+        The tables that enclosing ``replaying()`` blocks restore when they end, outermost first:
+        never reloaded while held (:meth:`hold`).
     mismatch : torch.Tensor or None
         int64 ``[L, 3]`` while ``track_mismatch`` is on: replayed lookups, native top-k differing,
         used ids differing.
@@ -50,18 +53,38 @@ class ReplayState:
         self.layer_ids = [info.layer_number for info in layers]
         self.table: Optional[ReplayTable] = None
         self.pool: list[ReplayTable] = []
+        self.held: list[ReplayTable] = []
         self.mismatch: Optional[torch.Tensor] = None
         self.used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def spare(self, exclude: Optional[ReplayTable]) -> ReplayTable:
-        """A pooled table other than ``exclude``: tables are reused, so that their buffers keep
-        their shapes and addresses across batches (no recompile, no CUDA-graph re-record)."""
+    def spare(self) -> ReplayTable:
+        """A pooled table that is neither active nor held by an enclosing ``replaying()`` block (a new
+        one when all are): tables are reused, so that their buffers keep their shapes and addresses
+        across batches (no recompile, no CUDA-graph re-record)."""
         for table in self.pool:
-            if table is not exclude:
+            if table is not self.table and not any(table is h for h in self.held):
                 return table
         table = ReplayTable()
         self.pool.append(table)
         return table
+
+    def writable(self) -> ReplayTable:
+        """The table a new replay loads into: the active one, else a :meth:`spare` one."""
+        return self.table if self.table is not None else self.spare()
+
+    def hold(self) -> Optional[ReplayTable]:
+        """``replaying()``'s start: the active table (or None) is kept aside, untouched until
+        :meth:`release` gives it back, and a spare table becomes the active one. Returns the kept one."""
+        prev = self.table
+        if prev is not None:
+            self.held.append(prev)
+        self.table = self.spare()
+        return prev
+
+    def release(self, prev: Optional[ReplayTable]) -> None:
+        """``replaying()``'s end: ``prev`` (what :meth:`hold` returned) is no longer held."""
+        if prev is not None and self.held and self.held[-1] is prev:
+            self.held.pop()
 
     def load(self, replay: Any, missing: str, check_model_id: bool, *, weights: bool = False) -> ReplayTable:
         """The table holding ``replay`` (``set_replay``'s, not None), checked against the model: the
@@ -95,7 +118,7 @@ class ReplayState:
                     f"traces[{i}] of another model: " + "; ".join(diff),
                     what="model",
                 )
-        table = self.table if self.table is not None else self.spare(exclude=None)
+        table = self.writable()
         dev = model_device(self.model)
         if table.holds(src.traces, mapping, dev, weights=weights):  # the same traces again (e.g.
             table.reset_report()  # replaying() around every step): the table already holds them
@@ -108,7 +131,7 @@ class ReplayState:
         """This (attached) session's table holding what ``table`` of its parent holds."""
         if table.source is None:
             return None
-        mine = self.table if self.table is not None else self.spare(exclude=None)
+        mine = self.writable()
         dev, weights = model_device(self.model), table.with_weights
         if mine.holds(*table.source, dev, weights=weights):  # (replaying() around every step: no reload)
             mine.reset_report()

@@ -229,7 +229,7 @@ class ReplayMoE:
             yield self
             self._engine.replay.raise_uncovered()
         finally:
-            self._engine.set_table(prev)
+            self._engine.exit_replaying(prev)
 
     def report(self) -> Any:
         """Tokens replayed vs fallen back to native routing, per layer (``ReplayReport``), or None."""

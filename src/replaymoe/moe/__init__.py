@@ -229,8 +229,9 @@ def fused_moe(
         :func:`raise_id_errors`), and this call's output is unspecified. Elsewhere (the CPU, the
         torch backend, and ``replay_ids``): eagerly on the host (one host sync on a GPU), under
         ``torch.compile`` inside the graph (the ops ``replaymoe::check_topk_ids`` /
-        ``check_replay_ids``), skipped while a CUDA graph is being captured. Ids that
-        :func:`~replaymoe.routing.route` returned, unmodified, are not checked again. ``False``
+        ``check_replay_ids``), skipped while a CUDA graph is being captured. CUDA ids that
+        :func:`~replaymoe.routing.route` returned, unmodified, are not checked again (a write
+        through ``.data`` is not seen: pass such ids as a copy). ``False``
         skips the check, for callers whose ids come from a trusted producer (a validated trace):
         invalid ids are then silently dropped or counted twice.
 

@@ -367,7 +367,15 @@ _VALID_MARK = "_replaymoe_valid_ids"  # (experts E, the tensor's version counter
 def mark_valid_ids(ids: torch.Tensor, num_experts: int) -> None:
     """Mark ``ids`` (``route``'s output) as valid for models of at least ``num_experts`` experts: a
     later :func:`topk_ids_for_kernels` of the same, unmodified tensor (its version counter unchanged:
-    any in-place write, through a view too, changes it) skips the by-value check. Eager only."""
+    any in-place write, through a view too, changes it) skips the by-value check. Eager only.
+
+    Inference tensors (made under ``torch.inference_mode()``) have no version counter: they are not
+    marked, and are checked by value like any other caller's ids. Writes that bypass the version
+    counter (``ids.data[...] = ``, through DLPack or ``__cuda_array_interface__``) are not seen on CUDA:
+    ids written that way must be passed as a copy (``ids.clone()``). On the CPU, where the check costs no
+    host sync, the mark is not used: CPU ids are always checked by value."""
+    if ids.is_inference():
+        return
     setattr(ids, _VALID_MARK, (num_experts, ids._version))
 
 
@@ -389,13 +397,14 @@ def topk_ids_for_kernels(
     sync on a GPU), under ``torch.compile`` the op ``replaymoe::check_topk_ids``, which checks them
     inside the graph (skipped while a CUDA graph is being captured).
 
-    Ids that :func:`route` returned and nobody modified since (:func:`mark_valid_ids`) were valid when
-    made: eagerly they are not checked again. ``check=False`` returns them untouched on every path.
+    CUDA ids that :func:`route` returned and nobody modified since (:func:`mark_valid_ids`) were valid
+    when made: eagerly they are not checked again (CPU ids always are: no sync to save).
+    ``check=False`` returns them untouched on every path.
     """
     if not check:
         return topk_ids, 0
     compiling = torch.compiler.is_compiling()
-    if not compiling and _marked_valid(topk_ids, num_experts):
+    if not compiling and topk_ids.is_cuda and _marked_valid(topk_ids, num_experts):
         return topk_ids, 0
     if on_device:
         return topk_ids, num_experts

@@ -115,8 +115,8 @@ class CoverageChecks:
         never waits: it reads the last :meth:`snapshot_uncovered` once its copy is done, and does
         nothing before. ``layer_names[l]`` names MoE layer ``l`` in the message.
         """
-        if self.missing != "error" or self.uncovered.numel() == 0:
-            return
+        if self.missing != "error" or self.uncovered.numel() == 0 or self.uncovered.is_meta:
+            return  # (a table on the meta device counted nothing: it follows the model at its first forward)
         snapshot = self._snapshot
         if block or not self.uncovered.is_cuda:
             values = self.uncovered.tolist()

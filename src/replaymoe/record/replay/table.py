@@ -467,6 +467,9 @@ class ReplayTable(CoverageChecks):
 
     def report(self) -> ReplayReport:
         """Counts since :meth:`load` or :meth:`reset_report` (one host sync)."""
+        if self.seen.is_meta:  # a table made for a model on the meta device: no forward ran yet
+            zeros = np.zeros(self.seen.shape, dtype=np.int64)
+            return ReplayReport.from_counts(zeros, zeros.copy())
         # copies: on the CPU, .numpy() would share memory with the live counters
         return ReplayReport.from_counts(self.seen.cpu().numpy().copy(), self.fallback.cpu().numpy().copy())
 
