@@ -92,6 +92,22 @@ def test_capture_without_weights_keeps_none():
         moe.set_replay([trace], replay="weights")
 
 
+def test_negative_weights_are_refused_where_the_routing_makes_none():
+    # route() refuses negative replay_weights for a renormalized softmax; the HF forwards skip that
+    # check (the table is checked once), so set_replay must apply it: naming the trace, the layer and
+    # the position; a sign flip in a row of -1 ids (nothing replayed there) is no error
+    model, moe, seqs, _, traces = _captured()
+    bad = traces[1].replace(weights=traces[1].weights.copy())
+    bad.weights[3, 2, 1] = -0.25
+    with pytest.raises(
+        ValueError, match=r"weights of traces\[1\].*MoE layer 2.*got -0.25 at position 3, slot 1"
+    ):
+        moe.set_replay([traces[0], bad], replay="ids+weights")
+    ids = bad.ids.copy()
+    ids[3, 2] = -1
+    moe.set_replay([traces[0], bad.replace(ids=ids)], replay="ids+weights", missing="native")
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_checkpoint_recomputes_replay_the_weights_too(reentrant):
     # the same gradients with and without activation checkpointing: the recompute finds the ids and

@@ -400,3 +400,22 @@ def test_replay_set_on_a_meta_model_follows_it():
     report = moe.report()
     assert report.tokens_seen == 24 and report.fallback_tokens_per_layer.sum() == 0
     moe.set_replay(None)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda moe, m: rhf.enable(None), "type of model.*NoneType"),  # not a module at all
+        (lambda moe, m: rhf.enable(m, missing="bogus"), "missing.*'bogus'"),  # checked without a replay
+        (lambda moe, m: moe.replaying(5).__enter__(), "type of traces.*int"),  # not a sequence
+        (lambda moe, m: moe.set_replay("abc"), "type of traces.*str"),  # a string is no trace list
+        (lambda moe, m: (moe.set_rollout_replay(True), moe.add_rollout_traces(5)), "type of traces.*int"),
+    ],
+    ids=["enable-none", "enable-missing", "replaying-int", "set_replay-str", "add_rollout-int"],
+)
+def test_handle_arguments_are_named(call, match):
+    model, moe, _, _, _ = _captured()
+    other = build_model("qwen3_moe", "tiny", seed=0)
+    with pytest.raises(ValueError, match=match):
+        call(moe, other)
+    assert getattr(other, "_replaymoe", None) is None  # a refused enable() patches nothing

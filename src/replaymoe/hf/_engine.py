@@ -25,6 +25,7 @@ from torch import nn
 
 from replaymoe._validation import check_bool, check_choice, fail
 from replaymoe.record.replay import MISSING_MODES, REPLAY_MODES
+from replaymoe.record.replay.source import trace_list
 from replaymoe.record.trace import RoutingFingerprint, RoutingTrace
 from replaymoe.routing import RoutingConfig
 
@@ -208,7 +209,7 @@ class Engine:
         self.require_enabled("add_rollout_traces")
         if not self.rollout_mode:
             fail("set_rollout_replay", "on (set_rollout_replay(True)) before add_rollout_traces", "off")
-        traces = list(traces)
+        traces = trace_list("traces", traces)
         for i, trace in enumerate(traces):
             if not isinstance(trace, RoutingTrace):
                 fail(f"traces[{i}]", "a RoutingTrace", type(trace).__name__, what="type")

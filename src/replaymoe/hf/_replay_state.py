@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -13,6 +14,7 @@ from replaymoe._validation import fail, is_capturing
 from replaymoe.record.replay import ReplaySource
 from replaymoe.record.trace import RoutingFingerprint
 from replaymoe.routing import RoutingConfig, route
+from replaymoe.routing.methods import nonnegative_weights
 
 from .discovery import MoELayerInfo
 from .state import ReplayTable
@@ -118,6 +120,8 @@ class ReplayState:
                     f"traces[{i}] of another model: " + "; ".join(diff),
                     what="model",
                 )
+        if weights:
+            self._check_weight_signs(src.traces, mapping)
         table = self.writable()
         dev = model_device(self.model)
         if table.holds(src.traces, mapping, dev, weights=weights):  # the same traces again (e.g.
@@ -126,6 +130,27 @@ class ReplayState:
             table.load(src.traces, mapping, dev, weights=weights)
         table.missing = missing
         return table
+
+    def _check_weight_signs(self, traces: Any, mapping: list[int]) -> None:
+        """Full recall: a layer whose routing never makes a negative weight (every method but TOPK,
+        with a scale >= 0) replays only weights >= 0, the rule ``route`` applies to ``replay_weights``;
+        checked here once, on the host, since the forwards skip it."""
+        for info, col in zip(self.layers, mapping):
+            routing = info.plan.routing
+            if not nonnegative_weights(routing.method, routing.scale):
+                continue
+            for i, trace in enumerate(traces):
+                negative = (trace.weights[:, col] < 0) & (trace.ids[:, col] >= 0)
+                if negative.any():
+                    pos, slot = (int(v) for v in np.argwhere(negative)[0])
+                    fail(
+                        f"traces[{i}]",
+                        f"weights >= 0 for MoE layer {info.index} (model layer {info.layer_number}), "
+                        f"whose routing ({routing.method.name.lower()}) never makes a negative weight",
+                        f"{float(trace.weights[pos, col, slot])} at position {trace.token_offset + pos}, "
+                        f"slot {slot}",
+                        what="weights",
+                    )
 
     def table_like(self, table: ReplayTable) -> Optional[ReplayTable]:
         """This (attached) session's table holding what ``table`` of its parent holds."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from replaymoe._backend import BACKENDS
 from replaymoe._validation import check_bool, check_choice, check_int, fail
+from replaymoe.record.replay import MISSING_MODES
 from replaymoe.record.trace import RoutingFingerprint
 
 from ._engine import Engine, enabled_handle
@@ -390,7 +391,10 @@ def enable(
         Unsupported architecture, bad backend, replay trace not matching the model (layers, top_k,
         num_experts).
     """
+    if not isinstance(model, nn.Module):
+        fail("model", "a torch.nn.Module (a transformers MoE model)", type(model).__name__, what="type")
     check_bool("capture", capture)
+    check_choice("missing", missing, MISSING_MODES)  # (checked without a replay too: never ignored)
     state = ReplayMoE(
         model,
         backend=backend,

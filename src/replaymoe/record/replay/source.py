@@ -17,7 +17,15 @@ from ..._validation import check_int, check_tensor, fail
 from ..trace import RoutingTrace
 from .table import ReplayReport, ReplayTable
 
-__all__ = ["ReplaySource"]
+__all__ = ["ReplaySource", "trace_list"]
+
+
+def trace_list(name: str, traces: object) -> list:
+    """``traces`` (any iterable but a string) as a list, or ValueError naming ``name``: the elements'
+    own types are checked by the caller, each naming ``name[i]``."""
+    if isinstance(traces, (str, bytes)) or not hasattr(traces, "__iter__"):
+        fail(name, "a sequence of RoutingTrace", type(traces).__name__, what="type")
+    return list(traces)  # type: ignore[call-overload]
 
 
 class ReplaySource:
@@ -33,7 +41,7 @@ class ReplaySource:
 
     def __init__(self, traces: RoutingTrace | Sequence[RoutingTrace]):
         self._single = isinstance(traces, RoutingTrace)
-        tr = [traces] if isinstance(traces, RoutingTrace) else list(traces)
+        tr = [traces] if isinstance(traces, RoutingTrace) else trace_list("traces", traces)
         if not tr:
             fail("traces", "at least one RoutingTrace", "an empty sequence")
         for i, t in enumerate(tr):
