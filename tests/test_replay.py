@@ -216,3 +216,37 @@ def test_prefix_hashes_of_many_arrays_in_one_pass_equal_one_per_array(lengths, g
         arrays[0][2] = -1  # unknown from position 2 of the first array
     want = np.concatenate([prefix_hashes_np(a) for a in arrays])
     np.testing.assert_array_equal(prefix_hashes_concat(arrays), want)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])  # fullgraph: no host sync
+def test_token_diff_counts_the_first_differing_token(compiled):
+    # forwards matched by batch row compare each token with the one its trace recorded there: the
+    # count, and the smallest (row, position) with both tokens; unknown tokens (-1), padding and
+    # positions past a trace are not compared; a second forward keeps the earlier first key
+    from replaymoe.record.replay import ReplayTable
+    from replaymoe.record.replay.coverage import NO_KEY
+
+    ids = np.zeros((5, 1, 2), dtype=np.int64)
+    ids[:, 0, 1] = 1
+    traces = [
+        RoutingTrace(ids, num_experts=4, top_k=2, token_ids=[10, 11, 12, 13, 14]),
+        RoutingTrace(ids, num_experts=4, top_k=2, token_ids=[20, 21, -1, 23, 24]),
+    ]
+    table = ReplayTable()
+    table.load(traces, [0], torch.device("cpu"), match_content=False)
+    assert table.checks_tokens and table.token_diff.tolist() == [0, NO_KEY, 0, 0]
+    count = (
+        torch.compile(table.count_token_diff, fullgraph=True, backend="eager")
+        if compiled
+        else (table.count_token_diff)
+    )
+    positions = torch.tensor([[2, 3, 4, 5], [-1, 1, 2, 3]])  # row 1 starts with padding; 5 is past
+    tokens = torch.tensor([[12, 99, 14, 7], [0, 21, 77, 98]])  # differ: (0, 3), (1, 3); (1, 2) unknown
+    count(tokens, positions)
+    assert table.token_diff.tolist() == [2, 3, 13, 99]  # key 0 << 28 | 3: recorded 13, got 99
+    # one more difference, (1, 0): its key 1 << 28 | 0 is above the first one's, which stays
+    count(torch.tensor([[12, 13, 14, 0], [0, 21, 77, 0]]), torch.tensor([[2, 3, 4, 5], [-1, 1, 2, 0]]))
+    assert table.token_diff.tolist() == [3, 3, 13, 99]
+    with pytest.raises(ValueError, match=r"Invalid tokens of replay.*3 token\(s\) differ"):
+        table.check_uncovered(["l0"], block=True)
+    assert table.token_diff.tolist() == [0, NO_KEY, 0, 0]  # cleared once raised

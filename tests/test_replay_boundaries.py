@@ -419,3 +419,50 @@ def test_handle_arguments_are_named(call, match):
     with pytest.raises(ValueError, match=match):
         call(moe, other)
     assert getattr(other, "_replaymoe", None) is None  # a refused enable() patches nothing
+
+
+# ------------------------------------------------------------------- tokens of forwards by batch row
+def _generated(backend: str, new: int = 3):
+    """A tiny model, a greedy generate over two different prompts with capture on, its traces."""
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, capture=True, backend=backend)
+    ids, mask = _batch(5, model.config.vocab_size, length=6)
+    gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, **gen)
+    traces = moe.traces()
+    moe.set_capture(False)
+    return model, moe, ids, mask, traces, gen
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("triton", marks=pytest.mark.interpret)],  # triton: the step kernel's rows
+)
+@pytest.mark.parametrize("missing", ["error", "native"])  # another sequence's routes are never "missing"
+def test_generate_refuses_traces_of_other_rows(backend, missing):
+    # generate's prefill (no cache) is matched by content, its decode steps by batch row: traces in
+    # the other order pass the prefill, then the first decode step's token is not the one traces[0]
+    # recorded at position 6 (they would replay the other row's routes)
+    model, moe, ids, mask, traces, gen = _generated(backend)
+    with pytest.raises(ValueError, match=r"Invalid tokens of replay: .*batch row 0, position 6: traces\[0\]"):
+        with moe.replaying(traces[::-1], missing=missing), torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, **gen)
+    with moe.replaying(traces), torch.no_grad():  # the batch's own order replays
+        out = model.generate(input_ids=ids, attention_mask=mask, **gen)
+    # the rollout's tokens again (a trace holds the fed tokens: not the last sampled one)
+    assert torch.equal(out[:, 6:8], torch.tensor(np.stack([t.token_ids[6:] for t in traces])))
+
+
+def test_generate_refuses_a_trace_whose_tokens_diverge():
+    # a trace whose recorded token at a decode position differs from what generate feeds there (a
+    # sampled continuation that went elsewhere): its later routes belong to another sequence
+    model, moe, ids, mask, traces, gen = _generated("torch")
+    tok = traces[1].token_ids.copy()
+    tok[7] = (tok[7] + 1) % model.config.vocab_size
+    with pytest.raises(ValueError, match=r"batch row 1, position 7: traces\[1\] recorded token"):
+        with moe.replaying([traces[0], traces[1].replace(token_ids=tok)]), torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, **gen)
+    untokened = [t.replace(token_ids=None) for t in traces[::-1]]  # no tokens: nothing to compare
+    with moe.replaying(untokened, missing="native"), torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, **gen)

@@ -57,7 +57,10 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
     fused = (
         eager and not content and not replay_w and fused_rows_ok(mask, S, past, ref.device, engine.backend)
     )
-    if not fused:
+    # replay by batch row of traces that carry their tokens: each token checked against its trace's
+    check_tokens = replay is not None and not content and replay.checks_tokens and input_ids is not None
+    positions = None
+    if not fused or check_tokens:  # (the fused launch derives them on the device)
         positions = token_positions(
             B,
             S,
@@ -67,6 +70,8 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
             position_ids=kwargs.get("position_ids"),
             padding_in_positions=cache_kw and mask is None,
         )
+    if check_tokens:
+        replay.count_token_diff(input_ids.to(device=ref.device, dtype=torch.int64), positions)
     forced = forced_out = staged = slot = forced_w = staged_w = None
     buffers = engine.step_buffers
     if replay is not None:
@@ -133,7 +138,7 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
     if capturing and input_ids is not None:
         tokens = input_ids.reshape(-1).to(device=ref.device, dtype=torch.int64)
     coverage = None
-    if replay is not None and replay.missing == "error":
+    if replay is not None and (replay.missing == "error" or check_tokens):
         # the step bookkeeping kernel counts uncovered lookups itself (positions None)
         coverage = (replay, content, None if fused else positions)
     return Step(B * S, forced, staged, slot, graphed, fused, head, tokens, coverage, forced_w, staged_w)

@@ -179,12 +179,13 @@ class ReplayState:
             table.check_uncovered(self.layer_names(), block=block)
 
     def count_uncovered(self, step: Step) -> None:
-        """End of a replayed forward with ``missing="error"``: count the tokens that needed a recorded
-        route and found none (:meth:`ReplayTable.count_uncovered`, device ops only, whichever
-        producer wrote the forced ids), and, eagerly, start the counters' copy to the host that the
-        next forward's start reads without waiting."""
+        """End of a replayed forward with ``missing="error"`` (or whose tokens were checked against
+        their traces'): count the tokens that needed a recorded route and found none
+        (:meth:`ReplayTable.count_uncovered`, device ops only, whichever producer wrote the forced
+        ids), and, eagerly, start the counters' copy to the host that the next forward's start reads
+        without waiting."""
         table, by_content, positions = step.coverage
-        if positions is not None:
+        if positions is not None and table.missing == "error":
             table.count_uncovered(step.forced, positions, by_content=by_content)
         if torch.compiler.is_compiling() or is_capturing():
             return

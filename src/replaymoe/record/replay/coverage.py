@@ -16,7 +16,7 @@ import torch
 
 from ..._validation import fail
 
-__all__ = ["NO_KEY", "CoverageChecks", "fail_uncovered", "smallest_key"]
+__all__ = ["NO_KEY", "CoverageChecks", "fail_token_diff", "fail_uncovered", "smallest_key"]
 
 NO_KEY = (1 << 63) - 1  # ReplayTable.uncovered's last entry while no uncovered lookup was counted
 
@@ -31,6 +31,21 @@ def smallest_key(bad: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     layers = torch.arange(L, device=positions.device)[:, None]
     key = (layers << 48) | ((rows << 28) | positions.reshape(-1))[None, :]
     return torch.where(bad, key, NO_KEY).amin().reshape(1)
+
+
+def fail_token_diff(count: int, key: int, recorded: int, got: int) -> NoReturn:
+    """The ValueError of :meth:`CoverageChecks.check_uncovered` for tokens that differ from their
+    trace's (:meth:`CoverageChecks.count_token_diff`): ``count`` of them, the first by ``key``
+    (``batch row << 28 | position``) with the trace's token and the forward's."""
+    row, pos = key >> 28, key & ((1 << 28) - 1)
+    fail(
+        "replay",
+        "the tokens each trace recorded, in forwards matched to traces by batch row (with a KV cache, "
+        "as in generate: traces[b] replays batch row b, so it must hold that row's sequence)",
+        f"batch row {row}, position {pos}: traces[{row}] recorded token {recorded}, the forward has {got}; "
+        f"{count} token(s) differ since the last check",
+        what="tokens",
+    )
 
 
 def fail_uncovered(counts: list[int], key: int, layer_names: Sequence[str]) -> NoReturn:
@@ -53,8 +68,14 @@ class CoverageChecks:
     table owns the state, see its attributes ``uncovered``, ``ends`` and ``missing``)."""
 
     uncovered: torch.Tensor  # int64 [L + 1]: per-layer counts, then the smallest key
+    token_diff: torch.Tensor  # int64 [4]: count, smallest key, the recorded and the forward's token
+    row_tokens: torch.Tensor  # int64 [R_cap]
+    checks_tokens: bool
     ends: torch.Tensor  # int64 [B]
     missing: str
+
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor: ...  # ReplayTable's
+
     _snapshot: tuple[torch.Tensor, torch.cuda.Event] | None
     _snapshot_pending: bool
 
@@ -97,14 +118,41 @@ class CoverageChecks:
         self.uncovered[:L].add_(bad.sum(dim=1))
         self.uncovered[L:].copy_(torch.minimum(self.uncovered[L:], smallest))
 
+    def count_token_diff(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Count the tokens ``int64 [B, S]`` of a forward matched by batch row (at ``positions``, int64
+        [B, S], -1 = padding) that differ from the token their trace recorded at that position, into
+        :attr:`token_diff` with the first one's key and tokens. Device ops only (as
+        :meth:`count_uncovered`); positions a trace does not cover, and unknown tokens, are not
+        compared. A route is a function of its token's whole prefix: a trace replayed into another
+        sequence (traces in another order than the batch, or a generate that samples other tokens)
+        replays another sequence's routes, so this always raises, whatever ``missing`` says."""
+        recorded = self.row_tokens.index_select(0, self._rows(positions))
+        got = tokens.reshape(-1)
+        bad = (recorded >= 0) & (recorded != got) & (positions.reshape(-1) >= 0)
+        B, S = positions.shape
+        rows = torch.arange(B, device=positions.device).repeat_interleave(S)
+        key = torch.where(bad, (rows << 28) | positions.reshape(-1), NO_KEY)
+        first = key.argmin().reshape(1)  # (index_select, not key[first]: no data-dependent index)
+        smallest = key.index_select(0, first)
+        earlier = smallest < self.token_diff[1:2]
+        total = self.token_diff[0:1] + bad.sum().reshape(1)
+        update = torch.cat([total, smallest, recorded.index_select(0, first), got.index_select(0, first)])
+        keep = torch.cat([torch.ones_like(earlier), earlier, earlier, earlier])
+        merged = torch.where(keep, update, self.token_diff)
+        self.token_diff.copy_(merged)
+
     def snapshot_uncovered(self) -> None:
         """Start copying the counters to pinned host memory, without waiting (CUDA, eager, outside a
         graph capture): a later :meth:`check_uncovered` with ``block=False`` reads them once the
         copy is done."""
-        if not self.uncovered.is_cuda or self.missing != "error" or self._snapshot is None:
+        if not self.uncovered.is_cuda or self._snapshot is None:
+            return
+        if self.missing != "error" and not self.checks_tokens:
             return
         host, event = self._snapshot
-        host.copy_(self.uncovered, non_blocking=True)
+        L1 = self.uncovered.shape[0]
+        host[:L1].copy_(self.uncovered, non_blocking=True)
+        host[L1:].copy_(self.token_diff, non_blocking=True)
         event.record()
         self._snapshot_pending = True
 
@@ -115,18 +163,24 @@ class CoverageChecks:
         never waits: it reads the last :meth:`snapshot_uncovered` once its copy is done, and does
         nothing before. ``layer_names[l]`` names MoE layer ``l`` in the message.
         """
-        if self.missing != "error" or self.uncovered.numel() == 0 or self.uncovered.is_meta:
+        if self.uncovered.numel() == 0 or self.uncovered.is_meta:
             return  # (a table on the meta device counted nothing: it follows the model at its first forward)
+        if self.missing != "error" and not self.checks_tokens:
+            return
         snapshot = self._snapshot
+        L1 = self.uncovered.shape[0]
         if block or not self.uncovered.is_cuda:
-            values = self.uncovered.tolist()
+            values = self.uncovered.tolist() + self.token_diff.tolist()
         elif self._snapshot_pending and snapshot is not None and snapshot[1].query():
             values = snapshot[0].tolist()
             self._snapshot_pending = False
         else:
             return
-        counts, key = values[:-1], values[-1]
-        if not any(counts):
+        counts, key, diff = values[: L1 - 1], values[L1 - 1], values[L1:]
+        if diff[0]:  # tokens of another sequence: the cause of anything else counted
+            self._clear_uncovered()
+            fail_token_diff(*diff)
+        if self.missing != "error" or not any(counts):
             return
         self._clear_uncovered()
         fail_uncovered(counts, key, layer_names)
@@ -134,4 +188,7 @@ class CoverageChecks:
     def _clear_uncovered(self) -> None:
         self.uncovered[:-1].zero_()
         self.uncovered[-1:].fill_(NO_KEY)
+        if self.token_diff.numel():  # (device fills: no host-to-device copy)
+            self.token_diff.zero_()
+            self.token_diff[1:2].fill_(NO_KEY)
         self._snapshot_pending = False

@@ -16,7 +16,7 @@ import numpy as np
 from ..trace import RoutingTrace
 from .hashes import traces_hashes
 
-__all__ = ["capacity", "content_index", "pack_ids", "pack_weights", "row_meta"]
+__all__ = ["capacity", "content_index", "pack_ids", "pack_tokens", "pack_weights", "row_meta"]
 
 
 def _next_power_of_2(n: int) -> int:
@@ -49,6 +49,18 @@ def pack_weights(traces: Sequence[RoutingTrace], layer_of: Sequence[int]) -> np.
     assert all(t.weights is not None for t in traces)
     weights = np.concatenate([t.weights for t in traces])
     host[:, : weights.shape[0]] = weights[:, list(layer_of)].transpose(1, 0, 2)
+    return host
+
+
+def pack_tokens(traces: Sequence[RoutingTrace]) -> np.ndarray:
+    """int64 [R_cap]: the token each trace recorded at each of :func:`pack_ids`'s rows (-1 where the
+    trace carries no tokens, where its token is unknown, and in the all -1 rows)."""
+    host = np.full(capacity(sum(t.num_tokens for t in traces)), -1, dtype=np.int64)
+    base = 0
+    for t in traces:
+        if t.token_ids is not None:
+            host[base : base + t.num_tokens] = t.token_ids
+        base += t.num_tokens
     return host
 
 

@@ -23,7 +23,7 @@ from ..._validation import fail
 from ..trace import RoutingTrace
 from .coverage import CoverageChecks
 from .hashes import hash_powers, prefix_hashes
-from .packing import capacity, content_index, pack_ids, pack_weights, row_meta
+from .packing import capacity, content_index, pack_ids, pack_tokens, pack_weights, row_meta
 
 __all__ = ["MISSING_MODES", "REPLAY_MODES", "ReplayReport", "ReplayTable"]
 
@@ -139,9 +139,18 @@ class ReplayTable(CoverageChecks):
         per layer, since the last :meth:`check_uncovered` (:meth:`count_uncovered` adds them, and so
         does the step bookkeeping kernel, ``hf/_kernel_step_rows.py``); ``[L]``: the smallest key
         ``layer << 48 | batch row << 28 | position`` among them (``coverage.NO_KEY`` while there is none).
+    row_tokens : torch.Tensor int64 [R_cap]
+        The token each trace recorded at each of :attr:`table`'s rows (-1: unknown), when some trace
+        carries its tokens (:attr:`checks_tokens`); empty otherwise.
+    token_diff : torch.Tensor int64 [4]
+        Tokens of forwards matched by batch row that differ from their trace's recorded token
+        (:meth:`count_token_diff`) since the last :meth:`check_uncovered`: the count, the smallest key
+        ``batch row << 28 | position``, and the recorded and the forward's token there.
+    checks_tokens : bool
+        Some trace carries its tokens: forwards matched by batch row are checked against them.
     missing : {"error", "native"}
         What a forward does with a token no trace covers: raise (the default) or route it natively
-        (counted in :attr:`fallback`).
+        (counted in :attr:`fallback`). A token that differs from its trace's always raises.
     by_content : bool
         Every trace carries its tokens and starts at position 0: forwards are matched to traces
         by content (:meth:`gather_by_content`), whatever their rows' order, subset or padding.
@@ -204,9 +213,11 @@ class ReplayTable(CoverageChecks):
         self.source: tuple[list[RoutingTrace], list[int]] | None = None
         self.hashes = self.hash_rows = self.powers = torch.empty(0)
         self.offsets = self.lengths = self.bases = self.ends = self.shift = torch.empty(0)
-        self.seen = self.fallback = self.uncovered = torch.empty(0)
+        self.seen = self.fallback = self.uncovered = self.row_tokens = self.token_diff = torch.empty(0)
+        self.checks_tokens = False
         self.missing = "error"
-        # (pinned int64 [L + 1], event): the counters' last asynchronous copy (CUDA)
+        # (pinned int64 [L + 5]: uncovered, then token_diff; event): the counters' last asynchronous
+        # copy (CUDA)
         self._snapshot: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self._snapshot_pending = False
 
@@ -333,13 +344,20 @@ class ReplayTable(CoverageChecks):
         )
         if self.by_content:
             self._load_hashes(traces, meta[2], device)
+        self.checks_tokens = any(t.token_ids is not None for t in traces)
+        if self.checks_tokens:
+            tokens = pack_tokens(traces)
+            if tuple(self.row_tokens.shape) != tokens.shape or self.row_tokens.device != device:
+                self.row_tokens = _static(torch.empty(tokens.shape, dtype=torch.int64, device=device))
+            _upload(self.row_tokens, tokens)
         if tuple(self.seen.shape) != (L,) or self.seen.device != device:
             self.seen = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.fallback = _static(torch.zeros(L, dtype=torch.int64, device=device))
             self.uncovered = _static(torch.zeros(L + 1, dtype=torch.int64, device=device))
+            self.token_diff = _static(torch.zeros(4, dtype=torch.int64, device=device))
             self._snapshot = None
             if device.type == "cuda":  # made here, not in a forward (a pinned allocation may wait)
-                pinned = torch.empty(L + 1, dtype=torch.int64, pin_memory=True)
+                pinned = torch.empty(L + 5, dtype=torch.int64, pin_memory=True)
                 self._snapshot = (pinned, torch.cuda.Event())
         self._clear_uncovered()
         self.reset_report()
