@@ -14,6 +14,7 @@ import argparse
 import base64
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -151,6 +152,10 @@ def _same(ids, other):
     return None
 
 
+def _one_row_more(ids, other):  # 32 rows for 31 positions: the last sampled token's row sent too
+    return np.concatenate([ids, ids[-1:]])
+
+
 DEFECTS = [
     # (case, fabricate, extra CLI args, expected exit, defect kind reported)
     ("clean", _same, [], 0, None),
@@ -161,10 +166,12 @@ DEFECTS = [
     ("dense_column", _dense_column, [], 16, "dense_column"),
     ("column_count", _extra_column, [], 16, "column_count"),
     ("dtype_max", _at_dtype_max, [], 64, "dtype_overflow"),
-    # the prompt start off by one, either way
-    ("prompt_start_too_late", _same, ["--prompt-start", "1"], 32, "misaligned"),
-    ("rows_start_later", _drop_first_row, [], 32, "misaligned"),
+    # the prompt start off by one, either way: the rows misaligned, and their count not the tokens'
+    ("prompt_start_too_late", _same, ["--prompt-start", "1"], 48, "row_count misaligned"),
+    ("rows_start_later", _drop_first_row, [], 48, "row_count misaligned"),
     ("other_model", _other_model, [], 1, "disagreement"),
+    # was a note and exit 0: a row count that does not fit the tokens is a layout defect; the rows judged
+    ("one_row_more", _one_row_more, [], 16, "row_count"),
 ]
 
 
@@ -176,15 +183,17 @@ def test_cli_reports_each_defect_with_its_bit(good, tmp_path, capsys, case, fabr
     path = _write(tmp_path, "resp.json", _chat(ids, good["prompt"], good["completion"]))
     rc, out, err = _run([*MODEL, path, *extra], capsys)
     assert err == "" and rc == code, out
+    kinds = [] if kind is None else kind.split()
     if kind is None:
         assert "clean" in out and "exit 0" in out
     else:
-        assert f"{kind} [" in out
-        assert f"exit {code} ({CheckCode(code).name})" in out
+        assert all(f"{k} [" in out for k in kinds)
+        names = " | ".join(c.name for c in CheckCode if c and c & code)
+        assert f"exit {code} ({names})" in out
     rc, out, _ = _run([*MODEL, path, *extra, "--json"], capsys)
     d = json.loads(out)
     assert rc == code == d["exit_code"]
-    assert [x["kind"] for x in d["defects"]] == ([] if kind is None else [kind])
+    assert [x["kind"] for x in d["defects"]] == kinds
 
 
 def test_library_good_capture_is_clean(good):
@@ -223,7 +232,8 @@ def test_library_defect_examples_name_row_layer_and_ids(good):
 def test_library_misalignment_shift_and_threshold(good):
     base = _chat(good["ids"], good["prompt"], good["completion"])
     report = check_routes(good["model"], routes_from_vllm(base, prompt_start=1))
-    assert report.code == CheckCode.MISALIGNED and report.best_shift == -1
+    assert report.code == CheckCode.LAYOUT | CheckCode.MISALIGNED and report.best_shift == -1
+    assert "31 rows, expected 30" in report.defect("row_count").first.note  # one row too many
     assert report.sequences[0].best_shift == -1 and report.sequences[0].misaligned
     other = _chat(good["other_ids"], good["prompt"], good["completion"])
     assert check_routes(good["model"], routes_from_vllm(other)).code == CheckCode.DISAGREEMENT
@@ -381,3 +391,200 @@ def test_engine_routes_validates_its_fields():
         EngineRoutes(np.zeros((5, 1, 2)), np.arange(6))  # float ids
     r = EngineRoutes(np.zeros((5, 1, 2), np.uint8), np.arange(6))
     assert (r.expected_rows, r.ids.dtype, r.dtype) == (5, np.int64, "uint8")  # the dtype as sent
+
+
+# --------------------------------------------------------------------------------------------
+# inputs refused before reading, sequences with nothing to check, options that do not apply
+# --------------------------------------------------------------------------------------------
+
+
+def _fifo(d):  # a pipe nobody writes to: open() would wait forever
+    os.mkfifo(d / "pipe")
+    return str(d / "pipe")
+
+
+def _sparse(d):  # 3 GiB of nothing, no disk used: was read whole (4.3 GB), then "invalid JSON"
+    (d / "big.json").touch()
+    os.truncate(d / "big.json", 3 << 30)
+    return str(d / "big.json")
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (
+            lambda d: "/dev/zero",
+            "/dev/zero: not a regular file (a character device)",
+        ),  # was MemoryError, rc 1
+        (lambda d: str(d), "not a regular file (a directory)"),
+        pytest.param(
+            _fifo,
+            "not a regular file (a pipe)",
+            marks=pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no pipes"),
+        ),
+        (_sparse, f"{3 << 30} bytes, more than the 1024 MiB"),
+    ],
+)
+def test_inputs_refused_before_reading(tmp_path, capsys, make, says):
+    path = make(tmp_path)
+    rc, out, err = _run([*MODEL, path], capsys)
+    assert rc == 2 and out == "" and says in _one_error_line(err)
+
+
+def _seq(good, rows, prompt=None, completion=None, dtype=np.uint8):
+    ids = good["ids"][:rows].astype(dtype)
+    return _chat(ids, good["prompt"] if prompt is None else prompt, good["completion"] if completion is None
+                 else completion)  # fmt: skip
+
+
+def _all_missing(good):  # the legacy int16 prefix-cache sentinel in every row: nothing was routed
+    return _chat(np.full((31, 3, 2), -1, np.int16), good["prompt"], good["completion"])
+
+
+def _sglang_empty(good):  # SGLang's routed_experts "" (no rows)
+    return {
+        "input_ids": good["prompt"],
+        "output_ids": good["completion"],
+        "meta_info": {"routed_experts": ""},
+    }
+
+
+NOTHING_TO_CHECK = [
+    # (case, response, text): exit 2, where they were an IndexError traceback (rc 1) or "clean"
+    ("no_tokens", lambda g: _seq(g, 0, [], []), "no tokens"),  # empty prompt and completion
+    ("zero_rows", lambda g: _seq(g, 0), "no routed rows to check (0 rows)"),
+    ("all_missing", _all_missing, "no routed rows to check (every one of its 31 rows is -1"),
+    ("sglang_empty", _sglang_empty, "no routed rows to check (0 rows)"),
+]
+
+
+@pytest.mark.parametrize("case, make, text", NOTHING_TO_CHECK, ids=[c[0] for c in NOTHING_TO_CHECK])
+def test_nothing_to_check_is_an_input_error(good, tmp_path, capsys, case, make, text):
+    path = _write(tmp_path, "r.json", make(good))
+    rc, out, err = _run([*MODEL, path], capsys)
+    assert rc == 2 and out == ""
+    line = _one_error_line(err)
+    assert path in line and text in line
+
+
+def test_row_count_names_the_rows_and_a_fitting_prompt_start(good):
+    # 30 rows where 31 are expected: a request with routed_experts_prompt_start=1 sends 30
+    report = check_routes(good["model"], routes_from_vllm(_seq(good, 30)))
+    d = report.defect("row_count")
+    assert d is not None and report.code & CheckCode.LAYOUT
+    assert "30 rows, expected 31" in d.first.note and "a prompt start of 1 gives 30 rows" in d.first.note
+    assert report.layers[0].rows == 30  # the rows that fit are still judged
+    assert "note:" not in str(report)
+
+
+def test_sglang_layout_follows_the_token_counts(good, tmp_path, capsys):
+    # MoE-only rows of a model whose 3 decoder layers make 2 x 2 x 33 values also 3 x 2 x 22: 33 rows were
+    # read as 22 decoder rows (exit 17, dense column + disagreement); 30 rows as 20 decoder rows
+    moe = good["trace"].ids.astype(np.uint8)
+
+    def sglang(rows):
+        return {"input_ids": good["prompt"], "output_ids": good["completion"],
+                "meta_info": {"routed_experts": base64.b64encode(rows.tobytes()).decode(),
+                              "routed_experts_dtype": "uint8"}}  # fmt: skip
+
+    more = _write(tmp_path, "more.json", sglang(np.concatenate([moe, moe[-2:]])))
+    rc, out, err = _run([*MODEL, more], capsys)
+    assert rc == 2 and "got 33 rows" in _one_error_line(err)  # 33 rows for 32 tokens: unmappable
+    fewer = _write(tmp_path, "fewer.json", sglang(moe[:30]))
+    rc, out, err = _run([*MODEL, fewer, "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 16 and [x["kind"] for x in d["defects"]] == ["row_count"], out
+    assert d["sequences"][0]["layout"] == "moe"
+
+
+def _trace_with(good, tmp_path, **changes):
+    path = tmp_path / "t.rmtrace"
+    good["trace"].replace(**changes).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, make, args, text",
+    [
+        # layer ids a trace records, not --layer-ids (which the user did not pass), are blamed
+        ("trace_layer_ids", lambda g, d: _trace_with(g, d, layer_ids=[5, 6]), [], "layer_ids of FILE"),
+        # a trace of a 16-expert model: was "clean"
+        ("trace_num_experts", lambda g, d: _trace_with(g, d, num_experts=16), [], "num_experts of FILE"),
+        # options that cannot apply to a trace file: were ignored
+        ("trace_prompt_start", lambda g, d: _trace_with(g, d), ["--prompt-start", "1"], "--prompt-start"),
+        ("trace_choice", lambda g, d: _trace_with(g, d), ["--choice", "0"], "--choice"),
+        ("sglang_choice", lambda g, d: _write(d, "s.json", _sglang_empty(g)), ["--choice", "0"], "--choice"),
+        # token ids of another type: was "expected a list of token ids, got list"
+        (
+            "float_token",
+            lambda g, d: _write(d, "r.json", _seq(g, 31, [1.5] + g["prompt"][1:])),
+            [],
+            "got 1.5 (float) at index 0",
+        ),  # fmt: skip
+        (
+            "bool_token",
+            lambda g, d: _write(d, "r.json", _seq(g, 31, None, [True] + g["completion"][1:])),
+            [],
+            "got True (bool) at index 0",
+        ),  # fmt: skip
+        # a payload of no layers: was "Invalid shape of ids" without the file
+        (
+            "no_layers",
+            lambda g, d: _write(
+                d, "r.json", _chat(np.zeros((31, 0, 2), np.uint8), g["prompt"], g["completion"])
+            ),
+            [],
+            "ids of FILE",
+        ),  # fmt: skip
+    ],
+)
+def test_input_errors_name_the_file_or_the_option(good, tmp_path, capsys, case, make, args, text):
+    path = make(good, tmp_path)
+    rc, out, err = _run([*MODEL, path, *args], capsys)
+    assert rc == 2 and out == ""
+    line = _one_error_line(err)
+    assert text.replace("FILE", path) in line, line
+    if case == "trace_layer_ids":
+        assert "--layer-ids" not in line
+
+
+def test_bom_and_a_null_choice_prompt_read_as_inspect_reads_them(good, tmp_path, capsys):
+    resp = _seq(good, 31)
+    resp["choices"][0]["prompt_token_ids"] = None  # null: the top-level list, not "no prompt_token_ids"
+    path = tmp_path / "r.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(resp).encode())
+    rc, out, err = _run([*MODEL, str(path)], capsys)
+    assert rc == 0 and "clean" in out, out + err
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--layer-ids", "1,1,2"], "--layer-ids: expected distinct"),  # was judged as data: exit 1
+        (["--near-tie", "1e10"], "--near-tie must be a number in [0, 1e9]"),  # the library's limit, named
+        (["--near-tie", "inf"], "--near-tie must be a number in [0, 1e9]"),
+        (["--seed", str(10**20)], "--seed must be in"),  # was "Overflow when unpacking long long"
+        ([""], "ROUTES: expected a file name, got an empty string"),  # was "error: : No such file"
+    ],
+)
+def test_bad_options_name_the_option(tmp_path, capsys, args, says):
+    path = _write(tmp_path, "r.json", {})
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", *MODEL, *args, *([] if args == [""] else [path])])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"layer_ids": "12"}, "Invalid type of layer_ids"),  # a str: was taken as (1, 2)
+        ({"layer_ids": [1.7, 2.2]}, "Invalid type of layer_ids"),  # floats: were truncated
+        ({"layer_ids": [1, 1, 2]}, "distinct"),
+        ({"near_tie": 1e10}, "Invalid value of near_tie: expected a number in [0, 1e9]"),
+    ],
+)
+def test_library_check_refuses_bad_arguments(good, kw, says):
+    routes = routes_from_vllm(_chat(good["ids"], good["prompt"], good["completion"]))
+    with pytest.raises(ValueError) as exc:
+        check_routes(good["model"], routes, **kw)
+    assert says in str(exc.value)

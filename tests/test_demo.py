@@ -342,3 +342,73 @@ def test_demo_rejects_bad_from_vllm_options(argv, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert ("--prompt-start" in err) or ("--layer-ids" in err)
+
+
+def _oov_response(d):  # a prompt token id past the fast model's vocabulary of 64
+    resp = _fast_model_response(8, endpoint="chat")
+    resp["prompt_token_ids"][1] = 10**9
+    (d / "oov.json").write_text(json.dumps(resp))
+    return d / "oov.json"
+
+
+def _other_model_response(d):  # top-4 of 16 experts: does not fit the fast model (checked after its build)
+    ids = np.argsort(np.random.default_rng(0).random((8, 3, 16)), axis=-1)[..., :4]
+    resp = {
+        "prompt_token_ids": [5, 6, 7, 8],
+        "choices": [
+            {"token_ids": [9] * 5, "routed_experts": RoutingTrace(ids, num_experts=16, top_k=4).to_vllm()}
+        ],
+    }
+    (d / "other.json").write_text(json.dumps(resp))
+    return d / "other.json"
+
+
+def _fifo(d):  # a pipe nobody writes to: open() would wait forever
+    os.mkfifo(d / "pipe")
+    return d / "pipe"
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        # was the whole demo run, files written, then an IndexError traceback (exit 1)
+        (_oov_response, "prompt_token_ids[1] is 1000000000, outside the demo model's vocabulary of 64"),
+        (lambda d: d / "absent.json", "cannot read"),  # was exit 2 but ./replaymoe_out/traces created
+        (_other_model_response, "top_k"),  # refused after the model's build, still before --out
+        (lambda d: "/dev/zero", "/dev/zero: not a regular file (a character device)"),  # was MemoryError
+        pytest.param(
+            _fifo,
+            "not a regular file (a pipe)",  # was a hang
+            marks=pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes"),
+        ),
+    ],
+)
+def test_demo_bad_from_vllm_is_refused_before_anything_is_written(tmp_path, make, says, capsys):
+    out = tmp_path / "o"
+    path = make(tmp_path)
+    rc, cap = _cli_demo(["--out", str(out), "--from-vllm", str(path)], capsys)
+    assert rc == 2 and cap.out == ""
+    (line,) = cap.err.strip().splitlines()
+    assert line.startswith(f"replaymoe demo: error: --from-vllm {path}") and says in line, line
+    assert not out.exists()  # nothing created
+
+
+def test_demo_from_vllm_empty_name_is_a_bad_option(capsys):
+    # was ignored: the demo ran without the vLLM replay, exit 0
+    with pytest.raises(SystemExit) as exc:
+        main(["--fast", "--from-vllm", ""])
+    assert (
+        exc.value.code == 2
+        and "--from-vllm: expected a file name, got an empty string" in capsys.readouterr().err
+    )
+
+
+def test_demo_from_vllm_reads_a_bom_and_a_null_choice_prompt(tmp_path, capsys):
+    # a UTF-8 byte-order mark, and "prompt_token_ids": null in the choice beside the chat's top-level list
+    resp = _fast_model_response(8, endpoint="chat")
+    resp["choices"][0]["prompt_token_ids"] = None
+    path = tmp_path / "resp.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(resp).encode())
+    rc, cap = _cli_demo(["--out", str(tmp_path / "o"), "--from-vllm", str(path)], capsys)
+    assert rc == 0, cap.err
+    assert "ids identical to the response's: True" in cap.out

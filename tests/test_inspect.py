@@ -345,3 +345,132 @@ def test_inspect_rejects_bad_layer_ids_and_prompt_start(tmp_path, traces, argv, 
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path / "a.trace"), *argv])
     assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- nothing to summarise, options
+
+
+def _fifo(d):  # a pipe nobody writes to: open() would wait forever
+    os.mkfifo(d / "pipe")
+    return d / "pipe"
+
+
+def _write(d, name, obj):
+    (d / name).write_text(json.dumps(obj))
+    return d / name
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        # every row -1 (the int16 prefix-cache sentinel): was exit 0, a nan table, "experts: 1 (inferred)"
+        (lambda d: _write(d, "r.json", _resp(np.full((8, 3, 2), -1, np.int16))), "no routed rows: all 8"),
+        # shape (8, 0, 2): was exit 0, "layers: 0"; top_k 0 likewise
+        (lambda d: _write(d, "r.json", _resp(np.zeros((8, 0, 2), np.uint8))), "got shape (8, 0, 2)"),
+        (lambda d: _write(d, "r.json", _resp(np.zeros((8, 3, 0), np.uint8))), "got shape (8, 3, 0)"),
+        # no tokens at all: was "0 rows, expected -1"
+        (
+            lambda d: _write(d, "r.json", _resp(np.zeros((0, 3, 2), np.uint8), prompt=(), completion=())),
+            "the sequence has no tokens",
+        ),  # fmt: skip
+        # base64 of bytes that are no .npy file: was "it holds Python objects"
+        (
+            lambda d: _write(
+                d, "r.json", {"choices": [{"routed_experts": base64.b64encode(b"plain").decode()}]}
+            ),
+            "not an .npy payload",
+        ),  # fmt: skip
+        # an SGLang response: was "vLLM response carries no routed_experts"
+        (
+            lambda d: _write(d, "r.json", {"meta_info": {"routed_experts": "AAAA"}, "output_ids": [1]}),
+            "an SGLang response (meta_info.routed_experts)",
+        ),  # fmt: skip
+        pytest.param(
+            _fifo,
+            "not a regular file (a pipe)",
+            marks=pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no pipes"),
+        ),  # fmt: skip
+    ],
+)
+def test_inspect_refuses_inputs_with_nothing_to_summarise(tmp_path, make, says, capsys):
+    path = make(tmp_path)
+    _one_error_line(main([str(path)]), capsys, str(path), says)
+
+
+def test_inspect_unwritten_column_is_not_blamed_on_layer_ids(tmp_path, capsys):
+    # an all-MoE model's column 1 never written, read with the right --layer-ids: was "layer_ids must list
+    # the MoE layers only"
+    rows = _all_layers(8)[:, 1:]
+    rows[:, 1] = 0
+    path = _write(tmp_path, "r.json", _resp(rows))
+    line = _one_error_line(main([str(path), "--layer-ids", "0,1,2"]), capsys, "column(s) 1 of 3 are all zero")
+    assert "never written" in line and "must list the MoE layers only" not in line
+
+
+def test_inspect_bom_and_null_choice_prompt(tmp_path, capsys):
+    # a UTF-8 BOM: was refused as "binary data" (check read it)
+    resp = _resp(_all_layers(8)[:, 1:])
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(resp).encode())
+    assert main([str(tmp_path / "bom.json")]) == 0
+    capsys.readouterr()
+    # "prompt_token_ids": null in the choice: the chat's top-level list is used, so 9 rows for 8 are refused
+    resp = _resp(_all_layers(9)[:, 1:])
+    resp["choices"][0]["prompt_token_ids"] = None
+    path = _write(tmp_path, "r.json", resp)
+    _one_error_line(main([str(path)]), capsys, "9 rows, expected 8")
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--compare", ""], "--compare: expected a file name"),  # was ignored: exit 0, no comparison
+        (["--heatmap", ""], "--heatmap: expected a file name"),
+        (["--prompt-start", "1,2"], "no --compare"),  # a second start without a second file
+        (["--prompt-start", "1,2,3"], "--prompt-start"),
+    ],
+)
+def test_inspect_empty_names_and_bad_prompt_starts_are_bad_options(tmp_path, traces, argv, says, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "a.trace"), *argv])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_inspect_empty_input_name_is_a_bad_option(capsys):
+    with pytest.raises(SystemExit) as exc:  # was "cannot read: No such file or directory"
+        main([""])
+    assert exc.value.code == 2 and "TRACE: expected a file name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, argv, says",
+    [
+        ("a.trace", ["--prompt-start", "1"], "--prompt-start: expected none for the replaymoe trace file"),
+        ("a.trace", ["--choice", "0"], "--choice: expected none for the replaymoe trace file"),
+        ("b64.txt", ["--choice", "1"], "a bare routed_experts payload"),  # was ignored
+    ],
+)
+def test_inspect_refuses_options_that_do_not_apply(tmp_path, traces, name, argv, says, capsys):
+    a, _ = traces
+    a.save(tmp_path / "a.trace")
+    (tmp_path / "b64.txt").write_text(a.to_vllm())
+    _one_error_line(main([str(tmp_path / name), *argv]), capsys, says)
+
+
+def test_inspect_compare_with_two_prompt_starts(tmp_path, capsys):
+    # the same sequence from two requests, routed from positions 0 and 2: was impossible to compare (one
+    # --prompt-start for both files)
+    rows = _all_layers(8)[:, 1:]
+    a, b = _write(tmp_path, "a.json", _resp(rows)), _write(tmp_path, "b.json", _resp(rows[2:]))
+    assert main([str(a), "--compare", str(b), "--prompt-start", "0,2"]) == 0
+    assert "1.0000 of 6 tokens identical in every layer" in capsys.readouterr().out
+
+
+def test_inspect_compare_with_no_token_in_common(tmp_path, capsys):
+    # first half missing in one, second half in the other: was "agreement: nan of 0 tokens", exit 0
+    rows = _all_layers(8)[:, 1:].astype(np.int16)
+    first, second = rows.copy(), rows.copy()
+    first[:4], second[4:] = -1, -1
+    a, b = _write(tmp_path, "a.json", _resp(first)), _write(tmp_path, "b.json", _resp(second))
+    _one_error_line(main([str(a), "--compare", str(b)]), capsys, "nothing to compare")

@@ -771,3 +771,136 @@ def test_from_batch_owns_its_arrays(rng):
     ids[:] = -1
     tokens[:] = -1
     assert (got[0].ids >= 0).all() and got[2].token_ids.tolist() == [10, 11, 12, 13, 14]
+
+
+# ----------------------------------------------------------------------------- no silent conversions
+
+
+def _ok_ids(rng):
+    return random_ids(rng, 2, 2, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"layer_ids": "13"}, "Invalid type of layer_ids"),  # a str: was (1, 3)
+        ({"layer_ids": [0.9, 1.9]}, "0.9 (float)"),  # floats: were truncated to (0, 1)
+        ({"layer_ids": [True, 2]}, "True (bool)"),
+        ({"token_ids": [5.9, 6.9]}, "Invalid dtype of token_ids"),  # were truncated to [5, 6]
+        ({"token_ids": ["5", "6"]}, "Invalid dtype of token_ids"),  # were accepted
+        ({"token_ids": "ab"}, "Invalid type of token_ids"),  # was numpy's bare ValueError
+        (
+            {"ids": [[[0, 1], [2, 3]], [[4, 5]]]},
+            "Invalid shape of ids: expected a rectangular array",
+        ),  # ragged
+        ({"top_k": 2.0}, "Invalid type of top_k"),
+    ],
+)
+def test_constructor_refuses_values_of_the_wrong_type(rng, kw, says):
+    args = {"ids": _ok_ids(rng), "num_experts": 8, "top_k": 2, **kw}
+    with pytest.raises(ValueError) as exc:
+        RoutingTrace(args.pop("ids"), **args)
+    assert says in str(exc.value)
+
+
+def test_constructor_takes_numpy_ints_and_bf16_weights(rng):
+    import torch
+
+    ids = _ok_ids(rng)
+    w = torch.rand(2, 2, 2, dtype=torch.bfloat16)  # was TypeError: Got unsupported ScalarType BFloat16
+    t = RoutingTrace(ids, num_experts=np.int64(8), top_k=np.int32(2), layer_ids=np.array([3, 4]), weights=w)
+    assert (t.num_experts, t.top_k, t.layer_ids) == (8, 2, (3, 4)) and type(t.top_k) is int
+    assert t.weights.dtype == np.float32 and np.array_equal(t.weights, w.float().numpy())
+
+
+def test_save_compress_must_be_a_bool(rng, tmp_path):
+    t = RoutingTrace(_ok_ids(rng), num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match="Invalid type of compress"):  # "no" was truthy: compressed
+        t.save(tmp_path / "t.rmtrace", compress="no")
+    assert not (tmp_path / "t.rmtrace").exists()
+
+
+def _rewrite_meta(path, **changes):
+    """Rewrite a saved trace's metadata (checksums stay right: only the metadata is wrong)."""
+    with np.load(path) as z:
+        members = {k: z[k] for k in z.files}
+    meta = json.loads(members["meta"].tobytes())
+    meta.update(changes)
+    members["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    with open(path, "wb") as f:  # (np.savez adds .npz to a name that lacks it)
+        np.savez(f, **members)
+
+
+def test_load_names_the_file_for_bad_token_ids_and_non_finite_weights(rng, tmp_path):
+    path = tmp_path / "t.rmtrace"
+    RoutingTrace(_ok_ids(rng), num_experts=8, top_k=2).save(path)
+    _rewrite_meta(path, token_ids={"a": 1})  # a dict: was a raw TypeError
+    with pytest.raises(TraceFormatError, match=re.escape(str(path))):
+        RoutingTrace.load(path)
+    # a NaN in a recorded row's weights, written by hand with the right checksum: was "invalid metadata"
+    w = np.ones((2, 2, 2), np.float32)
+    RoutingTrace(_ok_ids(rng), num_experts=8, top_k=2, weights=w).save(path)
+    with np.load(path) as z:
+        members = {k: z[k] for k in z.files}
+    members["weights"] = members["weights"].copy()
+    members["weights"][0, 0, 0] = np.nan
+    meta = json.loads(members["meta"].tobytes())
+    import hashlib
+
+    meta["weights_sha256"] = hashlib.sha256(members["weights"].astype("<f4").tobytes()).hexdigest()
+    members["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    with open(path, "wb") as f:  # (np.savez adds .npz to a name that lacks it)
+        np.savez(f, **members)
+    with pytest.raises(TraceFormatError) as exc:
+        RoutingTrace.load(path)
+    assert str(path) in str(exc.value) and "non-finite weights" in str(exc.value)
+    assert "invalid metadata" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "payload, kw, says",
+    [
+        ("PAYLOAD", {"layer_ids": [1.7, 2.2]}, "Invalid type of layer_ids"),  # were (1, 2)
+        ("PAYLOAD", {"layer_ids": "12"}, "Invalid type of layer_ids"),
+        ("PAYLOAD", {"layer_ids": [True, 2]}, "Invalid type of layer_ids"),
+        ("TORCH_FLOAT", {}, "expected integer expert ids, got dtype float32"),  # was truncated
+        (
+            [[[1, 2]], [[3]]],
+            {},
+            "vLLM routed_experts: expected a (tokens, layers, top_k) nested list",
+        ),  # ragged
+        ("UINT64", {}, f"got {2**63 + 5} at"),  # was reported as -9223372036854775803
+        (np.zeros((3, 0, 2), np.uint8), {}, "got shape (3, 0, 2)"),  # no layers: was accepted
+    ],
+)
+def test_from_vllm_refuses_silent_conversions(rng, payload, kw, says):
+    import torch
+
+    if isinstance(payload, np.ndarray):
+        pass
+    elif payload == "PAYLOAD":
+        payload = npy_b64(_all_layers(random_ids(rng, 3, 2, 2, 8), 3, [1, 2], np.uint8))
+    elif payload == "TORCH_FLOAT":
+        payload = torch.tensor([[[1.9, 3.7]], [[2.2, 5.5]]])
+    elif payload == "UINT64":
+        payload = np.array([[[2**63 + 5, 1]]], dtype=np.uint64)
+    with pytest.raises(ValueError) as exc:
+        RoutingTrace.from_vllm(payload, **kw)
+    assert says in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "meta_changes, kw, says",
+    [
+        ({"prompt_tokens": "24"}, {}, "meta_info.prompt_tokens: expected a token count"),  # was: no row check
+        ({}, {"start": -1}, "Invalid value of start"),  # was "of token_offset"
+        ({}, {"layer_ids": [1.7, 2.2]}, "Invalid type of layer_ids"),
+    ],
+)
+def test_from_sglang_refuses_silent_conversions(rng, meta_changes, kw, says):
+    ids = _all_layers(random_ids(rng, 3, 2, 2, 8), 3, [1, 2], np.int32)
+    meta = {"routed_experts": base64.b64encode(ids.astype("<i4").tobytes()).decode(), "completion_tokens": 3,
+            **meta_changes}  # fmt: skip
+    with pytest.raises(ValueError) as exc:
+        RoutingTrace.from_sglang(meta, 3, 2, **{"layer_ids": [1, 2], **kw})
+    assert says in str(exc.value)

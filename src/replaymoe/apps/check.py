@@ -14,9 +14,11 @@ sequence in them is teacher-forced through the model and compared, per MoE layer
 
 Exit status: 0 clean; otherwise the OR of the defect bits 1 (disagreement above
 ``--max-disagreement``), 4 (out-of-range or repeated ids), 8 (all-zero rows, constant layers),
-16 (non-zero dense-layer columns, a column count that fits no layer count), 32 (misaligned rows),
-64 (dtype overflow): never 2, which stays a bad option, an unreadable or invalid file, or a model
-that cannot be loaded or does not fit the routes (one line on stderr, no traceback).
+16 (non-zero dense-layer columns, a column count that fits no layer count, a row count that does not
+fit the sequence's tokens: the rows that fit are still judged), 32 (misaligned rows), 64 (dtype
+overflow): never 2, which stays a bad option, an unreadable or invalid file (not a regular file, over
+1 GiB, a sequence without tokens, no routed rows to check), or a model that cannot be loaded or does
+not fit the routes (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ EXIT_USAGE = 2  # replaymoe.apps.cli's exit code for bad options and bad input f
 
 _EPILOG = (
     "exit status: 0 clean; else the OR of 1 disagreement above --max-disagreement, 4 out-of-range or "
-    "repeated ids, 8 all-zero rows or constant layers, 16 non-zero dense-layer columns or a column "
-    "count that fits no layer count, 32 misaligned rows (best shift != 0), 64 dtype overflow (a dtype "
-    "narrower than E, wrapped ids); 2 a bad option, an unreadable or invalid file, or a model that "
-    "cannot be loaded or does not fit the routes."
+    "repeated ids, 8 all-zero rows or constant layers, 16 non-zero dense-layer columns, a column "
+    "count that fits no layer count or a row count that does not fit the tokens, 32 misaligned rows "
+    "(best shift != 0), 64 dtype overflow (a dtype narrower than E, wrapped ids); 2 a bad option, an "
+    "unreadable or invalid file (not a regular file, over 1 GiB, no tokens, no routed rows to check), "
+    "or a model that cannot be loaded or does not fit the routes."
 )
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 2)  # torch's seed range (build_model also seeds with seed + 1)
 
 
 def _layer_ids(text: str) -> list[int]:
@@ -43,9 +47,16 @@ def _layer_ids(text: str) -> list[int]:
         vals = [int(v) for v in text.replace(" ", "").split(",") if v != ""]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
-    if not vals or min(vals) < 0:
-        raise argparse.ArgumentTypeError(f"expected layer numbers >= 0, got {text!r}")
+    if not vals or min(vals) < 0 or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"expected distinct layer numbers >= 0, got {text!r}")
     return vals
+
+
+def _file_name(text: str) -> str:
+    """A ROUTES argument: a file name, never an empty string (which names no file)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name, got an empty string")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +68,13 @@ def _parser() -> argparse.ArgumentParser:
         "dtype overflow.",
         epilog=_EPILOG,
     )
-    p.add_argument("routes", nargs="+", metavar="ROUTES", help="vLLM/SGLang response JSON or trace files")
+    p.add_argument(
+        "routes",
+        nargs="+",
+        type=_file_name,
+        metavar="ROUTES",
+        help="vLLM/SGLang response JSON or trace files",
+    )
     p.add_argument(
         "--model",
         required=True,
@@ -78,10 +95,14 @@ def _parser() -> argparse.ArgumentParser:
         "--prompt-start",
         type=int,
         default=None,
-        help="the request's routed_experts_prompt_start (vLLM does not echo it; default 0)",
+        help="the request's routed_experts_prompt_start (vLLM does not echo it; default 0; SGLang: "
+        "meta_info's own); refused for a trace file, which records its own",
     )
     p.add_argument(
-        "--choice", type=int, default=None, help="only this choice of a vLLM response (default all)"
+        "--choice",
+        type=int,
+        default=None,
+        help="only this choice of a vLLM response (default all); refused for trace and SGLang files",
     )
     p.add_argument(
         "--max-disagreement",
@@ -93,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
         "--near-tie",
         type=float,
         default=None,
-        help="relative tolerance of a near-tie of the selection scores (default the library's)",
+        help="relative tolerance of a near-tie of the selection scores, in [0, 1e9] (default the "
+        "library's, 5e-3)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
@@ -111,14 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--choice must be >= 0, got {args.choice}")
     if not 0 <= args.max_disagreement <= 1:
         parser.error(f"--max-disagreement must be in [0, 1], got {args.max_disagreement}")
-    if args.near_tie is not None and not args.near_tie >= 0:
-        parser.error(f"--near-tie must be >= 0, got {args.near_tie}")
-    from replaymoe.hf.conformance import check_routes, load_model, load_routes, model_layout
+    from replaymoe.hf.conformance import NEAR_TIE_MAX, check_routes, load_model, load_routes, model_layout
+
+    if args.near_tie is not None and not 0 <= args.near_tie <= NEAR_TIE_MAX:
+        parser.error(f"--near-tie must be a number in [0, 1e9] (a relative tolerance), got {args.near_tie}")
+    if not _SEED_RANGE[0] <= args.seed <= _SEED_RANGE[1]:
+        parser.error(
+            f"--seed must be in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}] (torch's seeds), got {args.seed}"
+        )
+    from replaymoe.record.trace.file import check_input
 
     try:
-        for path in args.routes:  # a missing file is reported before a model is loaded
-            with open(path, "rb"):
-                pass
+        for path in args.routes:  # reported before a model is loaded: a missing file, /dev/zero, a pipe
+            check_input(path, reader="replaymoe check")
         model = load_model(args.model, seed=args.seed)
         lay = model_layout(model)
         routes = []
@@ -146,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except ValueError as e:  # TraceFormatError included; messages name the file or the option
         msg = " ".join(str(e).split())
-        for name in ("model", "num_experts", "layer_ids", "prompt_start", "choice"):  # the library's names
+        for name in ("model", "num_experts", "layer_ids", "prompt_start", "choice", "near_tie"):  # library's
             msg = msg.replace(f" of {name}:", f" of --{name.replace('_', '-')}:")
         print(f"replaymoe check: error: {msg}", file=sys.stderr)
         return EXIT_USAGE

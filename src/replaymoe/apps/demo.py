@@ -110,6 +110,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--tokens must be >= 2, got {args.tokens}")
     if args.prompts < 1:
         p.error(f"--prompts must be >= 1, got {args.prompts}")
+    if args.from_vllm == "":
+        p.error("--from-vllm: expected a file name, got an empty string")
     if (args.prompt_start is not None or args.layer_ids is not None) and not args.from_vllm:
         p.error("--prompt-start and --layer-ids go with --from-vllm")
     if args.prompt_start is not None and args.prompt_start < 0:

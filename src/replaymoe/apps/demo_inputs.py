@@ -63,20 +63,33 @@ def prepare_out(path: str, num_prompts: int) -> Path:
     return out
 
 
-def read_vllm(path: str, *, prompt_start: int | None = None, layer_ids: list[int] | None = None):
+def read_vllm(
+    path: str,
+    *,
+    prompt_start: int | None = None,
+    layer_ids: list[int] | None = None,
+    vocab_size: int | None = None,
+    layer_ids_given: bool = True,
+):
     """(prompt ids, completion ids, RoutingTrace) of a vLLM response file, or raise DemoError.
 
-    The response (chat: ``prompt_token_ids`` at the top level; ``/v1/completions``: in the choice)
-    must carry the token ids of ``choices[0]`` (``return_token_ids: true``); its rows must be
-    ``prompt + completion - 1 - prompt_start``. ``layer_ids`` (the MoE layers' numbers) map vLLM
-    0.33's one-column-per-decoder-layer payload (:meth:`RoutingTrace.from_vllm`).
+    The file must be a regular file of at most 1 GiB (refused before reading). The response (chat:
+    ``prompt_token_ids`` at the top level, also when the choice's is null; ``/v1/completions``: in the
+    choice) must carry the token ids of ``choices[0]`` (``return_token_ids: true``), each below
+    ``vocab_size`` when given; its rows must be ``prompt + completion - 1 - prompt_start``.
+    ``layer_ids`` (the MoE layers' numbers) map vLLM 0.33's one-column-per-decoder-layer payload
+    (:meth:`RoutingTrace.from_vllm`); ``layer_ids_given``: whether the user passed them
+    (``--layer-ids``), else they are the demo model's and an error does not blame the option.
     """
     from replaymoe.record.trace import RoutingTrace
+    from replaymoe.record.trace.file import read_input
 
     try:
-        data = Path(path).read_bytes()
+        data = read_input(path, reader="replaymoe demo").removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM
     except OSError as exc:
         raise DemoError(f"--from-vllm {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not a regular file, too large (the message names the file)
+        raise DemoError(f"--from-vllm {exc}") from None
     if data[:4] == b"PK\x03\x04":
         raise DemoError(
             f"--from-vllm {path}: this is a replaymoe trace file (RoutingTrace.save), not a vLLM response; "
@@ -93,7 +106,9 @@ def read_vllm(path: str, *, prompt_start: int | None = None, layer_ids: list[int
     if isinstance(choices, list) and not choices:
         raise DemoError(f'--from-vllm {path}: the response has no choices ("choices": [])')
     choice = choices[0] if isinstance(choices, list) and isinstance(choices[0], dict) else {}
-    prompt = choice.get("prompt_token_ids", obj.get("prompt_token_ids") if isinstance(obj, dict) else None)
+    prompt = choice.get("prompt_token_ids")  # null in the choice: the top-level list (chat)
+    if prompt is None and isinstance(obj, dict):
+        prompt = obj.get("prompt_token_ids")
     completion = choice.get("token_ids")
     if prompt is None or completion is None:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
@@ -102,10 +117,21 @@ def read_vllm(path: str, *, prompt_start: int | None = None, layer_ids: list[int
             f"prompt_token_ids (chat: top level; /v1/completions: in the choice) and choices[0].token_ids, "
             f"got keys {keys} / {sorted(choice)}"
         )
-    try:  # rows checked against the token counts: P + C - 1 - prompt_start
+    try:  # rows checked against the token counts: P + C - 1 - prompt_start; token ids: ints
         trace = RoutingTrace.from_vllm(obj, prompt_start=prompt_start, layer_ids=layer_ids)
     except ValueError as exc:
-        raise DemoError(f"--from-vllm {path}: {exc}") from None
+        msg = str(exc)
+        if not layer_ids_given:  # the demo model's MoE layers, which the user did not pass
+            msg = msg.replace("layer_ids", "the demo model's MoE layers")
+        raise DemoError(f"--from-vllm {path}: {msg}") from None
+    if vocab_size is not None:
+        for name, toks in (("prompt_token_ids", prompt), ("choices[0].token_ids", completion)):
+            bad = next((i for i, t in enumerate(toks) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise DemoError(
+                    f"--from-vllm {path}: {name}[{bad}] is {toks[bad]}, outside the demo model's "
+                    f"vocabulary of {vocab_size} tokens (0..{vocab_size - 1})"
+                )
     return list(prompt), list(completion), trace
 
 

@@ -129,8 +129,7 @@ def run(args: argparse.Namespace, device: str) -> int:
     t_start = time.perf_counter()
     import replaymoe.hf as rhf
 
-    out_dir = prepare_out(args.out, args.prompts)  # before any work: a bad --out fails at once
-    vllm = _read_vllm(args) if args.from_vllm else None  # so does a bad --from-vllm
+    vllm = _read_vllm(args) if args.from_vllm else None  # before any work, and before --out is created
     plot = can_plot()  # the picture only needs matplotlib (the plot extra); everything else is written
     if not plot:
         print(f"replaymoe demo: warning: {NO_PLOT}; no heatmap.png, every other output is written",
@@ -142,29 +141,36 @@ def run(args: argparse.Namespace, device: str) -> int:
     )
     moe = rhf.enable(model, capture=True, backend=args.backend)
     try:
+        if vllm is not None:
+            _check_fit(args, vllm, moe)
+        out_dir = prepare_out(args.out, args.prompts)  # a bad --out fails before the run
         return _run_enabled(args, device, out_dir, vllm, model, moe, t_start, plot)
     finally:
         moe.disable()
 
 
-def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, plot: bool) -> int:
+def _check_fit(args: argparse.Namespace, vllm, moe) -> None:
+    """DemoError unless the ``--from-vllm`` response fits the model (before --out is created)."""
     from replaymoe.record.replay import ReplaySource
+
+    try:
+        ReplaySource(vllm[2]).check_model(len(moe.layers), moe.top_k, moe.num_experts)
+    except ValueError as exc:
+        raise DemoError(f"--from-vllm {args.from_vllm}: {exc}") from None
+    if list(vllm[2].layer_ids) != list(moe.layer_ids):  # a --layer-ids other than the model's MoE layers
+        raise DemoError(
+            f"--from-vllm {args.from_vllm}: --layer-ids {','.join(map(str, vllm[2].layer_ids))} are not "
+            f"the demo model's MoE layers {','.join(map(str, moe.layer_ids))}"
+        )
+
+
+def _run_enabled(args, device, out_dir: Path, vllm, model, moe, t_start: float, plot: bool) -> int:
     from replaymoe.record.stats import agreement, plot_heatmap
 
     cfg, dtype = model.config, next(model.parameters()).dtype
     new_tokens = args.tokens or (8 if args.fast else 24)
     L, K, E = len(moe.layers), moe.top_k, moe.num_experts
     ids_of = moe.layer_ids
-    if vllm is not None:  # the response must fit this model: checked before the run, not after
-        try:
-            ReplaySource(vllm[2]).check_model(L, K, E)
-        except ValueError as exc:
-            raise DemoError(f"--from-vllm {args.from_vllm}: {exc}") from None
-        if list(vllm[2].layer_ids) != list(ids_of):  # a --layer-ids other than the model's MoE layers
-            raise DemoError(
-                f"--from-vllm {args.from_vllm}: --layer-ids {','.join(map(str, vllm[2].layer_ids))} are not "
-                f"the demo model's MoE layers {','.join(map(str, ids_of))}"
-            )
     n_params = sum(p.numel() for p in model.parameters())
     backend_words = _backend_words(args.backend, device)
     print(
@@ -406,10 +412,19 @@ def _read_vllm(args: argparse.Namespace):
     from replaymoe.hf.models import build_config
     from replaymoe.integrations.vllm_outputs import moe_layer_ids
 
+    cfg = build_config(args.model_config, "tiny" if args.fast else "demo")
     layer_ids = getattr(args, "layer_ids", None)
-    if layer_ids is None:
-        layer_ids = moe_layer_ids(build_config(args.model_config, "tiny" if args.fast else "demo"))
-    return read_vllm(args.from_vllm, prompt_start=getattr(args, "prompt_start", None), layer_ids=layer_ids)
+    given = layer_ids is not None
+    if not given:
+        layer_ids = moe_layer_ids(cfg)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return read_vllm(
+        args.from_vllm,
+        prompt_start=getattr(args, "prompt_start", None),
+        layer_ids=layer_ids,
+        vocab_size=getattr(text, "vocab_size", None),
+        layer_ids_given=given,
+    )
 
 
 def _replay_vllm(path: str, vllm, model, moe, device) -> str:

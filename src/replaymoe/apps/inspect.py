@@ -3,7 +3,7 @@
 ::
 
     replaymoe inspect TRACE_OR_VLLM_JSON [--heatmap out.png|.svg|.pdf] [--compare OTHER [--ignore-tokens]]
-                      [--num-experts E] [--choice I] [--prompt-start S] [--layer-ids 1,2,3]
+                      [--num-experts E] [--choice I] [--prompt-start S[,S2]] [--layer-ids 1,2,3]
 
 Input files are recognised by content: a replaymoe trace file (``RoutingTrace.save``), a JSON
 vLLM chat or ``/v1/completions`` response, or one choice object (``routed_experts``), or a text
@@ -14,14 +14,20 @@ every-layer agreement with the other trace.
 vLLM inputs (:meth:`RoutingTrace.from_vllm <replaymoe.record.trace.RoutingTrace.from_vllm>`): vLLM
 0.33 sends one layer column per decoder layer, dense layers all zero: ``--layer-ids`` names the MoE
 layers' numbers (a payload with an all-zero column is refused without it); the request's
-``routed_experts_prompt_start``, which vLLM does not echo, is ``--prompt-start`` (default 0). When
+``routed_experts_prompt_start``, which vLLM does not echo, is ``--prompt-start`` (default 0;
+``--prompt-start S,S2`` gives OTHER of ``--compare`` its own, and an empty side none). When
 the response carries its token ids (``return_token_ids: true``), its rows must be
-``prompt + completion - 1 - prompt_start``.
+``prompt + completion - 1 - prompt_start``. ``--prompt-start`` is refused for a trace file (it records
+its own ``token_offset``), ``--choice`` for a trace file and for a bare payload or choice object (no
+``choices``). An SGLang response is refused with a pointer to ``replaymoe check``: its flat payload
+does not carry its layer count and top_k, which only a model gives. A UTF-8 byte-order mark is
+accepted.
 
 Refused with exit code 2 and one line on stderr: an input that is not a regular file (``/dev/zero``,
 a directory, a pipe) or is larger than :data:`MAX_INPUT_BYTES` (1 GiB; ``RoutingTrace.load`` reads
-larger trace files from Python), checked before reading; an input with no routed rows; ``--compare``
-of two inputs whose token ids are both known and differ (``--ignore-tokens`` compares them anyway).
+larger trace files from Python), checked before reading; an empty file name; an input with no routed
+rows (no tokens, or every row -1) or no layers; ``--compare`` of two inputs whose token ids are both
+known and differ (``--ignore-tokens`` compares them anyway), or that have no token both record.
 """
 
 from __future__ import annotations
@@ -29,25 +35,24 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import codecs
 import functools
 import importlib
 import io
 import json
 import os
 import re
-import stat
 import sys
 
 import numpy as np
 
 from replaymoe.record.stats import agreement, balance, expert_load, plot_heatmap
 from replaymoe.record.trace import RoutingTrace, TraceFormatError
+from replaymoe.record.trace.file import MAX_INPUT_BYTES, read_input
 
 __all__ = ["MAX_INPUT_BYTES", "main", "load_any"]
 
 EXIT_USAGE = 2  # replaymoe.apps.cli's exit code for bad options and bad input/output files
-MAX_INPUT_BYTES = 1 << 30  # larger inputs are refused before reading (a trace of 128K tokens x 48 layers
-# x top-8 is ~100 MB; vLLM's base64 JSON of it ~135 MB)
 
 _ACCEPTED = (
     "expected a replaymoe trace file (RoutingTrace.save), a vLLM response or choice JSON, "
@@ -89,48 +94,17 @@ def _npy_problem(raw: bytes) -> str | None:
     return None
 
 
-def _kind(mode: int) -> str:
-    """What a file that is not a regular file is, in a few words."""
-    for test, words in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a pipe"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return words
-    return "not a regular file"
-
-
 def _read_input(path: str) -> bytes:
-    """The bytes of ``path``, refused before reading when it is not a regular file or is larger than
-    :data:`MAX_INPUT_BYTES` (``/dev/zero`` or a huge file would otherwise be read into memory)."""
-    st = os.stat(path)  # FileNotFoundError, PermissionError: reported by main as OS errors
-    if not stat.S_ISREG(st.st_mode):
-        raise TraceFormatError(f"{path}: not a regular file ({_kind(st.st_mode)}); {_ACCEPTED}", path)
-
-    def too_big(size: str) -> TraceFormatError:
-        return TraceFormatError(
-            f"{path}: {size} bytes, more than the {MAX_INPUT_BYTES >> 20} MiB replaymoe inspect reads "
-            "(RoutingTrace.load reads a larger trace file from Python)",
-            path,
-        )
-
-    if st.st_size > MAX_INPUT_BYTES:
-        raise too_big(str(st.st_size))
-    with open(path, "rb") as f:
-        data = f.read(MAX_INPUT_BYTES + 1)  # the file may have grown since stat
-    if len(data) > MAX_INPUT_BYTES:
-        raise too_big(f"over {MAX_INPUT_BYTES}")
-    return data
+    """The bytes of ``path``: :func:`~replaymoe.record.trace.file.read_input`, refused before reading
+    when not a regular file or larger than :data:`MAX_INPUT_BYTES`."""
+    return read_input(path, reader="replaymoe inspect", accepted=_ACCEPTED)
 
 
 def load_any(
     path: str,
     *,
     num_experts: int | None = None,
-    choice: int = 0,
+    choice: int | None = None,
     prompt_start: int | None = None,
     layer_ids: list[int] | None = None,
 ) -> RoutingTrace:
@@ -144,11 +118,12 @@ def load_any(
     num_experts : int, optional
         E for inputs that do not record it (vLLM's); must agree with a trace that records it and
         exceed every expert id.
-    choice : int
-        Which choice of a vLLM response.
+    choice : int, optional
+        Which choice of a vLLM response (default 0); refused for a trace file, a bare payload and a
+        choice object, which have no choices.
     prompt_start : int, optional
-        The vLLM request's ``routed_experts_prompt_start`` (vLLM does not echo it; default 0). Not
-        used for trace files, which record their own ``token_offset``.
+        The vLLM request's ``routed_experts_prompt_start`` (vLLM does not echo it; default 0). Refused
+        for trace files, which record their own ``token_offset``.
     layer_ids : list of int, optional
         The model layer numbers of the MoE layers: selects the MoE columns of vLLM's
         one-column-per-decoder-layer payload (:meth:`RoutingTrace.from_vllm`). A trace file must
@@ -161,14 +136,22 @@ def load_any(
         file, too large, or its payload is bad (including rows that do not fit the response's
         token counts).
     ValueError
-        When ``num_experts`` or ``layer_ids`` contradict the trace.
+        When ``num_experts``, ``layer_ids``, ``choice`` or ``prompt_start`` contradict or do not apply
+        to the input.
     OSError
         When the file cannot be read.
     """
-    data = _read_input(path)
+    data = _read_input(path).removeprefix(codecs.BOM_UTF8)  # a BOM, as json.loads(bytes) accepts
     if not data.strip():
         raise TraceFormatError(f"{path}: empty file; {_ACCEPTED}", path)
     if data[:4] == b"PK\x03\x04":
+        for option, value, why in (
+            ("--prompt-start", prompt_start, "it records its own token_offset"),
+            ("--choice", choice, "it holds one sequence, no choices"),
+        ):
+            if value is not None:
+                raise ValueError(f"Invalid value of {option}: expected none for the replaymoe trace file "
+                                 f"{path} ({why}), got {value}")  # fmt: skip
         trace = RoutingTrace.load(path)
         if layer_ids is not None:
             if trace.layer_ids is not None and list(trace.layer_ids) != list(layer_ids):
@@ -207,11 +190,24 @@ def load_any(
                     else:
                         what = f"{_describe(data)} ({problem})"
                     raise TraceFormatError(f"{path}: not a routing trace: {what}; {_ACCEPTED}", path)
+            elif _is_sglang(obj):
+                raise TraceFormatError(
+                    f"{path}: an SGLang response (meta_info.routed_experts): its flat payload does not "
+                    "carry its layer count and top_k, so only a model can read it: replaymoe check "
+                    f"--model MODEL {path}, or RoutingTrace.from_sglang(meta_info, num_layers, top_k)",
+                    path,
+                )
             elif not isinstance(obj, dict):
                 raise TraceFormatError(
                     f"{path}: not a routing trace: JSON {type(obj).__name__}; {_ACCEPTED}", path
                 )
-            trace = RoutingTrace.from_vllm(obj, choice=choice, prompt_start=prompt_start, layer_ids=layer_ids)
+            if choice is not None and not (isinstance(obj, dict) and "choices" in obj):
+                what = "a bare routed_experts payload" if isinstance(obj, str) else "a choice object"
+                raise ValueError(f"Invalid value of --choice: expected none for {path}, {what} (no "
+                                 f"choices), got {choice}")  # fmt: skip
+            trace = RoutingTrace.from_vllm(
+                obj, choice=choice or 0, prompt_start=prompt_start, layer_ids=layer_ids
+            )
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{path}: invalid JSON ({e})", path) from e
         except TraceFormatError as e:
@@ -220,7 +216,7 @@ def load_any(
                 msg = "the routed_experts payload is not an integer .npy array (it holds Python objects)"
             raise TraceFormatError(msg if msg.startswith(str(path)) else f"{path}: {msg}", path) from e
         except ValueError as e:  # an argument that does not fit this response (e.g. --prompt-start)
-            raise ValueError(f"{path}: {e}") from None
+            raise ValueError(str(e) if str(e).startswith("Invalid value of --") else f"{path}: {e}") from None
     if num_experts is not None:
         top = int(trace.ids.max()) if trace.ids.size else -1
         if trace.num_experts is not None and num_experts != trace.num_experts:
@@ -389,14 +385,58 @@ def _layer_list(text: str) -> list[int]:
 
 
 def _not_empty(trace: RoutingTrace, path: str) -> RoutingTrace:
-    """``trace``, or a ValueError naming ``path`` when it has no routed rows (nothing to summarise)."""
+    """``trace``, or a ValueError naming ``path`` when it has no routed rows or no layers (nothing to
+    summarise)."""
     if trace.num_tokens == 0:
         raise TraceFormatError(
             f"{path}: no routed rows (0 tokens): nothing to summarise (a one-token completion, or a "
             "prompt start at the end of the sequence?)",
             path,
         )
+    if trace.num_layers == 0:
+        raise TraceFormatError(
+            f"{path}: no layers (ids of shape {trace.ids.shape}): nothing to summarise", path
+        )
+    if trace.missing_mask().all():
+        raise TraceFormatError(
+            f"{path}: no routed rows: all {trace.num_tokens} tokens are -1 (missing) in every layer: "
+            "nothing to summarise",
+            path,
+        )
     return trace
+
+
+def _is_sglang(obj: object) -> bool:
+    """An SGLang response (or a list of them): ``meta_info`` beside the token ids."""
+    first = obj[0] if isinstance(obj, list) and obj else obj
+    return isinstance(first, dict) and isinstance(first.get("meta_info"), dict)
+
+
+def _starts(text: str) -> list[int | None]:
+    """``--prompt-start S`` or ``S,S2`` (the second for --compare's OTHER; an empty side: none given)."""
+    parts = text.split(",")
+    try:
+        vals = [None if p.strip() == "" else int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected S or S,S2 (ints >= 0), got {text!r}") from None
+    if len(vals) > 2 or all(v is None for v in vals) or any(v is not None and v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected S or S,S2 (ints >= 0), got {text!r}")
+    return vals
+
+
+def _compared(trace: RoutingTrace, other: RoutingTrace, name: str, other_name: str) -> None:
+    """ValueError naming both files when no (position, layer) is recorded in both: nothing to compare."""
+    lo, hi = max(trace.token_offset, other.token_offset), min(trace.end, other.end)
+    if hi > lo:
+        a = ~trace.missing_mask()[lo - trace.token_offset : hi - trace.token_offset]
+        b = ~other.missing_mask()[lo - other.token_offset : hi - other.token_offset]
+        if (a & b).any():
+            return
+    raise ValueError(
+        f"--compare: {name} (positions {trace.token_offset}..{trace.end - 1}) and {other_name} (positions "
+        f"{other.token_offset}..{other.end - 1}) have no (position, layer) recorded in both (what one "
+        "records is missing, -1, in the other, or they cover other positions): nothing to compare"
+    )
 
 
 def _check_same_tokens(a: RoutingTrace, b: RoutingTrace, name_a: str, name_b: str) -> None:
@@ -426,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Summarise a routing trace or a vLLM response: tokens, layers, missing rows, "
         "per-layer expert balance, and agreement with another trace.",
         epilog="exit codes: 0 success; 2 a bad option, or an input that cannot be read, is not a regular "
-        f"file of at most {MAX_INPUT_BYTES >> 20} MiB, is not a routing trace or has no routed rows, "
-        "rows that do not fit the response's token counts, --compare of different token sequences, or "
-        "a heatmap that cannot be written.",
+        f"file of at most {MAX_INPUT_BYTES >> 20} MiB, is not a routing trace or has no routed rows or "
+        "layers, rows that do not fit the response's token counts, an option that does not apply to the "
+        "input (--prompt-start, --choice of a trace file), --compare of different token sequences or of "
+        "inputs with no recorded token in common, or a heatmap that cannot be written.",
     )
     parser.add_argument("trace", help="replaymoe trace file, vLLM response/choice JSON, or base64 .npy text")
     parser.add_argument(
@@ -445,14 +486,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="E, for inputs that do not record it (vLLM's); must match a trace that records it",
     )
-    parser.add_argument("--choice", type=int, default=0, help="which choice of a vLLM response (default 0)")
     parser.add_argument(
-        "--prompt-start",
+        "--choice",
         type=int,
         default=None,
-        metavar="S",
+        help="which choice of a vLLM response (default 0); refused for a trace file or a bare payload",
+    )
+    parser.add_argument(
+        "--prompt-start",
+        type=_starts,
+        default=None,
+        metavar="S[,S2]",
         help="the vLLM request's routed_experts_prompt_start (vLLM does not echo it; default 0): the "
-        "payload's first row is position S",
+        "payload's first row is position S; S,S2: S2 for --compare's OTHER (an empty side: none); "
+        "refused for a trace file, which records its own",
     )
     parser.add_argument(
         "--layer-ids",
@@ -470,24 +517,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_experts is not None and args.num_experts < 1:
         parser.error(f"--num-experts must be >= 1, got {args.num_experts}")
-    if args.choice < 0:
+    if args.choice is not None and args.choice < 0:
         parser.error(f"--choice must be >= 0, got {args.choice}")
-    if args.prompt_start is not None and args.prompt_start < 0:
-        parser.error(f"--prompt-start must be >= 0, got {args.prompt_start}")
+    for option, value in (("TRACE", args.trace), ("--compare", args.compare), ("--heatmap", args.heatmap)):
+        if value == "":
+            parser.error(f"{option}: expected a file name, got an empty string")
+    starts = args.prompt_start or [None]
+    if len(starts) == 2 and args.compare is None:
+        parser.error(f"--prompt-start {starts[0]},{starts[1]}: the second start is --compare's; no --compare")
     try:
         if args.heatmap:
             _check_output(args.heatmap)  # before any work
         read = functools.partial(
-            load_any,
-            num_experts=args.num_experts,
-            choice=args.choice,
-            prompt_start=args.prompt_start,
-            layer_ids=args.layer_ids,
+            load_any, num_experts=args.num_experts, choice=args.choice, layer_ids=args.layer_ids
         )
-        trace = _not_empty(read(args.trace), args.trace)
+        trace = _not_empty(read(args.trace, prompt_start=starts[0]), args.trace)
         other = None
-        if args.compare:
-            other = _not_empty(read(args.compare), args.compare)
+        if args.compare is not None:
+            other = _not_empty(read(args.compare, prompt_start=starts[-1]), args.compare)
             if (other.num_layers, other.top_k) != (trace.num_layers, trace.top_k):
                 raise ValueError(
                     f"--compare {args.compare}: {other.num_layers} layers, top_k {other.top_k}; "
@@ -495,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if not args.ignore_tokens:
                 _check_same_tokens(trace, other, args.trace, args.compare)
+            _compared(trace, other, args.trace, args.compare)
         print(summarize(trace, other, name=args.trace, other_name=args.compare or ""))
         if args.heatmap:
             plot_heatmap(trace, args.heatmap)

@@ -54,6 +54,7 @@ from torch import nn
 from replaymoe._validation import check_int, fail
 from replaymoe.record.engine_routes import (
     EngineRoutes,
+    check_fit,
     load_routes,
     routes_from_sglang,
     routes_from_trace,
@@ -70,6 +71,7 @@ from replaymoe.record.route_check import (
     RouteCheckReport,
     SequenceCheck,
 )
+from replaymoe.record.trace.checks import int_tuple
 from replaymoe.routing.methods import METHODS, Params, selection_scores
 
 from ._engine import enabled_handle
@@ -96,6 +98,7 @@ __all__ = [
 ]
 
 _MISALIGN_MIN, _MISALIGN_GAIN, _MISALIGN_ROWS = 0.5, 0.2, 4
+NEAR_TIE_MAX = 1e9  # the largest near_tie check_routes takes (a relative tolerance)
 
 
 def model_layout(model: nn.Module) -> ModelLayout:
@@ -210,10 +213,11 @@ def _columns(
     """(layout name, model layer number of each column or None when unmapped)."""
     ids = layer_ids if layer_ids is not None else r.layer_ids
     if ids is not None:
+        name = "layer_ids" if layer_ids is not None else f"layer_ids of {r.source}"  # given, or recorded
         if len(ids) != r.columns:
-            fail("layer_ids", f"{r.columns} layer numbers (one per column of {r.source})", list(ids))
+            fail(name, f"{r.columns} layer numbers (one per column of {r.source})", list(ids))
         if max(ids) >= lay.num_hidden_layers:
-            fail("layer_ids", f"layer numbers below the model's {lay.num_hidden_layers} layers", list(ids))
+            fail(name, f"layer numbers below the model's {lay.num_hidden_layers} layers", list(ids))
         return ("layer_ids" if layer_ids is not None else "trace"), list(ids)
     if r.columns == len(lay.moe_layers):
         return "moe", list(lay.moe_layers)
@@ -398,6 +402,8 @@ def _examine(
             "dtype_narrow", 1, "payloads",
             Example(r.source, note=f"{dt.name} holds ids up to {dmax}; the model has {E} experts"),
         )  # fmt: skip
+    if R != r.expected_rows:
+        defects.add("row_count", 1, "sequences", Example(r.source, note=r.row_count_note()))
     layout, col_layers = _columns(r, lay, layer_ids)
     n_s = len(shifts)
 
@@ -500,7 +506,7 @@ def check_routes(
         fail("shifts", "distinct row shifts including 0", list(shifts))
     for name, v, high, want in (
         ("max_disagreement", max_disagreement, 1, "a number in [0, 1]"),
-        ("near_tie", near_tie, 1e9, "a number >= 0"),
+        ("near_tie", near_tie, NEAR_TIE_MAX, "a number in [0, 1e9]"),
     ):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= high:
             fail(name, want, v)
@@ -511,19 +517,14 @@ def check_routes(
     if num_experts is not None and num_experts != lay.num_experts:
         fail("num_experts", f"the model's {lay.num_experts} experts", num_experts)
     if layer_ids is not None:
-        layer_ids = tuple(int(v) for v in layer_ids)
+        layer_ids = int_tuple("layer_ids", layer_ids)
+        if not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids):
+            fail("layer_ids", "distinct layer numbers >= 0", list(layer_ids))
     vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
-    for r in rs:
-        if r.top_k != lay.top_k:
-            fail(
-                f"routes of {r.source}", f"top_k {lay.top_k} (the model's)", f"top_k {r.top_k}", what="shape"
-            )
-        if vocab is not None and r.token_ids.size and int(r.token_ids.max()) >= vocab:
-            fail(f"token ids of {r.source}", f"ids below the model's vocabulary size {vocab}",
-                 int(r.token_ids.max()))  # fmt: skip
+    check_fit(rs, top_k=lay.top_k, num_experts=lay.num_experts, vocab=vocab)
 
     acc, defects = _Acc(len(lay.moe_layers), len(shifts)), Defects()
-    sequences, notes = [], []
+    sequences = []
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -550,9 +551,6 @@ def check_routes(
             rec = np.sort(trace.ids.astype(np.int64), axis=-1)
             near = np.stack([near_ties[info.index] for info in session.layers], axis=1)
             sequences.append(_examine(r, rec, near, lay, layer_ids, acc, defects, shifts, min_constant_rows))
-            if r.rows != r.expected_rows:
-                notes.append(f"{r.source}: {r.rows} rows, expected {r.expected_rows} "
-                             f"({len(r.token_ids)} tokens - 1 - start {r.start})")  # fmt: skip
     finally:
         for h in hooks:
             h.remove()
@@ -593,5 +591,4 @@ def check_routes(
         max_disagreement=float(max_disagreement),
         near_tie=float(near_tie),
         model_id=session.model_id,
-        notes=tuple(notes),
     )

@@ -15,9 +15,9 @@ pair it with the token ids of the sequence, so that the sequence can be teacher-
   (``prompt_routed_experts`` + the choice's completion rows) is read too.
 * SGLang: ``meta_info.routed_experts`` is base64 of a *flat* array (int32, or uint8/uint16 named by
   ``routed_experts_dtype``) of logical shape ``[seqlen - 1, layers, top_k]``; the layer count is not
-  sent, so the reader takes the model's candidates (decoder layers, MoE layers) and keeps the one the
-  token count fits. Token ids: ``input_ids`` (the request's, or ``prompt_token_ids``) and
-  ``output_ids`` (or ``token_ids``), at the top level or in ``meta_info``.
+  sent, so the reader takes the model's candidates (decoder layers, MoE layers) and keeps the one whose
+  row count is nearest the token count's. Token ids: ``input_ids`` (the request's, or
+  ``prompt_token_ids``) and ``output_ids`` (or ``token_ids``), at the top level or in ``meta_info``.
 * replaymoe trace files (:meth:`RoutingTrace.save <replaymoe.record.trace.RoutingTrace.save>`): ids
   already validated, with the ``token_ids`` that capture records and the MoE ``layer_ids``.
 
@@ -37,10 +37,12 @@ import numpy as np
 
 from .._validation import check_int, fail
 from .trace import RoutingTrace, TraceFormatError
+from .trace.file import read_input
 from .trace.wire import b64decode_field, routes_array
 
 __all__ = [
     "EngineRoutes",
+    "check_fit",
     "load_routes",
     "routes_from_sglang",
     "routes_from_trace",
@@ -48,6 +50,10 @@ __all__ = [
 ]
 
 _SGLANG_DTYPES = ("int32", "uint8", "uint16", "int16")
+_ACCEPTED = (
+    "expected a replaymoe trace file, a vLLM response (choices with routed_experts) or an SGLang "
+    "response (meta_info.routed_experts)"
+)
 _PROMPT_KEYS = ("input_ids", "prompt_token_ids", "origin_input_ids")
 _OUTPUT_KEYS = ("output_ids", "token_ids", "completion_token_ids", "output_token_ids")
 
@@ -78,6 +84,11 @@ class EngineRoutes:
     expected_rows : int
         How many rows the engine should have sent: ``T - 1 - start`` by default (the last sampled
         token never ran through the model); a trace's own row count.
+    num_experts : int, optional
+        The E the routes record (a trace's ``num_experts``); None when the engine does not send it.
+    prompt_tokens : int, optional
+        How many of ``token_ids`` are the prompt (the request's prompt start is at most that), when
+        known: a row count that does not fit is reported with the prompt start that would fit.
     """
 
     ids: np.ndarray
@@ -87,16 +98,23 @@ class EngineRoutes:
     source: str = "routes"
     layer_ids: tuple[int, ...] | None = None
     expected_rows: int | None = None
+    num_experts: int | None = None
+    prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         ids = np.asarray(self.ids)
-        if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer):
-            fail("ids", "an integer array [rows, columns, top_k]", f"{ids.dtype} array of shape {ids.shape}")
+        name = "ids" if self.source == "routes" else f"ids of {self.source}"
+        if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
+            fail(name, "an integer array [rows, columns, top_k]", f"{ids.dtype} array of shape {ids.shape}")
         if ids.shape[1] < 1 or ids.shape[2] < 1:
-            fail("ids", "at least one column and one top-k entry", f"shape {ids.shape}", what="shape")
+            fail(name, "at least one layer column and one top-k entry", f"shape {ids.shape}", what="shape")
         tok = np.asarray(self.token_ids)
-        if tok.ndim != 1 or (tok.size and not np.issubdtype(tok.dtype, np.integer)):
+        if tok.ndim != 1 or (tok.size and not np.issubdtype(tok.dtype, np.integer)) or tok.dtype == np.bool_:
             fail("token_ids", "a 1-D integer array", f"{tok.dtype} array of shape {tok.shape}")
+        if self.num_experts is not None:
+            check_int("num_experts", self.num_experts, low=1)
+        if self.prompt_tokens is not None:
+            check_int("prompt_tokens", self.prompt_tokens, low=0, high=tok.size)
         check_int("start", self.start, low=0)
         tok = np.ascontiguousarray(tok, dtype=np.int64)
         if tok.size and int(tok.min()) < 0:
@@ -125,6 +143,16 @@ class EngineRoutes:
         object.__setattr__(self, "layer_ids", layer_ids)
         object.__setattr__(self, "expected_rows", expected)
 
+    def row_count_note(self) -> str:
+        """The row count beside the expected one, and a prompt start that would give it (the words of
+        the ``row_count`` defect of :func:`replaymoe.hf.conformance.check_routes`)."""
+        T = len(self.token_ids)
+        note = f"{self.rows} rows, expected {self.expected_rows} ({T} tokens - 1 - start {self.start})"
+        fits = T - 1 - self.rows
+        if 0 <= fits <= (T - 1 if self.prompt_tokens is None else self.prompt_tokens) and fits != self.start:
+            note += f"; a prompt start of {fits} gives {self.rows} rows (--prompt-start {fits}?)"
+        return note
+
     @property
     def rows(self) -> int:
         """Number of rows sent."""
@@ -147,8 +175,16 @@ class EngineRoutes:
 
 
 def _tokens(value: Any, what: str) -> np.ndarray:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list):
         raise TraceFormatError(f"{what}: expected a list of token ids, got {type(value).__name__}")
+    bad = next((i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, int)), None)
+    if bad is not None:
+        v = value[bad]
+        raise TraceFormatError(
+            f"{what}: expected a list of integer token ids, got {v!r} ({type(v).__name__}) at index {bad}"
+        )
+    if value and max(value) > np.iinfo(np.int64).max:
+        raise TraceFormatError(f"{what}: expected token ids below 2**63, got {max(value)}")
     arr = np.asarray(value, dtype=np.int64)
     if arr.size and int(arr.min()) < 0:
         raise TraceFormatError(f"{what}: expected token ids >= 0, got {int(arr.min())}")
@@ -243,7 +279,8 @@ def routes_from_vllm(
             )
         dtype = np.result_type(*arrays).name
         ids = np.concatenate([a.astype(np.int64) for a in arrays], axis=0)
-        prompt = ch.get("prompt_token_ids", resp.get("prompt_token_ids"))
+        prompt = ch.get("prompt_token_ids")  # null in the choice: the top-level list (chat), if any
+        prompt = resp.get("prompt_token_ids") if prompt is None else prompt
         completion = ch.get("token_ids")
         if prompt is None or completion is None:
             missing = "prompt_token_ids" if prompt is None else "token_ids"
@@ -256,7 +293,7 @@ def routes_from_vllm(
         start = _start(prompt_start, None, "prompt_start")  # vLLM never echoes the request's start
         if start > len(ptok):
             fail("prompt_start", f"at most the prompt length {len(ptok)} ({where})", start)
-        out.append(EngineRoutes(ids, tokens, start=start, dtype=dtype, source=where))
+        out.append(EngineRoutes(ids, tokens, start=start, dtype=dtype, source=where, prompt_tokens=len(ptok)))
     return out
 
 
@@ -276,8 +313,9 @@ def routes_from_sglang(
         Each holds ``meta_info.routed_experts`` (base64, flat) and the token ids (module docstring).
     num_layers : int or sequence of int
         The layer count of the flat ``[rows, layers, top_k]`` array, or candidates (the model's
-        decoder and MoE layer counts): the one whose row count is ``tokens - 1 - start`` wins, else
-        the first that divides the payload.
+        decoder and MoE layer counts): of those that divide the payload, the one whose row count is
+        nearest ``tokens - 1 - start`` (the first on a tie), so a row too many or too few keeps the
+        layout and shows as a row count that does not fit.
     top_k : int
         K (SGLang does not send the shape).
     prompt_start : int, optional
@@ -334,15 +372,18 @@ def routes_from_sglang(
         flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
         want = len(tokens) - 1 - start
         fits = [c for c in cands if flat.size % (c * top_k) == 0]
-        exact = [c for c in fits if flat.size // (c * top_k) == want]
         if not fits:
             raise TraceFormatError(
                 f"{where}: {flat.size} values are not whole [layers, top_k={top_k}] rows for layers in "
                 f"{list(cands)}"
             )
-        layers = (exact or fits)[0]
+        # the token counts decide the layout: the layer count whose row count is nearest theirs (a
+        # payload one row short or long keeps its layout; 33 MoE-only rows are not 22 decoder rows)
+        layers = min(fits, key=lambda c: abs(flat.size // (c * top_k) - want))
         ids = flat.reshape(-1, layers, top_k).astype(np.int64)
-        out.append(EngineRoutes(ids, tokens, start=start, dtype=dtype, source=where))
+        out.append(
+            EngineRoutes(ids, tokens, start=start, dtype=dtype, source=where, prompt_tokens=len(toks[0]))
+        )
     return out
 
 
@@ -379,6 +420,7 @@ def routes_from_trace(trace: RoutingTrace, *, source: str = "trace") -> EngineRo
         source=source,
         layer_ids=trace.layer_ids,
         expected_rows=trace.num_tokens,
+        num_experts=trace.num_experts,
     )
 
 
@@ -399,25 +441,39 @@ def load_routes(
     num_layers, top_k
         SGLang's flat payloads need them (see :func:`routes_from_sglang`); ignored otherwise.
     choice, prompt_start
-        For vLLM responses (:func:`routes_from_vllm`); ``prompt_start`` also for SGLang.
+        For vLLM responses (:func:`routes_from_vllm`); ``prompt_start`` also for SGLang. A trace file
+        refuses both (it records its own start and has no choices), an SGLang response ``choice``.
 
     Raises
     ------
+    ValueError
+        ``choice`` or ``prompt_start`` given for a file they do not apply to, or an empty ``path``.
     OSError
         The file cannot be read.
     TraceFormatError
-        The file is none of the accepted kinds or holds a bad payload; the message names the file.
+        The file is not a regular file, is larger than
+        :data:`~replaymoe.record.trace.file.MAX_INPUT_BYTES` (both refused before reading), is none of
+        the accepted kinds or holds a bad payload; the message names the file.
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        data = f.read()
+    if path == "":
+        fail("path", "a file name", "an empty string")
+    data = read_input(path, reader="load_routes", accepted=_ACCEPTED)
     if data[:4] == b"PK\x03\x04":
+        for name, value, why in (
+            ("prompt_start", prompt_start, "it records its own token_offset"),
+            ("choice", choice, "it holds one sequence, no choices"),
+        ):
+            if value is not None:
+                fail(name, f"none for the replaymoe trace file {path} ({why})", value)
         return [routes_from_trace(RoutingTrace.load(path), source=path)]
     if not data.strip():
         raise TraceFormatError(f"{path}: empty file", path)
     obj = _parse_json(data, path)
     first = obj[0] if isinstance(obj, list) and obj else obj
     if isinstance(first, Mapping) and "meta_info" in first:
+        if choice is not None:
+            fail("choice", f"none for the SGLang response {path} (it has no choices)", choice)
         if num_layers is None or top_k is None:
             fail("num_layers", f"the model's layer counts and top_k for SGLang's flat routes in {path}", None)
         return routes_from_sglang(
@@ -430,8 +486,33 @@ def load_routes(
         for i, o in enumerate(obj):
             out += routes_from_vllm(o, choice=choice, prompt_start=prompt_start, source=f"{path}[{i}]")
         return out
-    raise TraceFormatError(
-        f"{path}: expected a replaymoe trace file, a vLLM response (choices with routed_experts) or an "
-        f"SGLang response (meta_info.routed_experts), got JSON {type(obj).__name__}",
-        path,
-    )
+    raise TraceFormatError(f"{path}: {_ACCEPTED}, got JSON {type(obj).__name__}", path)
+
+
+def check_fit(routes: Sequence[EngineRoutes], *, top_k: int, num_experts: int, vocab: int | None) -> None:
+    """Refuse routes that cannot be checked against a model of ``top_k``, ``num_experts`` and
+    vocabulary size ``vocab`` (None: unknown): another top_k or recorded E, a sequence without tokens,
+    token ids outside the vocabulary, or nothing to check (no rows, or every row -1: missing).
+
+    Raises
+    ------
+    ValueError
+        Naming the routes' source.
+    """
+    for r in routes:
+        if r.top_k != top_k:
+            fail(f"routes of {r.source}", f"top_k {top_k} (the model's)", f"top_k {r.top_k}", what="shape")
+        if r.num_experts is not None and r.num_experts != num_experts:
+            fail(f"num_experts of {r.source}", f"the model's {num_experts} experts (routes of another "
+                 "model are not this model's)", f"{r.num_experts} recorded in it")  # fmt: skip
+        if r.token_ids.size == 0:
+            fail(f"routes of {r.source}", "a sequence of at least one token to teacher-force",
+                 "no tokens (empty prompt and completion token ids)", what="length")  # fmt: skip
+        if vocab is not None and int(r.token_ids.max()) >= vocab:
+            i = int(np.argmax(r.token_ids >= vocab))
+            fail(f"token ids of {r.source}", f"ids below the model's vocabulary size {vocab}",
+                 f"{int(r.token_ids[i])} at position {i}")  # fmt: skip
+        if r.rows == 0 or (r.ids == -1).all():
+            why = "0 rows" if r.rows == 0 else f"every one of its {r.rows} rows is -1 (missing)"
+            fail(f"routes of {r.source}", "at least one routed row", f"no routed rows to check ({why})",
+                 what="length")  # fmt: skip

@@ -15,7 +15,8 @@ bit   name                defects (:data:`DEFECT_KINDS`)
 1     DISAGREEMENT        disagreement above ``max_disagreement`` in some layer
 4     INVALID_IDS         ids out of range, repeated ids in a row
 8     DEGENERATE_ROWS     all-zero rows, constant layers
-16    LAYOUT              non-zero dense-layer columns, a column count that fits nothing
+16    LAYOUT              non-zero dense-layer columns, a column count that fits nothing, a row
+                          count that does not fit the sequence's tokens
 32    MISALIGNED          a sequence agrees better at another row shift
 64    DTYPE_OVERFLOW      a dtype narrower than E, wrapped ids, ids at the dtype's maximum
 ====  ==================  ==========================================================
@@ -69,6 +70,10 @@ DEFECT_KINDS: dict[str, tuple[CheckCode, str]] = {
     "column_count": (
         CheckCode.LAYOUT,
         "a column count that is neither the MoE-layer nor the decoder-layer count",
+    ),
+    "row_count": (
+        CheckCode.LAYOUT,
+        "a row count that is not the sequence's tokens - 1 - prompt start (the rows that fit are judged)",
     ),
     "misaligned": (CheckCode.MISALIGNED, "rows agree better at a shift of the positions than at 0"),
     "dtype_narrow": (CheckCode.DTYPE_OVERFLOW, "a payload dtype that cannot hold the ids 0 .. E-1"),
@@ -306,7 +311,8 @@ class RouteCheckReport:
         The thresholds used.
     model_id : str
     notes : tuple of str
-        Remarks that are not defects (a sequence with fewer or more rows than expected).
+        Remarks that are not defects (none at present: a row count that does not fit the tokens is
+        the ``row_count`` defect).
     """
 
     layers: tuple[LayerCheck, ...]

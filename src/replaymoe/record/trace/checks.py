@@ -12,29 +12,72 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from ..._validation import fail
+from ..._validation import check_int, fail
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["as_int_array", "check_ids", "check_layer_ids", "check_token_ids", "check_weights"]
+__all__ = [
+    "as_int_array",
+    "check_ids",
+    "check_layer_ids",
+    "check_token_ids",
+    "check_weights",
+    "as_int",
+    "int_tuple",
+    "is_int",
+]
 
 
-def _as_array(value: Any) -> np.ndarray:
-    """``value`` as a numpy array (a torch tensor is detached and copied to the host)."""
+def is_int(value: object) -> bool:
+    """A Python or numpy integer, not a bool (a float, a str or a bool is never taken as an int)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """``value``, a Python or numpy int (not a bool) in ``[low, high]``, as a Python int; a ValueError
+    naming ``name`` otherwise (:func:`replaymoe._validation.check_int`'s words)."""
+    return check_int(name, int(value) if is_int(value) else value, low=low, high=high)
+
+
+def int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    """``value``, a sequence of ints (Python or numpy, not bools), as a tuple; a ValueError naming
+    ``name`` for anything else (a str such as ``"12"``, floats such as ``[1.7, 2.2]``, ``[True, 2]``)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        fail(name, "a sequence of ints", repr(value), what="type")
+    vals = list(value.tolist() if hasattr(value, "tolist") else value)  # numpy/torch: Python numbers
+    bad = next((v for v in vals if not is_int(v)), None)
+    if bad is not None:
+        fail(name, "a sequence of ints", f"{bad!r} ({type(bad).__name__}) in {vals!r}", what="type")
+    return tuple(int(v) for v in vals)
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    """``value`` as a numpy array (a torch tensor is detached and copied to the host, bf16 as float32);
+    a ValueError naming ``name`` for a ragged nested list."""
     try:
         import torch
 
         if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().numpy()
+            value = value.detach().cpu()
+            if value.dtype == torch.bfloat16:  # numpy has no bfloat16
+                value = value.float()
+            value = value.numpy()
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    return np.asarray(value)
+    if isinstance(value, (str, bytes)):
+        fail(name, "an array or a (nested) list of numbers", f"the {type(value).__name__} {value!r}",
+             what="type")  # fmt: skip
+    try:
+        return np.asarray(value)
+    except ValueError:  # numpy: "setting an array element with a sequence" / inhomogeneous shape
+        fail(name, "a rectangular array (every nested list of one length)", "a ragged nested list",
+             what="shape")  # fmt: skip
 
 
 def as_int_array(name: str, ids: Any) -> np.ndarray:
     """Return ``ids`` as a numpy integer array (torch tensors and nested lists accepted)."""
-    arr = _as_array(ids)
+    arr = _as_array(name, ids)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         if arr.size == 0 and arr.dtype == np.float64:  # an empty list
             arr = arr.astype(np.int64)
@@ -90,10 +133,7 @@ def check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
     """``layer_ids`` as a tuple of ``num_layers`` distinct non-negative ints (None stays None)."""
     if layer_ids is None:
         return None
-    try:
-        vals = tuple(int(v) for v in layer_ids)
-    except (TypeError, ValueError):
-        fail("layer_ids", "a sequence of ints", repr(layer_ids))
+    vals = int_tuple("layer_ids", layer_ids)
     if len(vals) != num_layers:
         fail("layer_ids", f"{num_layers} entries (one per MoE layer of ids)", f"{len(vals)} entries")
     if any(v < 0 for v in vals) or len(set(vals)) != len(vals):
@@ -103,7 +143,10 @@ def check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...] | None:
 
 def check_token_ids(token_ids: Any, num_tokens: int) -> np.ndarray:
     """``token_ids`` as C-contiguous int64 [num_tokens], each >= -1 (-1 = unknown)."""
-    tok = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
+    given = as_int_array("token_ids", token_ids)
+    if given.size and int(given.max()) > np.iinfo(np.int64).max:
+        fail("token_ids", "token ids below 2**63", int(given.max()))
+    tok = np.ascontiguousarray(given, dtype=np.int64)
     if tok.shape != (num_tokens,):
         fail(
             "token_ids",
@@ -120,7 +163,7 @@ def check_weights(weights: Any, ids: np.ndarray) -> np.ndarray:
     """``weights`` (the combine weights of full recall) as C-contiguous float32 [N, L, K], the shape of
     ``ids``: finite in every recorded row; NaN in every missing row (-1 ids), whatever was given
     there (the invariant the trace keeps)."""
-    arr = _as_array(weights)
+    arr = _as_array("weights", weights)
     if not np.issubdtype(arr.dtype, np.floating):
         fail("weights", "a float32 array", f"dtype {arr.dtype}", what="dtype")
     if arr.shape != ids.shape:
@@ -134,6 +177,6 @@ def check_weights(weights: Any, ids: np.ndarray) -> np.ndarray:
         fail(
             "weights",
             "finite weights in every recorded row",
-            f"{out[n, layer].tolist()} at [token, layer] = [{n}, {layer}]",
+            f"non-finite weights {out[n, layer].tolist()} at [token, layer] = [{n}, {layer}]",
         )
     return out

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ..._validation import check_choice, check_int, fail
+from ..._validation import check_bool, check_choice, check_int, fail
 from . import file as _file
-from .checks import as_int_array, check_ids, check_layer_ids, check_token_ids, check_weights
+from .checks import as_int, as_int_array, check_ids, check_layer_ids, check_token_ids, check_weights
 from .engines import EngineFormats
 
 __all__ = ["RoutingFingerprint", "RoutingTrace"]
@@ -154,10 +154,10 @@ class RoutingTrace(EngineFormats):
         token_ids: Any = None,
         weights: Any = None,
     ):
-        if num_experts is not None:
-            check_int("num_experts", num_experts, low=1, high=np.iinfo(np.int16).max + 1)
-        check_int("top_k", top_k, low=1, high=num_experts)
-        check_int("token_offset", token_offset, low=0)
+        if num_experts is not None:  # Python or numpy ints, never a bool, a float or a str
+            num_experts = as_int("num_experts", num_experts, low=1, high=np.iinfo(np.int16).max + 1)
+        top_k = as_int("top_k", top_k, low=1, high=num_experts)
+        token_offset = as_int("token_offset", token_offset, low=0)
         if model_id is not None and not isinstance(model_id, str):
             fail("model_id", "a str or None", type(model_id).__name__, what="type")
         arr = as_int_array("ids", ids)
@@ -308,6 +308,7 @@ class RoutingTrace(EngineFormats):
         compress : bool
             Deflate the archive members (ids of < 256 experts typically shrink 2-3x).
         """
+        check_bool("compress", compress)
         _file.write_trace(path, self.ids, self._meta(), compress=compress, weights=self.weights)
 
     @classmethod

@@ -3,7 +3,10 @@
 This module's one job is the bytes on disk of
 :meth:`RoutingTrace.save <replaymoe.record.trace.RoutingTrace.save>` and
 :meth:`RoutingTrace.load <replaymoe.record.trace.RoutingTrace.load>` (which delegate here), plus
-:class:`TraceFormatError`, the error every damaged or foreign payload raises (the wire decoders reuse it).
+:class:`TraceFormatError`, the error every damaged or foreign payload raises (the wire decoders reuse it),
+and :func:`read_input`, which every reader of a user's file (``replaymoe inspect``, ``check``, the demo's
+``--from-vllm``, :func:`~replaymoe.record.engine_routes.load_routes`) reads it with: a regular file of at
+most :data:`MAX_INPUT_BYTES`, checked before a byte is read.
 It knows nothing of :class:`RoutingTrace` itself: the writer takes the ids and metadata, the reader
 takes the class to build.
 
@@ -42,6 +45,7 @@ import io
 import json
 import os
 import re
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
@@ -49,7 +53,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["TraceFormatError", "FORMAT_NAME", "FORMAT_VERSION", "write_trace", "read_trace"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAX_INPUT_BYTES",
+    "TraceFormatError",
+    "check_input",
+    "read_input",
+    "read_trace",
+    "write_trace",
+]
 
 FORMAT_NAME = "replaymoe-routing-trace"
 FORMAT_VERSION = 2
@@ -57,7 +70,7 @@ FORMAT_VERSION = 2
 T = TypeVar("T")
 
 # what ``build`` raises for the ids themselves (replaymoe._validation.fail's words for the name "ids")
-_IDS_ERROR = re.compile(r"Invalid \w+ of ids: ")
+_IDS_ERROR = re.compile(r"Invalid \w+ of (ids|weights): ")
 
 
 class TraceFormatError(ValueError):
@@ -69,6 +82,82 @@ class TraceFormatError(ValueError):
     def __init__(self, message: str, path: str | None = None):
         super().__init__(message)
         self.path = path
+
+
+MAX_INPUT_BYTES = 1 << 30  # read_input refuses larger files before reading (a trace of 128K tokens x 48
+# layers x top-8 is ~100 MB; vLLM's base64 JSON of it ~135 MB)
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in a few words."""
+    for test, words in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def _not_regular(path: str, mode: int, accepted: str) -> TraceFormatError:
+    tail = f"; {accepted}" if accepted else ""
+    return TraceFormatError(f"{path}: not a regular file ({_file_kind(mode)}){tail}", path)
+
+
+def _too_big(path: str, size: str, reader: str) -> TraceFormatError:
+    return TraceFormatError(
+        f"{path}: {size} bytes, more than the {MAX_INPUT_BYTES >> 20} MiB {reader} reads "
+        "(RoutingTrace.load reads a larger trace file from Python)",
+        path,
+    )
+
+
+def check_input(path: str | os.PathLike, *, reader: str = "replaymoe", accepted: str = "") -> None:
+    """Refuse an input file without opening it: not a regular file (``/dev/zero``, a directory, a pipe
+    with no writer, which an ``open`` would wait on forever), or larger than :data:`MAX_INPUT_BYTES`.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file.
+    reader : str
+        Who reads it (``"replaymoe check"``), for the too-large message.
+    accepted : str
+        What the reader accepts, appended to the not-a-regular-file message.
+
+    Raises
+    ------
+    OSError
+        The file does not exist or cannot be examined (``FileNotFoundError``, ``PermissionError``).
+    TraceFormatError
+        Naming the file: not a regular file, or larger than :data:`MAX_INPUT_BYTES`.
+    """
+    path = os.fspath(path)
+    st = os.stat(path)  # does not open the file
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode, accepted)
+    if st.st_size > MAX_INPUT_BYTES:
+        raise _too_big(path, str(st.st_size), reader)
+
+
+def read_input(path: str | os.PathLike, *, reader: str = "replaymoe", accepted: str = "") -> bytes:
+    """The bytes of an input file, after :func:`check_input` (so ``/dev/zero``, a pipe or a huge sparse
+    file is refused before anything is read); the same parameters and errors, and ``OSError`` when the
+    file cannot be read."""
+    path = os.fspath(path)
+    check_input(path, reader=reader, accepted=accepted)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # never blocks, even if swapped
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())  # the file opened, which may not be the one stat saw
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode, accepted)
+        data = f.read(MAX_INPUT_BYTES + 1)  # the file may have grown since stat
+    if len(data) > MAX_INPUT_BYTES:
+        raise _too_big(path, f"over {MAX_INPUT_BYTES}", reader)
+    return data
 
 
 def _sha256(ids: np.ndarray, dtype: str = "<i2") -> str:
@@ -188,10 +277,10 @@ def read_trace(path: str | os.PathLike, build: Callable[..., T]) -> T:
             **({"token_ids": meta["token_ids"]} if meta.get("token_ids") is not None else {}),
             **({"weights": weights} if weights is not None else {}),
         )
-    except (KeyError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ValueError) and _IDS_ERROR.match(str(e)):
-            # the stored ids themselves (an id out of range, a duplicate in a row): the constructor's
-            # words, which name the bad row, not "invalid metadata"
+            # the stored ids or weights themselves (an id out of range, a duplicate in a row, a
+            # non-finite weight): the constructor's words, which name the bad row, not "invalid metadata"
             raise bad(str(e)) from e
         raise bad(f"invalid metadata ({type(e).__name__}: {e})") from e
 

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..._validation import check_choice, check_int, fail
+from .checks import as_int, int_tuple, is_int
 from .file import TraceFormatError
 
 __all__ = [
@@ -132,18 +133,17 @@ def select_moe_layers(routes: np.ndarray, layer_ids: Sequence[int] | None, what:
                 "(replaymoe.integrations.vllm_outputs.moe_layer_ids(config) reads them)"
             )
         return routes
-    try:
-        ids = [int(v) for v in layer_ids]
-    except (TypeError, ValueError):
-        fail("layer_ids", "a sequence of model layer numbers (ints)", repr(layer_ids))
+    ids = list(int_tuple("layer_ids", layer_ids))
     if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
         fail("layer_ids", "distinct non-negative model layer numbers", ids)
     if n_cols == len(ids):  # the MoE layers only (legacy layout, or a model whose every layer is MoE)
         if zero.size:
             raise TraceFormatError(
                 f"{what}: layer column(s) {cols} of {n_cols} are all zero, and layer_ids {ids} take "
-                f"all {n_cols} columns as MoE layers: vLLM writes a dense layer as an all-zero column; "
-                "layer_ids must list the MoE layers only"
+                f"all {n_cols} columns as MoE layers, so MoE layer(s) "
+                f"{', '.join(str(ids[c]) for c in zero.tolist())} hold no expert ids: routing that was "
+                "never written (an engine kernel that does not record it), or a dense layer's column "
+                "(a payload of another model)"
             )
         return routes
     if n_cols < len(ids) or max(ids) >= n_cols:
@@ -177,9 +177,8 @@ def decode_vllm(
     model_id: str | None,
 ) -> T:
     """Decode vLLM's ``routed_experts`` into ``build(ids, **meta)`` (see ``RoutingTrace.from_vllm``)."""
-    check_int("choice", choice, low=0)
-    start = 0 if prompt_start is None else prompt_start
-    check_int("prompt_start", start, low=0)
+    choice = as_int("choice", choice, low=0)
+    start = 0 if prompt_start is None else as_int("prompt_start", prompt_start, low=0)
     resp = _parse_vllm_obj(obj)
     tokens = None
     if isinstance(resp, np.ndarray):
@@ -189,16 +188,16 @@ def decode_vllm(
         if model_id is None:
             model_id = found_model
         tokens = check_rows(len(ids), prompt, completion, start, "vLLM routed_experts")
-    if ids.ndim != 3:
+    if ids.ndim != 3 or ids.shape[1] < 1 or ids.shape[2] < 1:
         fail(
             "routed_experts",
-            "an array of shape (tokens, layers, top_k)",
+            "an array of shape (tokens, layers, top_k), at least one layer and one top-k column",
             f"shape {ids.shape}",
             what="shape",
         )
     ids = select_moe_layers(ids, layer_ids, "vLLM routed_experts")
     return build(
-        ids.astype(np.int64),
+        ids,  # any integer dtype as sent: the trace checks the values as given (a uint64 stays positive)
         num_experts=num_experts,
         top_k=int(ids.shape[2]),
         layer_ids=layer_ids,
@@ -239,6 +238,8 @@ def check_rows(
     if prompt is None or completion is None:
         return None
     n_p, n_c = len(prompt), len(completion)
+    if n_p + n_c == 0:
+        raise TraceFormatError(f"{what}: the sequence has no tokens (empty prompt and completion token ids)")
     if start > n_p:
         fail(start_name, f"at most the prompt's {n_p} tokens", start)
     want = n_p + n_c - 1 - start
@@ -277,8 +278,9 @@ def decode_sglang(
     model_id: str | None,
 ) -> T:
     """Decode SGLang's flat ``meta_info.routed_experts`` into ``build(ids, **meta)`` (see ``from_sglang``)."""
-    check_int("num_layers", num_layers, low=1)
-    check_int("top_k", top_k, low=1)
+    num_layers = as_int("num_layers", num_layers, low=1)
+    top_k = as_int("top_k", top_k, low=1)
+    start = as_int("start", start, low=0)
     meta = None
     if isinstance(b64, Mapping):
         meta = b64
@@ -305,7 +307,10 @@ def decode_sglang(
     counts: list[Any] = (
         [meta.get(k) for k in ("prompt_tokens", "completion_tokens")] if meta is not None else []
     )
-    if all(isinstance(n, int) and not isinstance(n, bool) for n in counts) and len(counts) == 2:
+    for key, n in zip(("prompt_tokens", "completion_tokens"), counts):
+        if n is not None and (not is_int(n) or n < 0):
+            raise TraceFormatError(f"SGLang meta_info.{key}: expected a token count (an int >= 0), got {n!r}")
+    if len(counts) == 2 and None not in counts:
         want = counts[0] + counts[1] - 1 - start  # the last sampled token was never fed through the model
         if rows != want:
             raise TraceFormatError(
@@ -315,7 +320,7 @@ def decode_sglang(
             )
     ids = select_moe_layers(flat.reshape(-1, num_layers, top_k), layer_ids, "SGLang routed_experts")
     return build(
-        ids.astype(np.int64),
+        ids,
         num_experts=num_experts,
         top_k=top_k,
         layer_ids=layer_ids,
@@ -338,6 +343,11 @@ def b64decode_field(b64: Any, what: str) -> bytes:
 
 
 def _decode_npy(raw: bytes, what: str) -> np.ndarray:
+    if not raw.startswith(b"\x93NUMPY"):
+        raise TraceFormatError(
+            f"{what}: not an .npy payload: the base64 decodes to {len(raw)} bytes starting "
+            f"{raw[:8]!r}, not an .npy file (vLLM sends base64 of np.save's bytes)"
+        )
     try:
         arr = np.load(io.BytesIO(raw), allow_pickle=False)
     except Exception as e:
@@ -356,19 +366,27 @@ def routes_array(value: Any, what: str) -> np.ndarray:
     elif isinstance(value, (str, bytes, bytearray)):
         arr = _decode_npy(b64decode_field(value, what), what)
     elif isinstance(value, list):
-        arr = np.asarray(value)
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # numpy: "setting an array element with a sequence"
+            raise TraceFormatError(
+                f"{what}: expected a (tokens, layers, top_k) nested list of expert ids, got a ragged one "
+                "(nested lists of different lengths)"
+            ) from None
         if arr.size == 0:
             arr = arr.astype(np.int64).reshape(0, 0, 0) if arr.ndim < 3 else arr.astype(np.int64)
     else:
         try:
             import torch
 
-            if isinstance(value, torch.Tensor):
-                return value.detach().cpu().numpy()
+            if not isinstance(value, torch.Tensor):
+                raise TraceFormatError(f"{what}: unsupported payload type {type(value).__name__}")
+            if value.dtype == torch.bfloat16:  # numpy has no bfloat16; refused below as floats
+                value = value.float()
+            arr = value.detach().cpu().numpy()  # then the dtype and shape checks, as for an array
         except ImportError:  # pragma: no cover
-            pass
-        raise TraceFormatError(f"{what}: unsupported payload type {type(value).__name__}")
-    if not np.issubdtype(arr.dtype, np.integer):
+            raise TraceFormatError(f"{what}: unsupported payload type {type(value).__name__}") from None
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TraceFormatError(f"{what}: expected integer expert ids, got dtype {arr.dtype}")
     if arr.ndim != 3:
         raise TraceFormatError(f"{what}: expected shape (tokens, layers, top_k), got {arr.shape}")
@@ -391,10 +409,15 @@ def _token_list(value: Any, what: str) -> list[int] | None:
     """A response's ``prompt_token_ids`` / ``token_ids`` as a list of ints, or None when absent."""
     if value is None:
         return None
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
+    if not isinstance(value, (list, tuple)):
         raise TraceFormatError(f"vLLM response: {what} is not a list of token ids ({type(value).__name__})")
+    bad = next((i for i, t in enumerate(value) if not is_int(t)), None)
+    if bad is not None:
+        t = value[bad]
+        raise TraceFormatError(
+            f"vLLM response: {what} is not a list of integer token ids: {t!r} ({type(t).__name__}) at "
+            f"index {bad}"
+        )
     return list(value)
 
 
@@ -422,7 +445,8 @@ def _vllm_dict_ids(
             raise TraceFormatError(f"vLLM response: choices[{choice}] is not an object")
     else:
         ch, d = d, {}
-    prompt_ids = _token_list(ch.get("prompt_token_ids", d.get("prompt_token_ids")), "prompt_token_ids")
+    prompt = ch.get("prompt_token_ids")  # null in the choice: the top-level list (chat), if any
+    prompt_ids = _token_list(d.get("prompt_token_ids") if prompt is None else prompt, "prompt_token_ids")
     completion_ids = _token_list(ch.get("token_ids"), "token_ids")
     legacy_prompt = d.get("prompt_routed_experts", ch.get("prompt_routed_experts"))  # v0.21 split form
     completion = ch.get("routed_experts")
