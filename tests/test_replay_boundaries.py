@@ -466,3 +466,28 @@ def test_generate_refuses_a_trace_whose_tokens_diverge():
     untokened = [t.replace(token_ids=None) for t in traces[::-1]]  # no tokens: nothing to compare
     with moe.replaying(untokened, missing="native"), torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, **gen)
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.parametrize("between", ["compiled-forward", "set_rollout_replay"])
+def test_each_rollout_is_a_round_of_its_own(between):
+    # rollout mode: a round is the generate calls since the last forward outside generate; a compiled
+    # training forward (seen by Python only while tracing) ends it too, and so does a second
+    # set_rollout_replay(True) (which also applies its settings to the round in replay); rounds used to
+    # grow, and a repeated prompt then replayed the first round's routes
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model)
+    moe.set_rollout_replay(True)
+    prompt = torch.tensor([[5, 9, 17, 33, 41, 12]] * 2)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for step in range(3):
+        with torch.no_grad():
+            seqs = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+                                  min_new_tokens=3, do_sample=True)  # fmt: skip
+        assert len(moe.rollout_traces()) == 2, step
+        if between == "compiled-forward":
+            with torch.no_grad():
+                compiled(input_ids=seqs[:, :-1], attention_mask=torch.ones_like(seqs[:, :-1]))
+        else:
+            moe.set_rollout_replay(True, missing="native")
+            assert moe.report() is not None and moe._engine.replay.table.missing == "native"

@@ -13,6 +13,7 @@ pytest.importorskip("trl")
 
 from _trl_harness import (  # noqa: E402
     CONFIGS,
+    make_dataset,
     params,
     train_logs,
     trainer_factory,  # noqa: E402
@@ -51,6 +52,30 @@ def test_replay_holds_in_every_setup(name, make_trainer):
     assert len(trainer.r3_session.rollout_traces()) == trainer.args.generation_batch_size
     if trainer.args.beta:
         assert trainer.r3_reference is not None and trainer.r3_reference.report() is not None
+
+
+def test_evaluation_between_steps_keeps_the_training_round(make_trainer):
+    # num_iterations=2: the second optimizer step reuses the buffered rollout; an evaluation in
+    # between runs rollouts (rounds) of its own, and the training round must be the one replayed
+    # after it (it was replaced: the step's forwards found no routes and raised)
+    eval_set = make_dataset(["t40 t41", "t42 t43 t44"] * 2)
+    evaluation = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+    kwargs = {"eval_dataset": eval_set}
+    trainer = make_trainer(num_iterations=2, max_steps=2, trainer_kwargs=kwargs, **evaluation)
+    logs = train_logs(trainer)
+    assert logs["step"] == 2 and logs["r3/replayed_vs_rollout"] == 0.0
+    assert 0.0 < logs["r3/fallback"] < 0.5  # only each row's last token: the buffered round replayed
+    assert any("eval_loss" in h for h in trainer.state.log_history)
+
+
+def test_compiled_loss_forward_replays_its_own_round(make_trainer):
+    # GRPOConfig(torch_compile=True): the loss forward runs compiled, which the round bookkeeping saw
+    # only while tracing; each rollout must still be a round of its own (rounds grew and repeated
+    # prompts replayed the first round's routes)
+    trainer = make_trainer(torch_compile=True, torch_compile_backend="aot_eager", max_steps=3)
+    logs = train_logs(trainer)
+    assert len(trainer.r3_session.rollout_traces()) == trainer.args.generation_batch_size
+    assert logs.get("r3/replayed_vs_rollout", 0.0) == 0.0
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])

@@ -89,6 +89,9 @@ class Engine:
         self.generation: Optional[int] = None  # set inside generate(): which call it is
         self.generate_calls = 0
         self.outer_generation: list[Optional[int]] = []  # generate() calls nest (e.g. assisted decoding)
+        # inside generate(): a bool (not ``generation``, an int that changes every call) so that a
+        # compiled forward's hook, which reads it, is guarded on two values at most
+        self.in_generate = False
         self.rollout_mode = False  # set_rollout_replay: generate() captures, other forwards replay
         self.rollout: list = []  # the traces of the current rollout round
         self.rollout_stale = False  # a forward ran since the last generate: the next one starts a round
@@ -195,15 +198,19 @@ class Engine:
         check_bool("enabled", enabled)
         check_choice("missing", missing, MISSING_MODES)
         check_choice("replay", mode, REPLAY_MODES)
-        if enabled:
-            self.require_enabled("set_rollout_replay")
+        if not enabled:
+            self.rollout_mode, self.rollout, self.rollout_stale = False, [], False
+            self.set_replay(None)
+            return
+        self.require_enabled("set_rollout_replay")
+        if self.rollout_mode and self.rollout:  # on already: the round in replay takes the new settings
+            self.set_replay(self.rollout, missing, mode=mode)  # (checked first: a refusal changes nothing)
+            stale = True  # and the next generate starts a new round
+        else:
+            self.rollout, stale = [], False
         self.rollout_missing = missing
         self.rollout_weights = mode == "ids+weights"
-        self.rollout_mode = enabled
-        self.rollout_stale = False
-        if not enabled:
-            self.rollout = []
-            self.set_replay(None)
+        self.rollout_mode, self.rollout_stale = True, stale
 
     def add_rollout_traces(self, traces: Sequence[Any]) -> None:
         self.require_enabled("add_rollout_traces")
@@ -272,6 +279,7 @@ class Engine:
         self.generate_calls += 1
         self.outer_generation.append(self.generation)
         self.generation = self.generate_calls  # (the decode steps' chain)
+        self.in_generate = True
 
     def generate_end(self, out: Any) -> None:
         """``generate`` returned ``out`` (None if it raised): the last forward's deferred capture commit
@@ -280,6 +288,7 @@ class Engine:
         if out is not None:
             self.patch.static_cache.release_if_returned(out)
         self.generation = self.outer_generation.pop()
+        self.in_generate = bool(self.outer_generation)
         self.decode.reset()
         if self.capture.buffer is not None:
             self.capture.buffer.flush()
@@ -347,14 +356,15 @@ class Engine:
             self.patch.static_cache.advance(forward_cache(kwargs)[0], None)
             return
         compiled = torch.compiler.is_compiling()
+        if self.rollout_mode and not self.in_generate:  # a forward outside generate ends the round
+            # (compiled too: dynamo replays this attribute write after every call of the graph)
+            self.rollout_stale = True
         if not compiled:
             self.replay.raise_uncovered(
                 block=False
             )  # an earlier forward's, once its counters reached the host
             self.replay.used = {}
             self.follow_device(ref.device)
-            if self.rollout_mode and self.generation is None:
-                self.rollout_stale = True
         self.step = plan_step(self, input_ids, ref, kwargs)
         # the kept static cache's host-side length (hf.static_cache), for the next forward
         self.patch.static_cache.advance(forward_cache(kwargs)[0], None if compiled else ref.shape[1])

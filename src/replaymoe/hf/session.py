@@ -248,9 +248,10 @@ class ReplayMoE:
         """Rollout routing replay without glue: every ``generate`` call captures (replay paused
         inside it), and every other forward replays the traces of the latest rollout round, matched
         to rows by content (any order, subset, chunking or padding of the rollout's rows; see
-        :meth:`set_replay`). A round is the ``generate`` calls since the last forward outside
-        ``generate``: the first ``generate`` after such a forward starts a new one. Turning it off
-        stops replaying. Attached models (:meth:`attach`) replay the same traces.
+        :meth:`set_replay`). A round is the ``generate`` calls since the last forward outside ``generate``
+        (compiled ones too). Called again while on, the round takes the new settings and the next
+        ``generate`` starts a new one (``R3GRPOTrainer``: before each rollout). Turning it off stops
+        replaying. Attached models (:meth:`attach`) replay the same traces.
 
         ``missing`` is :meth:`set_replay`'s: whether a token the round's traces do not cover raises
         (``"error"``, the default) or routes natively (``"native"``, counted in :meth:`report`).

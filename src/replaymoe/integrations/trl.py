@@ -234,6 +234,24 @@ class R3GRPOTrainer(trl.GRPOTrainer):
 
         engine.generate = generate_and_record
 
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        """TRL's rollout of a generation batch (train or eval) as a round of its own: the round starts
+        here, whatever forwards ran before (compiled ones, an evaluation's), not at a guess."""
+        self.r3_session.set_rollout_replay(True, missing=self.r3.missing, replay=self.r3.replay)
+        return super()._generate_and_score_completions(inputs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's evaluation (its own rollouts and rounds), then the training round back: with
+        ``num_iterations > 1`` or ``steps_per_generation > 1`` the next optimizer steps reuse the
+        buffered rollout, whose traces must still be the ones replayed."""
+        kept = self.r3_session.rollout_traces()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.r3_session.set_rollout_replay(True, missing=self.r3.missing, replay=self.r3.replay)
+            if kept:
+                self.r3_session.add_rollout_traces(kept)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL's logging, with the routing-agreement metrics of the steps since the last call."""
         if self.r3.log_mismatch and self.model.training:
