@@ -158,6 +158,34 @@ def test_bad_engine_outputs_fail_clearly(request_, kwargs, match):
 
 
 @pytest.mark.parametrize(
+    "bad_row, got",
+    [
+        ([0, 0], r"got \[0, 0\]"),  # an all-zero MoE row (routing never written): a repeated id 0
+        ([3, 200], r"got 200 in \[3, 200\]"),  # an id past num_experts (E = 8)
+        ([5, 5], r"got \[5, 5\]"),  # the same expert twice in one row
+    ],
+)
+def test_bad_expert_ids_name_the_request_position_and_layers(bad_row, got):
+    # three requests, request 2 with routed_experts_prompt_start=2: its payload row 4 is position 6;
+    # the bad row is in MoE layer 1, model layer 2 (layer 0 is dense)
+    starts = [0, 1, 2]
+    outputs = [
+        _request(
+            list(range(4, 4 + p)), list(range(20, 20 + c)), _payload(_rows(p + c - 1, seed=r), "vllm_0_33", s)
+        )
+        for r, (p, c, s) in enumerate(zip([4, 5, 3], [3, 2, 6], starts))
+    ]
+    outputs[2].outputs[0].routed_experts[4, 2] = bad_row
+    expected = "distinct expert ids in a row" if bad_row[0] == bad_row[1] else r"expert ids in \[0, 7\]"
+    match = (
+        rf"Invalid value of outputs\[2\]\.outputs\[0\]\.routed_experts: expected {expected}.*, "
+        rf"{got} at position 6 \(row 4\), MoE layer 1 \(model layer 2\)$"
+    )
+    with pytest.raises(ValueError, match=match):
+        traces_from_vllm_outputs(outputs, num_experts=E, layer_ids=MOE, prompt_starts=starts)
+
+
+@pytest.mark.parametrize(
     "arch, expected",
     [
         ("deepseek_v3", [1, 2]),  # first_k_dense_replace=1: layer 0 dense

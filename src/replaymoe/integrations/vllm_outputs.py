@@ -116,6 +116,7 @@ def _one_trace(
     ids = np.full((covered, routes.shape[1], routes.shape[2]), -1, dtype=np.int64)  # checked by the trace
     ids[prompt_start:] = routes
     ids[(ids < 0).any(axis=2)] = -1  # legacy int payloads: a partly written row is missing as a whole
+    _check_experts(ids, num_experts, layer_ids, prompt_start, what)
     return RoutingTrace(
         ids,
         num_experts=num_experts,
@@ -124,6 +125,41 @@ def _one_trace(
         model_id=model_id,
         token_ids=np.concatenate([prompt, completion])[:covered],
     )
+
+
+def _check_experts(
+    ids: np.ndarray, num_experts: int, layer_ids: Sequence[int] | None, prompt_start: int, what: str
+) -> None:
+    """Refuse a written ``[K]`` row of ``ids`` ``[positions, L, K]`` with an id past ``num_experts``
+    or a repeated id, naming the first such row by position, MoE layer and model layer.
+
+    ``ids`` is what :func:`_one_trace` hands the trace (missing rows all -1), so that the trace's own
+    check, which would name its ``ids`` argument and a MoE column, never fails.
+    """
+    if ids.size == 0:  # no position, or top_k 0 (the trace refuses it)
+        return
+    bad = (ids >= num_experts).any(axis=2)
+    if bad.any():
+        pos, moe = np.argwhere(bad)[0].tolist()
+        expected = f"expert ids in [0, {num_experts - 1}] (num_experts={num_experts})"
+        got = f"{int(ids[pos, moe].max())} in {ids[pos, moe].tolist()}"
+    else:
+        K = ids.shape[2]
+        if K <= 16:  # pairwise compares: faster than a sort per row for small top_k
+            bad = np.zeros(ids.shape[:2], dtype=bool)
+            for a in range(K - 1):
+                for b in range(a + 1, K):
+                    bad |= ids[..., a] == ids[..., b]
+        else:
+            srt = np.sort(ids, axis=2)
+            bad = (srt[..., 1:] == srt[..., :-1]).any(axis=2)
+        bad &= ids[..., 0] >= 0  # a missing row is -1 as a whole
+        if not bad.any():
+            return
+        pos, moe = np.argwhere(bad)[0].tolist()
+        expected, got = "distinct expert ids in a row", str(ids[pos, moe].tolist())
+    layer = "" if layer_ids is None else f" (model layer {list(layer_ids)[moe]})"
+    fail(what, expected, f"{got} at position {pos} (row {pos - prompt_start}), MoE layer {moe}{layer}")
 
 
 def _starts(prompt_starts: int | Sequence[int] | None, n: int) -> list[int]:
@@ -186,7 +222,10 @@ def traces_from_vllm_outputs(
         ``enable_return_routed_experts=True``, or the request was preempted); when its rows are not
         ``P + C - 1 - s`` (the message names the request, the rows got and expected); when a prompt
         start passes the prompt; when its columns do not fit ``layer_ids`` (or hold a zero column
-        without them).
+        without them); when a MoE layer's row holds an id outside ``[0, num_experts)`` or a repeated
+        id (an all-zero row included, for ``top_k > 1``): the message names the completion
+        (``outputs[r].outputs[c].routed_experts``), the position (row + prompt start), the MoE
+        layer and its model layer number.
     """
     check_int("num_experts", num_experts, low=1)
     outputs = list(outputs)
