@@ -74,7 +74,9 @@ class CoverageChecks:
     ends: torch.Tensor  # int64 [B]
     missing: str
 
-    def _rows(self, positions: torch.Tensor) -> torch.Tensor: ...  # ReplayTable's
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Table row of every token by batch row (:class:`~replaymoe.record.replay.ReplayTable`'s)."""
+        raise NotImplementedError
 
     _snapshot: tuple[torch.Tensor, torch.cuda.Event] | None
     _snapshot_pending: bool

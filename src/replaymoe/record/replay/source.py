@@ -25,7 +25,7 @@ def trace_list(name: str, traces: object) -> list:
     own types are checked by the caller, each naming ``name[i]``."""
     if isinstance(traces, (str, bytes)) or not hasattr(traces, "__iter__"):
         fail(name, "a sequence of RoutingTrace", type(traces).__name__, what="type")
-    return list(traces)  # type: ignore[call-overload]
+    return list(traces)
 
 
 class ReplaySource:
