@@ -362,6 +362,20 @@ def _errors_worker(rank, world):
         MoeAlltoAll(None, 4, K, E, H, transport="symm")  # CPU device
     with pytest.raises(ValueError, match="timeout"):
         MoeAlltoAll(None, 4, K, E, H, timeout=-1)
+    import datetime
+
+    with pytest.raises(ValueError, match="timeout"):  # a negative timedelta as a negative number
+        MoeAlltoAll(None, 4, K, E, H, timeout=datetime.timedelta(seconds=-5))
+    with pytest.raises(ValueError, match="type of group"):  # a name is no process group
+        MoeAlltoAll("world", 4, K, E, H)
+    with pytest.raises(ValueError, match="device"):  # no transport on the meta device
+        MoeAlltoAll(None, 4, K, E, H, device="meta")
+    from replaymoe.ep import expert_owner
+
+    with pytest.raises(ValueError, match="dtype of ids"):  # float ids were truncated
+        expert_owner(torch.tensor([[0.9, 3.7]]), E, 2)
+    with pytest.raises(ValueError, match="num_experts"):  # more ranks than experts: ZeroDivisionError
+        expert_owner(torch.tensor([[0, 1]]), 2, 3)
     with pytest.raises(ValueError, match="top_k"):
         MoeAlltoAll(None, 4, 9, E, H)
     with pytest.raises(ValueError, match="type of fused_plan"):
@@ -426,6 +440,34 @@ def _errors_worker(rank, world):
         ep_moe(x, logits, w13[:3], w2, a2a, top_k=K)
     with pytest.raises(ValueError, match="router_logits"):
         ep_moe(x, logits[:, :7], w13, w2, a2a, top_k=K)
+    # the local experts' arguments, under ep_moe's names, before routing writes routing_replay_out or
+    # dispatch starts a collective (a late error left the all-to-all between dispatch and combine)
+    cap = torch.full((4, K), -1, dtype=torch.int16)
+    fp8w = (
+        torch.zeros(4, 256, 128).to(torch.float8_e4m3fn),
+        torch.zeros(4, 128, 128).to(torch.float8_e4m3fn),
+    )
+    for args, kw, match in [
+        ((x, logits, w13, torch.randn(4, H, 5)), {}, r"shape of w2_local"),  # I of w2 != w13's
+        ((x, logits, torch.randn(4, 8, H + 1), w2), {}, r"shape of w13_local"),  # H of w13 != hidden's
+        ((x, logits, w13, w2.half()), {}, r"dtype of w2_local"),  # another dtype than hidden_states
+        (
+            (x.double(), logits, w13.double(), w2.double()),
+            {},
+            r"dtype of hidden_states",
+        ),  # fp64: torch ref only
+        ((x, logits, w13, w2), dict(w13_scale=torch.ones(4, 2, 1)), r"w2_scale"),  # one scale of two
+        ((x, logits, w13, w2), dict(runtime_max_tokens_per_rank=1), "runtime_max_tokens_per_rank"),  # < T
+        (
+            (torch.randn(2, 128, requires_grad=True), torch.randn(2, E), *fp8w),  # fp8 is inference-only
+            dict(w13_scale=torch.ones(4, 2, 1), w2_scale=torch.ones(4, 1, 1)),
+            r"w13_scale.*gradients",
+        ),
+    ]:
+        a = a2a if args[0].shape[1] == H else MoeAlltoAll(None, 4, K, E, 128)
+        with pytest.raises(ValueError, match=match):
+            ep_moe(*args, a, top_k=K, routing_replay_out=cap, **kw)
+        assert (cap == -1).all() and a.core.phase == "idle"  # nothing written, nothing dispatched
     # caller ids: ep_moe takes replay_ids (no topk_ids), global in [0, E = 8) of the whole model; route
     # rejects bad ones before any collective, naming replay_ids and the row
     rng = r"replay_ids: expected expert ids in \[0, 8\) \(or a row of all -1\)"

@@ -292,6 +292,10 @@ REJECT = [
     (lambda a: a.update(backend="cuda"), "backend"),
     (lambda a: a.update(w13_scale=torch.ones(4, 2, 1)), "w2_scale"),  # one scale only
     (lambda a: a.update(batch_invariant=1), "batch_invariant"),  # a bool, not a truthy int
+    (
+        lambda a: a.update(out=torch.zeros(3, 128, requires_grad=True)),
+        "value of out.*leaf",
+    ),  # written in place
 ]
 
 
@@ -328,6 +332,20 @@ def test_fused_moe_fp8_rejects(mutate, match, generator):
     mutate(a)
     with pytest.raises(ValueError, match=match):
         fused_moe(a.pop("hidden_states"), a.pop("w13"), a.pop("w2"), **a)
+
+
+def test_fused_moe_refuses_before_writing_capture_buffers(generator):
+    # fp8 weights are inference-only: with logits that require grad the call is refused before routing
+    # writes the caller's capture buffers (they were filled, then the error came)
+    a = _fp8_base(generator)
+    a.pop("topk_ids"), a.pop("topk_weights")
+    logits = torch.randn(3, 4, requires_grad=True)
+    cap = torch.full((4, 2), -1, dtype=torch.int16)
+    wcap = torch.full((4, 2), -1.0)
+    with pytest.raises(ValueError, match="w13_scale.*gradients"):
+        fused_moe(a.pop("hidden_states"), a.pop("w13"), a.pop("w2"), router_logits=logits, top_k=2,
+                  routing_replay_out=cap, routing_weights_out=wcap, **a)  # fmt: skip
+    assert (cap == -1).all() and (wcap == -1).all()
 
 
 def test_fused_moe_fp8_rejects_dims_not_multiple_of_128():

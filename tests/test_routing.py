@@ -10,7 +10,7 @@ import torch
 
 import replaymoe.routing as routing_mod
 from _routing_cases import routing_kwargs
-from replaymoe.routing import RoutingMethod, RoutingOutput, route, route_torch
+from replaymoe.routing import RoutingConfig, RoutingMethod, RoutingOutput, route, route_torch
 from replaymoe.routing._triton import weights_backward
 from replaymoe.routing.methods import METHODS, weights_torch
 from replaymoe.routing.methods import Params as _Params
@@ -328,6 +328,11 @@ X = torch.zeros(4, 16)
         ((X, 2), {"replay_ids": torch.tensor([[0, 1], [2, 3], [-2, 5], [6, 7]])}, "replay_ids.*\\[0, 16\\)"),
         ((X, 2), {"replay_ids": torch.tensor([[0, 1], [2, 2], [4, 5], [6, 7]])}, "replay_ids.*distinct"),
         ((X, 2), {"replay_ids": torch.tensor([[0, 1], [-1, 3], [4, 5], [6, 7]])}, "replay_ids.*all -1"),
+        (
+            (X,),
+            {"method": M.RENORMALIZE, "routing": RoutingConfig(2, M.DEFAULT)},
+            "method.*together",
+        ),  # never dropped
     ],
 )
 @pytest.mark.parametrize("fn", ["route", "route_torch"])
@@ -454,10 +459,13 @@ def test_routing_and_its_keywords_are_one_or_the_other(fn, kwargs, match):
         getattr(routing_mod, fn)(X, **kwargs)
 
 
-def test_the_default_method_beside_the_routing_object_is_no_conflict(generator):
+def test_a_method_beside_the_routing_object_is_refused_even_the_default(generator):
+    # the signatures' default is None: RENORMALIZE given beside a routing object of another method was
+    # dropped in silence (and beside one of the same method it says the same thing twice)
     x = tie_free_logits(4, 16, generator=generator)
-    got = route(x, routing=routing_mod.RoutingConfig(2), method=M.RENORMALIZE)
-    assert torch.equal(got.topk_ids, route(x, 2).topk_ids)
+    for cfg in (routing_mod.RoutingConfig(2, M.DEFAULT), routing_mod.RoutingConfig(2)):
+        with pytest.raises(ValueError, match="method.*not given together with routing"):
+            route(x, routing=cfg, method=M.RENORMALIZE)
 
 
 def test_route_torch_is_route_on_the_torch_backend():
@@ -479,3 +487,17 @@ def test_routing_object_under_torch_compile_fullgraph(generator):
     want = route_torch(x, method=M.DEEPSEEK_V3, **kw)
     for got in fwd(x):
         assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
+
+
+@pytest.mark.parametrize("value", [None, 0, 1, "no"])  # a falsy non-bool used to turn the check off
+def test_check_replay_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="type of check_replay"):
+        route(X, 2, replay_ids=torch.tensor([[3, 3], [1, 2], [0, 1], [4, 5]]), check_replay=value)
+
+
+def test_routing_weights_out_may_not_be_the_logits():
+    # the weights written over the logits they come from (and their autograd record) in silence
+    x = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    with pytest.raises(ValueError, match="memory of routing_weights_out.*router_logits"):
+        route(x, 2, routing_weights_out=x)
+    assert x.tolist() == [[0.0, 1.0], [2.0, 0.0]]

@@ -205,6 +205,9 @@ class MoeAlltoAll:
             fail(
                 "group", "an initialized torch.distributed process group", "torch.distributed not initialized"
             )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            fail("group", "a torch.distributed ProcessGroup or None (the default group)",
+                 type(group).__name__, what="type")  # fmt: skip
         self.group = group if group is not None else dist.group.WORLD
         self.ep = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -226,12 +229,16 @@ class MoeAlltoAll:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_name else "cpu"
         self.device = torch.device(device)
+        if self.device.type not in ("cuda", "cpu"):
+            fail("device", "a CUDA device (nccl) or the CPU (gloo)", str(self.device))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
                 fail("timeout", "a positive number of seconds or a datetime.timedelta", repr(timeout))
             timeout = datetime.timedelta(seconds=float(timeout))
+        if timeout is not None and timeout <= datetime.timedelta(0):
+            fail("timeout", "a positive number of seconds or a positive datetime.timedelta", repr(timeout))
         self.timeout = timeout
         if num_sms is not None:
             check_int("num_sms", num_sms, low=1)

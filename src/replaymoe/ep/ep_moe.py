@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._validation import check_tensor, fail
+from .._validation import check_int, check_tensor, fail
+from ..moe._validate import check_experts
 from .alltoall import MoeAlltoAll
 
 if TYPE_CHECKING:
@@ -179,11 +180,28 @@ def ep_moe(
             tuple(w13_local.shape),
             what="shape",
         )
+    fp8 = w13_scale is not None or w2_scale is not None  # (inference-only: refused first)
+    if (
+        fp8
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (hidden_states, router_logits, w13_local, w2_local))
+    ):
+        fail(
+            "w13_scale",
+            "None when gradients are required (the fp8 block-scale path is inference-only)",
+            "fp8 weights with an input that requires grad",
+        )
+    # the local experts' arguments as fused_moe checks them, under this function's names, before anything
+    # is routed (routing_replay_out written) or dispatched (a failed call would leave the all-to-all
+    # between dispatch and combine, and the peers waiting)
+    check_experts(hidden_states, w13_local, w2_local, w13_scale=w13_scale, w2_scale=w2_scale,
+                  w13_name="w13_local", w2_name="w2_local")  # fmt: skip
     if not isinstance(recompute, bool):
         fail("recompute", "a bool", type(recompute).__name__, what="type")
     if not isinstance(check_ids, bool):
         fail("check_ids", "a bool", type(check_ids).__name__, what="type")
     rt = a2a.max_num_tokens if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+    check_int("runtime_max_tokens_per_rank", rt, low=max(T, 1), high=a2a.max_num_tokens)
 
     r = route(
         router_logits,
@@ -204,12 +222,6 @@ def ep_moe(
             hidden_states, r.topk_ids, r.topk_weights, w13_local, w2_local, a2a, rt,
             w13_scale=w13_scale, w2_scale=w2_scale, backend=backend,
         )  # fmt: skip
-    if w13_scale is not None or w2_scale is not None:
-        fail(
-            "w13_scale",
-            "None when gradients are required (the fp8 block-scale path is inference-only)",
-            "fp8 weights with an input that requires grad",
-        )
     return _EpExperts.apply(
         hidden_states, r.topk_weights, w13_local, w2_local, r.topk_ids, a2a, rt, backend, recompute
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .._launch import cdiv, next_power_of_2
-from .._validation import check_int
+from .._validation import check_int, fail
 
 __all__ = ["expert_partition", "expert_owner"]
 
@@ -46,7 +46,18 @@ def expert_partition(num_experts: int, ep: int) -> list[tuple[int, int]]:
 
 
 def expert_owner(ids: torch.Tensor, num_experts: int, ep: int) -> torch.Tensor:
-    """Rank owning each expert id (int64, same shape); ids outside ``[0, E)`` map to ``ep``."""
+    """Rank owning each expert id (int64, same shape); ids outside ``[0, E)`` map to ``ep``.
+
+    ``ids``: an integer tensor of any shape; ``num_experts`` and ``ep`` as :func:`expert_partition`'s
+    (each rank owns at least one expert)."""
+    check_int("ep", ep, low=1)
+    check_int("num_experts", num_experts, low=ep)
+    integer = isinstance(ids, torch.Tensor) and not (
+        ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool
+    )
+    if not integer:
+        got = getattr(ids, "dtype", type(ids).__name__)
+        fail("ids", "an integer tensor of expert ids", got, what="dtype")
     base, rem = divmod(num_experts, ep)
     ids64 = ids.long()
     cut = rem * (base + 1)

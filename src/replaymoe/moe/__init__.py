@@ -318,6 +318,20 @@ def fused_moe(
     )
     if use_triton:
         resolve_backend(backend, hidden_states)  # 'triton' on CPU needs the interpreter
+    grad_inputs = [t for t in (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias) if t is not None]
+    # (router_logits: the routing weights follow them) decided before routing writes the caller's buffers
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*grad_inputs, router_logits) if t is not None
+    )
+    if needs_grad and p.fp8:
+        fail(
+            "w13_scale",
+            "None when gradients are required (the fp8 block-scale path is inference-only)",
+            "fp8 weights with an input that requires grad",
+        )
+    if out is not None and out.requires_grad and out.is_leaf and torch.is_grad_enabled():
+        fail("out", "no leaf tensor that requires grad (the result is written into it in place)",
+             "a leaf that requires grad")  # fmt: skip
     if router_logits is not None:
         # validated in _validate (routing's own checks included): no second pass here
         assert p.route_params is not None and p.routing is not None  # set with router_logits
@@ -333,14 +347,8 @@ def fused_moe(
         )
     else:
         topk_ids = p.topk_ids  # as validated (under torch.compile: through the check op)
-    grad_inputs = [t for t in (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias) if t is not None]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs)
-    if needs_grad and p.fp8:
-        fail(
-            "w13_scale",
-            "None when gradients are required (the fp8 block-scale path is inference-only)",
-            "fp8 weights with an input that requires grad",
-        )
+    if router_logits is not None and topk_weights is not None:
+        grad_inputs.append(topk_weights)  # route's weights (the experts' gradient reaches the router)
     if p.T == 0:
         res = hidden_states.new_empty((0, p.H), dtype=p.out_dtype)
         if needs_grad:  # connected to the inputs, so that their gradients are zeros (not None)

@@ -57,6 +57,76 @@ class _Problem:
     id_bound: int = 0  # E when the kernels check topk_ids on the device, else 0
 
 
+def check_experts(
+    hidden_states,
+    w13,
+    w2,
+    *,
+    w13_scale=None,
+    w2_scale=None,
+    w13_bias=None,
+    w2_bias=None,
+    gate_up_layout="halves",
+    activation="swiglu",
+    act_dtypes=ACT_DTYPES,
+    w13_name="w13",
+    w2_name="w2",
+) -> tuple[int, int, int, bool]:
+    """The experts' arguments of a ``fused_moe`` call checked (:func:`validate_call`'s first part; also
+    ``ep_moe``'s, before it routes or dispatches anything, with its own names ``w13_local`` and
+    ``w2_local``): ``(E_local, H, I, fp8)``."""
+    check_activation(activation)
+    check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
+    check_tensor("hidden_states", hidden_states, ndim=2, dtype=act_dtypes)
+    dev = hidden_states.device
+    H = hidden_states.shape[1]
+    fp8 = w13_scale is not None or w2_scale is not None
+    if fp8 and (w13_scale is None or w2_scale is None):
+        fail(
+            "w13_scale" if w13_scale is None else "w2_scale",
+            "both w13_scale and w2_scale (fp8 block-scale) or neither",
+            "only one of them",
+            what="value",
+        )
+    wdt = (_FP8,) if fp8 else (hidden_states.dtype,)
+    check_tensor(w13_name, w13, ndim=3, dtype=wdt, device=dev)
+    E_local, two_i, h13 = w13.shape
+    if h13 != H:
+        fail(w13_name, f"[E_local, 2I, H={H}] (H from hidden_states)", tuple(w13.shape), what="shape")
+    if two_i % 2 or two_i == 0:
+        fail(
+            w13_name,
+            "[E_local, 2I, H] with an even, non-zero 2I (gate rows then up rows)",
+            tuple(w13.shape),
+            what="shape",
+        )
+    I = two_i // 2  # noqa: E741
+    if E_local < 1:
+        fail(w13_name, "at least one local expert", tuple(w13.shape), what="shape")
+    check_tensor(w2_name, w2, shape=(E_local, H, I), dtype=wdt, device=dev)
+    bias_dt = (torch.float32, w13.dtype)
+    if w13_bias is not None:
+        check_tensor("w13_bias", w13_bias, shape=(E_local, two_i), dtype=bias_dt, device=dev)
+    if w2_bias is not None:
+        check_tensor("w2_bias", w2_bias, shape=(E_local, H), dtype=bias_dt, device=dev)
+    if fp8:  # the block-scale kernels take the standard experts only
+        for name, other, std in (
+            ("w13_bias", w13_bias is not None, "None"),
+            ("w2_bias", w2_bias is not None, "None"),
+            ("gate_up_layout", gate_up_layout != "halves", "'halves'"),
+            ("activation", not isinstance(activation, str), "'swiglu'"),
+        ):
+            if other:
+                fail(name, f"{std} with fp8 block-scale weights (w13_scale given)", "another value")
+        if H % 128 or I % 128:
+            fail(w13_name, "H and I multiples of 128 for fp8 block-scale", f"H={H}, I={I}", what="shape")
+        # contiguous: the kernels step through the scale blocks with unit stride along the last dim
+        for name, scale, rows, cols in (("w13_scale", w13_scale, two_i, H), ("w2_scale", w2_scale, H, I)):
+            shape = (E_local, rows // 128, cols // 128)
+            check_tensor(name, scale, shape=shape, dtype=torch.float32, device=dev, contiguous=True)
+    return E_local, H, I, fp8
+
+
 def validate_call(
     hidden_states,
     w13,
@@ -83,55 +153,12 @@ def validate_call(
     routing_weights_out=None,
     replay_weights=None,
 ) -> _Problem:
-    check_activation(activation)
-    check_choice("gate_up_layout", gate_up_layout, GATE_UP_LAYOUTS)
-    check_tensor("hidden_states", hidden_states, ndim=2, dtype=act_dtypes)
+    E_local, H, I, fp8 = check_experts(  # noqa: E741
+        hidden_states, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, w13_bias=w13_bias,
+        w2_bias=w2_bias, gate_up_layout=gate_up_layout, activation=activation, act_dtypes=act_dtypes,
+    )  # fmt: skip
     dev = hidden_states.device
-    T, H = hidden_states.shape
-    fp8 = w13_scale is not None or w2_scale is not None
-    if fp8 and (w13_scale is None or w2_scale is None):
-        fail(
-            "w13_scale" if w13_scale is None else "w2_scale",
-            "both w13_scale and w2_scale (fp8 block-scale) or neither",
-            "only one of them",
-            what="value",
-        )
-    wdt = (_FP8,) if fp8 else (hidden_states.dtype,)
-    check_tensor("w13", w13, ndim=3, dtype=wdt, device=dev)
-    E_local, two_i, h13 = w13.shape
-    if h13 != H:
-        fail("w13", f"[E_local, 2I, H={H}] (H from hidden_states)", tuple(w13.shape), what="shape")
-    if two_i % 2 or two_i == 0:
-        fail(
-            "w13",
-            "[E_local, 2I, H] with an even, non-zero 2I (gate rows then up rows)",
-            tuple(w13.shape),
-            what="shape",
-        )
-    I = two_i // 2  # noqa: E741
-    if E_local < 1:
-        fail("w13", "at least one local expert", tuple(w13.shape), what="shape")
-    check_tensor("w2", w2, shape=(E_local, H, I), dtype=wdt, device=dev)
-    bias_dt = (torch.float32, w13.dtype)
-    if w13_bias is not None:
-        check_tensor("w13_bias", w13_bias, shape=(E_local, two_i), dtype=bias_dt, device=dev)
-    if w2_bias is not None:
-        check_tensor("w2_bias", w2_bias, shape=(E_local, H), dtype=bias_dt, device=dev)
-    if fp8:  # the block-scale kernels take the standard experts only
-        for name, other, std in (
-            ("w13_bias", w13_bias is not None, "None"),
-            ("w2_bias", w2_bias is not None, "None"),
-            ("gate_up_layout", gate_up_layout != "halves", "'halves'"),
-            ("activation", not isinstance(activation, str), "'swiglu'"),
-        ):
-            if other:
-                fail(name, f"{std} with fp8 block-scale weights (w13_scale given)", "another value")
-        if H % 128 or I % 128:
-            fail("w13", "H and I multiples of 128 for fp8 block-scale", f"H={H}, I={I}", what="shape")
-        # contiguous: the kernels step through the scale blocks with unit stride along the last dim
-        for name, scale, rows, cols in (("w13_scale", w13_scale, two_i, H), ("w2_scale", w2_scale, H, I)):
-            shape = (E_local, rows // 128, cols // 128)
-            check_tensor(name, scale, shape=shape, dtype=torch.float32, device=dev, contiguous=True)
+    T = hidden_states.shape[0]
     check_int("local_expert_offset", local_expert_offset, low=0)
 
     if router_logits is not None:

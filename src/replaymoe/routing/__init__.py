@@ -163,6 +163,7 @@ def as_routing(
         name
         for name, value in (
             ("top_k", top_k),
+            ("method", method),  # (RENORMALIZE too: a method given beside routing is never ignored)
             ("bias", bias),
             ("n_group", n_group),
             ("topk_group", topk_group),
@@ -170,8 +171,6 @@ def as_routing(
         )
         if value is not None
     ]
-    if method is not RoutingMethod.RENORMALIZE and method is not None:
-        given.append("method")
     if given:
         fail(given[0], "not given together with routing (the RoutingConfig holds it)", given[0] + " given")
     return routing

@@ -85,7 +85,10 @@ def validate_config(
                     type(routed_scaling_factor).__name__,
                     what="type",
                 )
-            scale = float(routed_scaling_factor)
+            try:
+                scale = float(routed_scaling_factor)
+            except OverflowError:  # an int past float's range (10**400)
+                scale = math.inf
             if not math.isfinite(scale):
                 fail("routed_scaling_factor", "a finite float", scale)
     else:
@@ -108,7 +111,7 @@ def validate_config(
             tg = check_int("topk_group", topk_group, low=1, high=ng)
     else:
         for name, val in (("n_group", n_group), ("topk_group", topk_group)):
-            if val is not None and val != 1:
+            if val is not None and (type(val) is not int or val != 1):  # (True and 1.0 equal 1)
                 grouped = methods_where("grouped")
                 fail(name, f"None or 1 for {method.name} (grouping applies to {grouped})", val)
         ng, tg = 1, 1
@@ -134,6 +137,8 @@ def validate(
     (:func:`replay_ids_for_torch`).
     """
     # fast predicates first (host cost matters at decode sizes); check_tensor builds the error
+    if check_replay is not True and check_replay is not False:  # (None or 0 would turn the check off)
+        fail("check_replay", "a bool", type(check_replay).__name__, what="type")
     x = router_logits
     if not tensor_ok(x, 2, _LOGIT_DTYPES, None, False):
         x = check_tensor("router_logits", router_logits, ndim=2, dtype=_LOGIT_DTYPES)
@@ -238,6 +243,13 @@ def validate_weights(
             )
         if w.shape[1] != top_k or w.shape[0] < num_tokens:
             fail("routing_weights_out", f"shape (>= {num_tokens}, {top_k})", tuple(w.shape), what="shape")
+        if (  # (eager: a compiled graph owns its buffers)
+            not torch.compiler.is_compiling()
+            and w.untyped_storage().data_ptr() == router_logits.untyped_storage().data_ptr()
+            and w.numel()
+        ):
+            fail("routing_weights_out", "a buffer of its own (the weights are written into it)",
+                 "the memory of router_logits", what="memory")  # fmt: skip
     if replay_weights is None:
         return None
     if replay_ids is None:
