@@ -312,12 +312,16 @@ def test_recompute_after_preemption_overwrites(generator):
 
 def test_all_zero_kernel_output_is_rejected_at_finish():
     # a fused kernel that "captures" zeros (vLLM #44116) gives rows of duplicate ids: finish refuses
-    # them loudly instead of returning a plausible-looking trace
+    # them loudly instead of returning a plausible-looking trace, and keeps the request (nothing lost)
     cap = make()
     cap.buffer.zero_()
     cap.end_step(["r", "r"], [0, 1])
-    with pytest.raises(ValueError, match="distinct expert ids"):
+    used = cap.memory_stats()["used_page_bytes"]
+    with pytest.raises(ValueError, match="request 'r'.*distinct expert ids"):
         cap.finish("r")
+    assert cap.live_requests == ["r"] and cap.memory_stats()["used_page_bytes"] == used
+    cap.abort("r")
+    assert cap.memory_stats()["used_page_bytes"] == 0
 
 
 # ----------------------------------------------------------------------------- the CUDA transfer, faked
@@ -416,3 +420,159 @@ def test_cuda_transfer_path_on_cpu(generator, monkeypatch):
         np.testing.assert_array_equal(cap.finish(r).ids, expected_array(exp[r], n))
     # staging: num_buffers slots of N rows in pinned memory (here plain CPU) and on the device
     assert cap.memory_stats()["staging_bytes"] == 2 * N * L * K * 2
+
+
+# ----------------------------------------------------------------------------- boundary: nothing lost
+
+
+def _fill(cap, rows=N):
+    """Valid ids in the buffer's first ``rows`` rows: row r of layer l holds (r + l) % E, (r + l + 1) % E."""
+    for layer in range(L):
+        for r in range(rows):
+            cap.buffer[layer, r] = torch.tensor([(r + layer) % E, (r + layer + 1) % E], dtype=torch.int16)
+
+
+def _state(cap):
+    """What a failed call must leave as it was (all through the public surface)."""
+    return sorted(cap.live_requests, key=repr), cap.memory_stats(), cap.pending_steps
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(layer_ids=[3, 3, 5]), "layer_ids"),  # repeated: every finish failed after freeing the request
+        (dict(layer_ids=[-1, 0, 1]), "layer_ids"),  # negative: the same loss at finish
+        (dict(layer_ids=[0.7, 1.9, 2.2]), "layer_ids"),  # floats: int() truncated them
+        (dict(layer_ids=["1", "3", "5"]), "layer_ids"),  # strings: int() parsed them
+        (dict(layer_ids=[True, False, 2]), "layer_ids"),  # bools: taken as 1 and 0
+        (dict(layer_ids=5), "layer_ids"),  # not a sequence: a bare TypeError from len()
+        (dict(model_id=123), "model_id"),  # not a str: every finish failed after freeing the request
+        (dict(num_experts=0), "num_experts"),  # was reported as a top_k error (checked before num_experts)
+        (dict(num_experts="8"), "num_experts"),  # a str: a bare TypeError from a comparison
+        (dict(num_experts=8.0), "num_experts"),  # a float: refused before too (kept by the reordered checks)
+        (dict(clear_after_copy="no"), "clear_after_copy"),  # bool("no") is True
+        (dict(clear_after_copy=1), "clear_after_copy"),  # an int taken as a bool
+    ],
+)
+def test_constructor_checks_what_the_trace_checks(kw, name):
+    with pytest.raises(ValueError, match=rf"^Invalid (type|value) of {name}: expected "):
+        make(**kw)
+
+
+def test_constructor_takes_numpy_ints_as_the_trace_does():
+    cap = make(num_experts=np.int64(E), layer_ids=np.array([1, 3, 5]))
+    cap.end_step(["r"], [0])
+    t = cap.finish("r")
+    assert t.num_experts == E and type(t.num_experts) is int and t.layer_ids == (1, 3, 5)
+
+
+@pytest.mark.parametrize(
+    "bad_id, match",
+    [
+        (E, r"got 8 at \[token, layer, k\] = \[1, 2, 1\]"),  # one past the last expert
+        (-2, r"got -2 at \[token, layer, k\] = \[1, 2, 1\]"),  # below the -1 of missing rows
+    ],
+)
+def test_failed_finish_keeps_the_request(bad_id, match):
+    # the trace is built before the request is dropped: an invalid id loses nothing, the error names
+    # the request, the position and the layer, and the caller can still finish a shorter trace or abort
+    cap = make(page_size=4, slab_pages=4)
+    _fill(cap)
+    cap.buffer[2, 1, 1] = bad_id  # position 1 (row 1), MoE layer 2, slot 1
+    cap.end_step(["r", "r", "s"], [0, 1, 0])
+    before = _state(cap)
+    for _ in range(2):  # and again: the first failure changed nothing
+        with pytest.raises(ValueError, match=r"request 'r'.*token = position.*" + match):
+            cap.finish("r")
+        assert _state(cap) == before
+    t = cap.finish("r", num_positions=1)  # the positions before the bad one
+    np.testing.assert_array_equal(t.ids[0, :, 0], [0, 1, 2])
+    cap.abort("s")
+    assert cap.live_requests == [] and cap.memory_stats()["used_page_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    "reqs, poss, got",
+    [
+        (["a", "a"], [5, 5], "request 'a' at position 5 at indices 0 and 1"),  # adjacent rows
+        (["a", "b", "a"], [0, 0, 0], "request 'a' at position 0 at indices 0 and 2"),  # another id between
+        (["b", "c", "c", "b"], [9, 1, 2, 9], "request 'b' at position 9 at indices 0 and 3"),  # a new page
+        (["a", None, "a"], [3, 3, 3], "request 'a' at position 3 at indices 0 and 2"),  # a recorded position
+        ([7, 7], np.array([1, 1]), "request 7 at position 1 at indices 0 and 1"),  # numpy positions, int ids
+    ],
+)
+def test_one_position_twice_in_a_step_records_nothing(reqs, poss, got):
+    # the second row silently overwrote the first; now one error naming both rows, the step rolled back
+    # (pages it took returned, the earlier step's rows of the same position untouched)
+    cap = make(page_size=4, slab_pages=1)
+    _fill(cap)
+    cap.end_step(["a"], [3])  # a holds position 3 from an earlier step: row 0's ids
+    before = _state(cap)
+    with pytest.raises(ValueError, match=r"^Invalid value of token_positions: .*, got " + got + "$"):
+        cap.end_step(reqs, poss)
+    assert _state(cap) == before
+    cap.end_step(["b", "b"], [0, 1])  # the capturer goes on as if the bad step never came
+    np.testing.assert_array_equal(cap.finish("a").ids[3, :, 0], [0, 1, 2])  # row 0 of the first step
+    np.testing.assert_array_equal(cap.finish("b").ids[:, 0, 0], [0, 1])
+    assert cap.live_requests == [] and cap.memory_stats()["used_page_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    "reqs, poss",
+    [
+        (["b"], [2**62]),  # past the longest trace the host can address: was a bare MemoryError('')
+        (["b"], np.array([2**63 + 5], dtype=np.uint64)),  # past int64 too
+        (["b", "c"], [0, 2**62]),  # after a page was taken for b: the rollback returns it
+        (["a", "a"], [9, 2**62]),  # an existing request whose page table grew first
+    ],
+)
+def test_absurd_position_is_named_and_takes_no_page(reqs, poss):
+    cap = make(page_size=4, slab_pages=4)
+    cap.end_step(["a"], [0])
+    before = _state(cap)
+    for _ in range(2):  # no page leaks, call after call
+        with pytest.raises(
+            ValueError, match=r"^Invalid value of token_positions: expected positions in \[0, "
+        ):
+            cap.end_step(reqs, poss)
+        assert _state(cap) == before
+    assert cap.finish("a").num_tokens == 1
+
+
+def test_page_table_the_host_cannot_allocate_is_named_and_rolled_back():
+    # below the addressable limit, but a page table of 2**55 entries: a CaptureMemoryError naming the
+    # position, and the page taken for the step's first token comes back
+    cap = make(page_size=4, slab_pages=4)
+    cap.end_step(["a"], [0])
+    before = _state(cap)
+    with pytest.raises(
+        CaptureMemoryError, match=rf"request 'b' up to position {2**57} \(index 1 of token_positions\)"
+    ):
+        cap.end_step(["c", "b"], [0, 2**57])
+    assert _state(cap) == before
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda c: c.end_step([["x"]], [0]), r"token_requests\[0\]"),  # unhashable id: a bare TypeError
+        (lambda c: c.end_step(["r", {"x": 1}], [1, 0]), r"token_requests\[1\]"),  # after r was touched
+        (lambda c: c.end_step(5, [0]), "token_requests"),  # not a sequence: len() of an int
+        (lambda c: c.end_step("ab", [0, 1]), "token_requests"),  # a str: its letters taken as two ids
+        (lambda c: c.end_step({"r"}, [0]), "token_requests"),  # a set: no row order
+        (lambda c: c.end_step(torch.tensor([1, 2]), [0, 1]), "token_requests"),  # 0-d tensors: by identity
+        (lambda c: c.end_step(["r"], [0], dp_span=3), "dp_span"),  # len() of an int
+        (lambda c: c.end_step(["r"], [0], dp_span="01"), "dp_span"),  # a str of two characters
+        (lambda c: c.finish(["r"]), "request_id"),  # unhashable: a bare TypeError
+        (lambda c: c.abort(["r"]), "request_id"),  # the same
+        (lambda c: c.finish("r", num_positions=2**62), "num_positions"),  # past the longest trace
+    ],
+)
+def test_bad_arguments_are_named_and_change_nothing(call, name):
+    cap = make()
+    cap.end_step(["r"], [0])
+    before = _state(cap)
+    with pytest.raises(ValueError, match=rf"^Invalid (type|value) of {name}: expected "):
+        call(cap)
+    assert _state(cap) == before
+    assert cap.finish("r").num_tokens == 1

@@ -24,6 +24,10 @@ as much on the device, plus the [L, N, K] buffer itself.
 
 Not thread-safe: call it from the thread that runs the serving loop.
 
+Within one step a (request, position) is carried once (twice is a ``ValueError`` and nothing of the
+step is recorded); a later step may record it again (a recomputed token), which overwrites it.
+A failed ``end_step``, ``finish`` or ``abort`` leaves the requests, pages and recorded rows as they were.
+
 ``end_step`` reads nothing from the device: the request/position bookkeeping is host lists.
 The buffer is allocated once, so a whole step, model forward included, can be captured in
 a CUDA graph with it as a static input; ``end_step`` is called outside the graph.
@@ -63,6 +67,17 @@ import numpy as np
 import torch
 
 from .._validation import check_int, fail, is_capturing
+from ._capture_checks import (
+    check_capturer_args,
+    check_distinct_rows,
+    check_dp_span,
+    check_hashable,
+    check_requests,
+    fail_position,
+    invalid_routing,
+    max_positions,
+    page_table_memory_message,
+)
 from .trace import RoutingTrace
 from .transfer import CudaTransfer, SyncTransfer
 
@@ -98,6 +113,37 @@ class _Pending:
     handle: Any
 
 
+def _undo_step(
+    free: list[int],
+    slabs: list[np.ndarray],
+    slab_pages: int,
+    num_slabs: int,
+    taken: list[tuple[_Request, int, int]],
+    touched: dict[Any, tuple[_Request, int, int]],
+) -> None:
+    """Roll back a failed ``end_step``: give back the pages it took (``(state, page index, page)``,
+    in reverse order: the free list as it was), restore the length and page table of each request it
+    touched, and drop the slabs it added (``num_slabs`` were there before), all of whose pages are free."""
+    for st, pg, g in reversed(taken):
+        free.append(g)
+        st.pages[pg] = -1
+    for st, length, npages in touched.values():
+        st.length = length
+        del st.pages[npages:]
+    if len(slabs) > num_slabs:
+        free[:] = [g for g in free if g < num_slabs * slab_pages]
+        del slabs[num_slabs:]
+
+
+def _name_step_error(exc: BaseException, i: int, req: Any, p: int, page_size: int) -> None:
+    """Raise the named error for a failure of ``end_step``'s bookkeeping at entry ``i``: an
+    unhashable request id, or a page table the host could not allocate; return for anything else."""
+    if isinstance(exc, TypeError) and req is not None:
+        check_hashable(f"token_requests[{i}]", req)
+    if isinstance(exc, MemoryError) and not isinstance(exc, CaptureMemoryError):
+        raise CaptureMemoryError(page_table_memory_message(p, i, req, page_size)) from exc
+
+
 class RoutedExpertsCapturer:
     """Capture the routed expert ids of every token of a serving loop, per request.
 
@@ -112,11 +158,11 @@ class RoutedExpertsCapturer:
     device : torch.device or str
         Where the buffer lives (``"cuda"``, ``"cuda:1"`` or ``"cpu"``).
     layer_ids : sequence of int, optional
-        MoE-layer index -> model layer number, stored on the returned traces.
+        MoE-layer index -> model layer number (distinct non-negative ints), stored on the traces.
     num_experts : int, optional
         E, stored on the traces (and used to validate ids at ``finish``).
     model_id : str, optional
-        Stored on the traces.
+        Stored on the traces. All three are checked here as the trace checks them.
     max_host_bytes : int, optional
         Bound on host memory (page slabs plus staging buffers); a step needing more raises
         :class:`CaptureMemoryError` before anything of that step is recorded. ``None`` = no bound.
@@ -154,29 +200,22 @@ class RoutedExpertsCapturer:
         slab_pages: int = 256,
         clear_after_copy: bool = False,
     ):
-        check_int("num_layers", num_layers, low=1)
-        check_int("max_num_tokens", max_num_tokens, low=1)
-        check_int("top_k", top_k, low=1, high=num_experts)
-        if num_experts is not None:
-            check_int("num_experts", num_experts, low=1, high=32768)
-        if layer_ids is not None and len(layer_ids) != num_layers:
-            fail("layer_ids", f"{num_layers} entries (one per MoE layer)", f"{len(layer_ids)} entries")
-        if max_host_bytes is not None:
-            check_int("max_host_bytes", max_host_bytes, low=0)
-        check_int("page_size", page_size, low=1)
-        check_int("num_buffers", num_buffers, low=1)
-        check_int("slab_pages", slab_pages, low=1)
+        num_experts, layer_ids = check_capturer_args(
+            num_layers=num_layers, max_num_tokens=max_num_tokens, top_k=top_k, layer_ids=layer_ids,
+            num_experts=num_experts, model_id=model_id, max_host_bytes=max_host_bytes, page_size=page_size,
+            num_buffers=num_buffers, slab_pages=slab_pages, clear_after_copy=clear_after_copy,
+        )  # fmt: skip
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in ("cuda", "cpu"):
             fail("device", "a cuda or cpu device", str(self.device))
         self.num_layers, self.max_num_tokens, self.top_k = num_layers, max_num_tokens, top_k
-        self.layer_ids = None if layer_ids is None else tuple(int(x) for x in layer_ids)
+        self.layer_ids = layer_ids
         self.num_experts, self.model_id = num_experts, model_id
         self.max_host_bytes = max_host_bytes
         self.page_size, self.num_buffers, self.slab_pages = page_size, num_buffers, slab_pages
-        self.clear_after_copy = bool(clear_after_copy)
+        self.clear_after_copy = clear_after_copy
 
         self.buffer = torch.full(
             (num_layers, max_num_tokens, top_k), -1, dtype=torch.int16, device=self.device
@@ -188,6 +227,7 @@ class RoutedExpertsCapturer:
                 f"buffers ({num_buffers} x [{max_num_tokens}, {num_layers}, {top_k}] int16)"
             )
         self._row_bytes = num_layers * top_k * 2
+        self._max_positions = max_positions(page_size, self._row_bytes)
         self._slabs: list[np.ndarray] = []  # each [slab_pages * page_size, L, K] int16
         self._free_pages: list[int] = []
         self._requests: dict[Hashable, _Request] = {}
@@ -235,12 +275,20 @@ class RoutedExpertsCapturer:
         Enqueues one device gather on the current stream and one asynchronous copy on a side
         stream; never reads device memory. Call it after the step's kernels were enqueued (after
         the graph replay), on the same stream, and outside CUDA-graph capture.
+
+        Raises
+        ------
+        ValueError
+            Naming the argument, with nothing of the step recorded: e.g. a position out of range, or
+            two entries of the step for one (request, position) (a later step may overwrite one).
+        CaptureMemoryError
+            The step would take host memory past ``max_host_bytes``; nothing of it is recorded.
         """
         if is_capturing():
             fail(
                 "end_step", "a call outside CUDA-graph capture (after the graph replay)", "a capturing stream"
             )
-        n = len(token_requests)
+        n = check_requests(token_requests)
         if isinstance(token_positions, torch.Tensor):
             if token_positions.device.type != "cpu":
                 fail(
@@ -252,37 +300,27 @@ class RoutedExpertsCapturer:
             fail("token_positions", f"{n} positions (one per entry of token_requests)", f"shape {pos.shape}")
         if n and not np.issubdtype(pos.dtype, np.integer):
             fail("token_positions", "integer positions", f"dtype {pos.dtype}", what="dtype")
-        if dp_span is None:
-            start, T = 0, n
-        else:
-            if len(dp_span) != 2:
-                fail("dp_span", "(start, length)", dp_span)
-            start, T = check_int("dp_span[0]", dp_span[0], low=0), check_int("dp_span[1]", dp_span[1], low=0)
-            if T != n:
-                fail("dp_span", f"length == len(token_requests) == {n}", T)
+        start, T = (0, n) if dp_span is None else check_dp_span(dp_span, n)
         if start + T > self.max_num_tokens:
             fail("end_step", f"at most max_num_tokens={self.max_num_tokens} rows", f"rows up to {start + T}")
 
         # host bookkeeping (one pass over the tokens): staging row -> pool row. Pages are taken
-        # as needed; if the memory bound stops the step, everything it changed is rolled back.
-        P = self.page_size
+        # as needed; if a check or the memory bound stops the step, everything it changed is rolled back.
+        P, top, num_slabs = self.page_size, self._max_positions - 1, len(self._slabs)
         pos_list = pos.tolist()
         requests = self._requests
         touched: dict[Hashable, tuple[_Request, int, int]] = {}  # req -> (state, old length, old #pages)
-        taken: list[tuple[_Request, int]] = []  # (state, page index) pages taken by this step
+        taken: list[tuple[_Request, int, int]] = []  # (state, page index, page) pages taken by this step
         src: list[int] = []
         dst: list[int] = []
+        i, req, p = -1, None, 0
         try:
             for i, req in enumerate(token_requests):
                 if req is None:
                     continue
                 p = pos_list[i]
-                if p < 0:
-                    fail(
-                        "token_positions",
-                        "non-negative positions for tokens of a request",
-                        f"{p} at index {i}",
-                    )
+                if not 0 <= p <= top:  # checked before any page is taken for it
+                    fail_position(p, i, top + 1)
                 t = touched.get(req)
                 if t is None:
                     st = requests.get(req)
@@ -294,22 +332,20 @@ class RoutedExpertsCapturer:
                 pages = st.pages
                 g = pages[pg] if pg < len(pages) else -1
                 if g < 0:
-                    g = self._take_page()
-                    if pg >= len(pages):
+                    if pg >= len(pages):  # the table first: a failure here has taken no page
                         pages.extend([-1] * (pg + 1 - len(pages)))
+                    g = self._take_page()
+                    taken.append((st, pg, g))
                     pages[pg] = g
-                    taken.append((st, pg))
                 src.append(i)
                 dst.append(g * P + off)
                 if p >= st.length:
                     st.length = p + 1
-        except BaseException:
-            for st, pg in taken:
-                self._free_pages.append(st.pages[pg])
-                st.pages[pg] = -1
-            for st, length, npages in touched.values():
-                st.length = length
-                del st.pages[npages:]
+            src_rows, dst_rows = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+            check_distinct_rows(dst_rows, src_rows, token_requests, pos_list)
+        except BaseException as exc:
+            _undo_step(self._free_pages, self._slabs, self.slab_pages, num_slabs, taken, touched)
+            _name_step_error(exc, i, req, p, P)
             raise
         if not src:
             self._drain(block=False)
@@ -328,7 +364,7 @@ class RoutedExpertsCapturer:
         handle = self._transfer.start(slot, start, T)
         if self.clear_after_copy:
             self.buffer[:, start : start + T].fill_(-1)
-        item = _Pending(step, slot, T, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), handle)
+        item = _Pending(step, slot, T, src_rows, dst_rows, handle)
         self._pending.append(item)
         self._slot_busy[slot] = item
         self._drain(block=False)
@@ -420,8 +456,16 @@ class RoutedExpertsCapturer:
         num_positions : int, optional
             Length of the returned trace: truncates positions recorded beyond it (e.g. rejected
             speculative tokens) or pads with -1. Default: 1 + the largest position recorded.
+
+        Raises
+        ------
+        ValueError
+            For an unknown or unhashable ``request_id``, a bad ``num_positions``, or recorded ids that
+            make no valid trace (an id >= ``num_experts``, a row of repeated ids): the error names the
+            request, the position and the MoE layer. A failed call keeps the request and its pages
+            as they were: ``finish`` it again or ``abort`` it.
         """
-        st = self._requests.get(request_id)
+        st = self._requests.get(check_hashable("request_id", request_id))
         if st is None:
             fail(
                 "request_id",
@@ -429,10 +473,8 @@ class RoutedExpertsCapturer:
                 repr(request_id),
             )
         if num_positions is not None:
-            check_int("num_positions", num_positions, low=0)
+            check_int("num_positions", num_positions, low=0, high=self._max_positions)
         self._drain(block=True, upto=st.last_step)
-        del self._requests[request_id]
-        st.alive = False
         n = st.length if num_positions is None else num_positions
         L, K, P = self.num_layers, self.top_k, self.page_size
         out = np.full((n, L, K), -1, dtype=np.int16)
@@ -443,18 +485,25 @@ class RoutedExpertsCapturer:
             s, r = divmod(g, self.slab_pages)
             hi = min(lo + P, n)
             out[lo:hi] = self._slabs[s][r * P : r * P + (hi - lo)]
+        try:  # the trace first: a failure leaves the request and its pages as they were
+            trace = RoutingTrace(
+                out, num_experts=self.num_experts, top_k=K, layer_ids=self.layer_ids, model_id=self.model_id
+            )
+        except ValueError as e:
+            raise invalid_routing(request_id, e) from e
+        del self._requests[request_id]
+        st.alive = False
         self._free(st)
-        return RoutingTrace(
-            out, num_experts=self.num_experts, top_k=K, layer_ids=self.layer_ids, model_id=self.model_id
-        )
+        return trace
 
     def abort(self, request_id: Hashable) -> None:
-        """Drop a request (preempted, cancelled) and free its storage; unknown ids are ignored.
+        """Drop a request (preempted, cancelled) and free its storage; unknown ids are ignored
+        (an unhashable one is a ValueError naming ``request_id``).
 
         Never waits: pages still targeted by an in-flight copy are freed once it has landed.
         A new request may reuse the id at once.
         """
-        st = self._requests.pop(request_id, None)
+        st = self._requests.pop(check_hashable("request_id", request_id), None)
         if st is None:
             return
         st.alive = False
