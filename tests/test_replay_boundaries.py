@@ -410,8 +410,18 @@ def test_replay_set_on_a_meta_model_follows_it():
         (lambda moe, m: moe.replaying(5).__enter__(), "type of traces.*int"),  # not a sequence
         (lambda moe, m: moe.set_replay("abc"), "type of traces.*str"),  # a string is no trace list
         (lambda moe, m: (moe.set_rollout_replay(True), moe.add_rollout_traces(5)), "type of traces.*int"),
+        (lambda moe, m: rhf.enable(m, experts="yes"), "type of experts"),  # a truthy string was taken
+        (lambda moe, m: moe.attach(None), "type of model.*NoneType"),  # AttributeError before
     ],
-    ids=["enable-none", "enable-missing", "replaying-int", "set_replay-str", "add_rollout-int"],
+    ids=[
+        "enable-none",
+        "enable-missing",
+        "replaying-int",
+        "set_replay-str",
+        "add_rollout-int",
+        "experts-str",
+        "attach-none",
+    ],  # fmt: skip
 )
 def test_handle_arguments_are_named(call, match):
     model, moe, _, _, _ = _captured()

@@ -59,12 +59,8 @@ class ReplayMoE:
         keep_static_cache: bool = True,
         device_decode: bool = True,
     ) -> None:
-        check_choice("backend", backend, BACKENDS)
-        check_bool("device_decode", device_decode)
-        check_bool("graphs", graphs)
-        check_bool("keep_static_cache", keep_static_cache)
-        check_int("max_batch_size", max_batch_size, low=1)
-        check_int("max_positions", max_positions, low=1)
+        _check_handle_args(model, backend, experts, max_batch_size, max_positions, graphs, keep_static_cache,
+                           device_decode)  # fmt: skip
         if enabled_handle(model) is not None:
             fail("model", "a model without replaymoe enabled (call .disable() first)", "already enabled")
         self.model = model
@@ -327,6 +323,19 @@ class ReplayMoE:
         return self._engine.replay.read_mismatch(reset)
 
 
+def _check_handle_args(model, backend, experts, max_batch_size, max_positions, graphs, keep_static_cache,
+                       device_decode) -> None:  # fmt: skip
+    """:class:`ReplayMoE`'s arguments checked (``enable`` and ``attach`` make one)."""
+    if not isinstance(model, nn.Module):
+        fail("model", "a torch.nn.Module (a transformers MoE model)", type(model).__name__, what="type")
+    check_choice("backend", backend, BACKENDS)
+    for name, value in (("experts", experts), ("graphs", graphs), ("keep_static_cache", keep_static_cache),
+                        ("device_decode", device_decode)):  # fmt: skip
+        check_bool(name, value)
+    check_int("max_batch_size", max_batch_size, low=1)
+    check_int("max_positions", max_positions, low=1)
+
+
 def enable(
     model: nn.Module,
     *,
@@ -392,8 +401,6 @@ def enable(
         Unsupported architecture, bad backend, replay trace not matching the model (layers, top_k,
         num_experts).
     """
-    if not isinstance(model, nn.Module):
-        fail("model", "a torch.nn.Module (a transformers MoE model)", type(model).__name__, what="type")
     check_bool("capture", capture)
     check_choice("missing", missing, MISSING_MODES)  # (checked without a replay too: never ignored)
     state = ReplayMoE(
