@@ -597,6 +597,10 @@ def test_bench_moe_check_ids_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:  # one measurement at a time, replaymoe alone
             bench_moe.main([*extra, "--out", str(tmp_path / "out")])
         assert exc.value.code == 2
+    for bad in (["--tokens", "x"], ["--tokens", "0"], ["--shapes", "nope"]):  # named on any machine
+        with pytest.raises(SystemExit) as exc:
+            bench_moe.main([*bad, "--out", str(tmp_path / "out")])
+        assert exc.value.code == 2 and bad[0] in capsys.readouterr().err
     if not torch.cuda.is_available():
         for mode in ("--check-ids", "--launches"):
             assert bench_moe.main([mode, "--out", str(tmp_path / "out")]) == NO_CUDA_EXIT

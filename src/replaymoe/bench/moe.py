@@ -387,8 +387,6 @@ def main(argv: list[str] | None = None) -> int:
             peer_root = check_peer_dir(a.peer_dir)
         except ValueError as exc:
             p.error(str(exc))
-    if no_cuda("replaymoe bench moe"):
-        return NO_CUDA_EXIT
     shapes = choice_list(p, a.shapes, SHAPES, "shapes")
     default_tokens = (
         "1"
@@ -399,7 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.launches
         else ",".join(map(str, TOKENS))
     )
-    tokens = [int(t) for t in (a.tokens or default_tokens).split(",") if t]
+    try:
+        tokens = [int(t) for t in (a.tokens or default_tokens).split(",") if t]
+    except ValueError:
+        p.error(f"--tokens expects comma-separated token counts, got {a.tokens!r}")
+    if not tokens or min(tokens) < 1:
+        p.error(f"--tokens expects token counts >= 1, got {a.tokens!r}")
+    if no_cuda("replaymoe bench moe"):  # (after the options: a bad one is named on any machine)
+        return NO_CUDA_EXIT
     from ..moe.tuned import table_for
 
     dev = torch.device("cuda", torch.cuda.current_device())
