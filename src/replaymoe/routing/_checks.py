@@ -416,7 +416,7 @@ def topk_ids_for_kernels(
     if not check:
         return topk_ids, 0
     compiling = torch.compiler.is_compiling()
-    if not compiling and topk_ids.is_cuda and _marked_valid(topk_ids, num_experts):
+    if not compiling and _marked_valid(topk_ids, num_experts) and topk_ids.is_cuda:  # (unmarked: no cost)
         return topk_ids, 0
     if on_device:
         return topk_ids, num_experts
