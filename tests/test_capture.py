@@ -241,20 +241,46 @@ def test_abort_with_copy_in_flight_keeps_pages_until_it_lands(generator):
 
 def test_host_bytes_and_bound(generator):
     row = L * K * 2
-    cap = make(page_size=4, slab_pages=2, max_host_bytes=2 * N * row + 2 * 2 * 4 * row)  # staging + 2 slabs
     staging = 2 * N * row  # two staging buffers of [N, L, K] int16
+    cap = make(
+        page_size=4, slab_pages=2, max_host_bytes=staging + 2 * 2 * 4 * row + 8 * 8
+    )  # + 8 table entries
     assert cap.host_bytes() == staging
     exp: dict = {}
     run_step(cap, generator, ["a"] * 9, list(range(9)), exp)  # 3 pages -> 2 slabs of 2 pages
-    assert cap.host_bytes() == staging + 2 * 2 * 4 * row
+    assert cap.host_bytes() == staging + 2 * 2 * 4 * row + 3 * 8  # a's page table: 3 entries of 8 bytes
     assert cap.memory_stats()["used_page_bytes"] == 3 * 4 * row
+    assert cap.memory_stats()["page_table_bytes"] == 3 * 8
     with pytest.raises(CaptureMemoryError, match="max_host_bytes"):
         run_step(cap, generator, ["b"] * 8, list(range(8)), {})  # 2 more pages: only 1 free
     assert cap.live_requests == ["a"]  # nothing of the failed step was recorded
     run_step(cap, generator, ["a"], [9], exp)  # position 9 is on a's page 2: no new page needed
     np.testing.assert_array_equal(cap.finish("a").ids, expected_array(exp["a"], 10))
+    assert cap.memory_stats()["page_table_bytes"] == 0  # finish gives the table back
     with pytest.raises(CaptureMemoryError, match="staging"):
         make(max_host_bytes=100)
+
+
+@pytest.mark.parametrize(
+    "reqs, poss",
+    [
+        (["b"], [2**35]),  # a new request's table of 2**33 entries (64 GiB): was allocated unbounded
+        (["b", "c"], [0, 2**40]),  # after a page was taken for b: the rollback returns it
+        (["a", "a"], [5, 2**35]),  # an existing request whose table grew first (page 1): shrunk back
+    ],
+)
+def test_page_table_counts_against_max_host_bytes(reqs, poss):
+    # with a bound, a position far past any real context is a CaptureMemoryError before its page table
+    # is allocated, naming the position and the bound; the step is rolled back, table bytes included
+    cap = make(page_size=4, slab_pages=4, max_host_bytes=2 * N * L * K * 2 + 4 * 4 * L * K * 2 + 4096)
+    cap.end_step(["a"], [0])
+    before = _state(cap)
+    for _ in range(2):  # nothing leaks, call after call
+        with pytest.raises(CaptureMemoryError, match=rf"position {poss[-1]} of request .*max_host_bytes="):
+            cap.end_step(reqs, poss)
+        assert _state(cap) == before
+    cap.end_step(["a"], [100])  # a real position still fits the bound
+    assert cap.finish("a").num_tokens == 101
 
 
 # ----------------------------------------------------------------------------- checks

@@ -20,6 +20,7 @@ from .._validation import check_bool, check_int, fail
 from .trace.checks import as_int, check_layer_ids
 
 __all__ = [
+    "CaptureMemoryError",
     "check_capturer_args",
     "max_positions",
     "check_requests",
@@ -28,10 +29,19 @@ __all__ = [
     "check_distinct_rows",
     "fail_position",
     "page_table_memory_message",
+    "check_table_growth",
+    "step_positions",
+    "ENTRY_BYTES",
     "invalid_routing",
 ]
 
-_ENTRY_BYTES = 8  # one entry of a request's page table (a Python list slot)
+
+class CaptureMemoryError(MemoryError):
+    """The capturer's host storage would exceed ``max_host_bytes`` (exported by
+    :mod:`replaymoe.record.capture`)."""
+
+
+ENTRY_BYTES = 8  # one entry of a request's page table (a Python list slot)
 
 
 def check_capturer_args(
@@ -72,7 +82,33 @@ def check_capturer_args(
     check_int("num_buffers", num_buffers, low=1)
     check_int("slab_pages", slab_pages, low=1)
     check_bool("clear_after_copy", clear_after_copy)
+    staging = num_buffers * max_num_tokens * num_layers * top_k * 2  # the int16 staging buffers' bytes
+    if max_host_bytes is not None and staging > max_host_bytes:  # before anything is allocated
+        raise CaptureMemoryError(
+            f"max_host_bytes={max_host_bytes} is below the {staging} bytes of staging "
+            f"buffers ({num_buffers} x [{max_num_tokens}, {num_layers}, {top_k}] int16)"
+        )
     return num_experts, layer_ids
+
+
+def step_positions(
+    token_requests: Any, token_positions: Any, dp_span: Any, max_num_tokens: int
+) -> tuple[int, np.ndarray, int, int]:
+    """``end_step``'s arguments checked: ``(n entries, positions int [n], first buffer row, rows)``."""
+    n = check_requests(token_requests)
+    if isinstance(token_positions, torch.Tensor):
+        if token_positions.device.type != "cpu":
+            fail("token_positions", "a host sequence (list, numpy array or CPU tensor)", "a device tensor")
+        token_positions = token_positions.numpy()
+    pos = np.asarray(token_positions)
+    if pos.ndim != 1 or len(pos) != n:
+        fail("token_positions", f"{n} positions (one per entry of token_requests)", f"shape {pos.shape}")
+    if n and not np.issubdtype(pos.dtype, np.integer):
+        fail("token_positions", "integer positions", f"dtype {pos.dtype}", what="dtype")
+    start, T = (0, n) if dp_span is None else check_dp_span(dp_span, n)
+    if start + T > max_num_tokens:
+        fail("end_step", f"at most max_num_tokens={max_num_tokens} rows", f"rows up to {start + T}")
+    return n, pos, start, T
 
 
 def max_positions(page_size: int, row_bytes: int) -> int:
@@ -83,7 +119,7 @@ def max_positions(page_size: int, row_bytes: int) -> int:
     ``page_size`` positions, and a list holds at most ``sys.maxsize // 8`` entries. (Below this, a page
     table the host cannot allocate is a ``CaptureMemoryError`` naming the position.)
     """
-    return min(sys.maxsize // row_bytes, page_size * (sys.maxsize // _ENTRY_BYTES))
+    return min(sys.maxsize // row_bytes, page_size * (sys.maxsize // ENTRY_BYTES))
 
 
 def check_requests(token_requests: Any) -> int:
@@ -159,8 +195,23 @@ def page_table_memory_message(p: int, i: int, req: object, page_size: int) -> st
     """The message of the CaptureMemoryError for a page table the host could not allocate."""
     return (
         f"RoutedExpertsCapturer: no host memory for the page table of request {req!r} up to position {p} "
-        f"(index {i} of token_positions): {p // page_size + 1} entries of {_ENTRY_BYTES} bytes. "
+        f"(index {i} of token_positions): {p // page_size + 1} entries of {ENTRY_BYTES} bytes. "
         f"Nothing of this step was recorded."
+    )
+
+
+def check_table_growth(held: int, grow: int, limit: int, req: object, p: int, i: int) -> None:
+    """Raise ``CaptureMemoryError`` when ``grow`` more page-table entries (request ``req`` up to position
+    ``p``, entry ``i`` of the step) would take the capturer's host memory (``held`` bytes) past ``limit``
+    (``max_host_bytes``)."""
+    need = held + grow * ENTRY_BYTES
+    if need <= limit:
+        return
+    raise CaptureMemoryError(
+        f"RoutedExpertsCapturer: recording position {p} of request {req!r} (index {i} of token_positions) "
+        f"needs {grow} more page-table entries of {ENTRY_BYTES} bytes, which would take host memory to "
+        f"{need} bytes, over max_host_bytes={limit}. A position this far is past any real context: check "
+        f"token_positions, or raise max_host_bytes. Nothing of this step was recorded."
     )
 
 

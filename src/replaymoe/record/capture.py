@@ -68,24 +68,22 @@ import torch
 
 from .._validation import check_int, fail, is_capturing
 from ._capture_checks import (
+    ENTRY_BYTES,
+    CaptureMemoryError,
     check_capturer_args,
     check_distinct_rows,
-    check_dp_span,
     check_hashable,
-    check_requests,
+    check_table_growth,
     fail_position,
     invalid_routing,
     max_positions,
     page_table_memory_message,
+    step_positions,
 )
 from .trace import RoutingTrace
 from .transfer import CudaTransfer, SyncTransfer
 
 __all__ = ["RoutedExpertsCapturer", "CaptureMemoryError"]
-
-
-class CaptureMemoryError(MemoryError):
-    """The capturer's host storage would exceed ``max_host_bytes``."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,8 +162,11 @@ class RoutedExpertsCapturer:
     model_id : str, optional
         Stored on the traces. All three are checked here as the trace checks them.
     max_host_bytes : int, optional
-        Bound on host memory (page slabs plus staging buffers); a step needing more raises
-        :class:`CaptureMemoryError` before anything of that step is recorded. ``None`` = no bound.
+        Bound on host memory (page slabs, staging buffers and the requests' page tables, 8 bytes per
+        ``page_size`` positions of a request); a step needing more raises :class:`CaptureMemoryError`
+        before anything of that step is recorded. ``None`` = no bound (a position far past any real
+        context then allocates its request's page table up to it: set a bound for untrusted
+        positions).
     page_size : int
         Positions per host page (default 64).
     num_buffers : int
@@ -221,16 +222,12 @@ class RoutedExpertsCapturer:
             (num_layers, max_num_tokens, top_k), -1, dtype=torch.int16, device=self.device
         )
         self._transfer = self._make_transfer()
-        if max_host_bytes is not None and self._transfer.nbytes() > max_host_bytes:
-            raise CaptureMemoryError(
-                f"max_host_bytes={max_host_bytes} is below the {self._transfer.nbytes()} bytes of staging "
-                f"buffers ({num_buffers} x [{max_num_tokens}, {num_layers}, {top_k}] int16)"
-            )
         self._row_bytes = num_layers * top_k * 2
         self._max_positions = max_positions(page_size, self._row_bytes)
         self._slabs: list[np.ndarray] = []  # each [slab_pages * page_size, L, K] int16
         self._free_pages: list[int] = []
         self._requests: dict[Hashable, _Request] = {}
+        self._table_entries = 0  # page-table entries of every request (live or zombie): host_bytes()
         self._zombies: list[_Request] = []  # aborted, pages freed once their pending copies land
         self._pending: deque[_Pending] = deque()
         self._slot_busy: list[_Pending | None] = [None] * num_buffers
@@ -288,21 +285,7 @@ class RoutedExpertsCapturer:
             fail(
                 "end_step", "a call outside CUDA-graph capture (after the graph replay)", "a capturing stream"
             )
-        n = check_requests(token_requests)
-        if isinstance(token_positions, torch.Tensor):
-            if token_positions.device.type != "cpu":
-                fail(
-                    "token_positions", "a host sequence (list, numpy array or CPU tensor)", "a device tensor"
-                )
-            token_positions = token_positions.numpy()
-        pos = np.asarray(token_positions)
-        if pos.ndim != 1 or len(pos) != n:
-            fail("token_positions", f"{n} positions (one per entry of token_requests)", f"shape {pos.shape}")
-        if n and not np.issubdtype(pos.dtype, np.integer):
-            fail("token_positions", "integer positions", f"dtype {pos.dtype}", what="dtype")
-        start, T = (0, n) if dp_span is None else check_dp_span(dp_span, n)
-        if start + T > self.max_num_tokens:
-            fail("end_step", f"at most max_num_tokens={self.max_num_tokens} rows", f"rows up to {start + T}")
+        n, pos, start, T = step_positions(token_requests, token_positions, dp_span, self.max_num_tokens)
 
         # host bookkeeping (one pass over the tokens): staging row -> pool row. Pages are taken
         # as needed; if a check or the memory bound stops the step, everything it changed is rolled back.
@@ -333,7 +316,11 @@ class RoutedExpertsCapturer:
                 g = pages[pg] if pg < len(pages) else -1
                 if g < 0:
                     if pg >= len(pages):  # the table first: a failure here has taken no page
-                        pages.extend([-1] * (pg + 1 - len(pages)))
+                        grow = pg + 1 - len(pages)
+                        if self.max_host_bytes is not None:
+                            check_table_growth(self.host_bytes(), grow, self.max_host_bytes, req, p, i)
+                        pages.extend([-1] * grow)
+                        self._table_entries += grow
                     g = self._take_page()
                     taken.append((st, pg, g))
                     pages[pg] = g
@@ -344,6 +331,7 @@ class RoutedExpertsCapturer:
             src_rows, dst_rows = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
             check_distinct_rows(dst_rows, src_rows, token_requests, pos_list)
         except BaseException as exc:
+            self._table_entries -= sum(len(st.pages) - npages for st, _, npages in touched.values())
             _undo_step(self._free_pages, self._slabs, self.slab_pages, num_slabs, taken, touched)
             _name_step_error(exc, i, req, p, P)
             raise
@@ -397,6 +385,7 @@ class RoutedExpertsCapturer:
 
     def _free(self, st: _Request) -> None:
         P = self.page_size
+        self._table_entries -= len(st.pages)
         for g in st.pages:
             if g >= 0:
                 s, r = divmod(g, self.slab_pages)
@@ -514,6 +503,10 @@ class RoutedExpertsCapturer:
 
     # ------------------------------------------------------------------ introspection
     @property
+    def _table_bytes(self) -> int:
+        return self._table_entries * ENTRY_BYTES
+
+    @property
     def live_requests(self) -> list[Hashable]:
         """Ids of requests with recorded tokens that are neither finished nor aborted."""
         return list(self._requests)
@@ -531,15 +524,18 @@ class RoutedExpertsCapturer:
         return self._transfer
 
     def host_bytes(self) -> int:
-        """Host memory held: page slabs (used or free) plus staging buffers (pinned on CUDA)."""
-        return len(self._slabs) * self._slab_bytes() + self._transfer.nbytes()
+        """Host memory held: page slabs (used or free), staging buffers (pinned on CUDA) and the
+        requests' page tables."""
+        return len(self._slabs) * self._slab_bytes() + self._transfer.nbytes() + self._table_bytes
 
     def memory_stats(self) -> dict[str, int]:
-        """Breakdown: ``staging_bytes``, ``pool_bytes``, ``used_page_bytes``, ``live_requests``."""
+        """Breakdown: ``staging_bytes``, ``pool_bytes``, ``used_page_bytes``, ``page_table_bytes``,
+        ``live_requests``."""
         used = len(self._slabs) * self.slab_pages - len(self._free_pages)
         return {
             "staging_bytes": self._transfer.nbytes(),
             "pool_bytes": len(self._slabs) * self._slab_bytes(),
             "used_page_bytes": used * self.page_size * self._row_bytes,
+            "page_table_bytes": self._table_bytes,
             "live_requests": len(self._requests),
         }
