@@ -501,3 +501,95 @@ def test_each_rollout_is_a_round_of_its_own(between):
         else:
             moe.set_rollout_replay(True, missing="native")
             assert moe.report() is not None and moe._engine.replay.table.missing == "native"
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        lambda moe, tr: moe.set_capture(True),  # beam search captured: each trace mixed several beams
+        lambda moe, tr: moe.set_replay(tr),  # replayed: the cache's rows reorder under the traces
+        lambda moe, tr: moe.set_rollout_replay(True),  # rollout mode captures inside generate
+    ],
+    ids=["capture", "replay", "rollout"],
+)
+@pytest.mark.parametrize("how", ["keyword", "generation_config"])  # transformers resolves either
+def test_beam_search_is_refused_while_capturing_or_replaying(setup, how):
+    from transformers import GenerationConfig
+
+    model, moe, ids, mask, traces, gen = _generated("torch")
+    setup(moe, traces)
+    beams = {"num_beams": 3} if how == "keyword" else {"generation_config": GenerationConfig(num_beams=3)}
+    with pytest.raises(ValueError, match=r"Invalid value of num_beams: expected 1 while replaymoe captures"):
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, **beams)
+    moe.set_replay(None)
+    moe.set_capture(False)
+    moe.set_rollout_replay(False)
+    with torch.no_grad():  # neither on: beam search runs (replaymoe's kernels, native routing)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=3)
+
+
+def test_generate_with_more_traces_than_rows_is_named():
+    # traces that carry their tokens, one more than generate's rows: the token check used to fail
+    # inside torch ("The size of tensor a (2) must match the size of tensor b (3)")
+    model, moe, ids, mask, traces, gen = _generated("torch")
+    with pytest.raises(ValueError, match=r"one trace per batch row \(2 rows in this forward\).*got 3 trace"):
+        with moe.replaying([*traces, traces[0]]), torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, **gen)
+
+
+def test_row_matched_forward_without_input_ids_is_refused():
+    # inputs_embeds alone with traces that carry tokens: no tokens to match by content or to check
+    # rows against, and rows fed in another order replayed the other sequence's routes without a word
+    model, moe, ids, mask, traces = _captured()
+    emb = model.get_input_embeddings()(ids.flip(0))
+    with pytest.raises(ValueError, match=r"expected input_ids in a forward that replays traces which carry"):
+        with moe.replaying(traces), torch.no_grad():
+            model(inputs_embeds=emb, attention_mask=mask)
+    untokened = [t.replace(token_ids=None) for t in traces]  # the opt-out the message names: by row
+    with moe.replaying(untokened), torch.no_grad():
+        model(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_disable_before_a_replayed_checkpointed_backward_raises_in_the_recompute(reentrant):
+    # disable() between a replayed checkpointed forward and its backward: the recompute ran the
+    # restored model natively (reentrant: other experts than the forward's, silently; non-reentrant:
+    # torch's CheckpointError about saved tensors)
+    model, moe, ids, mask, traces = _captured()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with moe.replaying(traces):
+        loss = model(input_ids=ids, attention_mask=mask).logits.float().square().mean()
+    moe.disable()
+    with pytest.raises(
+        ValueError, match=r"Invalid order of disable: .*got a recompute of model\.layers\.\d+\.mlp"
+    ):
+        loss.backward()
+    del loss
+    import gc
+
+    gc.collect()
+    loss = model(input_ids=ids, attention_mask=mask).logits.float().square().mean()  # native now
+    loss.backward()  # no replayed forward alive: the guard is gone
+    assert "_replaymoe_recompute_guard" not in model.__dict__
+    moe2 = rhf.enable(model)  # a new session on the model: nothing of the old one's guard stays
+    with moe2.replaying(traces):
+        model(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
+
+
+def test_capture_of_packed_rows_is_refused_and_drops_the_mixed_batch():
+    # two sequences packed in one row, position ids restarting at 0: the second was recorded over
+    # the first's positions, one trace of mixed tokens and routes, without a word
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    moe = rhf.enable(model, capture=True)
+    ids, _ = _batch(3, model.config.vocab_size, rows=1)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match=r"Invalid value of position_ids: .*increase along each row"):
+        moe.traces()
+    assert moe.traces() == []  # the mixed trace is never handed out
+    with torch.no_grad():  # given positions that increase (a late start): captured
+        model(input_ids=ids, position_ids=torch.arange(3, 15)[None])
+    (t,) = moe.traces()
+    assert t.num_tokens == 15 and (t.ids[:3] == -1).all() and (t.ids[3:] >= 0).all()  # 0..2 never fed

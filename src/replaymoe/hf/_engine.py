@@ -35,7 +35,7 @@ from ._patching import ModelPatch
 from ._replay_state import ReplayState, model_device
 from .discovery import MoELayerInfo
 from .positions import forward_cache
-from .recompute import MISSING, RecomputeBindings
+from .recompute import MISSING, RecomputeBindings, drop_recompute_guard, guard_recomputes
 from .state import ReplayTable, TraceMeta
 from .step import DecodeChain, Step, StepBuffers
 
@@ -107,6 +107,7 @@ class Engine:
     def install(self, owner: object, *, experts: bool, graphs: bool, keep_static_cache: bool) -> None:
         """Patch the model (:class:`~replaymoe.hf._patching.ModelPatch`); ``owner``: the handle, which
         the model then holds (:func:`enabled_handle`) until :meth:`disable`."""
+        drop_recompute_guard(self.model)  # an earlier session's (its recomputes are this one's now)
         self.patch = ModelPatch(
             self, owner, experts=experts, graphs=graphs, keep_static_cache=keep_static_cache
         )
@@ -136,6 +137,8 @@ class Engine:
         self.children.clear()
         self.replay.used.clear()
         self.patch.remove()
+        if self.bindings.replayed_alive:  # a checkpointed backward still to come must not go native
+            guard_recomputes(self.model, [(i.name, i.block) for i in self.layers], self.bindings)
         self.step_buffers.clear()
         self.paged.clear()
         setattr(self.model, _HANDLE, None)
@@ -270,10 +273,18 @@ class Engine:
         return "ids+weights" if self.rollout_weights else "ids"
 
     # ---------------------------------------------------------------- patches.SessionHooks
-    def generate_begin(self) -> None:
+    def generate_begin(self, num_beams: int) -> None:
         """``generate`` was called: a new capture batch starts at its first forward (so batches are
         kept apart on the host even when the cache's length lives on the device); in rollout mode,
-        capture on and replay paused."""
+        capture on and replay paused. Beam search (``num_beams > 1``) is refused while capture or
+        replay is on: it reorders the KV cache's rows between steps, so a row's routes would mix beams."""
+        if num_beams > 1 and (self.capture.user_on or self.rollout_mode or self.replay.table is not None):
+            fail(
+                "num_beams",
+                "1 while replaymoe captures or replays (beam search reorders the cache's rows between "
+                "steps: a row's routes would mix several beams)",
+                num_beams,
+            )
         self.rollout_generate_begin()
         self.capture.begin_pending = True
         self.generate_calls += 1

@@ -17,6 +17,29 @@ from .step import Step, fused_rows_ok, positions_bound, step_rows
 __all__ = ["plan_step"]
 
 
+def check_row_replay(replay: Any, B: int, input_ids: Optional[torch.Tensor]) -> None:
+    """A forward of ``B`` rows that replays ``replay``'s traces by batch row (a KV cache, or traces
+    that cannot be matched by content) has one trace per row and, when the traces carry their tokens,
+    the tokens to check against them (``input_ids``: a forward of ``inputs_embeds`` alone has none)."""
+    if replay.batch_size != B:
+        fail(
+            "replay",
+            f"one trace per batch row ({B} rows in this forward), or traces that carry their "
+            "tokens (captured by replaymoe) for forwards over whole sequences (no KV cache), "
+            "which are matched to rows by content",
+            f"{replay.batch_size} trace(s)",
+        )
+    if replay.checks_tokens and input_ids is None:
+        fail(
+            "replay",
+            "input_ids in a forward that replays traces which carry their tokens (each row's tokens are "
+            "checked against its trace's, so that no row replays another sequence's routes); for "
+            "inputs_embeds alone, replay traces without tokens (trace.replace(token_ids=None)), "
+            "matched by batch row and position only",
+            "a forward without input_ids",
+        )
+
+
 def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor, kwargs: dict) -> Step:
     """The :class:`Step` of a forward of ``ref.shape[:2]`` tokens (``input_ids`` or ``inputs_embeds``,
     the forward's keyword arguments in ``kwargs``) for ``engine``
@@ -57,8 +80,10 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
     fused = (
         eager and not content and not replay_w and fused_rows_ok(mask, S, past, ref.device, engine.backend)
     )
+    if replay is not None and not content:  # matched by batch row
+        check_row_replay(replay, B, input_ids)
     # replay by batch row of traces that carry their tokens: each token checked against its trace's
-    check_tokens = replay is not None and not content and replay.checks_tokens and input_ids is not None
+    check_tokens = replay is not None and not content and replay.checks_tokens
     positions = None
     if not fused or check_tokens:  # (the fused launch derives them on the device)
         positions = token_positions(
@@ -75,14 +100,6 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
     forced = forced_out = staged = slot = forced_w = staged_w = None
     buffers = engine.step_buffers
     if replay is not None:
-        if not content and replay.batch_size != B:
-            fail(
-                "replay",
-                f"one trace per batch row ({B} rows in this forward), or traces that carry their "
-                "tokens (captured by replaymoe) for forwards over whole sequences (no KV cache), "
-                "which are matched to rows by content",
-                f"{replay.batch_size} trace(s)",
-            )
         forced_out = buffers.get("forced", B * S, torch.int32, ref.device) if graphed else None
         if replay_w:  # full recall: the rows' weights beside their ids
             shape = (len(engine.layers), B * S, engine.top_k)
@@ -100,7 +117,8 @@ def plan_step(engine: Any, input_ids: Optional[torch.Tensor], ref: torch.Tensor,
         cap.prepare(B, past, needed, new_batch=engine.capture.begin_pending, eager=eager)
         engine.capture.begin_pending = False
         if not fused:
-            slot = cap.slots(positions, check_overflow=not eager or needed is None)
+            given = S > 1 and kwargs.get("position_ids") is not None  # (packed rows would restart them)
+            slot = cap.slots(positions, check_overflow=not eager or needed is None, check_order=given)
         if graphed:
             staged = buffers.get("staged", B * S, torch.int16, ref.device)
         else:

@@ -457,7 +457,7 @@ def paged_generate_batch(engine: Any, generate_batch: Callable) -> Callable:
         if engine.capture.buffer is not None and not engine.rollout_mode:
             engine.capture.harvest(3)  # earlier forwards' traces come first
         pending = engine.capture.begin_pending
-        engine.generate_begin()
+        engine.generate_begin(1)  # (continuous batching has no beam search)
         engine.capture.begin_pending = pending  # (no forward of this call starts a batch there)
         calls: list[PagedCapture] = []
         engine.paged_call = calls  # the managers this call makes (paged_init)

@@ -56,8 +56,9 @@ class SessionHooks(Protocol):
         """After a router call in the model's forward: what it was forced to and what it used (routed
         with ``routing``)."""
 
-    def generate_begin(self) -> None:
-        """``generate`` was called: its first forward starts a capture batch (rollout mode: a round)."""
+    def generate_begin(self, num_beams: int) -> None:
+        """``generate`` was called (with ``num_beams`` beams): its first forward starts a capture batch
+        (rollout mode: a round)."""
 
     def generate_end(self, out: Any) -> None:
         """``generate`` returned ``out`` (None when it raised)."""
@@ -72,7 +73,7 @@ def mark_batch_start(state: SessionHooks, generate: Callable) -> Callable:
 
     @functools.wraps(generate)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        state.generate_begin()
+        state.generate_begin(_num_beams(getattr(generate, "__self__", None), args, kwargs))
         out = None
         try:
             out = generate(*args, **kwargs)
@@ -81,6 +82,21 @@ def mark_batch_start(state: SessionHooks, generate: Callable) -> Callable:
             state.generate_end(out)
 
     return wrapped
+
+
+def _num_beams(model: Any, args: tuple, kwargs: dict) -> int:
+    """The beam count a ``generate(*args, **kwargs)`` call decodes with, as transformers resolves it:
+    the ``num_beams`` keyword, else the call's ``generation_config`` (keyword, or second positional),
+    else the model's."""
+    n = kwargs.get("num_beams")
+    if n is None:
+        config = kwargs.get("generation_config")
+        if config is None and len(args) > 1 and hasattr(args[1], "num_beams"):
+            config = args[1]
+        if config is None:
+            config = getattr(model, "generation_config", None)
+        n = getattr(config, "num_beams", None)
+    return n if isinstance(n, int) and n > 1 else 1
 
 
 _HALF = (torch.bfloat16, torch.float16)  # the activations the fused kernels take

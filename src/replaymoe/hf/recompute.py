@@ -35,11 +35,22 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["MISSING", "RecomputeBindings", "find_in_checkpoint", "unwrap_checkpoint"]
+from replaymoe._validation import fail
+
+__all__ = [
+    "MISSING",
+    "RecomputeBindings",
+    "drop_recompute_guard",
+    "find_in_checkpoint",
+    "guard_recomputes",
+    "unwrap_checkpoint",
+]
+
+_GUARD = "_replaymoe_recompute_guard"  # a model's attribute: the hooks guard_recomputes left on it
 
 
 class _Missing:
@@ -142,3 +153,40 @@ def unwrap_checkpoint(layer: torch.nn.Module) -> None:
     func = layer.__dict__.get("_gradient_checkpointing_func")
     if func is not None and getattr(func, _WRAPPED, False):
         layer._gradient_checkpointing_func = func.__wrapped__
+
+
+def guard_recomputes(model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]],
+                     bindings: RecomputeBindings) -> None:  # fmt: skip
+    """What ``disable()`` leaves on ``model`` while ``bindings`` hold replayed forwards
+    (:attr:`RecomputeBindings.replayed_alive`): a pre-hook on each MoE block (``(name, block)``) that
+    raises when the block runs inside a backward (an activation-checkpoint recompute) before those
+    forwards' graphs are gone, since the restored model would route the recompute natively, and the
+    gradients would belong to another routing. The hooks remove themselves once no replayed forward
+    is alive, and :func:`drop_recompute_guard` (a new ``enable``) removes them at once."""
+    handles: list = []
+
+    def make(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            if not bindings.replayed_alive:
+                drop_recompute_guard(model)
+            elif torch._C._current_graph_task_id() != -1:  # inside backward: a checkpoint recompute
+                fail(
+                    "disable",
+                    "backward() of every checkpointed forward that replayed traces before disable() "
+                    "(its recompute must route as that forward did)",
+                    f"a recompute of {name} after disable(), which would route natively",
+                    what="order",
+                )
+
+        return hook
+
+    drop_recompute_guard(model)
+    for name, block in blocks:
+        handles.append(block.register_forward_pre_hook(make(name)))
+    setattr(model, _GUARD, handles)
+
+
+def drop_recompute_guard(model: torch.nn.Module) -> None:
+    """Remove the hooks :func:`guard_recomputes` left on ``model`` (none: nothing)."""
+    for handle in model.__dict__.pop(_GUARD, ()):
+        handle.remove()

@@ -77,6 +77,9 @@ class CaptureBuffer:
     overflow : torch.Tensor bool [1]
         Set when a token fell outside ``S_cap`` (only possible where the buffer could not grow
         first: inside a compiled forward); :meth:`harvest` raises then.
+    repeated : torch.Tensor bool [1]
+        Set when a forward's row held a position twice, or went back (packed sequences whose
+        position ids restart: one row would be recorded as a mix of them); :meth:`harvest` raises then.
     started : torch.Tensor int64 [1]
         Batches started since the last harvest (counted on the device, so that batches begun
         inside compiled forwards are counted too).
@@ -105,6 +108,7 @@ class CaptureBuffer:
         self.weights: torch.Tensor | None = None
         self.overflow = _static(torch.zeros(1, dtype=torch.bool, device=device))
         self.overflow_i8 = self.overflow.view(torch.int8)  # what the step_rows kernel writes
+        self.repeated = _static(torch.zeros(1, dtype=torch.bool, device=device))
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.started = _static(torch.zeros(1, dtype=torch.int64, device=device))
         self.rows = 0  # batch rows of the current batch
@@ -203,15 +207,22 @@ class CaptureBuffer:
             self.weights.masked_fill_(is_new, float("nan"))
         self.started.add_(is_new.to(torch.int64))
 
-    def slots(self, positions: torch.Tensor, *, check_overflow: bool) -> torch.Tensor:
+    def slots(
+        self, positions: torch.Tensor, *, check_overflow: bool, check_order: bool = False
+    ) -> torch.Tensor:
         """Row of ``ids`` for every token, ``int64 [B*S]`` (padding and overflow: the dump row).
 
         ``positions`` is ``int64 [B, S]`` with -1 for padding, ``B <= B_cap``. ``check_overflow``
         sends positions beyond ``S_cap`` to the dump row and records them in :attr:`overflow`
         (needed where the buffer could not grow to the forward's positions first); without it every
-        position must be below ``S_cap``.
+        position must be below ``S_cap``. ``check_order`` (positions the caller gave, ``S > 1``)
+        records in :attr:`repeated` a row whose positions do not increase (padding aside).
         """
         B = positions.shape[0]
+        if check_order:  # each position above every earlier one of its row
+            before = positions.cummax(dim=1).values[:, :-1]
+            back = (positions[:, 1:] >= 0) & (positions[:, 1:] <= before)
+            self.repeated.logical_or_(back.any().reshape(1))
         dump = self.batch_cap * self.seq_cap
         if not check_overflow:  # every position is below S_cap (the buffer grew to them first)
             return torch.where(positions >= 0, positions + self.row_base[:B], dump).reshape(-1)
@@ -266,11 +277,25 @@ class CaptureBuffer:
         ------
         ValueError
             When a token fell outside the buffer's capacity (see :func:`replaymoe.hf.enable`'s
-            ``max_batch_size`` / ``max_positions``).
+            ``max_batch_size`` / ``max_positions``), or a row's given positions repeated (packed
+            sequences: the batches since the last harvest are dropped).
         """
         self.flush()
         started = int(self.started.item())
-        if bool(self.overflow.item()):
+        overflow, repeated = torch.cat([self.overflow, self.repeated]).tolist()
+        if repeated:  # which batch is unknown: all of them go, none is returned mixed
+            self.repeated.zero_()
+            self._history.clear()
+            self.started.zero_()
+            self.dirty = False
+            fail(
+                "position_ids",
+                "positions that increase along each row of a captured forward (one sequence per row: "
+                "a row of packed sequences whose position ids restart would record them over each "
+                "other; the traces captured since the last traces() call are dropped)",
+                "a row whose positions repeat or go back",
+            )
+        if overflow:
             self.overflow.zero_()
             fail(
                 "max_positions",

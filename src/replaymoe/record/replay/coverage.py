@@ -40,8 +40,9 @@ def fail_token_diff(count: int, key: int, recorded: int, got: int) -> NoReturn:
     row, pos = key >> 28, key & ((1 << 28) - 1)
     fail(
         "replay",
-        "the tokens each trace recorded, in forwards matched to traces by batch row (with a KV cache, "
-        "as in generate: traces[b] replays batch row b, so it must hold that row's sequence)",
+        "the tokens each trace recorded, in forwards matched to traces by batch row (a forward with a "
+        "KV cache, as in generate, or traces that do not start at position 0: traces[b] replays batch "
+        "row b, so it must hold that row's sequence)",
         f"batch row {row}, position {pos}: traces[{row}] recorded token {recorded}, the forward has {got}; "
         f"{count} token(s) differ since the last check",
         what="tokens",

@@ -87,7 +87,13 @@ class ReplaySource:
         if num_layers != self.num_layers:
             fail(
                 "num_layers",
-                f"the trace's {self.num_layers} MoE layers (layer_ids {list(self._layer_of)})",
+                f"the trace's {self.num_layers} MoE layers ("
+                + (
+                    f"layer_ids {list(self._layer_of)}"
+                    if self.traces[0].layer_ids is not None
+                    else "the trace records no layer_ids"
+                )
+                + ")",
                 f"a model with {num_layers} MoE layers",
             )
         if top_k != self.top_k:
