@@ -100,15 +100,26 @@ def test_fullgraph_training_forward_with_replay_and_grad():
     moe.disable()
 
 
-def test_compiled_capture_beyond_capacity_raises_at_traces():
+@pytest.mark.parametrize(
+    "cap",
+    [
+        dict(max_batch_size=4, max_positions=4),  # rows hold 7 tokens
+        # 3 rows in a buffer of 1 (enable's default): was a dynamo error deep in the buffer's growth
+        # ("Observed exception"; without fullgraph "Attempt to trace forbidden callable")
+        dict(max_batch_size=1, max_positions=16),
+    ],
+    ids=["positions", "rows"],
+)
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_capture_beyond_capacity_raises_at_traces(cap, fullgraph):
     # a compiled forward cannot grow the buffer: tokens outside it are reported, not silently lost
     model = build_model("qwen3_moe", "tiny", seed=1)
-    ids, mask = _padded_batch(2, model.config.vocab_size)
-    moe = rhf.enable(model, capture=True, max_batch_size=4, max_positions=4)  # rows hold 7 tokens
-    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    ids, mask = _padded_batch(3, model.config.vocab_size)
+    moe = rhf.enable(model, capture=True, **cap)
+    compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
     with torch.no_grad():
         compiled(input_ids=ids, attention_mask=mask)
-    with pytest.raises(ValueError, match="max_positions"):
+    with pytest.raises(ValueError, match=r"Invalid capacity of max_batch_size / max_positions: .*now "):
         moe.traces()
     moe.disable()
 
@@ -226,3 +237,27 @@ def test_compiled_training_step_replays_through_checkpointing(checkpointing):
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, name=name)
+
+
+def test_mismatch_is_counted_in_compiled_forwards():
+    # track_mismatch() counted nothing under torch.compile: mismatch() read 0 tokens and 0.0, and TRL's
+    # r3/* metrics went missing with torch_compile=True
+    model = build_model("qwen3_moe", "tiny", seed=1)
+    ids, mask = _padded_batch(1, model.config.vocab_size)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    traces = moe.traces()
+    moe.set_capture(False)
+    with torch.no_grad():
+        for info in moe.layers:  # routers moved, as an optimizer step moves them
+            info.router.weight.add_(torch.randn_like(info.router.weight))
+    moe.track_mismatch()
+    counts = []
+    for run in (model, torch.compile(model, backend="eager", fullgraph=True)):
+        with moe.replaying(traces), torch.no_grad():
+            run(input_ids=ids, attention_mask=mask)
+        counts.append(moe.mismatch())
+    assert counts[1] == counts[0] and counts[0]["tokens"] == 3 * int(mask.sum())  # every real token-layer
+    assert counts[0]["native_vs_rollout"] > 0 and counts[0]["replayed_vs_rollout"] == 0.0
+    moe.disable()

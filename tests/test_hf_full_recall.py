@@ -5,6 +5,7 @@ rollout mode and ``R3Config(replay="ids+weights")``; weightless traces (vLLM, SG
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,8 +98,9 @@ def test_negative_weights_are_refused_where_the_routing_makes_none():
     # check (the table is checked once), so set_replay must apply it: naming the trace, the layer and
     # the position; a sign flip in a row of -1 ids (nothing replayed there) is no error
     model, moe, seqs, _, traces = _captured()
-    bad = traces[1].replace(weights=traces[1].weights.copy())
-    bad.weights[3, 2, 1] = -0.25
+    w = traces[1].weights.copy()
+    w[3, 2, 1] = -0.25
+    bad = traces[1].replace(weights=w)
     with pytest.raises(
         ValueError, match=r"weights of traces\[1\].*MoE layer 2.*got -0.25 at position 3, slot 1"
     ):
@@ -108,11 +110,70 @@ def test_negative_weights_are_refused_where_the_routing_makes_none():
     moe.set_replay([traces[0], bad.replace(ids=ids)], replay="ids+weights", missing="native")
 
 
+@pytest.mark.parametrize(
+    "arch, edit, match",
+    [
+        (
+            "qwen3_moe",
+            lambda w: w * 2,
+            r".* summing to 1 per row for MoE layer 0 .*got 1\.\d+ at position \d+, slot",
+        ),  # a doubled row
+        (
+            "qwen3_moe",
+            lambda w: w * 0,
+            r".* summing to 1 per row for MoE layer 0 .*got a row summing to 0 at position 0",
+        ),  # zeroed
+        (
+            "qwen3_moe",
+            lambda w: w * 1e6,
+            r"\[0, 1\] .*MoE layer 0 .*got 5\d+\.\d+ at position 0",
+        ),  # past the maximum
+        # rows scaled to sum 1.5, each weight still below 1 at some rows: the row sum names them
+        ("qwen3_moe", lambda w: w * 1.5, r".* summing to 1 per row for MoE layer 0 .*got "),
+        # DeepSeek-V3's rows sum to routed_scaling_factor; traces of a model with another scale
+        (
+            "deepseek_v3",
+            lambda w: w * 0.5,
+            r".* summing to 2\.5 per row for MoE layer 0 .*\(deepseek_v3\) makes them, got a row",
+        ),
+    ],
+    ids=["doubled", "zeroed", "huge", "scaled", "deepseek-scale"],
+)
+def test_replayed_weights_must_be_what_the_routing_makes(arch, edit, match):
+    # full recall replayed weights that the layer's routing can never make, without a word (logits off
+    # by up to 1.09); each is refused at set_replay naming the trace, the layer and the position
+    model, moe, seqs, _, traces = _captured(arch)
+    w = traces[1].weights.copy()
+    real = traces[1].ids[:, :, :1] >= 0
+    w = np.where(real, edit(w).astype(np.float32), w)
+    with pytest.raises(
+        ValueError, match=r"Invalid weights of traces\[1\]: expected weights in " + match
+    ):
+        moe.set_replay([traces[0], traces[1].replace(weights=w)], replay="ids+weights")
+    moe.set_replay(traces, replay="ids+weights")  # the captured weights themselves pass
+
+
+def test_trace_arrays_are_read_only_copies():
+    # an edit in place after a replay was ignored (the device table is kept for the same trace
+    # objects) and skipped every check (a duplicate id replayed, an id of 10000 an IndexError)
+    model, moe, seqs, _, traces = _captured()
+    t = traces[0]
+    for arr in (t.ids, t.weights, t.token_ids):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = arr[0]
+    given = np.zeros((3, 2, 2), dtype=np.int16)
+    given[:, :, 1] = 1
+    made = type(t)(given, num_experts=8, top_k=2)
+    given[0, 0] = 5  # the caller's array is theirs: the trace keeps its own copy
+    assert made.ids[0, 0].tolist() == [0, 1] and given.flags.writeable
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_checkpoint_recomputes_replay_the_weights_too(reentrant):
     # the same gradients with and without activation checkpointing: the recompute finds the ids and
     # the weights its forward used (bound to the layer's input)
     model, moe, seqs, ref, traces = _captured(rows=2, length=6)
+    traces = [t.replace(token_ids=None) for t in traces]  # inputs_embeds: matched by row, no tokens
     grads = []
     for checkpointing in (False, True):
         if checkpointing:

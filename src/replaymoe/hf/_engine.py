@@ -310,10 +310,12 @@ class Engine:
     def routed(self, info: MoELayerInfo, logits: torch.Tensor, replay_ids: Optional[torch.Tensor],
                used: torch.Tensor, routing: RoutingConfig) -> None:  # fmt: skip
         """A router call with ``replay_ids`` used ``used``: kept for this forward's aux loss, and counted
-        (``track_mismatch``); recomputes (outside the model's forward) are not."""
-        if replay_ids is None or self.step is None or torch.compiler.is_compiling():
+        (``track_mismatch``, compiled forwards too: device ops on the counters); recomputes (outside the
+        model's forward) are not."""
+        if replay_ids is None or self.step is None:
             return
-        self.replay.used[info.index] = (logits, used)
+        if not torch.compiler.is_compiling():
+            self.replay.used[info.index] = (logits, used)
         if self.replay.mismatch is not None:
             self.replay.count_mismatch(info.index, logits, replay_ids, used, routing, self.backend)
 

@@ -14,7 +14,7 @@ from replaymoe._validation import fail, is_capturing
 from replaymoe.record.replay import ReplaySource
 from replaymoe.record.trace import RoutingFingerprint
 from replaymoe.routing import RoutingConfig, route
-from replaymoe.routing.methods import nonnegative_weights
+from replaymoe.routing.methods import weight_bounds
 
 from .discovery import MoELayerInfo
 from .state import ReplayTable
@@ -121,7 +121,7 @@ class ReplayState:
                     what="model",
                 )
         if weights:
-            self._check_weight_signs(src.traces, mapping)
+            self._check_weight_values(src.traces, mapping)
         table = self.writable()
         dev = model_device(self.model)
         if table.holds(src.traces, mapping, dev, weights=weights):  # the same traces again (e.g.
@@ -131,26 +131,48 @@ class ReplayState:
         table.missing = missing
         return table
 
-    def _check_weight_signs(self, traces: Any, mapping: list[int]) -> None:
-        """Full recall: a layer whose routing never makes a negative weight (every method but TOPK,
-        with a scale >= 0) replays only weights >= 0, the rule ``route`` applies to ``replay_weights``;
-        checked here once, on the host, since the forwards skip it."""
+    def _check_weight_values(self, traces: Any, mapping: list[int]) -> None:
+        """Full recall: each replayed row's weights must be what the layer's routing can make
+        (:func:`~replaymoe.routing.methods.weight_bounds`): >= 0 for every method but TOPK (the rule
+        ``route`` applies to ``replay_weights``), each at most the method's maximum, and the row's sum
+        in its range (1 for a renormalized routing, the scale for DeepSeek-V3's). Checked here once,
+        on the host, since the forwards skip it: weights scaled, zeroed, or from a model that weighs
+        otherwise (another ``norm_topk_prob`` or ``routed_scaling_factor``) are refused."""
         for info, col in zip(self.layers, mapping):
-            routing = info.plan.routing
-            if not nonnegative_weights(routing.method, routing.scale):
+            routing, own = info.plan.routing, info.plan.sigmoid_scale
+            if own is not None:  # the router's own weights, sigmoid(logits) * scale (no renorm)
+                bounds = None if own < 0 else (own, 0.0, own * routing.top_k)
+            else:
+                bounds = weight_bounds(routing.method, routing.scale, routing.top_k)
+            if bounds is None:
                 continue
+            top, lo, hi = bounds
+            tol = 1e-3 * max(1.0, hi)
             for i, trace in enumerate(traces):
-                negative = (trace.weights[:, col] < 0) & (trace.ids[:, col] >= 0)
-                if negative.any():
-                    pos, slot = (int(v) for v in np.argwhere(negative)[0])
-                    fail(
-                        f"traces[{i}]",
-                        f"weights >= 0 for MoE layer {info.index} (model layer {info.layer_number}), "
-                        f"whose routing ({routing.method.name.lower()}) never makes a negative weight",
-                        f"{float(trace.weights[pos, col, slot])} at position {trace.token_offset + pos}, "
-                        f"slot {slot}",
-                        what="weights",
-                    )
+                w, real = trace.weights[:, col], trace.ids[:, col, 0] >= 0  # [N, K], [N]
+                sums = w.sum(axis=1)
+                bad_w = ((w < 0) | (w > top + tol)) & real[:, None]
+                bad_row = real & ((sums < lo - tol) | (sums > hi + tol))
+                if not (bad_w.any() or bad_row.any()):
+                    continue
+                rule = (
+                    f"weights in [0, {top:g}] summing to {lo:g} per row"
+                    if lo == hi
+                    else f"weights in [0, {top:g}] summing to at most {hi:g} per row"
+                )
+                if bad_w.any():
+                    pos, slot = (int(v) for v in np.argwhere(bad_w)[0])
+                    got = f"{float(w[pos, slot])} at position {trace.token_offset + pos}, slot {slot}"
+                else:
+                    pos = int(np.argwhere(bad_row)[0][0])
+                    got = f"a row summing to {float(sums[pos]):.6g} at position {trace.token_offset + pos}"
+                fail(
+                    f"traces[{i}]",
+                    f"{rule} for MoE layer {info.index} (model layer {info.layer_number}), as its routing "
+                    f"({routing.method.name.lower()}) makes them",
+                    got,
+                    what="weights",
+                )
 
     def table_like(self, table: ReplayTable) -> Optional[ReplayTable]:
         """This (attached) session's table holding what ``table`` of its parent holds."""

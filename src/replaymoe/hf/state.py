@@ -168,7 +168,7 @@ class CaptureBuffer:
         if self.weights is not None:
             self.weights.fill_(float("nan"))
         self.started.add_(1)
-        self.rows = rows
+        self.rows = min(rows, self.batch_cap)  # (compiled, rows past B_cap: recorded as overflow)
 
     def prepare(
         self, rows: int, past: int | torch.Tensor, needed: int | None, *, new_batch: bool, eager: bool
@@ -177,10 +177,8 @@ class CaptureBuffer:
         ``new_batch`` — ``generate`` was called — or an empty cache), else grow eagerly to ``needed``
         positions, or restart on the device where the cache length lives there.
 
-        Raises
-        ------
-        ValueError
-            ``rows`` beyond the capacity (only inside a compiled forward: eager ones grow it).
+        Rows beyond the capacity (only inside a compiled forward: eager ones grow it) are recorded as
+        overflow (:meth:`slots`), which :meth:`harvest` raises naming ``max_batch_size``.
         """
         if new_batch or (isinstance(past, int) and past == 0) or self.rows == 0:
             self.begin_batch(rows, needed, eager=eager)
@@ -189,12 +187,6 @@ class CaptureBuffer:
                 self.ensure(rows, needed)
             if isinstance(past, torch.Tensor):
                 self.restart_if(past == 0)
-        if rows > self.batch_cap:
-            fail(
-                "max_batch_size",
-                f">= {rows} (the batch of a compiled forward with capture on; enable(..., max_batch_size=))",
-                self.batch_cap,
-            )
         self.dirty = True
 
     def restart_if(self, is_new: torch.Tensor) -> None:
@@ -226,9 +218,15 @@ class CaptureBuffer:
         dump = self.batch_cap * self.seq_cap
         if not check_overflow:  # every position is below S_cap (the buffer grew to them first)
             return torch.where(positions >= 0, positions + self.row_base[:B], dump).reshape(-1)
+        base = self.row_base
+        if B > self.batch_cap:  # (compiled: the buffer could not grow) the rows past B_cap: overflow
+            self.overflow.fill_(True)
+            positions = positions[: self.batch_cap]
         inside = (positions >= 0) & (positions < self.seq_cap)
-        slot = torch.where(inside, positions + self.row_base[:B], dump)
+        slot = torch.where(inside, positions + base[: positions.shape[0]], dump)
         self.overflow.logical_or_((positions >= self.seq_cap).any().reshape(1))
+        if B > self.batch_cap:
+            slot = torch.cat([slot, slot.new_full((B - self.batch_cap, slot.shape[1]), dump)])
         return slot.reshape(-1)
 
     def commit(self, staged: torch.Tensor, slot: torch.Tensor) -> None:
@@ -298,10 +296,11 @@ class CaptureBuffer:
         if overflow:
             self.overflow.zero_()
             fail(
-                "max_positions",
+                "max_batch_size / max_positions",
                 f"a capture capacity of at least the batch and length of every compiled forward "
                 f"(enable(..., max_batch_size=, max_positions=); now {self.batch_cap} x {self.seq_cap})",
-                "a token outside it, recorded as missing",
+                "a token outside it (a row past max_batch_size or a position past max_positions), "
+                "recorded as missing",
                 what="capacity",
             )
         batches = list(self._history)

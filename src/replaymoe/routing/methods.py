@@ -60,6 +60,7 @@ __all__ = [
     "Params",
     "RoutingMethod",
     "nonnegative_weights",
+    "weight_bounds",
     "select_torch",
     "selection_scores",
     "weights_torch",
@@ -320,6 +321,25 @@ def select_torch(x32: torch.Tensor, p: Params, bias: Optional[torch.Tensor]) -> 
 def weights_torch(x32: torch.Tensor, ids: torch.Tensor, p: Params) -> torch.Tensor:
     """fp32 [T, K] weights of the method at ``ids`` (int64), differentiable w.r.t. ``x32``."""
     return METHODS[p.method].weights(x32, ids, p)
+
+
+def weight_bounds(
+    method: RoutingMethod | int, scale: float, top_k: int
+) -> Optional[tuple[float, float, float]]:
+    """What ``method``'s weights of one row can be: ``(each weight's maximum, the row sum's minimum,
+    its maximum)`` (every weight is >= 0 where this is not None), or None where the weights are not
+    bounded (TOPK: raw logits; a negative ``scale``). ``scale`` applies to DEEPSEEK_V3 and MINIMAX2
+    (their rows sum to it), ``top_k`` bounds the sum of the sigmoid methods."""
+    method = RoutingMethod(method)
+    if method == RoutingMethod.TOPK or scale < 0:
+        return None
+    if method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2):
+        return scale, scale, scale
+    if method in (RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE, RoutingMethod.SIGMOID_RENORM):
+        return 1.0, 1.0, 1.0
+    if method == RoutingMethod.DEFAULT:  # softmax over all experts, at the selected ones
+        return 1.0, 0.0, 1.0
+    return 1.0, 0.0, float(top_k)  # sigmoid of each selected logit
 
 
 def nonnegative_weights(method: RoutingMethod | int, scale: float) -> bool:

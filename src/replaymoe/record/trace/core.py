@@ -95,6 +95,16 @@ class RoutingFingerprint:
 # --------------------------------------------------------------------------------------------
 
 
+def _frozen(checked: np.ndarray, given: Any) -> np.ndarray:
+    """``checked`` (a checked array of the constructor argument ``given``) as a trace keeps it:
+    read-only, and copied first where it still is the caller's memory, so that no edit after the
+    trace was made (and replayed, or saved) changes what it holds."""
+    if isinstance(given, np.ndarray) and np.may_share_memory(checked, given):
+        checked = checked.copy()
+    checked.setflags(write=False)
+    return checked
+
+
 class RoutingTrace(EngineFormats):
     """Expert ids recorded for one sequence.
 
@@ -136,6 +146,9 @@ class RoutingTrace(EngineFormats):
     num_experts, top_k, layer_ids (tuple or None), model_id, token_offset
     token_ids : np.ndarray int64 [N] or None
     weights : np.ndarray float32 [N, L, K] or None
+        The three arrays are read-only (the trace's own copies): a trace is checked once, when it is
+        made, and replay may keep its device table across calls; ``replace(ids=...)`` makes an edited
+        trace.
     format_version : int
         :data:`FORMAT_VERSION` of the file format this class writes.
     """
@@ -163,14 +176,18 @@ class RoutingTrace(EngineFormats):
         arr = as_int_array("ids", ids)
         if arr.ndim == 3 and arr.shape[2] != top_k:
             fail("ids", f"shape[2] == top_k == {top_k}", f"shape {arr.shape}", what="shape")
-        self.ids: np.ndarray = check_ids(arr, num_experts)
+        self.ids: np.ndarray = _frozen(check_ids(arr, num_experts), arr)
         self.num_experts = num_experts
         self.top_k = top_k
         self.layer_ids = check_layer_ids(layer_ids, self.ids.shape[1])
         self.model_id = model_id
         self.token_offset = token_offset
-        self.token_ids = None if token_ids is None else check_token_ids(token_ids, self.ids.shape[0])
-        self.weights: np.ndarray | None = None if weights is None else check_weights(weights, self.ids)
+        self.token_ids = (
+            None if token_ids is None else _frozen(check_token_ids(token_ids, self.ids.shape[0]), token_ids)
+        )
+        self.weights: np.ndarray | None = (
+            None if weights is None else _frozen(check_weights(weights, self.ids), weights)
+        )
 
     @classmethod
     def from_batch(cls, ids: Any, lengths: Sequence[int], *, num_experts: int | None, top_k: int,
@@ -201,6 +218,9 @@ class RoutingTrace(EngineFormats):
             tok = check_token_ids(given.reshape(-1), R * n)
             tok = tok.copy() if np.may_share_memory(tok, given) else tok
         w = None if weights is None else check_weights(np.asarray(weights).reshape(rows.shape), rows)
+        for a in (rows, tok, w):  # the rows' traces share them: read-only, as every trace's arrays
+            if a is not None:
+                a.setflags(write=False)
         out = []
         for b, length in enumerate(lens):
             t = object.__new__(cls)
