@@ -146,9 +146,7 @@ def test_replayed_weights_must_be_what_the_routing_makes(arch, edit, match):
     w = traces[1].weights.copy()
     real = traces[1].ids[:, :, :1] >= 0
     w = np.where(real, edit(w).astype(np.float32), w)
-    with pytest.raises(
-        ValueError, match=r"Invalid weights of traces\[1\]: expected weights in " + match
-    ):
+    with pytest.raises(ValueError, match=r"Invalid weights of traces\[1\]: expected weights in " + match):
         moe.set_replay([traces[0], traces[1].replace(weights=w)], replay="ids+weights")
     moe.set_replay(traces, replay="ids+weights")  # the captured weights themselves pass
 
