@@ -29,12 +29,15 @@ from replaymoe.hf.conformance import (  # noqa: E402
     CheckCode,
     EngineRoutes,
     check_routes,
+    load_model,
     load_routes,
     routes_from_sglang,
     routes_from_trace,
     routes_from_vllm,
 )
+from replaymoe.hf.discovery import find_moe_layers  # noqa: E402
 from replaymoe.hf.models import build_model  # noqa: E402
+from replaymoe.record.route_judge import LayerTies, tie_excused  # noqa: E402
 
 MODEL = ["--model", "tiny:deepseek_v3", "--seed", "0"]
 P_LEN, C_LEN = 24, 8  # prompt and completion tokens: 31 rows, enough for a constant layer to be implausible
@@ -385,8 +388,11 @@ def test_every_option_has_help_and_the_codes_never_collide():
 
 
 def test_engine_routes_validates_its_fields():
-    with pytest.raises(ValueError, match="Invalid length of routes of x"):
-        EngineRoutes(np.zeros((5, 1, 2), np.int64), np.arange(5), start=1, source="x")  # 5 rows past 4
+    # 5 rows from position 1 of 5 tokens: was refused ("Invalid length"); kept as sent, the check reports the
+    # row count and judges the rows within the tokens
+    r = EngineRoutes(np.zeros((5, 1, 2), np.int64), np.arange(5), start=1, source="x")
+    assert (r.rows, r.expected_rows) == (5, 3)
+    assert "1 row(s) past the last token (position 4), not judged" in r.row_count_note()
     with pytest.raises(ValueError, match="Invalid value of ids"):
         EngineRoutes(np.zeros((5, 1, 2)), np.arange(6))  # float ids
     r = EngineRoutes(np.zeros((5, 1, 2), np.uint8), np.arange(6))
@@ -488,8 +494,11 @@ def test_sglang_layout_follows_the_token_counts(good, tmp_path, capsys):
                               "routed_experts_dtype": "uint8"}}  # fmt: skip
 
     more = _write(tmp_path, "more.json", sglang(np.concatenate([moe, moe[-2:]])))
-    rc, out, err = _run([*MODEL, more], capsys)
-    assert rc == 2 and "got 33 rows" in _one_error_line(err)  # 33 rows for 32 tokens: unmappable
+    rc, out, err = _run([*MODEL, more, "--json"], capsys)
+    d = json.loads(out)  # 33 rows for 32 tokens: was exit 2 ("got 33 rows"); the rows that fit are judged
+    assert rc == 16 and [x["kind"] for x in d["defects"]] == ["row_count"], out
+    assert d["sequences"][0]["layout"] == "moe" and d["layers"][0]["rows"] == 32
+    assert "no prompt start gives 33 rows: 2 more than the tokens allow" in d["defects"][0]["first"]["note"]
     fewer = _write(tmp_path, "fewer.json", sglang(moe[:30]))
     rc, out, err = _run([*MODEL, fewer, "--json"], capsys)
     d = json.loads(out)
@@ -588,3 +597,409 @@ def test_library_check_refuses_bad_arguments(good, kw, says):
     with pytest.raises(ValueError) as exc:
         check_routes(good["model"], routes, **kw)
     assert says in str(exc.value)
+
+
+# --------------------------------------------------------------------------------------------
+# audit: layers never examined, deep JSON, near-ties, row counts, fingerprints, constant layers across
+# sequences, misalignment, SGLang --layer-ids, API errors, sources and --seed
+# --------------------------------------------------------------------------------------------
+
+
+def _with(ids, where, value, dtype=np.int32):
+    out = ids.astype(dtype)
+    out[where] = value
+    return out
+
+
+UNROUTED = [
+    # (case, fabricate, extra args, exit, text): each was "clean", exit 0, with a MoE layer never examined
+    # vLLM's int32 decoder layout: the dense column's zeros hid that both MoE columns are -1
+    ("moe_columns_missing", lambda ids: _with(ids, np.s_[:, 1:], -1), [], 2,
+     "no routed rows to check (every row of its MoE-layer columns [1, 2] is -1"),
+    # its one column is named the dense layer 0: no MoE layer has a column
+    ("dense_column_only", lambda ids: ids[:, :1], ["--layer-ids", "0"], 2, "none a MoE layer"),
+    # MoE layer 2 entirely -1, layer 1 good
+    ("one_layer_missing", lambda ids: _with(ids, np.s_[:, 2], -1), [], 16, "layer 2 (every row -1"),
+    # one column named layer 2: MoE layer 1 has no column at all
+    ("one_column", lambda ids: ids[:, 2:], ["--layer-ids", "2"], 16, "layer 1 (no source has a row for it)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, fabricate, extra, code, text", UNROUTED, ids=[u[0] for u in UNROUTED])
+def test_layers_never_examined_are_not_clean(good, tmp_path, capsys, case, fabricate, extra, code, text):
+    ids = fabricate(good["ids"].copy())
+    path = _write(tmp_path, "r.json", _chat(ids, good["prompt"], good["completion"]))
+    rc, out, err = _run([*MODEL, path, *extra], capsys)
+    assert rc == code, out + err
+    if code == 2:
+        assert out == "" and text in _one_error_line(err)
+        return
+    assert "unrouted_layer [16]" in out and text in out and "clean" not in out
+    d = json.loads(_run([*MODEL, path, *extra, "--json"], capsys)[1])
+    assert [x["kind"] for x in d["defects"]] == ["unrouted_layer"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 5000 + "]" * 5000,  # was a RecursionError traceback, exit 1
+        '{"choices": ' * 5000 + "1" + "}" * 5000,
+    ],
+    ids=["arrays", "objects"],
+)
+def test_deeply_nested_json_is_an_input_error(tmp_path, capsys, text):
+    path = _write(tmp_path, "deep.json", text)
+    rc, out, err = _run([*MODEL, path], capsys)
+    assert rc == 2 and out == ""
+    line = _one_error_line(err)
+    assert path in line and "nested too deeply" in line
+
+
+# near-ties ------------------------------------------------------------------------------------
+
+
+def _ties(tol, top_k=2, n_group=1, topk_group=1):
+    return LayerTies(np.zeros(1, bool), np.zeros(1, np.int64), np.zeros((1, 4), np.float32), top_k, n_group,
+                     topk_group, tol)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "u, x, ties, excused",
+    [
+        # scores 0.9 > 0.5 ~ 0.498 > 0.1, K=2: the recomputed set is {0, 1}
+        ([0.9, 0.5, 0.498, 0.1], [0, 2], _ties(5e-3), True),  # the runner-up for the K-th: within the tie
+        ([0.9, 0.5, 0.498, 0.1], [1, 2], _ties(5e-3), False),  # expert 0, clearly chosen, left out
+        ([0.9, 0.5, 0.498, 0.1], [2, 3], _ties(5e-3), False),  # no expert in common (was excused)
+        ([0.9, 0.5, 0.498, 0.1], [0, 3], _ties(5e-3), False),  # expert 3 is not within the tie
+        ([0.9, 0.5, 0.498, 0.1], [0, 3], _ties(0.5), True),  # ... at a tolerance of 0.5 it is
+        # two groups of two, one kept: group scores 0.95 vs 0.948, a group near-tie
+        ([0.5, 0.45, 0.6, 0.348], [2, 3], _ties(5e-3, 2, 2, 1), True),  # the other group's top 2
+        ([0.5, 0.45, 0.6, 0.348], [0, 2], _ties(5e-3, 2, 2, 1), False),  # two groups where one is kept
+        ([0.5, 0.45, 0.6, 0.348], [2, 3], _ties(1e-4, 2, 2, 1), False),  # the groups are not tied at 1e-4
+    ],
+)
+def test_a_near_tie_excuses_only_a_choice_within_the_tie(u, x, ties, excused):
+    assert tie_excused(np.array(u, np.float32), np.array(x), ties) is excused
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """A tiny Qwen3-MoE (softmax top-k: its selection scores are the router logits) on 40 tokens: the routes
+    it takes and each MoE layer's router logits [40, E], read by a forward hook on the router."""
+    model = build_model("qwen3_moe", "tiny", seed=0)
+    tokens = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    hooks = [
+        info.router.register_forward_hook(
+            lambda m, a, out, n=info.layer_number: logits.__setitem__(n, out[0])
+        )
+        for info in find_moe_layers(model)
+    ]
+    with torch.no_grad():
+        model(tokens[None], use_cache=False)
+    for h in hooks:
+        h.remove()
+    scores = np.stack([logits[n].float().numpy() for n in sorted(logits)], axis=1)[:-1]  # [39 rows, L, E]
+    return model, tokens.numpy(), scores
+
+
+def test_near_tie_rows_are_judged_unless_the_engine_chose_within_the_tie(qwen):
+    model, tokens, scores = qwen
+    tol, K = 0.05, 2
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    top = np.take_along_axis(scores, order, axis=-1)
+    gap = top[..., K - 1] - top[..., K]
+    tie = gap <= 0.5 * tol * np.maximum(1.0, np.abs(top[..., K - 1]))  # well inside the tolerance
+    assert tie.sum() >= 3
+    recomputed = order[..., :K]
+    runner_up = np.concatenate(
+        [order[..., : K - 1], order[..., K : K + 1]], axis=-1
+    )  # the K+1-th for the K-th
+    routes = lambda ids: EngineRoutes(ids, tokens)  # noqa: E731
+    assert check_routes(model, routes(recomputed), near_tie=tol, max_disagreement=0.0).ok
+    # an engine that took the runner-up at each near-tie: excused, clean even at a threshold of 0
+    ids = np.where(tie[..., None], runner_up, recomputed)
+    report = check_routes(model, routes(ids), near_tie=tol, max_disagreement=0.0)
+    assert report.ok and sum(c.excused for c in report.layers) == int(tie.sum()), report
+    # the two lowest-scoring experts at each near-tie: was excused (never judged, "clean"); now judged
+    ids = np.where(tie[..., None], order[..., -K:], recomputed)
+    report = check_routes(model, routes(ids), near_tie=tol, max_disagreement=0.0)
+    assert report.code == CheckCode.DISAGREEMENT and report.defect("disagreement").count == int(tie.sum())
+    assert sum(c.excused for c in report.layers) == 0
+    assert all(c.judged == c.rows for c in report.layers)
+
+
+def _disjoint(good):
+    """The good capture with each MoE row replaced by a set sharing no expert with it."""
+    rec = np.sort(good["ids"][:, 1:].astype(np.int64), axis=-1)
+    ids = good["ids"].copy()
+    for i, j in np.ndindex(*rec.shape[:2]):
+        ids[i, j + 1] = [e for e in range(8) if e not in rec[i, j]][:2]
+    return ids
+
+
+def test_routes_sharing_no_expert_are_judged_at_near_ties(good):
+    # at the default tolerance ~10% of layer 2's rows are near-ties: they were excused although the engine's
+    # set shares no expert with the recomputed one
+    ids = _disjoint(good)
+    report = check_routes(good["model"], routes_from_vllm(_chat(ids, good["prompt"], good["completion"])))
+    assert report.near_tie_rate > 0 and report.code == CheckCode.DISAGREEMENT
+    assert all(c.excused == 0 and c.judged == c.rows and c.disagreement == 1.0 for c in report.layers)
+
+
+def test_a_layer_whose_rows_are_all_excused_is_not_clean(good, tmp_path, capsys):
+    # a tolerance of 1e9 makes every row a near-tie and every set a choice within it: routes sharing no
+    # expert with the recomputation were "clean" (agreement 0, none judged); every layer is unjudged now
+    path = _write(tmp_path, "r.json", _chat(_disjoint(good), good["prompt"], good["completion"]))
+    rc, out, err = _run([*MODEL, path, "--near-tie", "1e9", "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 16 and [x["kind"] for x in d["defects"]] == ["unrouted_layer"], out + err
+    assert "31 rows judged (31 excused as near-ties)" in d["defects"][0]["detail"]
+    assert all(c["judged"] == 0 and c["excused"] == 31 for c in d["layers"])
+    # the good capture at the same tolerance: every row matches, so every row is judged
+    good_path = _write(tmp_path, "g.json", _chat(good["ids"], good["prompt"], good["completion"]))
+    assert _run([*MODEL, good_path, "--near-tie", "1e9"], capsys)[0] == 0
+
+
+# row counts, fingerprints ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case, rows, extra, code, notes",
+    [
+        # 33 rows for 32 tokens: was exit 2 "Invalid length", no hint
+        ("two_rows_more", 33, [], 16, ["33 rows, expected 31", "no prompt start gives 33 rows: 2 more"]),
+        # a prompt start 2 too late: was exit 2 "Invalid length"; the rows are position i, judged there
+        (
+            "prompt_start_2",
+            31,
+            ["--prompt-start", "2"],
+            48,
+            ["a prompt start of 0 gives 31 rows (--prompt-start 0?)", "is the prompt start 0?"],
+        ),
+    ],  # fmt: skip
+)
+def test_rows_past_the_tokens_are_a_row_count_defect(good, tmp_path, capsys, case, rows, extra, code, notes):
+    ids = np.concatenate([good["ids"], good["ids"][-2:]])[:rows]
+    path = _write(tmp_path, "r.json", _chat(ids, good["prompt"], good["completion"]))
+    rc, out, err = _run([*MODEL, path, *extra, "--json"], capsys)
+    d = json.loads(out)
+    assert rc == code and err == "", out + err
+    text = " ".join(x["first"]["note"] for x in d["defects"])
+    assert all(n in text for n in notes), text
+    assert "row(s) past the last token" in text and d["disagreement"] < 0.05
+    assert all(c["rows"] == 32 - int(extra[1] if extra else 0) for c in d["layers"])  # the rows that fit
+
+
+def _trace_only_layer_2(good, tmp_path):
+    return _trace_with(good, tmp_path, ids=good["trace"].ids[:, 1:], layer_ids=[2], weights=None)
+
+
+@pytest.mark.parametrize(
+    "case, make, extra, code, kinds, text",
+    [
+        # another model's id: was "clean" although set_replay refuses it
+        (
+            "model_id",
+            lambda g, d: _trace_with(g, d, model_id="another/model"),
+            [],
+            16,
+            ["fingerprint"],
+            "model_id 'another/model' vs",
+        ),
+        (
+            "model_id_ignored",
+            lambda g, d: _trace_with(g, d, model_id="another/model"),
+            ["--ignore-model-id"],
+            0,
+            [],
+            "clean",
+        ),
+        # a trace recording only MoE layer 2 of layers 1 and 2: was "clean"
+        (
+            "missing_layer",
+            _trace_only_layer_2,
+            [],
+            16,
+            ["unrouted_layer", "fingerprint"],
+            "1 vs 2 MoE layers; MoE layers [2] vs [1, 2]",
+        ),
+    ],  # fmt: skip
+)
+def test_a_trace_of_another_model_is_a_fingerprint_defect(good, tmp_path, capsys, case, make, extra, code,
+                                                          kinds, text):  # fmt: skip
+    path = make(good, tmp_path)
+    rc, out, err = _run([*MODEL, path, *extra], capsys)
+    assert rc == code and text in out, out + err
+    assert f"model {good['trace'].model_id}:" in out  # the model's id in the header
+    d = json.loads(_run([*MODEL, path, *extra, "--json"], capsys)[1])
+    assert [x["kind"] for x in d["defects"]] == kinds
+
+
+# constant layers, misalignment ---------------------------------------------------------------------
+
+
+def _prefixes(good, lengths, layer2):
+    """Sequences of the first ``n`` tokens for each n in ``lengths`` (their routes are the capture's first
+    n - 1 rows), MoE layer 2 set to ``layer2(i)`` in the i-th."""
+    tokens = good["prompt"] + good["completion"]
+    out = []
+    for i, n in enumerate(lengths):
+        ids = good["ids"][: n - 1].copy()
+        ids[:, 2] = layer2(i)
+        out += routes_from_vllm(_chat(ids, tokens[:6], tokens[6:n]), source=f"seq{i}")
+    return out
+
+
+@pytest.mark.parametrize(
+    "layer2, code, constant",
+    [
+        # one set in every sequence, 10 to 15 rows each (75 in all, each below min_constant_rows 16): was
+        # exit 1 with const 0, the layer judged as disagreeing
+        (lambda i: [3, 5], CheckCode.DEGENERATE_ROWS, 6),
+        # another set in each sequence: not one set for the layer, so its rows are judged
+        (lambda i: [i, 7], CheckCode.DISAGREEMENT, 0),
+    ],
+    ids=["one_set", "a_set_per_sequence"],
+)
+def test_a_layer_constant_across_short_sequences(good, layer2, code, constant):
+    report = check_routes(good["model"], _prefixes(good, range(11, 17), layer2))
+    assert report.code == code, report
+    assert report.layers[1].constant == constant and report.layers[0].constant == 0
+    if constant:
+        assert report.layers[1].judged == 0 and report.defect("constant").count == 6
+        assert len(report.defect("constant").sources) == 6
+
+
+def test_a_misaligned_sequence_is_judged_at_its_best_shift(good):
+    # rows of positions i + 1, 40% of them random: was exit 32 alone, the disagreement left out
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([good["ids"][1:], good["ids"][-1:]])
+    for i in np.flatnonzero(rng.random(len(ids)) < 0.4):
+        ids[i, 1:] = [rng.choice(8, 2, replace=False) for _ in range(2)]
+    report = check_routes(good["model"], routes_from_vllm(_chat(ids, good["prompt"], good["completion"])))
+    assert report.code == CheckCode.DISAGREEMENT | CheckCode.MISALIGNED, report
+    assert "judged at shift +1" in report.defect("disagreement").first.note
+    assert all(c.judged == c.rows for c in report.layers)
+
+
+@pytest.mark.parametrize("n", range(6, 12))
+def test_short_garbage_is_not_misaligned(good, n):
+    # 5 to 10 rows: reversed, and random; chance matches of a few rows were called misaligned (4 of 8 trials)
+    # when 4 row x layer pairs sufficed; at least 8 rows and 4 more agreeing rows are needed now
+    rng = np.random.default_rng(n)
+    tokens = good["prompt"] + good["completion"]
+    reversed_ids = good["ids"][: n - 1].copy()
+    reversed_ids[:, 1:] = reversed_ids[::-1, 1:]
+    random_ids = reversed_ids.copy()
+    for i, j in np.ndindex(n - 1, 2):
+        random_ids[i, j + 1] = rng.choice(8, 2, replace=False)
+    for ids in (reversed_ids, random_ids):
+        report = check_routes(good["model"], routes_from_vllm(_chat(ids, tokens[: n - 2], tokens[n - 2 : n])))
+        assert not report.code & CheckCode.MISALIGNED, report
+
+
+@pytest.mark.parametrize(
+    "make, says, never",
+    [
+        # one extra leading row (row i is position i - 1): was "is the prompt start -1?"
+        (
+            lambda ids: np.concatenate([ids[:1] * 0 + 1, ids[:-1]]),
+            "the rows carry 1 extra leading row(s)",
+            "-1?",
+        ),
+        (
+            lambda ids: np.concatenate([ids[1:], ids[-1:]]),
+            "the first 1 row(s) are missing, or the prompt start is 1",
+            "start -",
+        ),
+    ],  # fmt: skip
+    ids=["extra_leading_row", "missing_first_row"],
+)
+def test_the_misalignment_hint_never_names_a_negative_start(good, make, says, never):
+    ids = make(good["ids"].copy())
+    ids[:, 0] = 0  # the dense column stays zero
+    report = check_routes(good["model"], routes_from_vllm(_chat(ids, good["prompt"], good["completion"])))
+    note = report.defect("misaligned").first.note
+    assert says in note and never not in note, note
+
+
+# SGLang --layer-ids, API errors, sources, --seed ------------------------------------------------------
+
+
+def test_sglang_columns_follow_layer_ids(good, tmp_path, capsys):
+    moe = good["trace"].ids.astype(np.int32)
+
+    def sglang(rows):
+        return {"input_ids": good["prompt"], "output_ids": good["completion"],
+                "meta_info": {"routed_experts": base64.b64encode(rows.tobytes()).decode()}}  # fmt: skip
+
+    # layer 2's column alone: was exit 2 "62 values are not whole [layers, top_k=2] rows for layers in [3, 2]"
+    one = _write(tmp_path, "one.json", sglang(np.ascontiguousarray(moe[:, 1:])))
+    d = json.loads(_run([*MODEL, one, "--layer-ids", "2", "--json"], capsys)[1])
+    assert d["exit_code"] == 16 and [x["kind"] for x in d["defects"]] == ["unrouted_layer"]
+    assert d["sequences"][0]["layout"] == "layer_ids" and d["layers"][1]["agreement"] == 1.0
+    both = _write(tmp_path, "both.json", sglang(moe))
+    assert _run([*MODEL, both, "--layer-ids", "1,2"], capsys)[0] == 0
+
+
+def _good_routes(good):
+    return routes_from_vllm(_chat(good["ids"], good["prompt"], good["completion"]))
+
+
+def _tokens(good):
+    return np.array(good["prompt"] + good["completion"])
+
+
+API_ERRORS = [
+    # (case, call, message): were AttributeError, TypeError, a bare int() error, or accepted
+    ("model_none", lambda g: check_routes(None, _good_routes(g)), "Invalid type of model: expected a"),
+    ("model_str", lambda g: check_routes("tiny:deepseek_v3", _good_routes(g)), "Invalid type of model"),
+    ("routes_none", lambda g: check_routes(g["model"], None), "Invalid type of routes: expected an"),
+    ("routes_response", lambda g: check_routes(g["model"], _chat(g["ids"], g["prompt"], g["completion"])),
+     "got a dict (a response: read it with routes_from_vllm"),
+    ("shifts_none", lambda g: check_routes(g["model"], _good_routes(g), shifts=None), "Invalid type of"),
+    ("shifts_float", lambda g: check_routes(g["model"], _good_routes(g), shifts=[0, 0.5]),
+     "Invalid type of shifts: expected a sequence of ints, got 0.5"),
+    ("num_experts_float", lambda g: check_routes(g["model"], _good_routes(g), num_experts=8.0),
+     "Invalid type of num_experts"),
+    ("expected_rows_str", lambda g: EngineRoutes(g["ids"], _tokens(g), expected_rows="x"),
+     "Invalid type of expected_rows: expected an int, got str"),
+    ("expected_rows_negative", lambda g: EngineRoutes(g["ids"], _tokens(g), expected_rows=-5),
+     "Invalid value of expected_rows"),
+    ("dtype_float", lambda g: EngineRoutes(g["ids"], _tokens(g), dtype="float32"), "Invalid value of dtype"),
+    ("source_none", lambda g: EngineRoutes(g["ids"], _tokens(g), source=None), "Invalid type of source"),
+    ("load_routes_none", lambda g: load_routes(None), "Invalid type of path: expected a file name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, call, says", API_ERRORS, ids=[a[0] for a in API_ERRORS])
+def test_library_errors_name_the_argument(good, case, call, says):
+    with pytest.raises(ValueError) as exc:
+        call(good)
+    assert says in str(exc.value)
+
+
+def test_a_defect_names_every_source_having_it(good, tmp_path, capsys):
+    ids = good["ids"].copy()
+    ids[::2, 1:] = 0  # half the rows all zero
+    paths = [_write(tmp_path, f"{n}.json", _chat(ids, good["prompt"], good["completion"])) for n in "ab"]
+    rc, out, err = _run([*MODEL, *paths], capsys)
+    assert rc == 8 and f"in 2 sources ({paths[0]} choices[0], {paths[1]} choices[0])" in out, out + err
+    assert "(rows without a defect)" in out  # the shift agreement leaves the zero rows out; "agree" does not
+    d = json.loads(_run([*MODEL, *paths, "--json"], capsys)[1])
+    assert d["defects"][0]["sources"] == [f"{p} choices[0]" for p in paths]
+    assert d["sequences"][0]["agreement"] == pytest.approx(15 / 31)  # 16 of the 31 rows are zero
+
+
+def test_seed_is_refused_for_a_checkpoint(good, tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    path = _write(tmp_path, "r.json", _chat(good["ids"], good["prompt"], good["completion"]))
+    rc, out, err = _run(["--model", str(tmp_path / "ckpt"), "--seed", "3", path], capsys)  # was ignored
+    assert (
+        rc == 2
+        and out == ""
+        and "Invalid value of --seed: expected none for the checkpoint" in _one_error_line(err)
+    )
+    with pytest.raises(ValueError, match="Invalid value of seed"):
+        load_model(str(tmp_path / "ckpt"), seed=0)

@@ -3,8 +3,8 @@
 ::
 
     replaymoe check --model PATH_OR_SIZE:ARCH [--seed N] [--num-experts E] [--layer-ids 0,1,...]
-                    [--prompt-start S] [--choice I] [--max-disagreement F] [--near-tie F] [--json]
-                    ROUTES [ROUTES ...]
+                    [--prompt-start S] [--choice I] [--max-disagreement F] [--near-tie F]
+                    [--ignore-model-id] [--json] ROUTES [ROUTES ...]
 
 Each ROUTES file is a vLLM response (chat or /v1/completions, with ``return_token_ids``), SGLang
 response(s) (``meta_info.routed_experts`` and the token ids), or a replaymoe trace file; every
@@ -15,10 +15,11 @@ sequence in them is teacher-forced through the model and compared, per MoE layer
 Exit status: 0 clean; otherwise the OR of the defect bits 1 (disagreement above
 ``--max-disagreement``), 4 (out-of-range or repeated ids), 8 (all-zero rows, constant layers),
 16 (non-zero dense-layer columns, a column count that fits no layer count, a row count that does not
-fit the sequence's tokens: the rows that fit are still judged), 32 (misaligned rows), 64 (dtype
-overflow): never 2, which stays a bad option, an unreadable or invalid file (not a regular file, over
-1 GiB, a sequence without tokens, no routed rows to check), or a model that cannot be loaded or does
-not fit the routes (one line on stderr, no traceback).
+fit the sequence's tokens: the rows within the tokens are still judged; a MoE layer with no judged
+row; a trace recorded for another model), 32 (misaligned rows), 64 (dtype overflow): never 2, which
+stays a bad option, an unreadable or invalid file (not a regular file, over 1 GiB, a sequence without
+tokens, no routed rows to check in a MoE layer's column), or a model that cannot be loaded or does not
+fit the routes (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ EXIT_USAGE = 2  # replaymoe.apps.cli's exit code for bad options and bad input f
 _EPILOG = (
     "exit status: 0 clean; else the OR of 1 disagreement above --max-disagreement, 4 out-of-range or "
     "repeated ids, 8 all-zero rows or constant layers, 16 non-zero dense-layer columns, a column "
-    "count that fits no layer count or a row count that does not fit the tokens, 32 misaligned rows "
-    "(best shift != 0), 64 dtype overflow (a dtype narrower than E, wrapped ids); 2 a bad option, an "
-    "unreadable or invalid file (not a regular file, over 1 GiB, no tokens, no routed rows to check), "
-    "or a model that cannot be loaded or does not fit the routes."
+    "count that fits no layer count, a row count that does not fit the tokens, a MoE layer with no "
+    "judged row or a trace of another model, 32 misaligned rows (best shift != 0), 64 dtype overflow "
+    "(a dtype narrower than E, wrapped ids); 2 a bad option, an unreadable or invalid file (not a "
+    "regular file, over 1 GiB, no tokens, no routed rows to check), or a model that cannot be loaded "
+    "or does not fit the routes."
 )
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 2)  # torch's seed range (build_model also seeds with seed + 1)
 
@@ -81,7 +83,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a transformers checkpoint (directory, loaded offline) or SIZE:ARCH, a random-weight "
         "replaymoe model (e.g. tiny:qwen3_moe, demo:deepseek_v3; see --seed)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of a SIZE:ARCH model (default 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of a SIZE:ARCH model (default 0); refused with a checkpoint, whose weights are loaded",
+    )
     p.add_argument("--num-experts", type=int, default=None, help="E, a cross-check of the model's")
     p.add_argument(
         "--layer-ids",
@@ -89,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N,N,...",
         help="the model layer number of each payload column (default: by the column count, one per "
-        "MoE layer or one per decoder layer; a trace's own)",
+        "MoE layer or one per decoder layer; a trace's own); also the column count of SGLang's flat "
+        "payloads",
     )
     p.add_argument(
         "--prompt-start",
@@ -117,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
         help="relative tolerance of a near-tie of the selection scores, in [0, 1e9] (default the "
         "library's, 5e-3)",
     )
+    p.add_argument(
+        "--ignore-model-id",
+        action="store_true",
+        help="accept traces recorded under another model id (another name of this model); their MoE "
+        "layers, experts and top-k are still compared",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.near_tie is not None and not 0 <= args.near_tie <= NEAR_TIE_MAX:
         parser.error(f"--near-tie must be a number in [0, 1e9] (a relative tolerance), got {args.near_tie}")
-    if not _SEED_RANGE[0] <= args.seed <= _SEED_RANGE[1]:
+    if args.seed is not None and not _SEED_RANGE[0] <= args.seed <= _SEED_RANGE[1]:
         parser.error(
             f"--seed must be in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}] (torch's seeds), got {args.seed}"
         )
@@ -148,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             check_input(path, reader="replaymoe check")
         model = load_model(args.model, seed=args.seed)
         lay = model_layout(model)
+        # SGLang's flat payloads: --layer-ids gives their column count, else the model's candidates
+        counts = (len(args.layer_ids),) if args.layer_ids else (lay.num_hidden_layers, len(lay.moe_layers))
         routes = []
         for path in args.routes:
             routes += load_routes(
                 path,
-                num_layers=(lay.num_hidden_layers, len(lay.moe_layers)),
+                num_layers=counts,
                 top_k=lay.top_k,
                 choice=args.choice,
                 prompt_start=args.prompt_start,
@@ -164,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             num_experts=args.num_experts,
             layer_ids=args.layer_ids,
             max_disagreement=args.max_disagreement,
+            check_model_id=not args.ignore_model_id,
             **kw,
         )
     except BrokenPipeError:  # handled once, in replaymoe.apps.cli.main
@@ -173,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except ValueError as e:  # TraceFormatError included; messages name the file or the option
         msg = " ".join(str(e).split())
-        for name in ("model", "num_experts", "layer_ids", "prompt_start", "choice", "near_tie"):  # library's
+        for name in ("model", "seed", "num_experts", "layer_ids", "prompt_start", "choice", "near_tie"):
             msg = msg.replace(f" of {name}:", f" of --{name.replace('_', '-')}:")
         print(f"replaymoe check: error: {msg}", file=sys.stderr)
         return EXIT_USAGE

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .._validation import check_int, fail
-from .trace import RoutingTrace, TraceFormatError
+from .trace import RoutingFingerprint, RoutingTrace, TraceFormatError
 from .trace.file import read_input
 from .trace.wire import b64decode_field, routes_array
 
@@ -69,14 +69,15 @@ class EngineRoutes:
         is position ``start + i``; a column is a decoder layer (vLLM 0.33: every layer, dense ones
         zero), a MoE layer, or what ``layer_ids`` names.
     token_ids : np.ndarray
-        int64 ``[T]``: the tokens of positions ``0 .. T - 1`` (prompt + completion), >= 0.
-        ``start + rows <= T``.
+        int64 ``[T]``: the tokens of positions ``0 .. T - 1`` (prompt + completion), >= 0. Rows past
+        position ``T - 1`` are kept as sent (the check reports the row count and judges the rows
+        within the tokens).
     start : int
         Position of row 0 (vLLM's ``routed_experts_prompt_start``, SGLang's
         ``routed_experts_start_len``, a trace's ``token_offset``).
     dtype : str, optional
-        The element type the payload was sent in (``"uint8"``, ``"int32"``...): the dtype checks read
-        it. Default: the dtype of ``ids`` as given.
+        The integer element type the payload was sent in (``"uint8"``, ``"int32"``...): the dtype
+        checks read it. Default: the dtype of ``ids`` as given.
     source : str
         Where the routes came from (file and choice), for the report.
     layer_ids : tuple of int, optional
@@ -89,6 +90,10 @@ class EngineRoutes:
     prompt_tokens : int, optional
         How many of ``token_ids`` are the prompt (the request's prompt start is at most that), when
         known: a row count that does not fit is reported with the prompt start that would fit.
+    fingerprint : RoutingFingerprint, optional
+        The routing of the model that recorded the routes (a trace's
+        :attr:`~replaymoe.record.trace.RoutingTrace.fingerprint`); the check compares it with the
+        model's. None when the engine does not send one.
     """
 
     ids: np.ndarray
@@ -100,8 +105,13 @@ class EngineRoutes:
     expected_rows: int | None = None
     num_experts: int | None = None
     prompt_tokens: int | None = None
+    fingerprint: RoutingFingerprint | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            fail("source", "a str naming the routes", type(self.source).__name__, what="type")
+        if self.fingerprint is not None and not isinstance(self.fingerprint, RoutingFingerprint):
+            fail("fingerprint", "a RoutingFingerprint or None", type(self.fingerprint).__name__, what="type")
         ids = np.asarray(self.ids)
         name = "ids" if self.source == "routes" else f"ids of {self.source}"
         if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
@@ -119,18 +129,17 @@ class EngineRoutes:
         tok = np.ascontiguousarray(tok, dtype=np.int64)
         if tok.size and int(tok.min()) < 0:
             fail("token_ids", "token ids >= 0", int(tok.min()))
-        if self.start + ids.shape[0] > tok.size:
-            fail(
-                f"routes of {self.source}",
-                f"at most {tok.size - self.start} rows ({tok.size} tokens, from position {self.start})",
-                f"{ids.shape[0]} rows",
-                what="length",
-            )
+        if self.expected_rows is not None:
+            check_int("expected_rows", self.expected_rows, low=0)
+        if ids.size and ids.dtype.kind == "u" and ids.dtype.itemsize == 8 and int(ids.max()) > 2**63 - 1:
+            fail(name, "ids below 2**63 (int64)", int(ids.max()))
         dtype = ids.dtype.name if self.dtype is None else self.dtype
         try:
-            np.dtype(dtype)
+            kind = np.dtype(dtype).kind
         except TypeError:
-            fail("dtype", "a numpy dtype name", repr(dtype))
+            kind = None
+        if not isinstance(dtype, str) or kind not in ("i", "u"):
+            fail("dtype", "the name of a numpy integer dtype (uint8, int32...)", repr(dtype))
         layer_ids = None
         if self.layer_ids is not None:
             layer_ids = tuple(int(v) for v in self.layer_ids)
@@ -144,13 +153,21 @@ class EngineRoutes:
         object.__setattr__(self, "expected_rows", expected)
 
     def row_count_note(self) -> str:
-        """The row count beside the expected one, and a prompt start that would give it (the words of
-        the ``row_count`` defect of :func:`replaymoe.hf.conformance.check_routes`)."""
+        """The row count beside the expected one, the rows past the last token (not judged), and a
+        prompt start that would give that count (the words of the ``row_count`` defect of
+        :func:`replaymoe.hf.conformance.check_routes`)."""
         T = len(self.token_ids)
-        note = f"{self.rows} rows, expected {self.expected_rows} ({T} tokens - 1 - start {self.start})"
+        note = f"{self.rows} rows, expected {self.expected_rows}"
+        if self.expected_rows == T - 1 - self.start:
+            note += f" ({T} tokens - 1 - start {self.start})"
+        past = self.start + self.rows - T
+        if past > 0:
+            note += f"; {past} row(s) past the last token (position {T - 1}), not judged"
         fits = T - 1 - self.rows
         if 0 <= fits <= (T - 1 if self.prompt_tokens is None else self.prompt_tokens) and fits != self.start:
             note += f"; a prompt start of {fits} gives {self.rows} rows (--prompt-start {fits}?)"
+        elif fits < 0:
+            note += f"; no prompt start gives {self.rows} rows: {-fits} more than the tokens allow"
         return note
 
     @property
@@ -207,6 +224,8 @@ def _parse_json(obj: Any, what: str) -> Any:
             return json.loads(obj)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise TraceFormatError(f"{what}: invalid JSON ({e})") from e
+        except RecursionError:  # json's decoder recurses once per level: 5000 '[' exhaust the stack
+            raise TraceFormatError(f"{what}: invalid JSON (nested too deeply for a response)") from None
     return obj
 
 
@@ -421,6 +440,7 @@ def routes_from_trace(trace: RoutingTrace, *, source: str = "trace") -> EngineRo
         layer_ids=trace.layer_ids,
         expected_rows=trace.num_tokens,
         num_experts=trace.num_experts,
+        fingerprint=trace.fingerprint,
     )
 
 
@@ -455,7 +475,11 @@ def load_routes(
         :data:`~replaymoe.record.trace.file.MAX_INPUT_BYTES` (both refused before reading), is none of
         the accepted kinds or holds a bad payload; the message names the file.
     """
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        fail("path", "a file name (str, bytes or os.PathLike)", type(path).__name__, what="type")
     path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
     if path == "":
         fail("path", "a file name", "an empty string")
     data = read_input(path, reader="load_routes", accepted=_ACCEPTED)
@@ -492,7 +516,8 @@ def load_routes(
 def check_fit(routes: Sequence[EngineRoutes], *, top_k: int, num_experts: int, vocab: int | None) -> None:
     """Refuse routes that cannot be checked against a model of ``top_k``, ``num_experts`` and
     vocabulary size ``vocab`` (None: unknown): another top_k or recorded E, a sequence without tokens,
-    token ids outside the vocabulary, or nothing to check (no rows, or every row -1: missing).
+    token ids outside the vocabulary, or nothing to check (no rows, every row -1: missing, or no row
+    within the tokens).
 
     Raises
     ------
@@ -512,7 +537,14 @@ def check_fit(routes: Sequence[EngineRoutes], *, top_k: int, num_experts: int, v
             i = int(np.argmax(r.token_ids >= vocab))
             fail(f"token ids of {r.source}", f"ids below the model's vocabulary size {vocab}",
                  f"{int(r.token_ids[i])} at position {i}")  # fmt: skip
-        if r.rows == 0 or (r.ids == -1).all():
-            why = "0 rows" if r.rows == 0 else f"every one of its {r.rows} rows is -1 (missing)"
+        T = r.token_ids.size
+        if r.rows == 0 or (r.ids == -1).all() or r.start >= T:
+            why = (
+                "0 rows"
+                if r.rows == 0
+                else f"start {r.start}: no row within its {T} tokens"
+                if r.start >= T
+                else f"every one of its {r.rows} rows is -1 (missing)"
+            )
             fail(f"routes of {r.source}", "at least one routed row", f"no routed rows to check ({why})",
                  what="length")  # fmt: skip

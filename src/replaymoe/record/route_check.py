@@ -16,7 +16,8 @@ bit   name                defects (:data:`DEFECT_KINDS`)
 4     INVALID_IDS         ids out of range, repeated ids in a row
 8     DEGENERATE_ROWS     all-zero rows, constant layers
 16    LAYOUT              non-zero dense-layer columns, a column count that fits nothing, a row
-                          count that does not fit the sequence's tokens
+                          count that does not fit the sequence's tokens, a MoE layer of the model
+                          with no judged row, a trace recorded for another model (fingerprint)
 32    MISALIGNED          a sequence agrees better at another row shift
 64    DTYPE_OVERFLOW      a dtype narrower than E, wrapped ids, ids at the dtype's maximum
 ====  ==================  ==========================================================
@@ -75,6 +76,16 @@ DEFECT_KINDS: dict[str, tuple[CheckCode, str]] = {
         CheckCode.LAYOUT,
         "a row count that is not the sequence's tokens - 1 - prompt start (the rows that fit are judged)",
     ),
+    "unrouted_layer": (
+        CheckCode.LAYOUT,
+        "a MoE layer of the model with no judged row: no source routes it (no column, every row -1), or "
+        "every row routed there was excused as a near-tie",
+    ),
+    "fingerprint": (
+        CheckCode.LAYOUT,
+        "a trace recorded for another model: its model id, MoE layers, experts or top-k differ from the "
+        "model's (replay would refuse it)",
+    ),
     "misaligned": (CheckCode.MISALIGNED, "rows agree better at a shift of the positions than at 0"),
     "dtype_narrow": (CheckCode.DTYPE_OVERFLOW, "a payload dtype that cannot hold the ids 0 .. E-1"),
     "dtype_overflow": (CheckCode.DTYPE_OVERFLOW, "rows with wrapped ids, or ids at the dtype's maximum >= E"),
@@ -119,7 +130,7 @@ class Example:
         if self.row is not None:
             parts.append(f"row {self.row} (position {self.position})")
         if self.layer is not None:
-            parts.append(f"layer {self.layer} (column {self.column})")
+            parts.append(f"layer {self.layer}" + ("" if self.column is None else f" (column {self.column})"))
         elif self.column is not None:
             parts.append(f"column {self.column}")
         s = ", ".join(parts)
@@ -149,11 +160,15 @@ class Defect:
     count : int
         How many ``unit`` have it.
     unit : str
-        ``"rows"``, ``"layers"`` (sequence x layer), ``"sequences"`` or ``"payloads"``.
+        ``"rows"``, ``"layers"`` (sequence x layer; model layers for ``unrouted_layer``),
+        ``"sequences"``, ``"payloads"`` or ``"sources"``.
     first : Example
         The first occurrence.
     detail : str
         A rate or a reason, when there is one.
+    sources : tuple of str
+        Every source that has it, in the order seen (empty for a defect of the model's layers as a
+        whole, ``unrouted_layer``).
     """
 
     kind: str
@@ -161,6 +176,7 @@ class Defect:
     unit: str
     first: Example
     detail: str = ""
+    sources: tuple[str, ...] = ()
 
     @property
     def code(self) -> CheckCode:
@@ -169,7 +185,12 @@ class Defect:
 
     def __str__(self) -> str:
         detail = f"; {self.detail}" if self.detail else ""
-        return f"{self.kind} [{int(self.code)}]: {self.count} {self.unit}{detail}; first: {self.first}"
+        n = len(self.sources)
+        where = ""
+        if n > 1:
+            names = ", ".join(self.sources[:3]) + (f", +{n - 3} more" if n > 3 else "")
+            where = f" in {n} sources ({names})"
+        return f"{self.kind} [{int(self.code)}]: {self.count} {self.unit}{where}{detail}; first: {self.first}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -178,6 +199,7 @@ class Defect:
             "count": self.count,
             "unit": self.unit,
             "detail": self.detail,
+            "sources": list(self.sources),
             "first": self.first.to_dict(),
         }
 
@@ -191,22 +213,26 @@ class LayerCheck:
     layer, index : int
         Model layer number and MoE-layer index.
     rows : int
-        Rows examined (not missing).
+        Rows examined (not missing; rows past a sequence's last token are not examined).
     missing : int
         Rows of all -1 (the missing marker), not examined.
     agreement : float
         Fraction of ``rows`` whose set equals the recomputed set (nan without rows).
     near_tie_rate : float
         Fraction of ``rows`` at a recomputed near-tie.
+    excused : int
+        Rows whose set differs from the recomputed one only within a near-tie (a top-K choice up to
+        the tolerance): not judged.
     judged : int
         Rows the disagreement rate counts: those no defect or near-tie explains
-        (:mod:`replaymoe.hf.conformance`).
+        (:mod:`replaymoe.hf.conformance`); a misaligned sequence's rows are judged at its best shift.
     disagreement : float
         Fraction of ``judged`` that disagree (nan when none is judged).
     out_of_range, duplicate, all_zero, overflow : int
         Rows with each defect.
     constant : int
-        Sequences in which this layer is constant.
+        Sequences whose rows of this layer are constant: within the sequence (at least
+        ``min_constant_rows`` rows), or as part of a layer constant across the sequences.
     shift_agreement : tuple of float
         Agreement at each shift of the report's ``shifts`` (defective rows left out).
     best_shift : int
@@ -219,6 +245,7 @@ class LayerCheck:
     missing: int
     agreement: float
     near_tie_rate: float
+    excused: int
     judged: int
     disagreement: float
     out_of_range: int
@@ -360,16 +387,17 @@ class RouteCheckReport:
             f"{lay.num_hidden_layers} decoder layers, MoE layers {_ranges(lay.moe_layers)}, "
             f"E={lay.num_experts}, top_k={lay.top_k}",
         ]
-        head = ["layer", "rows", "agree", "near-tie", "disagree", "missing", "zero", "const", "range",
-                "dup", "ovfl", "shift"]  # fmt: skip
+        head = ["layer", "rows", "agree", "near-tie", "excused", "judged", "disagree", "missing", "zero",
+                "const", "range", "dup", "ovfl", "shift"]  # fmt: skip
         table = [
-            [str(c.layer), str(c.rows), _f(c.agreement), _f(c.near_tie_rate), _f(c.disagreement),
-             str(c.missing), str(c.all_zero), str(c.constant), str(c.out_of_range), str(c.duplicate),
-             str(c.overflow), f"{c.best_shift:+d}"]
+            [str(c.layer), str(c.rows), _f(c.agreement), _f(c.near_tie_rate), str(c.excused), str(c.judged),
+             _f(c.disagreement), str(c.missing), str(c.all_zero), str(c.constant), str(c.out_of_range),
+             str(c.duplicate), str(c.overflow), f"{c.best_shift:+d}"]
             for c in self.layers
         ]  # fmt: skip
         table.append(
             ["all", str(sum(c.rows for c in self.layers)), _f(self.agreement), _f(self.near_tie_rate),
+             str(sum(c.excused for c in self.layers)), str(sum(c.judged for c in self.layers)),
              _f(self.disagreement), str(sum(c.missing for c in self.layers)),
              str(sum(c.all_zero for c in self.layers)), str(sum(c.constant for c in self.layers)),
              str(sum(c.out_of_range for c in self.layers)), str(sum(c.duplicate for c in self.layers)),
@@ -378,7 +406,8 @@ class RouteCheckReport:
         lines += _table(head, table)
         lines.append("  sequences:")
         shifts = " ".join(f"{s:+d}" for s in self.shifts)
-        shead = ["source", "start", "rows", "expected", "dtype", "columns", "agree", f"agree at {shifts}"]
+        shead = ["source", "start", "rows", "expected", "dtype", "columns", "agree",
+                 f"agree at {shifts} (rows without a defect)"]  # fmt: skip
         stable = [
             [s.source, str(s.start), str(s.rows), str(s.expected_rows), s.dtype, f"{s.columns} ({s.layout})",
              _f(s.agreement), " ".join(_f(a, 2) for a in s.shift_agreement)]
@@ -427,19 +456,25 @@ class Defects:
     def __init__(self) -> None:
         self.found: dict[str, list[Any]] = {}
 
-    def add(self, kind: str, count: int, unit: str, first: Example, detail: str = "") -> None:
+    def add(
+        self, kind: str, count: int, unit: str, first: Example, detail: str = "", sources: Any = None
+    ) -> None:
+        """Count ``count`` more of ``kind`` in ``sources`` (default ``first``'s); the first call's
+        example, unit and detail are kept."""
         if count <= 0:
             return
-        if kind in self.found:
-            self.found[kind][0] += count
-        else:
-            self.found[kind] = [count, unit, first, detail]
+        if kind not in self.found:
+            self.found[kind] = [0, unit, first, detail, {}]
+        entry = self.found[kind]
+        entry[0] += count
+        for s in (first.source,) if sources is None else sources:
+            entry[4].setdefault(s, None)  # an ordered set
 
     def freeze(self) -> tuple[Defect, ...]:
         order = list(DEFECT_KINDS)
         return tuple(
-            Defect(k, c, u, f, d)
-            for k, (c, u, f, d) in sorted(self.found.items(), key=lambda kv: order.index(kv[0]))
+            Defect(k, c, u, f, d, tuple(s))
+            for k, (c, u, f, d, s) in sorted(self.found.items(), key=lambda kv: order.index(kv[0]))
         )
 
 
