@@ -285,8 +285,11 @@ class RouteJudge:
             defects.add("row_count", 1, "sequences", Example(r.source, note=r.row_count_note()))
         n_s = len(self.shifts)
 
+        expected = r.expected_rows
+        assert expected is not None  # (EngineRoutes sets it)
+
         def seq(agreement: float, shift_agree: Any, best: int, misaligned: bool) -> SequenceCheck:
-            return SequenceCheck(r.source, r.start, r.rows, r.expected_rows, len(r.token_ids), dt.name,
+            return SequenceCheck(r.source, r.start, r.rows, expected, len(r.token_ids), dt.name,
                                  r.columns, layout, agreement, tuple(float(a) for a in shift_agree), best,
                                  misaligned)  # fmt: skip
 
@@ -479,9 +482,8 @@ class RouteJudge:
         if finite.max(initial=-1.0) > max_disagreement:
             worst = int(np.argmax(finite))
             live = [i for i in range(len(layers)) if not glob[i] and self.first_disagree[i] is not None]
-            first = min(
-                (self.first_disagree[i] for i in live), key=lambda e: list(self.sources).index(e.source)
-            )
+            found = [e for i in live if (e := self.first_disagree[i]) is not None]
+            first = min(found, key=lambda e: list(self.sources).index(e.source))
             srcs = {s: None for i in live for s in self.disagree_sources[i]}
             self.defects.add(
                 "disagreement", int(disagree.sum()), "rows", first,
