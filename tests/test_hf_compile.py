@@ -121,6 +121,8 @@ def test_compiled_capture_beyond_capacity_raises_at_traces(cap, fullgraph):
         compiled(input_ids=ids, attention_mask=mask)
     with pytest.raises(ValueError, match=r"Invalid capacity of max_batch_size / max_positions: .*now "):
         moe.traces()
+    kept = moe.traces()  # what fitted is still there (the rest was recorded as missing)
+    assert len(kept) == min(3, cap["max_batch_size"])
     moe.disable()
 
 
