@@ -120,6 +120,29 @@ def test_demo_from_vllm_mismatch_is_a_clear_error_before_the_run(tmp_path, capsy
     assert "rollout:" not in cap.out  # checked right after the model is built, before generate
 
 
+@pytest.mark.parametrize("rows", [[4], [1, 2]], ids=["last-row", "middle-rows"])
+def test_demo_from_vllm_rows_without_routing_fail_before_the_run(tmp_path, rows, capsys):
+    # int32 rows of -1 (no routing) in a response of the fast model's shape: the replay refused them
+    # mid-run (missing="error") with a traceback and exit 1, the code of "no router gradient"
+    ids = np.argsort(np.random.default_rng(0).random((9, 3, 8)), axis=-1)[..., :2].astype(np.int32)
+    ids[rows] = -1
+    resp = {
+        "prompt_token_ids": [5, 6, 7, 8],
+        "choices": [
+            {"token_ids": [9] * 6, "routed_experts": RoutingTrace(ids, num_experts=8, top_k=2).to_vllm()}
+        ],
+    }
+    path = tmp_path / "resp.json"
+    path.write_text(json.dumps(resp))
+    rc = main(
+        ["--fast", "--quiet", "--device", "cpu", "--out", str(tmp_path / "o"), "--from-vllm", str(path)]
+    )
+    cap = capsys.readouterr()
+    assert rc == 2 and len(cap.err.strip().splitlines()) == 1 and cap.out == ""
+    assert f"pair(s) of -1 (no routing), the first at position {rows[0]}, MoE layer 0" in cap.err
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
 def _trace_file(tmp_path):
     path = tmp_path / "seq0.rmtrace"
     ids = np.argsort(np.random.default_rng(1).random((5, 3, 8)), axis=-1)[..., :2]

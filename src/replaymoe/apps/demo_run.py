@@ -157,6 +157,15 @@ def _check_fit(args: argparse.Namespace, vllm, moe) -> None:
         ReplaySource(vllm[2]).check_model(len(moe.layers), moe.top_k, moe.num_experts)
     except ValueError as exc:
         raise DemoError(f"--from-vllm {args.from_vllm}: {exc}") from None
+    missing = np.argwhere(vllm[2].ids[:, :, 0] < 0)  # [position, MoE layer] of rows of -1
+    if len(missing):  # replay (missing="error", as the demo replays) would refuse them mid-run
+        pos, layer = (int(v) for v in missing[0])
+        raise DemoError(
+            f"--from-vllm {args.from_vllm}: {len(missing)} (row, MoE layer) pair(s) of -1 (no routing), "
+            f"the first at position {vllm[2].token_offset + pos}, MoE layer {layer}: the demo replays every "
+            "routed position "
+            "(`replaymoe check` reports such rows)"
+        )
     if list(vllm[2].layer_ids) != list(moe.layer_ids):  # a --layer-ids other than the model's MoE layers
         raise DemoError(
             f"--from-vllm {args.from_vllm}: --layer-ids {','.join(map(str, vllm[2].layer_ids))} are not "
