@@ -234,7 +234,12 @@ def _one_error_line(rc, capsys, *needles):
     [
         ([], "layer column(s) 0 of 4 are all zero"),  # a dense layer's zero column: never guessed
         (["--layer-ids", "1,2,3"], None),  # the MoE layers named: their columns are read
-        (["--layer-ids", "0,1,2,3"], "take all 4 columns as MoE layers"),  # the dense layer named as MoE
+        # the dense layer named as MoE (check's form, a number per column): refused, naming inspect's form
+        (
+            ["--layer-ids", "0,1,2,3"],
+            "take all 4 columns as MoE layers, so MoE layer(s) 0 hold no expert ids",
+        ),
+        (["--layer-ids", "0,1,2,3"], "--layer-ids names the MoE layers only here"),
         (["--layer-ids", "2,3"], "layer column 1 is not in layer_ids [2, 3]"),  # a MoE layer left out
     ],
 )
@@ -474,3 +479,27 @@ def test_inspect_compare_with_no_token_in_common(tmp_path, capsys):
     first[:4], second[4:] = -1, -1
     a, b = _write(tmp_path, "a.json", _resp(first)), _write(tmp_path, "b.json", _resp(second))
     _one_error_line(main([str(a), "--compare", str(b)]), capsys, "nothing to compare")
+
+
+@pytest.mark.parametrize(
+    "form, dtype, num_experts, says",
+    [
+        # a uint8 payload cannot hold ids >= 256: was exit 0, "experts: 300"
+        ("response", np.uint8, 300, "expected at most 256 for the uint8 payload"),
+        ("base64_text", np.uint8, 257, "expected at most 256 for the uint8 payload"),  # one past its edge
+        ("response", np.uint8, 256, None),  # ids 0..255: what uint8 holds
+        ("response", np.uint16, 300, None),  # vLLM's dtype above 256 experts
+    ],
+)
+def test_inspect_num_experts_beyond_the_payload_dtype(tmp_path, form, dtype, num_experts, says, capsys):
+    rows = _all_layers(8).astype(dtype)
+    path = tmp_path / "r.json"
+    if form == "response":
+        path.write_text(json.dumps(_resp(rows)))
+    else:
+        path.write_bytes(_b64_npy(rows))
+    rc = cli.main(["inspect", str(path), "--layer-ids", "1,2,3", "--num-experts", str(num_experts)])
+    if says is None:
+        assert rc == 0 and f"experts: {num_experts}" in capsys.readouterr().out
+    else:
+        _one_error_line(rc, capsys, str(path), "--num-experts", says, f"got {num_experts}")

@@ -12,14 +12,21 @@ sequence in them is teacher-forced through the model and compared, per MoE layer
 (:func:`replaymoe.hf.conformance.check_routes`). Prints the per-layer table and the defects, or with
 ``--json`` the report's dict.
 
+``--layer-ids`` takes either form: the model layer of each payload column (one number per column), or,
+for a payload of one column per decoder layer (vLLM 0.33), the MoE layers' numbers, which name their
+columns (the form of ``replaymoe inspect`` and ``replaymoe demo --from-vllm``; the other columns are
+dense and must be zero).
+
 Exit status: 0 clean; otherwise the OR of the defect bits 1 (disagreement above
-``--max-disagreement``), 4 (out-of-range or repeated ids), 8 (all-zero rows, constant layers),
+``--max-disagreement``; a layer where more than half of the compared rows were excused as near-ties),
+4 (out-of-range or repeated ids), 8 (all-zero rows, constant layers, rows of -1 within a sequence),
 16 (non-zero dense-layer columns, a column count that fits no layer count, a row count that does not
-fit the sequence's tokens: the rows within the tokens are still judged; a MoE layer with no judged
-row; a trace recorded for another model), 32 (misaligned rows), 64 (dtype overflow): never 2, which
-stays a bad option, an unreadable or invalid file (not a regular file, over 1 GiB, a sequence without
-tokens, no routed rows to check in a MoE layer's column), or a model that cannot be loaded or does not
-fit the routes (one line on stderr, no traceback).
+fit the sequence's tokens: the rows within the tokens are still judged; a MoE layer all -1 in a
+sequence whose other MoE layers are routed, or with no judged row; a trace whose model id or MoE
+layers are another model's), 32 (misaligned rows), 64 (dtype overflow): never 2, which stays a bad
+option, an unreadable or invalid file (not a regular file, over 1 GiB, a sequence without tokens, no
+routed rows to check in a MoE layer's column, a trace of other experts or top-k), or a model that
+cannot be loaded or does not fit the routes (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ __all__ = ["main"]
 EXIT_USAGE = 2  # replaymoe.apps.cli's exit code for bad options and bad input files
 
 _EPILOG = (
-    "exit status: 0 clean; else the OR of 1 disagreement above --max-disagreement, 4 out-of-range or "
-    "repeated ids, 8 all-zero rows or constant layers, 16 non-zero dense-layer columns, a column "
-    "count that fits no layer count, a row count that does not fit the tokens, a MoE layer with no "
-    "judged row or a trace of another model, 32 misaligned rows (best shift != 0), 64 dtype overflow "
-    "(a dtype narrower than E, wrapped ids); 2 a bad option, an unreadable or invalid file (not a "
-    "regular file, over 1 GiB, no tokens, no routed rows to check), or a model that cannot be loaded "
-    "or does not fit the routes."
+    "exit status: 0 clean; else the OR of 1 disagreement above --max-disagreement, or a layer where "
+    "more than half of the compared rows were excused as near-ties, 4 out-of-range or repeated ids, 8 "
+    "all-zero rows, constant layers or rows of -1 (missing) within a sequence (replay needs "
+    "missing='native' for them), 16 non-zero dense-layer columns, a column count that fits no layer "
+    "count, a row count that does not fit the tokens, a MoE layer all -1 in a sequence whose other MoE "
+    "layers are routed or with no judged row, or a trace whose model id or MoE layers are another "
+    "model's, 32 misaligned rows (best shift != 0), 64 dtype overflow (a dtype narrower than E, wrapped "
+    "ids); 2 a bad option, an unreadable or invalid file (not a regular file, over 1 GiB, no tokens, no "
+    "routed rows to check, a trace of other experts or top-k), or a model that cannot be loaded or "
+    "does not fit the routes."
 )
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 2)  # torch's seed range (build_model also seeds with seed + 1)
 
@@ -95,9 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_layer_ids,
         default=None,
         metavar="N,N,...",
-        help="the model layer number of each payload column (default: by the column count, one per "
-        "MoE layer or one per decoder layer; a trace's own); also the column count of SGLang's flat "
-        "payloads",
+        help="either the model layer of each payload column (one number per column), or, for a payload "
+        "of one column per decoder layer (vLLM), the MoE layers' numbers, naming their columns, as "
+        "inspect and demo --from-vllm take them (e.g. 1,2; the other columns must be zero); default: by "
+        "the column count, one per MoE layer or one per decoder layer; a trace's own. SGLang's flat "
+        "payloads are read with as many columns (or, for the MoE layers' numbers, one per decoder layer "
+        "when its dense columns are zero)",
     )
     p.add_argument(
         "--prompt-start",
@@ -129,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
         "--ignore-model-id",
         action="store_true",
         help="accept traces recorded under another model id (another name of this model); their MoE "
-        "layers, experts and top-k are still compared",
+        "layers are still compared (exit 16), and other experts or top-k refused (exit 2)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
@@ -162,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             check_input(path, reader="replaymoe check")
         model = load_model(args.model, seed=args.seed)
         lay = model_layout(model)
-        # SGLang's flat payloads: --layer-ids gives their column count, else the model's candidates
-        counts = (len(args.layer_ids),) if args.layer_ids else (lay.num_hidden_layers, len(lay.moe_layers))
+        # SGLang's flat payloads: --layer-ids gives their column count (the MoE layers' numbers: also one
+        # column per decoder layer), else the model's candidates
+        n_moe, n_dec = len(lay.moe_layers), lay.num_hidden_layers
+        n = len(args.layer_ids or ())
+        counts = (n_dec, n_moe) if not n else (n, n_dec) if n == n_moe != n_dec else (n,)
         routes = []
         for path in args.routes:
             routes += load_routes(

@@ -13,7 +13,8 @@ every-layer agreement with the other trace.
 
 vLLM inputs (:meth:`RoutingTrace.from_vllm <replaymoe.record.trace.RoutingTrace.from_vllm>`): vLLM
 0.33 sends one layer column per decoder layer, dense layers all zero: ``--layer-ids`` names the MoE
-layers' numbers (a payload with an all-zero column is refused without it); the request's
+layers' numbers, as ``replaymoe check`` and ``demo --from-vllm`` take them (a payload with an all-zero
+column is refused without them, and with a number for every column, ``check``'s other form); the request's
 ``routed_experts_prompt_start``, which vLLM does not echo, is ``--prompt-start`` (default 0;
 ``--prompt-start S,S2`` gives OTHER of ``--compare`` its own, and an empty side none). When
 the response carries its token ids (``return_token_ids: true``), its rows must be
@@ -26,8 +27,10 @@ accepted.
 Refused with exit code 2 and one line on stderr: an input that is not a regular file (``/dev/zero``,
 a directory, a pipe) or is larger than :data:`MAX_INPUT_BYTES` (1 GiB; ``RoutingTrace.load`` reads
 larger trace files from Python), checked before reading; an empty file name; an input with no routed
-rows (no tokens, or every row -1) or no layers; ``--compare`` of two inputs whose token ids are both
-known and differ (``--ignore-tokens`` compares them anyway), or that have no token both record.
+rows (no tokens, or every row -1) or no layers; ``--num-experts`` that contradicts the input (a trace's
+own E, an id at or above it, more experts than a vLLM payload's dtype holds: uint8 at most 256);
+``--compare`` of two inputs whose token ids are both known and differ (``--ignore-tokens`` compares
+them anyway), or that have no token both record.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import numpy as np
 from replaymoe.record.stats import agreement, balance, expert_load, plot_heatmap
 from replaymoe.record.trace import RoutingTrace, TraceFormatError
 from replaymoe.record.trace.file import MAX_INPUT_BYTES, read_input
+from replaymoe.record.trace.wire import routes_array
 
 __all__ = ["MAX_INPUT_BYTES", "main", "load_any"]
 
@@ -142,6 +146,7 @@ def load_any(
         When the file cannot be read.
     """
     data = _read_input(path).removeprefix(codecs.BOM_UTF8)  # a BOM, as json.loads(bytes) accepts
+    sent = None  # the element type of a vLLM payload, read when --num-experts may not fit it
     if not data.strip():
         raise TraceFormatError(f"{path}: empty file; {_ACCEPTED}", path)
     if data[:4] == b"PK\x03\x04":
@@ -208,12 +213,16 @@ def load_any(
             trace = RoutingTrace.from_vllm(
                 obj, choice=choice or 0, prompt_start=prompt_start, layer_ids=layer_ids
             )
+            if num_experts is not None and num_experts > 256:  # more than uint8 holds
+                sent = _payload_dtype(raw if isinstance(obj, str) else obj, choice or 0, path)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{path}: invalid JSON ({e})", path) from e
         except TraceFormatError as e:
             msg = str(e)
             if "pickle" in msg:  # numpy's wording for an object payload inside a JSON response
                 msg = "the routed_experts payload is not an integer .npy array (it holds Python objects)"
+            elif "columns as MoE layers" in msg:  # check's form, a number per column, dense ones included
+                msg += "; --layer-ids names the MoE layers only here (those columns that are not all zero)"
             raise TraceFormatError(msg if msg.startswith(str(path)) else f"{path}: {msg}", path) from e
         except ValueError as e:  # an argument that does not fit this response (e.g. --prompt-start)
             raise ValueError(str(e) if str(e).startswith("Invalid value of --") else f"{path}: {e}") from None
@@ -229,8 +238,24 @@ def load_any(
                 f"Invalid value of --num-experts: expected more than the largest expert id {top} "
                 f"in {path}, got {num_experts}"
             )
+        if sent is not None and sent.itemsize <= 2 and num_experts > (most := int(np.iinfo(sent).max)) + 1:
+            raise ValueError(
+                f"Invalid value of --num-experts: expected at most {most + 1} for the {sent.name} payload of "
+                f"{path} ({sent.name} holds expert ids up to {most}: the ids of more experts would have "
+                f"wrapped; vLLM sends uint16 above 256 experts), got {num_experts}"
+            )
         trace = trace.replace(num_experts=num_experts)
     return trace
+
+
+def _payload_dtype(obj: object, choice: int, path: str) -> np.dtype:
+    """The element type a vLLM payload was sent in (``obj``: its raw ``.npy`` bytes, or the response or
+    choice dict :meth:`RoutingTrace.from_vllm` has read), which the trace does not keep."""
+    if not isinstance(obj, dict):
+        return routes_array(obj, path).dtype
+    ch, top = (obj["choices"][choice], obj) if "choices" in obj else (obj, {})
+    fields = (top.get("prompt_routed_experts", ch.get("prompt_routed_experts")), ch.get("routed_experts"))
+    return np.result_type(*(routes_array(v, path).dtype for v in fields if v is not None))
 
 
 def _fmt(x: float, spec: str = ".3f") -> str:
@@ -468,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="exit codes: 0 success; 2 a bad option, or an input that cannot be read, is not a regular "
         f"file of at most {MAX_INPUT_BYTES >> 20} MiB, is not a routing trace or has no routed rows or "
         "layers, rows that do not fit the response's token counts, an option that does not apply to the "
-        "input (--prompt-start, --choice of a trace file), --compare of different token sequences or of "
+        "input (--prompt-start, --choice of a trace file), a --num-experts the input contradicts (ids at "
+        "or above it, more than a uint8 payload holds), --compare of different token sequences or of "
         "inputs with no recorded token in common, or a heatmap that cannot be written.",
     )
     parser.add_argument("trace", help="replaymoe trace file, vLLM response/choice JSON, or base64 .npy text")
@@ -484,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         "--num-experts",
         type=int,
         default=None,
-        help="E, for inputs that do not record it (vLLM's); must match a trace that records it",
+        help="E, for inputs that do not record it (vLLM's); must match a trace that records it, exceed "
+        "its ids and fit a vLLM payload's dtype (uint8: at most 256)",
     )
     parser.add_argument(
         "--choice",
@@ -506,8 +533,10 @@ def main(argv: list[str] | None = None) -> int:
         type=_layer_list,
         default=None,
         metavar="N,N,...",
-        help="the model layer numbers of the MoE layers, e.g. 1,2,3: picks them from vLLM's "
-        "one-column-per-decoder-layer payload, whose dense layers are all-zero columns",
+        help="the model layer numbers of the MoE layers only, e.g. 1,2,3 (as check and demo --from-vllm "
+        "take them): picks their columns from vLLM's one-column-per-decoder-layer payload, whose dense "
+        "layers are all-zero columns; a number for every column (check's other form) takes each column "
+        "as a MoE layer, so an all-zero dense column is refused",
     )
     parser.add_argument(
         "--ignore-tokens",

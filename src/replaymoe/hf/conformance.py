@@ -19,19 +19,25 @@ What it reports
   engine's set is a top-K choice up to that tolerance: no expert it left out scores more than the
   tolerance above one it chose (every expert where the sets differ is within the tolerance of the
   K-th score; with grouping, its groups a kept-group choice up to the tolerance of the group
-  scores). Any other set sent at a near-tie is judged. The scores are
+  scores). Any other set sent at a near-tie is judged; a layer where more than half of the compared
+  rows (judged or excused) were excused is the ``excused`` defect (the tolerance, not the routes,
+  passed it: a bf16 engine differs at a small share of its near-ties). The scores are
   :func:`replaymoe.routing.methods.selection_scores` of the router's own logits (a pre-hook on each
   router), so every routing method is scored as the kernels select.
-* per-row defects of the raw values: ids outside ``[0, E)`` (a whole row of -1 is the documented
-  missing marker, counted apart), a repeated id in a row, rows of all zeros (K >= 2: a fused kernel
-  that never wrote its routing), and layers with one expert set at every row (at least
-  ``min_constant_rows`` rows, within one sequence or across them all) while the recomputation varies;
+* per-row defects of the raw values, each row counted under one at most: ids outside ``[0, E)``, a
+  repeated id in a row, rows of all zeros (K >= 2: a fused kernel that never wrote its routing), rows
+  of all -1 (the missing marker: ``missing_rows``, which replay refuses unless ``missing="native"``;
+  positions before the prompt start are not rows), and layers with one expert set at every row (at
+  least ``min_constant_rows`` rows, within one sequence or across them all) while the recomputation
+  varies;
 * the layout: with one column per decoder layer (vLLM 0.33), dense layers' columns must be all zero;
   a column count that is neither the MoE-layer nor the decoder-layer count cannot be mapped; a row
   count that is not ``tokens - 1 - start`` (the rows within the tokens are judged, the defect names a
-  prompt start that fits); a MoE layer of the model with no judged row (``unrouted_layer``: no source
-  routes it, or every row there was excused); a trace whose fingerprint (model id, MoE layers,
-  experts, top-k) is not the model's, which replay would refuse (``fingerprint``);
+  prompt start that fits); a MoE layer every row of which is -1 in a sequence whose other MoE layers
+  are routed, whatever the other sources hold, or with no judged row in any source that no other
+  defect explains (``unrouted_layer``); a trace whose model id or MoE layers are not the model's,
+  which replay would refuse (``fingerprint``; a trace of other experts or top-k is refused with a
+  ``ValueError``, before any forward);
 * alignment: agreement of engine row ``i`` with recomputed position ``start + i + shift`` for each
   shift in ``shifts``; a sequence whose best shift is not 0, compares at least 8 rows there, reaches
   ``0.5``, beats shift 0 by ``0.2`` and has 4 more rows agreeing in every layer is misaligned (a
@@ -42,7 +48,7 @@ What it reports
 
 Rows a defect explains are kept out of the disagreement rate: it counts the rows that are not
 missing, defective, excused at a near-tie or in a constant layer, and fails when, in some layer, more
-than ``max_disagreement`` of them disagree. Routes with no routed row in a MoE layer's column (every
+than ``max_disagreement`` of them disagree. Routes with no routed row in any MoE layer's column (every
 such row -1, or no such column) are refused: nothing to check.
 
 The report (:class:`RouteCheckReport`, its table and dict), the defect kinds and their exit bits
@@ -54,7 +60,8 @@ trace files) in :mod:`replaymoe.record.engine_routes`, the judgement of the rows
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -165,11 +172,39 @@ def load_model(spec: str, *, seed: int | None = None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a non-model
         reason = " ".join(str(e).split())[:300]
         fail("model", "a transformers MoE checkpoint loadable offline, or SIZE:ARCH", f"{spec!r} ({reason})")
     return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") and its logging below errors off, then restored
+    as they were (the hub's bars too): a check's stderr holds its own errors only."""
+    import warnings
+
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as tf_logging
+
+    bar, hub_off, verbosity = (tf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled(),
+                               tf_logging.get_verbosity())  # fmt: skip
+    with warnings.catch_warnings():  # the hub warns when HF_HUB_DISABLE_PROGRESS_BARS overrides a call
+        warnings.simplefilter("ignore")
+        tf_logging.disable_progress_bar()
+    tf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(verbosity)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if bar:
+                tf_logging.enable_progress_bar()
+            if hub_off != hub.are_progress_bars_disabled():
+                (hub.disable_progress_bars if hub_off else hub.enable_progress_bars)()
 
 
 def _near_ties(info: MoELayerInfo, hidden: torch.Tensor, tol: float) -> LayerTies:
@@ -248,8 +283,10 @@ def check_routes(
     num_experts : int, optional
         A cross-check: must equal the model's E.
     layer_ids : sequence of int, optional
-        The model layer number of each payload column, for every route (default: a trace's own, else
-        one column per MoE layer or per decoder layer, by the count).
+        For every route: the model layer number of each payload column, or, for a payload of one
+        column per decoder layer, the model's MoE layer numbers, naming their columns (the form of
+        ``RoutingTrace.from_vllm``; the other columns must be zero). Default: a trace's own, else one
+        column per MoE layer or per decoder layer, by the count.
     max_disagreement : float
         Fail (``CheckCode.DISAGREEMENT``) when more than this fraction of a layer's judged rows
         disagree (module docstring).

@@ -15,9 +15,10 @@ pair it with the token ids of the sequence, so that the sequence can be teacher-
   (``prompt_routed_experts`` + the choice's completion rows) is read too.
 * SGLang: ``meta_info.routed_experts`` is base64 of a *flat* array (int32, or uint8/uint16 named by
   ``routed_experts_dtype``) of logical shape ``[seqlen - 1, layers, top_k]``; the layer count is not
-  sent, so the reader takes the model's candidates (decoder layers, MoE layers) and keeps the one whose
-  row count is nearest the token count's. Token ids: ``input_ids`` (the request's, or
-  ``prompt_token_ids``) and ``output_ids`` (or ``token_ids``), at the top level or in ``meta_info``.
+  sent, so the reader takes the model's candidates (decoder layers, MoE layers): one whose extra
+  columns are all zero (dense layers), else the one whose row count is nearest the token count's.
+  Token ids: ``input_ids`` (the request's, or ``prompt_token_ids``) and ``output_ids`` (or
+  ``token_ids``), at the top level or in ``meta_info``.
 * replaymoe trace files (:meth:`RoutingTrace.save <replaymoe.record.trace.RoutingTrace.save>`): ids
   already validated, with the ``token_ids`` that capture records and the MoE ``layer_ids``.
 
@@ -94,6 +95,10 @@ class EngineRoutes:
         The routing of the model that recorded the routes (a trace's
         :attr:`~replaymoe.record.trace.RoutingTrace.fingerprint`); the check compares it with the
         model's. None when the engine does not send one.
+    guess : str
+        How a reader guessed the layout of a payload that more than one layer count fits, and the
+        other readings (SGLang's flat payloads whose rows do not fit the tokens); part of the
+        ``row_count`` defect's words. Empty when nothing was guessed.
     """
 
     ids: np.ndarray
@@ -106,6 +111,7 @@ class EngineRoutes:
     num_experts: int | None = None
     prompt_tokens: int | None = None
     fingerprint: RoutingFingerprint | None = None
+    guess: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str):
@@ -168,7 +174,7 @@ class EngineRoutes:
             note += f"; a prompt start of {fits} gives {self.rows} rows (--prompt-start {fits}?)"
         elif fits < 0:
             note += f"; no prompt start gives {self.rows} rows: {-fits} more than the tokens allow"
-        return note
+        return note + (f"; {self.guess}" if self.guess else "")
 
     @property
     def rows(self) -> int:
@@ -332,9 +338,11 @@ def routes_from_sglang(
         Each holds ``meta_info.routed_experts`` (base64, flat) and the token ids (module docstring).
     num_layers : int or sequence of int
         The layer count of the flat ``[rows, layers, top_k]`` array, or candidates (the model's
-        decoder and MoE layer counts): of those that divide the payload, the one whose row count is
+        decoder and MoE layer counts): of those that divide the payload, one whose columns beyond a
+        smaller candidate's are all zero (dense layers' columns), else the one whose row count is
         nearest ``tokens - 1 - start`` (the first on a tie), so a row too many or too few keeps the
-        layout and shows as a row count that does not fit.
+        layout and shows as a row count that does not fit; then the routes' ``guess`` names the
+        other readings.
     top_k : int
         K (SGLang does not send the shape).
     prompt_start : int, optional
@@ -389,21 +397,52 @@ def routes_from_sglang(
         if len(raw) % itemsize:
             raise TraceFormatError(f"{where}: {len(raw)} bytes is not a whole number of {dtype} values")
         flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
-        want = len(tokens) - 1 - start
         fits = [c for c in cands if flat.size % (c * top_k) == 0]
         if not fits:
             raise TraceFormatError(
                 f"{where}: {flat.size} values are not whole [layers, top_k={top_k}] rows for layers in "
                 f"{list(cands)}"
             )
-        # the token counts decide the layout: the layer count whose row count is nearest theirs (a
-        # payload one row short or long keeps its layout; 33 MoE-only rows are not 22 decoder rows)
-        layers = min(fits, key=lambda c: abs(flat.size // (c * top_k) - want))
+        layers, guess = _sglang_layout(flat, fits, top_k, len(tokens), start, len(toks[0]))
         ids = flat.reshape(-1, layers, top_k).astype(np.int64)
-        out.append(
-            EngineRoutes(ids, tokens, start=start, dtype=dtype, source=where, prompt_tokens=len(toks[0]))
-        )
+        out.append(EngineRoutes(ids, tokens, start=start, dtype=dtype, source=where,
+                                prompt_tokens=len(toks[0]), guess=guess))  # fmt: skip
     return out
+
+
+def _sglang_layout(
+    flat: np.ndarray, fits: list[int], top_k: int, T: int, start: int, prompt: int
+) -> tuple[int, str]:
+    """(layer count, the words of a guess) of a flat SGLang payload that ``fits`` layer counts divide.
+
+    A layout whose extra columns (over a smaller count's) are all zero, dense layers', is taken; else
+    the one whose row count is nearest ``T - 1 - start`` (a payload one row short or long keeps its
+    layout; 33 MoE-only rows are not 22 decoder rows). When that row count still does not fit the
+    tokens, the guess names the other readings and the prompt start that fits each."""
+    rows = {c: flat.size // (c * top_k) for c in fits}
+    for c in sorted(fits, reverse=True):
+        zero = int((flat.reshape(-1, c, top_k) == 0).all(axis=(0, 2)).sum()) if rows[c] else 0
+        if any(c - zero <= o < c for o in fits) and zero < c:  # as many all-zero columns as dense layers
+            return c, ""
+    want = T - 1 - start
+    near = min(fits, key=lambda c: abs(rows[c] - want))
+    if rows[near] == want or len(fits) == 1:
+        return near, ""
+    alts = [
+        f"{rows[c]} rows of {c} columns"
+        + (
+            f" from a prompt start of {s}"
+            if 0 <= (s := T - 1 - rows[c]) <= prompt
+            else " (no prompt start fits)"
+        )
+        for c in fits
+        if c != near
+    ]
+    return near, (
+        f"layout guessed: its {flat.size} values were read as {rows[near]} rows of {near} columns (the "
+        f"nearest to the tokens), and are also {' or '.join(alts)} (--layer-ids of as many layer numbers "
+        "as columns, and --prompt-start, read them so)"
+    )
 
 
 def routes_from_trace(trace: RoutingTrace, *, source: str = "trace") -> EngineRoutes:

@@ -12,12 +12,15 @@ run as asked" and is never a sum of these bits, nor are 130 and 141):
 ====  ==================  ==========================================================
 bit   name                defects (:data:`DEFECT_KINDS`)
 ====  ==================  ==========================================================
-1     DISAGREEMENT        disagreement above ``max_disagreement`` in some layer
+1     DISAGREEMENT        disagreement above ``max_disagreement`` in some layer; a layer where
+                          more than half of the compared rows were excused as near-ties
 4     INVALID_IDS         ids out of range, repeated ids in a row
-8     DEGENERATE_ROWS     all-zero rows, constant layers
+8     DEGENERATE_ROWS     all-zero rows, constant layers, rows of -1 (missing) within a sequence
 16    LAYOUT              non-zero dense-layer columns, a column count that fits nothing, a row
-                          count that does not fit the sequence's tokens, a MoE layer of the model
-                          with no judged row, a trace recorded for another model (fingerprint)
+                          count that does not fit the sequence's tokens, a MoE layer with no routed
+                          row in a sequence whose other MoE layers are routed, or with no judged
+                          row at all, a trace recorded for another model (its model id or MoE
+                          layers; other experts or top-k are refused as an input error, exit 2)
 32    MISALIGNED          a sequence agrees better at another row shift
 64    DTYPE_OVERFLOW      a dtype narrower than E, wrapped ids, ids at the dtype's maximum
 ====  ==================  ==========================================================
@@ -67,6 +70,11 @@ DEFECT_KINDS: dict[str, tuple[CheckCode, str]] = {
         CheckCode.DEGENERATE_ROWS,
         "one expert set at every row of a layer; the recomputation varies",
     ),
+    "missing_rows": (
+        CheckCode.DEGENERATE_ROWS,
+        "rows of all -1 (missing) within a sequence, in a layer it routes elsewhere: replay refuses them "
+        'unless missing="native" (positions before the prompt start are not rows)',
+    ),
     "dense_column": (CheckCode.LAYOUT, "non-zero rows in the column of a dense (non-MoE) layer"),
     "column_count": (
         CheckCode.LAYOUT,
@@ -78,13 +86,13 @@ DEFECT_KINDS: dict[str, tuple[CheckCode, str]] = {
     ),
     "unrouted_layer": (
         CheckCode.LAYOUT,
-        "a MoE layer of the model with no judged row: no source routes it (no column, every row -1), or "
-        "every row routed there was excused as a near-tie",
+        "a MoE layer with every row -1 in a sequence whose other MoE layers are routed, or with no judged "
+        "row in any source (no column for it) that no other defect explains",
     ),
     "fingerprint": (
         CheckCode.LAYOUT,
-        "a trace recorded for another model: its model id, MoE layers, experts or top-k differ from the "
-        "model's (replay would refuse it)",
+        "a trace recorded for another model: its model id or MoE layers differ from the model's (replay "
+        "would refuse it); a trace of other experts or top-k is refused before the check (exit 2)",
     ),
     "misaligned": (CheckCode.MISALIGNED, "rows agree better at a shift of the positions than at 0"),
     "dtype_narrow": (CheckCode.DTYPE_OVERFLOW, "a payload dtype that cannot hold the ids 0 .. E-1"),
@@ -92,6 +100,11 @@ DEFECT_KINDS: dict[str, tuple[CheckCode, str]] = {
     "disagreement": (
         CheckCode.DISAGREEMENT,
         "rows whose set differs from the recomputation, above the threshold",
+    ),
+    "excused": (
+        CheckCode.DISAGREEMENT,
+        "a layer where more than half of the compared rows were excused as near-ties: the near-tie "
+        "tolerance, not the routes, passed it",
     ),
 }
 
@@ -160,7 +173,8 @@ class Defect:
     count : int
         How many ``unit`` have it.
     unit : str
-        ``"rows"``, ``"layers"`` (sequence x layer; model layers for ``unrouted_layer``),
+        ``"rows"``, ``"layers"`` (sequence x layer; model layers for ``excused``, and for
+        ``unrouted_layer`` found in no source),
         ``"sequences"``, ``"payloads"`` or ``"sources"``.
     first : Example
         The first occurrence.
@@ -236,7 +250,8 @@ class LayerCheck:
     shift_agreement : tuple of float
         Agreement at each shift of the report's ``shifts`` (defective rows left out).
     best_shift : int
-        The shift of highest agreement (0 on ties).
+        The shift of highest agreement (0 on ties); the table shows ``-`` for a layer with no judged
+        row (a constant layer's chance matches name no shift).
     """
 
     layer: int
@@ -392,7 +407,7 @@ class RouteCheckReport:
         table = [
             [str(c.layer), str(c.rows), _f(c.agreement), _f(c.near_tie_rate), str(c.excused), str(c.judged),
              _f(c.disagreement), str(c.missing), str(c.all_zero), str(c.constant), str(c.out_of_range),
-             str(c.duplicate), str(c.overflow), f"{c.best_shift:+d}"]
+             str(c.duplicate), str(c.overflow), f"{c.best_shift:+d}" if c.judged else "-"]
             for c in self.layers
         ]  # fmt: skip
         table.append(
@@ -401,16 +416,16 @@ class RouteCheckReport:
              _f(self.disagreement), str(sum(c.missing for c in self.layers)),
              str(sum(c.all_zero for c in self.layers)), str(sum(c.constant for c in self.layers)),
              str(sum(c.out_of_range for c in self.layers)), str(sum(c.duplicate for c in self.layers)),
-             str(sum(c.overflow for c in self.layers)), f"{self.best_shift:+d}"]
+             str(sum(c.overflow for c in self.layers)),
+             f"{self.best_shift:+d}" if any(c.judged for c in self.layers) else "-"]
         )  # fmt: skip
         lines += _table(head, table)
-        lines.append("  sequences:")
-        shifts = " ".join(f"{s:+d}" for s in self.shifts)
+        lines.append("  sequences (agree at a row shift: over the rows without a defect):")
         shead = ["source", "start", "rows", "expected", "dtype", "columns", "agree",
-                 f"agree at {shifts} (rows without a defect)"]  # fmt: skip
+                 *(f"at {s:+d}" for s in self.shifts)]  # fmt: skip
         stable = [
             [s.source, str(s.start), str(s.rows), str(s.expected_rows), s.dtype, f"{s.columns} ({s.layout})",
-             _f(s.agreement), " ".join(_f(a, 2) for a in s.shift_agreement)]
+             _f(s.agreement), *(_f(a, 2) for a in s.shift_agreement)]
             for s in self.sequences
         ]  # fmt: skip
         lines += ["  " + x for x in _table(shead, stable, left=1)]

@@ -108,12 +108,25 @@ def best_shift(agree: np.ndarray, compared: np.ndarray, shifts: tuple[int, ...])
 def columns(
     r: EngineRoutes, lay: ModelLayout, layer_ids: tuple[int, ...] | None
 ) -> tuple[str, list[int] | None]:
-    """(layout name, model layer number of each column or None when unmapped) of ``r``'s payload."""
+    """(layout name, model layer number of each column or None when unmapped) of ``r``'s payload.
+
+    ``layer_ids`` given: the model layer of each column, or, for a payload of one column per decoder
+    layer, one number per MoE layer naming the MoE layers' columns (the form of ``inspect`` and
+    ``demo --from-vllm``: column ``c`` is layer ``c``), which must be the model's MoE layers; the
+    other columns are dense layers', checked to be zero."""
     ids = layer_ids if layer_ids is not None else r.layer_ids
+    moe, n_dec = lay.moe_layers, lay.num_hidden_layers
+    if layer_ids is not None and len(layer_ids) == len(moe) != r.columns == n_dec:  # the MoE layers' columns
+        if sorted(layer_ids) != list(moe):
+            want = f"the model's MoE layers {','.join(map(str, moe))} (one number per MoE layer names their"
+            fail("layer_ids", f"{want} columns of {r.source}, one column per decoder layer)", list(layer_ids))
+        return "layer_ids", list(range(n_dec))
     if ids is not None:
         name = "layer_ids" if layer_ids is not None else f"layer_ids of {r.source}"  # given, or recorded
         if len(ids) != r.columns:
-            fail(name, f"{r.columns} layer numbers (one per column of {r.source})", list(ids))
+            moe_form = layer_ids is not None and r.columns == n_dec
+            also = f", or {len(moe)}: the MoE layers' columns" if moe_form else ""
+            fail(name, f"{r.columns} layer numbers (one per column of {r.source}){also}", list(ids))
         if max(ids) >= lay.num_hidden_layers:
             fail(name, f"layer numbers below the model's {lay.num_hidden_layers} layers", list(ids))
         return ("layer_ids" if layer_ids is not None else "trace"), list(ids)
@@ -215,7 +228,7 @@ def _row_masks(x: _Rows, RC: np.ndarray, E: int, K: int, dt: np.dtype) -> _RowMa
     ovfl = (at_max.any(-1) | wrapped) & present
     oor = (((X < 0) | (X >= E)) & ~at_max).any(-1) & present & ~ovfl
     zero = (X == 0).all(-1) & ~ovfl if K >= 2 else np.zeros(missing.shape, dtype=bool)
-    dup = (Xs[..., 1:] == Xs[..., :-1]).any(-1) & present & ~zero & ~ovfl
+    dup = (Xs[..., 1:] == Xs[..., :-1]).any(-1) & present & ~zero & ~ovfl & ~oor
     match = (Xs == RC).all(-1) & present
     return _RowMasks(missing, present, ovfl, oor, zero, dup, match)
 
@@ -256,6 +269,9 @@ class RouteJudge:
         self.usable_sources: list[dict[str, None]] = [{} for _ in range(L)]
         self.first_disagree: list[Example | None] = [None] * L
         self.disagree_sources: list[dict[str, None]] = [{} for _ in range(L)]
+        self.first_excused: list[Example | None] = [None] * L
+        self.excused_sources: list[dict[str, None]] = [{} for _ in range(L)]
+        self.unrouted_seqs = _z(L)  # sequences with no routed row in the layer while others are routed
         self.sources: dict[str, None] = {}
         self.unmapped = 0  # payloads whose columns map to no layers (the column_count defect)
 
@@ -316,6 +332,7 @@ class RouteJudge:
                            ("duplicate", k.dup)):  # fmt: skip
             if mask.any():
                 defects.add(kind, int(mask.sum()), "rows", x.example(mask, RC))
+        self._missing(x, k, RC)
         const = self._constant(x, RC, k)
         seq_agree, best, misaligned = self._alignment(r, x, k, rec)
         self._judge(x, k, rec, ties, const, best if misaligned else 0)
@@ -325,6 +342,23 @@ class RouteJudge:
                        (self.ovfl, k.ovfl)):  # fmt: skip
             acc[li] += v.sum(0)
         return seq(rate(int(k.match.sum()), int(k.present.sum())), seq_agree, best, misaligned)
+
+    def _missing(self, x: _Rows, k: _RowMasks, RC: np.ndarray) -> None:
+        """A MoE layer's column with no routed row while the sequence's other MoE layers are routed is
+        ``unrouted_layer`` for this sequence (whatever other sources route); rows of -1 in the other
+        columns are ``missing_rows`` (replay refuses them unless ``missing="native"``). Positions before
+        the start are not rows: never counted."""
+        gone = np.asarray(k.missing.all(0))  # [M]; not every column: refuse_unrouted refused that
+        if gone.any() and not gone.all():
+            m = int(np.flatnonzero(gone)[0])
+            self.unrouted_seqs[x.li[gone]] += 1
+            note = f"every one of its {len(x.pos)} rows -1 (missing) while its other MoE layers are routed"
+            first = Example(x.source, layer=x.col_layers[x.cols[m]], column=x.cols[m], note=note)
+            self.defects.add("unrouted_layer", int(gone.sum()), "layers", first)
+        part = k.missing & ~gone[None, :]
+        if part.any():
+            note = 'replay refuses rows of -1 unless missing="native", which routes them natively'
+            self.defects.add("missing_rows", int(part.sum()), "rows", x.example(part, RC, note=note))
 
     def _constant(self, x: _Rows, RC: np.ndarray, k: _RowMasks) -> np.ndarray:
         """bool [M]: layers with one set at every usable row of this sequence (at least
@@ -408,13 +442,16 @@ class RouteJudge:
         self.excused[x.li] += excused.sum(0)
         self.judged[x.li] += judged.sum(0)
         self.disagree[x.li] += disagree.sum(0)
-        note = f"judged at shift {shift:+d}" if shift else ""
-        for m in np.flatnonzero(disagree.any(0)):
-            i = int(x.li[m])
-            self.disagree_sources[i].setdefault(x.source)
-            if self.first_disagree[i] is None:
-                self.first_disagree[i] = x.example(disagree & (np.arange(len(x.cols)) == m)[None, :], RC,
-                                                   shift, note)  # fmt: skip
+        at = f" at shift {shift:+d}" if shift else ""
+        why = f"excused at a near-tie{at}"
+        found = ((disagree, self.first_disagree, self.disagree_sources, at and f"judged{at}"),
+                 (excused, self.first_excused, self.excused_sources, why))  # fmt: skip
+        for mask, firsts, srcs, note in found:
+            for m in np.flatnonzero(mask.any(0)):
+                i = int(x.li[m])
+                srcs[i].setdefault(x.source)
+                if firsts[i] is None:
+                    firsts[i] = x.example(mask & (np.arange(len(x.cols)) == m)[None, :], RC, shift, note)
 
     # ---------------------------------------------------------------------------------------------
     # across the sequences
@@ -435,27 +472,42 @@ class RouteJudge:
         return glob
 
     def _unrouted(self, judged: np.ndarray, const: np.ndarray) -> None:
-        """The ``unrouted_layer`` defect: MoE layers with no judged row that no other defect explains (a
-        row defect, a constant layer; for a layer without rows, a payload of unmapped columns)."""
+        """The ``unrouted_layer`` defect of the sources together: MoE layers with no judged row that no
+        other defect explains (a row defect, a constant layer, a sequence's column of -1, rows excused
+        at near-ties; for a layer without rows, a payload of unmapped columns)."""
         lay = self.lay
-        bad = (judged == 0) & (self.oor + self.dup + self.zero + self.ovfl + const == 0)
+        explained = self.oor + self.dup + self.zero + self.ovfl + const + self.unrouted_seqs + self.excused
+        bad = (judged == 0) & (explained == 0)
         if self.unmapped:
             bad &= self.rows + self.missing > 0
         if not bad.any():
             return
-        why = []
-        for i in np.flatnonzero(bad):
-            if self.rows[i] == 0:
-                what = "every row -1 (missing)" if self.missing[i] else "no source has a row for it"
-            else:
-                n, e = int(self.rows[i]), int(self.excused[i])
-                what = f"none of its {n} rows judged ({e} excused as near-ties)"
-            why.append((lay.moe_layers[i], what))
+        why = [(lay.moe_layers[i], "no source has a row for it" if self.rows[i] == 0 else
+                f"none of its {int(self.rows[i])} rows judged") for i in np.flatnonzero(bad)]  # fmt: skip
         srcs = list(self.sources)
         where = srcs[0] if len(srcs) == 1 else f"all {len(srcs)} sources"
         detail = "; ".join(f"layer {n}: {w}" for n, w in why) if len(why) > 1 else ""
         first = Example(where, layer=why[0][0], note=why[0][1])
         self.defects.add("unrouted_layer", len(why), "layers", first, detail, sources=())
+
+    def _excused(self, judged: np.ndarray, glob: np.ndarray, near_tie: float) -> None:
+        """The ``excused`` defect: layers where more than half of the compared rows (judged or excused)
+        were excused as near-ties: the tolerance, not the routes, passed them."""
+        compared = judged + self.excused
+        bad = ~glob & (2 * self.excused > compared)
+        if not bad.any():
+            return
+        share = rate(self.excused, compared)
+        parts = [f"layer {self.lay.moe_layers[i]}: {int(self.excused[i])} of {int(compared[i])} "
+                 f"({share[i]:.2f})" for i in np.flatnonzero(bad)]  # fmt: skip
+        found = [e for i in np.flatnonzero(bad) if (e := self.first_excused[i]) is not None]
+        srcs = {s: None for i in np.flatnonzero(bad) for s in self.excused_sources[i]}
+        self.defects.add(
+            "excused", int(bad.sum()), "layers", found[0],
+            f"more than half of the compared rows excused as near-ties at a near-tie tolerance of "
+            f"{near_tie:g} (--near-tie): {'; '.join(parts)}; the tolerance cannot vouch for such a layer",
+            sources=sorted(srcs, key=list(self.sources).index),
+        )  # fmt: skip
 
     def report(
         self, sequences: list[SequenceCheck], max_disagreement: float, near_tie: float, model_id: str
@@ -491,6 +543,7 @@ class RouteJudge:
                 f"(> {max_disagreement:g}); {rate(disagree.sum(), judged.sum()):.4f} overall",
                 sources=sorted(srcs, key=list(self.sources).index),
             )  # fmt: skip
+        self._excused(judged, glob, near_tie)
         self._unrouted(judged, const)
         overall = rate(self.shift_match.sum(0), self.shift_cmp.sum(0))
         return RouteCheckReport(
