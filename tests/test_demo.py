@@ -100,20 +100,24 @@ def test_demo_fast_writes_files(arch, tmp_path, capsys):
     assert "vLLM response" in text and "ids identical to the response's: True" in text
 
 
-def test_demo_from_vllm_mismatch_is_a_clear_error_before_the_run(tmp_path, capsys):
-    # a response recorded from another model (top-4 of 16 experts) cannot replay into the fast model
-    ids = np.argsort(np.random.default_rng(0).random((9, 3, 16)), axis=-1)[..., :4]
+def _from_vllm_run(tmp_path, ids, num_experts: int) -> int:
+    """The fast demo on a vLLM response of 4 prompt and 6 completion tokens routed by ``ids`` [9, 3, K]."""
+    trace = RoutingTrace(ids, num_experts=num_experts, top_k=ids.shape[2])
     resp = {
         "prompt_token_ids": [5, 6, 7, 8],
-        "choices": [
-            {"token_ids": [9] * 6, "routed_experts": RoutingTrace(ids, num_experts=16, top_k=4).to_vllm()}
-        ],
+        "choices": [{"token_ids": [9] * 6, "routed_experts": trace.to_vllm()}],
     }
     path = tmp_path / "resp.json"
     path.write_text(json.dumps(resp))
-    rc = main(
+    return main(
         ["--fast", "--quiet", "--device", "cpu", "--out", str(tmp_path / "o"), "--from-vllm", str(path)]
     )
+
+
+def test_demo_from_vllm_mismatch_is_a_clear_error_before_the_run(tmp_path, capsys):
+    # a response recorded from another model (top-4 of 16 experts) cannot replay into the fast model
+    ids = np.argsort(np.random.default_rng(0).random((9, 3, 16)), axis=-1)[..., :4]
+    rc = _from_vllm_run(tmp_path, ids, 16)
     assert rc == 2
     cap = capsys.readouterr()
     assert "top_k" in cap.err and cap.err.startswith("replaymoe demo: error: --from-vllm")
@@ -126,17 +130,7 @@ def test_demo_from_vllm_rows_without_routing_fail_before_the_run(tmp_path, rows,
     # mid-run (missing="error") with a traceback and exit 1, the code of "no router gradient"
     ids = np.argsort(np.random.default_rng(0).random((9, 3, 8)), axis=-1)[..., :2].astype(np.int32)
     ids[rows] = -1
-    resp = {
-        "prompt_token_ids": [5, 6, 7, 8],
-        "choices": [
-            {"token_ids": [9] * 6, "routed_experts": RoutingTrace(ids, num_experts=8, top_k=2).to_vllm()}
-        ],
-    }
-    path = tmp_path / "resp.json"
-    path.write_text(json.dumps(resp))
-    rc = main(
-        ["--fast", "--quiet", "--device", "cpu", "--out", str(tmp_path / "o"), "--from-vllm", str(path)]
-    )
+    rc = _from_vllm_run(tmp_path, ids, 8)
     cap = capsys.readouterr()
     assert rc == 2 and len(cap.err.strip().splitlines()) == 1 and cap.out == ""
     assert f"pair(s) of -1 (no routing), the first at position {rows[0]}, MoE layer 0" in cap.err

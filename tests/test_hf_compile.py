@@ -32,6 +32,19 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def _captured(seed: int, batch_seed: int | None = None):
+    """A tiny model, its handle, a padded batch and the traces of one eager forward over it (capture
+    then off)."""
+    model = build_model("qwen3_moe", "tiny", seed=seed)
+    ids, mask = _padded_batch(seed if batch_seed is None else batch_seed, model.config.vocab_size)
+    moe = rhf.enable(model, capture=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    traces = moe.traces()
+    moe.set_capture(False)
+    return model, moe, ids, mask, traces
+
+
 def _padded_batch(seed: int, vocab: int):
     """[3, 7] ids with left padding of 0, 3 and 5 tokens (row 2 keeps only 2 tokens)."""
     g = torch.Generator().manual_seed(seed)
@@ -84,13 +97,7 @@ def test_fullgraph_forward_matches_eager(arch, mode):
 
 def test_fullgraph_training_forward_with_replay_and_grad():
     # a compiled trainer forward: replayed ids, gradient through the router weights
-    model = build_model("qwen3_moe", "tiny", seed=5)
-    ids, mask = _padded_batch(6, model.config.vocab_size)
-    moe = rhf.enable(model, capture=True)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)
-    traces = moe.traces()
-    moe.set_capture(False)
+    model, moe, ids, mask, traces = _captured(5, 6)
     moe.set_replay(traces)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     loss = compiled(input_ids=ids, attention_mask=mask).logits.float().square().mean()
@@ -244,13 +251,7 @@ def test_compiled_training_step_replays_through_checkpointing(checkpointing):
 def test_mismatch_is_counted_in_compiled_forwards():
     # track_mismatch() counted nothing under torch.compile: mismatch() read 0 tokens and 0.0, and TRL's
     # r3/* metrics went missing with torch_compile=True
-    model = build_model("qwen3_moe", "tiny", seed=1)
-    ids, mask = _padded_batch(1, model.config.vocab_size)
-    moe = rhf.enable(model, capture=True)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)
-    traces = moe.traces()
-    moe.set_capture(False)
+    model, moe, ids, mask, traces = _captured(1)
     with torch.no_grad():
         for info in moe.layers:  # routers moved, as an optimizer step moves them
             info.router.weight.add_(torch.randn_like(info.router.weight))
