@@ -174,20 +174,22 @@ def test_checked_under_torch_compile():
     torch._dynamo.reset()
 
 
-def test_route_ids_skip_the_check():
-    # route()'s own output is marked valid: no id_bound, so the kernels check nothing (and a mailbox
-    # word left by another call is not read either)
+def test_route_ids_on_the_device_and_host_paths():
+    # the Triton experts check every caller's ids on the device, route()'s own output too (reading the
+    # mark would cost the host more than the check costs the device); the torch backend, whose check
+    # syncs, skips ids that route() made and nobody modified since (the mark)
     from replaymoe import route
     from replaymoe.routing._checks import topk_ids_for_kernels
 
     ids, wts = route(torch.randn(3, E, device="cuda"), K)
-    assert topk_ids_for_kernels(ids, E, True, on_device=True)[1] == 0
-    assert topk_ids_for_kernels(ids.clone(), E, True, on_device=True)[1] == E
-    ids[0, 0] = ids[0, 1]  # an in-place write moves the version counter: checked on the device again
     assert topk_ids_for_kernels(ids, E, True, on_device=True)[1] == E
-    with torch.inference_mode():  # no version counter: not marked, checked
-        ids2, _ = route(torch.randn(3, E, device="cuda"), K)
-    assert topk_ids_for_kernels(ids2, E, True, on_device=True)[1] == E
+    assert topk_ids_for_kernels(ids.clone(), E, True, on_device=True)[1] == E
+    assert topk_ids_for_kernels(ids, E, False, on_device=True)[1] == 0  # check_ids=False
+    ids.data[0, 0] = E + 5  # bypasses the version counter: the mark stays, so the host path trusts it
+    assert topk_ids_for_kernels(ids, E, True, on_device=False)[1] == 0
+    ids[0, 0] = E + 5  # an in-place write moves the version counter: checked on the host again
+    with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, 16\)"):
+        topk_ids_for_kernels(ids, E, True, on_device=False)
     assert _id_mailbox.mailbox(0).is_pinned()
 
 

@@ -20,11 +20,11 @@ activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed
 ``--check-ids`` measures something else instead: the cost of ``fused_moe``'s check of caller-given
 ``topk_ids``, bf16, at ``--tokens`` (default 1: decode), for each shape, in three variants
 (:data:`CHECK_VARIANTS`): ``off`` (``check_ids=False``, the behaviour before the check), ``route``
-(``route``'s ids as it returned them: marked valid, not checked again) and ``caller`` (a copy of the
-same ids, as an engine or a file hands them: checked on the device by the kernel that reads them first,
-plus the host's read of the error mailbox). Each is timed as CUDA-graph replay (``graph_*``: the check
-runs in every replay; :data:`CHECK_ROUNDS` rounds of ``do_bench``, the variants in alternating order),
-eager device time (``eager_*``: CUDA events, the L2 flushed before each call) and eager host time
+(``route``'s ids as it returned them) and ``caller`` (a copy of the same ids, as an engine or a file
+hands them); both checked on the device by the kernel that reads them first, plus the host's read of the
+error mailbox (the mark ``route`` leaves serves only the torch backend's host check). Each is timed as
+CUDA-graph replay (``graph_*``: the check runs in every replay; :data:`CHECK_ROUNDS` rounds of
+``do_bench``, the variants in alternating order), eager device time (``eager_*``: CUDA events, the L2 flushed before each call) and eager host time
 (``host_*``: the CPU thread). Eager and host calls are timed in turn, one call of each variant per turn
 (:func:`~replaymoe.bench._timing.interleaved_us`, :data:`CHECK_CALLS` turns), so that the host's drift,
 which reads as a few percent between two stretches of calls, touches every variant alike. Each figure
@@ -87,7 +87,7 @@ CHECK_ROUNDS = 6  # --check-ids: graph replays, rounds of the variants in altern
 CHECK_CALLS = 2000  # --check-ids: eager and host, calls of each variant, one of each per turn
 CHECK_BLOCK = 200  # --check-ids: samples per block of the ratio's quartiles
 CHECK_MODES = ("graph", "eager", "host")
-CHECK_VARIANTS = ("off", "route", "caller")  # check_ids=False; route's ids (marked valid); a copy (checked)
+CHECK_VARIANTS = ("off", "route", "caller")  # check_ids=False; route's ids; a copy (both checked)
 CHECK_COLUMNS = ["shape", "T"] + [
     f"{m}_{k}"
     for m in CHECK_MODES
@@ -261,8 +261,8 @@ def _point(name: str, T: int, bf16w, fp8w, peer=None) -> dict:
 
 def _check_ids_point(name: str, T: int, bf16w) -> dict:
     """``--check-ids``: one (shape, T) row, ``fused_moe`` with caller ``topk_ids``: the check off
-    (``off``), ids straight from ``route`` (``route``: marked valid, not checked again) and the same
-    ids as another producer hands them (``caller``: a copy, checked by value), in alternating order."""
+    (``off``), ids straight from ``route`` (``route``) and the same ids as another producer hands them
+    (``caller``: a copy), both checked on the device, in alternating order."""
 
     from ..moe import fused_moe
 
@@ -270,7 +270,7 @@ def _check_ids_point(name: str, T: int, bf16w) -> dict:
     w13, w2, _, _ = bf16w
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     _, _, _, _, ids, wts = routing_inputs(name, T)  # route's ids: int32 [T, K], valid, marked
-    caller = ids.clone()  # the same values from elsewhere (an engine, a file): checked
+    caller = ids.clone()  # the same values from elsewhere (an engine, a file)
 
     def call(variant: str):
         topk, check = {"off": (ids, False), "route": (ids, True), "caller": (caller, True)}[variant]

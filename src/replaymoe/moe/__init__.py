@@ -72,7 +72,7 @@ def _variant(w13_bias, w2_bias, activation, gate_up_layout, id_bound: int) -> Ex
     kernels check the caller's ids on the device, else 0)."""
     clamped = isinstance(activation, ClampedSwiGLU)
     if w13_bias is None and w2_bias is None and not clamped and gate_up_layout == "halves":
-        return _checked_standard(id_bound) if id_bound else STANDARD
+        return (_CHECKED.get(id_bound) or _checked_standard(id_bound)) if id_bound else STANDARD
     return ExpertsVariant(
         w13_bias,
         w2_bias,

@@ -11,12 +11,13 @@ the same launcher: :mod:`replaymoe.moe._backward`. The configurations: :mod:`rep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._launch import cdiv, fast, next_power_of_2
 from .._validation import is_capturing
-from ..routing._id_mailbox import mailbox_for, raise_pending
+from ..routing._id_mailbox import mailbox, mailbox_for, raise_pending
 from .configs import (
     MoEConfig,
     config_from_list,
@@ -327,26 +328,28 @@ def launch_experts(
         _reduce_slots(y, ids, out, offset, E_local, pdl)
 
 
-_CHECK_ARGS: dict[tuple[int, int], dict] = {}  # (device index, id_bound) -> check arguments
+# (device index, id_bound) -> (the check's arguments, the device's mailbox words as the host reads them)
+_CHECK_ARGS: dict[tuple[int, int], tuple[dict, Any]] = {}
 # the same keywords with the check off: a direct-mode GEMM1 always takes all three, so that calls with
 # and without the check launch with the same argument list, only its values differ (the launcher keys
 # and converts every argument: three more for the check alone were its main host cost, bench/README.md)
-_NO_CHECK: dict = dict(err_ptr=None, id_bound=0, CHECK_IDS=False)
+_NO_CHECK: dict = dict(err_addr=None, id_bound=0, CHECK_IDS=False)
 
 
 def _id_check(ids: torch.Tensor, id_bound: int) -> dict:
     """The kernels' keyword arguments for the device-side check of the caller's ids against
-    ``[-1, id_bound)`` (``err_ptr``: the device's mailbox, ``id_bound``, ``CHECK_IDS``; one dict per
+    ``[-1, id_bound)`` (``err_addr``: the device's mailbox, ``id_bound``, ``CHECK_IDS``; one dict per
     device and bound, built once), after raising the error an earlier call left in the mailbox.
     Every eager decode call with caller ids runs this: the steady state is one dict lookup and one
     read of the mailbox word."""
     index = ids.get_device()
-    args = _CHECK_ARGS.get((index, id_bound))
-    if args is None:  # (the mailbox tensors live for the process)
-        args = _CHECK_ARGS[(index, id_bound)] = dict(
-            err_ptr=mailbox_for(ids), id_bound=id_bound, CHECK_IDS=True
-        )
-    elif index >= 0:
+    entry = _CHECK_ARGS.get((index, id_bound))
+    if entry is None:  # (the mailbox lives for the process)
+        args = dict(err_addr=mailbox_for(ids), id_bound=id_bound, CHECK_IDS=True)
+        _CHECK_ARGS[(index, id_bound)] = args, mailbox(max(index, 0)).numpy()
+        return args
+    args, words = entry
+    if index >= 0 and words[0]:  # (the steady state reads the word only)
         raise_pending(index)
     return args
 

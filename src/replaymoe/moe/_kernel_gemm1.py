@@ -126,7 +126,7 @@ def moe_gemm1_kernel(
     TICKET: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     SCAN: tl.constexpr = 16,
-    err_ptr=None,
+    err_addr=None,
     id_bound=0,
     CHECK_IDS: tl.constexpr = False,
 ):
@@ -154,7 +154,7 @@ def moe_gemm1_kernel(
     ``SCAN``: ``num_slots`` rounded up to a power of two); rows are written per slot.
 
     ``CHECK_IDS`` (DIRECT): program 0 also checks the caller's ids against ``[-1, id_bound)`` and for
-    duplicates within a row, into the error mailbox ``err_ptr`` (``routing/_kernel_ids.py``)."""
+    duplicates within a row, into the error mailbox ``err_addr`` (``routing/_kernel_ids.py``)."""
     tl.static_assert(not TMA or (not DIRECT and not FP8))
     tl.static_assert(DIRECT or not CHECK_IDS)
     tl.static_assert(not HALF_TILES or (not DIRECT and not FP8))
@@ -167,7 +167,7 @@ def moe_gemm1_kernel(
     pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if CHECK_IDS:
         if pid == 0:
-            check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_ptr)
+            check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_addr)
     if TICKET:
         zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     if HALF_TILES:  # rows are a tile's first entries, padding markers (>= num_slots) after them

@@ -88,7 +88,7 @@ def layout_scatter_kernel(
     QUANT: tl.constexpr = False,
     QG: tl.constexpr = 8,
     top_k=1,
-    err_ptr=None,
+    err_addr=None,
     id_bound=0,
     CHECK_IDS: tl.constexpr = False,
 ):
@@ -97,7 +97,7 @@ def layout_scatter_kernel(
     the programs from ``layout_grid`` on quantize x [T, H] (``n_groups`` = H // 128 groups per row,
     ``QG`` per program) into ``xq`` [T, H] e4m3 and ``xs`` [T, n_groups] fp32. ``CHECK_IDS``: each
     program also checks its chunk of the caller's ids (rows of ``top_k``) against ``[-1, id_bound)`` and
-    for duplicates within a row, into the error mailbox ``err_ptr`` (``routing/_kernel_ids.py``)."""
+    for duplicates within a row, into the error mailbox ``err_addr`` (``routing/_kernel_ids.py``)."""
     pid = tl.program_id(0)
     if QUANT:
         if pid >= layout_grid:
@@ -127,7 +127,7 @@ def layout_scatter_kernel(
         chunk_excl = tl.cumsum(mine, axis=0) - mine
         tl.store(base_ptr + pid * E_PAD + ev, padded_start + prev - chunk_excl)
         if CHECK_IDS:
-            check_id_block(ids_ptr, pid * CH + tl.arange(0, CH), num_slots, top_k, id_bound, err_ptr)
+            check_id_block(ids_ptr, pid * CH + tl.arange(0, CH), num_slots, top_k, id_bound, err_addr)
         tl.debug_barrier()
         i = tl.arange(0, CH)
         e, local = _local_expert(ids_ptr, pid * CH + i, num_slots, expert_offset, num_local)

@@ -109,7 +109,7 @@ def moe_gemm1_swapped_fp8_kernel(
     TICKET: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     SCAN: tl.constexpr = 16,
-    err_ptr=None,
+    err_addr=None,
     id_bound=0,
     CHECK_IDS: tl.constexpr = False,
 ):
@@ -127,7 +127,7 @@ def moe_gemm1_swapped_fp8_kernel(
     ``inter_s`` [rows, I // 128] fp32 with ``PREQ``, else bf16; rows: T * K in DIRECT mode, the
     layout's rows otherwise). H and I are multiples of 128 (BLOCK_K); BLOCK_N is 32, 64 or 128.
     ``TICKET`` (DIRECT): also zero GEMM2's tickets ``cnt`` [T, num_cnt_n]. ``CHECK_IDS`` (DIRECT): program
-    0 also checks the caller's ids into the error mailbox ``err_ptr`` (``routing/_kernel_ids.py``)."""
+    0 also checks the caller's ids into the error mailbox ``err_addr`` (``routing/_kernel_ids.py``)."""
     tl.static_assert(not PREQ or BLOCK_N == 128)
     tl.static_assert(DIRECT or not TICKET)
     tl.static_assert(DIRECT or not CHECK_IDS)
@@ -135,7 +135,7 @@ def moe_gemm1_swapped_fp8_kernel(
     pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if CHECK_IDS:
         if tl.program_id(0) == 0:
-            check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_ptr)
+            check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_addr)
     if TICKET:
         zero_tickets(cnt_ptr, pid_m, pid_n, TOP_K, num_cnt_n)
     run, e, slots, rows = _tile_columns(pid_m, ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, num_slots,

@@ -233,7 +233,7 @@ def build_layout(
     same launch also quantizes x per 1×128 group into xq and xs (the fp8 experts' input; one launch
     fewer than a separate quantization).
 
-    ``id_check`` = the check's keyword arguments (``err_ptr``: the error mailbox, ``id_bound``: E,
+    ``id_check`` = the check's keyword arguments (``err_addr``: the error mailbox, ``id_bound``: E,
     ``CHECK_IDS``; ``replaymoe.moe._forward._id_check``): the scatter launch also checks the caller's
     ids against ``[-1, E)`` and for duplicates within a row, on the device
     (:mod:`replaymoe.routing._id_mailbox`)."""

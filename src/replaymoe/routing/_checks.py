@@ -404,22 +404,23 @@ def topk_ids_for_kernels(
 
     ``on_device`` (the Triton experts on CUDA): the ids come back as they are with ``id_bound = E``,
     and the kernel that reads them first checks them on the device, without a host sync, in eager,
-    compiled and CUDA-graph calls alike (:mod:`replaymoe.routing._id_mailbox`). Otherwise (the CPU, the
-    torch backend) ``id_bound`` is 0 and the check runs here: eagerly :func:`check_id_values` (one host
-    sync on a GPU), under ``torch.compile`` the op ``replaymoe::check_topk_ids``, which checks them
-    inside the graph (skipped while a CUDA graph is being captured).
+    compiled and CUDA-graph calls alike (:mod:`replaymoe.routing._id_mailbox`): nothing else runs on
+    the host here, since this is every decode call's path. Otherwise (the CPU, the torch backend)
+    ``id_bound`` is 0 and the check runs here: eagerly :func:`check_id_values` (one host sync on a GPU),
+    under ``torch.compile`` the op ``replaymoe::check_topk_ids``, which checks them inside the graph
+    (skipped while a CUDA graph is being captured).
 
-    CUDA ids that :func:`route` returned and nobody modified since (:func:`mark_valid_ids`) were valid
-    when made: eagerly they are not checked again (CPU ids always are: no sync to save).
-    ``check=False`` returns them untouched on every path.
+    On that host path, CUDA ids that :func:`route` returned and nobody modified since
+    (:func:`mark_valid_ids`) were valid when made: eagerly they are not checked again, which saves the
+    sync (CPU ids always are: no sync to save). ``check=False`` returns them untouched on every path.
     """
     if not check:
         return topk_ids, 0
-    compiling = torch.compiler.is_compiling()
-    if not compiling and _marked_valid(topk_ids, num_experts) and topk_ids.is_cuda:  # (unmarked: no cost)
-        return topk_ids, 0
-    if on_device:
+    if on_device:  # (the device's check costs less than reading the mark)
         return topk_ids, num_experts
+    compiling = torch.compiler.is_compiling()
+    if not compiling and topk_ids.is_cuda and _marked_valid(topk_ids, num_experts):
+        return topk_ids, 0
     if compiling:
         return torch.ops.replaymoe.check_topk_ids(topk_ids, num_experts), 0
     if not is_capturing():

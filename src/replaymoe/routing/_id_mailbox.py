@@ -4,7 +4,8 @@ On CUDA, ``fused_moe``'s caller-given ``topk_ids`` and ``route``'s ``replay_ids`
 kernel that reads them anyway (:mod:`replaymoe.routing._kernel_ids`): no extra launch, no host
 synchronization, in eager mode, under ``torch.compile`` and inside CUDA graphs alike. A bad slot writes
 one packed word into this module's mailbox: two int64 words per device in pinned host memory, which the
-kernels write through its device mapping and the host reads in place (a numpy view: no copy, no sync).
+kernels write through its device mapping (its address passed as an integer) and the host reads in place
+(a numpy view: no copy, no sync).
 
 The error therefore comes one call late: the host reads the mailbox when the next checked call on that
 device starts (``fused_moe`` with caller ids, ``route`` with replay ids), and raises there, once the
@@ -30,7 +31,7 @@ _slots: list[torch.Tensor] = []  # per device, the [2] view a kernel writes
 
 
 def mailbox(index: int) -> torch.Tensor:
-    """Device ``index``'s two mailbox words, int64 [2] in pinned host memory (the kernels' ``err_ptr``).
+    """Device ``index``'s two mailbox words, int64 [2] in pinned host memory (the kernels' ``err_addr``).
 
     Allocated at the first call (pinned where CUDA is present; on a CPU-only machine plain memory, for
     Triton's interpreter); the same tensors afterwards, so a CUDA graph may keep their address.
@@ -45,14 +46,15 @@ def mailbox(index: int) -> torch.Tensor:
     return _slots[index]
 
 
-def mailbox_for(ids: torch.Tensor) -> torch.Tensor:
-    """The mailbox words a checking launch on ``ids``' device writes (:func:`mailbox`), after raising
-    the error an earlier call left there (:func:`raise_pending`). CPU tensors (Triton's interpreter)
-    use index 0's words and raise nothing here."""
+def mailbox_for(ids: torch.Tensor) -> int:
+    """The address of the mailbox words a checking launch on ``ids``' device writes (:func:`mailbox`;
+    the kernels' ``err_addr``), after raising the error an earlier call left there
+    (:func:`raise_pending`). CPU tensors (Triton's interpreter) use index 0's words and raise nothing
+    here."""
     index = ids.get_device()  # -1 on the CPU
     if index >= 0:
         raise_pending(index)
-    return mailbox(max(index, 0))
+    return mailbox(max(index, 0)).data_ptr()
 
 
 def raise_pending(index: int) -> None:

@@ -227,7 +227,7 @@ def route_kernel(
     ALGO: tl.constexpr,
     KEY32: tl.constexpr,  # 16-bit logits and a method selecting on the raw logits
     LOG_EP: tl.constexpr,  # log2(NGP * GSP)
-    err_ptr=None,  # int64 [2] error mailbox (routing/_id_mailbox.py; dummy when CHECK_REPLAY is False)
+    err_addr=None,  # the error mailbox's address, an int (routing/_id_mailbox.py; None without CHECK_REPLAY)
     CHECK_REPLAY: tl.constexpr = False,  # check the replay ids on the device (routing/_kernel_ids.py)
     wcap_ptr=None,  # [>= T, K] fp32 out: the weights captured (when HAS_WEIGHTS_OUT)
     rw_ptr=None,  # [T, K] fp32 replayed weights of the forced rows (when HAS_REPLAY_WEIGHTS)
@@ -273,7 +273,7 @@ def route_kernel(
     if HAS_REPLAY:
         if CHECK_REPLAY:
             raw = tl.load(replay_ptr + out_off, mask=omask, other=-1).to(tl.int64)
-            check_replay_tile(raw, rows64, cols, omask, K, NG * GS, err_ptr)
+            check_replay_tile(raw, rows64, cols, omask, K, NG * GS, err_addr)
             forced = raw.to(tl.int32)
         else:
             forced = tl.load(replay_ptr + out_off, mask=omask, other=-1).to(tl.int32)
@@ -353,7 +353,7 @@ def route_kernel(
         tl.static_assert(HAS_REPLAY, "replayed weights come with replayed ids")
         rw = tl.load(rw_ptr + out_off, mask=omask, other=0.0)
         if CHECK_REPLAY:
-            check_weights_tile(rw, (native == 0) & row_ok, rows64, cols, omask, RW_NONNEG, err_ptr)
+            check_weights_tile(rw, (native == 0) & row_ok, rows64, cols, omask, RW_NONNEG, err_addr)
         w = tl.where(native[:, None], w, rw)
 
     tl.store(ids_ptr + out_off, ids, mask=omask)

@@ -57,15 +57,19 @@ def _word(row, slot, value, kind, ARG: tl.constexpr):
 
 
 @triton.jit
-def _post(first, bound, err_ptr):
-    """Write ``first`` (a word, or ``_NONE``) and the bound into the mailbox when a slot was bad."""
+def _post(first, bound, err_addr):
+    """Write ``first`` (a word, or ``_NONE``) and the bound into the mailbox when a slot was bad.
+
+    ``err_addr``: the mailbox's address as an integer (:func:`~replaymoe.routing._id_mailbox.mailbox_for`:
+    an int argument costs the launcher less than a tensor's, on every checked call)."""
     if first != _NONE:
-        tl.store(err_ptr + 1, bound)
-        tl.store(err_ptr, first)
+        box = err_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
+        tl.store(box + 1, bound)
+        tl.store(box, first)
 
 
 @triton.jit
-def check_id_block(ids_ptr, offs, num_slots, TOP_K, id_bound, err_ptr):
+def check_id_block(ids_ptr, offs, num_slots, TOP_K, id_bound, err_addr):
     """``topk_ids``: check the slots ``offs`` [B] (``< num_slots`` real) of ``ids`` [T, TOP_K]
     (row-major): each id in ``[-1, id_bound)``, no id but -1 twice in a row."""
     real = offs < num_slots
@@ -78,18 +82,18 @@ def check_id_block(ids_ptr, offs, num_slots, TOP_K, id_bound, err_ptr):
         prev = tl.load(ids_ptr + offs - j, mask=earlier, other=-1).to(tl.int64)
         dup = dup | (earlier & (prev == e) & (e != -1))
     word = _word(offs // TOP_K, k, e, tl.where(out, 0, 1), 0)
-    _post(tl.min(tl.where(out | dup, word, _NONE), axis=0), id_bound, err_ptr)
+    _post(tl.min(tl.where(out | dup, word, _NONE), axis=0), id_bound, err_addr)
 
 
 @triton.jit
-def check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_ptr, B: tl.constexpr = 128):
+def check_all_ids(ids_ptr, num_slots, TOP_K, id_bound, err_addr, B: tl.constexpr = 128):
     """:func:`check_id_block` over every slot, ``B`` at a time (one program: direct mode's few slots)."""
     for start in range(0, num_slots, B):
-        check_id_block(ids_ptr, start + tl.arange(0, B), num_slots, TOP_K, id_bound, err_ptr)
+        check_id_block(ids_ptr, start + tl.arange(0, B), num_slots, TOP_K, id_bound, err_addr)
 
 
 @triton.jit
-def check_replay_tile(forced, rows, cols, omask, K: tl.constexpr, num_experts, err_ptr):
+def check_replay_tile(forced, rows, cols, omask, K: tl.constexpr, num_experts, err_addr):
     """``replay_ids``: check the routing kernel's tile ``forced`` [BLOCK_T, KP] (int64; -1 where
     ``omask`` is off) of rows ``rows`` [BLOCK_T] and columns ``cols`` [1, KP]: each row all -1, or ``K``
     distinct ids in ``[0, num_experts)``."""
@@ -105,11 +109,11 @@ def check_replay_tile(forced, rows, cols, omask, K: tl.constexpr, num_experts, e
     kind = tl.where(out, 0, tl.where(dup, 1, 2))
     word = _word(rows[:, None], cols, forced, kind, 1)
     first = tl.min(tl.min(tl.where(out | dup | mixed, word, _NONE), axis=1), axis=0)
-    _post(first, num_experts, err_ptr)
+    _post(first, num_experts, err_addr)
 
 
 @triton.jit
-def check_weights_tile(rw, replayed, rows, cols, omask, NONNEG: tl.constexpr, err_ptr):
+def check_weights_tile(rw, replayed, rows, cols, omask, NONNEG: tl.constexpr, err_addr):
     """``replay_weights``: check the routing kernel's tile ``rw`` [BLOCK_T, KP] (float32) of rows
     ``rows`` [BLOCK_T] (``replayed``: the rows whose ids are replayed; the others route natively and
     their weights are not read) and columns ``cols`` [1, KP]: finite, and with ``NONNEG`` >= 0."""
@@ -120,4 +124,4 @@ def check_weights_tile(rw, replayed, rows, cols, omask, NONNEG: tl.constexpr, er
     bits = rw.to(tl.int32, bitcast=True).to(tl.int64)
     word = _word(rows[:, None], cols, bits, tl.full(rw.shape, 3, tl.int32), 1)
     first = tl.min(tl.min(tl.where(bad, word, _NONE), axis=1), axis=0)
-    _post(first, 1 if NONNEG else 0, err_ptr)
+    _post(first, 1 if NONNEG else 0, err_addr)

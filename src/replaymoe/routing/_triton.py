@@ -89,7 +89,7 @@ def _launch(
         return ids, weights
     check: dict[str, Any] = {}
     if check_replay and replay_ids is not None:
-        check = dict(err_ptr=mailbox_for(replay_ids), CHECK_REPLAY=True)
+        check = dict(err_addr=mailbox_for(replay_ids), CHECK_REPLAY=True)
     if routing_weights_out is not None:  # (compiled out of the kernel when absent, as the capture)
         check.update(wcap_ptr=routing_weights_out, HAS_WEIGHTS_OUT=True)
     if replay_weights is not None:
