@@ -166,7 +166,9 @@ def interleaved_us(
         The calls to compare, by name.
     clock : {"host", "device"}
         ``"host"``: ``time.perf_counter`` around each call (the CPU thread's Python, checks and
-        launches; nothing waits for the GPU). ``"device"``: CUDA events around each call, the L2
+        launches; nothing waits for the GPU: the device is synchronized, untimed, before each call,
+        so that a call the GPU is slower at than the host never finds the launch queue full).
+        ``"device"``: CUDA events around each call, the L2
         flushed before each as ``do_bench`` does (the flush is not timed); the host launches ahead
         while the flush runs, so a call bound by its launches reads its host time, as in
         :func:`time_eager`.
@@ -184,6 +186,7 @@ def interleaved_us(
         raise ValueError(f"clock must be 'host' or 'device', got {clock!r}")
     names = list(fns)
     flush = triton.runtime.driver.active.get_empty_cache_for_benchmark() if clock == "device" else None
+    cuda = torch.cuda.is_available()
     events: dict[str, list] = {n: [] for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     for turn in range(warmup + calls):
@@ -198,6 +201,8 @@ def interleaved_us(
                 if turn >= warmup:
                     events[name].append((start, end))
             else:
+                if cuda:  # (untimed) an empty queue: a call never waits for a launch slot
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 fns[name]()
                 t = time.perf_counter() - t0

@@ -24,7 +24,8 @@ activation, top-k reduction) as the median of CUDA-graph replays with L2 flushed
 hands them); both checked on the device by the kernel that reads them first, plus the host's read of the
 error mailbox (the mark ``route`` leaves serves only the torch backend's host check). Each is timed as
 CUDA-graph replay (``graph_*``: the check runs in every replay; :data:`CHECK_ROUNDS` rounds of
-``do_bench``, the variants in alternating order), eager device time (``eager_*``: CUDA events, the L2 flushed before each call) and eager host time
+``do_bench``, the variants in alternating order), eager device time (``eager_*``: CUDA events, the L2
+flushed before each call) and eager host time
 (``host_*``: the CPU thread). Eager and host calls are timed in turn, one call of each variant per turn
 (:func:`~replaymoe.bench._timing.interleaved_us`, :data:`CHECK_CALLS` turns), so that the host's drift,
 which reads as a few percent between two stretches of calls, touches every variant alike. Each figure
